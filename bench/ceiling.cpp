@@ -1,0 +1,49 @@
+// The two ceilings every bench run measures on its device, so that each figure can be read
+// against what the GPU does at best in the same run:
+//   copy       device-to-device cudaMemcpyAsync of 1 GiB; gbps counts bytes read + written.
+//   gemm_bf16  cuBLAS bf16 GEMM 8192^3 (fp32 accumulation, bf16 out) on random data.
+#include "bench/harness.hpp"
+#include "fusekit/core/cuda_check.hpp"
+
+namespace fk::bench {
+namespace {
+
+void copy_ceiling(Context& ctx) {
+  const std::int64_t bytes = std::int64_t{1} << 30;
+  const Tensor src = random_device({bytes / 4}, DType::f32);
+  const Tensor dst = Tensor::empty({bytes / 4}, DType::f32, Device::cuda(0));
+  const double us = ctx.time_us(
+      [&](int) {
+        FK_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), static_cast<std::size_t>(bytes),
+                                      cudaMemcpyDeviceToDevice, ctx.stream()));
+      },
+      1);
+  Record r{"ceiling", "copy", "cudaMemcpyAsync", "cudaMemcpyAsync"};
+  r.median_us = us;
+  r.gbps = 2.0 * static_cast<double>(bytes) / (us * 1e3);
+  ctx.add(r);
+}
+
+void gemm_ceiling(Context& ctx) {
+  const int n = 8192;
+  const Tensor a = random_device({n, n}, DType::bf16), b = random_device({n, n}, DType::bf16);
+  const Tensor c = Tensor::empty({n, n}, DType::bf16, Device::cuda(0));
+  const float alpha = 1.0f, beta = 0.0f;
+  const double us = ctx.time_us(
+      [&](int) {
+        FK_CUBLAS_CHECK(cublasGemmEx(ctx.cublas(), CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, b.data(), CUDA_R_16BF,
+                                     n, a.data(), CUDA_R_16BF, n, &beta, c.data(), CUDA_R_16BF, n,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      },
+      1);
+  Record r{"ceiling", "gemm_bf16", "cublas", "cublas"};
+  r.median_us = us;
+  r.tflops = 2.0 * n * static_cast<double>(n) * n / (us * 1e6);
+  ctx.add(r);
+}
+
+FK_BENCH_CASE("ceiling", "copy", copy_ceiling);
+FK_BENCH_CASE("ceiling", "gemm_bf16", gemm_ceiling);
+
+}  // namespace
+}  // namespace fk::bench

@@ -1,0 +1,26 @@
+// Everything public in one include.
+#pragma once
+
+#include "fusekit/core/allocator.hpp"
+#include "fusekit/core/device.hpp"
+#include "fusekit/core/dlpack.hpp"
+#include "fusekit/core/dtype.hpp"
+#include "fusekit/core/error.hpp"
+#include "fusekit/core/random.hpp"
+#include "fusekit/core/stream.hpp"
+#include "fusekit/core/tensor.hpp"
+#include "fusekit/ops/pointwise.hpp"
+#include "fusekit/ops/primitives.hpp"
+
+namespace fk {
+// Build description: commit, CUDA targets, compiler version, build type.
+struct BuildInfo {
+  const char* version;
+  const char* commit;
+  bool cuda;
+  const char* cuda_targets;
+  const char* cuda_compiler;
+  const char* build_type;
+};
+BuildInfo build_info() noexcept;
+}  // namespace fk

@@ -1,0 +1,73 @@
+// Family `pointwise`: the fused bias + scaled residual + activation of seed 003
+// (`pointwise_add_relu_fusion_512`, `fused_add_mul_relu`, `fused_add_mul_activation_kernel`).
+//
+//   forward   y = act(z),  z = x + alpha * r + b[col]        x, r, y: [rows, cols]; b: [cols]
+//   backward  dz = dy * act'(z);  dx = dz;  dr = alpha * dz;  db[c] = sum_rows dz[:, c]
+//
+// What the backward reads: for identity / relu / sigmoid / tanh the derivative is a function of
+// the output y (relu: y > 0; sigmoid: y(1 - y); tanh: 1 - y^2), so the forward saves nothing
+// beyond the y it returns (and y may overwrite x, as the seed's in_out_ptr does). gelu and silu
+// need z itself: the forward writes it to `preact` when asked, and the backward reads it.
+//
+// Every tensor is row-major contiguous and of one dtype (f32, bf16 or f16); arithmetic is fp32,
+// rounded once to the dtype at the store. db is accumulated in fp32 in a fixed order
+// (deterministic) and written in f32 or the dtype of dy. y may alias x, dx may alias dy.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include "fusekit/core/tensor.hpp"
+
+namespace fk {
+
+class Stream;
+
+enum class Activation { identity, relu, sigmoid, tanh, gelu_tanh, gelu_erf, silu };
+
+std::string_view activation_name(Activation a) noexcept;  // "relu", "gelu_tanh", ...
+Activation parse_activation(std::string_view name);       // throws fk::Error
+// True when act'(z) can be computed from y = act(z) alone.
+bool derivative_from_output(Activation a) noexcept;
+
+struct BiasActParams {
+  Activation act = Activation::relu;
+  float alpha = 1.0f;  // the seed's `multiplier`
+};
+
+struct BiasActForwardArgs {
+  TensorView x;                     // [rows, cols]
+  std::optional<TensorView> r;      // [rows, cols]; absent: z = x + b (the seed's add + ReLU)
+  std::optional<TensorView> bias;   // [cols]; absent: no bias
+  TensorView y;                     // [rows, cols]; may be x itself
+  std::optional<TensorView> preact; // [rows, cols]; z is written here when present
+};
+
+void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& p,
+                      const Stream* stream = nullptr);
+
+// Which tensor the backward computes act'(z) from.
+enum class SavedForBackward { output, preactivation };
+
+struct BiasActBackwardArgs {
+  TensorView dy;                    // [rows, cols]
+  TensorView saved;                 // y or z, as `saved_kind` says; [rows, cols]
+  SavedForBackward saved_kind = SavedForBackward::output;
+  TensorView dx;                    // [rows, cols]; may be dy itself
+  std::optional<TensorView> dr;     // [rows, cols]: alpha * dx, when r was given to the forward
+  std::optional<TensorView> dbias;  // [cols], f32 or dy's dtype: overwritten with column sums of dx
+};
+
+void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& p,
+                       const Stream* stream = nullptr);
+
+namespace reference {
+// The spec: plain loops over the same arguments, host tensors only, double accumulation for db.
+void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& p);
+void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& p);
+// act(z) and act'(z) in double, for the spec and for tests.
+double activation(Activation act, double z);
+double activation_grad(Activation act, double z);
+}  // namespace reference
+
+}  // namespace fk

@@ -1,0 +1,159 @@
+#include "fusekit/core/tensor.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "fusekit/core/allocator.hpp"
+#include "fusekit/core/error.hpp"
+#include "fusekit/core/stream.hpp"
+
+#if FUSEKIT_WITH_CUDA
+#include "fusekit/core/cuda_check.hpp"
+#endif
+
+namespace fk {
+
+Dims::Dims(std::initializer_list<std::int64_t> d) : Dims(std::span<const std::int64_t>(d.begin(), d.size())) {}
+
+Dims::Dims(std::span<const std::int64_t> d) {
+  FK_CHECK_ARG(d.size() <= static_cast<std::size_t>(kMaxRank), "Dims", "rank",
+               fmt::format("at most {}", kMaxRank), std::to_string(d.size()));
+  rank_ = static_cast<int>(d.size());
+  for (int i = 0; i < rank_; ++i) v_[i] = d[i];
+}
+
+std::int64_t Dims::numel() const noexcept {
+  std::int64_t n = 1;
+  for (int i = 0; i < rank_; ++i) n *= v_[i];
+  return n;
+}
+
+std::string Dims::str() const { return fmt::format("[{}]", fmt::join(begin(), end(), ", ")); }
+
+bool operator==(const Dims& a, const Dims& b) noexcept {
+  if (a.rank_ != b.rank_) return false;
+  for (int i = 0; i < a.rank_; ++i)
+    if (a.v_[i] != b.v_[i]) return false;
+  return true;
+}
+
+Dims contiguous_strides(const Dims& shape) {
+  Dims s = shape;
+  std::int64_t stride = 1;
+  for (int i = shape.size() - 1; i >= 0; --i) {
+    s[i] = stride;
+    stride *= shape[i];
+  }
+  return s;
+}
+
+TensorView::TensorView(void* data, DType dtype, Dims shape, Device device)
+    : TensorView(data, dtype, shape, contiguous_strides(shape), device) {}
+
+TensorView::TensorView(void* data, DType dtype, Dims shape, Dims strides, Device device)
+    : data_(data), dtype_(dtype), shape_(shape), strides_(strides), device_(device) {
+  FK_CHECK_ARG(shape.size() == strides.size(), "TensorView", "strides",
+               fmt::format("{} strides (one per dimension)", shape.size()), strides.str());
+  for (int i = 0; i < shape.size(); ++i)
+    FK_CHECK_ARG(shape[i] >= 0, "TensorView", "shape", "non-negative sizes", shape.str());
+}
+
+bool TensorView::is_contiguous() const noexcept {
+  std::int64_t expected = 1;
+  for (int i = rank() - 1; i >= 0; --i) {
+    if (shape_[i] != 1 && strides_[i] != expected) return false;
+    expected *= shape_[i];
+  }
+  return true;
+}
+
+std::string TensorView::str() const {
+  return fmt::format("{}{}{} on {}", dtype_name(dtype_), shape_.str(),
+                     is_contiguous() ? "" : fmt::format(" strides {}", strides_.str()), device_.str());
+}
+
+TensorView TensorView::slice_rows(std::int64_t begin, std::int64_t end) const {
+  FK_CHECK_ARG(rank() >= 1, "TensorView::slice_rows", "self", "rank >= 1", str());
+  FK_CHECK_ARG(0 <= begin && begin <= end && end <= shape_[0], "TensorView::slice_rows", "range",
+               fmt::format("0 <= begin <= end <= {}", shape_[0]), fmt::format("[{}, {})", begin, end));
+  Dims s = shape_;
+  s[0] = end - begin;
+  auto* p = static_cast<char*>(data_) + begin * strides_[0] * static_cast<std::int64_t>(dtype_size(dtype_));
+  return TensorView(p, dtype_, s, strides_, device_);
+}
+
+TensorView TensorView::reshape(Dims shape) const {
+  FK_CHECK_ARG(is_contiguous(), "TensorView::reshape", "self", "a contiguous tensor", str());
+  FK_CHECK_ARG(shape.numel() == numel(), "TensorView::reshape", "shape",
+               fmt::format("{} elements", numel()), shape.str());
+  return TensorView(data_, dtype_, shape, device_);
+}
+
+Tensor Tensor::empty(Dims shape, DType dtype, Device device, const Stream* stream) {
+  Tensor t;
+  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
+  void* p = allocator::allocate(bytes, device, stream);
+  t.storage_ = std::shared_ptr<void>(p, [](void* q) { allocator::deallocate(q); });
+  t.view_ = TensorView(p, dtype, shape, device);
+  return t;
+}
+
+Tensor Tensor::adopt(TensorView view, std::function<void()> release) {
+  Tensor t;
+  t.storage_ = std::shared_ptr<void>(view.data(), [release = std::move(release)](void*) {
+    if (release) release();
+  });
+  t.view_ = view;
+  return t;
+}
+
+Tensor Tensor::copy_to(Device device) const {
+  Tensor t = empty(shape(), dtype(), device);
+  copy(t.view(), view_);
+  return t;
+}
+
+void copy(const TensorView& dst, const TensorView& src) {
+  FK_CHECK_ARG(dst.dtype() == src.dtype(), "copy", "dst", fmt::format("dtype {}", dtype_name(src.dtype())),
+               std::string(dtype_name(dst.dtype())));
+  FK_CHECK_ARG(dst.shape() == src.shape(), "copy", "dst", fmt::format("shape {}", src.shape().str()),
+               dst.shape().str());
+  FK_CHECK_ARG(src.is_contiguous(), "copy", "src", "a contiguous tensor", src.str());
+  FK_CHECK_ARG(dst.is_contiguous(), "copy", "dst", "a contiguous tensor", dst.str());
+  if (src.nbytes() == 0) return;
+  if (src.device().is_cpu() && dst.device().is_cpu()) {
+    std::memcpy(dst.data(), src.data(), src.nbytes());
+    return;
+  }
+#if FUSEKIT_WITH_CUDA
+  FK_CUDA_CHECK(cudaMemcpy(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault));
+#else
+  throw Error("copy", "src", "host tensors (fusekit was built without CUDA)", src.str());
+#endif
+}
+
+void fill(const TensorView& t, double value) {
+  FK_CHECK_ARG(t.is_contiguous(), "fill", "t", "a contiguous tensor", t.str());
+  if (t.numel() == 0) return;
+  std::vector<unsigned char> host;
+  unsigned char* p = static_cast<unsigned char*>(t.data());
+  if (t.device().is_cuda()) {
+    host.resize(t.nbytes());
+    p = host.data();
+  }
+  visit_dtype(t.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    T v{};
+    if constexpr (std::is_integral_v<T>) v = static_cast<T>(value);
+    else v = T(static_cast<float>(value));
+    auto* q = reinterpret_cast<T*>(p);
+    for (std::int64_t i = 0; i < t.numel(); ++i) q[i] = v;
+  });
+  if (t.device().is_cuda()) copy(t, TensorView(host.data(), t.dtype(), t.shape(), Device::cpu()));
+}
+
+}  // namespace fk

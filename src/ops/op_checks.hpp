@@ -1,0 +1,52 @@
+// Argument checks shared by the op families: each throws fk::Error naming the op and argument.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <initializer_list>
+#include <string>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/core/tensor.hpp"
+
+namespace fk::checks {
+
+inline std::string dtype_list(std::initializer_list<DType> ok) {
+  std::string s;
+  for (DType d : ok) s += (s.empty() ? "" : " or ") + std::string(dtype_name(d));
+  return s;
+}
+
+// A tensor an op reads or writes: rank, contiguity, non-null data unless empty.
+inline void tensor(const char* op, const char* arg, const TensorView& t, int rank) {
+  FK_CHECK_ARG(t.rank() == rank, op, arg, fmt::format("a rank-{} tensor", rank), t.str());
+  FK_CHECK_ARG(t.is_contiguous(), op, arg, "a contiguous (row-major) tensor", t.str());
+  FK_CHECK_ARG(t.data() != nullptr || t.numel() == 0, op, arg, "non-null data", "a null pointer");
+}
+
+inline void dtype_in(const char* op, const char* arg, const TensorView& t, std::initializer_list<DType> ok) {
+  for (DType d : ok)
+    if (t.dtype() == d) return;
+  throw Error(op, arg, fmt::format("dtype {}", dtype_list(ok)), std::string(dtype_name(t.dtype())));
+}
+
+inline void same_dtype(const char* op, const char* arg, const TensorView& t, const TensorView& ref) {
+  FK_CHECK_ARG(t.dtype() == ref.dtype(), op, arg, fmt::format("dtype {}", dtype_name(ref.dtype())),
+               std::string(dtype_name(t.dtype())));
+}
+
+inline void shape_is(const char* op, const char* arg, const TensorView& t, const Dims& shape) {
+  FK_CHECK_ARG(t.shape() == shape, op, arg, fmt::format("shape {}", shape.str()), t.shape().str());
+}
+
+inline void same_device(const char* op, const char* arg, const TensorView& t, Device device) {
+  FK_CHECK_ARG(t.device() == device, op, arg, fmt::format("a tensor on {}", device.str()), t.device().str());
+}
+
+// Raises a clear error when a CUDA tensor reaches a build without CUDA.
+inline void cuda_available(const char* op, Device device) {
+  FK_CHECK_ARG(device.is_cpu() || FUSEKIT_WITH_CUDA, op, "device",
+               "cpu (fusekit was built without CUDA)", device.str());
+}
+
+}  // namespace fk::checks

@@ -1,0 +1,76 @@
+// Device-side activations and their derivatives, fp32, matching reference::activation and
+// reference::activation_grad (pointwise/reference.cpp). Shared by every family that fuses an
+// activation into its epilogue.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "fusekit/ops/pointwise.hpp"
+
+namespace fk::device {
+
+inline constexpr float kSqrt2OverPi = 0.7978845608028654f;
+inline constexpr float kGeluC = 0.044715f;
+inline constexpr float kInvSqrt2 = 0.7071067811865476f;
+inline constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+__device__ __forceinline__ float sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
+
+template <Activation A>
+__device__ __forceinline__ float activation(float z) {
+  if constexpr (A == Activation::identity) return z;
+  if constexpr (A == Activation::relu) return (z > 0.0f || z != z) ? z : 0.0f;  // NaN propagates
+  if constexpr (A == Activation::sigmoid) return sigmoid(z);
+  if constexpr (A == Activation::tanh) return tanhf(z);
+  if constexpr (A == Activation::gelu_tanh) return 0.5f * z * (1.0f + tanhf(kSqrt2OverPi * (z + kGeluC * z * z * z)));
+  if constexpr (A == Activation::gelu_erf) return 0.5f * z * (1.0f + erff(z * kInvSqrt2));
+  if constexpr (A == Activation::silu) return z * sigmoid(z);
+}
+
+// act'(z) from the pre-activation z.
+template <Activation A>
+__device__ __forceinline__ float activation_grad(float z) {
+  if constexpr (A == Activation::identity) return 1.0f;
+  if constexpr (A == Activation::relu) return z > 0.0f ? 1.0f : 0.0f;
+  if constexpr (A == Activation::sigmoid) { const float s = sigmoid(z); return s * (1.0f - s); }
+  if constexpr (A == Activation::tanh) { const float t = tanhf(z); return 1.0f - t * t; }
+  if constexpr (A == Activation::gelu_tanh) {
+    const float t = tanhf(kSqrt2OverPi * (z + kGeluC * z * z * z));
+    return 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * z * z);
+  }
+  if constexpr (A == Activation::gelu_erf) return 0.5f * (1.0f + erff(z * kInvSqrt2)) + z * kInvSqrt2Pi * expf(-0.5f * z * z);
+  if constexpr (A == Activation::silu) { const float s = sigmoid(z); return s * (1.0f + z * (1.0f - s)); }
+}
+
+// act'(z) from the output y = act(z); only for the activations where derivative_from_output holds.
+template <Activation A>
+__device__ __forceinline__ float activation_grad_from_output(float y) {
+  if constexpr (A == Activation::identity) return 1.0f;
+  if constexpr (A == Activation::relu) return y > 0.0f ? 1.0f : 0.0f;
+  if constexpr (A == Activation::sigmoid) return y * (1.0f - y);
+  if constexpr (A == Activation::tanh) return 1.0f - y * y;
+  return 0.0f;  // not reachable: dispatch rejects the others
+}
+
+// Conversions between storage types and fp32.
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <class T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// N elements of T moved as one access (16 bytes when N * sizeof(T) == 16).
+template <class T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* p) { return *reinterpret_cast<const Vec<T, N>*>(p); }
+template <class T, int N>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) { *reinterpret_cast<Vec<T, N>*>(p) = v; }
+
+}  // namespace fk::device

@@ -1,0 +1,350 @@
+// Fused bias + scaled residual + activation, forward and backward (see ops/pointwise.hpp).
+//
+// Forward reads x, r and b once and writes y (and z when asked) once: the floor is those bytes
+// over HBM bandwidth. Backward reads dy and the saved tensor once, writes dx (and dr) once, and
+// reduces db without a second pass over dx: each thread keeps fp32 column sums of the rows it
+// visits, a block folds its rows through shared memory, and a second small kernel adds the
+// per-block partials in a fixed order, so db is the same bits on every run of a given grid.
+//
+// Mapping: a block of 256 threads covers `tpr` consecutive column vectors (16 bytes each when
+// cols and every pointer allow it, else single elements) times 256/tpr rows, and walks down the
+// rows with a grid-sized stride, kUnroll rows at a time so that several loads are in flight
+// before the first use. The bias vector of a thread's columns is loaded once. No integer
+// division per element.
+#include <algorithm>
+#include <cstdint>
+
+#include "activations.cuh"
+#include "fusekit/core/cuda_check.hpp"
+#include "fusekit/core/tensor.hpp"
+#include "pointwise_cuda.hpp"
+
+namespace fk::cuda {
+namespace {
+
+using device::load_vec;
+using device::store_vec;
+using device::to_float;
+using device::Vec;
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+struct ForwardParams {
+  const void* x;  // [rows, cols]
+  const void* r;  // [rows, cols] or null
+  const void* b;  // [cols] or null
+  void* y;        // [rows, cols]
+  void* z;        // [rows, cols] or null
+  std::int64_t rows, cols;
+  float alpha;
+  int tpr_log2;   // log2 of the threads per row
+};
+
+struct BackwardParams {
+  const void* dy;     // [rows, cols]
+  const void* saved;  // [rows, cols]: y or z
+  void* dx;           // [rows, cols]
+  void* dr;           // [rows, cols] or null
+  float* partial;     // [gridDim.y, cols] per-block column sums, or null when db is not wanted
+  std::int64_t rows, cols;
+  float alpha;
+  int tpr_log2;
+};
+
+template <class T, int VEC, Activation A>
+__global__ void __launch_bounds__(kThreads, 3) bias_act_forward_kernel(ForwardParams p) {
+  const int tx = threadIdx.x & ((1 << p.tpr_log2) - 1);
+  const int ty = threadIdx.x >> p.tpr_log2;
+  const int rows_per_iter = kThreads >> p.tpr_log2;
+  const std::int64_t col = (static_cast<std::int64_t>(blockIdx.x) << p.tpr_log2 | tx) * VEC;
+  if (col >= p.cols) return;
+
+  const T* x = static_cast<const T*>(p.x);
+  const T* r = static_cast<const T*>(p.r);
+  T* y = static_cast<T*>(p.y);
+  T* z = static_cast<T*>(p.z);
+  float bias[VEC];
+  if (p.b) {
+    const Vec<T, VEC> bv = load_vec<T, VEC>(static_cast<const T*>(p.b) + col);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) bias[j] = to_float(bv.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) bias[j] = 0.0f;
+  }
+
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.y) * rows_per_iter;
+  for (std::int64_t row0 = static_cast<std::int64_t>(blockIdx.y) * rows_per_iter + ty; row0 < p.rows;
+       row0 += stride * kUnroll) {
+    Vec<T, VEC> xv[kUnroll], rv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t row = row0 + u * stride;
+      if (row < p.rows) {
+        xv[u] = load_vec<T, VEC>(x + row * p.cols + col);
+        if (r) rv[u] = load_vec<T, VEC>(r + row * p.cols + col);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t row = row0 + u * stride;
+      if (row >= p.rows) break;
+      Vec<T, VEC> yv, zv;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        float v = to_float(xv[u].v[j]);
+        if (r) v = fmaf(p.alpha, to_float(rv[u].v[j]), v);
+        v += bias[j];
+        zv.v[j] = device::from_float<T>(v);
+        yv.v[j] = device::from_float<T>(device::activation<A>(v));
+      }
+      store_vec<T, VEC>(y + row * p.cols + col, yv);
+      if (z) store_vec<T, VEC>(z + row * p.cols + col, zv);
+    }
+  }
+}
+
+template <class T, int VEC, Activation A, bool kFromOutput>
+__global__ void __launch_bounds__(kThreads, 3) bias_act_backward_kernel(BackwardParams p) {
+  __shared__ float fold[kThreads * VEC];  // [rows_per_iter][tpr * VEC] column sums of each row group
+  const int tx = threadIdx.x & ((1 << p.tpr_log2) - 1);
+  const int ty = threadIdx.x >> p.tpr_log2;
+  const int rows_per_iter = kThreads >> p.tpr_log2;
+  const std::int64_t col = (static_cast<std::int64_t>(blockIdx.x) << p.tpr_log2 | tx) * VEC;
+  const bool active = col < p.cols;
+
+  const T* dy = static_cast<const T*>(p.dy);
+  const T* saved = static_cast<const T*>(p.saved);
+  T* dx = static_cast<T*>(p.dx);
+  T* dr = static_cast<T*>(p.dr);
+  float acc[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.y) * rows_per_iter;
+  for (std::int64_t row0 = static_cast<std::int64_t>(blockIdx.y) * rows_per_iter + ty; active && row0 < p.rows;
+       row0 += stride * kUnroll) {
+    Vec<T, VEC> gv[kUnroll], sv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t row = row0 + u * stride;
+      if (row < p.rows) {
+        gv[u] = load_vec<T, VEC>(dy + row * p.cols + col);
+        sv[u] = load_vec<T, VEC>(saved + row * p.cols + col);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t row = row0 + u * stride;
+      if (row >= p.rows) break;
+      Vec<T, VEC> dxv, drv;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float s = to_float(sv[u].v[j]);
+        const float g = kFromOutput ? device::activation_grad_from_output<A>(s) : device::activation_grad<A>(s);
+        const float dz = to_float(gv[u].v[j]) * g;
+        acc[j] += dz;
+        dxv.v[j] = device::from_float<T>(dz);
+        drv.v[j] = device::from_float<T>(p.alpha * dz);
+      }
+      store_vec<T, VEC>(dx + row * p.cols + col, dxv);
+      if (dr) store_vec<T, VEC>(dr + row * p.cols + col, drv);
+    }
+  }
+
+  if (!p.partial) return;
+  float* out = p.partial + static_cast<std::int64_t>(blockIdx.y) * p.cols;
+  if (rows_per_iter == 1) {
+    if (active)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out[col + j] = acc[j];
+    return;
+  }
+  const int width = (1 << p.tpr_log2) * VEC;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) fold[ty * width + tx * VEC + j] = acc[j];
+  __syncthreads();
+  if (ty == 0 && active) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      float s = 0.0f;
+      for (int t = 0; t < rows_per_iter; ++t) s += fold[t * width + tx * VEC + j];
+      out[col + j] = s;
+    }
+  }
+}
+
+// db[c] = sum over the partial rows, in row order. Block (32, 8): 32 columns, 8 row groups that
+// stride over the partial rows, folded in shared memory in a fixed order.
+template <class TOut>
+__global__ void __launch_bounds__(256) sum_partials_kernel(const float* __restrict__ partial, int parts,
+                                                           std::int64_t cols, TOut* __restrict__ db) {
+  __shared__ float fold[8][33];
+  const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.0f;
+  if (col < cols)
+    for (int i = threadIdx.y; i < parts; i += 8) s += partial[i * cols + col];
+  fold[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float t = 0.0f;
+#pragma unroll
+    for (int g = 0; g < 8; ++g) t += fold[g][threadIdx.x];
+    db[col] = device::from_float<TOut>(t);
+  }
+}
+
+int multiprocessor_count() {
+  int dev = 0, sms = 0;
+  FK_CUDA_CHECK(cudaGetDevice(&dev));
+  FK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+struct Launch {
+  dim3 grid;
+  int tpr_log2;
+};
+
+// Threads per row: the smallest power of two covering the row's vectors, at most a block.
+// Rows are spread over enough blocks to fill the GPU once (8 resident blocks of 256 per SM).
+Launch plan(std::int64_t rows, std::int64_t cols, int vec) {
+  const std::int64_t col_vecs = cols / vec;
+  int tpr_log2 = 0;
+  while ((1 << tpr_log2) < col_vecs && (1 << tpr_log2) < kThreads) ++tpr_log2;
+  const int rows_per_iter = kThreads >> tpr_log2;
+  const std::int64_t gx = (col_vecs + (1 << tpr_log2) - 1) >> tpr_log2;
+  const std::int64_t want = std::max<std::int64_t>(1, static_cast<std::int64_t>(multiprocessor_count()) * 8 / gx);
+  const std::int64_t gy = std::clamp<std::int64_t>((rows + rows_per_iter - 1) / rows_per_iter, 1,
+                                                   std::min<std::int64_t>(want, 65535));
+  FK_CHECK_ARG(gx <= 0x7fffffff, "bias_act", "x", "at most 2^31 column vectors", std::to_string(gx));
+  return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), tpr_log2};
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+template <class T>
+constexpr int vec16() { return 16 / static_cast<int>(sizeof(T)); }
+
+template <class F>
+void with_cuda_type(DType t, F&& f) {
+  switch (t) {
+    case DType::f32: return f(float{});
+    case DType::bf16: return f(__nv_bfloat16{});
+    case DType::f16: return f(__half{});
+    default: throw_internal("pointwise: dtype not checked by the caller");
+  }
+}
+
+template <template <Activation> class K, class... Args>
+void with_activation(Activation a, Args&&... args) {
+  switch (a) {
+    case Activation::identity: return K<Activation::identity>::run(args...);
+    case Activation::relu: return K<Activation::relu>::run(args...);
+    case Activation::sigmoid: return K<Activation::sigmoid>::run(args...);
+    case Activation::tanh: return K<Activation::tanh>::run(args...);
+    case Activation::gelu_tanh: return K<Activation::gelu_tanh>::run(args...);
+    case Activation::gelu_erf: return K<Activation::gelu_erf>::run(args...);
+    case Activation::silu: return K<Activation::silu>::run(args...);
+  }
+}
+
+template <Activation A>
+struct ForwardLauncher {
+  template <class T>
+  static void run(T, ForwardParams p, bool vectorized, cudaStream_t s) {
+    if (vectorized) {
+      constexpr int V = vec16<T>();
+      const Launch l = plan(p.rows, p.cols, V);
+      p.tpr_log2 = l.tpr_log2;
+      bias_act_forward_kernel<T, V, A><<<l.grid, kThreads, 0, s>>>(p);
+    } else {
+      const Launch l = plan(p.rows, p.cols, 1);
+      p.tpr_log2 = l.tpr_log2;
+      bias_act_forward_kernel<T, 1, A><<<l.grid, kThreads, 0, s>>>(p);
+    }
+    FK_CUDA_CHECK_LAUNCH("bias_act_forward_kernel");
+  }
+};
+
+template <Activation A>
+struct BackwardLauncher {
+  template <class T>
+  static void run(T, BackwardParams p, bool vectorized, bool from_output, const Launch& l, cudaStream_t s) {
+    p.tpr_log2 = l.tpr_log2;
+    // Activations whose derivative needs z never take the from-output path (checked by dispatch).
+    constexpr bool kCanUseOutput = A == Activation::identity || A == Activation::relu ||
+                                   A == Activation::sigmoid || A == Activation::tanh;
+    if constexpr (kCanUseOutput) {
+      if (from_output) {
+        if (vectorized) bias_act_backward_kernel<T, vec16<T>(), A, true><<<l.grid, kThreads, 0, s>>>(p);
+        else bias_act_backward_kernel<T, 1, A, true><<<l.grid, kThreads, 0, s>>>(p);
+        FK_CUDA_CHECK_LAUNCH("bias_act_backward_kernel");
+        return;
+      }
+    }
+    if (vectorized) bias_act_backward_kernel<T, vec16<T>(), A, false><<<l.grid, kThreads, 0, s>>>(p);
+    else bias_act_backward_kernel<T, 1, A, false><<<l.grid, kThreads, 0, s>>>(p);
+    FK_CUDA_CHECK_LAUNCH("bias_act_backward_kernel");
+  }
+};
+
+}  // namespace
+
+void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& prm, const Stream* stream) {
+  ForwardParams p{a.x.data(),
+                  a.r ? a.r->data() : nullptr,
+                  a.bias ? a.bias->data() : nullptr,
+                  a.y.data(),
+                  a.preact ? a.preact->data() : nullptr,
+                  a.x.size(0),
+                  a.x.size(1),
+                  prm.alpha,
+                  0};
+  const int vec = 16 / static_cast<int>(dtype_size(a.x.dtype()));
+  const bool vectorized = p.cols % vec == 0 && aligned16(p.x) && aligned16(p.r) && aligned16(p.b) &&
+                          aligned16(p.y) && aligned16(p.z);
+  const cudaStream_t s = detail::cuda_stream(stream);
+  with_cuda_type(a.x.dtype(), [&](auto t) { with_activation<ForwardLauncher>(prm.act, t, p, vectorized, s); });
+}
+
+void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& prm, const Stream* stream) {
+  BackwardParams p{a.dy.data(),
+                   a.saved.data(),
+                   a.dx.data(),
+                   a.dr ? a.dr->data() : nullptr,
+                   nullptr,
+                   a.dy.size(0),
+                   a.dy.size(1),
+                   prm.alpha,
+                   0};
+  const int vec = 16 / static_cast<int>(dtype_size(a.dy.dtype()));
+  const bool vectorized = p.cols % vec == 0 && aligned16(p.dy) && aligned16(p.saved) && aligned16(p.dx) &&
+                          aligned16(p.dr);
+  const Launch l = plan(p.rows, p.cols, vectorized ? vec : 1);
+  const cudaStream_t s = detail::cuda_stream(stream);
+  Tensor partial;
+  if (a.dbias) {
+    partial = Tensor::empty({static_cast<std::int64_t>(l.grid.y), p.cols}, DType::f32, a.dy.device(), stream);
+    p.partial = partial.data_as<float>();
+  }
+  const bool from_output = a.saved_kind == SavedForBackward::output;
+  with_cuda_type(a.dy.dtype(), [&](auto t) {
+    with_activation<BackwardLauncher>(prm.act, t, p, vectorized, from_output, l, s);
+  });
+  if (!a.dbias) return;
+  const dim3 grid(static_cast<unsigned>((p.cols + 31) / 32)), block(32, 8);
+  const int parts = static_cast<int>(l.grid.y);
+  if (a.dbias->dtype() == DType::f32) {
+    sum_partials_kernel<<<grid, block, 0, s>>>(p.partial, parts, p.cols, a.dbias->data_as<float>());
+  } else {
+    with_cuda_type(a.dbias->dtype(), [&](auto t) {
+      using T = decltype(t);
+      sum_partials_kernel<<<grid, block, 0, s>>>(p.partial, parts, p.cols, a.dbias->data_as<T>());
+    });
+  }
+  FK_CUDA_CHECK_LAUNCH("sum_partials_kernel");
+}
+
+}  // namespace fk::cuda

@@ -1,0 +1,120 @@
+// The spec of the pointwise family: plain loops, double arithmetic, one rounding to the dtype at
+// each store. It is also the CPU backend.
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/ops/pointwise.hpp"
+
+namespace fk::reference {
+namespace {
+
+constexpr double kSqrt2OverPi = 0.7978845608028654;  // sqrt(2/pi)
+constexpr double kGeluC = 0.044715;
+
+double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
+
+// Reads element i of a host tensor of any float dtype as double.
+double load(const TensorView& t, std::int64_t i) {
+  switch (t.dtype()) {
+    case DType::f32: return t.data_as<float>()[i];
+    case DType::bf16: return static_cast<float>(t.data_as<bf16>()[i]);
+    case DType::f16: return static_cast<float>(t.data_as<f16>()[i]);
+    default: throw_internal("pointwise reference: dtype not checked by the caller");
+  }
+}
+
+// Rounds v to the tensor's dtype (through float, as the kernels do) and stores it.
+void store(const TensorView& t, std::int64_t i, double v) {
+  const float f = static_cast<float>(v);
+  switch (t.dtype()) {
+    case DType::f32: t.data_as<float>()[i] = f; return;
+    case DType::bf16: t.data_as<bf16>()[i] = bf16(f); return;
+    case DType::f16: t.data_as<f16>()[i] = f16(f); return;
+    default: throw_internal("pointwise reference: dtype not checked by the caller");
+  }
+}
+
+// act'(z) expressed through y = act(z), for the activations where that is possible.
+double grad_from_output(Activation act, double y) {
+  switch (act) {
+    case Activation::identity: return 1.0;
+    case Activation::relu: return y > 0 ? 1.0 : 0.0;
+    case Activation::sigmoid: return y * (1.0 - y);
+    case Activation::tanh: return 1.0 - y * y;
+    default: throw_internal("grad_from_output: activation needs the pre-activation");
+  }
+}
+
+}  // namespace
+
+double activation(Activation act, double z) {
+  switch (act) {
+    case Activation::identity: return z;
+    case Activation::relu: return std::isnan(z) ? z : (z > 0 ? z : 0.0);
+    case Activation::sigmoid: return sigmoid(z);
+    case Activation::tanh: return std::tanh(z);
+    case Activation::gelu_tanh: return 0.5 * z * (1.0 + std::tanh(kSqrt2OverPi * (z + kGeluC * z * z * z)));
+    case Activation::gelu_erf: return 0.5 * z * (1.0 + std::erf(z / std::numbers::sqrt2));
+    case Activation::silu: return z * sigmoid(z);
+  }
+  throw_internal("activation: unknown activation");
+}
+
+double activation_grad(Activation act, double z) {
+  switch (act) {
+    case Activation::identity: return 1.0;
+    case Activation::relu: return z > 0 ? 1.0 : 0.0;
+    case Activation::sigmoid: { const double s = sigmoid(z); return s * (1.0 - s); }
+    case Activation::tanh: { const double t = std::tanh(z); return 1.0 - t * t; }
+    case Activation::gelu_tanh: {
+      const double t = std::tanh(kSqrt2OverPi * (z + kGeluC * z * z * z));
+      return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * kSqrt2OverPi * (1.0 + 3.0 * kGeluC * z * z);
+    }
+    case Activation::gelu_erf: {
+      const double pdf = std::exp(-0.5 * z * z) / std::sqrt(2.0 * std::numbers::pi);
+      return 0.5 * (1.0 + std::erf(z / std::numbers::sqrt2)) + z * pdf;
+    }
+    case Activation::silu: { const double s = sigmoid(z); return s * (1.0 + z * (1.0 - s)); }
+  }
+  throw_internal("activation_grad: unknown activation");
+}
+
+void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& p) {
+  const std::int64_t rows = a.x.size(0), cols = a.x.size(1);
+  for (std::int64_t i = 0; i < rows; ++i) {
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const std::int64_t k = i * cols + j;
+      // z is rounded to float, as the kernels hold it, before the activation.
+      double z = load(a.x, k);
+      if (a.r) z += static_cast<double>(p.alpha) * load(*a.r, k);
+      if (a.bias) z += load(*a.bias, j);
+      z = static_cast<float>(z);
+      if (a.preact) store(*a.preact, k, z);
+      store(a.y, k, activation(p.act, z));
+    }
+  }
+}
+
+void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& p) {
+  const std::int64_t rows = a.dy.size(0), cols = a.dy.size(1);
+  std::vector<double> db(a.dbias ? static_cast<std::size_t>(cols) : 0, 0.0);
+  for (std::int64_t i = 0; i < rows; ++i) {
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const std::int64_t k = i * cols + j;
+      const double s = load(a.saved, k);
+      const double g = a.saved_kind == SavedForBackward::output ? grad_from_output(p.act, s)
+                                                                : activation_grad(p.act, s);
+      // dz is rounded to float, as the kernels hold it; dx, dr and db all derive from it.
+      const double dz = static_cast<float>(load(a.dy, k) * g);
+      store(a.dx, k, dz);
+      if (a.dr) store(*a.dr, k, static_cast<double>(p.alpha) * dz);
+      if (a.dbias) db[static_cast<std::size_t>(j)] += dz;
+    }
+  }
+  if (a.dbias)
+    for (std::int64_t j = 0; j < cols; ++j) store(*a.dbias, j, db[static_cast<std::size_t>(j)]);
+}
+
+}  // namespace fk::reference

@@ -1,0 +1,70 @@
+#include <gtest/gtest.h>
+
+#include "fusekit/fusekit.hpp"
+#include "test_util.hpp"
+
+namespace fk {
+namespace {
+
+TEST(Tensor, ShapeStridesAndContiguity) {
+  Tensor t = Tensor::empty({2, 3, 4}, DType::bf16, Device::cpu());
+  EXPECT_EQ(t.numel(), 24);
+  EXPECT_EQ(t.nbytes(), 48u);
+  EXPECT_EQ(t.view().strides(), (Dims{12, 4, 1}));
+  EXPECT_TRUE(t.view().is_contiguous());
+  EXPECT_EQ(t.view().str(), "bf16[2, 3, 4] on cpu");
+  const TensorView transposed(t.data(), DType::bf16, {3, 2}, {1, 3}, Device::cpu());
+  EXPECT_FALSE(transposed.is_contiguous());
+  EXPECT_EQ(t.size(-1), 4);
+}
+
+TEST(Tensor, SliceRowsAndReshape) {
+  Tensor t = Tensor::empty({5, 4}, DType::f32, Device::cpu());
+  for (int i = 0; i < 20; ++i) t.data_as<float>()[i] = static_cast<float>(i);
+  const TensorView s = t.view().slice_rows(2, 4);
+  EXPECT_EQ(s.shape(), (Dims{2, 4}));
+  EXPECT_EQ(s.data_as<float>()[0], 8.0f);
+  EXPECT_THROW(t.view().slice_rows(3, 6), Error);
+  EXPECT_EQ(t.view().reshape({20}).shape(), (Dims{20}));
+  EXPECT_THROW(t.view().reshape({3, 7}), Error);
+}
+
+TEST(Tensor, ErrorsNameTheOpAndArgument) {
+  try {
+    Tensor t = Tensor::empty({2, 2}, DType::f32, Device::cpu());
+    Tensor u = Tensor::empty({3}, DType::f32, Device::cpu());
+    copy(u, t);
+    FAIL() << "copy of mismatched shapes did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.op(), "copy");
+    EXPECT_EQ(e.arg(), "dst");
+    EXPECT_NE(std::string(e.what()).find("expected shape [2, 2], got [3]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(Device::parse("gpu0"), Error);
+  EXPECT_EQ(Device::parse("cuda:3"), Device::cuda(3));
+  EXPECT_EQ(Device::parse("cpu").str(), "cpu");
+}
+
+TEST(Tensor, FillAndCloneOnHost) {
+  Tensor t = Tensor::empty({3, 3}, DType::f16, Device::cpu());
+  fill(t, 1.5);
+  Tensor c = t.clone();
+  EXPECT_NE(c.data(), t.data());
+  for (double v : test::to_doubles(c)) EXPECT_EQ(v, 1.5);
+  Tensor moved = std::move(c);
+  EXPECT_EQ(moved.numel(), 9);
+}
+
+TEST(Tensor, CopiesBetweenHostAndDevice) {
+  FK_SKIP_WITHOUT_GPU();
+  Tensor h = test::random_tensor({129, 33}, DType::bf16, Device::cpu(), 7);
+  Tensor d = h.copy_to(Device::cuda(0));
+  EXPECT_TRUE(d.device().is_cuda());
+  Tensor back = d.copy_to(Device::cpu());
+  EXPECT_EQ(std::memcmp(back.data(), h.data(), h.nbytes()), 0);
+  fill(d, -3.0);
+  for (double v : test::to_doubles(d)) ASSERT_EQ(v, -3.0);
+}
+
+}  // namespace
+}  // namespace fk

@@ -1,0 +1,301 @@
+// Tests of the pointwise family: the spec against hand-worked values (seed 003's 8x10 example and
+// values worked out by hand), the CUDA kernels against the spec on random inputs of many shapes,
+// and every bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "fusekit/fusekit.hpp"
+#include "ops/pointwise/seed_example.hpp"
+#include "test_util.hpp"
+
+namespace fk {
+namespace {
+
+const Device kCpu = Device::cpu();
+
+TensorView host_view(const float* p, Dims shape) {
+  return TensorView(const_cast<float*>(p), DType::f32, shape, kCpu);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The spec against hand-worked values
+// ---------------------------------------------------------------------------------------------
+
+TEST(PointwiseSpec, SeedExampleInPlace) {
+  using namespace examples;
+  Tensor x = Tensor::adopt(host_view(kSeedX, {kSeedRows, kSeedCols}), nullptr).clone();
+  const TensorView r = host_view(kSeedY, {kSeedRows, kSeedCols});
+  const TensorView b = host_view(kSeedBias, {kSeedCols});
+  bias_act_forward({x, r, b, x, std::nullopt}, {Activation::relu, kSeedMultiplier});
+  const TensorView want = host_view(kSeedExpected, {kSeedRows, kSeedCols});
+  EXPECT_TRUE(test::all_close(x, want, {kSeedTolerance, 0.0}));
+}
+
+TEST(PointwiseSpec, ActivationsAtHandWorkedPoints) {
+  using reference::activation;
+  using reference::activation_grad;
+  EXPECT_EQ(activation(Activation::relu, -1.5), 0.0);
+  EXPECT_EQ(activation(Activation::relu, 2.5), 2.5);
+  EXPECT_TRUE(std::isnan(activation(Activation::relu, NAN)));
+  EXPECT_DOUBLE_EQ(activation(Activation::sigmoid, 0.0), 0.5);
+  EXPECT_NEAR(activation(Activation::sigmoid, 2.0), 0.8807970779778823, 1e-15);
+  EXPECT_NEAR(activation(Activation::tanh, 0.5), 0.46211715726000974, 1e-15);
+  EXPECT_NEAR(activation(Activation::gelu_erf, 1.0), 0.8413447460685429, 1e-15);   // Phi(1)
+  EXPECT_NEAR(activation(Activation::gelu_tanh, 1.0), 0.8411919906082768, 1e-15);
+  EXPECT_NEAR(activation(Activation::silu, 1.0), 0.7310585786300049, 1e-15);
+  EXPECT_NEAR(activation_grad(Activation::sigmoid, 0.0), 0.25, 1e-15);
+  EXPECT_NEAR(activation_grad(Activation::tanh, 0.0), 1.0, 1e-15);
+  EXPECT_NEAR(activation_grad(Activation::gelu_erf, 0.0), 0.5, 1e-15);
+  EXPECT_NEAR(activation_grad(Activation::silu, 0.0), 0.5, 1e-15);
+  // Every derivative against a central difference.
+  for (Activation a : {Activation::identity, Activation::sigmoid, Activation::tanh, Activation::gelu_tanh,
+                       Activation::gelu_erf, Activation::silu})
+    for (double z : {-3.1, -0.7, 0.3, 1.9}) {
+      const double h = 1e-6;
+      const double fd = (activation(a, z + h) - activation(a, z - h)) / (2 * h);
+      EXPECT_NEAR(activation_grad(a, z), fd, 1e-8) << activation_name(a) << " at " << z;
+    }
+}
+
+TEST(PointwiseSpec, BackwardByHand) {
+  // z = [[-1, 2], [3, -4]], relu, alpha 2: dz = dy * [[0, 1], [1, 0]].
+  const float y[] = {0, 2, 3, 0}, dy[] = {10, 20, 30, 40};
+  float dx[4], dr[4], db[2];
+  bias_act_backward({host_view(dy, {2, 2}), host_view(y, {2, 2}), SavedForBackward::output, host_view(dx, {2, 2}),
+                     host_view(dr, {2, 2}), host_view(db, {2})},
+                    {Activation::relu, 2.0f});
+  EXPECT_EQ(std::vector<float>(dx, dx + 4), (std::vector<float>{0, 20, 30, 0}));
+  EXPECT_EQ(std::vector<float>(dr, dr + 4), (std::vector<float>{0, 40, 60, 0}));
+  EXPECT_EQ(std::vector<float>(db, db + 2), (std::vector<float>{30, 20}));
+}
+
+TEST(PointwiseSpec, ForwardWritesPreactivationAndSkipsAbsentOperands) {
+  const float x[] = {1, -2, 3}, b[] = {0.5f, 0.5f, 0.5f};
+  float y[3], z[3];
+  bias_act_forward({host_view(x, {1, 3}), std::nullopt, host_view(b, {3}), host_view(y, {1, 3}), host_view(z, {1, 3})},
+                   {Activation::relu, 7.0f});
+  EXPECT_EQ(std::vector<float>(z, z + 3), (std::vector<float>{1.5f, -1.5f, 3.5f}));
+  EXPECT_EQ(std::vector<float>(y, y + 3), (std::vector<float>{1.5f, 0.0f, 3.5f}));
+}
+
+TEST(PointwiseSpec, EmptyBackwardZeroesDbias) {
+  float db[3] = {1, 2, 3};
+  const TensorView empty(nullptr, DType::f32, {0, 3}, kCpu);
+  bias_act_backward({empty, empty, SavedForBackward::output, empty, std::nullopt, host_view(db, {3})},
+                    {Activation::relu, 1.0f});
+  EXPECT_EQ(std::vector<float>(db, db + 3), (std::vector<float>{0, 0, 0}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad inputs
+// ---------------------------------------------------------------------------------------------
+
+// Runs f and checks that it throws fk::Error naming `arg`.
+template <class F>
+void expect_arg_error(F&& f, const std::string& arg) {
+  try {
+    f();
+    ADD_FAILURE() << "no fk::Error for argument " << arg;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.arg(), arg) << e.what();
+  }
+}
+
+TEST(PointwiseErrors, EachBadInputNamesItsArgument) {
+  Tensor x = Tensor::empty({4, 6}, DType::f32, kCpu), y = Tensor::empty({4, 6}, DType::f32, kCpu);
+  Tensor r5 = Tensor::empty({4, 5}, DType::f32, kCpu), b5 = Tensor::empty({5}, DType::f32, kCpu);
+  Tensor xb = Tensor::empty({4, 6}, DType::bf16, kCpu), xi = Tensor::empty({4, 6}, DType::i32, kCpu);
+  const BiasActParams p{Activation::relu, 1.0f};
+  expect_arg_error([&] { bias_act_forward({x, r5.view(), std::nullopt, y, std::nullopt}, p); }, "r");
+  expect_arg_error([&] { bias_act_forward({x, std::nullopt, b5.view(), y, std::nullopt}, p); }, "bias");
+  expect_arg_error([&] { bias_act_forward({x, xb.view(), std::nullopt, y, std::nullopt}, p); }, "r");
+  expect_arg_error([&] { bias_act_forward({xi, std::nullopt, std::nullopt, xi, std::nullopt}, p); }, "x");
+  expect_arg_error([&] { bias_act_forward({x, std::nullopt, std::nullopt, r5, std::nullopt}, p); }, "y");
+  const TensorView null_x(nullptr, DType::f32, {4, 6}, kCpu);
+  expect_arg_error([&] { bias_act_forward({null_x, std::nullopt, std::nullopt, y, std::nullopt}, p); }, "x");
+  const TensorView strided(x.data(), DType::f32, {4, 3}, {6, 2}, kCpu);
+  expect_arg_error([&] { bias_act_forward({strided, std::nullopt, std::nullopt, strided, std::nullopt}, p); }, "x");
+  const TensorView rank3(x.data(), DType::f32, {2, 2, 6}, kCpu);
+  expect_arg_error([&] { bias_act_forward({rank3, std::nullopt, std::nullopt, rank3, std::nullopt}, p); }, "x");
+
+  // Backward: gelu needs z; dbias of a third dtype; wrong dbias length.
+  expect_arg_error([&] {
+    bias_act_backward({x, y, SavedForBackward::output, x, std::nullopt, std::nullopt}, {Activation::gelu_erf, 1.0f});
+  }, "saved_kind");
+  Tensor db16 = Tensor::empty({6}, DType::f16, kCpu);
+  expect_arg_error([&] { bias_act_backward({xb, xb, SavedForBackward::output, xb, std::nullopt, db16.view()}, p); },
+                   "dbias");
+  expect_arg_error([&] { bias_act_backward({x, y, SavedForBackward::output, x, std::nullopt, b5.view()}, p); }, "dbias");
+  expect_arg_error([&] { bias_act_backward({x, r5, SavedForBackward::output, x, std::nullopt, std::nullopt}, p); },
+                   "saved");
+  EXPECT_THROW(parse_activation("swish"), Error);
+  EXPECT_EQ(parse_activation("gelu_erf"), Activation::gelu_erf);
+}
+
+TEST(PointwiseErrors, MixedDevices) {
+  FK_SKIP_WITHOUT_GPU();
+  Tensor x = Tensor::empty({4, 6}, DType::f32, Device::cuda(0)), y = Tensor::empty({4, 6}, DType::f32, kCpu);
+  expect_arg_error([&] { bias_act_forward({x, std::nullopt, std::nullopt, y, std::nullopt}, {}); }, "y");
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA against the spec
+// ---------------------------------------------------------------------------------------------
+
+struct Shape {
+  std::int64_t rows, cols;
+};
+
+using ForwardCase = std::tuple<DType, Activation, Shape>;
+
+class PointwiseGpu : public ::testing::TestWithParam<ForwardCase> {};
+
+// The CUDA kernels compute in fp32 with fma and the device math library; the spec in double with
+// one rounding of z to float. On top of the dtype's own rounding they differ by a few fp32 ulps.
+test::Tolerance kernel_tolerance(DType dt) {
+  test::Tolerance t = test::tolerance_for(dt);
+  if (dt == DType::f32) t = {1e-5, 1e-5};
+  return t;
+}
+
+TEST_P(PointwiseGpu, ForwardMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto [dt, act, shape] = GetParam();
+  const Device gpu = Device::cuda(0);
+  int seed = 100;
+  for (bool with_r : {true, false})
+    for (bool with_b : {true, false})
+      for (bool in_place : {false, true}) {
+        const Dims s{shape.rows, shape.cols};
+        Tensor x = test::random_tensor(s, dt, kCpu, ++seed, -3, 3);
+        Tensor r = test::random_tensor(s, dt, kCpu, ++seed, -3, 3);
+        Tensor b = test::random_tensor({shape.cols}, dt, kCpu, ++seed);
+        Tensor want_y = Tensor::empty(s, dt, kCpu), want_z = Tensor::empty(s, dt, kCpu);
+        const BiasActParams p{act, 0.75f};
+        auto opt = [](bool on, const Tensor& t) { return on ? std::optional<TensorView>(t.view()) : std::nullopt; };
+        reference::bias_act_forward({x, opt(with_r, r), opt(with_b, b), want_y, want_z.view()}, p);
+
+        Tensor xd = x.copy_to(gpu), rd = r.copy_to(gpu), bd = b.copy_to(gpu);
+        Tensor yd = Tensor::empty(s, dt, gpu), zd = Tensor::empty(s, dt, gpu);
+        test::poison(yd);
+        test::poison(zd);
+        const TensorView y_out = in_place ? xd.view() : yd.view();
+        bias_act_forward({xd, opt(with_r, rd), opt(with_b, bd), y_out, zd.view()}, p);
+        const auto tol = kernel_tolerance(dt);
+        EXPECT_TRUE(test::all_close(y_out, want_y, tol)) << "r " << with_r << " b " << with_b << " in place " << in_place;
+        EXPECT_TRUE(test::all_close(zd, want_z, tol)) << "preactivation";
+      }
+}
+
+TEST_P(PointwiseGpu, BackwardMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto [dt, act, shape] = GetParam();
+  const Device gpu = Device::cuda(0);
+  const Dims s{shape.rows, shape.cols};
+  int seed = 200;
+  std::vector<SavedForBackward> kinds{SavedForBackward::preactivation};
+  if (derivative_from_output(act)) kinds.push_back(SavedForBackward::output);
+  for (SavedForBackward kind : kinds)
+    for (DType db_dtype : {DType::f32, dt})
+      for (bool in_place : {false, true}) {
+        Tensor dy = test::random_tensor(s, dt, kCpu, ++seed);
+        Tensor z = test::random_tensor(s, dt, kCpu, ++seed, -3, 3);
+        Tensor saved = Tensor::empty(s, dt, kCpu);
+        if (kind == SavedForBackward::output)
+          reference::bias_act_forward({z, std::nullopt, std::nullopt, saved, std::nullopt}, {act, 1.0f});
+        else
+          copy(saved, z);
+        const BiasActParams p{act, -1.25f};
+        Tensor want_dx = Tensor::empty(s, dt, kCpu), want_dr = Tensor::empty(s, dt, kCpu);
+        Tensor want_db = Tensor::empty({shape.cols}, db_dtype, kCpu);
+        reference::bias_act_backward({dy, saved, kind, want_dx, want_dr.view(), want_db.view()}, p);
+
+        Tensor dyd = dy.copy_to(gpu), sd = saved.copy_to(gpu);
+        Tensor dxd = Tensor::empty(s, dt, gpu), drd = Tensor::empty(s, dt, gpu);
+        Tensor dbd = Tensor::empty({shape.cols}, db_dtype, gpu);
+        test::poison(dxd);
+        test::poison(drd);
+        test::poison(dbd);
+        const TensorView dx_out = in_place ? dyd.view() : dxd.view();
+        bias_act_backward({dyd, sd, kind, dx_out, drd.view(), dbd.view()}, p);
+        const auto tol = kernel_tolerance(dt);
+        EXPECT_TRUE(test::all_close(dx_out, want_dx, tol));
+        EXPECT_TRUE(test::all_close(drd, want_dr, tol));
+        // db sums `rows` fp32 values of size <= ~2 in another order than the spec's double sum:
+        // the error grows like sqrt(rows) fp32 roundings; plus one rounding to db's dtype.
+        const double accum = 8.0 * std::sqrt(static_cast<double>(shape.rows)) * 2.0 * 0x1p-24;
+        const auto dbt = test::tolerance_for(db_dtype);
+        EXPECT_TRUE(test::all_close(dbd, want_db, {dbt.atol + accum, dbt.rtol})) << "dbias";
+      }
+}
+
+std::string case_name(const ::testing::TestParamInfo<ForwardCase>& info) {
+  const auto [dt, act, shape] = info.param;
+  return std::string(dtype_name(dt)) + "_" + std::string(activation_name(act)) + "_" + std::to_string(shape.rows) +
+         "x" + std::to_string(shape.cols);
+}
+
+// All activations on shapes with tails; then the bench shapes for a few.
+INSTANTIATE_TEST_SUITE_P(
+    AllActivationsOddShapes, PointwiseGpu,
+    ::testing::Combine(::testing::Values(DType::f32, DType::bf16, DType::f16),
+                       ::testing::Values(Activation::identity, Activation::relu, Activation::sigmoid, Activation::tanh,
+                                         Activation::gelu_tanh, Activation::gelu_erf, Activation::silu),
+                       ::testing::Values(Shape{1, 1}, Shape{7, 13}, Shape{33, 1001}, Shape{300, 8})),
+    case_name);
+
+INSTANTIATE_TEST_SUITE_P(
+    LargerShapes, PointwiseGpu,
+    ::testing::Combine(::testing::Values(DType::f32, DType::bf16), ::testing::Values(Activation::relu, Activation::silu),
+                       ::testing::Values(Shape{128, 512}, Shape{3, 4100}, Shape{65536, 1024})),
+    case_name);
+
+TEST(PointwiseGpuLayout, MisalignedPointersTakeTheScalarPath) {
+  FK_SKIP_WITHOUT_GPU();
+  // Rows of 16 bf16 would be vectorised, but a view starting one element into the buffer is not
+  // 16-byte aligned: the kernel must notice and still be right.
+  const Device gpu = Device::cuda(0);
+  const std::int64_t rows = 37, cols = 16;
+  Tensor host = test::random_tensor({rows * cols + 1}, DType::bf16, kCpu, 5);
+  Tensor bias = test::random_tensor({cols}, DType::bf16, kCpu, 6);
+  const TensorView x_host(static_cast<bf16*>(host.data()) + 1, DType::bf16, {rows, cols}, kCpu);
+  Tensor want = Tensor::empty({rows, cols}, DType::bf16, kCpu);
+  reference::bias_act_forward({x_host, std::nullopt, bias.view(), want, std::nullopt}, {Activation::tanh, 1.0f});
+  Tensor dev = host.copy_to(gpu), bd = bias.copy_to(gpu);
+  const TensorView x_dev(static_cast<bf16*>(dev.data()) + 1, DType::bf16, {rows, cols}, gpu);
+  Tensor y = Tensor::empty({rows, cols}, DType::bf16, gpu);
+  bias_act_forward({x_dev, std::nullopt, bd.view(), y, std::nullopt}, {Activation::tanh, 1.0f});
+  EXPECT_TRUE(test::all_close(y, want, kernel_tolerance(DType::bf16)));
+}
+
+TEST(PointwiseGpuLayout, LargeTensorNeeds64BitIndexing) {
+  FK_SKIP_WITHOUT_GPU();
+  // 2^31 + 2^21 elements of bf16: flat offsets past 2^31 must not wrap. x, y: 8.6 GB together.
+  const std::int64_t rows = (std::int64_t{1} << 21) + 2048, cols = 1024;
+  const Device gpu = Device::cuda(0);
+  Tensor x, y;
+  try {
+    x = Tensor::empty({rows, cols}, DType::bf16, gpu);
+    y = Tensor::empty({rows, cols}, DType::bf16, gpu);
+  } catch (const Error&) {
+    GTEST_SKIP() << "needs about 9 GiB of free GPU memory";
+  }
+  fill_uniform(x, -2, 2, {11, 0});
+  Tensor bias = test::random_tensor({cols}, DType::bf16, gpu, 12);
+  test::poison(y.view().slice_rows(rows - 4096, rows));
+  bias_act_forward({x, std::nullopt, bias.view(), y, std::nullopt}, {Activation::relu, 1.0f});
+  // Check the first rows and the last rows (the ones past 2^31 elements) against the spec.
+  for (auto [r0, r1] : {std::pair<std::int64_t, std::int64_t>{0, 64}, {rows - 4096, rows}}) {
+    Tensor xs = test::to_host(x.view().slice_rows(r0, r1));
+    Tensor want = Tensor::empty({r1 - r0, cols}, DType::bf16, kCpu);
+    Tensor bh = test::to_host(bias);
+    reference::bias_act_forward({xs, std::nullopt, bh.view(), want, std::nullopt}, {Activation::relu, 1.0f});
+    EXPECT_TRUE(test::all_close(y.view().slice_rows(r0, r1), want, kernel_tolerance(DType::bf16)))
+        << "rows [" << r0 << ", " << r1 << ")";
+  }
+}
+
+}  // namespace
+}  // namespace fk

@@ -1,0 +1,42 @@
+// Helpers shared by every fusekit test: GPU skipping, random tensors, comparison with tolerances
+// derived from the dtype.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fusekit/fusekit.hpp"
+
+namespace fk::test {
+
+// Skips the current test, printing why, when no CUDA device can run kernels.
+#define FK_SKIP_WITHOUT_GPU()                                                      \
+  do {                                                                             \
+    if (::fk::cuda_device_count() == 0)                                            \
+      GTEST_SKIP() << "GPU test skipped: " << ::fk::cuda_unavailable_reason();    \
+  } while (0)
+
+// A tensor of uniform random values in [lo, hi) from the Philox stream `seed`, made on the host
+// and copied to `device`, so the same seed gives the same values everywhere.
+Tensor random_tensor(Dims shape, DType dtype, Device device, std::uint64_t seed, float lo = -1.f, float hi = 1.f);
+Tensor to_host(const TensorView& t);
+// Every element as double (host or device tensor).
+std::vector<double> to_doubles(const TensorView& t);
+// Fills a tensor with NaN, so that an element a kernel fails to write cannot pass a comparison.
+void poison(const TensorView& t);
+
+// |got - ref| <= atol + rtol * |ref| elementwise.
+struct Tolerance {
+  double atol;
+  double rtol;
+};
+// One rounding to the dtype plus a few float operations of slack: rtol = 2 * unit roundoff of
+// the dtype (bf16 2^-8, f16 2^-11, f32 2^-23), atol the same scaled to values of order 1.
+Tolerance tolerance_for(DType t);
+
+::testing::AssertionResult all_close(const TensorView& got, const TensorView& ref, Tolerance tol);
+
+}  // namespace fk::test
