@@ -10,8 +10,8 @@ namespace {
 
 void copy_ceiling(Context& ctx) {
   const std::int64_t bytes = std::int64_t{1} << 30;
-  const Tensor src = random_device({bytes / 4}, DType::f32);
-  const Tensor dst = Tensor::empty({bytes / 4}, DType::f32, Device::cuda(0));
+  const Tensor src = ctx.random({bytes / 4}, DType::f32);
+  const Tensor dst = ctx.empty({bytes / 4}, DType::f32);
   const double us = ctx.time_us(
       [&](int) {
         FK_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), static_cast<std::size_t>(bytes),
@@ -26,8 +26,8 @@ void copy_ceiling(Context& ctx) {
 
 void gemm_ceiling(Context& ctx) {
   const int n = 8192;
-  const Tensor a = random_device({n, n}, DType::bf16), b = random_device({n, n}, DType::bf16);
-  const Tensor c = Tensor::empty({n, n}, DType::bf16, Device::cuda(0));
+  const Tensor a = ctx.random({n, n}, DType::bf16), b = ctx.random({n, n}, DType::bf16);
+  const Tensor c = ctx.empty({n, n}, DType::bf16);
   const float alpha = 1.0f, beta = 0.0f;
   const double us = ctx.time_us(
       [&](int) {

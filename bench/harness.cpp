@@ -112,7 +112,8 @@ std::optional<double> Context::copy_gbps() const {
   return std::nullopt;
 }
 
-double rel_err(const TensorView& a, const TensorView& b) {
+double Context::rel_err(const TensorView& a, const TensorView& b) const {
+  FK_CUDA_CHECK(cudaStreamSynchronize(stream_));
   FK_CHECK_ARG(a.shape() == b.shape(), "bench::rel_err", "a", fmt::format("shape {}", b.shape().str()),
                a.shape().str());
   auto doubles = [](const TensorView& t) {
@@ -142,10 +143,14 @@ void require_close(const std::string& what, double err, double bound) {
 
 std::string shape_str(std::int64_t rows, std::int64_t cols) { return fmt::format("{}x{}", rows, cols); }
 
-Tensor random_device(Dims shape, DType dtype, float lo, float hi) {
+Tensor Context::empty(Dims shape, DType dtype) const {
+  return Tensor::empty(shape, dtype, fk_stream_->device(), fk_stream_);
+}
+
+Tensor Context::random(Dims shape, DType dtype, float lo, float hi) const {
   static std::atomic<std::uint64_t> seed{20261122};
-  Tensor t = Tensor::empty(shape, dtype, Device::cuda(0));
-  fill_uniform(t, lo, hi, RandomParams{seed++, 0});
+  Tensor t = empty(shape, dtype);
+  fill_uniform(t, lo, hi, RandomParams{seed++, 0}, fk_stream_);
   return t;
 }
 

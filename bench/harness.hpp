@@ -42,6 +42,14 @@ class Context {
   Context& operator=(const Context&) = delete;
 
   cudaStream_t stream() const { return stream_; }
+  // Device tensors for a case: allocated, and filled, in the order of the bench stream, so that
+  // nothing a timed run touches is still being written by another stream.
+  Tensor empty(Dims shape, DType dtype) const;
+  // Uniform random values in [lo, hi), a fresh Philox seed per call.
+  Tensor random(Dims shape, DType dtype, float lo = -1.f, float hi = 1.f) const;
+  // ||a - b|| / ||b|| over every element (any float dtype), once the bench stream is idle.
+  // Infinite when either holds a NaN or an infinity.
+  double rel_err(const TensorView& a, const TensorView& b) const;
   const Stream& fk_stream() const { return *fk_stream_; }
   cublasHandle_t cublas() const { return cublas_; }
   const std::string& device_name() const { return device_name_; }
@@ -69,13 +77,8 @@ class Context {
   std::vector<Record> records_;
 };
 
-// ||a - b|| / ||b|| over every element (device or host tensors of any float dtype). Infinite when
-// either holds a NaN or an infinity.
-double rel_err(const TensorView& a, const TensorView& b);
 // Throws fk::Error naming the case when err > bound: a case never times a wrong result.
 void require_close(const std::string& what, double err, double bound);
-// A tensor of uniform random values in [lo, hi) on the GPU (fresh seed per call).
-Tensor random_device(Dims shape, DType dtype, float lo = -1.f, float hi = 1.f);
 
 // Holds `stream` for `ns` nanoseconds (a spinning kernel), so that the host can enqueue a batch
 // of runs behind it and the GPU then executes them back to back.

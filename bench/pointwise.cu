@@ -149,22 +149,21 @@ void forward_case(Context& ctx, std::int64_t rows, std::int64_t cols) {
   const float alpha = 0.5f;
   const std::size_t tensor_bytes = static_cast<std::size_t>(rows * cols) * dtype_size(dt);
   const int rot = ctx.rotations_for(3 * tensor_bytes);
-  const Device gpu = Device::cuda(0);
   std::vector<ForwardSet> sets;
   for (int i = 0; i < rot; ++i) {
     ForwardSet s;
-    s.x = random_device({rows, cols}, dt, -2.f, 2.f);
-    s.r = random_device({rows, cols}, dt, -2.f, 2.f);
-    s.b = random_device({cols}, dt, -1.f, 1.f);
-    s.y_fused = Tensor::empty({rows, cols}, dt, gpu);
+    s.x = ctx.random({rows, cols}, dt, -2.f, 2.f);
+    s.r = ctx.random({rows, cols}, dt, -2.f, 2.f);
+    s.b = ctx.random({cols}, dt, -1.f, 1.f);
+    s.y_fused = ctx.empty({rows, cols}, dt);
     sets.push_back(std::move(s));
   }
   // The eager temporaries are reused across runs, as a caching allocator would hand them out.
   ForwardSet& s0 = sets[0];
-  s0.y_eager = Tensor::empty({rows, cols}, dt, gpu);
-  s0.t1 = Tensor::empty({rows, cols}, dt, gpu);
-  s0.t2 = Tensor::empty({rows, cols}, dt, gpu);
-  s0.t3 = Tensor::empty({rows, cols}, dt, gpu);
+  s0.y_eager = ctx.empty({rows, cols}, dt);
+  s0.t1 = ctx.empty({rows, cols}, dt);
+  s0.t2 = ctx.empty({rows, cols}, dt);
+  s0.t3 = ctx.empty({rows, cols}, dt);
   const std::int64_t n = rows * cols;
   constexpr int V = 16 / sizeof(T);
   auto eager = [&](const ForwardSet& s) {
@@ -179,7 +178,7 @@ void forward_case(Context& ctx, std::int64_t rows, std::int64_t cols) {
 
   eager(s0);
   fused(s0);
-  const double err = rel_err(s0.y_fused, s0.y_eager);
+  const double err = ctx.rel_err(s0.y_fused, s0.y_eager);
   // The eager path rounds to the dtype after every op, the fused one once: they differ by a few
   // roundings of the dtype.
   require_close(name, err, dt == DType::f32 ? 1e-6 : 2e-2);
@@ -209,24 +208,23 @@ void backward_case(Context& ctx, std::int64_t rows, std::int64_t cols) {
   const float alpha = 0.5f;
   const std::size_t tensor_bytes = static_cast<std::size_t>(rows * cols) * dtype_size(dt);
   const int rot = ctx.rotations_for(4 * tensor_bytes);
-  const Device gpu = Device::cuda(0);
   std::vector<BackwardSet> sets;
   for (int i = 0; i < rot; ++i) {
     BackwardSet s;
-    s.dy = random_device({rows, cols}, dt, -1.f, 1.f);
+    s.dy = ctx.random({rows, cols}, dt, -1.f, 1.f);
     // y as a forward would leave it: relu outputs, half of them exactly zero.
-    Tensor z = random_device({rows, cols}, dt, -1.f, 1.f);
-    s.y = Tensor::empty({rows, cols}, dt, gpu);
+    Tensor z = ctx.random({rows, cols}, dt, -1.f, 1.f);
+    s.y = ctx.empty({rows, cols}, dt);
     bias_act_forward({z, std::nullopt, std::nullopt, s.y, std::nullopt}, {A, 1.0f}, &ctx.fk_stream());
-    s.dx = Tensor::empty({rows, cols}, dt, gpu);
-    s.dr = Tensor::empty({rows, cols}, dt, gpu);
+    s.dx = ctx.empty({rows, cols}, dt);
+    s.dr = ctx.empty({rows, cols}, dt);
     sets.push_back(std::move(s));
   }
-  const Tensor db_fused = Tensor::empty({cols}, DType::f32, gpu), db_eager = Tensor::empty({cols}, DType::f32, gpu);
-  const Tensor dz_eager = Tensor::empty({rows, cols}, dt, gpu), dr_eager = Tensor::empty({rows, cols}, dt, gpu);
+  const Tensor db_fused = ctx.empty({cols}, DType::f32), db_eager = ctx.empty({cols}, DType::f32);
+  const Tensor dz_eager = ctx.empty({rows, cols}, dt), dr_eager = ctx.empty({rows, cols}, dt);
   const std::int64_t rows_per_block = 64;
   const int parts = static_cast<int>((rows + rows_per_block - 1) / rows_per_block);
-  const Tensor partial = Tensor::empty({parts, cols}, DType::f32, gpu);
+  const Tensor partial = ctx.empty({parts, cols}, DType::f32);
   const std::int64_t n = rows * cols;
   constexpr int V = 16 / sizeof(T);
   auto eager = [&](const BackwardSet& s) {
@@ -244,7 +242,7 @@ void backward_case(Context& ctx, std::int64_t rows, std::int64_t cols) {
   };
   eager(sets[0]);
   fused(sets[0]);
-  const double err = std::max({rel_err(sets[0].dx, dz_eager), rel_err(sets[0].dr, dr_eager), rel_err(db_fused, db_eager)});
+  const double err = std::max({ctx.rel_err(sets[0].dx, dz_eager), ctx.rel_err(sets[0].dr, dr_eager), ctx.rel_err(db_fused, db_eager)});
   // dx and dr are rounded once in both paths; db sums the same fp32 values in different orders.
   require_close(name, err, dt == DType::f32 ? 1e-5 : 1e-2);
 

@@ -32,7 +32,7 @@ echo "== GPU tests"
 for t in "${tests[@]}"; do
   name=$(basename "$t")
   if "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then
-    echo "PASS $name ($(grep -c '^\[       OK' "$out/$name.log" || true) ok lines; $(grep -ac 'SKIPPED' "$out/$name.log" || true) skip lines)"
+    echo "PASS $name: $(grep -a -E '^\[  (PASSED|SKIPPED) \]' "$out/$name.log" | grep -v ' listed below' | tr -s ' ' | paste -sd ';')"
   else
     echo "FAIL $name"; tail -40 "$out/$name.log"; status=1
   fi

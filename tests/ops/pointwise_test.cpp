@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <tuple>
 
 #include "fusekit/fusekit.hpp"
@@ -249,8 +250,58 @@ INSTANTIATE_TEST_SUITE_P(
 INSTANTIATE_TEST_SUITE_P(
     LargerShapes, PointwiseGpu,
     ::testing::Combine(::testing::Values(DType::f32, DType::bf16), ::testing::Values(Activation::relu, Activation::silu),
-                       ::testing::Values(Shape{128, 512}, Shape{3, 4100}, Shape{65536, 1024})),
+                       ::testing::Values(Shape{128, 512}, Shape{3, 4100}, Shape{1000, 2048})),
     case_name);
+
+// The benchmark shapes, once each (the spec over 2^26 elements takes seconds on the CPU).
+TEST(PointwiseGpuBenchShapes, ForwardF32AndBackwardBf16At65536x1024) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const Dims s{65536, 1024};
+  {
+    Tensor x = test::random_tensor(s, DType::f32, kCpu, 1), r = test::random_tensor(s, DType::f32, kCpu, 2);
+    Tensor b = test::random_tensor({1024}, DType::f32, kCpu, 3);
+    Tensor want = Tensor::empty(s, DType::f32, kCpu);
+    reference::bias_act_forward({x, r.view(), b.view(), want, std::nullopt}, {Activation::relu, 0.5f});
+    Tensor xd = x.copy_to(gpu), rd = r.copy_to(gpu), bd = b.copy_to(gpu), yd = Tensor::empty(s, DType::f32, gpu);
+    test::poison(yd);
+    bias_act_forward({xd, rd.view(), bd.view(), yd, std::nullopt}, {Activation::relu, 0.5f});
+    EXPECT_TRUE(test::all_close(yd, want, kernel_tolerance(DType::f32)));
+  }
+  {
+    Tensor dy = test::random_tensor(s, DType::bf16, kCpu, 4), z = test::random_tensor(s, DType::bf16, kCpu, 5);
+    Tensor y = Tensor::empty(s, DType::bf16, kCpu);
+    reference::bias_act_forward({z, std::nullopt, std::nullopt, y, std::nullopt}, {Activation::relu, 1.0f});
+    Tensor want_dx = Tensor::empty(s, DType::bf16, kCpu), want_dr = Tensor::empty(s, DType::bf16, kCpu);
+    Tensor want_db = Tensor::empty({1024}, DType::f32, kCpu);
+    const BiasActParams p{Activation::relu, 0.5f};
+    reference::bias_act_backward({dy, y, SavedForBackward::output, want_dx, want_dr.view(), want_db.view()}, p);
+    Tensor dyd = dy.copy_to(gpu), yd = y.copy_to(gpu);
+    Tensor dxd = Tensor::empty(s, DType::bf16, gpu), drd = Tensor::empty(s, DType::bf16, gpu);
+    Tensor dbd = Tensor::empty({1024}, DType::f32, gpu);
+    test::poison(dxd);
+    test::poison(drd);
+    test::poison(dbd);
+    bias_act_backward({dyd, yd, SavedForBackward::output, dxd, drd.view(), dbd.view()}, p);
+    EXPECT_TRUE(test::all_close(dxd, want_dx, kernel_tolerance(DType::bf16)));
+    EXPECT_TRUE(test::all_close(drd, want_dr, kernel_tolerance(DType::bf16)));
+    const double accum = 8.0 * std::sqrt(65536.0) * 2.0 * 0x1p-24;  // as in BackwardMatchesSpec
+    EXPECT_TRUE(test::all_close(dbd, want_db, {test::tolerance_for(DType::f32).atol + accum, 1e-5}));
+  }
+}
+
+TEST(PointwiseGpuBenchShapes, BackwardDbiasIsDeterministic) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const Dims s{20000, 777};
+  Tensor dy = test::random_tensor(s, DType::f32, gpu, 8), y = test::random_tensor(s, DType::f32, gpu, 9, 0, 1);
+  Tensor dx = Tensor::empty(s, DType::f32, gpu);
+  Tensor db1 = Tensor::empty({777}, DType::f32, gpu), db2 = Tensor::empty({777}, DType::f32, gpu);
+  bias_act_backward({dy, y, SavedForBackward::output, dx, std::nullopt, db1.view()}, {Activation::sigmoid, 1.0f});
+  bias_act_backward({dy, y, SavedForBackward::output, dx, std::nullopt, db2.view()}, {Activation::sigmoid, 1.0f});
+  const Tensor a = test::to_host(db1), b = test::to_host(db2);
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0);
+}
 
 TEST(PointwiseGpuLayout, MisalignedPointersTakeTheScalarPath) {
   FK_SKIP_WITHOUT_GPU();

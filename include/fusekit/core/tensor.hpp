@@ -113,7 +113,8 @@ class Tensor {
   TensorView view_;
 };
 
-// Synchronous copy between any two devices; same dtype and shape, both contiguous.
+// Synchronous copy between any two devices; same dtype and shape, both contiguous. It is ordered
+// after work on the legacy default stream only: synchronise other streams first.
 void copy(const TensorView& dst, const TensorView& src);
 // Fills every element with `value` converted to the tensor's dtype (synchronous).
 void fill(const TensorView& t, double value);
