@@ -15,7 +15,6 @@
 namespace fk::bench {
 namespace {
 
-using device::from_float;
 using device::load_vec;
 using device::store_vec;
 using device::to_float;
@@ -35,7 +34,7 @@ struct ScaleOp {  // out = alpha * a
   __device__ void operator()(std::int64_t i) const {
     const Vec<T, V> va = load_vec<T, V>(a + i);
     Vec<T, V> o;
-    for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(alpha * to_float(va.v[j]));
+    for (int j = 0; j < V; ++j) o.set(j, alpha * va.get(j));
     store_vec<T, V>(out + i, o);
   }
 };
@@ -46,7 +45,7 @@ struct AddOp {  // out = a + b
   __device__ void operator()(std::int64_t i) const {
     const Vec<T, V> va = load_vec<T, V>(a + i), vb = load_vec<T, V>(b + i);
     Vec<T, V> o;
-    for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(to_float(va.v[j]) + to_float(vb.v[j]));
+    for (int j = 0; j < V; ++j) o.set(j, va.get(j) + vb.get(j));
     store_vec<T, V>(out + i, o);
   }
 };
@@ -57,7 +56,7 @@ struct AddBiasOp {  // out = a + bias[col], broadcast along rows
   __device__ void operator()(std::int64_t i) const {
     const Vec<T, V> va = load_vec<T, V>(a + i), vb = load_vec<T, V>(bias + i % cols);
     Vec<T, V> o;
-    for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(to_float(va.v[j]) + to_float(vb.v[j]));
+    for (int j = 0; j < V; ++j) o.set(j, va.get(j) + vb.get(j));
     store_vec<T, V>(out + i, o);
   }
 };
@@ -68,7 +67,7 @@ struct ActOp {  // out = act(a)
   __device__ void operator()(std::int64_t i) const {
     const Vec<T, V> va = load_vec<T, V>(a + i);
     Vec<T, V> o;
-    for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(device::activation<A>(to_float(va.v[j])));
+    for (int j = 0; j < V; ++j) o.set(j, device::activation<A>(va.get(j)));
     store_vec<T, V>(out + i, o);
   }
 };
@@ -80,7 +79,7 @@ struct ActBackwardOp {  // dz = dy * act'(y), from the output
     const Vec<T, V> g = load_vec<T, V>(dy + i), s = load_vec<T, V>(y + i);
     Vec<T, V> o;
     for (int j = 0; j < V; ++j)
-      o.v[j] = from_float<T>(to_float(g.v[j]) * device::activation_grad_from_output<A>(to_float(s.v[j])));
+      o.set(j, g.get(j) * device::activation_grad_from_output<A>(s.get(j)));
     store_vec<T, V>(dz + i, o);
   }
 };

@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "fusekit/ops/pointwise.hpp"
 
 namespace fk::device {
@@ -62,10 +64,26 @@ template <> __device__ __forceinline__ float from_float<float>(float v) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-// N elements of T moved as one access (16 bytes when N * sizeof(T) == 16).
+// N elements of T moved as one access (16 bytes when N * sizeof(T) == 16). The 16-bit types are
+// held as raw bits: arrays of __nv_bfloat16 / __half objects (classes with constructors) end up
+// in local memory when indexed in unrolled loops, while plain integers stay in registers.
+template <class T> struct Bits { using type = T; };
+template <> struct Bits<__nv_bfloat16> { using type = unsigned short; };
+template <> struct Bits<__half> { using type = unsigned short; };
+
 template <class T, int N>
 struct alignas(sizeof(T) * N) Vec {
-  T v[N];
+  typename Bits<T>::type v[N];
+  __device__ __forceinline__ float get(int j) const {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __uint_as_float(static_cast<unsigned>(v[j]) << 16);
+    else if constexpr (std::is_same_v<T, __half>) return __half2float(__ushort_as_half(v[j]));
+    else return v[j];
+  }
+  __device__ __forceinline__ void set(int j, float f) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) v[j] = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+    else if constexpr (std::is_same_v<T, __half>) v[j] = __half_as_ushort(__float2half_rn(f));
+    else v[j] = f;
+  }
 };
 
 template <class T, int N>

@@ -24,11 +24,14 @@ namespace {
 
 using device::load_vec;
 using device::store_vec;
-using device::to_float;
 using device::Vec;
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
+// Rows a thread loads before it computes: 4 rows of 16 bytes per tensor in flight for f32 and
+// the scalar path, 2 for the 16-bit types, whose 8-wide vectors and their fp32 values would
+// otherwise not fit the register budget (3 blocks of 256 per SM) without spilling.
+template <int VEC>
+inline constexpr int kUnroll = VEC == 8 ? 2 : 4;
 
 struct ForwardParams {
   const void* x;  // [rows, cols]
@@ -68,7 +71,7 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_forward_kernel(ForwardPa
   if (p.b) {
     const Vec<T, VEC> bv = load_vec<T, VEC>(static_cast<const T*>(p.b) + col);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) bias[j] = to_float(bv.v[j]);
+    for (int j = 0; j < VEC; ++j) bias[j] = bv.get(j);
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) bias[j] = 0.0f;
@@ -76,10 +79,10 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_forward_kernel(ForwardPa
 
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.y) * rows_per_iter;
   for (std::int64_t row0 = static_cast<std::int64_t>(blockIdx.y) * rows_per_iter + ty; row0 < p.rows;
-       row0 += stride * kUnroll) {
-    Vec<T, VEC> xv[kUnroll], rv[kUnroll];
+       row0 += stride * kUnroll<VEC>) {
+    Vec<T, VEC> xv[kUnroll<VEC>], rv[kUnroll<VEC>];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kUnroll<VEC>; ++u) {
       const std::int64_t row = row0 + u * stride;
       if (row < p.rows) {
         xv[u] = load_vec<T, VEC>(x + row * p.cols + col);
@@ -87,20 +90,21 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_forward_kernel(ForwardPa
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kUnroll<VEC>; ++u) {
       const std::int64_t row = row0 + u * stride;
-      if (row >= p.rows) break;
-      Vec<T, VEC> yv, zv;
+      if (row < p.rows) {
+        Vec<T, VEC> yv, zv;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        float v = to_float(xv[u].v[j]);
-        if (r) v = fmaf(p.alpha, to_float(rv[u].v[j]), v);
-        v += bias[j];
-        zv.v[j] = device::from_float<T>(v);
-        yv.v[j] = device::from_float<T>(device::activation<A>(v));
+        for (int j = 0; j < VEC; ++j) {
+          float v = xv[u].get(j);
+          if (r) v = fmaf(p.alpha, rv[u].get(j), v);
+          v += bias[j];
+          zv.set(j, v);
+          yv.set(j, device::activation<A>(v));
+        }
+        store_vec<T, VEC>(y + row * p.cols + col, yv);
+        if (z) store_vec<T, VEC>(z + row * p.cols + col, zv);
       }
-      store_vec<T, VEC>(y + row * p.cols + col, yv);
-      if (z) store_vec<T, VEC>(z + row * p.cols + col, zv);
     }
   }
 }
@@ -124,10 +128,10 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_backward_kernel(Backward
 
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.y) * rows_per_iter;
   for (std::int64_t row0 = static_cast<std::int64_t>(blockIdx.y) * rows_per_iter + ty; active && row0 < p.rows;
-       row0 += stride * kUnroll) {
-    Vec<T, VEC> gv[kUnroll], sv[kUnroll];
+       row0 += stride * kUnroll<VEC>) {
+    Vec<T, VEC> gv[kUnroll<VEC>], sv[kUnroll<VEC>];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kUnroll<VEC>; ++u) {
       const std::int64_t row = row0 + u * stride;
       if (row < p.rows) {
         gv[u] = load_vec<T, VEC>(dy + row * p.cols + col);
@@ -135,21 +139,22 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_backward_kernel(Backward
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kUnroll<VEC>; ++u) {
       const std::int64_t row = row0 + u * stride;
-      if (row >= p.rows) break;
-      Vec<T, VEC> dxv, drv;
+      if (row < p.rows) {
+        Vec<T, VEC> dxv, drv;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float s = to_float(sv[u].v[j]);
-        const float g = kFromOutput ? device::activation_grad_from_output<A>(s) : device::activation_grad<A>(s);
-        const float dz = to_float(gv[u].v[j]) * g;
-        acc[j] += dz;
-        dxv.v[j] = device::from_float<T>(dz);
-        drv.v[j] = device::from_float<T>(p.alpha * dz);
+        for (int j = 0; j < VEC; ++j) {
+          const float s = sv[u].get(j);
+          const float g = kFromOutput ? device::activation_grad_from_output<A>(s) : device::activation_grad<A>(s);
+          const float dz = gv[u].get(j) * g;
+          acc[j] += dz;
+          dxv.set(j, dz);
+          drv.set(j, p.alpha * dz);
+        }
+        store_vec<T, VEC>(dx + row * p.cols + col, dxv);
+        if (dr) store_vec<T, VEC>(dr + row * p.cols + col, drv);
       }
-      store_vec<T, VEC>(dx + row * p.cols + col, dxv);
-      if (dr) store_vec<T, VEC>(dr + row * p.cols + col, drv);
     }
   }
 
@@ -202,20 +207,32 @@ int multiprocessor_count() {
   return sms;
 }
 
+// Blocks of kThreads that one SM holds at once for `Kernel` (asked once per kernel).
+template <auto Kernel>
+int resident_blocks() {
+  static const int n = [] {
+    int b = 0;
+    FK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, Kernel, kThreads, 0));
+    return std::max(b, 1);
+  }();
+  return n;
+}
+
 struct Launch {
   dim3 grid;
   int tpr_log2;
 };
 
 // Threads per row: the smallest power of two covering the row's vectors, at most a block.
-// Rows are spread over enough blocks to fill the GPU once (8 resident blocks of 256 per SM).
-Launch plan(std::int64_t rows, std::int64_t cols, int vec) {
+// Rows are spread over exactly as many blocks as the GPU holds at once (one wave, no tail).
+Launch plan(std::int64_t rows, std::int64_t cols, int vec, int blocks_per_sm) {
   const std::int64_t col_vecs = cols / vec;
   int tpr_log2 = 0;
   while ((1 << tpr_log2) < col_vecs && (1 << tpr_log2) < kThreads) ++tpr_log2;
   const int rows_per_iter = kThreads >> tpr_log2;
   const std::int64_t gx = (col_vecs + (1 << tpr_log2) - 1) >> tpr_log2;
-  const std::int64_t want = std::max<std::int64_t>(1, static_cast<std::int64_t>(multiprocessor_count()) * 8 / gx);
+  const std::int64_t wave = static_cast<std::int64_t>(multiprocessor_count()) * blocks_per_sm;
+  const std::int64_t want = std::max<std::int64_t>(1, wave / gx);
   const std::int64_t gy = std::clamp<std::int64_t>((rows + rows_per_iter - 1) / rows_per_iter, 1,
                                                    std::min<std::int64_t>(want, 65535));
   FK_CHECK_ARG(gx <= 0x7fffffff, "bias_act", "x", "at most 2^31 column vectors", std::to_string(gx));
@@ -250,58 +267,81 @@ void with_activation(Activation a, Args&&... args) {
   }
 }
 
+template <class T, int VEC, Activation A>
+void launch_forward(ForwardParams p, cudaStream_t s) {
+  constexpr auto kernel = bias_act_forward_kernel<T, VEC, A>;
+  const Launch l = plan(p.rows, p.cols, VEC, resident_blocks<kernel>());
+  p.tpr_log2 = l.tpr_log2;
+  kernel<<<l.grid, kThreads, 0, s>>>(p);
+  FK_CUDA_CHECK_LAUNCH("bias_act_forward_kernel");
+}
+
 template <Activation A>
 struct ForwardLauncher {
   template <class T>
-  static void run(T, ForwardParams p, bool vectorized, cudaStream_t s) {
-    if (vectorized) {
-      constexpr int V = vec16<T>();
-      const Launch l = plan(p.rows, p.cols, V);
-      p.tpr_log2 = l.tpr_log2;
-      bias_act_forward_kernel<T, V, A><<<l.grid, kThreads, 0, s>>>(p);
-    } else {
-      const Launch l = plan(p.rows, p.cols, 1);
-      p.tpr_log2 = l.tpr_log2;
-      bias_act_forward_kernel<T, 1, A><<<l.grid, kThreads, 0, s>>>(p);
-    }
-    FK_CUDA_CHECK_LAUNCH("bias_act_forward_kernel");
+  static void run(T, const ForwardParams& p, bool vectorized, cudaStream_t s) {
+    if (vectorized) launch_forward<T, vec16<T>(), A>(p, s);
+    else launch_forward<T, 1, A>(p, s);
   }
 };
+
+// The backward kernel, then (when db is wanted) the fold of its per-block partial sums.
+template <class T, int VEC, Activation A, bool kFromOutput>
+void launch_backward(BackwardParams p, const BiasActBackwardArgs& a, const Stream* stream) {
+  constexpr auto kernel = bias_act_backward_kernel<T, VEC, A, kFromOutput>;
+  const Launch l = plan(p.rows, p.cols, VEC, resident_blocks<kernel>());
+  p.tpr_log2 = l.tpr_log2;
+  const cudaStream_t s = detail::cuda_stream(stream);
+  Tensor partial;  // [grid.y, cols]; freed into the stream-ordered cache once both kernels are queued
+  if (a.dbias) {
+    partial = Tensor::empty({static_cast<std::int64_t>(l.grid.y), p.cols}, DType::f32, a.dy.device(), stream);
+    p.partial = partial.data_as<float>();
+  }
+  kernel<<<l.grid, kThreads, 0, s>>>(p);
+  FK_CUDA_CHECK_LAUNCH("bias_act_backward_kernel");
+  if (!a.dbias) return;
+  const dim3 grid(static_cast<unsigned>((p.cols + 31) / 32)), block(32, 8);
+  const int parts = static_cast<int>(l.grid.y);
+  if (a.dbias->dtype() == DType::f32) {
+    sum_partials_kernel<<<grid, block, 0, s>>>(p.partial, parts, p.cols, a.dbias->data_as<float>());
+  } else {
+    sum_partials_kernel<<<grid, block, 0, s>>>(p.partial, parts, p.cols, a.dbias->data_as<T>());
+  }
+  FK_CUDA_CHECK_LAUNCH("sum_partials_kernel");
+}
 
 template <Activation A>
 struct BackwardLauncher {
   template <class T>
-  static void run(T, BackwardParams p, bool vectorized, bool from_output, const Launch& l, cudaStream_t s) {
-    p.tpr_log2 = l.tpr_log2;
+  static void run(T, const BackwardParams& p, bool vectorized, bool from_output, const BiasActBackwardArgs& a,
+                  const Stream* stream) {
     // Activations whose derivative needs z never take the from-output path (checked by dispatch).
     constexpr bool kCanUseOutput = A == Activation::identity || A == Activation::relu ||
                                    A == Activation::sigmoid || A == Activation::tanh;
     if constexpr (kCanUseOutput) {
       if (from_output) {
-        if (vectorized) bias_act_backward_kernel<T, vec16<T>(), A, true><<<l.grid, kThreads, 0, s>>>(p);
-        else bias_act_backward_kernel<T, 1, A, true><<<l.grid, kThreads, 0, s>>>(p);
-        FK_CUDA_CHECK_LAUNCH("bias_act_backward_kernel");
+        if (vectorized) launch_backward<T, vec16<T>(), A, true>(p, a, stream);
+        else launch_backward<T, 1, A, true>(p, a, stream);
         return;
       }
     }
-    if (vectorized) bias_act_backward_kernel<T, vec16<T>(), A, false><<<l.grid, kThreads, 0, s>>>(p);
-    else bias_act_backward_kernel<T, 1, A, false><<<l.grid, kThreads, 0, s>>>(p);
-    FK_CUDA_CHECK_LAUNCH("bias_act_backward_kernel");
+    if (vectorized) launch_backward<T, vec16<T>(), A, false>(p, a, stream);
+    else launch_backward<T, 1, A, false>(p, a, stream);
   }
 };
 
 }  // namespace
 
 void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& prm, const Stream* stream) {
-  ForwardParams p{a.x.data(),
-                  a.r ? a.r->data() : nullptr,
-                  a.bias ? a.bias->data() : nullptr,
-                  a.y.data(),
-                  a.preact ? a.preact->data() : nullptr,
-                  a.x.size(0),
-                  a.x.size(1),
-                  prm.alpha,
-                  0};
+  const ForwardParams p{a.x.data(),
+                        a.r ? a.r->data() : nullptr,
+                        a.bias ? a.bias->data() : nullptr,
+                        a.y.data(),
+                        a.preact ? a.preact->data() : nullptr,
+                        a.x.size(0),
+                        a.x.size(1),
+                        prm.alpha,
+                        0};
   const int vec = 16 / static_cast<int>(dtype_size(a.x.dtype()));
   const bool vectorized = p.cols % vec == 0 && aligned16(p.x) && aligned16(p.r) && aligned16(p.b) &&
                           aligned16(p.y) && aligned16(p.z);
@@ -310,41 +350,22 @@ void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& prm, con
 }
 
 void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& prm, const Stream* stream) {
-  BackwardParams p{a.dy.data(),
-                   a.saved.data(),
-                   a.dx.data(),
-                   a.dr ? a.dr->data() : nullptr,
-                   nullptr,
-                   a.dy.size(0),
-                   a.dy.size(1),
-                   prm.alpha,
-                   0};
+  const BackwardParams p{a.dy.data(),
+                         a.saved.data(),
+                         a.dx.data(),
+                         a.dr ? a.dr->data() : nullptr,
+                         nullptr,
+                         a.dy.size(0),
+                         a.dy.size(1),
+                         prm.alpha,
+                         0};
   const int vec = 16 / static_cast<int>(dtype_size(a.dy.dtype()));
   const bool vectorized = p.cols % vec == 0 && aligned16(p.dy) && aligned16(p.saved) && aligned16(p.dx) &&
                           aligned16(p.dr);
-  const Launch l = plan(p.rows, p.cols, vectorized ? vec : 1);
-  const cudaStream_t s = detail::cuda_stream(stream);
-  Tensor partial;
-  if (a.dbias) {
-    partial = Tensor::empty({static_cast<std::int64_t>(l.grid.y), p.cols}, DType::f32, a.dy.device(), stream);
-    p.partial = partial.data_as<float>();
-  }
   const bool from_output = a.saved_kind == SavedForBackward::output;
   with_cuda_type(a.dy.dtype(), [&](auto t) {
-    with_activation<BackwardLauncher>(prm.act, t, p, vectorized, from_output, l, s);
+    with_activation<BackwardLauncher>(prm.act, t, p, vectorized, from_output, a, stream);
   });
-  if (!a.dbias) return;
-  const dim3 grid(static_cast<unsigned>((p.cols + 31) / 32)), block(32, 8);
-  const int parts = static_cast<int>(l.grid.y);
-  if (a.dbias->dtype() == DType::f32) {
-    sum_partials_kernel<<<grid, block, 0, s>>>(p.partial, parts, p.cols, a.dbias->data_as<float>());
-  } else {
-    with_cuda_type(a.dbias->dtype(), [&](auto t) {
-      using T = decltype(t);
-      sum_partials_kernel<<<grid, block, 0, s>>>(p.partial, parts, p.cols, a.dbias->data_as<T>());
-    });
-  }
-  FK_CUDA_CHECK_LAUNCH("sum_partials_kernel");
 }
 
 }  // namespace fk::cuda
