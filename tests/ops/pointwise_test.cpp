@@ -93,44 +93,36 @@ TEST(PointwiseSpec, EmptyBackwardZeroesDbias) {
 // Bad inputs
 // ---------------------------------------------------------------------------------------------
 
-// Runs f and checks that it throws fk::Error naming `arg`.
-template <class F>
-void expect_arg_error(F&& f, const std::string& arg) {
-  try {
-    f();
-    ADD_FAILURE() << "no fk::Error for argument " << arg;
-  } catch (const Error& e) {
-    EXPECT_EQ(e.arg(), arg) << e.what();
-  }
+void expect_forward_error(const BiasActForwardArgs& a, const std::string& arg) {
+  test::expect_arg_error([&] { bias_act_forward(a, {Activation::relu, 1.0f}); }, "bias_act_forward", arg);
+}
+
+void expect_backward_error(const BiasActBackwardArgs& a, Activation act, const std::string& arg) {
+  test::expect_arg_error([&] { bias_act_backward(a, {act, 1.0f}); }, "bias_act_backward", arg);
 }
 
 TEST(PointwiseErrors, EachBadInputNamesItsArgument) {
   Tensor x = Tensor::empty({4, 6}, DType::f32, kCpu), y = Tensor::empty({4, 6}, DType::f32, kCpu);
   Tensor r5 = Tensor::empty({4, 5}, DType::f32, kCpu), b5 = Tensor::empty({5}, DType::f32, kCpu);
   Tensor xb = Tensor::empty({4, 6}, DType::bf16, kCpu), xi = Tensor::empty({4, 6}, DType::i32, kCpu);
-  const BiasActParams p{Activation::relu, 1.0f};
-  expect_arg_error([&] { bias_act_forward({x, r5.view(), std::nullopt, y, std::nullopt}, p); }, "r");
-  expect_arg_error([&] { bias_act_forward({x, std::nullopt, b5.view(), y, std::nullopt}, p); }, "bias");
-  expect_arg_error([&] { bias_act_forward({x, xb.view(), std::nullopt, y, std::nullopt}, p); }, "r");
-  expect_arg_error([&] { bias_act_forward({xi, std::nullopt, std::nullopt, xi, std::nullopt}, p); }, "x");
-  expect_arg_error([&] { bias_act_forward({x, std::nullopt, std::nullopt, r5, std::nullopt}, p); }, "y");
-  const TensorView null_x(nullptr, DType::f32, {4, 6}, kCpu);
-  expect_arg_error([&] { bias_act_forward({null_x, std::nullopt, std::nullopt, y, std::nullopt}, p); }, "x");
+  const auto none = std::nullopt;
+  expect_forward_error({x, r5.view(), none, y, none}, "r");       // shape mismatch
+  expect_forward_error({x, none, b5.view(), y, none}, "bias");    // bias length != cols
+  expect_forward_error({x, xb.view(), none, y, none}, "r");       // dtype mismatch
+  expect_forward_error({xi, none, none, xi, none}, "x");          // unsupported dtype
+  expect_forward_error({x, none, none, r5, none}, "y");
+  expect_forward_error({x, none, none, y, r5.view()}, "preact");
+  expect_forward_error({TensorView(nullptr, DType::f32, {4, 6}, kCpu), none, none, y, none}, "x");  // null data
   const TensorView strided(x.data(), DType::f32, {4, 3}, {6, 2}, kCpu);
-  expect_arg_error([&] { bias_act_forward({strided, std::nullopt, std::nullopt, strided, std::nullopt}, p); }, "x");
-  const TensorView rank3(x.data(), DType::f32, {2, 2, 6}, kCpu);
-  expect_arg_error([&] { bias_act_forward({rank3, std::nullopt, std::nullopt, rank3, std::nullopt}, p); }, "x");
+  expect_forward_error({strided, none, none, strided, none}, "x");  // non-contiguous
+  expect_forward_error({x.view().reshape({2, 2, 6}), none, none, y, none}, "x");  // rank 3
 
-  // Backward: gelu needs z; dbias of a third dtype; wrong dbias length.
-  expect_arg_error([&] {
-    bias_act_backward({x, y, SavedForBackward::output, x, std::nullopt, std::nullopt}, {Activation::gelu_erf, 1.0f});
-  }, "saved_kind");
   Tensor db16 = Tensor::empty({6}, DType::f16, kCpu);
-  expect_arg_error([&] { bias_act_backward({xb, xb, SavedForBackward::output, xb, std::nullopt, db16.view()}, p); },
-                   "dbias");
-  expect_arg_error([&] { bias_act_backward({x, y, SavedForBackward::output, x, std::nullopt, b5.view()}, p); }, "dbias");
-  expect_arg_error([&] { bias_act_backward({x, r5, SavedForBackward::output, x, std::nullopt, std::nullopt}, p); },
-                   "saved");
+  expect_backward_error({x, y, SavedForBackward::output, x, none, none}, Activation::gelu_erf, "saved_kind");
+  expect_backward_error({xb, xb, SavedForBackward::output, xb, none, db16.view()}, Activation::relu, "dbias");
+  expect_backward_error({x, y, SavedForBackward::output, x, none, b5.view()}, Activation::relu, "dbias");
+  expect_backward_error({x, r5, SavedForBackward::output, x, none, none}, Activation::relu, "saved");
+  expect_backward_error({x, y, SavedForBackward::output, x, r5.view(), none}, Activation::relu, "dr");
   EXPECT_THROW(parse_activation("swish"), Error);
   EXPECT_EQ(parse_activation("gelu_erf"), Activation::gelu_erf);
 }
@@ -138,7 +130,7 @@ TEST(PointwiseErrors, EachBadInputNamesItsArgument) {
 TEST(PointwiseErrors, MixedDevices) {
   FK_SKIP_WITHOUT_GPU();
   Tensor x = Tensor::empty({4, 6}, DType::f32, Device::cuda(0)), y = Tensor::empty({4, 6}, DType::f32, kCpu);
-  expect_arg_error([&] { bias_act_forward({x, std::nullopt, std::nullopt, y, std::nullopt}, {}); }, "y");
+  expect_forward_error({x, std::nullopt, std::nullopt, y, std::nullopt}, "y");
 }
 
 // ---------------------------------------------------------------------------------------------

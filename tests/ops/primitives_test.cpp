@@ -68,16 +68,9 @@ TEST(BatchedMatmulSpec, EmptyInnerDimensionGivesZeros) {
 // Bad inputs
 // ---------------------------------------------------------------------------------------------
 
-// Runs f and checks that it throws fk::Error of batched_matmul naming `arg`.
 template <class F>
 void expect_arg_error(F&& f, const std::string& arg) {
-  try {
-    f();
-    ADD_FAILURE() << "no fk::Error for argument " << arg;
-  } catch (const Error& e) {
-    EXPECT_EQ(e.op(), "batched_matmul") << e.what();
-    EXPECT_EQ(e.arg(), arg) << e.what();
-  }
+  test::expect_arg_error(std::forward<F>(f), "batched_matmul", arg);
 }
 
 TEST(BatchedMatmulErrors, EachBadInputNamesItsArgument) {

@@ -39,4 +39,16 @@ Tolerance tolerance_for(DType t);
 
 ::testing::AssertionResult all_close(const TensorView& got, const TensorView& ref, Tolerance tol);
 
+// Runs f and checks that it throws fk::Error of op `op` naming argument `arg`.
+template <class F>
+void expect_arg_error(F&& f, const std::string& op, const std::string& arg) {
+  try {
+    f();
+    ADD_FAILURE() << "no fk::Error for argument " << arg;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.op(), op) << e.what();
+    EXPECT_EQ(e.arg(), arg) << e.what();
+  }
+}
+
 }  // namespace fk::test

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "fusekit/core/error.hpp"
+#include "ops/reference_io.hpp"
 #include "fusekit/ops/pointwise.hpp"
 
 namespace fk::reference {
@@ -14,27 +15,6 @@ constexpr double kSqrt2OverPi = 0.7978845608028654;  // sqrt(2/pi)
 constexpr double kGeluC = 0.044715;
 
 double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
-
-// Reads element i of a host tensor of any float dtype as double.
-double load(const TensorView& t, std::int64_t i) {
-  switch (t.dtype()) {
-    case DType::f32: return t.data_as<float>()[i];
-    case DType::bf16: return static_cast<float>(t.data_as<bf16>()[i]);
-    case DType::f16: return static_cast<float>(t.data_as<f16>()[i]);
-    default: throw_internal("pointwise reference: dtype not checked by the caller");
-  }
-}
-
-// Rounds v to the tensor's dtype (through float, as the kernels do) and stores it.
-void store(const TensorView& t, std::int64_t i, double v) {
-  const float f = static_cast<float>(v);
-  switch (t.dtype()) {
-    case DType::f32: t.data_as<float>()[i] = f; return;
-    case DType::bf16: t.data_as<bf16>()[i] = bf16(f); return;
-    case DType::f16: t.data_as<f16>()[i] = f16(f); return;
-    default: throw_internal("pointwise reference: dtype not checked by the caller");
-  }
-}
 
 // act'(z) expressed through y = act(z), for the activations where that is possible.
 double grad_from_output(Activation act, double y) {

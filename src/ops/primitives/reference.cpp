@@ -4,30 +4,11 @@
 #include <cstdint>
 
 #include "fusekit/core/error.hpp"
+#include "ops/reference_io.hpp"
 #include "fusekit/ops/primitives.hpp"
 
 namespace fk::reference {
 namespace {
-
-// Element i of a host tensor of any float dtype, as double.
-double load(const TensorView& t, std::int64_t i) {
-  switch (t.dtype()) {
-    case DType::f32: return t.data_as<float>()[i];
-    case DType::bf16: return static_cast<float>(t.data_as<bf16>()[i]);
-    case DType::f16: return static_cast<float>(t.data_as<f16>()[i]);
-    default: throw_internal("primitives reference: dtype not checked by the caller");
-  }
-}
-
-void store(const TensorView& t, std::int64_t i, double v) {
-  const float f = static_cast<float>(v);
-  switch (t.dtype()) {
-    case DType::f32: t.data_as<float>()[i] = f; return;
-    case DType::bf16: t.data_as<bf16>()[i] = bf16(f); return;
-    case DType::f16: t.data_as<f16>()[i] = f16(f); return;
-    default: throw_internal("primitives reference: dtype not checked by the caller");
-  }
-}
 
 }  // namespace
 
