@@ -246,11 +246,11 @@ void backward_case(Context& ctx, std::int64_t rows, std::int64_t cols) {
   require_close(name, err, dt == DType::f32 ? 1e-5 : 1e-2);
 
   const double bytes = 4.0 * static_cast<double>(tensor_bytes) + 4.0 * static_cast<double>(cols);
-  Record fr{"pointwise", name, "fused", "eager_3_kernels"};
+  Record fr{"pointwise", name, "fused", "eager_3_ops"};
   fr.median_us = ctx.time_us([&](int i) { fused(sets[static_cast<std::size_t>(i)]); }, rot);
   fr.gbps = bytes / (fr.median_us * 1e3);
   fr.rel_err = err;
-  Record er{"pointwise", name, "eager_3_kernels", "eager_3_kernels"};
+  Record er{"pointwise", name, "eager_3_ops", "eager_3_ops"};
   er.median_us = ctx.time_us([&](int i) { eager(sets[static_cast<std::size_t>(i)]); }, rot);
   er.gbps = bytes / (er.median_us * 1e3);
   ctx.add(fr);
