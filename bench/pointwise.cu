@@ -10,6 +10,7 @@
 #include "bench/harness.hpp"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/ops/pointwise.hpp"
+#include "ops/cuda_common.cuh"
 #include "ops/pointwise/activations.cuh"
 
 namespace fk::bench {
@@ -114,18 +115,11 @@ __global__ void colsum_final_kernel(const float* __restrict__ partial, int parts
   out[col] = s;
 }
 
-int sm_count() {
-  int dev = 0, n = 0;
-  FK_CUDA_CHECK(cudaGetDevice(&dev));
-  FK_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
-
 template <class T, class Op>
 void launch_map(const Op& op, std::int64_t n, cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
   const std::int64_t want = (n / V + 255) / 256;
-  const int grid = static_cast<int>(std::min<std::int64_t>(want, sm_count() * 8));
+  const int grid = static_cast<int>(std::min<std::int64_t>(want, cuda::multiprocessor_count() * 8));
   eager_map_kernel<T, V><<<grid, 256, 0, s>>>(op, n);
   FK_CUDA_CHECK_LAUNCH("eager_map_kernel");
 }

@@ -11,6 +11,7 @@
 #include "fusekit/core/tensor.hpp"
 #include "fusekit/ops/pointwise.hpp"
 #include "fusekit/ops/primitives.hpp"
+#include "fusekit/ops/quant.hpp"
 
 namespace fk {
 // Build description: commit, CUDA targets, compiler version, build type.

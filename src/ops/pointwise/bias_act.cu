@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "activations.cuh"
+#include "ops/cuda_common.cuh"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/tensor.hpp"
 #include "pointwise_cuda.hpp"
@@ -200,13 +201,6 @@ __global__ void __launch_bounds__(256) sum_partials_kernel(const float* __restri
   }
 }
 
-int multiprocessor_count() {
-  int dev = 0, sms = 0;
-  FK_CUDA_CHECK(cudaGetDevice(&dev));
-  FK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
-
 // Blocks of kThreads that one SM holds at once for `Kernel` (asked once per kernel).
 template <auto Kernel>
 int resident_blocks() {
@@ -243,16 +237,6 @@ bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15
 
 template <class T>
 constexpr int vec16() { return 16 / static_cast<int>(sizeof(T)); }
-
-template <class F>
-void with_cuda_type(DType t, F&& f) {
-  switch (t) {
-    case DType::f32: return f(float{});
-    case DType::bf16: return f(__nv_bfloat16{});
-    case DType::f16: return f(__half{});
-    default: throw_internal("pointwise: dtype not checked by the caller");
-  }
-}
 
 template <template <Activation> class K, class... Args>
 void with_activation(Activation a, Args&&... args) {
@@ -346,7 +330,7 @@ void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& prm, con
   const bool vectorized = p.cols % vec == 0 && aligned16(p.x) && aligned16(p.r) && aligned16(p.b) &&
                           aligned16(p.y) && aligned16(p.z);
   const cudaStream_t s = detail::cuda_stream(stream);
-  with_cuda_type(a.x.dtype(), [&](auto t) { with_activation<ForwardLauncher>(prm.act, t, p, vectorized, s); });
+  with_float_type(a.x.dtype(), [&](auto t) { with_activation<ForwardLauncher>(prm.act, t, p, vectorized, s); });
 }
 
 void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& prm, const Stream* stream) {
@@ -363,7 +347,7 @@ void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& prm, c
   const bool vectorized = p.cols % vec == 0 && aligned16(p.dy) && aligned16(p.saved) && aligned16(p.dx) &&
                           aligned16(p.dr);
   const bool from_output = a.saved_kind == SavedForBackward::output;
-  with_cuda_type(a.dy.dtype(), [&](auto t) {
+  with_float_type(a.dy.dtype(), [&](auto t) {
     with_activation<BackwardLauncher>(prm.act, t, p, vectorized, from_output, a, stream);
   });
 }

@@ -1,0 +1,196 @@
+// Tests of weight_grad_from_packed: the CUDA kernel against the spec (fk::reference, fp64
+// accumulation) on random inputs of many shapes, the split-K fix-up's determinism, and the
+// inputs the GPU path rejects. The shapes cover K not a multiple of the 64-deep k-block, COUT and
+// CIN not multiples of the 256x128 tile, CIN not a multiple of the group (a partial last group)
+// nor of 8, COUT = 1 and COUT % 8 != 0 (dy copied without TMA), K from 0 to 8192, every bit width,
+// bf16 and f32 statistics, f32 and bf16 dW, beta 0 (dW poisoned with NaN first) and 1, tiles
+// stored directly and tiles split over several CTAs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fusekit/fusekit.hpp"
+#include "test_util.hpp"
+
+namespace fk {
+namespace {
+
+const Device kCpu = Device::cpu();
+const Device kGpu = Device::cuda(0);
+
+struct WgCase {
+  std::int64_t k, cout, cin;
+  int bits, group;
+  DType stats, dw;
+  float beta;
+};
+
+std::ostream& operator<<(std::ostream& os, const WgCase& c) {
+  return os << "K" << c.k << "_COUT" << c.cout << "_CIN" << c.cin << "_b" << c.bits << "_g" << c.group << "_stats"
+            << dtype_name(c.stats) << "_dw" << dtype_name(c.dw) << "_beta" << c.beta;
+}
+
+// The packed x of a case on the CPU (made by the spec's pack) and its copy on the GPU.
+struct PackedPair {
+  PackedTensor cpu, gpu;
+};
+
+PackedPair make_packed(std::int64_t k, std::int64_t cin, int bits, int group, DType stats, std::uint64_t seed) {
+  const Tensor x = test::random_tensor({k, cin}, DType::f32, kCpu, seed, -2.f, 3.f);
+  PackedPair p;
+  p.cpu = pack(x, {.bits = bits, .group = group, .stats_dtype = stats});
+  p.gpu.words = p.cpu.words.copy_to(kGpu);
+  p.gpu.scale = p.cpu.scale.copy_to(kGpu);
+  p.gpu.min = p.cpu.min.copy_to(kGpu);
+  p.gpu.rows = p.cpu.rows, p.gpu.cols = p.cpu.cols, p.gpu.dtype = p.cpu.dtype;
+  p.gpu.bits = bits, p.gpu.group = group;
+  return p;
+}
+
+// For each dW element, sum_k |dy[k, o] * x̂[k, c]|: the scale of the rounding errors the GPU may
+// make on that element.
+std::vector<double> abs_products(const TensorView& dy, const PackedView& x) {
+  const std::int64_t k = dy.size(0), cout = dy.size(1), cin = x.cols;
+  Tensor xhat = unpack(x, DType::f32);
+  const float* xh = xhat.data_as<float>();
+  const std::vector<double> g = test::to_doubles(dy);
+  std::vector<double> out(static_cast<std::size_t>(cout * cin), 0.0);
+  for (std::int64_t r = 0; r < k; ++r)
+    for (std::int64_t o = 0; o < cout; ++o) {
+      const double a = std::fabs(g[static_cast<std::size_t>(r * cout + o)]);
+      double* row = out.data() + o * cin;
+      for (std::int64_t c = 0; c < cin; ++c) row[c] += a * std::fabs(xh[r * cin + c]);
+    }
+  return out;
+}
+
+class WeightGradPackedGpu : public ::testing::TestWithParam<WgCase> {};
+
+TEST_P(WeightGradPackedGpu, MatchesTheSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const WgCase c = GetParam();
+  const std::uint64_t seed = static_cast<std::uint64_t>(c.k * 131 + c.cout * 17 + c.cin * 7 + c.bits);
+  const PackedPair x = make_packed(c.k, c.cin, c.bits, c.group, c.stats, seed);
+  const Tensor dy = test::random_tensor({c.k, c.cout}, DType::bf16, kCpu, seed + 1, -1.f, 1.f);
+  const Tensor dy_gpu = dy.copy_to(kGpu);
+  // dW before the call: what beta = 1 accumulates into, or NaN that beta = 0 must overwrite.
+  const Tensor dw0 = test::random_tensor({c.cout, c.cin}, c.dw, kCpu, seed + 2, -4.f, 4.f);
+  if (c.beta == 0.0f) test::poison(dw0);
+  Tensor dw = dw0.copy_to(kGpu);
+  weight_grad_from_packed(dy_gpu, x.gpu.view(), dw, {.beta = c.beta});
+
+  // The spec in f32 (fp64 sums, one rounding): on the same starting dW, as f32.
+  Tensor ref = Tensor::empty({c.cout, c.cin}, DType::f32, kCpu);
+  {
+    const std::vector<double> start = test::to_doubles(dw0);
+    for (std::size_t i = 0; i < start.size(); ++i) ref.data_as<float>()[i] = static_cast<float>(start[i]);
+  }
+  weight_grad_from_packed(dy, x.cpu.view(), ref, {.beta = c.beta});
+
+  const std::vector<double> got = test::to_doubles(dw), want = test::to_doubles(ref);
+  const std::vector<double> prod = abs_products(dy, x.cpu.view());
+  const std::vector<double> prev = c.beta != 0.0f ? test::to_doubles(dw0) : std::vector<double>(got.size(), 0.0);
+  // Elementwise: x̂ is rounded to bf16 for the tensor cores (relative 2^-9 an element, so at most
+  // 2^-9 sum|dy x̂| on a dot product), fp32 accumulation over K <= 8192 adds well under 2^-10 of
+  // the same sum, and a bf16 dW is rounded once more (2^-8 |ref| with prev). Bound: 2^-8 sum|dy x̂|
+  // + 2^-8 |ref| for bf16 dW, + a tiny absolute floor.
+  const double out_rel = c.dw == DType::bf16 ? 1.0 / 256 : 1e-6;
+  double diff2 = 0, ref2 = 0;
+  std::size_t bad = 0, worst = 0;
+  double worst_excess = -1;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(got[i] - want[i]);
+    const double bound = (prod[i] + std::fabs(prev[i])) / 256 + out_rel * std::fabs(want[i]) + 1e-30;
+    if (!(err <= bound)) {
+      ++bad;
+      const double excess = std::isnan(err) ? INFINITY : err / bound;
+      if (excess > worst_excess) worst_excess = excess, worst = i;
+    }
+    diff2 += (got[i] - want[i]) * (got[i] - want[i]);
+    ref2 += want[i] * want[i];
+  }
+  EXPECT_EQ(bad, 0u) << bad << " of " << got.size() << " elements beyond the bound; worst at (" << worst / c.cin << ", "
+                     << worst % c.cin << "): got " << got[worst] << ", expected " << want[worst];
+  // The bound: ||got - ref|| / ||ref|| <= 1e-2 against the fp64 product.
+  if (ref2 > 0) EXPECT_LE(std::sqrt(diff2 / ref2), 1e-2);
+  else EXPECT_EQ(diff2, 0.0);
+}
+
+constexpr DType kBf = DType::bf16, kF32 = DType::f32;
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, WeightGradPackedGpu,
+    ::testing::Values(
+        // Every bit width and stats dtype; M and N tails (320 = 256 + 64, 300 = 2 x 128 + 44, not
+        // a multiple of 8 nor of the group); K = 777 is not a multiple of 64.
+        WgCase{777, 320, 300, 1, 64, kBf, kF32, 0}, WgCase{777, 320, 300, 2, 64, kF32, kF32, 0},
+        WgCase{777, 320, 300, 4, 64, kBf, kBf, 1}, WgCase{777, 320, 300, 8, 64, kF32, kBf, 0},
+        WgCase{777, 320, 300, 1, 256, kF32, kBf, 1}, WgCase{777, 320, 300, 2, 256, kBf, kF32, 1},
+        WgCase{777, 320, 300, 4, 256, kF32, kF32, 0}, WgCase{777, 320, 300, 8, 256, kBf, kF32, 1},
+        // The benchmark's widths at group 256, CIN = 384 (a partial last group).
+        WgCase{1000, 256, 384, 2, 256, kBf, kBf, 0}, WgCase{1000, 256, 384, 4, 256, kBf, kBf, 1},
+        WgCase{1000, 256, 384, 8, 256, kBf, kBf, 0},
+        // Groups: 32 (4 groups a 128-column tile), 96 (tiles cross group borders), 1024 (one
+        // partial group for the whole row), 512 at 1 bit.
+        WgCase{300, 192, 256, 2, 32, kBf, kF32, 0}, WgCase{300, 192, 400, 4, 96, kF32, kF32, 0},
+        WgCase{300, 192, 768, 8, 1024, kBf, kF32, 1}, WgCase{300, 192, 700, 1, 512, kF32, kF32, 0},
+        // Packed rows that cannot be read 16 bytes at a time (row of 32 columns at 1 bit = 4 bytes).
+        WgCase{200, 64, 20, 1, 32, kBf, kF32, 0}, WgCase{200, 64, 20, 2, 32, kF32, kBf, 1},
+        WgCase{150, 40, 96, 4, 32, kBf, kF32, 0},
+        // COUT = 1 and COUT % 8 != 0: dy copied by the producer threads instead of TMA.
+        WgCase{333, 1, 200, 4, 32, kBf, kF32, 0}, WgCase{333, 1, 128, 2, 64, kBf, kBf, 1},
+        WgCase{500, 12, 300, 8, 32, kF32, kF32, 0}, WgCase{129, 260, 64, 2, 64, kBf, kF32, 0},
+        // COUT = 8: TMA boxes mostly outside dy.
+        WgCase{400, 8, 512, 2, 256, kBf, kF32, 0},
+        // Tiny K, and K = one k-block plus one row; every tile stored directly by one CTA.
+        WgCase{1, 256, 256, 2, 256, kBf, kF32, 0}, WgCase{5, 100, 100, 4, 32, kF32, kBf, 1},
+        WgCase{64, 512, 640, 8, 128, kBf, kF32, 0}, WgCase{65, 512, 640, 2, 128, kBf, kBf, 1},
+        WgCase{200, 1024, 1024, 4, 256, kBf, kF32, 1},
+        // K = 0: dW = beta * dW.
+        WgCase{0, 64, 96, 2, 32, kBf, kF32, 0}, WgCase{0, 64, 96, 2, 32, kBf, kBf, 1},
+        // Long K: tiles split over many CTAs, summed by the fix-up kernel (with beta and bf16 dW).
+        WgCase{8192, 256, 512, 2, 256, kBf, kF32, 0}, WgCase{8192, 256, 384, 8, 256, kBf, kBf, 1},
+        WgCase{8000, 300, 260, 4, 64, kF32, kF32, 1}, WgCase{3000, 768, 768, 2, 256, kBf, kBf, 0}),
+    [](const ::testing::TestParamInfo<WgCase>& info) {
+      std::ostringstream os;
+      os << info.param;
+      std::string s = os.str();
+      for (char& ch : s)
+        if (ch == '.') ch = 'p';
+      return s;
+    });
+
+// Split-K partials are added in a fixed order: two runs give the same bits.
+TEST(WeightGradPackedGpuDeterminism, TwoRunsGiveIdenticalBits) {
+  FK_SKIP_WITHOUT_GPU();
+  const PackedPair x = make_packed(8192, 768, 2, 256, DType::bf16, 7);
+  const Tensor dy = test::random_tensor({8192, 768}, DType::bf16, kGpu, 8, -1.f, 1.f);
+  for (DType t : {DType::f32, DType::bf16}) {
+    Tensor a = Tensor::empty({768, 768}, t, kGpu), b = Tensor::empty({768, 768}, t, kGpu);
+    weight_grad_from_packed(dy, x.gpu.view(), a, {.beta = 0.0f, .deterministic = true});
+    weight_grad_from_packed(dy, x.gpu.view(), b, {.beta = 0.0f, .deterministic = true});
+    const Tensor ha = test::to_host(a), hb = test::to_host(b);
+    EXPECT_EQ(std::memcmp(ha.data(), hb.data(), ha.nbytes()), 0) << dtype_name(t);
+  }
+}
+
+// Valid packed formats the GPU kernel does not take (groups below 32 or not a multiple of it) are
+// refused with an error naming x, never computed wrong.
+TEST(WeightGradPackedGpuErrors, GroupsNotAMultipleOf32AreRefused) {
+  FK_SKIP_WITHOUT_GPU();
+  const Tensor dy = test::random_tensor({64, 32}, DType::bf16, kGpu, 1);
+  Tensor dw = Tensor::empty({32, 48}, DType::f32, kGpu);
+  for (int group : {16, 48}) {
+    const PackedPair x = make_packed(64, 48, 2, group, DType::bf16, 2);
+    test::expect_arg_error([&] { weight_grad_from_packed(dy, x.gpu.view(), dw); }, "weight_grad_from_packed", "x");
+  }
+}
+
+}  // namespace
+}  // namespace fk
