@@ -12,6 +12,7 @@
 #include "fusekit/ops/pointwise.hpp"
 #include "fusekit/ops/primitives.hpp"
 #include "fusekit/ops/quant.hpp"
+#include "fusekit/nn/compressed.hpp"
 
 namespace fk {
 // Build description: commit, CUDA targets, compiler version, build type.

@@ -140,6 +140,8 @@ INSTANTIATE_TEST_SUITE_P(
         // partial group for the whole row), 512 at 1 bit.
         WgCase{300, 192, 256, 2, 32, kBf, kF32, 0}, WgCase{300, 192, 400, 4, 96, kF32, kF32, 0},
         WgCase{300, 192, 768, 8, 1024, kBf, kF32, 1}, WgCase{300, 192, 700, 1, 512, kF32, kF32, 0},
+        // More than 12 groups a row: statistics rows too long for the TMA slots (loaded by the threads).
+        WgCase{300, 64, 1600, 2, 32, kBf, kF32, 0},
         // Packed rows that cannot be read 16 bytes at a time (row of 32 columns at 1 bit = 4 bytes).
         WgCase{200, 64, 20, 1, 32, kBf, kF32, 0}, WgCase{200, 64, 20, 2, 32, kF32, kBf, 1},
         WgCase{150, 40, 96, 4, 32, kBf, kF32, 0},

@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -272,25 +271,6 @@ void launch_cute(const GemmArgs& args, cudaStream_t stream) {
 // Host side
 // ---------------------------------------------------------------------------------------------
 
-// Makes the tensors' device current for one call (cuBLAS handles, launches and the legacy default
-// stream are all per device) and gives the caller's back.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) : device_(device) {
-    FK_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device_) FK_CUDA_CHECK(cudaSetDevice(device_));
-  }
-  ~DeviceScope() {
-    if (previous_ != device_) cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int device_;
-  int previous_ = 0;
-};
-
 // The kernels index within one matrix in int; the CuTe kernel's coordinates reach one tile past
 // a dimension's end, hence the margin below 2^31.
 constexpr std::int64_t kMaxDim = INT_MAX - 256;
@@ -303,40 +283,10 @@ GemmArgs make_args(const TensorView& a, const TensorView& b, const TensorView& c
   return GemmArgs{a.data(), b.data(), c.data(), int(batch), int(m), int(n), int(k), c.dtype() == DType::f32};
 }
 
-cudaDataType_t cuda_data_type(DType t) {
-  switch (t) {
-    case DType::f32: return CUDA_R_32F;
-    case DType::bf16: return CUDA_R_16BF;
-    case DType::f16: return CUDA_R_16F;
-    default: throw_internal("batched_matmul: dtype not checked by the caller");
-  }
-}
-
-// One cuBLAS handle per device, made on first use, behind one mutex: a handle's stream is shared
-// state, so setting it and enqueueing the GEMM happen under the lock. The handles live until the
-// process ends, since cublasDestroy from a static destructor could run after the CUDA runtime is
-// gone.
-struct CublasHandles {
-  std::mutex mutex;
-  std::vector<cublasHandle_t> per_device;
-
-  cublasHandle_t get(int device) {  // with `mutex` held
-    const auto i = static_cast<std::size_t>(device);
-    if (i >= per_device.size()) per_device.resize(i + 1, nullptr);
-    if (!per_device[i]) FK_CUBLAS_CHECK(cublasCreate(&per_device[i]));
-    return per_device[i];
-  }
-};
-
-CublasHandles& cublas_handles() {
-  static CublasHandles handles;
-  return handles;
-}
-
 }  // namespace
 
 void batched_matmul_cublas(const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream) {
-  DeviceScope on_device(a.device().index);
+  fk::detail::DeviceScope on_device(a.device().index);
   const GemmArgs args = make_args(a, b, c);
   const cudaStream_t s = fk::detail::cuda_stream(stream);
   if (args.k == 0) {  // cuBLAS wants lda >= 1; the sum over nothing is zero, all bits clear
@@ -348,24 +298,22 @@ void batched_matmul_cublas(const TensorView& a, const TensorView& b, const Tenso
   const long long stride_b = static_cast<long long>(args.k) * args.n;
   const long long stride_c = static_cast<long long>(args.m) * args.n;
 
-  CublasHandles& handles = cublas_handles();
-  std::lock_guard<std::mutex> lock(handles.mutex);
-  const cublasHandle_t handle = handles.get(a.device().index);
-  FK_CUBLAS_CHECK(cublasSetStream(handle, s));
+  const fk::detail::CublasLease cublas(a.device().index, s);
+  const cublasHandle_t handle = cublas.get();
   // CUBLAS_COMPUTE_32F under the handle's default math mode: fp32 arithmetic, never TF32.
   // Row-major c = a b is column-major c^T = b^T a^T: cuBLAS gets b first, with the roles of M
   // and N swapped, and every leading dimension is a row length.
   FK_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
       handle, CUBLAS_OP_N, CUBLAS_OP_N, args.n, args.m, args.k, &alpha,
-      b.data(), cuda_data_type(b.dtype()), args.n, stride_b,
-      a.data(), cuda_data_type(a.dtype()), args.k, stride_a, &beta,
-      c.data(), cuda_data_type(c.dtype()), args.n, stride_c, args.batch,
+      b.data(), fk::detail::cuda_data_type(b.dtype()), args.n, stride_b,
+      a.data(), fk::detail::cuda_data_type(a.dtype()), args.k, stride_a, &beta,
+      c.data(), fk::detail::cuda_data_type(c.dtype()), args.n, stride_c, args.batch,
       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 void batched_matmul_cute(const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream) {
   const int device = a.device().index;
-  DeviceScope on_device(device);
+  fk::detail::DeviceScope on_device(device);
   int major = 0, minor = 0;
   FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));

@@ -81,14 +81,18 @@ constexpr int kTileElems = kBlockM * kBlockN;
 [[maybe_unused]] constexpr int kEmptyArrivals = 2;  // one per consumer warpgroup
 constexpr int kProducerRegs = 120, kConsumerRegs = 192;
 static_assert(kProducerRegs * kProducerThreads + kConsumerRegs * kConsumerThreads <= 168 * kThreads);
-// The packed words of a k-block (64 rows x 128 columns, 1 KB a bit) come by TMA into a ring of
-// kRawSlots slots, kRawSlots - 1 k-blocks ahead of the dequantization.
-constexpr int kRawSlots = 4;
-template <int kBits> constexpr int kRawSlotBytes = kBlockK * kBlockN * kBits / 8;
+// The packed words of a k-block (64 rows x 128 columns, 1 KB a bit) and the statistics rows of
+// its 64 rows (all G groups: they are contiguous, 64 G scales then as many minimums) come by TMA
+// into a ring of raw slots, kRawSlots - 1 k-blocks ahead of the dequantization (3 slots at 8 bits,
+// where 4 do not fit next to the 192 KB of operand stages).
+template <int kBits> constexpr int kRawSlots = kBits == 8 ? 3 : 4;
+template <int kBits> constexpr int kRawWordBytes = kBlockK * kBlockN * kBits / 8;
+constexpr int kStatsBytes = 1536;  // per array and slot: 64 G scales fit when G <= 12 (bf16) or 6 (f32)
+template <int kBits> constexpr int kRawSlotBytes = kRawWordBytes<kBits> + 2 * kStatsBytes;
 template <int kBits>
-constexpr int kSmemBytes = kStages * (kStageBytesA + kStageBytesB) + kRawSlots * kRawSlotBytes<kBits> +
-                           (2 * kStages + kRawSlots) * 8 + 1024;  // + slack for the 1024-byte alignment
-static_assert(kSmemBytes<8> <= 227 * 1024);
+constexpr int kSmemBytes = kStages * (kStageBytesA + kStageBytesB) + kRawSlots<kBits> * kRawSlotBytes<kBits> +
+                           (2 * kStages + kRawSlots<kBits>) * 8 + 1024;  // + slack for the 1024-byte alignment
+static_assert(kSmemBytes<8> <= 227 * 1024 && kSmemBytes<4> <= 227 * 1024);
 // Fewer k-blocks than this per CTA and the pipeline fill costs more than the extra CTAs bring.
 constexpr int kMinUnitsPerCta = 8;
 
@@ -124,9 +128,8 @@ struct Params {
   int stats_bytes;             // 2 (bf16) or 4 (f32)
   bool stats_bf16, dw_bf16, accumulate;
   bool tma_a;                  // dy by TMA (else copied by the producer threads)
-  bool tma_x;                  // packed words by TMA (else loaded by the producer threads)
+  bool tma_x;                  // packed words and statistics by TMA (else loaded by the producer threads)
   bool vec_words;              // without TMA: 16-byte (8 at 1 bit) loads of a thread's words
-  bool stats_prefetch;         // each k-block's statistics rows prefetched into L2 ahead of use
 };
 
 // The CTA whose range holds unit u: ranges are [c * U / P, (c + 1) * U / P), P <= U.
@@ -197,8 +200,21 @@ __device__ __forceinline__ uint2 ld_shared_v2(std::uint32_t addr) {
 __device__ __forceinline__ void producer_barrier() {
   asm volatile("bar.sync 1, %0;" ::"n"(kProducerThreads) : "memory");
 }
-__device__ __forceinline__ void prefetch_l2(const void* src, std::uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+// `bytes` (a multiple of 16) from global to shared memory by the TMA unit, completing on `bar`.
+__device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes, std::uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ float ld_shared_stat(std::uint32_t addr, bool bf16) {
+  if (bf16) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+    return __uint_as_float(static_cast<std::uint32_t>(v) << 16);
+  }
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
 }
 __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, std::uint32_t bar, std::uint32_t dst, int c0, int c1) {
   asm volatile(
@@ -222,9 +238,9 @@ struct Span {
   float s0, m0, s1, m1;
 };
 
-// Loads the span's statistics, and its words too when they do not come by TMA. Plain loads: the
-// caller issues them right after arriving on a full barrier, so that they are in flight while it
-// waits for the next stage (a fence or release with loads outstanding would wait for them).
+// Without TMA: loads the span's words and statistics with plain loads. The caller issues them
+// right after arriving on a full barrier, so that they are in flight while it waits for the next
+// stage (a fence or a release with loads outstanding would wait for them).
 template <int kBits>
 __device__ __forceinline__ void load_span(Span<kBits>& sp, const Params& p, UnitPos pos, int r, int h) {
   const std::int64_t k = static_cast<std::int64_t>(pos.kb) * kBlockK + r;
@@ -237,7 +253,6 @@ __device__ __forceinline__ void load_span(Span<kBits>& sp, const Params& p, Unit
   sp.m0 = load_stat(p.min, srow + g0, p.stats_bf16);
   sp.s1 = load_stat(p.scale, srow + g1, p.stats_bf16);
   sp.m1 = load_stat(p.min, srow + g1, p.stats_bf16);
-  if (p.tma_x) return;
   const int w0 = c0 / 32 * kBits;  // first word of the span in the row
   const std::uint32_t* row = p.words + k * p.row_words + w0;
   if (p.vec_words) {  // row stride and span start 16-byte aligned (8 at 1 bit); spans never straddle the row end
@@ -349,7 +364,7 @@ __device__ __forceinline__ Smem carve_smem(const std::uint8_t* raw) {
   const std::uint32_t a = (smem_addr(raw) + 1023) & ~1023u;
   const std::uint32_t b = a + kStages * kStageBytesA;
   const std::uint32_t w = b + kStages * kStageBytesB;
-  return {a, b, w, w + kRawSlots * kRawSlotBytes<kBits>};
+  return {a, b, w, w + kRawSlots<kBits> * kRawSlotBytes<kBits>};
 }
 
 template <int kBits>
@@ -365,29 +380,49 @@ struct Producer {
   UnitPos pref;    // thread 0: the next unit whose words are loaded by TMA
   Span<kBits> sp;  // statistics (and words without TMA) of unit `cur`
 
-  // Thread 0: unit pref's packed words into raw slot `slot` by TMA (zeros past K and the row's
-  // words), and that k-block's statistics rows into L2.
+  // Bytes of a k-block's statistics rows that TMA copies (a multiple of 16: the rest of a last,
+  // partial k-block is read from global memory).
+  __device__ __forceinline__ std::uint32_t stats_copy_bytes(int k0) const {
+    return static_cast<std::uint32_t>(std::min<std::int64_t>(kBlockK, p.k - k0) * p.groups * p.stats_bytes) & ~15u;
+  }
+
+  // Thread 0: unit pref's packed words (zeros past K and the row's words) and its k-block's
+  // statistics rows into raw slot `slot` by TMA.
   __device__ __forceinline__ void issue_raw(int slot) {
-    const std::uint32_t bar = sm.raw_full(slot);
-    mbar_arrive_expect_tx(bar, kRawSlotBytes<kBits>);
+    const std::uint32_t bar = sm.raw_full(slot), dst = sm.raw + slot * kRawSlotBytes<kBits>;
     const int k0 = pref.kb * kBlockK;
-    tma_load_2d(tmap_x, bar, sm.raw + slot * kRawSlotBytes<kBits>, (pref.tile % p.tiles_n) * (kBlockN * kBits / 32), k0);
-    if (p.stats_prefetch) {
+    const std::uint32_t stats = stats_copy_bytes(k0);
+    mbar_arrive_expect_tx(bar, kRawWordBytes<kBits> + 2 * stats);
+    tma_load_2d(tmap_x, bar, dst, (pref.tile % p.tiles_n) * (kBlockN * kBits / 32), k0);
+    if (stats > 0) {
       const std::int64_t first = static_cast<std::int64_t>(k0) * p.groups * p.stats_bytes;
-      const std::uint32_t bytes =
-          static_cast<std::uint32_t>(std::min<std::int64_t>(kBlockK, p.k - k0) * p.groups * p.stats_bytes) & ~15u;
-      if (bytes > 0) {
-        prefetch_l2(static_cast<const char*>(p.scale) + first, bytes);
-        prefetch_l2(static_cast<const char*>(p.min) + first, bytes);
-      }
+      bulk_copy(dst + kRawWordBytes<kBits>, static_cast<const char*>(p.scale) + first, stats, bar);
+      bulk_copy(dst + kRawWordBytes<kBits> + kStatsBytes, static_cast<const char*>(p.min) + first, stats, bar);
     }
     pref.advance(p.kblocks);
+  }
+
+  // The span's words and statistics from raw slot `slot`.
+  __device__ __forceinline__ void read_raw(std::uint32_t slot, std::int64_t k0, int c0) {
+    read_raw_words(sp, slot, r, h);
+    if (k0 + r >= p.k || c0 >= p.cin) return;  // stored as zeros
+    const int g0 = c0 / p.group, g1 = c0 + 32 < p.cin ? (c0 + 32) / p.group : g0;
+    const std::uint32_t copied = stats_copy_bytes(static_cast<int>(k0));
+    const std::int64_t e0 = static_cast<std::int64_t>(r) * p.groups + g0, e1 = e0 + (g1 - g0);
+    const std::uint32_t scale = slot + kRawWordBytes<kBits>, min = scale + kStatsBytes;
+    auto get = [&](std::uint32_t base, const void* global, std::int64_t e) {
+      return e * p.stats_bytes < copied ? ld_shared_stat(base + static_cast<std::uint32_t>(e) * p.stats_bytes, p.stats_bf16)
+                                        : load_stat(global, k0 * p.groups + e, p.stats_bf16);
+    };
+    sp.s0 = get(scale, p.scale, e0), sp.m0 = get(min, p.min, e0);
+    sp.s1 = get(scale, p.scale, e1), sp.m1 = get(min, p.min, e1);
   }
 
   __device__ __forceinline__ void step() {
     if (p.tma_x) {
       producer_barrier();  // every producer thread has read the raw slot of the previous unit ...
-      if (pt == 0 && left > kRawSlots - 1) issue_raw((it + kRawSlots - 1) % kRawSlots);  // ... which is refilled
+      if (pt == 0 && left > kRawSlots<kBits> - 1)  // ... which is refilled
+        issue_raw((it + kRawSlots<kBits> - 1) % kRawSlots<kBits>);
     }
     const int s = it % kStages;
     mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
@@ -405,25 +440,28 @@ struct Producer {
       load_a_by_threads(p, a_stage, mb * kBlockM, k0, pt);
       if (pt == 0) mbar_arrive(sm.full(s));
     }
-    if (p.tma_x) {
-      const int slot = it % kRawSlots;
-      mbar_wait(sm.raw_full(slot), (it / kRawSlots) & 1);
-      read_raw_words(sp, sm.raw + slot * kRawSlotBytes<kBits>, r, h);
-    }
     const int c0 = nb * kBlockN + 64 * h;
+    if (p.tma_x) {
+      const int slot = it % kRawSlots<kBits>;
+      mbar_wait(sm.raw_full(slot), (it / kRawSlots<kBits>) & 1);
+      read_raw(sm.raw + slot * kRawSlotBytes<kBits>, k0, c0);
+    }
     const int valid_chunks = k0 + r < p.k ? std::clamp((p.cin - c0 + 7) / 8, 0, 8) : 0;
     store_span(sp, sm.b + s * kStageBytesB, r, h, valid_chunks);
     fence_proxy_async_shared();
     mbar_arrive(sm.full(s));
     --left, ++it;
     cur.advance(p.kblocks);
-    if (left > 0) load_span(sp, p, cur, r, h);
+    if (!p.tma_x && left > 0) load_span(sp, p, cur, r, h);
   }
 
   __device__ void run() {
-    if (p.tma_x && pt == 0)
-      for (int i = 0; i < kRawSlots - 1 && i < left; ++i) issue_raw(i);
-    load_span(sp, p, cur, r, h);
+    if (p.tma_x) {
+      if (pt == 0)
+        for (int i = 0; i < kRawSlots<kBits> - 1 && i < left; ++i) issue_raw(i);
+    } else {
+      load_span(sp, p, cur, r, h);
+    }
     while (left > 0) step();
   }
 };
@@ -534,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(sm.full(s), kFullArrivals);
       mbar_init(sm.empty(s), kEmptyArrivals);
     }
-    for (int j = 0; j < kRawSlots; ++j) mbar_init(sm.raw_full(j), 1);
+    for (int j = 0; j < kRawSlots<kBits>; ++j) mbar_init(sm.raw_full(j), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -717,19 +755,20 @@ void weight_grad_from_packed(const TensorView& dy, const PackedView& x, const Te
   // TMA needs 16-byte aligned bases and row strides.
   const std::int64_t row_bytes = static_cast<std::int64_t>(p.row_words) * 4;
   p.tma_a = cout % 8 == 0 && aligned(dy.data(), 16);
-  p.tma_x = row_bytes % 16 == 0 && aligned(x.words.data(), 16);
+  p.tma_x = row_bytes % 16 == 0 && aligned(x.words.data(), 16) && aligned(p.scale, 16) && aligned(p.min, 16) &&
+            kBlockK * x.groups() * p.stats_bytes <= kStatsBytes;
   // Without TMA, 16-byte loads of a span (8 at 1 bit) need aligned rows, and a padded row length
   // that is a multiple of 64 columns so that no span runs past the row's last word.
   p.vec_words = aligned(x.words.data(), 16) && row_bytes % (x.bits == 1 ? 8 : 16) == 0 && (x.groups() * x.group) % 64 == 0;
-  // The statistics rows of a k-block are contiguous; prefetched when aligned and not too long
-  // (every CTA of a k-block prefetches all of them).
-  p.stats_prefetch = aligned(p.scale, 16) && aligned(p.min, 16) && kBlockK * x.groups() * p.stats_bytes <= 8192;
 
   const int sms = multiprocessor_count();
-  // One tile per CTA when the tiles fill the GPU; otherwise every SM takes an equal share of the
-  // (tile, k-block) units, but no fewer than kMinUnitsPerCta each.
+  // One tile per CTA when the tiles fill the GPU; otherwise split K S ways, S = SMs / tiles (but
+  // no fewer than kMinUnitsPerCta k-blocks a CTA): CTA t * S + s takes k-blocks
+  // [s KB / S, (s + 1) KB / S) of tile t. All CTAs run at once, and those of one k-range read the
+  // same dy rows (6 n-tiles for CIN = 768) and packed rows (3 m-tiles) at about the same time, so
+  // that both come from DRAM about once.
   std::int64_t ctas = tiles;
-  if (tiles < sms) ctas = std::clamp<std::int64_t>(p.units / kMinUnitsPerCta, tiles, sms);
+  if (tiles < sms) ctas = tiles * std::clamp<std::int64_t>(std::min<std::int64_t>(sms / tiles, p.kblocks / kMinUnitsPerCta), 1, sms);
   p.ctas = static_cast<int>(ctas);
   // Split tiles exist iff some CTA boundary falls inside a tile.
   bool any_split = false;

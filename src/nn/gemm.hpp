@@ -1,0 +1,19 @@
+// Row-major GEMM for the nn layers: C [M, N] = op(A) op(B), op = identity or transpose, fp32 (or
+// double, on the CPU) accumulation, overwriting C. The CPU path is the spec (plain loops, double
+// accumulation); the CUDA path is cuBLAS (CUBLAS_COMPUTE_32F). All three share one dtype.
+#pragma once
+
+#include "fusekit/core/tensor.hpp"
+
+namespace fk {
+class Stream;
+}
+
+namespace fk::nn::detail {
+
+enum class Op { n, t };
+
+// A is [M, K] (Op::n) or [K, M] (Op::t); B is [K, N] or [N, K].
+void gemm(Op op_a, Op op_b, const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream);
+
+}  // namespace fk::nn::detail
