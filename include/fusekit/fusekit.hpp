@@ -10,9 +10,11 @@
 #include "fusekit/core/stream.hpp"
 #include "fusekit/core/tensor.hpp"
 #include "fusekit/ops/pointwise.hpp"
+#include "fusekit/ops/glu.hpp"
 #include "fusekit/ops/primitives.hpp"
 #include "fusekit/ops/quant.hpp"
 #include "fusekit/nn/compressed.hpp"
+#include "fusekit/nn/glu.hpp"
 
 namespace fk {
 // Build description: commit, CUDA targets, compiler version, build type.

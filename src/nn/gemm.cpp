@@ -13,7 +13,8 @@
 
 namespace fk::nn::detail {
 
-void gemm(Op op_a, Op op_b, const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream) {
+void gemm(Op op_a, Op op_b, const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream,
+          bool allow_tf32) {
   const std::int64_t m = c.size(0), n = c.size(1);
   const std::int64_t k = op_a == Op::n ? a.size(1) : a.size(0);
   FK_CHECK_ARG((op_a == Op::n ? a.size(0) : a.size(1)) == m && (op_b == Op::n ? b.size(0) : b.size(1)) == k &&
@@ -44,9 +45,11 @@ void gemm(Op op_a, Op op_b, const TensorView& a, const TensorView& b, const Tens
                                op_a == Op::n ? CUBLAS_OP_N : CUBLAS_OP_T, static_cast<int>(n), static_cast<int>(m),
                                static_cast<int>(k), &one, b.data(), t, static_cast<int>(b.size(1)), a.data(), t,
                                static_cast<int>(a.size(1)), &zero, c.data(), t, static_cast<int>(n),
-                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                               allow_tf32 && c.dtype() == DType::f32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F,
+                               CUBLAS_GEMM_DEFAULT));
 #else
   (void)stream;
+  (void)allow_tf32;
   throw Error("nn::gemm", "c", "a host tensor (fusekit was built without CUDA)", c.str());
 #endif
 }

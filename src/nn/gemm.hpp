@@ -13,7 +13,9 @@ namespace fk::nn::detail {
 
 enum class Op { n, t };
 
-// A is [M, K] (Op::n) or [K, M] (Op::t); B is [K, N] or [N, K].
-void gemm(Op op_a, Op op_b, const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream);
+// A is [M, K] (Op::n) or [K, M] (Op::t); B is [K, N] or [N, K]. allow_tf32: f32 operands on the
+// GPU go through TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32).
+void gemm(Op op_a, Op op_b, const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream,
+          bool allow_tf32 = false);
 
 }  // namespace fk::nn::detail

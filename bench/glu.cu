@@ -1,0 +1,164 @@
+// Bench cases of the glu family (seed 002): the fused GEMM + gated activation against what eager
+// PyTorch runs, one cuBLAS GEMM writing C [M, 2N] then one separate activation kernel (fusekit's
+// glu_pairs, a single memory-bound pass: the best separate kernel we have). Every fused record
+// carries gemm_only_us, the cuBLAS GEMM(s) of the same shapes alone in the same run; tflops counts
+// the GEMM flops (2 M 2N K per GEMM) for every impl.
+//
+// The backward recomputes C: its GEMMs are C = x wᵀ, dx = dC w and dw = dCᵀ x (gemm_only_us is
+// their sum); the baseline is the unfused sequence cuBLAS C, one pass for dC, two cuBLAS GEMMs and
+// the column sums for db.
+#include <string>
+#include <vector>
+
+#include "bench/harness.hpp"
+#include "fusekit/ops/glu.hpp"
+#include "nn/gemm.hpp"
+#include "ops/glu/glu_cuda.hpp"
+
+namespace fk::bench {
+namespace {
+
+using nn::detail::Op;
+
+struct GluShape {
+  GluKind kind;
+  DType dtype;
+  bool tf32;
+  std::int64_t m, n, k;
+};
+
+std::string shape_name(const GluShape& s) {
+  const std::string dt = s.tf32 ? "tf32" : std::string(dtype_name(s.dtype));
+  return std::string(glu_kind_name(s.kind)) + "_" + dt + "_M" + std::to_string(s.m) + "_N" + std::to_string(s.n) +
+         "_K" + std::to_string(s.k);
+}
+
+// Operands of one run; w and b in the prepared layout.
+struct GluSet {
+  Tensor x, w, b, dy;
+};
+
+std::vector<GluSet> make_sets(Context& ctx, const GluShape& s, bool backward) {
+  const std::size_t e = dtype_size(s.dtype);
+  const std::size_t bytes = static_cast<std::size_t>(s.m * s.k + 2 * s.n * s.k + s.m * s.n) * e;
+  std::vector<GluSet> sets;
+  const int rot = ctx.rotations_for(bytes);
+  const float wscale = 1.0f / static_cast<float>(s.k);  // keeps C of order 1, away from saturation
+  for (int i = 0; i < rot; ++i) {
+    GluSet g;
+    g.x = ctx.random({s.m, s.k}, s.dtype, -1.f, 1.f);
+    g.w = ctx.random({2 * s.n, s.k}, s.dtype, -wscale * 30, wscale * 30);
+    g.b = ctx.random({2 * s.n}, s.dtype, -0.5f, 0.5f);
+    if (backward) g.dy = ctx.random({s.m, s.n}, s.dtype, -1.f, 1.f);
+    sets.push_back(std::move(g));
+  }
+  return sets;
+}
+
+void forward_case(Context& ctx, const GluShape& s) {
+  const std::string name = "glu_fwd/" + shape_name(s);
+  if (!ctx.selected("glu", name)) return;
+  const GluOptions opt{.kind = s.kind, .allow_tf32 = s.tf32};
+  std::vector<GluSet> sets = make_sets(ctx, s, false);
+  const int rot = static_cast<int>(sets.size());
+  const Tensor out = ctx.empty({s.m, s.n}, s.dtype), out_base = ctx.empty({s.m, s.n}, s.dtype);
+  const Tensor c = ctx.empty({s.m, 2 * s.n}, s.dtype);  // the baseline's C, reused like a cached block
+  const Stream* st = &ctx.fk_stream();
+  auto fused = [&](const GluSet& g) { glu_forward({g.x, g.w, g.b.view(), out}, opt, st); };
+  auto gemm = [&](const GluSet& g) { nn::detail::gemm(Op::n, Op::t, g.x, g.w, c, st, s.tf32); };
+  auto baseline = [&](const GluSet& g) {
+    gemm(g);
+    const TensorView b = g.b.view();
+    cuda::glu_pairs(c, &b, nullptr, out_base, s.kind, st);
+  };
+  fused(sets[0]);
+  baseline(sets[0]);
+  // Same products, fp32 accumulation in a different order, one rounding each.
+  const double err = ctx.rel_err(out, out_base);
+  require_close(name, err, s.dtype == DType::f32 ? 2e-3 : 1e-2);
+  const double flops = 2.0 * s.m * (2.0 * s.n) * s.k;
+  const auto at = [&](int i) -> const GluSet& { return sets[static_cast<std::size_t>(i)]; };
+  const double gemm_us = ctx.time_us([&](int i) { gemm(at(i)); }, rot);
+  Record fr{"glu", name, "fused", "cublas+act"};
+  fr.median_us = ctx.time_us([&](int i) { fused(at(i)); }, rot);
+  fr.tflops = flops / (fr.median_us * 1e6);
+  fr.rel_err = err;
+  fr.gemm_only_us = gemm_us;
+  Record br{"glu", name, "cublas+act", "cublas+act"};
+  br.median_us = ctx.time_us([&](int i) { baseline(at(i)); }, rot);
+  br.tflops = flops / (br.median_us * 1e6);
+  br.gemm_only_us = gemm_us;
+  ctx.add(fr);
+  ctx.add(br);
+}
+
+void backward_case(Context& ctx, const GluShape& s) {
+  const std::string name = "glu_bwd/" + shape_name(s);
+  if (!ctx.selected("glu", name)) return;
+  const GluOptions opt{.kind = s.kind, .allow_tf32 = s.tf32};
+  std::vector<GluSet> sets = make_sets(ctx, s, true);
+  const int rot = static_cast<int>(sets.size());
+  const Tensor dx = ctx.empty({s.m, s.k}, s.dtype), dw = ctx.empty({2 * s.n, s.k}, s.dtype),
+               db = ctx.empty({2 * s.n}, s.dtype);
+  const Tensor dx_b = ctx.empty({s.m, s.k}, s.dtype), dw_b = ctx.empty({2 * s.n, s.k}, s.dtype),
+               db_b = ctx.empty({2 * s.n}, s.dtype);
+  const Tensor c = ctx.empty({s.m, 2 * s.n}, s.dtype), dc = ctx.empty({s.m, 2 * s.n}, s.dtype);
+  const Stream* st = &ctx.fk_stream();
+  auto fused = [&](const GluSet& g) {
+    glu_backward({g.dy, g.x, g.w, g.b.view(), dx.view(), dw.view(), db.view()}, opt, st);
+  };
+  auto gemms = [&](const GluSet& g) {
+    nn::detail::gemm(Op::n, Op::t, g.x, g.w, c, st, s.tf32);
+    nn::detail::gemm(Op::n, Op::n, dc, g.w, dx_b, st, s.tf32);
+    nn::detail::gemm(Op::t, Op::n, dc, g.x, dw_b, st, s.tf32);
+  };
+  auto baseline = [&](const GluSet& g) {
+    nn::detail::gemm(Op::n, Op::t, g.x, g.w, c, st, s.tf32);
+    const TensorView b = g.b.view(), dy = g.dy.view();
+    cuda::glu_pairs(c, &b, &dy, dc, s.kind, st);
+    nn::detail::gemm(Op::n, Op::n, dc, g.w, dx_b, st, s.tf32);
+    nn::detail::gemm(Op::t, Op::n, dc, g.x, dw_b, st, s.tf32);
+    cuda::column_sums(dc, db_b, st);
+  };
+  fused(sets[0]);
+  baseline(sets[0]);
+  const double bound = s.dtype == DType::f32 ? 4e-3 : 2e-2;
+  const double err = std::max({ctx.rel_err(dx, dx_b), ctx.rel_err(dw, dw_b), ctx.rel_err(db, db_b)});
+  require_close(name, err, bound);
+  const double flops = 3 * 2.0 * s.m * (2.0 * s.n) * s.k;
+  const auto at = [&](int i) -> const GluSet& { return sets[static_cast<std::size_t>(i)]; };
+  const double gemm_us = ctx.time_us([&](int i) { gemms(at(i)); }, rot);
+  Record fr{"glu", name, "fused", "cublas+act"};
+  fr.median_us = ctx.time_us([&](int i) { fused(at(i)); }, rot);
+  fr.tflops = flops / (fr.median_us * 1e6);
+  fr.rel_err = err;
+  fr.gemm_only_us = gemm_us;
+  Record br{"glu", name, "cublas+act", "cublas+act"};
+  br.median_us = ctx.time_us([&](int i) { baseline(at(i)); }, rot);
+  br.tflops = flops / (br.median_us * 1e6);
+  br.gemm_only_us = gemm_us;
+  ctx.add(fr);
+  ctx.add(br);
+}
+
+void glu_cases(Context& ctx) {
+  const GluShape fwd[] = {
+      {GluKind::sigmoid_tanh, DType::bf16, false, 1024, 2048, 2048},
+      {GluKind::sigmoid_tanh, DType::f32, true, 1024, 2048, 2048},
+      {GluKind::swiglu, DType::bf16, false, 1024, 2048, 2048},
+      {GluKind::geglu_tanh, DType::bf16, false, 1024, 2048, 2048},
+      {GluKind::swiglu, DType::bf16, false, 4096, 8192, 8192},
+      {GluKind::sigmoid_tanh, DType::bf16, false, 4096, 8192, 8192},
+  };
+  for (const GluShape& s : fwd) forward_case(ctx, s);
+  const GluShape bwd[] = {
+      {GluKind::sigmoid_tanh, DType::bf16, false, 1024, 2048, 2048},
+      {GluKind::swiglu, DType::bf16, false, 4096, 8192, 8192},
+  };
+  for (const GluShape& s : bwd) backward_case(ctx, s);
+}
+
+FK_BENCH_CASE("glu", "glu", glu_cases);
+
+}  // namespace
+}  // namespace fk::bench

@@ -1,0 +1,91 @@
+// Family `glu`: a GEMM fused with a gated activation (seed 002), the feed-forward block of modern
+// LLMs.
+//
+//   C = x wᵀ + b,  x [M, K], w [2N, K], b [2N]        (a Linear with 2N outputs, as PyTorch stores it)
+//   L = C[:, :N], R = C[:, N:]                         (torch.chunk order)
+//   out[m, n] = glu(L[m, n], R[m, n])                  out [M, N]
+//
+//   kind          glu(l, r)
+//   sigmoid_tanh  sigmoid(l) * tanh(r)      the seed's torch_splacc
+//   swiglu        silu(l) * r               silu(l) = l * sigmoid(l)
+//   geglu_tanh    l * gelu_tanh(r)          the seed's `z1 * F.gelu(z2)` (tanh approximation)
+//   geglu_erf     l * gelu_erf(r)           ... with the exact gelu, F.gelu's default
+//   reglu         relu(l) * r
+//
+// Kernel layout. `glu_prepare_weight` permutes the 2N rows of w (and the 2N entries of b) once so
+// that left row n and right row n are neighbours: prepared row 2n is w[n], row 2n + 1 is w[N + n].
+// The fused GEMM computes the prepared C [M, 2N] on the tensor cores and every thread of the
+// epilogue holds the pair (L[m, n], R[m, n]) in two adjacent accumulator registers, so the
+// activation costs a few instructions per output and C never reaches memory: the fused forward
+// allocates nothing. Gradients of w and b come back in the same prepared layout (an optimizer can
+// step prepared weights directly); `glu_unprepare_weight` converts back to PyTorch's.
+//
+// Backward. The pre-activations are recomputed, not saved: the backward reruns the fused GEMM with
+// an epilogue that reads dy and writes dC = [dy * dglu/dl, dy * dglu/dr] in the prepared order, in
+// the operand dtype (no fp32 [M, 2N] buffer); then dx = dC w and dw = dCᵀ x are two cuBLAS GEMMs
+// and db the column sums of dC. Saving C instead would keep M x 2N values per layer alive between
+// forward and backward (128 MiB in bf16 at M = 4096, N = 8192) to save one of three GEMMs;
+// docs/glu.md gives the measured trade-off.
+//
+// Dtypes: x, w, b, out, dy and the gradients share one dtype: bf16, f16 or f32. 16-bit operands
+// run on the tensor cores with fp32 accumulation. f32 operands run through TF32 only when
+// `allow_tf32` is set (as torch.backends.cuda.matmul.allow_tf32); otherwise in full fp32 through
+// cuBLAS and a separate activation pass (correct, not fused). The fused kernels need Hopper
+// (sm_90) and rows of 16-byte multiples (K % 8 == 0 for 16-bit, K % 4 == 0 for f32); other GPUs
+// and shapes take the same unfused path, which allocates the [M, 2N] C it needs.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include "fusekit/core/tensor.hpp"
+
+namespace fk {
+
+class Stream;
+
+enum class GluKind { sigmoid_tanh, swiglu, geglu_tanh, geglu_erf, reglu };
+
+std::string_view glu_kind_name(GluKind k) noexcept;  // "sigmoid_tanh", "swiglu", ...
+GluKind parse_glu_kind(std::string_view name);       // throws fk::Error
+
+struct GluOptions {
+  GluKind kind = GluKind::swiglu;
+  bool allow_tf32 = false;  // f32 operands: TF32 tensor cores (fused) instead of full fp32 (unfused)
+};
+
+// PyTorch layout -> kernel layout, for w [2N, K] or b [2N]: returns a new tensor on w's device.
+Tensor glu_prepare_weight(const TensorView& w, const Stream* stream = nullptr);
+// Kernel layout -> PyTorch layout (the inverse), e.g. for a prepared gradient.
+Tensor glu_unprepare_weight(const TensorView& w_prepared, const Stream* stream = nullptr);
+
+struct GluForwardArgs {
+  TensorView x;                    // [M, K]
+  TensorView w;                    // [2N, K], prepared
+  std::optional<TensorView> bias;  // [2N], prepared
+  TensorView out;                  // [M, N]
+};
+void glu_forward(const GluForwardArgs& a, const GluOptions& opt, const Stream* stream = nullptr);
+
+struct GluBackwardArgs {
+  TensorView dy;                    // [M, N]
+  TensorView x;                     // [M, K], the forward's input
+  TensorView w;                     // [2N, K], prepared
+  std::optional<TensorView> bias;   // [2N], prepared: the forward's bias
+  std::optional<TensorView> dx;     // [M, K]: overwritten with dC w
+  std::optional<TensorView> dw;     // [2N, K]: overwritten with dCᵀ x (prepared layout)
+  std::optional<TensorView> dbias;  // [2N]: overwritten with the column sums of dC (prepared)
+};
+void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, const Stream* stream = nullptr);
+
+namespace reference {
+// The spec: plain loops on host tensors, in double, on the PyTorch layout (w and b unprepared).
+void glu_forward(const GluForwardArgs& a, const GluOptions& opt);
+void glu_backward(const GluBackwardArgs& a, const GluOptions& opt);
+// glu(l, r) and its two partial derivatives, in double.
+double glu(GluKind k, double l, double r);
+double glu_dl(GluKind k, double l, double r);
+double glu_dr(GluKind k, double l, double r);
+}  // namespace reference
+
+}  // namespace fk

@@ -1,0 +1,24 @@
+// The CUDA launchers of the glu family, called by glu.cpp after every argument was checked. All
+// tensors are in the prepared layout (columns 2n, 2n + 1 of C are the pair (L[:, n], R[:, n])).
+#pragma once
+
+#include "fusekit/ops/glu.hpp"
+
+namespace fk::cuda {
+
+// glu_gemm.cu: the fused GEMM C = x wᵀ + b on Hopper tensor cores with the gated epilogue.
+// Without dy: out [M, N] = glu(C). With dy: out = dC [M, 2N], the pairs (dy dglu/dl, dy dglu/dr).
+// Returns false, having done nothing, when the device or the shape has no fused kernel
+// (not sm_90, rows not 16-byte multiples, f32 without allow_tf32).
+bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
+                    const TensorView& out, const GluOptions& opt, const Stream* stream);
+
+// glu_pairs.cu: the unfused epilogue as one memory-bound pass over a C [M, 2N] in memory.
+// Without dy: out [M, N] = glu(C + b). With dy: out = dC [M, 2N].
+void glu_pairs(const TensorView& c, const TensorView* bias, const TensorView* dy, const TensorView& out,
+               GluKind kind, const Stream* stream);
+
+// glu_pairs.cu: out [cols] = the column sums of a [rows, cols] (fp32 sums in a fixed order).
+void column_sums(const TensorView& a, const TensorView& out, const Stream* stream);
+
+}  // namespace fk::cuda

@@ -1,0 +1,107 @@
+// The spec of the glu family: the seed's torch_splacc and its GLU variants in plain loops, double
+// arithmetic, PyTorch weight layout (w [2N, K], rows 0..N-1 the left half), one rounding to the
+// dtype at each store.
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/ops/glu.hpp"
+#include "fusekit/ops/pointwise.hpp"
+#include "ops/reference_io.hpp"
+
+namespace fk::reference {
+namespace {
+
+double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
+
+// The gate's activation g and the value's activation v: glu(l, r) = g(l) * v(r).
+struct GateValue {
+  Activation gate, value;
+};
+
+GateValue parts(GluKind k) {
+  switch (k) {
+    case GluKind::sigmoid_tanh: return {Activation::sigmoid, Activation::tanh};
+    case GluKind::swiglu: return {Activation::silu, Activation::identity};
+    case GluKind::geglu_tanh: return {Activation::identity, Activation::gelu_tanh};
+    case GluKind::geglu_erf: return {Activation::identity, Activation::gelu_erf};
+    case GluKind::reglu: return {Activation::relu, Activation::identity};
+  }
+  throw_internal("glu: unknown kind");
+}
+
+// C = x wᵀ + b in double, [M, 2N], PyTorch layout.
+std::vector<double> preactivations(const TensorView& x, const TensorView& w, const std::optional<TensorView>& b) {
+  const std::int64_t m = x.size(0), k = x.size(1), n2 = w.size(0);
+  std::vector<double> c(static_cast<std::size_t>(m * n2));
+  std::vector<double> xr(static_cast<std::size_t>(k));
+  for (std::int64_t i = 0; i < m; ++i) {
+    for (std::int64_t kk = 0; kk < k; ++kk) xr[kk] = load(x, i * k + kk);
+    for (std::int64_t j = 0; j < n2; ++j) {
+      double s = b ? load(*b, j) : 0.0;
+      for (std::int64_t kk = 0; kk < k; ++kk) s += xr[kk] * load(w, j * k + kk);
+      c[i * n2 + j] = s;
+    }
+  }
+  return c;
+}
+
+}  // namespace
+
+double glu(GluKind k, double l, double r) {
+  const GateValue p = parts(k);
+  return activation(p.gate, l) * activation(p.value, r);
+}
+
+double glu_dl(GluKind k, double l, double r) {
+  const GateValue p = parts(k);
+  return activation_grad(p.gate, l) * activation(p.value, r);
+}
+
+double glu_dr(GluKind k, double l, double r) {
+  const GateValue p = parts(k);
+  return activation(p.gate, l) * activation_grad(p.value, r);
+}
+
+void glu_forward(const GluForwardArgs& a, const GluOptions& opt) {
+  const std::int64_t m = a.x.size(0), n = a.out.size(1);
+  const std::vector<double> c = preactivations(a.x, a.w, a.bias);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j)
+      store(a.out, i * n + j, glu(opt.kind, c[i * 2 * n + j], c[i * 2 * n + n + j]));
+}
+
+void glu_backward(const GluBackwardArgs& a, const GluOptions& opt) {
+  const std::int64_t m = a.x.size(0), k = a.x.size(1), n = a.dy.size(1), n2 = 2 * n;
+  const std::vector<double> c = preactivations(a.x, a.w, a.bias);
+  std::vector<double> dc(static_cast<std::size_t>(m * n2));
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      const double g = load(a.dy, i * n + j), l = c[i * n2 + j], r = c[i * n2 + n + j];
+      dc[i * n2 + j] = g * glu_dl(opt.kind, l, r);
+      dc[i * n2 + n + j] = g * glu_dr(opt.kind, l, r);
+    }
+  if (a.dx)
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t kk = 0; kk < k; ++kk) {
+        double s = 0;
+        for (std::int64_t j = 0; j < n2; ++j) s += dc[i * n2 + j] * load(a.w, j * k + kk);
+        store(*a.dx, i * k + kk, s);
+      }
+  if (a.dw)
+    for (std::int64_t j = 0; j < n2; ++j)
+      for (std::int64_t kk = 0; kk < k; ++kk) {
+        double s = 0;
+        for (std::int64_t i = 0; i < m; ++i) s += dc[i * n2 + j] * load(a.x, i * k + kk);
+        store(*a.dw, j * k + kk, s);
+      }
+  if (a.dbias)
+    for (std::int64_t j = 0; j < n2; ++j) {
+      double s = 0;
+      for (std::int64_t i = 0; i < m; ++i) s += dc[i * n2 + j];
+      store(*a.dbias, j, s);
+    }
+}
+
+}  // namespace fk::reference

@@ -1,0 +1,390 @@
+// Tests of the glu family: the spec against hand-worked values and finite differences, the weight
+// layout conversions, the GPU (fused Hopper GEMM and the unfused path) against the spec on many
+// shapes, the fused forward's memory, and every bad input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "fusekit/fusekit.hpp"
+#include "ops/reference_io.hpp"
+#include "test_util.hpp"
+
+namespace fk {
+namespace {
+
+const Device kCpu = Device::cpu();
+constexpr GluKind kKinds[] = {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh, GluKind::geglu_erf,
+                              GluKind::reglu};
+
+Tensor host_tensor(const std::vector<float>& v, Dims shape) {
+  Tensor t = Tensor::empty(shape, DType::f32, kCpu);
+  std::copy(v.begin(), v.end(), t.data_as<float>());
+  return t;
+}
+
+// ||got - ref|| / ||ref|| over all elements (as `fusekit bench` reports rel_err), infinite when got
+// holds a NaN: the relative error of a GEMM-shaped result.
+double rel_err(const TensorView& got, const TensorView& ref) {
+  const std::vector<double> g = test::to_doubles(got), r = test::to_doubles(ref);
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    if (!std::isfinite(g[i])) return INFINITY;
+    num += (g[i] - r[i]) * (g[i] - r[i]);
+    den += r[i] * r[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Maps a host tensor to {-v, 0, v}: -v below -threshold, v above, 0 between (threshold 0: +-v).
+// With x and w in {-1, 0, 1} and a bias of +-0.5, C = x wᵀ + b is exact or rounded away from 0 in
+// every dtype and path, never within 0.5 of 0, so relu'(C) is the same for the GPU and the spec.
+void ternary(const TensorView& t, double threshold, double v) {
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    const double a = reference::load(t, i);
+    reference::store(t, i, a > threshold ? v : (a < -threshold ? -v : (threshold == 0 ? v : 0.0)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The spec
+// ---------------------------------------------------------------------------------------------
+
+TEST(GluSpec, HandWorkedValues) {
+  using reference::glu;
+  EXPECT_NEAR(glu(GluKind::sigmoid_tanh, 1.0, 0.5), 0.33783471214704114, 1e-15);  // sigmoid(1) tanh(0.5)
+  EXPECT_EQ(glu(GluKind::sigmoid_tanh, 3.0, 0.0), 0.0);
+  EXPECT_NEAR(glu(GluKind::swiglu, 2.0, 3.0), 2.0 * 0.8807970779778823 * 3.0, 1e-14);
+  EXPECT_NEAR(glu(GluKind::geglu_erf, 2.0, 1.0), 2.0 * 0.8413447460685429, 1e-14);   // 2 * Phi(1)
+  EXPECT_NEAR(glu(GluKind::geglu_tanh, 2.0, 1.0), 2.0 * 0.8411919906082768, 1e-14);
+  EXPECT_EQ(glu(GluKind::reglu, -1.0, 5.0), 0.0);
+  EXPECT_EQ(glu(GluKind::reglu, 2.0, -3.0), -6.0);
+}
+
+TEST(GluSpec, DerivativesMatchCentralDifferences) {
+  for (GluKind k : kKinds)
+    for (double l : {-2.3, -0.4, 0.6, 1.7})
+      for (double r : {-1.9, 0.2, 2.2}) {
+        const double h = 1e-6;
+        const double fl = (reference::glu(k, l + h, r) - reference::glu(k, l - h, r)) / (2 * h);
+        const double fr = (reference::glu(k, l, r + h) - reference::glu(k, l, r - h)) / (2 * h);
+        EXPECT_NEAR(reference::glu_dl(k, l, r), fl, 1e-7) << glu_kind_name(k) << " l=" << l << " r=" << r;
+        EXPECT_NEAR(reference::glu_dr(k, l, r), fr, 1e-7) << glu_kind_name(k) << " l=" << l << " r=" << r;
+      }
+}
+
+TEST(GluSpec, TinyForwardByHand) {
+  // x = [1, 2], w = [[1, 0], [0, 1]] (left row, right row), b = [0.5, -0.5]: L = 1.5, R = 1.5.
+  const Tensor x = host_tensor({1, 2}, {1, 2});
+  const Tensor w = host_tensor({1, 0, 0, 1}, {2, 2});
+  const Tensor b = host_tensor({0.5f, -0.5f}, {2});
+  Tensor out = Tensor::empty({1, 1}, DType::f32, kCpu);
+  reference::glu_forward({x, w, b.view(), out}, {.kind = GluKind::swiglu});
+  EXPECT_NEAR(out.data_as<float>()[0], 1.839542571435698, 1e-6);  // silu(1.5) * 1.5
+  // The same through the public op, which takes the prepared layout (here identical: N = 1).
+  reference::glu_forward({x, w, std::nullopt, out}, {.kind = GluKind::sigmoid_tanh});
+  EXPECT_NEAR(out.data_as<float>()[0], 1.0 / (1.0 + std::exp(-1.0)) * std::tanh(2.0), 1e-6);
+}
+
+TEST(GluSpec, BackwardMatchesFiniteDifferencesOfForward) {
+  // loss = sum(out * G); its gradients through glu_backward against central differences, f32 on
+  // the CPU (the spec in double underneath, rounded once at the store).
+  const std::int64_t m = 3, n = 2, k = 4;
+  for (GluKind kind : kKinds) {
+    const GluOptions opt{.kind = kind};
+    Tensor x = test::random_tensor({m, k}, DType::f32, kCpu, 1, -1.f, 1.f);
+    Tensor w = test::random_tensor({2 * n, k}, DType::f32, kCpu, 2, -1.f, 1.f);
+    Tensor b = test::random_tensor({2 * n}, DType::f32, kCpu, 3, -0.5f, 0.5f);
+    const Tensor g = test::random_tensor({m, n}, DType::f32, kCpu, 4, -1.f, 1.f);
+    Tensor dx = Tensor::empty({m, k}, DType::f32, kCpu), dw = Tensor::empty({2 * n, k}, DType::f32, kCpu),
+           db = Tensor::empty({2 * n}, DType::f32, kCpu);
+    reference::glu_backward({g, x, w, b.view(), dx.view(), dw.view(), db.view()}, opt);
+    auto loss = [&] {
+      Tensor out = Tensor::empty({m, n}, DType::f32, kCpu);
+      reference::glu_forward({x, w, b.view(), out}, opt);
+      double s = 0;
+      for (std::int64_t i = 0; i < m * n; ++i) s += double(out.data_as<float>()[i]) * g.data_as<float>()[i];
+      return s;
+    };
+    auto check = [&](Tensor& param, const Tensor& grad, const char* name) {
+      for (std::int64_t i = 0; i < param.numel(); ++i) {
+        float* p = param.data_as<float>() + i;
+        const float keep = *p, h = 1e-2f;
+        *p = keep + h;
+        const double up = loss();
+        *p = keep - h;
+        const double down = loss();
+        *p = keep;
+        // reglu's kink at 0 is not differentiable: skip points within h of it.
+        EXPECT_NEAR(grad.data_as<float>()[i], (up - down) / (2.0 * h), 2e-3)
+            << glu_kind_name(kind) << " d" << name << "[" << i << "]";
+      }
+    };
+    if (kind != GluKind::reglu) {
+      check(x, dx, "x");
+      check(w, dw, "w");
+      check(b, db, "b");
+    }
+  }
+}
+
+TEST(GluLayout, PrepareInterleavesHalvesAndUnprepareInverts) {
+  // Rows r0..r3 of a [2N = 4, K = 3] weight: prepared order r0, r2, r1, r3.
+  std::vector<float> v(12);
+  for (int i = 0; i < 12; ++i) v[i] = float(i);
+  const Tensor w = host_tensor(v, {4, 3});
+  const Tensor p = glu_prepare_weight(w);
+  const std::vector<float> want = {0, 1, 2, 6, 7, 8, 3, 4, 5, 9, 10, 11};
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(p.data_as<float>()[i], want[i]) << i;
+  const Tensor back = glu_unprepare_weight(p);
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(back.data_as<float>()[i], v[i]) << i;
+  const Tensor b = host_tensor({10, 11, 20, 21}, {4});
+  const Tensor bp = glu_prepare_weight(b);
+  EXPECT_EQ(bp.data_as<float>()[1], 20.f);
+  EXPECT_EQ(bp.data_as<float>()[2], 11.f);
+}
+
+TEST(GluLayout, CpuOpTakesThePreparedLayout) {
+  const std::int64_t m = 5, n = 3, k = 7;
+  const Tensor x = test::random_tensor({m, k}, DType::f32, kCpu, 11);
+  const Tensor w = test::random_tensor({2 * n, k}, DType::f32, kCpu, 12);
+  const Tensor b = test::random_tensor({2 * n}, DType::f32, kCpu, 13);
+  Tensor want = Tensor::empty({m, n}, DType::f32, kCpu), got = Tensor::empty({m, n}, DType::f32, kCpu);
+  reference::glu_forward({x, w, b.view(), want}, {.kind = GluKind::geglu_erf});
+  const Tensor wp = glu_prepare_weight(w), bp = glu_prepare_weight(b);
+  glu_forward({x, wp, bp.view(), got}, {.kind = GluKind::geglu_erf});
+  EXPECT_TRUE(test::all_close(got, want, {1e-6, 1e-6}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU against the spec
+// ---------------------------------------------------------------------------------------------
+
+struct GpuCase {
+  std::int64_t m, n, k;
+  DType dtype;
+  bool tf32;
+};
+
+double tolerance(const GpuCase& c) { return c.dtype == DType::f32 ? (c.tf32 ? 2e-3 : 1e-5) : 1e-2; }
+
+std::vector<GpuCase> gpu_cases() {
+  std::vector<GpuCase> cases;
+  // Tails of every tile dimension, N odd, K = 8, M = 1, unaligned K (the unfused path).
+  const std::int64_t shapes[][3] = {{1, 1, 8},    {1, 7, 16},    {3, 5, 8},     {17, 33, 24},   {128, 128, 64},
+                                    {130, 257, 72}, {255, 129, 200}, {64, 300, 13}, {200, 96, 264}, {2, 3, 1}};
+  for (const auto& s : shapes) {
+    cases.push_back({s[0], s[1], s[2], DType::bf16, false});
+    cases.push_back({s[0], s[1], s[2], DType::f16, false});
+    cases.push_back({s[0], s[1], s[2], DType::f32, true});
+  }
+  cases.push_back({33, 65, 40, DType::f32, false});  // full fp32 (unfused)
+  return cases;
+}
+
+TEST(GluGpu, ForwardMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  int seed = 100;
+  for (const GpuCase& c : gpu_cases())
+    for (GluKind kind : kKinds)
+      for (bool with_bias : {true, false}) {
+        ++seed;
+        if (!with_bias && kind != GluKind::swiglu && kind != GluKind::sigmoid_tanh) continue;
+        const GluOptions opt{.kind = kind, .allow_tf32 = c.tf32};
+        const Tensor x = test::random_tensor({c.m, c.k}, c.dtype, kCpu, seed, -1.f, 1.f);
+        const Tensor w = test::random_tensor({2 * c.n, c.k}, c.dtype, kCpu, seed + 1000, -0.5f, 0.5f);
+        const Tensor b = test::random_tensor({2 * c.n}, c.dtype, kCpu, seed + 2000, -0.5f, 0.5f);
+        Tensor want = Tensor::empty({c.m, c.n}, c.dtype, kCpu);
+        reference::glu_forward({x, w, with_bias ? std::optional(b.view()) : std::nullopt, want}, opt);
+        const Tensor xg = x.copy_to(gpu), wg = glu_prepare_weight(w.copy_to(gpu)), bg = glu_prepare_weight(b.copy_to(gpu));
+        Tensor out = Tensor::empty({c.m, c.n}, c.dtype, gpu);
+        test::poison(out);
+        glu_forward({xg, wg, with_bias ? std::optional(bg.view()) : std::nullopt, out}, opt);
+        EXPECT_LE(rel_err(out, want), tolerance(c))
+            << glu_kind_name(kind) << " " << dtype_name(c.dtype) << (c.tf32 ? " tf32" : "") << " M" << c.m << " N"
+            << c.n << " K" << c.k << (with_bias ? " bias" : "");
+      }
+}
+
+TEST(GluGpu, BackwardMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  int seed = 5000;
+  for (const GpuCase& c : gpu_cases())
+    for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_erf, GluKind::reglu}) {
+      ++seed;
+      const GluOptions opt{.kind = kind, .allow_tf32 = c.tf32};
+      const Tensor x = test::random_tensor({c.m, c.k}, c.dtype, kCpu, seed, -1.f, 1.f);
+      const Tensor w = test::random_tensor({2 * c.n, c.k}, c.dtype, kCpu, seed + 1000, -0.5f, 0.5f);
+      const Tensor b = test::random_tensor({2 * c.n}, c.dtype, kCpu, seed + 2000, -0.5f, 0.5f);
+      const Tensor dy = test::random_tensor({c.m, c.n}, c.dtype, kCpu, seed + 3000, -1.f, 1.f);
+      if (kind == GluKind::reglu) {
+        // relu' jumps at 0: rounding differences in C (TF32 operands, a C rounded before the bias
+        // on the unfused path) would flip it for C near 0. Exact operands keep C off 0.
+        ternary(x, 0.33, 1.0);
+        ternary(w, 0.17, 1.0);
+        ternary(b, 0.0, 0.5);
+      }
+      Tensor dx = Tensor::empty({c.m, c.k}, c.dtype, kCpu), dw = Tensor::empty({2 * c.n, c.k}, c.dtype, kCpu),
+             db = Tensor::empty({2 * c.n}, c.dtype, kCpu);
+      reference::glu_backward({dy, x, w, b.view(), dx.view(), dw.view(), db.view()}, opt);
+      const Tensor xg = x.copy_to(gpu), wg = glu_prepare_weight(w.copy_to(gpu)), bg = glu_prepare_weight(b.copy_to(gpu));
+      const Tensor dyg = dy.copy_to(gpu);
+      Tensor gdx = Tensor::empty({c.m, c.k}, c.dtype, gpu), gdw = Tensor::empty({2 * c.n, c.k}, c.dtype, gpu),
+             gdb = Tensor::empty({2 * c.n}, c.dtype, gpu);
+      test::poison(gdx);
+      test::poison(gdw);
+      test::poison(gdb);
+      glu_backward({dyg, xg, wg, bg.view(), gdx.view(), gdw.view(), gdb.view()}, opt);
+      const std::string what = std::string(glu_kind_name(kind)) + " " + std::string(dtype_name(c.dtype)) +
+                               (c.tf32 ? " tf32" : "") + " M" + std::to_string(c.m) + " N" + std::to_string(c.n) +
+                               " K" + std::to_string(c.k);
+      // dC is rounded to the operand dtype before the two GEMMs: one more rounding than the spec.
+      const double tol = 2 * tolerance(c);
+      EXPECT_LE(rel_err(gdx, dx), tol) << "dx " << what;
+      EXPECT_LE(rel_err(glu_unprepare_weight(gdw), dw), tol) << "dw " << what;
+      EXPECT_LE(rel_err(glu_unprepare_weight(gdb), db), tol) << "db " << what;
+    }
+}
+
+TEST(GluGpu, FusedForwardAllocatesNoPreactivations) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const std::int64_t m = 4096, n = 4096, k = 64;  // C would be 64 MiB of bf16
+  const Tensor x = test::random_tensor({m, k}, DType::bf16, gpu, 1);
+  const Tensor w = test::random_tensor({2 * n, k}, DType::bf16, gpu, 2, -0.1f, 0.1f);
+  Tensor out = Tensor::empty({m, n}, DType::bf16, gpu);
+  Stream::default_stream().synchronize();
+  const AllocatorStats before = allocator::stats(gpu);
+  glu_forward({x, w, std::nullopt, out}, {.kind = GluKind::swiglu});
+  Stream::default_stream().synchronize();
+  const AllocatorStats after = allocator::stats(gpu);
+  const std::size_t c_bytes = static_cast<std::size_t>(m * 2 * n * 2);
+  EXPECT_LT(after.peak_allocated_bytes, std::max(before.peak_allocated_bytes, before.allocated_bytes + c_bytes / 2))
+      << "the forward allocated a buffer the size of C [M, 2N] (an unfused path ran?)";
+}
+
+TEST(GluGpu, ZeroSizedProblems) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const Tensor x = Tensor::empty({0, 16}, DType::bf16, gpu);
+  const Tensor w = test::random_tensor({8, 16}, DType::bf16, gpu, 3);
+  Tensor out = Tensor::empty({0, 4}, DType::bf16, gpu);
+  glu_forward({x, w, std::nullopt, out}, {});
+  Tensor dw = Tensor::empty({8, 16}, DType::bf16, gpu), db = Tensor::empty({8}, DType::bf16, gpu);
+  glu_backward({out, x, w, std::nullopt, std::nullopt, dw.view(), db.view()}, {});
+  for (double v : test::to_doubles(dw)) EXPECT_EQ(v, 0.0);
+  for (double v : test::to_doubles(db)) EXPECT_EQ(v, 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// nn::GLUFeedForward
+// ---------------------------------------------------------------------------------------------
+
+TEST(GluFeedForward, GradientsMatchFiniteDifferencesOnCpu) {
+  const std::int64_t t = 3, d_in = 4, hidden = 3, d_out = 2;
+  nn::GLUFeedForward ff(d_in, hidden, d_out, {.kind = GluKind::geglu_tanh}, DType::f32, kCpu, 7);
+  Tensor x = test::random_tensor({t, d_in}, DType::f32, kCpu, 8);
+  const Tensor g = test::random_tensor({t, d_out}, DType::f32, kCpu, 9);
+  Tensor y = Tensor::empty({t, d_out}, DType::f32, kCpu), dx = Tensor::empty({t, d_in}, DType::f32, kCpu);
+  ff.forward(x, y);
+  ff.backward(g, dx.view());
+  auto loss = [&] {
+    Tensor yy = Tensor::empty({t, d_out}, DType::f32, kCpu);
+    ff.forward(x, yy);
+    double s = 0;
+    for (std::int64_t i = 0; i < t * d_out; ++i) s += double(yy.data_as<float>()[i]) * g.data_as<float>()[i];
+    return s;
+  };
+  auto check = [&](const Tensor& param, const Tensor& grad, const char* name) {
+    for (std::int64_t i = 0; i < param.numel(); ++i) {
+      float* p = param.data_as<float>() + i;
+      const float keep = *p, h = 1e-2f;
+      *p = keep + h;
+      const double up = loss();
+      *p = keep - h;
+      const double down = loss();
+      *p = keep;
+      EXPECT_NEAR(grad.data_as<float>()[i], (up - down) / (2.0 * h), 2e-3) << name << "[" << i << "]";
+    }
+  };
+  // The gradients were taken before any probe; the probes leave every parameter as it was.
+  const Tensor dw1 = ff.weight1_grad.clone(), db1 = ff.bias1_grad.clone(), dw2 = ff.weight2_grad.clone(),
+               db2 = ff.bias2_grad.clone();
+  check(x, dx, "x");
+  check(ff.weight1, dw1, "w1 (prepared)");
+  check(ff.bias1, db1, "b1 (prepared)");
+  check(ff.weight2, dw2, "w2");
+  check(ff.bias2, db2, "b2");
+}
+
+TEST(GluFeedForward, GpuMatchesCpu) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const std::int64_t t = 70, d_in = 64, hidden = 96, d_out = 40;
+  for (DType dt : {DType::bf16, DType::f32}) {
+    const GluOptions opt{.kind = GluKind::swiglu, .allow_tf32 = dt == DType::f32};
+    nn::GLUFeedForward cpu(d_in, hidden, d_out, opt, DType::f32, kCpu, 21);
+    nn::GLUFeedForward dev(d_in, hidden, d_out, opt, dt, gpu, 21);
+    // Same seed: the GPU layer's parameters are the CPU layer's rounded to dt; use exactly those.
+    for (auto [c, d] : {std::pair{&cpu.weight1, &dev.weight1}, {&cpu.bias1, &dev.bias1}, {&cpu.weight2, &dev.weight2},
+                        {&cpu.bias2, &dev.bias2}}) {
+      const std::vector<double> v = test::to_doubles(*d);
+      for (std::int64_t i = 0; i < c->numel(); ++i) c->data_as<float>()[i] = static_cast<float>(v[i]);
+    }
+    const Tensor x = test::random_tensor({t, d_in}, dt, kCpu, 22);
+    const Tensor dy = test::random_tensor({t, d_out}, dt, kCpu, 23);
+    Tensor xf = Tensor::empty({t, d_in}, DType::f32, kCpu), dyf = Tensor::empty({t, d_out}, DType::f32, kCpu);
+    const std::vector<double> xv = test::to_doubles(x), dyv = test::to_doubles(dy);
+    for (std::int64_t i = 0; i < xf.numel(); ++i) xf.data_as<float>()[i] = static_cast<float>(xv[i]);
+    for (std::int64_t i = 0; i < dyf.numel(); ++i) dyf.data_as<float>()[i] = static_cast<float>(dyv[i]);
+    Tensor y = Tensor::empty({t, d_out}, DType::f32, kCpu), dx = Tensor::empty({t, d_in}, DType::f32, kCpu);
+    cpu.forward(xf, y);
+    cpu.backward(dyf, dx.view());
+    Tensor yg = Tensor::empty({t, d_out}, dt, gpu), dxg = Tensor::empty({t, d_in}, dt, gpu);
+    dev.forward(x.copy_to(gpu), yg);
+    dev.backward(dy.copy_to(gpu), dxg.view());
+    const double tol = dt == DType::f32 ? 4e-3 : 3e-2;  // bf16: h and dh rounded between the GEMMs
+    EXPECT_LE(rel_err(yg, y), tol) << dtype_name(dt);
+    EXPECT_LE(rel_err(dxg, dx), tol) << dtype_name(dt);
+    EXPECT_LE(rel_err(dev.weight1_grad, cpu.weight1_grad), tol) << dtype_name(dt);
+    EXPECT_LE(rel_err(dev.bias1_grad, cpu.bias1_grad), tol) << dtype_name(dt);
+    EXPECT_LE(rel_err(dev.weight2_grad, cpu.weight2_grad), tol) << dtype_name(dt);
+    EXPECT_LE(rel_err(dev.bias2_grad, cpu.bias2_grad), tol) << dtype_name(dt);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input
+// ---------------------------------------------------------------------------------------------
+
+TEST(GluErrors, BadArgumentsNameTheArgument) {
+  const Tensor x = Tensor::empty({4, 8}, DType::f32, kCpu);
+  const Tensor w = Tensor::empty({6, 8}, DType::f32, kCpu);
+  Tensor out = Tensor::empty({4, 3}, DType::f32, kCpu);
+  const Tensor w_odd = Tensor::empty({5, 8}, DType::f32, kCpu);
+  const Tensor w_k = Tensor::empty({6, 9}, DType::f32, kCpu);
+  const Tensor w_bf16 = Tensor::empty({6, 8}, DType::bf16, kCpu);
+  const Tensor x_int = Tensor::empty({4, 8}, DType::i32, kCpu);
+  const Tensor bias_bad = Tensor::empty({5}, DType::f32, kCpu);
+  Tensor out_bad = Tensor::empty({4, 4}, DType::f32, kCpu);
+  test::expect_arg_error([&] { glu_forward({x, w_odd, std::nullopt, out}, {}); }, "glu_forward", "w");
+  test::expect_arg_error([&] { glu_forward({x, w_k, std::nullopt, out}, {}); }, "glu_forward", "w");
+  test::expect_arg_error([&] { glu_forward({x, w_bf16, std::nullopt, out}, {}); }, "glu_forward", "w");
+  test::expect_arg_error([&] { glu_forward({x_int, w, std::nullopt, out}, {}); }, "glu_forward", "x");
+  test::expect_arg_error([&] { glu_forward({x, w, bias_bad.view(), out}, {}); }, "glu_forward", "bias");
+  test::expect_arg_error([&] { glu_forward({x, w, std::nullopt, out_bad}, {}); }, "glu_forward", "out");
+  Tensor dx_bad = Tensor::empty({4, 9}, DType::f32, kCpu);
+  test::expect_arg_error([&] { glu_backward({out, x, w, std::nullopt, dx_bad.view(), std::nullopt, std::nullopt}, {}); },
+                         "glu_backward", "dx");
+  test::expect_arg_error([&] { glu_backward({out_bad, x, w, std::nullopt, std::nullopt, std::nullopt, std::nullopt}, {}); },
+                         "glu_backward", "dy");
+  test::expect_arg_error([&] { (void)glu_prepare_weight(w_odd); }, "glu_prepare_weight", "w");
+  test::expect_arg_error([&] { (void)parse_glu_kind("swish"); }, "parse_glu_kind", "name");
+  EXPECT_EQ(parse_glu_kind("geglu_tanh"), GluKind::geglu_tanh);
+}
+
+}  // namespace
+}  // namespace fk
