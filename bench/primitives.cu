@@ -134,6 +134,7 @@ void row_sum_cases(Context& ctx) {
   const Tensor x = ctx.random({rows, cols}, DType::f32);
   const Tensor out = ctx.empty({rows}, DType::f32), out_blas = ctx.empty({rows}, DType::f32);
   const Tensor ones = ctx.empty({cols}, DType::f32);
+  FK_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));  // fill runs on the legacy default stream
   fill(ones, 1.0);
   const float alpha = 1.0f, beta = 0.0f;
   // Row-major x [rows, cols] is column-major [cols, rows]: out = (x^T)^T ones, i.e. OP_T.

@@ -4,10 +4,10 @@
 // threads / CTAs merge the same way (rows.cuh: combine).
 //
 // Rows of up to kRegisterCapacity (32768) elements: one group of blockDim.x threads per row holds
-// the whole row in registers (32 values a thread), so x is read once and y written once, the
-// floor being those bytes over HBM bandwidth. Each thread takes its local max, stores
-// e = exp(x - m_local) in place of x (one exp per element), and the row's threads merge their
-// (m_local, sum e) pairs in one reduction; the output is e * exp(m_local - M) / S.
+// the whole row in registers (32 registers of raw data a thread), so x is read once and y
+// written once, the floor being those bytes over HBM bandwidth. Each thread takes the max and
+// the sum of exp(x - m_local) of its values, the row's threads merge their (m, s) pairs in one
+// reduction, and each thread writes exp(x - M) / S from the values it still holds.
 //
 // Longer rows: the row is split into chunks, one CTA per (row, chunk). A first kernel writes each
 // chunk's (m, s); a second merges the row's pairs and re-reads its chunk to write y: x is read
@@ -39,59 +39,53 @@ using device::row_reduce;
 using device::store_vec;
 using device::Vec;
 
-constexpr int kItemsPerThread = 32;  // register-resident values of a row per thread
-constexpr int kMaxThreadsPerRow = 1024;
-constexpr std::int64_t kRegisterCapacity = std::int64_t{kItemsPerThread} * kMaxThreadsPerRow;
+constexpr std::int64_t kRegisterCapacity = 32768;  // longest row held in registers by one CTA
 constexpr int kSplitThreads = 256;
 
-// The multiplier of e = exp(x - m_local) that gives y: exp(m_local - M) / S. A row with no finite
-// max (all -inf) gives NaN, as the spec does; a thread whose values are all -inf contributes 0.
-__device__ __forceinline__ float output_scale(float m_local, MaxSum row) {
-  if (row.m == -INFINITY) return __int_as_float(0x7fffffff);
-  if (m_local == -INFINITY) return 0.0f;
-  return exp_of_difference(m_local - row.m) / row.s;
-}
+// Vectors of V elements a thread holds in the register kernel: 32 registers of raw data either
+// way (64 16-bit values or 32 fp32 ones), so that a row of kRegisterCapacity takes 512 threads
+// (16-bit types) or 1024 (f32), and two CTAs of 512 fit an SM: one loads while the other
+// reduces or stores.
+template <class T, int V>
+inline constexpr int kVectorsPerThread = V == 1 ? 32 : 32 * 4 / (V * static_cast<int>(sizeof(T)));
 
 // blockDim = (threads per row, rows per block). Thread t of a row holds elements
-// [(k * blockDim.x + t) * V, + V) for k < K, K * V = kItemsPerThread.
+// [(k * blockDim.x + t) * V, + V) for k < K as raw bits (no fp32 copy: the register budget goes
+// to holding more of the row), and evaluates the exponential twice: once for its local sum,
+// once for the output.
 template <class T, int V>
 __global__ void __launch_bounds__(1024) softmax_register_kernel(const T* x, T* y, std::int64_t rows, std::int64_t cols) {
-  constexpr int K = kItemsPerThread / V;
+  constexpr int K = kVectorsPerThread<T, V>;
   __shared__ MaxSum smem[32];
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool active = row < rows;  // no early return: every thread takes part in the reduction
   const T* xr = x + (active ? row : 0) * cols;
+  auto col = [&](int k) { return (static_cast<std::int64_t>(k) * blockDim.x + threadIdx.x) * V; };
 
   Vec<T, V> raw[K];
-  for (int k = 0; k < K; ++k) {
-    const std::int64_t c = (static_cast<std::int64_t>(k) * blockDim.x + threadIdx.x) * V;
-    if (active && c < cols) raw[k] = load_vec<T, V>(xr + c);
-  }
-  float v[K * V];  // x, then e = exp(x - m_local)
+  for (int k = 0; k < K; ++k)
+    if (active && col(k) < cols) raw[k] = load_vec<T, V>(xr + col(k));
   float m_local = -INFINITY;
-  for (int k = 0; k < K; ++k) {
-    const std::int64_t c = (static_cast<std::int64_t>(k) * blockDim.x + threadIdx.x) * V;
-    const bool in = active && c < cols;
-    for (int j = 0; j < V; ++j) {
-      v[k * V + j] = in ? raw[k].get(j) : -INFINITY;
-      m_local = fmaxf(m_local, v[k * V + j]);
-    }
-  }
+  for (int k = 0; k < K; ++k)
+    if (active && col(k) < cols)
+      for (int j = 0; j < V; ++j) m_local = fmaxf(m_local, raw[k].get(j));
   float s_local = 0.0f;
-  for (int i = 0; i < K * V; ++i) {
-    v[i] = m_local == -INFINITY ? 0.0f : exp_of_difference(v[i] - m_local);
-    s_local += v[i];
-  }
+  if (m_local != -INFINITY)
+    for (int k = 0; k < K; ++k)
+      if (col(k) < cols)
+        for (int j = 0; j < V; ++j) s_local += exp_of_difference(raw[k].get(j) - m_local);
   const MaxSum stats = row_reduce(MaxSum{m_local, s_local}, MaxSumOp{}, MaxSum{-INFINITY, 0.0f}, smem);
-  const float scale = output_scale(m_local, stats);
   if (!active) return;
+  // A row with no finite max (all -inf) gives NaN, as the spec does.
+  const bool no_max = stats.m == -INFINITY;
+  const float inv = 1.0f / stats.s;
   T* yr = y + row * cols;
   for (int k = 0; k < K; ++k) {
-    const std::int64_t c = (static_cast<std::int64_t>(k) * blockDim.x + threadIdx.x) * V;
-    if (c >= cols) break;
+    if (col(k) >= cols) break;
     Vec<T, V> o;
-    for (int j = 0; j < V; ++j) o.set(j, v[k * V + j] * scale);
-    store_vec<T, V>(yr + c, o);
+    for (int j = 0; j < V; ++j)
+      o.set(j, no_max ? __int_as_float(0x7fffffff) : exp_of_difference(raw[k].get(j) - stats.m) * inv);
+    store_vec<T, V>(yr + col(k), o);
   }
 }
 
@@ -165,8 +159,9 @@ template <class T, int V>
 void launch(const T* x, T* y, std::int64_t rows, std::int64_t cols, const Stream* stream, Device dev) {
   const cudaStream_t s = detail::cuda_stream(stream);
   if (cols <= kRegisterCapacity) {
+    constexpr int kItems = kVectorsPerThread<T, V> * V;
     int tpr = 32;
-    while (tpr < kMaxThreadsPerRow && std::int64_t{tpr} * kItemsPerThread < cols) tpr *= 2;
+    while (std::int64_t{tpr} * kItems < cols) tpr *= 2;
     const int rpb = std::max(1, 256 / tpr);
     const std::int64_t blocks = (rows + rpb - 1) / rpb;
     FK_CHECK_ARG(blocks <= 0x7fffffff, "softmax", "x", "fewer than 2^31 row blocks", std::to_string(rows) + " rows");
