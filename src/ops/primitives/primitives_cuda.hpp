@@ -1,11 +1,30 @@
-// The CUDA launchers of the primitives family (batched_matmul_cute.cu), called by primitives.cpp
-// after every argument was checked: a [B, M, K], b [B, K, N], c [B, M, N], row-major contiguous,
-// on one CUDA device, c not empty, c overlapping neither a nor b.
+// The CUDA launchers of the primitives family, called by primitives.cpp after every argument was
+// checked (shapes, dtypes, one CUDA device, contiguity, aliasing as the header allows) and with
+// a non-empty output.
 #pragma once
+
+#include <cstdint>
+#include <optional>
 
 #include "fusekit/ops/primitives.hpp"
 
 namespace fk::cuda {
+
+// broadcast.cu: z has the broadcast shape of x and y.
+void broadcast_binary(BinaryOp op, const TensorView& x, const TensorView& y, const TensorView& z, const Stream* stream);
+void broadcast_binary_backward(BinaryOp op, const TensorView& x, const TensorView& y, const TensorView& dz,
+                               const std::optional<TensorView>& dx, const std::optional<TensorView>& dy,
+                               const Stream* stream);
+// row_sum.cu: x [rows, cols], out [rows].
+void row_sum(const TensorView& x, const TensorView& out, const Stream* stream);
+// softmax.cu: x, y [rows, cols]; y is x or disjoint from it.
+void softmax(const TensorView& x, const TensorView& y, const Stream* stream);
+// conv2d.cu: x [N, C, H, W], w [O, C, KH, KW], y [N, O, Ho, Wo]; top/left: the zero rows/columns
+// before the image (the rest of the padding, if any, lies after it).
+void conv2d(const TensorView& x, const TensorView& w, const TensorView& y, std::int64_t top, std::int64_t left,
+            const Stream* stream);
+
+// batched_matmul_cute.cu: a [B, M, K], b [B, K, N], c [B, M, N], c overlapping neither a nor b.
 
 // cuBLAS strided-batched GEMM, fp32 compute (no TF32); a/b f32, bf16 or f16.
 void batched_matmul_cublas(const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream);
