@@ -74,9 +74,9 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   }
 }
 
-void attention_cases(Context& ctx) {
-  const std::int64_t b = 4, h = 16, s = 4096, d = 128, bh = b * h;
-  const std::string shape = "bf16_b4_h16_s4096_d128";
+void attention_cases(Context& ctx, std::int64_t d) {
+  const std::int64_t b = 4, h = 16, s = 4096, bh = b * h;
+  const std::string shape = "bf16_b4_h16_s4096_d" + std::to_string(d);
   const std::string name_full = "attention_fwd/" + shape, name_causal = name_full + "_causal";
   const bool want_full = ctx.selected("primitives", name_full), want_causal = ctx.selected("primitives", name_causal);
   if (!want_full && !want_causal) return;
@@ -127,7 +127,13 @@ void attention_cases(Context& ctx) {
   }
 }
 
-FK_BENCH_CASE("primitives", "attention_fwd", attention_cases);
+// The issue's headline shape (D = 128) and the same at D = 64.
+void attention_cases_all(Context& ctx) {
+  attention_cases(ctx, 128);
+  attention_cases(ctx, 64);
+}
+
+FK_BENCH_CASE("primitives", "attention_fwd", attention_cases_all);
 
 }  // namespace
 }  // namespace fk::bench

@@ -214,6 +214,15 @@ TEST(AttentionGpu, LargeLogitsStayFinite) {
   }
 }
 
+// A zero or negative scale is valid (the tensor-core kernel leaves it to the row-wise one).
+TEST(AttentionGpu, ZeroAndNegativeScale) {
+  FK_SKIP_WITHOUT_GPU();
+  for (const float scale : {0.0f, -0.25f}) {
+    check_against_spec(DType::bf16, {1, 2, 150, 150, 64}, true, 3.0f, scale, 55, {1e-4, 1e-5});
+    check_against_spec(DType::f16, {1, 1, 70, 190, 128}, false, 3.0f, scale, 56, {1e-4, 1e-5});
+  }
+}
+
 TEST(AttentionSpec, LargeLogitsStayFinite) {
   Tensor q = host_tensor({1, 1, 2, 1}, DType::f32, {1e4f, -1e4f});
   Tensor k = host_tensor({1, 1, 3, 1}, DType::f32, {10, 9, -10});

@@ -12,12 +12,30 @@
 //     memory, fp32 accumulators), the mask (key tail, causal diagonal) on the blocks that need it,
 //     the online softmax in registers (running max and sum a row, exp2 with the scale folded in
 //     log2 units, O rescaled by exp2(m_old - m_new)), P rounded to the input dtype in registers and
-//     O += P V with wgmma 64xDx16 register-sourced A (V K-blocks MN-major in shared memory). Each
-//     consumer warp releases the stage once its wgmmas have retired.
+//     O += P V with wgmma 64xDx16 register-sourced A (V K-blocks MN-major in shared memory).
+//     Software-pipelined inside the warpgroup (as FlashAttention-3): S_n and P_{n-1} V_{n-1} are
+//     issued back to back, the softmax of block n runs while P_{n-1} V_{n-1} is on the tensor
+//     cores. Each consumer warp gives a K stage back as soon as S_n has retired and a V stage once
+//     P V has, so the producer refills K a block and a half ahead.
 // At the end each row's sum is reduced across its quad of threads, out = O / l is stored from
-// registers and lse = (m + log2 l) ln 2. Causal CTAs stop at the diagonal block and the grid
-// starts with the heaviest query blocks (last rows first), so the tail of the grid is short work.
-// Rows past Sq are computed on zeros and not stored.
+// registers and lse = (m + log2 l) ln 2. Rows past Sq are computed on zeros and not stored.
+//
+// Grid: one CTA per (head, 128-row query block), heads outer, so that the ~132 CTAs resident at
+// a time cover about 4 heads whose K and V (2 MB a head at S = 4096, D = 128) stay in L2; with
+// heads inner (64 heads in flight) K and V came from DRAM again and again (ncu: L2 87%, DRAM
+// 57% busy) and the kernel ran 10-20% slower. Within a head the last query blocks go first: with
+// causal masking they see the most keys, so the tail of each head is short work. Causal CTAs
+// stop at the diagonal block.
+//
+// Measured on an H100 (b4 h16 s4096 bf16, `fusekit bench --filter attention_fwd`, two runs):
+// D = 128 858-929 us non-causal (592-641 TFLOP/s, 82-85% of the run's cuBLAS gemm_bf16 ceiling),
+// 499-533 us causal (516-551 TFLOP/s); D = 64 367 / 320 TFLOP/s. Tried and dropped: the
+// schedule without the intra-warpgroup overlap (406 / 446 TFLOP/s with heads inner, against
+// 513 / 478), a ping-pong of the two consumer warpgroups (named-barrier turns for issuing
+// wgmmas, FA3's inter-warpgroup overlap: no gain here), the scale folded into the exp2 FFMA and
+// skipping O's rescale when no row max moved (no gain: the softmax is not the limit).
+// Not done: a persistent grid that overlaps one tile's epilogue with the next tile's loads, a
+// TMA store of out, larger tiles at D = 64 (FA3 uses 192 x 128).
 //
 // Numerics: fp32 scores, statistics and accumulators; P is rounded to bf16/f16 before P V (as in
 // FlashAttention), so out carries about one unit roundoff of the dtype on top of its final
@@ -31,7 +49,6 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include <cute/tensor.hpp>  // first: the atom headers rely on what it includes before them
@@ -185,7 +202,7 @@ __device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUte
   }
 }
 
-template <class T, int D, bool kOverlap>
+template <class T, int D>
 __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, int m0, int bh, int n_blocks) {
   using Tr = Traits<T, D>;
   const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
@@ -296,50 +313,33 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
 
   mbar_wait(bars.q_full(), 0);
   float alpha[2];
-  if constexpr (kOverlap) {
-    // Software pipelining inside the warpgroup: the softmax of block n runs while the tensor
-    // cores compute P_{n-1} V_{n-1}; O is rescaled once that product has retired.
-    issue_s(0);
-    warpgroup_wait<0>();
+  // Software pipelining inside the warpgroup: the softmax of block n runs while the tensor cores
+  // compute P_{n-1} V_{n-1}; O is rescaled once that product has retired.
+  issue_s(0);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tSrS);
+  release_k(0);
+  softmax(0, alpha);
+  to_p();
+  for (int n = 1; n < n_blocks; ++n) {
+    issue_s(n);
+    issue_pv(n - 1);
+    warpgroup_wait<1>();  // S_n is ready, P_{n-1} V_{n-1} may still run
     warpgroup_fence_operand(tSrS);
-    release_k(0);
-    softmax(0, alpha);
-    to_p();
-    for (int n = 1; n < n_blocks; ++n) {
-      issue_s(n);
-      issue_pv(n - 1);
-      warpgroup_wait<1>();  // S_n is ready, P_{n-1} V_{n-1} may still run
-      warpgroup_fence_operand(tSrS);
-      release_k(n);
-      softmax(n, alpha);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
-      fence_p();
-      release_v(n - 1);
-      rescale_o(alpha);
-      to_p();
-    }
-    issue_pv(n_blocks - 1);
+    release_k(n);
+    softmax(n, alpha);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     fence_p();
-    release_v(n_blocks - 1);
-  } else {
-    for (int n = 0; n < n_blocks; ++n) {
-      issue_s(n);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-      release_k(n);
-      softmax(n, alpha);
-      rescale_o(alpha);
-      to_p();
-      issue_pv(n);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
-      fence_p();
-      release_v(n);
-    }
+    release_v(n - 1);
+    rescale_o(alpha);
+    to_p();
   }
+  issue_pv(n_blocks - 1);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tOrO);
+  fence_p();
+  release_v(n_blocks - 1);
 
   float inv[2];
   CUTE_UNROLL
@@ -368,7 +368,7 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
 
 #endif  // FK_ATTN_SM90
 
-template <class T, int D, bool kOverlap>
+template <class T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_sm90_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tq,
                           const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
@@ -389,9 +389,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  // Heaviest query blocks first: with causal masking the last rows see the most keys.
-  const int bh = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.bh));
-  const int m_block = p.m_blocks - 1 - static_cast<int>(blockIdx.x / static_cast<unsigned>(p.bh));
+  // Heads outer, query blocks inner: the CTAs running at once share a few heads, whose K and V
+  // then stay in L2. Within a head the heaviest query blocks go first (with causal masking the
+  // last rows see the most keys).
+  const int bh = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.m_blocks));
+  const int m_block = p.m_blocks - 1 - static_cast<int>(blockIdx.x % static_cast<unsigned>(p.m_blocks));
   const int m0 = m_block * kBlockM;
   int n_blocks = (p.sk + kBlockN - 1) / kBlockN;
   if (p.causal) n_blocks = min(n_blocks, (m0 + kBlockM + kBlockN - 1) / kBlockN);
@@ -400,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) produce<T, D>(&tq, &tk, &tv, base, bars, m0, bh, n_blocks);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume<T, D, kOverlap>(p, smem, bars, m0, bh, n_blocks);
+    consume<T, D>(p, smem, bars, m0, bh, n_blocks);
   }
 #else
   __trap();  // the launcher never starts this kernel off sm_90
@@ -437,24 +439,14 @@ CUtensorMap head_map(const char* what, const TensorView& t) {
   return map;
 }
 
-template <class T, int D, bool kOverlap>
+template <class T, int D>
 void launch(const Params& p, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, cudaStream_t s) {
-  auto kernel = attention_sm90_kernel<T, D, kOverlap>;
+  auto kernel = attention_sm90_kernel<T, D>;
   constexpr int smem = Traits<T, D>::kSmemBytes;
   FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const auto ctas = static_cast<unsigned>(p.bh) * static_cast<unsigned>(p.m_blocks);
   kernel<<<ctas, kThreads, smem, s>>>(p, tq, tk, tv);
   FK_CUDA_CHECK_LAUNCH("attention_sm90_kernel");
-}
-
-// TEMPORARY (measurement only, removed once one schedule is chosen): FUSEKIT_ATTN_NO_OVERLAP=1
-// runs the schedule without intra-warpgroup overlap.
-template <class T, int D>
-void launch_dispatch(const Params& p, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
-                     cudaStream_t s) {
-  static const bool no_overlap = std::getenv("FUSEKIT_ATTN_NO_OVERLAP") != nullptr;
-  if (no_overlap) launch<T, D, false>(p, tq, tk, tv, s);
-  else launch<T, D, true>(p, tq, tk, tv, s);
 }
 
 }  // namespace
@@ -488,11 +480,11 @@ bool attention_forward_sm90(const TensorView& q, const TensorView& k, const Tens
   const CUtensorMap tq = head_map("q", q), tk = head_map("k", k), tv = head_map("v", v);
   const cudaStream_t s = fk::detail::cuda_stream(stream);
   if (t == DType::bf16) {
-    if (d == 64) launch_dispatch<cute::bfloat16_t, 64>(p, tq, tk, tv, s);
-    else launch_dispatch<cute::bfloat16_t, 128>(p, tq, tk, tv, s);
+    if (d == 64) launch<cute::bfloat16_t, 64>(p, tq, tk, tv, s);
+    else launch<cute::bfloat16_t, 128>(p, tq, tk, tv, s);
   } else {
-    if (d == 64) launch_dispatch<cute::half_t, 64>(p, tq, tk, tv, s);
-    else launch_dispatch<cute::half_t, 128>(p, tq, tk, tv, s);
+    if (d == 64) launch<cute::half_t, 64>(p, tq, tk, tv, s);
+    else launch<cute::half_t, 128>(p, tq, tk, tv, s);
   }
   return true;
 }
