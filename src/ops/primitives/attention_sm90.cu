@@ -27,9 +27,9 @@
 // causal masking they see the most keys, so the tail of each head is short work. Causal CTAs
 // stop at the diagonal block.
 //
-// Measured on an H100 (b4 h16 s4096 bf16, `fusekit bench --filter attention_fwd`, two runs):
-// D = 128 858-929 us non-causal (592-641 TFLOP/s, 82-85% of the run's cuBLAS gemm_bf16 ceiling),
-// 499-533 us causal (516-551 TFLOP/s); D = 64 367 / 320 TFLOP/s. Tried and dropped: the
+// Measured on an H100 (b4 h16 s4096 bf16, `fusekit bench --filter attention_fwd`, three runs):
+// D = 128 858-957 us non-causal (574-641 TFLOP/s, 75-85% of the run's cuBLAS gemm_bf16 ceiling),
+// 499-533 us causal (516-551 TFLOP/s); D = 64 359-367 / 316-320 TFLOP/s. Tried and dropped: the
 // schedule without the intra-warpgroup overlap (406 / 446 TFLOP/s with heads inner, against
 // 513 / 478), a ping-pong of the two consumer warpgroups (named-barrier turns for issuing
 // wgmmas, FA3's inter-warpgroup overlap: no gain here), the scale folded into the exp2 FFMA and
