@@ -112,6 +112,12 @@ std::optional<double> Context::copy_gbps() const {
   return std::nullopt;
 }
 
+std::optional<double> Context::gemm_tflops() const {
+  for (const Record& r : records_)
+    if (r.family == "ceiling" && r.name == "gemm_bf16") return r.tflops;
+  return std::nullopt;
+}
+
 double Context::rel_err(const TensorView& a, const TensorView& b) const {
   FK_CUDA_CHECK(cudaStreamSynchronize(stream_));
   FK_CHECK_ARG(a.shape() == b.shape(), "bench::rel_err", "a", fmt::format("shape {}", b.shape().str()),
@@ -165,18 +171,20 @@ nlohmann::json to_json(const Record& r, const std::string& device, const std::st
                    {"commit", commit}};
   if (r.gemm_only_us) j["gemm_only_us"] = *r.gemm_only_us;
   if (r.pct_of_copy) j["pct_of_copy"] = *r.pct_of_copy;
+  if (r.pct_of_gemm) j["pct_of_gemm"] = *r.pct_of_gemm;
   return j;
 }
 
 // Fills in each record's speedup against the record of its baseline impl in the same case, and
-// its share of the copy ceiling.
-void finish(std::vector<Record>& recs, std::optional<double> copy) {
+// its share of the copy and GEMM ceilings.
+void finish(std::vector<Record>& recs, std::optional<double> copy, std::optional<double> gemm) {
   for (Record& r : recs) {
     for (const Record& b : recs)
       if (b.family == r.family && b.name == r.name && b.impl == r.baseline && b.median_us > 0)
         r.speedup_vs_baseline = b.median_us / r.median_us;
     if (r.impl == r.baseline) r.speedup_vs_baseline = 1.0;
     if (copy && r.gbps > 0 && r.family != "ceiling") r.pct_of_copy = 100.0 * r.gbps / *copy;
+    if (gemm && r.tflops > 0 && r.family != "ceiling") r.pct_of_gemm = 100.0 * r.tflops / *gemm;
   }
 }
 
@@ -196,8 +204,11 @@ int run(const Options& opt, const std::string& json_path, const std::string& jso
   std::stable_partition(order.begin(), order.end(), [](const Case& c) { return std::string(c.family) == "ceiling"; });
   for (const Case& c : order) {
     // Cases filter their own records (a registered case covers several record names).
-    if (std::string(c.family) != "ceiling" && !opt.filter.empty() &&
-        std::string(c.family).find(opt.filter.substr(0, opt.filter.find('/'))) == std::string::npos)
+    // A filter selects a case by its family ("primitives/...") or by its registered name
+    // ("attention_fwd/..."), whose records start with that name.
+    const std::string head = opt.filter.substr(0, opt.filter.find('/'));
+    if (std::string(c.family) != "ceiling" && !opt.filter.empty() && std::string(c.family).find(head) == std::string::npos &&
+        std::string(c.name).find(head) == std::string::npos)
       continue;
     try {
       c.run(ctx);
@@ -207,14 +218,15 @@ int run(const Options& opt, const std::string& json_path, const std::string& jso
     }
   }
   std::vector<Record> recs = ctx.records();
-  finish(recs, ctx.copy_gbps());
+  finish(recs, ctx.copy_gbps(), ctx.gemm_tflops());
 
-  fmt::print("\n{:<10} {:<44} {:<16} {:>11} {:>8} {:>9} {:>8} {:>7} {:>9}\n", "family", "case", "impl",
-             "median_us", "speedup", "GB/s", "%copy", "TFLOP/s", "rel_err");
+  fmt::print("\n{:<10} {:<44} {:<16} {:>11} {:>8} {:>9} {:>8} {:>7} {:>7} {:>9}\n", "family", "case", "impl",
+             "median_us", "speedup", "GB/s", "%copy", "TFLOP/s", "%gemm", "rel_err");
   for (const Record& r : recs)
-    fmt::print("{:<10} {:<44} {:<16} {:>11.2f} {:>8.2f} {:>9.1f} {:>8} {:>7.1f} {:>9.2e}\n", r.family, r.name,
+    fmt::print("{:<10} {:<44} {:<16} {:>11.2f} {:>8.2f} {:>9.1f} {:>8} {:>7.1f} {:>7} {:>9.2e}\n", r.family, r.name,
                r.impl, r.median_us, r.speedup_vs_baseline, r.gbps,
-               r.pct_of_copy ? fmt::format("{:.1f}", *r.pct_of_copy) : "", r.tflops, r.rel_err);
+               r.pct_of_copy ? fmt::format("{:.1f}", *r.pct_of_copy) : "", r.tflops,
+               r.pct_of_gemm ? fmt::format("{:.1f}", *r.pct_of_gemm) : "", r.rel_err);
 
   if (!json_path.empty()) {
     nlohmann::json all = nlohmann::json::array();

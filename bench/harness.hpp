@@ -26,6 +26,7 @@ struct Record {
   double median_us = 0, speedup_vs_baseline = 0, tflops = 0, gbps = 0, rel_err = 0;
   std::optional<double> gemm_only_us;
   std::optional<double> pct_of_copy;  // gbps over the copy ceiling of the same run
+  std::optional<double> pct_of_gemm;  // tflops over the gemm_bf16 ceiling of the same run
 };
 
 struct Options {
@@ -66,6 +67,7 @@ class Context {
   void add(Record r) { records_.push_back(std::move(r)); }
   const std::vector<Record>& records() const { return records_; }
   std::optional<double> copy_gbps() const;
+  std::optional<double> gemm_tflops() const;
 
  private:
   Options opt_;
@@ -89,7 +91,7 @@ std::string shape_str(std::int64_t rows, std::int64_t cols);
 
 struct Case {
   const char* family;
-  const char* name;  // the case name's prefix; the case fills in shapes
+  const char* name;  // the case name's prefix; the case fills in shapes (a filter naming it selects the case)
   void (*run)(Context&);
 };
 int register_case(Case c);

@@ -1,0 +1,139 @@
+// Bench cases of attention_forward (family primitives): the fused FlashAttention-style kernel
+// against the unfused path a user would otherwise run, in the same run on the same inputs:
+// cuBLAS strided-batched S = scale Q Kᵀ into a bf16 [B*H, S, S] buffer (2 GiB at the headline
+// shape), a row softmax kernel over S in place (causal: keys past the row are zeroed), and cuBLAS
+// strided-batched O = P V. FLOPs are 4 B H S² D (two GEMMs), halved for causal, for both
+// implementations, so that tflops compare the same useful work; pct_of_gemm reads tflops against
+// the gemm_bf16 ceiling of the run.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <string>
+
+#include "bench/harness.hpp"
+#include "fusekit/core/cuda_check.hpp"
+#include "fusekit/ops/primitives.hpp"
+
+namespace fk::bench {
+namespace {
+
+using T = __nv_bfloat16;
+constexpr int kSoftmaxThreads = 256, kSoftmaxPerThread = 16;  // rows of up to 4096 held in registers
+
+// One block a row of S [rows, cols] (bf16, cols % 8 == 0, cols <= 4096): p = softmax(s) in place,
+// fp32 statistics; with causal, row r of each head keeps keys <= r % rows_per_head.
+__global__ void __launch_bounds__(kSoftmaxThreads)
+    softmax_rows_kernel(T* __restrict__ s, int cols, int rows_per_head, bool causal) {
+  __shared__ float red[kSoftmaxThreads / 32];
+  T* row = s + static_cast<std::int64_t>(blockIdx.x) * cols;
+  const int visible = causal ? min(cols, static_cast<int>(blockIdx.x % rows_per_head) + 1) : cols;
+  float x[kSoftmaxPerThread];
+  const int c0 = threadIdx.x * 8;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int h = 0; h < kSoftmaxPerThread / 8; ++h) {
+    const int c = c0 + h * kSoftmaxThreads * 8;
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    if (c < cols) raw = *reinterpret_cast<const uint4*>(row + c);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      x[8 * h + j] = c + j < visible ? __bfloat162float(e[j]) : -INFINITY;
+      mx = fmaxf(mx, x[8 * h + j]);
+    }
+  }
+  auto block_reduce = [&](float v, bool is_max) {
+    for (int o = 16; o > 0; o /= 2) {
+      const float w = __shfl_xor_sync(0xffffffffu, v, o);
+      v = is_max ? fmaxf(v, w) : v + w;
+    }
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = red[0];
+    for (int w = 1; w < kSoftmaxThreads / 32; ++w) v = is_max ? fmaxf(v, red[w]) : v + red[w];
+    return v;
+  };
+  mx = block_reduce(mx, true);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kSoftmaxPerThread; ++i) {
+    x[i] = __expf(x[i] - mx);
+    sum += x[i];
+  }
+  const float inv = 1.0f / block_reduce(sum, false);
+#pragma unroll
+  for (int h = 0; h < kSoftmaxPerThread / 8; ++h) {
+    const int c = c0 + h * kSoftmaxThreads * 8;
+    if (c >= cols) continue;
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) e[j] = __float2bfloat16_rn(x[8 * h + j] * inv);
+    *reinterpret_cast<uint4*>(row + c) = raw;
+  }
+}
+
+void attention_cases(Context& ctx, std::int64_t d) {
+  const std::int64_t b = 4, h = 16, s = 4096, bh = b * h;
+  const std::string shape = "bf16_b4_h16_s4096_d" + std::to_string(d);
+  const std::string name_full = "attention_fwd/" + shape, name_causal = name_full + "_causal";
+  const bool want_full = ctx.selected("primitives", name_full), want_causal = ctx.selected("primitives", name_causal);
+  if (!want_full && !want_causal) return;
+  static_assert(kSoftmaxThreads * kSoftmaxPerThread >= 4096);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const Tensor q = ctx.random({b, h, s, d}, DType::bf16), k = ctx.random({b, h, s, d}, DType::bf16);
+  const Tensor v = ctx.random({b, h, s, d}, DType::bf16);
+  const Tensor out = ctx.empty({b, h, s, d}, DType::bf16), lse = ctx.empty({b, h, s}, DType::f32);
+  const Tensor scores = ctx.empty({bh, s, s}, DType::bf16);  // the unfused path's S, then P
+  const Tensor out_ref = ctx.empty({b, h, s, d}, DType::bf16);
+
+  auto unfused = [&](bool causal) {
+    const float alpha = scale, one = 1.0f, zero = 0.0f;
+    const int n = static_cast<int>(s), dd = static_cast<int>(d);
+    // Row-major S [s, s] = Q Kᵀ is column-major Sᵀ = K Qᵀ: A = K (column-major [d, s], transposed).
+    FK_CUBLAS_CHECK(cublasGemmStridedBatchedEx(ctx.cublas(), CUBLAS_OP_T, CUBLAS_OP_N, n, n, dd, &alpha, k.data(),
+                                               CUDA_R_16BF, dd, s * d, q.data(), CUDA_R_16BF, dd, s * d, &zero,
+                                               scores.data(), CUDA_R_16BF, n, s * s, static_cast<int>(bh),
+                                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    softmax_rows_kernel<<<static_cast<unsigned>(bh * s), kSoftmaxThreads, 0, ctx.stream()>>>(scores.data_as<T>(), n, n,
+                                                                                             causal);
+    FK_CUDA_CHECK_LAUNCH("softmax_rows_kernel");
+    // Row-major O [s, d] = P V is column-major Oᵀ = Vᵀ Pᵀ.
+    FK_CUBLAS_CHECK(cublasGemmStridedBatchedEx(ctx.cublas(), CUBLAS_OP_N, CUBLAS_OP_N, dd, n, n, &one, v.data(),
+                                               CUDA_R_16BF, dd, s * d, scores.data(), CUDA_R_16BF, n, s * s, &zero,
+                                               out_ref.data(), CUDA_R_16BF, dd, s * d, static_cast<int>(bh),
+                                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  };
+
+  for (const bool causal : {false, true}) {
+    const std::string& name = causal ? name_causal : name_full;
+    if (!(causal ? want_causal : want_full)) continue;
+    attention_forward(q, k, v, out, lse, causal, scale, &ctx.fk_stream());
+    unfused(causal);
+    // The unfused path rounds S and P to bf16 (the fused kernel only P): a few bf16 units apart.
+    const double err = ctx.rel_err(out, out_ref);
+    require_close(name, err, 2e-2);
+    const double flops = 4.0 * static_cast<double>(bh) * s * s * d / (causal ? 2.0 : 1.0);
+    Record f{"primitives", name, "fused", "cublas+softmax+cublas"};
+    f.median_us = ctx.time_us([&](int) { attention_forward(q, k, v, out, lse, causal, scale, &ctx.fk_stream()); }, 1);
+    f.tflops = flops / (f.median_us * 1e6);
+    f.rel_err = err;
+    Record u{"primitives", name, "cublas+softmax+cublas", "cublas+softmax+cublas"};
+    u.median_us = ctx.time_us([&](int) { unfused(causal); }, 1);
+    u.tflops = flops / (u.median_us * 1e6);
+    ctx.add(f);
+    ctx.add(u);
+  }
+}
+
+// The issue's headline shape (D = 128) and the same at D = 64.
+void attention_cases_all(Context& ctx) {
+  attention_cases(ctx, 128);
+  attention_cases(ctx, 64);
+}
+
+FK_BENCH_CASE("primitives", "attention_fwd", attention_cases_all);
+
+}  // namespace
+}  // namespace fk::bench

@@ -1,0 +1,492 @@
+// attention_forward on Hopper tensor cores (sm_90a): FlashAttention-style, bf16/f16, head_dim 64
+// or 128. q, k, v and out are read and written once; the [Sq, Sk] scores live only in registers,
+// one 64 x 128 tile a warpgroup at a time.
+//
+// A CTA owns 128 query rows of one (batch, head) and streams the keys in blocks of 128 with three
+// warpgroups:
+//   - producer (one thread): loads the CTA's Q tile once, then each key block's K and V tiles into
+//     a 2-stage ring, by TMA with the 128-byte swizzle wgmma reads (3-D tensor maps over
+//     (D, S, B*H), so rows past S come back as zeros and never from the next head). K and V have
+//     their own full barriers, so S = Q Kᵀ starts before V has landed.
+//   - two consumers, 64 query rows each: S = Q Kᵀ with wgmma 64x128xD (both operands from shared
+//     memory, fp32 accumulators), the mask (key tail, causal diagonal) on the blocks that need it,
+//     the online softmax in registers (running max and sum a row, exp2 with the scale folded in
+//     log2 units, O rescaled by exp2(m_old - m_new)), P rounded to the input dtype in registers and
+//     O += P V with wgmma 64xDx16 register-sourced A (V K-blocks MN-major in shared memory).
+//     Software-pipelined inside the warpgroup (as FlashAttention-3): S_n and P_{n-1} V_{n-1} are
+//     issued back to back, the softmax of block n runs while P_{n-1} V_{n-1} is on the tensor
+//     cores. Each consumer warp gives a K stage back as soon as S_n has retired and a V stage once
+//     P V has, so the producer refills K a block and a half ahead.
+// At the end each row's sum is reduced across its quad of threads, out = O / l is stored from
+// registers and lse = (m + log2 l) ln 2. Rows past Sq are computed on zeros and not stored.
+//
+// Grid: one CTA per (head, 128-row query block), heads outer, so that the ~132 CTAs resident at
+// a time cover about 4 heads whose K and V (2 MB a head at S = 4096, D = 128) stay in L2; with
+// heads inner (64 heads in flight) K and V came from DRAM again and again (ncu: L2 87%, DRAM
+// 57% busy) and the kernel ran 10-20% slower. Within a head the last query blocks go first: with
+// causal masking they see the most keys, so the tail of each head is short work. Causal CTAs
+// stop at the diagonal block.
+//
+// Measured on an H100 (b4 h16 s4096 bf16, `fusekit bench --filter attention_fwd`, three runs):
+// D = 128 858-957 us non-causal (574-641 TFLOP/s, 75-85% of the run's cuBLAS gemm_bf16 ceiling),
+// 499-533 us causal (516-551 TFLOP/s); D = 64 359-367 / 316-320 TFLOP/s. Tried and dropped: the
+// schedule without the intra-warpgroup overlap (406 / 446 TFLOP/s with heads inner, against
+// 513 / 478), a ping-pong of the two consumer warpgroups (named-barrier turns for issuing
+// wgmmas, FA3's inter-warpgroup overlap: no gain here), the scale folded into the exp2 FFMA and
+// skipping O's rescale when no row max moved (no gain: the softmax is not the limit).
+// Not done: a persistent grid that overlaps one tile's epilogue with the next tile's loads, a
+// TMA store of out, larger tiles at D = 64 (FA3 uses 192 x 128).
+//
+// Numerics: fp32 scores, statistics and accumulators; P is rounded to bf16/f16 before P V (as in
+// FlashAttention), so out carries about one unit roundoff of the dtype on top of its final
+// rounding. GPUs other than sm_90, other dtypes or head dims go to attention_rowwise.cu.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <cute/tensor.hpp>  // first: the atom headers rely on what it includes before them
+#include <cute/atom/mma_atom.hpp>
+
+#include "attention_cuda.hpp"
+#include "fusekit/core/cuda_check.hpp"
+#include "fusekit/core/error.hpp"
+#include "fusekit/core/tensor.hpp"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FK_ATTN_SM90 1
+#else
+#define FK_ATTN_SM90 0
+#endif
+
+namespace fk::cuda {
+namespace {
+
+using namespace cute;
+using cute::Tensor;  // fk declares Tensor too
+
+constexpr const char* kOp = "attention_forward";
+
+constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
+// 384 threads start with 168 registers each; the producer needs few, the consumers' two 64-float
+// accumulators (S and O at D = 128) plus P need more: 128 x 24 + 256 x 240 <= 384 x 168.
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168);
+[[maybe_unused]] constexpr int kConsumerWarps = kConsumerThreads / 32;  // each releases a stage once its wgmmas retired
+
+template <class T, int D>
+struct Traits {
+  static_assert(D == 64 || D == 128);
+  // Q and K rows are D-contiguous (K-major for both GEMM operands): 128-byte swizzled atoms of
+  // 8 rows x 64 elements, rows adjacent, so that each 64-column slab of a tile is one TMA box.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBlockM>, Int<D>>{}));  // (BLK_M,D)
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
+                                             Shape<Int<kBlockN>, Int<D>, Int<kStages>>{}));  // (BLK_N,D,PIPE)
+  // V is the B operand of P V with N = D contiguous (MN-major): atoms of 64 d x 8 keys, keys
+  // adjacent, so that a 64-column slab of the V tile (all keys) is again one TMA box.
+  using SmemLayoutV = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                             Shape<Int<D>, Int<kBlockN>, Int<kStages>>{},
+                                             Step<_2, _1, _3>{}));  // (D,BLK_N,PIPE)
+  // Two consumer warpgroups side by side in M: warpgroup w computes rows [64 w, 64 w + 64).
+  using MmaS = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kBlockN>, Int<D>>, GMMA::Major::K, GMMA::Major::K>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  using MmaO = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<T, T, float, Shape<_64, Int<D>, Int<kBlockN>>, GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  static constexpr int kBytesQ = kBlockM * D * 2;
+  static constexpr int kBytesKV = kBlockN * D * 2;  // one stage of K (or of V)
+  static constexpr int kOffK = kBytesQ, kOffV = kOffK + kStages * kBytesKV, kOffBars = kOffV + kStages * kBytesKV;
+  static constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[s], v_full[s], k_empty[s], v_empty[s]
+  static constexpr int kSmemBytes = kOffBars + 8 * kBarriers + 1024;  // + slack for the 1024-byte alignment
+  static_assert(cosize_v<SmemLayoutQ> * 2 == kBytesQ && cosize_v<SmemLayoutK> * 2 == kStages * kBytesKV &&
+                cosize_v<SmemLayoutV> * 2 == kStages * kBytesKV);
+  static_assert(kSmemBytes <= 227 * 1024);
+  static_assert(decltype(size(MmaS{}))::value == kConsumerThreads);
+};
+
+struct Params {
+  void* out;               // T [B*H, Sq, D]
+  float* lse;              // [B*H, Sq]
+  int sq, sk, bh, m_blocks;
+  float scale_log2;        // scale * log2(e): scores are kept in log2 units
+  bool causal;
+};
+
+#if FK_ATTN_SM90
+
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(std::uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(std::uint32_t bar, int parity) {
+  std::uint32_t done = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// One box {64 columns, 128 rows, 1 head} of a (D, S, B*H) tensor map into shared memory.
+__device__ __forceinline__ void tma_load_3d(const CUtensorMap* map, std::uint32_t bar, std::uint32_t dst, int c0,
+                                            int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// 2^x on the SFU (2 ulp; 2^-inf = +0), as exp2f compiles to more than one instruction.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class T>
+__device__ __forceinline__ std::uint32_t pack2(float a, float b) {
+  if constexpr (std::is_same_v<T, cute::bfloat16_t>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const std::uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const std::uint32_t*>(&v);
+  }
+}
+
+struct Bars {
+  std::uint32_t base;
+  __device__ std::uint32_t q_full() const { return base; }
+  __device__ std::uint32_t k_full(int s) const { return base + 8 * (1 + s); }
+  __device__ std::uint32_t v_full(int s) const { return base + 8 * (1 + kStages + s); }
+  __device__ std::uint32_t k_empty(int s) const { return base + 8 * (1 + 2 * kStages + s); }
+  __device__ std::uint32_t v_empty(int s) const { return base + 8 * (1 + 3 * kStages + s); }
+};
+
+template <class T, int D>
+__device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, std::uint32_t smem,
+                        const Bars& bars, int m0, int bh, int n_blocks) {
+  using Tr = Traits<T, D>;
+  mbar_arrive_expect_tx(bars.q_full(), Tr::kBytesQ);
+#pragma unroll
+  for (int j = 0; j < D / 64; ++j) tma_load_3d(tq, bars.q_full(), smem + j * kBlockM * 128, 64 * j, m0, bh);
+  for (int n = 0; n < n_blocks; ++n) {
+    const int s = n % kStages, free_parity = ((n / kStages) & 1) ^ 1;
+    const std::uint32_t k_dst = smem + Tr::kOffK + s * Tr::kBytesKV, v_dst = smem + Tr::kOffV + s * Tr::kBytesKV;
+    mbar_wait(bars.k_empty(s), free_parity);
+    mbar_arrive_expect_tx(bars.k_full(s), Tr::kBytesKV);
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j) tma_load_3d(tk, bars.k_full(s), k_dst + j * kBlockN * 128, 64 * j, n * kBlockN, bh);
+    mbar_wait(bars.v_empty(s), free_parity);
+    mbar_arrive_expect_tx(bars.v_full(s), Tr::kBytesKV);
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j) tma_load_3d(tv, bars.v_full(s), v_dst + j * kBlockN * 128, 64 * j, n * kBlockN, bh);
+  }
+}
+
+template <class T, int D>
+__device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, int m0, int bh, int n_blocks) {
+  using Tr = Traits<T, D>;
+  const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
+  typename Tr::MmaS mma_s;
+  typename Tr::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(ct);
+  auto thr_o = mma_o.get_thread_slice(ct);
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<T*>(smem)), typename Tr::SmemLayoutQ{});  // (BLK_M,D)
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<T*>(smem + Tr::kOffK)),
+                          typename Tr::SmemLayoutK{});  // (BLK_N,D,PIPE)
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<T*>(smem + Tr::kOffV)),
+                          typename Tr::SmemLayoutV{});  // (D,BLK_N,PIPE)
+  Tensor tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ));  // (MMA,1,D/16) descriptors
+  Tensor tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK));  // (MMA,1,D/16,PIPE) descriptors
+  Tensor tOrV = thr_o.make_fragment_B(thr_o.partition_B(sV));  // (MMA,1,BLK_N/16,PIPE) descriptors
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});  // ((2,2,BLK_N/8),1,1) fp32
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<D>>{});        // ((2,2,D/8),1,1) fp32
+  // P as the A operand of the 64xDx16 wgmmas: the accumulator's values (col pair, row + 8, col + 8)
+  // of each 16 columns are exactly the A fragment's (k pair, row + 8, k + 8), so P keeps S's order.
+  Tensor tOrP = make_tensor<T>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>,
+                                      Stride<Stride<_1, _2, _4>, _0, _8>>{});  // ((2,2,2),1,BLK_N/16)
+  static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value);
+  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));  // (row, col) of tSrS
+  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<D>>{}));        // (row, col) of tOrO
+  // Value i of an accumulator lies in row (i / 2) % 2 of the thread's two rows (g and g + 8).
+  auto half_of = [](int i) { return (i >> 1) & 1; };
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // running max (log2 units) and this thread's partial sum
+  clear(tOrO);
+  mma_o.accumulate_ = GMMA::ScaleOut::One;
+  // Issues S = Q K_n^T (zero-initialised) as one wgmma batch, once K_n has landed.
+  auto issue_s = [&](int n) {
+    const int s = n % kStages;
+    mbar_wait(bars.k_full(s), (n / kStages) & 1);
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tSrQ); ++kk) {
+      gemm(mma_s, tSrQ(_, _, kk), tSrK(_, _, kk, s), tSrS);
+      mma_s.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  // Issues O += P V_n as one wgmma batch, once V_n has landed.
+  auto issue_pv = [&](int n) {
+    const int s = n % kStages;
+    mbar_wait(bars.v_full(s), (n / kStages) & 1);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tOrP); ++kk) gemm(mma_o, tOrP(_, _, kk), tOrV(_, _, kk, s), tOrO);
+    warpgroup_commit_batch();
+  };
+  // Each warp gives a stage back once its wgmmas reading it have retired.
+  auto release_k = [&](int n) {
+    if (ct % 32 == 0) mbar_arrive(bars.k_empty(n % kStages));
+  };
+  auto release_v = [&](int n) {
+    if (ct % 32 == 0) mbar_arrive(bars.v_empty(n % kStages));
+  };
+  auto rP = recast<std::uint32_t>(tOrP);  // (BLK_N/4) bf16/f16 pairs
+  // After the wgmmas reading P retired: keeps P's registers live (unreused) until here.
+  auto fence_p = [&] {
+    CUTE_UNROLL
+    for (int i = 0; i < size(rP); ++i) warpgroup_fence_operand(rP(i));
+  };
+  // The online softmax of block n on the retired S: masks, updates m and l, leaves the
+  // unnormalised p = 2^(s - m) in tSrS (fp32) and the factor O must be scaled by in alpha.
+  auto softmax = [&](int n, float (&alpha)[2]) {
+    const int n0 = n * kBlockN;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tSrS(i) *= p.scale_log2;
+    if (n0 + kBlockN > p.sk || (p.causal && n0 + kBlockN - 1 > m0)) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) {
+        const int row = m0 + get<0>(tScS(i)), col = n0 + get<1>(tScS(i));
+        if (col >= p.sk || (p.causal && col > row)) tSrS(i) = -INFINITY;
+      }
+    }
+    float mx[2] = {m[0], m[1]}, base[2], sum[2] = {0.0f, 0.0f};
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) mx[half_of(i)] = fmaxf(mx[half_of(i)], tSrS(i));
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      base[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row that has seen only masked keys
+      alpha[r] = fast_exp2(m[r] - base[r]);
+      m[r] = mx[r];
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) {
+      tSrS(i) = fast_exp2(tSrS(i) - base[half_of(i)]);
+      sum[half_of(i)] += tSrS(i);
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= alpha[half_of(i)];
+  };
+  auto to_p = [&] {
+    CUTE_UNROLL
+    for (int i = 0; i < size(rP); ++i) rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+  };
+
+  mbar_wait(bars.q_full(), 0);
+  float alpha[2];
+  // Software pipelining inside the warpgroup: the softmax of block n runs while the tensor cores
+  // compute P_{n-1} V_{n-1}; O is rescaled once that product has retired.
+  issue_s(0);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tSrS);
+  release_k(0);
+  softmax(0, alpha);
+  to_p();
+  for (int n = 1; n < n_blocks; ++n) {
+    issue_s(n);
+    issue_pv(n - 1);
+    warpgroup_wait<1>();  // S_n is ready, P_{n-1} V_{n-1} may still run
+    warpgroup_fence_operand(tSrS);
+    release_k(n);
+    softmax(n, alpha);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    fence_p();
+    release_v(n - 1);
+    rescale_o(alpha);
+    to_p();
+  }
+  issue_pv(n_blocks - 1);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tOrO);
+  fence_p();
+  release_v(n_blocks - 1);
+
+  float inv[2];
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+  }
+  T* out = static_cast<T*>(p.out) + static_cast<std::int64_t>(bh) * p.sq * D;
+  CUTE_UNROLL
+  for (int i = 0; i < size(tOrO); i += 2) {
+    const int row = m0 + get<0>(tOcO(i)), col = get<1>(tOcO(i));
+    if (row < p.sq)
+      *reinterpret_cast<std::uint32_t*>(out + static_cast<std::int64_t>(row) * D + col) =
+          pack2<T>(tOrO(i) * inv[half_of(i)], tOrO(i + 1) * inv[half_of(i)]);
+  }
+  if (ct % 4 == 0) {
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int row = m0 + get<0>(tScS(2 * r));
+      if (row < p.sq)
+        p.lse[static_cast<std::int64_t>(bh) * p.sq + row] = (m[r] + log2f(l[r])) * 0.69314718055994531f;
+    }
+  }
+}
+
+#endif  // FK_ATTN_SM90
+
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_sm90_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tq,
+                          const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
+#if FK_ATTN_SM90
+  using Tr = Traits<T, D>;
+  extern __shared__ std::uint8_t smem_raw[];
+  const std::uint32_t raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
+  std::uint8_t* smem = smem_raw + (base - raw);
+  const Bars bars{base + Tr::kOffBars};
+  if (threadIdx.x == 0) {
+    mbar_init(bars.q_full(), 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bars.k_full(s), 1);
+      mbar_init(bars.v_full(s), 1);
+      mbar_init(bars.k_empty(s), kConsumerWarps);
+      mbar_init(bars.v_empty(s), kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // Heads outer, query blocks inner: the CTAs running at once share a few heads, whose K and V
+  // then stay in L2. Within a head the heaviest query blocks go first (with causal masking the
+  // last rows see the most keys).
+  const int bh = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.m_blocks));
+  const int m_block = p.m_blocks - 1 - static_cast<int>(blockIdx.x % static_cast<unsigned>(p.m_blocks));
+  const int m0 = m_block * kBlockM;
+  int n_blocks = (p.sk + kBlockN - 1) / kBlockN;
+  if (p.causal) n_blocks = min(n_blocks, (m0 + kBlockM + kBlockN - 1) / kBlockN);
+  if (threadIdx.x < kProducerThreads) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    if (threadIdx.x == 0) produce<T, D>(&tq, &tk, &tv, base, bars, m0, bh, n_blocks);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    consume<T, D>(p, smem, bars, m0, bh, n_blocks);
+  }
+#else
+  __trap();  // the launcher never starts this kernel off sm_90
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    FK_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || f == nullptr)
+      throw Error(kOp, "the CUDA driver has no cuTensorMapEncodeTiled (TMA needs driver 12.0 or newer)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A (D, S, B*H) map of a [B*H, S, D] tensor, boxes of {64, 128, 1} with the 128-byte swizzle.
+CUtensorMap head_map(const char* what, const TensorView& t) {
+  const std::int64_t bh = t.size(0) * t.size(1), s = t.size(2), d = t.size(3);
+  CUtensorMap map{};
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(s), static_cast<cuuint64_t>(bh)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(d) * 2, static_cast<cuuint64_t>(s * d) * 2};
+  const cuuint32_t box[3] = {64, 128, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUtensorMapDataType type =
+      t.dtype() == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = tensor_map_encoder()(&map, type, 3, t.data(), dims, strides, box, elem_strides,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error(kOp, std::string("cuTensorMapEncodeTiled failed for ") + what + " (error " + std::to_string(r) + ")");
+  return map;
+}
+
+template <class T, int D>
+void launch(const Params& p, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, cudaStream_t s) {
+  auto kernel = attention_sm90_kernel<T, D>;
+  constexpr int smem = Traits<T, D>::kSmemBytes;
+  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const auto ctas = static_cast<unsigned>(p.bh) * static_cast<unsigned>(p.m_blocks);
+  kernel<<<ctas, kThreads, smem, s>>>(p, tq, tk, tv);
+  FK_CUDA_CHECK_LAUNCH("attention_sm90_kernel");
+}
+
+}  // namespace
+
+bool attention_forward_sm90(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                            const TensorView& lse, bool causal, float scale, const Stream* stream) {
+  const DType t = q.dtype();
+  const std::int64_t bh = q.size(0) * q.size(1), sq = q.size(2), sk = k.size(2), d = q.size(3);
+  if ((t != DType::bf16 && t != DType::f16) || (d != 64 && d != 128) || sk < 1) return false;
+  const std::int64_t m_blocks = (sq + kBlockM - 1) / kBlockM;
+  if (sq > INT_MAX - kBlockM || sk > INT_MAX - kBlockN || bh * m_blocks > INT_MAX) return false;
+  for (const TensorView* x : {&q, &k, &v, &out})
+    if (reinterpret_cast<std::uintptr_t>(x->data()) % 16 != 0) return false;
+  const int device = q.device().index;
+  fk::detail::DeviceScope on_device(device);
+  int major = 0, minor = 0;
+  FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0) return false;
+
+  Params p{};
+  p.out = out.data();
+  p.lse = lse.data_as<float>();
+  p.sq = static_cast<int>(sq);
+  p.sk = static_cast<int>(sk);
+  p.bh = static_cast<int>(bh);
+  p.m_blocks = static_cast<int>(m_blocks);
+  p.scale_log2 = scale * 1.4426950408889634f;
+  if (!std::isfinite(p.scale_log2)) return false;  // the row-wise kernel scales in natural units
+  p.causal = causal;
+  const CUtensorMap tq = head_map("q", q), tk = head_map("k", k), tv = head_map("v", v);
+  const cudaStream_t s = fk::detail::cuda_stream(stream);
+  if (t == DType::bf16) {
+    if (d == 64) launch<cute::bfloat16_t, 64>(p, tq, tk, tv, s);
+    else launch<cute::bfloat16_t, 128>(p, tq, tk, tv, s);
+  } else {
+    if (d == 64) launch<cute::half_t, 64>(p, tq, tk, tv, s);
+    else launch<cute::half_t, 128>(p, tq, tk, tv, s);
+  }
+  return true;
+}
+
+}  // namespace fk::cuda
