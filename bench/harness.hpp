@@ -62,6 +62,11 @@ class Context {
   int rotations_for(std::size_t bytes) const;
   // Median GPU time in microseconds of run(i), i cycling over [0, rotations).
   double time_us(const std::function<void(int)>& run, int rotations);
+  // The medians of several implementations timed in alternation (run 1 of each, then run 2 of
+  // each, ...), so that all of them see the same clocks and temperature: for ratios between
+  // GEMM-bound kernels, whose clocks drift by several percent over a run. Each call takes the next
+  // of the `rotations` input sets in turn.
+  std::vector<double> time_us_interleaved(const std::vector<std::function<void(int)>>& runs, int rotations);
 
   // Records; speedup and pct_of_copy are filled in when the run is written out.
   void add(Record r) { records_.push_back(std::move(r)); }

@@ -20,7 +20,14 @@
 
 namespace fk::device {
 
-__device__ __forceinline__ float fast_sigmoid(float z) { return __fdividef(1.0f, 1.0f + __expf(-z)); }
+// 1 / (1 + 2^(-z log2 e)) with the MUFU ex2 and rcp approximations (flush-to-zero: a denormal
+// 2^x only arises where the sigmoid is 1 to float precision anyway; 1 + 2^x = inf gives 0).
+__device__ __forceinline__ float fast_sigmoid(float z) {
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
+  return s;
+}
 
 __device__ __forceinline__ float fast_tanh(float z) {
   float t;
