@@ -9,7 +9,8 @@
 //                             eager kernels get only 64 CTAs here (a block per row).
 //   row_sum/f32_8192x32768    fused against cuBLAS gemv with a vector of ones (x @ 1), the
 //                             usual library way to sum rows; gbps counts x + out.
-//   batched_matmul/bf16_64x512x512x512   the CuTe kernel against cuBLAS strided-batched.
+//   batched_matmul/bf16_64x512x512x512   impl=cute (on an H100: the CUTLASS SM90 GEMM) against
+//                             cuBLAS strided-batched.
 #include <cuda_bf16.h>
 
 #include <string>

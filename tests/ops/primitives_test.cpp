@@ -1,8 +1,10 @@
 // Tests of the primitives family (batched_matmul, puzzle 11): the spec against hand-worked
-// values, both CUDA implementations (cuBLAS and the CuTe kernel) against the spec on random
-// inputs of many shapes (tails of every tile dimension, odd K, one row / column, K = 1 and 0,
-// empty batch, more batches than a grid's z dimension holds), an exact comparison of the CuTe
-// kernel on small integers, and every bad input.
+// values, both CUDA implementations (cuBLAS and impl=cute) against the spec on random inputs of
+// many shapes (tails of every tile dimension, odd K, one row / column, K = 1 and 0, B = 1, empty
+// batch, more batches than a grid's z dimension holds), an exact comparison of impl=cute on small
+// integers, and every bad input. impl=cute is two kernels: on an sm_90 GPU the CUTLASS SM90 GEMM
+// (TMA + wgmma) takes K % 8 == 0, N % 8 == 0 and 16-byte aligned a, b, c, and the SM80 CuTe
+// kernel everything else (on other GPUs, everything); the shapes below cover both on an H100.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -165,7 +167,7 @@ struct GemmCase {
 
 std::string case_name(const ::testing::TestParamInfo<GemmCase>& info) {
   const GemmCase& p = info.param;
-  return std::string(p.impl == BatchedMatmulImpl::cute ? "cute_sm80" : "cublas") + "_" +
+  return std::string(p.impl == BatchedMatmulImpl::cute ? "cute" : "cublas") + "_" +
          std::string(dtype_name(p.dtype)) + "_to_" + std::string(dtype_name(p.c_dtype)) + "_B" +
          std::to_string(p.batch) + "_M" + std::to_string(p.m) + "_N" + std::to_string(p.n) + "_K" +
          std::to_string(p.k);
@@ -175,11 +177,15 @@ std::vector<GemmCase> gemm_cases() {
   struct Size {
     std::int64_t batch, m, n, k;
   };
-  // The CuTe kernel's tile is 128x128x32; its 16-byte loads need K % 8 == 0 and N % 8 == 0.
+  // The SM80 kernel's tile is 128x128x32; its 16-byte loads need K % 8 == 0 and N % 8 == 0. The
+  // SM90 GEMM's tile is 128x128x64 and it runs whenever K % 8 == 0 and N % 8 == 0 (on sm_90).
   const Size sizes[] = {
       {4, 32, 32, 32},     // puzzle 11
       {3, 77, 45, 133},    // odd K: element-wise loads, tails in M, N, K
       {2, 150, 264, 200},  // 16-byte loads with tails in M (150), N (264) and K (200 = 6*32 + 8)
+      {3, 300, 392, 456},  // SM90 tails: M = 2*128 + 44, N = 3*128 + 8, K = 7*64 + 8
+      {1, 1000, 136, 72},  // B = 1, 8 row tiles, N and K one tile + 8
+      {8, 256, 512, 128},  // whole SM90 tiles, several tiles per SM
       {1, 128, 256, 64},   // whole tiles only
       {2, 1, 64, 40},      // one row
       {2, 19, 1, 24},      // one column
@@ -249,17 +255,26 @@ void expect_exact_on_small_integers(DType dtype, Dims a_shape, Dims b_shape, con
   EXPECT_TRUE(test::all_close(c, want, {0.0, 0.0}));
 }
 
-TEST(BatchedMatmulCute, Sm80_bf16_f32_128x128x32_ExactOnSmallIntegers) {
+// The first shape of each runs the SM90 GEMM on sm_90 (the SM80 kernel's 16-byte loads
+// elsewhere), the second the SM80 kernel's element loads everywhere.
+TEST(BatchedMatmulCute, bf16_f32_ExactOnSmallIntegers) {
   FK_SKIP_WITHOUT_GPU();
   const Stream stream = Stream::create(Device::cuda(0));
-  expect_exact_on_small_integers(DType::bf16, {2, 136, 96}, {2, 96, 200}, &stream);  // 16-byte loads
-  expect_exact_on_small_integers(DType::bf16, {3, 77, 133}, {3, 133, 45}, nullptr);  // element loads
+  expect_exact_on_small_integers(DType::bf16, {2, 136, 96}, {2, 96, 200}, &stream);
+  expect_exact_on_small_integers(DType::bf16, {3, 77, 133}, {3, 133, 45}, nullptr);
 }
 
-TEST(BatchedMatmulCute, Sm80_f16_f32_128x128x32_ExactOnSmallIntegers) {
+TEST(BatchedMatmulCute, f16_f32_ExactOnSmallIntegers) {
   FK_SKIP_WITHOUT_GPU();
   expect_exact_on_small_integers(DType::f16, {2, 136, 96}, {2, 96, 200}, nullptr);
   expect_exact_on_small_integers(DType::f16, {3, 77, 133}, {3, 133, 45}, nullptr);
+}
+
+// Tails in every mode of the SM90 GEMM's 128x128x64 tile and clusters, B = 1.
+TEST(BatchedMatmulCute, Sm90_bf16_f32_128x128x64_ExactOnSmallIntegers) {
+  FK_SKIP_WITHOUT_GPU();
+  expect_exact_on_small_integers(DType::bf16, {1, 333, 520}, {1, 520, 264}, nullptr);
+  expect_exact_on_small_integers(DType::bf16, {5, 129, 8}, {5, 8, 136}, nullptr);
 }
 
 TEST(BatchedMatmulCute, MisalignedOperandsTakeTheElementPath) {
@@ -279,6 +294,29 @@ TEST(BatchedMatmulCute, MisalignedOperandsTakeTheElementPath) {
   Tensor want = Tensor::empty({batch, m, n}, DType::f32, kCpu);
   batched_matmul(test::to_host(a), test::to_host(b), want);
   EXPECT_TRUE(test::all_close(c, want, gemm_tolerance(DType::f32, k)));
+}
+
+TEST(BatchedMatmulCute, MisalignedOutputIsNotGivenToTma) {
+  // a and b suit TMA, but c starts one element past a 16-byte boundary, which a TMA store cannot
+  // take: on sm_90 the SM80 kernel (whose stores are per element) must run instead.
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const std::int64_t batch = 2, m = 136, n = 72, k = 80;
+  Tensor a = test::random_tensor({batch, m, k}, DType::bf16, gpu, 13);
+  Tensor b = test::random_tensor({batch, k, n}, DType::bf16, gpu, 14);
+  for (DType c_dtype : {DType::f32, DType::bf16}) {
+    Tensor c_buf = Tensor::empty({batch * m * n + 1}, c_dtype, gpu);
+    test::poison(c_buf);
+    const TensorView c(static_cast<char*>(c_buf.data()) + dtype_size(c_dtype), c_dtype, {batch, m, n}, gpu);
+    batched_matmul(a, b, c, BatchedMatmulImpl::cute);
+
+    Tensor want = Tensor::empty({batch, m, n}, c_dtype, kCpu);
+    batched_matmul(test::to_host(a), test::to_host(b), want);
+    EXPECT_TRUE(test::all_close(c, want, gemm_tolerance(c_dtype, k))) << dtype_name(c_dtype);
+    // The element before c is untouched.
+    const std::vector<double> first = test::to_doubles(TensorView(c_buf.data(), c_dtype, {1}, gpu));
+    EXPECT_TRUE(std::isnan(first[0])) << dtype_name(c_dtype);
+  }
 }
 
 }  // namespace

@@ -109,7 +109,9 @@ void conv2d(const TensorView& x, const TensorView& w, const TensorView& y, Conv2
 // =============================================================================================
 
 // How batched_matmul runs on a GPU: cuBLAS strided-batched (the production path), or fusekit's
-// CuTe kernel (bf16/f16 operands only).
+// tensor-core kernels (bf16/f16 operands only): on an sm_90 GPU, CUTLASS's SM90 GEMM (TMA +
+// wgmma, warp-specialized) when K and N are multiples of 8 and a, b, c are 16-byte aligned;
+// otherwise (and on other GPUs) an SM80-style CuTe kernel (mma.sync, cp.async).
 enum class BatchedMatmulImpl { cublas, cute };
 
 // c[i] = a[i] @ b[i] for every batch i, fp32 accumulation (overwrites c).

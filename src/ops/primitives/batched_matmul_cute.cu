@@ -1,8 +1,10 @@
 // batched_matmul on the GPU (puzzle 11): c[i] = a[i] @ b[i] for every batch i, a [B, M, K] and
 // b [B, K, N] row-major, fp32 accumulation, c [B, M, N] overwritten in f32 or the operands' dtype.
 // Two implementations. impl=cublas: one cuBLAS strided-batched GEMM, f32/bf16/f16 operands, fp32
-// compute (no TF32). impl=cute: fusekit's tensor-core kernel, written with CuTe, bf16/f16
-// operands. Each CTA computes one 128x128 tile of one batch's c and walks K in 32-wide slices: a
+// compute (no TF32). impl=cute: fusekit's tensor-core kernels, bf16/f16 operands. On an sm_90 GPU
+// the CUTLASS SM90 GEMM of batched_matmul_sm90.cu (TMA + wgmma) runs whenever TMA can take the
+// tensors (K, N multiples of 8, a, b, c 16-byte aligned); otherwise, and on every other GPU, the
+// SM80-style CuTe kernel below. Each CTA computes one 128x128 tile of one batch's c and walks K in 32-wide slices: a
 // 3-stage cp.async pipeline brings the slices of a and b into swizzled shared memory, ldmatrix
 // feeds SM80 16x8x16 MMAs (Hopper runs them too), and the epilogue rounds the fp32 accumulators
 // to c's dtype and stores them straight from registers. Each element of a is read N/128 times and
@@ -321,6 +323,8 @@ void batched_matmul_cute(const TensorView& a, const TensorView& b, const TensorV
                "cute on sm_" + std::to_string(major * 10 + minor));
 
   const GemmArgs args = make_args(a, b, c);
+  if (batched_matmul_sm90(a, b, c, stream)) return;
+
   constexpr int kMaxGridY = 65535;  // the grid's y dimension counts column tiles
   FK_CHECK_ARG(args.n <= std::int64_t(kMaxGridY) * kTileN, kOp, "b",
                "at most " + std::to_string(kMaxGridY * kTileN) + " columns with impl=cute", b.shape().str());

@@ -28,7 +28,12 @@ void conv2d(const TensorView& x, const TensorView& w, const TensorView& y, std::
 
 // cuBLAS strided-batched GEMM, fp32 compute (no TF32); a/b f32, bf16 or f16.
 void batched_matmul_cublas(const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream);
-// fusekit's CuTe tensor-core kernel; a/b bf16 or f16. Throws fk::Error on GPUs before sm_80.
+// fusekit's tensor-core kernels; a/b bf16 or f16: the SM90 GEMM below where it applies, else the
+// SM80 CuTe kernel. Throws fk::Error on GPUs before sm_80.
 void batched_matmul_cute(const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream);
+// batched_matmul_sm90.cu: CUTLASS's TMA + wgmma GEMM, batch as its L mode. Runs it and returns true
+// on an sm_90 device when the shapes and pointers suit TMA (K, N multiples of 8; a, b, c 16-byte
+// aligned; M, N, K > 0); returns false, having done nothing, otherwise. Every dimension fits int.
+bool batched_matmul_sm90(const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream);
 
 }  // namespace fk::cuda
