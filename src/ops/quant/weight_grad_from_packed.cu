@@ -85,38 +85,41 @@ using cute::Tensor;  // fk declares Tensor too
 
 constexpr const char* kOp = "weight_grad_from_packed";
 
-// CTA tile (M = COUT rows of dW, N = CIN columns, K = reduction), pipeline depth, warp roles.
-constexpr int kBlockM = 256, kBlockN = 128, kBlockK = 64, kStages = 4;
-// One producer warpgroup, two consumer warpgroups: a wgmma 64x256 with its 128 accumulators
-// needs more registers than the 128 a thread of a 512-thread CTA starts with.
+// CTA tile (M = COUT rows of dW, N = CIN columns, K = reduction), pipeline depths, warp roles.
+constexpr int kBlockM = 256, kBlockN = 128, kBlockK = 64;
+constexpr int kStages = 4;  // ring of dy k-blocks with their packed words and statistics (TMA, producer)
+constexpr int kXBufs = 3;   // ring of dequantized x̂ k-blocks (written and read by the consumers)
+// One producer warpgroup (TMA, statistics), two consumer warpgroups (dequantization and MMA): a
+// wgmma 64x256 with its 128 accumulators needs more registers than the 128 a thread of a
+// 512-thread CTA starts with.
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
-constexpr int kSpanCols = 128 * 64 / kProducerThreads;  // columns of a k-block row a producer thread owns (64)
-constexpr int kSpanGroups = kSpanCols / 32;              // groups a span may touch (group % 32 == 0)
-constexpr int kStageBytesA = kBlockM * kBlockK * 2;  // 32 KB of bf16 dy
-constexpr int kStageBytesB = kBlockN * kBlockK * 2;  // 16 KB of bf16 x̂
+constexpr int kChunkCols = 32;  // columns of a k-block row a consumer thread dequantizes: one group's worth
+constexpr int kChunks = kBlockN / kChunkCols;  // 4 a tile row; consumer warpgroup j owns chunks 2j, 2j + 1
+constexpr int kStageBytesA = kBlockM * kBlockK * 2;   // 32 KB of bf16 dy
+constexpr int kXBufBytes = kBlockN * kBlockK * 2;     // 16 KB of bf16 x̂
+template <int kBits> constexpr int kWordBytes = kBlockK * kBlockN * kBits / 8;  // packed words of a k-block
+// A k-block's statistics rows (its 64 rows x G groups: contiguous in [K, G]) come by 1-D bulk
+// copies into a slot of this many bytes per array: G <= 16 with bf16 statistics, 8 with f32.
+constexpr int kStatsBytes = 2048;
+constexpr int kStatBytes = 2 * kStatsBytes;           // scales, then minimums
 constexpr int kTileElems = kBlockM * kBlockN;
-// Each full barrier expects the producer's 128 threads (after their stores) plus one arrival that
-// carries the TMA byte count (or a plain one when dy is copied by the threads).
-[[maybe_unused]] constexpr int kFullArrivals = kProducerThreads + 1;
-[[maybe_unused]] constexpr int kEmptyArrivals = 2;  // one per consumer warpgroup
-// A thread of the 384 starts with 168 registers; the consumers' 128 fp32 accumulators a thread
-// need more, the producer fewer: 128 x 120 + 256 x 192 = 384 x 168.
+// Every producer thread arrives on a full barrier once (thread 0 adds the TMA byte count first;
+// the others copy dy or the words when TMA cannot); each consumer warpgroup arrives on an empty one.
+[[maybe_unused]] constexpr int kFullArrivals = kProducerThreads;
+[[maybe_unused]] constexpr int kEmptyArrivals = 2;
+// A thread of the 384 starts with 168 registers; the producer needs few, the consumers' 128 fp32
+// accumulators a thread plus the dequantization many: 128 x 56 + 256 x 224 = 384 x 168.
 constexpr int kStartRegs = 168;
-constexpr int kConsumerRegs = 192;
-constexpr int kProducerRegs = (kStartRegs * kThreads - kConsumerRegs * kConsumerThreads) / kProducerThreads / 8 * 8;
-static_assert(kProducerRegs == 120);
-// The packed words of a k-block (64 rows x 128 columns, 1 KB a bit) and the statistics rows of
-// its 64 rows (all G groups: they are contiguous, 64 G scales then as many minimums) come by TMA
-// into a ring of raw slots, kRawSlots - 1 k-blocks ahead of the dequantization (3 slots at 8 bits,
-// where 4 do not fit next to the 192 KB of operand stages).
-template <int kBits> constexpr int kRawSlots = kBits == 8 ? 3 : 4;
-template <int kBits> constexpr int kRawWordBytes = kBlockK * kBlockN * kBits / 8;
-constexpr int kStatsBytes = 1536;  // per array and slot: the 64 G values fit when G <= 12 (bf16) or 6 (f32)
-template <int kBits> constexpr int kRawSlotBytes = kRawWordBytes<kBits> + 2 * kStatsBytes;
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = (kStartRegs * kThreads - kProducerRegs * kProducerThreads) / kConsumerThreads / 8 * 8;
+static_assert(kConsumerRegs == 224);
+// Shared memory: dy stages, x̂ buffers, word slots, statistics slots (each 1024-byte aligned: the
+// swizzled TMA destinations need it), then the mbarriers.
 template <int kBits>
-constexpr int kSmemBytes = kStages * (kStageBytesA + kStageBytesB) + kRawSlots<kBits> * kRawSlotBytes<kBits> +
-                           (2 * kStages + kRawSlots<kBits>) * 8 + 1024;  // + slack for the 1024-byte alignment
-static_assert(kSmemBytes<8> <= 227 * 1024 && kSmemBytes<4> <= 227 * 1024);
+constexpr int kSmemBytes = kStages * (kStageBytesA + kWordBytes<kBits> + kStatBytes) + kXBufs * kXBufBytes +
+                           2 * kStages * 8 + 1024;  // + slack for the 1024-byte alignment
+static_assert(kSmemBytes<8> <= 227 * 1024);
+static_assert(kWordBytes<1> % 1024 == 0 && kStatBytes % 1024 == 0);
 // Split K no finer than this many k-blocks a CTA: the pipeline fill would cost more than it brings.
 constexpr int kMinKBlocksPerCta = 8;
 
@@ -128,16 +131,17 @@ using Bf16 = cute::bfloat16_t;
 using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{},
                                            Shape<Int<kBlockM>, Int<kBlockK>, Int<kStages>>{},
                                            Step<_2, _1, _3>{}));  // (BLK_M,BLK_K,PIPE)
-using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{},
-                                           Shape<Int<kBlockN>, Int<kBlockK>, Int<kStages>>{},
-                                           Step<_2, _1, _3>{}));  // (BLK_N,BLK_K,PIPE)
+using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{},
+                                           Shape<Int<kBlockN>, Int<kBlockK>, Int<kXBufs>>{},
+                                           Step<_2, _1, _3>{}));  // (BLK_N,BLK_K,XBUFS)
 static_assert(cosize_v<SmemLayoutA> * 2 == kStages * kStageBytesA);
-static_assert(cosize_v<SmemLayoutB> * 2 == kStages * kStageBytesB);
+static_assert(cosize_v<SmemLayoutX> * 2 == kXBufs * kXBufBytes);
 // The MMA computes the tile transposed, dWᵀ [128 CIN, 256 COUT] = x̂ᵀ dy, so that each consumer
 // warpgroup issues wgmma 64x256x16 (its 64 CIN rows against all 256 COUT columns): per k-block
 // the two warpgroups read 2 x 4 x (2 + 8) KB of shared memory, against 96 KB for 4 x 64x128
 // blocks of dW, and shared-memory bandwidth is what the tensor cores share with the TMA and
-// dequantization traffic (measured: 7% faster than 64x128 blocks).
+// dequantization traffic. Warpgroup j's A operand is x̂ᵀ rows [64 j, 64 j + 64): exactly the
+// x̂ columns it dequantizes itself, so only its own 128 threads need to agree before its wgmmas.
 using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{},
                                          Layout<Shape<_2, _1, _1>>{}));
 static_assert(decltype(size(TiledMma{}))::value == kConsumerThreads);
@@ -155,8 +159,8 @@ struct Params {
   int stats_bytes;             // 2 (bf16) or 4 (f32)
   bool stats_bf16, dw_bf16, accumulate;
   bool tma_a;                  // dy by TMA (else copied by the producer threads)
-  bool tma_x;                  // packed words and statistics by TMA (else loaded by the producer threads)
-  bool vec_words;              // without TMA: a thread's words in 4-32 byte loads
+  bool tma_x;                  // packed words by TMA (else copied by the producer threads)
+  bool tma_stats;              // statistics rows by bulk copies (else each consumer thread loads its own)
 };
 
 #if FK_WGRAD_SM90
@@ -168,39 +172,42 @@ __device__ __forceinline__ void st_shared_v4(std::uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
+__device__ __forceinline__ void st_shared_v2f(std::uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
 __device__ __forceinline__ void st_shared_u16(std::uint32_t addr, std::uint16_t v) {
   asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
 }
+__device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
 __device__ __forceinline__ uint4 ld_shared_v4(std::uint32_t addr) {
   uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
   return v;
 }
 __device__ __forceinline__ uint2 ld_shared_v2(std::uint32_t addr) {
   uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
   return v;
 }
 __device__ __forceinline__ std::uint32_t ld_shared_u32(std::uint32_t addr) {
   std::uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
-__device__ __forceinline__ float ld_shared_stat(std::uint32_t addr, bool bf16) {
-  if (bf16) {
-    unsigned short v;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-    return __uint_as_float(static_cast<std::uint32_t>(v) << 16);
-  }
-  return __uint_as_float(ld_shared_u32(addr));
+__device__ __forceinline__ float2 ld_shared_v2f(std::uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
 }
 // Makes this thread's generic-proxy shared-memory stores visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-// Synchronises the producer warpgroups only (barrier 0 is __syncthreads).
-__device__ __forceinline__ void producer_barrier() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kProducerThreads) : "memory");
+// Synchronises the 128 threads of consumer warpgroup `wg` (barrier 0 is __syncthreads).
+__device__ __forceinline__ void consumer_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
 }
 // mbarriers, addressed by their shared-window address.
 __device__ __forceinline__ void mbar_init(std::uint32_t bar, int count) {
@@ -209,9 +216,9 @@ __device__ __forceinline__ void mbar_init(std::uint32_t bar, int count) {
 __device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-// Arrives and adds `bytes` to the transaction count the phase waits for.
-__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+// Adds `bytes` to the transaction count the current phase waits for (no arrival).
+__device__ __forceinline__ void mbar_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 // Waits until the phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(std::uint32_t bar, int parity) {
@@ -231,6 +238,7 @@ __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, std::uint32_
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
+
 // `bytes` (a multiple of 16) from global to shared memory by the TMA unit, completing on `bar`.
 __device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes, std::uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
@@ -238,52 +246,85 @@ __device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, st
                : "memory");
 }
 
+__device__ __forceinline__ float ld_shared_stat(std::uint32_t addr, bool bf16) {
+  if (bf16) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+    return __uint_as_float(static_cast<std::uint32_t>(v) << 16);
+  }
+  return __uint_as_float(ld_shared_u32(addr));
+}
+
 __device__ __forceinline__ float load_stat(const void* base, std::int64_t i, bool bf16) {
   if (bf16) return __uint_as_float(static_cast<std::uint32_t>(__ldg(static_cast<const unsigned short*>(base) + i)) << 16);
   return __ldg(static_cast<const float*>(base) + i);
 }
 
-// One producer thread's share of a k-block: kSpanCols consecutive columns of one row, as packed
-// words, with the scale and minimum of each 32 columns (one group each, as group % 32 == 0).
-template <int kBits>
-struct Span {
-  std::uint32_t w[kSpanCols * kBits / 32];
-  float scale[kSpanGroups], min[kSpanGroups];
-};
-
-// Level q of element e (0..31) of the span as the float f = 1 + q 2^-t (t = kBits, or 15 at 8
-// bits): q goes into the top of the mantissa of 1.0 with one shift and one LOP3 (one PRMT at 8
-// bits), no int-to-float conversion. Then x̂ = f S + M with S = scale 2^t (exact) and
-// M = min - S, one FFMA: it differs from the spec's fmaf(q, scale, min) by the rounding of M,
-// at most 2^-24 (|min| + 2^t scale), far below the bf16 rounding of x̂ that follows.
+// Level q of element e (0..31) of a chunk (its kBits words in w) as the float f = 1 + q 2^-t
+// (t = kBits, or 15 at 8 bits): q goes into the top of the mantissa of 1.0 with one shift and one
+// LOP3 (one PRMT at 8 bits), no int-to-float conversion. Then x̂ = f S + M with S = scale 2^t
+// (exact) and M = min - S, one FFMA: it differs from the spec's fmaf(q, scale, min) by the
+// rounding of M, at most 2^-24 (|min| + 2^t scale), far below the bf16 rounding of x̂ that follows.
 template <int kBits> constexpr int kMagicShift = kBits == 8 ? 15 : kBits;
 template <int kBits, int E>
-__device__ __forceinline__ float unit_level(const Span<kBits>& sp) {
+__device__ __forceinline__ float unit_level(const std::uint32_t (&w)[kBits]) {
   constexpr int bit = E * kBits;
-  const std::uint32_t w = sp.w[bit / 32];
+  const std::uint32_t v0 = w[bit / 32];
   if constexpr (kBits == 8) {
-    return __uint_as_float(__byte_perm(w, 0x3F800000u, 0x7604u | ((bit % 32 / 8) << 4)));  // bytes (0, q, 0x80, 0x3F)
+    return __uint_as_float(__byte_perm(v0, 0x3F800000u, 0x7604u | ((bit % 32 / 8) << 4)));  // bytes (0, q, 0x80, 0x3F)
   } else {
     constexpr int d = 23 - kBits - bit % 32;  // where q goes minus where it is
-    const std::uint32_t v = d >= 0 ? w << (d & 31) : w >> (-d & 31);
+    const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
     return __uint_as_float((v & (((1u << kBits) - 1u) << (23 - kBits))) | 0x3F800000u);
   }
 }
 
-// Chunk J (columns 8J..8J+7 of the span) as 8 bf16.
+// Columns 8J..8J+7 of a chunk as 8 bf16.
 template <int kBits, int J>
-__device__ __forceinline__ uint4 dequant_chunk(const Span<kBits>& sp, const float (&S)[kSpanGroups],
-                                               const float (&M)[kSpanGroups]) {
+__device__ __forceinline__ uint4 dequant8(const std::uint32_t (&w)[kBits], float S, float M) {
   std::uint32_t out[4];
   [&]<int... P>(std::integer_sequence<int, P...>) {
     ((out[P] = [&] {
-       const __nv_bfloat162 v = __floats2bfloat162_rn(fmaf(unit_level<kBits, 8 * J + 2 * P>(sp), S[J / 4], M[J / 4]),
-                                                      fmaf(unit_level<kBits, 8 * J + 2 * P + 1>(sp), S[J / 4], M[J / 4]));
+       const __nv_bfloat162 v = __floats2bfloat162_rn(fmaf(unit_level<kBits, 8 * J + 2 * P>(w), S, M),
+                                                      fmaf(unit_level<kBits, 8 * J + 2 * P + 1>(w), S, M));
        return *reinterpret_cast<const std::uint32_t*>(&v);
      }()),
      ...);
   }(std::make_integer_sequence<int, 4>{});
   return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// Shared-memory carve-up, as shared-window addresses: dy stages (1024-aligned, for the 128-byte
+// swizzle), x̂ buffers, word slots, statistics slots, then the full and empty mbarrier of each
+// stage.
+struct Smem {
+  std::uint32_t a, x, words, stats, bars;
+  int word_bytes;
+  __device__ std::uint32_t full(int s) const { return bars + 8 * s; }
+  __device__ std::uint32_t empty(int s) const { return bars + 8 * (kStages + s); }
+  __device__ std::uint32_t word_slot(int s) const { return words + s * word_bytes; }
+  __device__ std::uint32_t stat_slot(int s) const { return stats + s * kStatBytes; }
+};
+
+template <int kBits>
+__device__ __forceinline__ Smem carve_smem(const std::uint8_t* raw) {
+  const std::uint32_t a = (smem_addr(raw) + 1023) & ~1023u;
+  const std::uint32_t x = a + kStages * kStageBytesA;
+  const std::uint32_t w = x + kXBufs * kXBufBytes;
+  const std::uint32_t st = w + kStages * kWordBytes<kBits>;
+  return {a, x, w, st, st + kStages * kStatBytes, kWordBytes<kBits>};
+}
+
+// The CTA's work: tile `tile`, k-blocks [kb_begin, kb_end).
+struct CtaWork {
+  int tile, mb, nb, kb_begin, kb_end;
+};
+
+__device__ __forceinline__ CtaWork cta_work(const Params& p) {
+  const int tile = blockIdx.x / p.splits, split = blockIdx.x % p.splits;
+  const int kb0 = static_cast<int>(static_cast<std::int64_t>(split) * p.kblocks / p.splits);
+  const int kb1 = static_cast<int>(static_cast<std::int64_t>(split + 1) * p.kblocks / p.splits);
+  return {tile, tile / p.tiles_n, tile % p.tiles_n, kb0, kb1};
 }
 
 // dy k-block into A stage `a_stage` by the producer threads, element by element (odd COUT or a
@@ -300,40 +341,28 @@ __device__ void load_a_by_threads(const Params& p, std::uint32_t a_stage, int m0
   }
 }
 
-// Shared-memory carve-up, as shared-window addresses: A stages (1024-aligned, for the 128-byte
-// swizzle), B stages, raw slots (words, then scales, then minimums), then the full and empty
-// mbarriers of each stage and the full mbarrier of each raw slot.
-struct Smem {
-  std::uint32_t a, b, raw, bars;
-  __device__ std::uint32_t full(int s) const { return bars + 8 * s; }
-  __device__ std::uint32_t empty(int s) const { return bars + 8 * (kStages + s); }
-  __device__ std::uint32_t raw_full(int j) const { return bars + 8 * (2 * kStages + j); }
-};
-
+// Row r's packed words of a k-block sit in a word slot at r * 16 kBits bytes, with the swizzle of
+// the words' tensor map (none, 32, 64 or 128 bytes at 1, 2, 4, 8 bits): 16-byte unit u of row r
+// at unit u ^ (r / 4 % 2), u ^ (r / 2 % 4) or u ^ (r % 8), so that the 32 consecutive rows a warp
+// reads fall in different banks.
 template <int kBits>
-__device__ __forceinline__ Smem carve_smem(const std::uint8_t* raw) {
-  const std::uint32_t a = (smem_addr(raw) + 1023) & ~1023u;
-  const std::uint32_t b = a + kStages * kStageBytesA;
-  const std::uint32_t w = b + kStages * kStageBytesB;
-  return {a, b, w, w + kRawSlots<kBits> * kRawSlotBytes<kBits>};
+__device__ __forceinline__ std::uint32_t word_offset(int r, int byte) {
+  const int swz = kBits == 1 ? 0 : kBits == 2 ? (r >> 2) & 1 : kBits == 4 ? (r >> 1) & 3 : r & 7;
+  return static_cast<std::uint32_t>(r * 16 * kBits + (((byte >> 4) ^ swz) << 4) + (byte & 15));
 }
 
-// The CTA's work: tile `tile`, k-blocks [kb_begin, kb_end).
-struct CtaWork {
-  int tile, mb, nb, kb_begin, kb_end;
-};
-
-__device__ __forceinline__ CtaWork cta_work(const Params& p) {
-  const int tile = blockIdx.x / p.splits, split = blockIdx.x % p.splits;
-  const int kb0 = static_cast<int>(static_cast<std::int64_t>(split) * p.kblocks / p.splits);
-  const int kb1 = static_cast<int>(static_cast<std::int64_t>(split + 1) * p.kblocks / p.splits);
-  return {tile, tile / p.tiles_n, tile % p.tiles_n, kb0, kb1};
+// Bytes of k-block kb's statistics rows (of each array) that the bulk copies bring: a multiple
+// of 16, so the rest of a last, partial k-block is loaded from global memory by the consumers.
+__device__ __forceinline__ std::uint32_t stats_copy_bytes(const Params& p, int kb) {
+  const std::int64_t rows = min(static_cast<std::int64_t>(kBlockK), p.k - static_cast<std::int64_t>(kb) * kBlockK);
+  return static_cast<std::uint32_t>(rows * p.groups * p.stats_bytes) & ~15u;
 }
 
-// The producer warpgroups. Thread pt owns row r = pt % 64 of every k-block and its kSpanCols
-// columns [q kSpanCols, (q + 1) kSpanCols) of the tile, q = pt / 64: lanes of a warp hold
-// consecutive rows, which keeps both the raw-word reads and the 16-byte stores into the swizzled
-// B stage free of bank conflicts.
+// The producer warpgroup. Thread 0 brings each k-block's dy (64 k x 256 m, M-major, 128-byte
+// swizzle: what wgmma reads), packed words (a 2-D box of 128 columns x 64 rows) and statistics
+// rows (two 1-D bulk copies: scales, minimums) by TMA, all on the stage's full barrier. Without
+// TMA (odd COUT, rows not a multiple of 16 bytes, misaligned bases) all 128 threads copy dy or
+// the words themselves.
 template <int kBits>
 struct Producer {
   const Params& p;
@@ -341,180 +370,99 @@ struct Producer {
   const CUtensorMap* tmap_x;
   Smem sm;
   CtaWork w;
-  int pt, r, q;
-  int c0;           // first column of the thread's span
-  int chunks;       // chunks of 8 columns of the span inside CIN (0..kSpanCols / 8)
-  int g[kSpanGroups];    // the groups of the span's 32-column halves
-  std::uint32_t b_row;   // offset of the thread's row in a B stage: its 64-column atom, row r
-  int kb, it = 0;   // next k-block to produce; k-blocks produced so far
-  int kb_raw;       // thread 0: next k-block whose raw data is loaded by TMA
-  Span<kBits> sp;
+  int pt;
 
-  __device__ Producer(const Params& p_, const CUtensorMap* dy, const CUtensorMap* x, Smem sm_, CtaWork w_, int pt_)
-      : p(p_), tmap_dy(dy), tmap_x(x), sm(sm_), w(w_), pt(pt_), r(pt_ % 64), q(pt_ / 64) {
-    c0 = w.nb * kBlockN + kSpanCols * q;
-    chunks = c0 < p.cin ? min(kSpanCols / 8, (p.cin - c0 + 7) / 8) : 0;
-    for (int i = 0; i < kSpanGroups; ++i) g[i] = c0 + 32 * i < p.cin ? (c0 + 32 * i) / p.group : 0;
-    b_row = (kSpanCols * q / 64) * 8192 + (r / 8) * 1024 + (r % 8) * 128;
-    kb = kb_raw = w.kb_begin;
-  }
-
-  // Bytes of a k-block's statistics rows that TMA copies (a multiple of 16: the rest of a last,
-  // partial k-block is read from global memory).
-  __device__ __forceinline__ std::uint32_t stats_copy_bytes(int k0) const {
-    return static_cast<std::uint32_t>(min(static_cast<std::int64_t>(kBlockK), p.k - k0) * p.groups * p.stats_bytes) &
-           ~15u;
-  }
-
-  // Thread 0: k-block kb_raw's packed words (zeros past K and the row's words) and statistics
-  // rows into raw slot `slot` by TMA.
-  __device__ __forceinline__ void issue_raw(int slot) {
-    const std::uint32_t bar = sm.raw_full(slot), dst = sm.raw + slot * kRawSlotBytes<kBits>;
-    const int k0 = kb_raw * kBlockK;
-    const std::uint32_t stats = stats_copy_bytes(k0);
-    mbar_arrive_expect_tx(bar, kRawWordBytes<kBits> + 2 * stats);
-    tma_load_2d(tmap_x, bar, dst, w.nb * (kBlockN * kBits / 32), k0);
-    if (stats > 0) {
-      const std::int64_t first = static_cast<std::int64_t>(k0) * p.groups * p.stats_bytes;
-      bulk_copy(dst + kRawWordBytes<kBits>, static_cast<const char*>(p.scale) + first, stats, bar);
-      bulk_copy(dst + kRawWordBytes<kBits> + kStatsBytes, static_cast<const char*>(p.min) + first, stats, bar);
+  // Without TMA: the k-block's words into word slot `slot` with the same layout, zeros past K and
+  // past the row.
+  __device__ void load_words_by_threads(std::uint32_t slot, std::int64_t k0) {
+    constexpr int kRowWords = 4 * kBits;  // 128 columns
+    const int w0 = w.nb * kRowWords;
+    for (int e = pt; e < kBlockK * kRowWords; e += kProducerThreads) {
+      const int rr = e / kRowWords, c = e % kRowWords;
+      std::uint32_t v = 0;
+      if (k0 + rr < p.k && w0 + c < p.row_words) v = __ldg(p.words + (k0 + rr) * p.row_words + w0 + c);
+      st_shared_u32(slot + word_offset<kBits>(rr, 4 * c), v);
     }
-    ++kb_raw;
-  }
-
-  // The span's words and statistics from raw slot `slot`, where TMA left row r's 16 * kBits bytes
-  // at r * 16 * kBits with the tensor map's swizzle (none, 32, 64 or 128 bytes at 1, 2, 4, 8
-  // bits): 16-byte chunk c of row r sits at chunk c ^ (r / 4 % 2), c ^ (r / 2 % 4) or c ^ (r % 8),
-  // so that consecutive rows fall in different banks.
-  __device__ __forceinline__ void read_raw(std::uint32_t slot, std::int64_t k0) {
-    constexpr int kSpanBytes = kSpanCols * kBits / 8;
-    const std::uint32_t row = slot + r * 16 * kBits;
-    if constexpr (kBits == 1) {  // 16-byte rows, no swizzle
-      const uint2 v = ld_shared_v2(row + 8 * q);
-      sp.w[0] = v.x, sp.w[1] = v.y;
-    } else {
-      const int swz = kBits == 2 ? (r >> 2) & 1 : kBits == 4 ? (r >> 1) & 3 : r & 7;
-      constexpr int kChunks = kSpanBytes / 16;
-#pragma unroll
-      for (int i = 0; i < kChunks; ++i) {
-        const uint4 v = ld_shared_v4(row + (((q * kChunks + i) ^ swz) << 4));
-        sp.w[4 * i] = v.x, sp.w[4 * i + 1] = v.y, sp.w[4 * i + 2] = v.z, sp.w[4 * i + 3] = v.w;
-      }
-    }
-    if (chunks == 0 || k0 + r >= p.k) return;  // stored as zeros
-    const std::uint32_t scales = slot + kRawWordBytes<kBits>, mins = scales + kStatsBytes;
-    const bool all_copied = k0 + kBlockK <= p.k;
-#pragma unroll
-    for (int i = 0; i < kSpanGroups; ++i) {
-      const std::uint32_t e = static_cast<std::uint32_t>((r * p.groups + g[i]) * p.stats_bytes);
-      if (all_copied || e < stats_copy_bytes(static_cast<int>(k0))) {
-        sp.scale[i] = ld_shared_stat(scales + e, p.stats_bf16);
-        sp.min[i] = ld_shared_stat(mins + e, p.stats_bf16);
-      } else {  // past the bytes TMA copied, in a last partial k-block
-        const std::int64_t at = (k0 + r) * p.groups + g[i];
-        sp.scale[i] = load_stat(p.scale, at, p.stats_bf16);
-        sp.min[i] = load_stat(p.min, at, p.stats_bf16);
-      }
-    }
-  }
-
-  // Without TMA: the span of k-block kb with plain loads, issued right after the previous stage
-  // was handed over so that they are in flight while the thread waits for the next one (a fence
-  // or a release with loads outstanding waits for them).
-  __device__ __forceinline__ void load_span() {
-    constexpr int kWords = kSpanCols * kBits / 32;
-    const std::int64_t k = static_cast<std::int64_t>(kb) * kBlockK + r;
-    if (chunks == 0 || k >= p.k) return;  // stored as zeros
-    const std::uint32_t* src = p.words + k * p.row_words + c0 / 32 * kBits;
-    if (p.vec_words) {  // aligned rows: loads of up to 16 bytes
-      if constexpr (kWords == 2) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-        sp.w[0] = v.x, sp.w[1] = v.y;
-      } else {
-#pragma unroll
-        for (int i = 0; i < kWords / 4; ++i) {
-          const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + i);
-          sp.w[4 * i] = v.x, sp.w[4 * i + 1] = v.y, sp.w[4 * i + 2] = v.z, sp.w[4 * i + 3] = v.w;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kWords; ++i) sp.w[i] = __ldg(src + i);  // a span never runs past its row
-    }
-#pragma unroll
-    for (int i = 0; i < kSpanGroups; ++i) {
-      sp.scale[i] = load_stat(p.scale, k * p.groups + g[i], p.stats_bf16);
-      sp.min[i] = load_stat(p.min, k * p.groups + g[i], p.stats_bf16);
-    }
-  }
-
-  // Dequantizes the span into B stage `b_stage`: all its chunks without a branch, or (tails) the
-  // chunks inside CIN and zeros for the rest.
-  __device__ __forceinline__ void store_span(std::uint32_t b_stage, bool row_ok) {
-    constexpr int kChunks = kSpanCols / 8;
-    float S[kSpanGroups], M[kSpanGroups];
-#pragma unroll
-    for (int i = 0; i < kSpanGroups; ++i) {
-      S[i] = sp.scale[i] * static_cast<float>(1 << kMagicShift<kBits>);
-      M[i] = sp.min[i] - S[i];
-    }
-    const std::uint32_t row = b_stage + b_row;
-    const int x = r % 8, j0 = kSpanCols * q % 64 / 8;  // the span's chunks are chunks j0.. of its 64-column atom
-    if (row_ok && chunks == kChunks) {
-      [&]<int... J>(std::integer_sequence<int, J...>) {
-        (st_shared_v4(row + (((j0 + J) ^ x) << 4), dequant_chunk<kBits, J>(sp, S, M)), ...);
-      }(std::make_integer_sequence<int, kChunks>{});
-    } else {
-      const int valid = row_ok ? chunks : 0;
-      [&]<int... J>(std::integer_sequence<int, J...>) {
-        (st_shared_v4(row + (((j0 + J) ^ x) << 4), J < valid ? dequant_chunk<kBits, J>(sp, S, M) : make_uint4(0, 0, 0, 0)),
-         ...);
-      }(std::make_integer_sequence<int, kChunks>{});
-    }
-  }
-
-  __device__ __forceinline__ void step() {
-    if (p.tma_x) {
-      producer_barrier();  // every producer thread has read the raw slot of the previous k-block ...
-      if (pt == 0 && kb_raw < w.kb_end) issue_raw((it + kRawSlots<kBits> - 1) % kRawSlots<kBits>);  // ... refilled
-    }
-    const int s = it % kStages;
-    mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
-    const std::int64_t k0 = static_cast<std::int64_t>(kb) * kBlockK;
-    const std::uint32_t a_stage = sm.a + s * kStageBytesA;
-    if (p.tma_a) {
-      if (pt == 0) {
-        mbar_arrive_expect_tx(sm.full(s), kStageBytesA);
-#pragma unroll
-        for (int i = 0; i < kBlockM / 64; ++i)
-          tma_load_2d(tmap_dy, sm.full(s), a_stage + i * 8192, w.mb * kBlockM + 64 * i, static_cast<int>(k0));
-      }
-    } else {
-      load_a_by_threads(p, a_stage, w.mb * kBlockM, k0, pt);
-      if (pt == 0) mbar_arrive(sm.full(s));
-    }
-    if (p.tma_x) {
-      const int slot = it % kRawSlots<kBits>;
-      mbar_wait(sm.raw_full(slot), (it / kRawSlots<kBits>) & 1);
-      read_raw(sm.raw + slot * kRawSlotBytes<kBits>, k0);
-    }
-    store_span(sm.b + s * kStageBytesB, k0 + r < p.k);
-    fence_proxy_async_shared();
-    mbar_arrive(sm.full(s));
-    ++kb, ++it;
-    if (!p.tma_x && kb < w.kb_end) load_span();
   }
 
   __device__ void run() {
-    if (p.tma_x) {
-      if (pt == 0)
-        for (int i = 0; i < kRawSlots<kBits> - 1 && kb_raw < w.kb_end; ++i) issue_raw(i);
-    } else {
-      load_span();
+    const int n = w.kb_end - w.kb_begin;
+    for (int it = 0; it < n; ++it) {
+      const int s = it % kStages, kb = w.kb_begin + it;
+      const std::int64_t k0 = static_cast<std::int64_t>(kb) * kBlockK;
+      mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
+      const std::uint32_t a_stage = sm.a + s * kStageBytesA, words = sm.word_slot(s), full = sm.full(s);
+      if (pt == 0) {
+        const std::uint32_t stats = p.tma_stats ? stats_copy_bytes(p, kb) : 0;
+        const std::uint32_t bytes = (p.tma_a ? kStageBytesA : 0) + (p.tma_x ? kWordBytes<kBits> : 0) + 2 * stats;
+        if (bytes > 0) mbar_expect_tx(full, bytes);
+        if (p.tma_a) {
+#pragma unroll
+          for (int i = 0; i < kBlockM / 64; ++i)
+            tma_load_2d(tmap_dy, full, a_stage + i * 8192, w.mb * kBlockM + 64 * i, static_cast<int>(k0));
+        }
+        if (p.tma_x) tma_load_2d(tmap_x, full, words, w.nb * (kBlockN * kBits / 32), static_cast<int>(k0));
+        if (stats > 0) {
+          const std::int64_t first = k0 * p.groups * p.stats_bytes;
+          bulk_copy(sm.stat_slot(s), static_cast<const char*>(p.scale) + first, stats, full);
+          bulk_copy(sm.stat_slot(s) + kStatsBytes, static_cast<const char*>(p.min) + first, stats, full);
+        }
+      }
+      if (!p.tma_a) {
+        load_a_by_threads(p, a_stage, w.mb * kBlockM, k0, pt);
+        fence_proxy_async_shared();  // dy stored by the threads is read by wgmma
+      }
+      if (!p.tma_x) load_words_by_threads(words, k0);
+      mbar_arrive(full);
     }
-    while (kb < w.kb_end) step();
   }
 };
+
+// Consumer thread t (of its warpgroup's 128) dequantizes row r = t % 64 of k-block kb, chunk
+// c = 2 wg + t / 64 (32 columns, one group): its kBits words (one 4-32 byte load), its scale and
+// minimum (two 2- or 4-byte loads, turned into S = scale 2^t and M = min - S; 0 for rows >= K so
+// that x̂ is 0 there), 32 FFMAs, and four 16-byte stores into the swizzled MN-major x̂ buffer
+// that wgmma reads. Lanes of a warp hold consecutive rows: the stores are free of bank conflicts.
+// Columns >= CIN get finite values (the last group's statistics) that only reach dWᵀ rows >= CIN,
+// which are never stored.
+template <int kBits>
+__device__ __forceinline__ void dequantize(const Params& p, const Smem& sm, int s, int kb, int g, std::uint32_t xbuf,
+                                           int wg, int t) {
+  const int r = t % kBlockK, h = t / kBlockK, c = 2 * wg + h;
+  std::uint32_t wd[kBits];
+  const std::uint32_t slot = sm.word_slot(s);
+  if constexpr (kBits == 1) {
+    wd[0] = ld_shared_u32(slot + word_offset<1>(r, 4 * c));
+  } else if constexpr (kBits == 2) {
+    const uint2 v = ld_shared_v2(slot + word_offset<2>(r, 8 * c));
+    wd[0] = v.x, wd[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBits / 4; ++i) {
+      const uint4 v = ld_shared_v4(slot + word_offset<kBits>(r, 4 * kBits * c + 16 * i));
+      wd[4 * i] = v.x, wd[4 * i + 1] = v.y, wd[4 * i + 2] = v.z, wd[4 * i + 3] = v.w;
+    }
+  }
+  const std::int64_t k = static_cast<std::int64_t>(kb) * kBlockK + r;
+  float scale = 0.0f, mn = 0.0f;
+  if (k < p.k) {
+    const std::uint32_t e = static_cast<std::uint32_t>((r * p.groups + g) * p.stats_bytes);
+    if (p.tma_stats && e < stats_copy_bytes(p, kb)) {
+      scale = ld_shared_stat(sm.stat_slot(s) + e, p.stats_bf16);
+      mn = ld_shared_stat(sm.stat_slot(s) + kStatsBytes + e, p.stats_bf16);
+    } else {  // no bulk copies, or past the bytes they brought in a last partial k-block
+      scale = load_stat(p.scale, k * p.groups + g, p.stats_bf16);
+      mn = load_stat(p.min, k * p.groups + g, p.stats_bf16);
+    }
+  }
+  const float S = scale * static_cast<float>(1 << kMagicShift<kBits>), M = mn - S;
+  // x̂ element (n, k) of a buffer: (n / 64) * 8192 + (k / 8) * 1024 + (k % 8) * 128 + (((n % 64) / 8) ^ (k % 8)) * 16.
+  const std::uint32_t row = xbuf + wg * 8192 + (r / 8) * 1024 + (r % 8) * 128;
+  const int x = r % 8;
+  [&]<int... J>(std::integer_sequence<int, J...>) {
+    (st_shared_v4(row + (((4 * h + J) ^ x) << 4), dequant8<kBits, J>(wd, S, M)), ...);
+  }(std::make_integer_sequence<int, kChunkCols / 8>{});
+}
 
 // Stores one consumer thread's accumulators: into dW (tile not split) or the CTA's workspace slot
 // (a [256 COUT, 128 CIN] tile, like dW). In the SM90 64x256 fp32 accumulator layout, two
@@ -556,36 +504,58 @@ __device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWor
   }
 }
 
+// The two consumer warpgroups. Per k-block, warpgroup wg dequantizes its 64 x̂ columns of the
+// next k-block into the x̂ ring while its 4 wgmma 64x256x16 on the current one run: issue the
+// wgmmas of k-block i, dequantize k-block i + 1 (into the buffer k-block i - 2 used, whose
+// wgmmas retired in the previous iteration), wait until at most the wgmmas of k-block i are in
+// flight, release k-block i - 1's stage to the producer, fence the x̂ stores to the async proxy
+// and synchronise the warpgroup's 128 threads (barrier 1 + wg), so that k-block i + 1's wgmmas
+// may read what all of them wrote.
+template <int kBits>
 __device__ void consume(const Params& p, const Smem& sm, const std::uint8_t* smem_raw, const CtaWork& w) {
   const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
-  const bool leader = ct % 128 == 0;
+  const int wg = ct / 128, t = ct % 128;
+  const bool leader = t == 0;
   TiledMma mma;
   auto thr = mma.get_thread_slice(ct);
   const Bf16* dy = reinterpret_cast<const Bf16*>(smem_raw + (sm.a - smem_addr(smem_raw)));
-  const Bf16* xhat = reinterpret_cast<const Bf16*>(smem_raw + (sm.b - smem_addr(smem_raw)));
+  const Bf16* xhat = reinterpret_cast<const Bf16*>(smem_raw + (sm.x - smem_addr(smem_raw)));
   Tensor sDy = make_tensor(make_smem_ptr(dy), SmemLayoutA{});   // (BLK_M,BLK_K,PIPE)
-  Tensor sX = make_tensor(make_smem_ptr(xhat), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
-  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sX));   // (MMA,1,MMA_K,PIPE) descriptors: x̂ᵀ
+  Tensor sX = make_tensor(make_smem_ptr(xhat), SmemLayoutX{});  // (BLK_N,BLK_K,XBUFS)
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sX));   // (MMA,1,MMA_K,XBUFS) descriptors: x̂ᵀ
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sDy));  // (MMA,1,MMA_K,PIPE) descriptors: dy
   Tensor acc = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA,1,1) fp32: dWᵀ tile
 
+  const int n = w.kb_end - w.kb_begin;
+  // The group of the thread's chunk (the last one for columns past CIN).
+  const int g = min((w.nb * kBlockN + kChunkCols * (2 * wg + t / kBlockK)) / p.group, p.groups - 1);
+  mbar_wait(sm.full(0), 0);
+  dequantize<kBits>(p, sm, 0, w.kb_begin, g, sm.x, wg, t);
+  fence_proxy_async_shared();
+  consumer_barrier(wg);
   mma.accumulate_ = GMMA::ScaleOut::Zero;  // the first wgmmas overwrite the accumulators
-  int prev_stage = -1;
-  for (int it = 0; it < w.kb_end - w.kb_begin; ++it) {
-    const int s = it % kStages;
-    mbar_wait(sm.full(s), (it / kStages) & 1);
+  for (int it = 0; it < n; ++it) {
+    const int s = it % kStages, xb = it % kXBufs;
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
     CUTE_UNROLL
     for (int kk = 0; kk < size<2>(tCrA); ++kk) {  // 4 k16 steps, one wgmma 64x256x16 each
-      gemm(mma, tCrA(_, _, kk, s), tCrB(_, _, kk, s), acc);
+      gemm(mma, tCrA(_, _, kk, xb), tCrB(_, _, kk, s), acc);
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    warpgroup_wait<1>();  // the previous k-block's wgmmas have retired: its stage is free
+    if (it + 1 < n) {
+      const int s1 = (it + 1) % kStages;
+      mbar_wait(sm.full(s1), ((it + 1) / kStages) & 1);
+      dequantize<kBits>(p, sm, s1, w.kb_begin + it + 1, g, sm.x + ((it + 1) % kXBufs) * kXBufBytes, wg, t);
+    }
+    warpgroup_wait<1>();  // k-block it - 1's wgmmas have retired: its stage and x̂ buffer are free
     warpgroup_fence_operand(acc);
-    if (prev_stage >= 0 && leader) mbar_arrive(sm.empty(prev_stage));
-    prev_stage = s;
+    if (it > 0 && leader) mbar_arrive(sm.empty((it - 1) % kStages));
+    if (it + 1 < n) {
+      fence_proxy_async_shared();
+      consumer_barrier(wg);
+    }
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
@@ -608,17 +578,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(sm.full(s), kFullArrivals);
       mbar_init(sm.empty(s), kEmptyArrivals);
     }
-    for (int j = 0; j < kRawSlots<kBits>; ++j) mbar_init(sm.raw_full(j), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   const CtaWork w = cta_work(p);
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    Producer<kBits>(p, &tmap_dy, &tmap_x, sm, w, threadIdx.x).run();
+    Producer<kBits>{p, &tmap_dy, &tmap_x, sm, w, static_cast<int>(threadIdx.x)}.run();
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume(p, sm, smem_raw, w);
+    consume<kBits>(p, sm, smem_raw, w);
   }
 #else
   __trap();  // the launcher never starts this kernel off sm_90
@@ -760,15 +729,12 @@ void weight_grad_from_packed(const TensorView& dy, const PackedView& x, const Te
   p.stats_bf16 = x.scale.dtype() == DType::bf16;
   p.dw_bf16 = dw.dtype() == DType::bf16;
   p.accumulate = wp.beta != 0.0f;
-  p.stats_bytes = p.stats_bf16 ? 2 : 4;
   // TMA needs 16-byte aligned bases and row strides.
   const std::int64_t row_bytes = static_cast<std::int64_t>(p.row_words) * 4;
   p.tma_a = cout % 8 == 0 && aligned(dy.data(), 16);
-  p.tma_x = row_bytes % 16 == 0 && aligned(x.words.data(), 16) && aligned(p.scale, 16) && aligned(p.min, 16) &&
-            kBlockK * x.groups() * p.stats_bytes <= kStatsBytes;
-  // Without TMA, a thread's kSpanCols * bits / 8 bytes are read in loads of up to 16 bytes when
-  // rows are aligned to that (a span never runs past its row: group % 32 == 0).
-  p.vec_words = aligned(x.words.data(), 16) && row_bytes % std::min(16, kSpanCols * x.bits / 8) == 0;
+  p.tma_x = row_bytes % 16 == 0 && aligned(x.words.data(), 16);
+  p.stats_bytes = p.stats_bf16 ? 2 : 4;
+  p.tma_stats = aligned(p.scale, 16) && aligned(p.min, 16) && kBlockK * x.groups() * p.stats_bytes <= kStatsBytes;
 
   const int sms = multiprocessor_count();
   // One tile per CTA when the tiles fill the GPU; otherwise split K S ways, S = SMs / tiles (but
