@@ -5,53 +5,58 @@
 // 128-column block of dW (6 times for CIN = 768, mostly from L2), dW written once.
 //
 // The GEMM runs on Hopper tensor cores (wgmma, sm_90a). A CTA computes a 256 (COUT) x 128 (CIN)
-// tile of dW in 64-deep k-blocks with three warpgroups:
-//   - the producer warpgroup fills a 4-stage shared-memory ring. Thread 0 brings the dy k-block
-//     (64 k x 256 m, M-major) by TMA with the 128-byte swizzle, and, 2-3 k-blocks ahead into a
-//     ring of raw slots, the k-block's packed words (a 2-D TMA box of 128 columns x 64 rows,
-//     swizzled) and its statistics rows (two 1-D bulk copies). All 128 threads then dequantize the
-//     x k-block (64 k x 128 n) into bf16 in the same swizzled MN-major layout wgmma reads: each
-//     thread owns 64 columns of one row, reads their words and the two (scale, min) pairs that
-//     cover them from shared memory, turns each level q into the float 1 + q 2^-t with one shift
-//     and one LOP3 (one PRMT at 8 bits) and computes x̂ with one FFMA, rounds pairs to bf16x2 and
-//     stores 16 bytes at a time, bank-conflict free. The producer threads never wait on a plain
-//     global load in the steady state (a fence or release with loads outstanding waits for them).
-//   - two consumer warpgroups compute the tile transposed, dWᵀ = x̂ᵀ dy: per k-block each issues
-//     4 wgmma 64x256x16 (its 64 CIN rows, fp32 accumulators, 128 registers a thread) and releases
-//     a stage once the wgmmas reading it have retired.
-// Full/empty mbarriers order the ring; the producer's generic-proxy stores are made visible to
-// wgmma with fence.proxy.async before it arrives.
+// tile of dW, transposed (dWᵀ = x̂ᵀ dy), in 64-deep k-blocks with three warpgroups:
+//   - the producer warpgroup: thread 0 fills a 4-stage ring by TMA, each stage holding a k-block's
+//     dy (64 k x 256 m, M-major, 128-byte swizzle), packed words (a 2-D box of 128 columns x 64
+//     rows) and statistics rows (two 1-D bulk copies), all on the stage's full barrier;
+//   - two consumer warpgroups, each owning 64 CIN rows of dWᵀ (128 fp32 accumulators a thread).
+//     Each dequantizes its own 64 x̂ columns of the next k-block (a thread: one row, 32 columns,
+//     one group) into a 3-buffer x̂ ring in the swizzled MN-major layout wgmma reads, while its
+//     4 wgmma 64x256x16 on the current k-block run asynchronously; then it waits for the previous
+//     k-block's wgmmas, releases that stage, fences its x̂ stores to the async proxy and syncs its
+//     own 128 threads (a named barrier), and issues the next wgmmas. No barrier spans warpgroups.
+// Dequantization: at 2 and 4 bits with bf16 statistics, a pair of levels 16 bits apart in a word
+// becomes bf16x2 with one shift and one LOP3 (1 + q 2^-t in each half), one HFMA2 (q, exact) and
+// one HFMA2 (q scale + min, a single rounding: x̂ is the spec's value correctly rounded to bf16):
+// 2 instructions an element. Such pairs are columns e and e + W/2 of a word (W columns), so the
+// x̂ ring and the rows of dWᵀ hold each word's columns interleaved; the stores map them back.
+// Otherwise (f32 statistics, 1 or 8 bits) each level becomes the float 1 + q 2^-t (shift + LOP3,
+// or one PRMT at 8 bits), x̂ = f S + M with one FFMA (S = scale 2^t, M = min - S; within
+// 2^-24 (|min| + 2^t scale) of the spec's fmaf(q, scale, min)) and pairs are rounded to bf16x2.
 //
 // Work split: with T tiles and KB k-blocks, when T is below the SM count K is split S = SMs / T
 // ways (at least 8 k-blocks a CTA): CTA t * S + s takes k-blocks [s KB / S, (s + 1) KB / S) of
 // tile t (COUT = CIN = 768: 18 tiles x 7 = 126 CTAs). All CTAs run at once, and those of one
 // k-range read the same dy and packed rows at about the same time, so both come from DRAM about
 // once. Each writes an fp32 partial tile into a workspace; a fix-up kernel, launched as a
-// programmatic dependent launch, adds a tile's S partials in split order, applies beta and rounds
-// to dW's dtype. With S = 1 the CTA stores into dW directly. The sum order depends only on the
-// shape and the SM count: results are bit-identical from run to run (deterministic = true and
-// false take the same path).
+// programmatic dependent launch, adds a tile's S partials in split order (one float4 a thread,
+// all loads in flight), applies beta and rounds to dW's dtype. With S = 1 the CTA stores into dW
+// directly. The sum order depends only on the shape and the SM count: results are bit-identical
+// from run to run (deterministic = true and false take the same path).
 //
-// Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW): K = 100864 takes
-// 267-280 us against 164-168 us for the cuBLAS GEMM alone and 234-253 us for unpack + cuBLAS;
-// K = 8192 42-43 us against 30 us for unpack + cuBLAS. The producer warpgroup is the limit: about
-// 450 instructions a k-block a warp at an IPC near 0.2 (ncu), while the consumers wait on full
-// barriers. Next: less producer work a k-block (bf16x2 dequantization, no producer-wide barrier
-// per k-block), or the conversion moved into the consumers (register-sourced wgmma).
+// Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench, see
+// bench/results/h100/quant.json): K = 100864 takes 192-204 us (2/4/8 bits) against 233-254 us for
+// unpack + cuBLAS and about 165 us for the cuBLAS GEMM alone; K = 8192 30-35 us against 30 us.
+// History: one producer warpgroup dequantizing for both consumers ran at 269-282 us (its 4 warps
+// at an IPC near 0.2 behind a producer-wide barrier each k-block); moving the dequantization into
+// the consumers gave 215-224 us, bf16x2 arithmetic 192-195 us at 2 and 4 bits. Splitting the ring
+// into a dy ring and a word ring (to refill each sooner) measured no faster (219-227 us) and was
+// dropped. What is left: the consumers' dequantization still shares issue slots and register-file
+// bandwidth with the wgmmas; 6 of 132 SMs idle (126 CTAs); at K = 8192 the 16 MB of fp32
+// partials and the pipeline fill are a large part of 18 k-blocks a CTA.
 //
-// Numerics: x̂ = (1 + q 2^-t) S + M with S = scale 2^t, M = min - S differs from the spec's
-// fmaf(q, scale, min) by the rounding of M, at most 2^-24 (|min| + 2^t scale), before x̂ is
-// rounded to bf16 for the tensor cores; accumulation is fp32. Rows k >= K and columns >= CIN are
-// zero in both operands (TMA zero-fills, the producer writes zeros), so tails need no special
-// MMA; stores are masked.
+// Rows k >= K and columns >= CIN: TMA zero-fills dy rows >= K and the words; the consumers give
+// rows >= K statistics 0 (x̂ = 0 there); columns >= CIN get finite values that only reach dWᵀ
+// rows >= CIN, which are never stored. Tails need no special MMA.
 //
 // Fallbacks, correct but slower: dy goes through TMA when COUT % 8 == 0 and dy is 16-byte aligned,
-// else the producer threads copy it element by element; packed words and statistics go through
-// TMA when the packed rows are a multiple of 16 bytes, the bases 16-byte aligned and 64 G
-// statistics fit a 1536-byte slot (G <= 12 with bf16 statistics, 6 with f32), else the producer
-// threads load them with plain loads. Supported: group a multiple of 32 (any multiple of 32 / bits
-// is a valid format; smaller groups are rejected here with fk::Error on argument 'x'). GPUs other
-// than sm_90 have no kernel and get fk::Error naming the op.
+// else the producer threads copy it element by element; packed words go through TMA when the
+// packed rows are a multiple of 16 bytes and the base is 16-byte aligned, else the producer
+// threads copy them; statistics go by bulk copies when the bases are 16-byte aligned and 64 G
+// values fit a 2048-byte slot (G <= 16 with bf16 statistics, 8 with f32), else each consumer
+// thread loads its own from global memory. Supported: group a multiple of 32 (any multiple of
+// 32 / bits is a valid format; smaller groups are rejected here with fk::Error on argument 'x').
+// GPUs other than sm_90 have no kernel and get fk::Error naming the op.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -104,9 +109,10 @@ constexpr int kStatsBytes = 2048;
 constexpr int kStatBytes = 2 * kStatsBytes;           // scales, then minimums
 constexpr int kTileElems = kBlockM * kBlockN;
 // Every producer thread arrives on a full barrier once (thread 0 adds the TMA byte count first;
-// the others copy dy or the words when TMA cannot); each consumer warpgroup arrives on an empty one.
+// the others copy dy or the words when TMA cannot); every consumer thread arrives on an empty one
+// once it has read the stage's words and statistics and seen the stage's wgmmas retire.
 [[maybe_unused]] constexpr int kFullArrivals = kProducerThreads;
-[[maybe_unused]] constexpr int kEmptyArrivals = 2;
+[[maybe_unused]] constexpr int kEmptyArrivals = kConsumerThreads;
 // A thread of the 384 starts with 168 registers; the producer needs few, the consumers' 128 fp32
 // accumulators a thread plus the dequantization many: 128 x 56 + 256 x 224 = 384 x 168.
 constexpr int kStartRegs = 168;
@@ -279,17 +285,70 @@ __device__ __forceinline__ float unit_level(const std::uint32_t (&w)[kBits]) {
   }
 }
 
-// Columns 8J..8J+7 of a chunk as 8 bf16.
-template <int kBits, int J>
-__device__ __forceinline__ uint4 dequant8(const std::uint32_t (&w)[kBits], float S, float M) {
+// x̂ is stored pair by pair (one bf16x2 a 32-bit word). At 2 and 4 bits a pair is columns e and
+// e + W/2 of one packed word (W = 32 / kBits columns), which sit 16 bits apart, so that one shift
+// and one LOP3 place both levels (bf16x2 arithmetic below); the x̂ ring, and therefore the rows
+// of dWᵀ, hold the tile's columns in that order: within each W columns, position 2i is column i
+// and position 2i + 1 column i + W/2. At 1 and 8 bits pairs are adjacent columns.
+template <int kBits> constexpr bool kInterleaved = kBits == 2 || kBits == 4;
+template <int kBits> constexpr int kWordCols = 32 / kBits;
+// The elements (0..31 of a chunk) of pair P (0..15).
+template <int kBits, int P>
+constexpr int kPairFirst = kInterleaved<kBits> ? P / (kWordCols<kBits> / 2) * kWordCols<kBits> + P % (kWordCols<kBits> / 2)
+                                               : 2 * P;
+template <int kBits, int P>
+constexpr int kPairSecond = kInterleaved<kBits> ? kPairFirst<kBits, P> + kWordCols<kBits> / 2 : 2 * P + 1;
+// Tile column of x̂ position (dWᵀ row) m.
+template <int kBits>
+__device__ __forceinline__ int column_of(int m) {
+  if constexpr (kInterleaved<kBits>) {
+    constexpr int W = kWordCols<kBits>;
+    const int j = m % W;
+    return m - j + (j % 2) * (W / 2) + j / 2;
+  } else {
+    return m;
+  }
+}
+
+// Pair P in f32 arithmetic (f32 statistics, or 1 and 8 bits): two FFMAs, one rounding to bf16x2.
+template <int kBits, int P>
+__device__ __forceinline__ std::uint32_t pair_f32(const std::uint32_t (&w)[kBits], float S, float M) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(fmaf(unit_level<kBits, kPairFirst<kBits, P>>(w), S, M),
+                                                 fmaf(unit_level<kBits, kPairSecond<kBits, P>>(w), S, M));
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+// Pair P in bf16x2 arithmetic (bf16 statistics at 2 and 4 bits): one shift and one LOP3 put the
+// two levels into the top of the mantissas of 1.0 (f = 1 + q 2^-t), an HFMA2 makes q exactly
+// (f 2^t - 2^t), and an HFMA2 computes q scale + min with a single rounding to bf16: x̂ is the
+// spec's value correctly rounded, the same as the f32 path's up to its double rounding.
+template <int kBits, int P>
+__device__ __forceinline__ std::uint32_t pair_bf16(const std::uint32_t (&w)[kBits], __nv_bfloat162 scale2,
+                                                   __nv_bfloat162 min2) {
+  static_assert(kInterleaved<kBits>);
+  constexpr int E = kPairFirst<kBits, P>, bit = E * kBits % 32;
+  constexpr int d = 7 - kBits - bit;  // where q goes in the low bf16 minus where it is
+  const std::uint32_t v0 = w[E * kBits / 32];
+  const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
+  constexpr std::uint32_t m = ((1u << kBits) - 1u) << (7 - kBits);
+  const std::uint32_t f = (v & (m | m << 16)) | 0x3F803F80u;
+  const __nv_bfloat162 two_t = __float2bfloat162_rn(static_cast<float>(1 << kBits));
+  const __nv_bfloat162 q = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&f), two_t, __hneg2(two_t));
+  const __nv_bfloat162 x = __hfma2(q, scale2, min2);
+  return *reinterpret_cast<const std::uint32_t*>(&x);
+}
+
+// Positions 8J..8J+7 of a chunk (pairs 4J..4J+3) as 8 bf16.
+template <int kBits, int J, bool kBf16Math>
+__device__ __forceinline__ uint4 dequant8(const std::uint32_t (&w)[kBits], float S, float M, __nv_bfloat162 scale2,
+                                          __nv_bfloat162 min2) {
   std::uint32_t out[4];
   [&]<int... P>(std::integer_sequence<int, P...>) {
-    ((out[P] = [&] {
-       const __nv_bfloat162 v = __floats2bfloat162_rn(fmaf(unit_level<kBits, 8 * J + 2 * P>(w), S, M),
-                                                      fmaf(unit_level<kBits, 8 * J + 2 * P + 1>(w), S, M));
-       return *reinterpret_cast<const std::uint32_t*>(&v);
-     }()),
-     ...);
+    if constexpr (kBf16Math) {
+      ((out[P] = pair_bf16<kBits, 4 * J + P>(w, scale2, min2)), ...);
+    } else {
+      ((out[P] = pair_f32<kBits, 4 * J + P>(w, S, M)), ...);
+    }
   }(std::make_integer_sequence<int, 4>{});
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
@@ -455,13 +514,24 @@ __device__ __forceinline__ void dequantize(const Params& p, const Smem& sm, int 
       mn = load_stat(p.min, k * p.groups + g, p.stats_bf16);
     }
   }
-  const float S = scale * static_cast<float>(1 << kMagicShift<kBits>), M = mn - S;
-  // x̂ element (n, k) of a buffer: (n / 64) * 8192 + (k / 8) * 1024 + (k % 8) * 128 + (((n % 64) / 8) ^ (k % 8)) * 16.
+  // x̂ position (n, k) of a buffer: (n / 64) * 8192 + (k / 8) * 1024 + (k % 8) * 128 + (((n % 64) / 8) ^ (k % 8)) * 16.
   const std::uint32_t row = xbuf + wg * 8192 + (r / 8) * 1024 + (r % 8) * 128;
   const int x = r % 8;
-  [&]<int... J>(std::integer_sequence<int, J...>) {
-    (st_shared_v4(row + (((4 * h + J) ^ x) << 4), dequant8<kBits, J>(wd, S, M)), ...);
-  }(std::make_integer_sequence<int, kChunkCols / 8>{});
+  if (kInterleaved<kBits> && p.stats_bf16) {
+    // The statistics as bf16 again (exact: they were bf16), each in both halves.
+    const __nv_bfloat162 scale2 = __bfloat162bfloat162(__float2bfloat16_rn(scale));
+    const __nv_bfloat162 min2 = __bfloat162bfloat162(__float2bfloat16_rn(mn));
+    [&]<int... J>(std::integer_sequence<int, J...>) {
+      (st_shared_v4(row + (((4 * h + J) ^ x) << 4), dequant8<kBits, J, kInterleaved<kBits>>(wd, 0.f, 0.f, scale2, min2)),
+       ...);
+    }(std::make_integer_sequence<int, kChunkCols / 8>{});
+  } else {
+    const float S = scale * static_cast<float>(1 << kMagicShift<kBits>), M = mn - S;
+    const __nv_bfloat162 z{};
+    [&]<int... J>(std::integer_sequence<int, J...>) {
+      (st_shared_v4(row + (((4 * h + J) ^ x) << 4), dequant8<kBits, J, false>(wd, S, M, z, z)), ...);
+    }(std::make_integer_sequence<int, kChunkCols / 8>{});
+  }
 }
 
 // Stores one consumer thread's accumulators: into dW (tile not split) or the CTA's workspace slot
@@ -470,22 +540,22 @@ __device__ __forceinline__ void dequantize(const Params& p, const Smem& sm, int 
 // w = ct % 128 / 32, lane l = ct % 32) holds dWᵀ tile element (cin, cout) =
 //   (64 (ct / 128) + 16 w + l / 4 + 8 e1,  2 (l % 4) + 8 j + e0).
 // (Written out rather than taken from an identity tensor, whose 128 coordinate pairs the compiler
-// would otherwise keep live across both store paths.) A warp's store covers 8 consecutive CIN
-// columns of 4 dW rows.
-template <class Acc>
+// would otherwise keep live across both store paths.) dWᵀ row m is tile column column_of(m).
+template <int kBits, class Acc>
 __device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWork& w) {
   static_assert(decltype(size(acc))::value == 128);
-  const int ci = 64 * (ct / 128) + 16 * (ct % 128 / 32) + ct % 32 / 4, co = 2 * (ct % 4);
-  // Tile coordinates (cout, cin) of accumulator i, relative to the thread's (co, ci).
+  const int m = 64 * (ct / 128) + 16 * (ct % 128 / 32) + ct % 32 / 4, co = 2 * (ct % 4);
+  const int ci_lo = column_of<kBits>(m), ci_hi = column_of<kBits>(m + 8);
+  // Tile coordinates (cout, cin) of accumulator i, cout relative to the thread's co.
   auto cout_of = [](int i) { return 8 * (i / 4) + i % 2; };
-  auto cin_of = [](int i) { return 8 * (i / 2 % 2); };
+  auto cin_of = [&](int i) { return i / 2 % 2 ? ci_hi : ci_lo; };
   if (p.splits > 1) {
-    float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + co * kBlockN + ci;
+    float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + co * kBlockN;
     CUTE_UNROLL
     for (int i = 0; i < 128; ++i) ws[cout_of(i) * kBlockN + cin_of(i)] = acc(i);
     return;
   }
-  const int co0 = w.mb * kBlockM + co, ci0 = w.nb * kBlockN + ci;
+  const int co0 = w.mb * kBlockM + co, ci0 = w.nb * kBlockN;
   CUTE_UNROLL
   for (int i = 0; i < 128; ++i) {
     const int o = co0 + cout_of(i), c = ci0 + cin_of(i);
@@ -515,7 +585,6 @@ template <int kBits>
 __device__ void consume(const Params& p, const Smem& sm, const std::uint8_t* smem_raw, const CtaWork& w) {
   const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
   const int wg = ct / 128, t = ct % 128;
-  const bool leader = t == 0;
   TiledMma mma;
   auto thr = mma.get_thread_slice(ct);
   const Bf16* dy = reinterpret_cast<const Bf16*>(smem_raw + (sm.a - smem_addr(smem_raw)));
@@ -551,7 +620,7 @@ __device__ void consume(const Params& p, const Smem& sm, const std::uint8_t* sme
     }
     warpgroup_wait<1>();  // k-block it - 1's wgmmas have retired: its stage and x̂ buffer are free
     warpgroup_fence_operand(acc);
-    if (it > 0 && leader) mbar_arrive(sm.empty((it - 1) % kStages));
+    if (it > 0) mbar_arrive(sm.empty((it - 1) % kStages));
     if (it + 1 < n) {
       fence_proxy_async_shared();
       consumer_barrier(wg);
@@ -559,7 +628,7 @@ __device__ void consume(const Params& p, const Smem& sm, const std::uint8_t* sme
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  store_tile(acc, ct, p, w);
+  store_tile<kBits>(acc, ct, p, w);
 }
 
 #endif  // FK_WGRAD_SM90
@@ -594,35 +663,47 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// dW for every split tile: the sum of its S partials in split order, plus beta * dW.
-__global__ void __launch_bounds__(256) weight_grad_fixup_kernel(const Params p) {
+// dW for every split tile: the sum of its S partials in split order, plus beta * dW. Thread v of
+// grid row y takes 4 consecutive elements (one float4 of each partial) of tile blockIdx.x, with
+// all its loads in flight at once: the partials are read from L2 at its bandwidth, not latency.
+constexpr int kFixupThreads = 256;
+constexpr int kFixupRows = kTileElems / 4 / kFixupThreads;  // grid.y (32)
+__global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
 #endif
   const int tile = blockIdx.x;
   const int m0 = tile / p.tiles_n * kBlockM, n0 = tile % p.tiles_n * kBlockN;
-  for (int v = blockIdx.y * blockDim.x + threadIdx.x; v < kTileElems / 4; v += gridDim.y * blockDim.x) {
-    const int m = v / (kBlockN / 4), n = v % (kBlockN / 4) * 4;
-    if (m0 + m >= p.cout) continue;
-    const float* part = p.workspace + static_cast<std::int64_t>(tile) * p.splits * kTileElems + m * kBlockN + n;
-    float4 s = *reinterpret_cast<const float4*>(part);
-    for (int c = 1; c < p.splits; ++c) {
-      part += kTileElems;
-      const float4 q = *reinterpret_cast<const float4*>(part);
-      s.x += q.x, s.y += q.y, s.z += q.z, s.w += q.w;
-    }
-    const float sum[4] = {s.x, s.y, s.z, s.w};
-    const std::int64_t row = static_cast<std::int64_t>(m0 + m) * p.cin;
-    for (int e = 0; e < 4; ++e) {
-      const int n_abs = n0 + n + e;
-      if (n_abs >= p.cin) break;
-      if (p.dw_bf16) {
-        auto* dw = static_cast<__nv_bfloat16*>(p.dw) + row + n_abs;
-        *dw = __float2bfloat16_rn((p.accumulate ? __bfloat162float(*dw) : 0.0f) + sum[e]);
-      } else {
-        auto* dw = static_cast<float*>(p.dw) + row + n_abs;
-        *dw = (p.accumulate ? *dw : 0.0f) + sum[e];
-      }
+  const int v = blockIdx.y * kFixupThreads + threadIdx.x;
+  const int m = v / (kBlockN / 4), n = v % (kBlockN / 4) * 4;
+  if (m0 + m >= p.cout || n0 + n >= p.cin) return;
+  const float4* part = reinterpret_cast<const float4*>(p.workspace + static_cast<std::int64_t>(tile) * p.splits * kTileElems +
+                                                       m * kBlockN + n);
+  constexpr int kStride = kTileElems / 4;
+  float4 s = part[0];
+  int c = 1;
+  for (; c + 4 <= p.splits; c += 4) {
+    float4 q[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q[j] = part[(c + j) * kStride];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s.x += q[j].x, s.y += q[j].y, s.z += q[j].z, s.w += q[j].w;
+  }
+  for (; c < p.splits; ++c) {
+    const float4 q = part[c * kStride];
+    s.x += q.x, s.y += q.y, s.z += q.z, s.w += q.w;
+  }
+  const float sum[4] = {s.x, s.y, s.z, s.w};
+  const std::int64_t row = static_cast<std::int64_t>(m0 + m) * p.cin;
+  for (int e = 0; e < 4; ++e) {
+    const int n_abs = n0 + n + e;
+    if (n_abs >= p.cin) break;
+    if (p.dw_bf16) {
+      auto* dw = static_cast<__nv_bfloat16*>(p.dw) + row + n_abs;
+      *dw = __float2bfloat16_rn((p.accumulate ? __bfloat162float(*dw) : 0.0f) + sum[e]);
+    } else {
+      auto* dw = static_cast<float*>(p.dw) + row + n_abs;
+      *dw = (p.accumulate ? *dw : 0.0f) + sum[e];
     }
   }
 }
@@ -672,8 +753,8 @@ void launch_main(const Params& p, unsigned ctas, const CUtensorMap& map_dy, cons
 // waits for it on the GPU (griddepcontrol.wait), so no launch gap separates the two.
 void launch_fixup(const Params& p, unsigned tiles, cudaStream_t s) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(tiles, 8);
-  cfg.blockDim = dim3(256);
+  cfg.gridDim = dim3(tiles, kFixupRows);
+  cfg.blockDim = dim3(kFixupThreads);
   cfg.stream = s;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
