@@ -98,8 +98,9 @@ constexpr int kXBufs = 3;   // ring of dequantized x̂ k-blocks (written and rea
 // wgmma 64x256 with its 128 accumulators needs more registers than the 128 a thread of a
 // 512-thread CTA starts with.
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
-constexpr int kChunkCols = 32;  // columns of a k-block row a consumer thread dequantizes: one group's worth
-constexpr int kChunks = kBlockN / kChunkCols;  // 4 a tile row; consumer warpgroup j owns chunks 2j, 2j + 1
+// Columns of a k-block row a consumer thread dequantizes (inside one group, as group % 32 == 0):
+// chunk c of the 4 in a tile row is dequantized by consumer warpgroup c / 2.
+[[maybe_unused]] constexpr int kChunkCols = 32;
 constexpr int kStageBytesA = kBlockM * kBlockK * 2;   // 32 KB of bf16 dy
 constexpr int kXBufBytes = kBlockN * kBlockK * 2;     // 16 KB of bf16 x̂
 template <int kBits> constexpr int kWordBytes = kBlockK * kBlockN * kBits / 8;  // packed words of a k-block
@@ -178,9 +179,6 @@ __device__ __forceinline__ void st_shared_v4(std::uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
-__device__ __forceinline__ void st_shared_v2f(std::uint32_t addr, float x, float y) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
-}
 __device__ __forceinline__ void st_shared_u16(std::uint32_t addr, std::uint16_t v) {
   asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
 }
@@ -200,11 +198,6 @@ __device__ __forceinline__ uint2 ld_shared_v2(std::uint32_t addr) {
 __device__ __forceinline__ std::uint32_t ld_shared_u32(std::uint32_t addr) {
   std::uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ float2 ld_shared_v2f(std::uint32_t addr) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
   return v;
 }
 // Makes this thread's generic-proxy shared-memory stores visible to the async proxy (wgmma).
