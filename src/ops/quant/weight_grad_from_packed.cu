@@ -34,16 +34,22 @@
 // directly. The sum order depends only on the shape and the SM count: results are bit-identical
 // from run to run (deterministic = true and false take the same path).
 //
-// Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench, see
-// bench/results/h100/quant.json): K = 100864 takes 192-204 us (2/4/8 bits) against 233-254 us for
-// unpack + cuBLAS and about 165 us for the cuBLAS GEMM alone; K = 8192 30-35 us against 30 us.
-// History: one producer warpgroup dequantizing for both consumers ran at 269-282 us (its 4 warps
-// at an IPC near 0.2 behind a producer-wide barrier each k-block); moving the dequantization into
-// the consumers gave 215-224 us, bf16x2 arithmetic 192-195 us at 2 and 4 bits. Splitting the ring
-// into a dy ring and a word ring (to refill each sooner) measured no faster (219-227 us) and was
-// dropped. What is left: the consumers' dequantization still shares issue slots and register-file
-// bandwidth with the wgmmas; 6 of 132 SMs idle (126 CTAs); at K = 8192 the 16 MB of fp32
-// partials and the pipeline fill are a large part of 18 k-blocks a CTA.
+// Measured on an H100 at f2e76a8 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit
+// bench, two runs): K = 100864 takes 195-198 / 192-194 / 204-207 us at 2 / 4 / 8 bits, against
+// 233-237 / 243-245 / 254-256 us for unpack + cuBLAS and 165 / 169 / 170 us for the cuBLAS GEMM
+// alone (1.15-1.22x of it: the issue's 1.15x is not met yet, nor 1.2x over the baseline at
+// 2 bits); K = 8192 takes 35-36 / 30 / 31 us against 30-31 us for unpack + cuBLAS (GEMM alone
+// 23 us). History: one producer warpgroup dequantizing for both consumers ran at 269-282 us (its
+// 4 warps at an IPC near 0.2 behind a producer-wide barrier each k-block); moving the
+// dequantization into the consumers gave 215-224 us, bf16x2 arithmetic 192-198 us at 2 and 4
+// bits, the fix-up with all loads in flight took K = 8192 from 39-40 to 30-36 us. Splitting the
+// ring into a dy ring and a word ring (to refill each sooner) measured no faster (219-227 us) and
+// was dropped. What is left: the compiler splits each (v & mask) | magic into two LOP3s (a LOP3
+// takes one immediate; inline lop3 saves 16-32 instructions a k-block a thread); 6 of 132 SMs
+// idle (126 CTAs; stream-K would even the k-blocks out); the consumers' dequantization still
+// shares issue slots and register-file bandwidth with the wgmmas; at K = 8192 the 16 MB of fp32
+// partials and the pipeline fill weigh on 18 k-blocks a CTA, and 2 bits is 5 us slower than 4
+// bits there for a reason not yet found.
 //
 // Rows k >= K and columns >= CIN: TMA zero-fills dy rows >= K and the words; the consumers give
 // rows >= K statistics 0 (x̂ = 0 there); columns >= CIN get finite values that only reach dWᵀ
