@@ -34,22 +34,58 @@
 // directly. The sum order depends only on the shape and the SM count: results are bit-identical
 // from run to run (deterministic = true and false take the same path).
 //
-// Measured on an H100 at f2e76a8 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit
-// bench, two runs): K = 100864 takes 195-198 / 192-194 / 204-207 us at 2 / 4 / 8 bits, against
-// 233-237 / 243-245 / 254-256 us for unpack + cuBLAS and 165 / 169 / 170 us for the cuBLAS GEMM
-// alone (1.15-1.22x of it: the issue's 1.15x is not met yet, nor 1.2x over the baseline at
-// 2 bits); K = 8192 takes 35-36 / 30 / 31 us against 30-31 us for unpack + cuBLAS (GEMM alone
-// 23 us). History: one producer warpgroup dequantizing for both consumers ran at 269-282 us (its
-// 4 warps at an IPC near 0.2 behind a producer-wide barrier each k-block); moving the
-// dequantization into the consumers gave 215-224 us, bf16x2 arithmetic 192-198 us at 2 and 4
-// bits, the fix-up with all loads in flight took K = 8192 from 39-40 to 30-36 us. Splitting the
-// ring into a dy ring and a word ring (to refill each sooner) measured no faster (219-227 us) and
-// was dropped. What is left: the compiler splits each (v & mask) | magic into two LOP3s (a LOP3
-// takes one immediate; inline lop3 saves 16-32 instructions a k-block a thread); 6 of 132 SMs
-// idle (126 CTAs; stream-K would even the k-blocks out); the consumers' dequantization still
-// shares issue slots and register-file bandwidth with the wgmmas; at K = 8192 the 16 MB of fp32
-// partials and the pipeline fill weigh on 18 k-blocks a CTA, and 2 bits is 5 us slower than 4
-// bits there for a reason not yet found.
+// Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench
+// --filter quant/weight_grad_packed, two runs, each next to a run of the binary the f2e76a8
+// figures came from, in the same session): K = 100864 takes 188.7-190.3 / 186.9-187.7 /
+// 201.2-204.3 us at 2 / 4 / 8 bits (that f2e76a8 binary: 195.8-196.5 / 189.9-190.9 /
+// 203.3-208.5), against 233.5-233.7 / 242.4-242.7 / 253.3-254.3 us for unpack + cuBLAS
+// (1.23-1.24x / 1.29-1.30x / 1.24-1.26x faster) and 162.7-163.2 / 166.4-167.1 / 166.6-167.0 us
+// for the cuBLAS GEMM alone (1.16-1.17x / 1.12-1.13x / 1.21-1.23x of it: the issue's 1.15x is
+// met at 4 bits only). K = 8192 takes 35.1 / 29.9-30.0 /
+// 31.4-31.5 us against 29.9-30.1 / 30.2-30.5 / 30.9-31.2 us for unpack + cuBLAS (GEMM alone
+// 22.4-22.7 us): 0.85x / 1.01x / 0.99x, short of the 1.2x target. History: one producer
+// warpgroup dequantizing for both consumers ran at 269-282 us (its 4 warps at an IPC near 0.2
+// behind a producer-wide barrier each k-block); moving the dequantization into the consumers gave
+// 215-224 us, bf16x2 arithmetic 192-198 us at 2 and 4 bits, the fix-up with all loads in flight
+// took K = 8192 from 39-40 to 30-36 us, and the mask-and-or as one LOP3 (and_or: the compiler
+// splits (v & mask) | magic into two, a LOP3 taking one immediate) 6-7 us at 2 bits and 2-4 us
+// at 4 bits for K = 100864 (under 1 us at K = 8192; 8 bits, one PRMT, unchanged).
+// Tried and dropped: splitting the ring into a dy ring and a word ring (219-227 us); stream-K
+// (the 18 x KB (tile, k-block) units dealt out evenly to all 132 SMs, a CTA storing one partial
+// a tile it touches; correct, tests and compute-sanitizer clean) measured 266.8 / 258.8 / 262.8
+// us at K = 100864 and 46.0 / 39.8 / 39.9 us at K = 8192. Its CTAs no longer cover the same
+// k-range across the 18 tiles, so the 6 n-tiles' reads of a dy row and the 3 m-tiles' reads of a
+// packed row are spread over the whole run instead of coinciding, and L2 no longer serves them:
+// with S = 7 aligned splits the k-alignment is worth far more than the 6 idle SMs. (Its first
+// version also stored a segment's tile inside the k-loop, where the accumulators of in-flight
+// wgmmas meet the store path and ptxas injects a wgmma wait in every k-block, C7517; an outer
+// loop over segments avoids that.)
+//
+// K = 8192 (analysis, not yet measured by ncu). 126 CTAs of 18-19 k-blocks; at the K = 100864
+// steady state (about 0.83 us a k-block a CTA) that is 15-16 us of main loop, so about half of
+// the 30 us is fixed cost: launch and pipeline fill (first TMA round trip, first dequantization
+// before any wgmma), each CTA's 128 KB fp32 partial store, and the fix-up kernel reading 16.5 MB
+// of partials (7 x 2.36 MB) and its PDL tail. Why 2 bits is 5 us slower than 4 bits there while
+// at K = 100864 the two are within 1-3.5 us (so it is a fixed cost, not a per-k-block one): the
+// partial store. At 2 bits a word's pair partners are columns e and e + 8 (W = 16), so the 8
+// dWᵀ rows m0..m0+7 a warp holds per accumulator are columns {0,8,1,9,2,10,3,11}: each of the
+// warp's 4 rows touches two 32-byte sectors half-filled, 8 sectors per store instruction where
+// 4 bits (W = 8: {0,4,1,5,2,6,3,7}, 8 contiguous columns) and 8 bits (identity) touch 4 full
+// ones. 128 scalar stores a thread become twice the L1-to-L2 write transactions (and partial
+// sector writes) at 2 bits. To check with ncu: l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum
+// and the main kernel's duration at 2 vs 4 bits. What should bring K = 8192 to about 25 us:
+//  - stage the accumulator tile through shared memory (the 128 KB dy ring is idle by then) and
+//    write it with TMA stores (or float4 stores): full sectors at every width, the permutation
+//    undone in shared memory, and the LSU free (about the 5 us of 2 bits, 1-2 us elsewhere);
+//  - fold the fix-up into the main kernel: a per-tile arrival counter, and the last of a tile's
+//    S CTAs adds the S partials in split order (deterministic) while they are still in L2,
+//    overlapping other CTAs' k-loops, with no second launch or griddepcontrol tail (2-4 us); or
+//    reduce the S partials of a tile through distributed shared memory in a cluster, though
+//    with GPCs of 16-18 SMs a cluster of 7 one-CTA-per-SM blocks likely fits only twice in one
+//    (112 of 126 CTAs resident; cudaOccupancyMaxActiveClusters would tell);
+//  - not more split-K: S = 7 already puts 18.3 k-blocks on a CTA and every extra split adds
+//    2.36 MB of partials each way; not stream-K (above); smaller tiles (128 x 128, 36 tiles)
+//    need the same partial volume for the same parallelism and halve the wgmma width.
 //
 // Rows k >= K and columns >= CIN: TMA zero-fills dy rows >= K and the words; the consumers give
 // rows >= K statistics 0 (x̂ = 0 there); columns >= CIN get finite values that only reach dWᵀ
@@ -265,6 +301,14 @@ __device__ __forceinline__ float load_stat(const void* base, std::int64_t i, boo
   return __ldg(static_cast<const float*>(base) + i);
 }
 
+// (a & b) | c in one LOP3: with b and c both constants the compiler emits two (a LOP3 takes one
+// immediate); here one of them is kept in a register across the loop.
+__device__ __forceinline__ std::uint32_t and_or(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
+  std::uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
 // Level q of element e (0..31) of a chunk (its kBits words in w) as the float f = 1 + q 2^-t
 // (t = kBits, or 15 at 8 bits): q goes into the top of the mantissa of 1.0 with one shift and one
 // LOP3 (one PRMT at 8 bits), no int-to-float conversion. Then x̂ = f S + M with S = scale 2^t
@@ -280,7 +324,7 @@ __device__ __forceinline__ float unit_level(const std::uint32_t (&w)[kBits]) {
   } else {
     constexpr int d = 23 - kBits - bit % 32;  // where q goes minus where it is
     const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
-    return __uint_as_float((v & (((1u << kBits) - 1u) << (23 - kBits))) | 0x3F800000u);
+    return __uint_as_float(and_or(v, ((1u << kBits) - 1u) << (23 - kBits), 0x3F800000u));
   }
 }
 
@@ -330,7 +374,7 @@ __device__ __forceinline__ std::uint32_t pair_bf16(const std::uint32_t (&w)[kBit
   const std::uint32_t v0 = w[E * kBits / 32];
   const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
   constexpr std::uint32_t m = ((1u << kBits) - 1u) << (7 - kBits);
-  const std::uint32_t f = (v & (m | m << 16)) | 0x3F803F80u;
+  const std::uint32_t f = and_or(v, m | m << 16, 0x3F803F80u);
   const __nv_bfloat162 two_t = __float2bfloat162_rn(static_cast<float>(1 << kBits));
   const __nv_bfloat162 q = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&f), two_t, __hneg2(two_t));
   const __nv_bfloat162 x = __hfma2(q, scale2, min2);
