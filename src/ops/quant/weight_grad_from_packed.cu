@@ -5,53 +5,100 @@
 // 128-column block of dW (6 times for CIN = 768, mostly from L2), dW written once.
 //
 // The GEMM runs on Hopper tensor cores (wgmma, sm_90a). A CTA computes a 256 (COUT) x 128 (CIN)
-// tile of dW in 64-deep k-blocks with three warpgroups:
-//   - the producer warpgroup fills a 4-stage shared-memory ring. Thread 0 brings the dy k-block
-//     (64 k x 256 m, M-major) by TMA with the 128-byte swizzle, and, 2-3 k-blocks ahead into a
-//     ring of raw slots, the k-block's packed words (a 2-D TMA box of 128 columns x 64 rows,
-//     swizzled) and its statistics rows (two 1-D bulk copies). All 128 threads then dequantize the
-//     x k-block (64 k x 128 n) into bf16 in the same swizzled MN-major layout wgmma reads: each
-//     thread owns 64 columns of one row, reads their words and the two (scale, min) pairs that
-//     cover them from shared memory, turns each level q into the float 1 + q 2^-t with one shift
-//     and one LOP3 (one PRMT at 8 bits) and computes x̂ with one FFMA, rounds pairs to bf16x2 and
-//     stores 16 bytes at a time, bank-conflict free. The producer threads never wait on a plain
-//     global load in the steady state (a fence or release with loads outstanding waits for them).
-//   - two consumer warpgroups compute the tile transposed, dWᵀ = x̂ᵀ dy: per k-block each issues
-//     4 wgmma 64x256x16 (its 64 CIN rows, fp32 accumulators, 128 registers a thread) and releases
-//     a stage once the wgmmas reading it have retired.
-// Full/empty mbarriers order the ring; the producer's generic-proxy stores are made visible to
-// wgmma with fence.proxy.async before it arrives.
+// tile of dW, transposed (dWᵀ = x̂ᵀ dy), in 64-deep k-blocks with three warpgroups:
+//   - the producer warpgroup: thread 0 fills a 4-stage ring by TMA, each stage holding a k-block's
+//     dy (64 k x 256 m, M-major, 128-byte swizzle), packed words (a 2-D box of 128 columns x 64
+//     rows) and statistics rows (two 1-D bulk copies), all on the stage's full barrier;
+//   - two consumer warpgroups, each owning 64 CIN rows of dWᵀ (128 fp32 accumulators a thread).
+//     Each dequantizes its own 64 x̂ columns of the next k-block (a thread: one row, 32 columns,
+//     one group) into a 3-buffer x̂ ring in the swizzled MN-major layout wgmma reads, while its
+//     4 wgmma 64x256x16 on the current k-block run asynchronously; then it waits for the previous
+//     k-block's wgmmas, releases that stage, fences its x̂ stores to the async proxy and syncs its
+//     own 128 threads (a named barrier), and issues the next wgmmas. No barrier spans warpgroups.
+// Dequantization: at 2 and 4 bits with bf16 statistics, a pair of levels 16 bits apart in a word
+// becomes bf16x2 with one shift and one LOP3 (1 + q 2^-t in each half), one HFMA2 (q, exact) and
+// one HFMA2 (q scale + min, a single rounding: x̂ is the spec's value correctly rounded to bf16):
+// 2 instructions an element. Such pairs are columns e and e + W/2 of a word (W columns), so the
+// x̂ ring and the rows of dWᵀ hold each word's columns interleaved; the stores map them back.
+// Otherwise (f32 statistics, 1 or 8 bits) each level becomes the float 1 + q 2^-t (shift + LOP3,
+// or one PRMT at 8 bits), x̂ = f S + M with one FFMA (S = scale 2^t, M = min - S; within
+// 2^-24 (|min| + 2^t scale) of the spec's fmaf(q, scale, min)) and pairs are rounded to bf16x2.
 //
 // Work split: with T tiles and KB k-blocks, when T is below the SM count K is split S = SMs / T
 // ways (at least 8 k-blocks a CTA): CTA t * S + s takes k-blocks [s KB / S, (s + 1) KB / S) of
 // tile t (COUT = CIN = 768: 18 tiles x 7 = 126 CTAs). All CTAs run at once, and those of one
 // k-range read the same dy and packed rows at about the same time, so both come from DRAM about
 // once. Each writes an fp32 partial tile into a workspace; a fix-up kernel, launched as a
-// programmatic dependent launch, adds a tile's S partials in split order, applies beta and rounds
-// to dW's dtype. With S = 1 the CTA stores into dW directly. The sum order depends only on the
-// shape and the SM count: results are bit-identical from run to run (deterministic = true and
-// false take the same path).
+// programmatic dependent launch, adds a tile's S partials in split order (one float4 a thread,
+// all loads in flight), applies beta and rounds to dW's dtype. With S = 1 the CTA stores into dW
+// directly. The sum order depends only on the shape and the SM count: results are bit-identical
+// from run to run (deterministic = true and false take the same path).
 //
-// Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW): K = 100864 takes
-// 267-280 us against 164-168 us for the cuBLAS GEMM alone and 234-253 us for unpack + cuBLAS;
-// K = 8192 42-43 us against 30 us for unpack + cuBLAS. The producer warpgroup is the limit: about
-// 450 instructions a k-block a warp at an IPC near 0.2 (ncu), while the consumers wait on full
-// barriers. Next: less producer work a k-block (bf16x2 dequantization, no producer-wide barrier
-// per k-block), or the conversion moved into the consumers (register-sourced wgmma).
+// Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench
+// --filter quant/weight_grad_packed, two runs, each next to a run of the binary the f2e76a8
+// figures came from, in the same session): K = 100864 takes 188.7-190.3 / 186.9-187.7 /
+// 201.2-204.3 us at 2 / 4 / 8 bits (that f2e76a8 binary: 195.8-196.5 / 189.9-190.9 /
+// 203.3-208.5), against 233.5-233.7 / 242.4-242.7 / 253.3-254.3 us for unpack + cuBLAS
+// (1.23-1.24x / 1.29-1.30x / 1.24-1.26x faster) and 162.7-163.2 / 166.4-167.1 / 166.6-167.0 us
+// for the cuBLAS GEMM alone (1.16-1.17x / 1.12-1.13x / 1.21-1.23x of it: the issue's 1.15x is
+// met at 4 bits only). K = 8192 takes 35.1 / 29.9-30.0 /
+// 31.4-31.5 us against 29.9-30.1 / 30.2-30.5 / 30.9-31.2 us for unpack + cuBLAS (GEMM alone
+// 22.4-22.7 us): 0.85x / 1.01x / 0.99x, short of the 1.2x target. History: one producer
+// warpgroup dequantizing for both consumers ran at 269-282 us (its 4 warps at an IPC near 0.2
+// behind a producer-wide barrier each k-block); moving the dequantization into the consumers gave
+// 215-224 us, bf16x2 arithmetic 192-198 us at 2 and 4 bits, the fix-up with all loads in flight
+// took K = 8192 from 39-40 to 30-36 us, and the mask-and-or as one LOP3 (and_or: the compiler
+// splits (v & mask) | magic into two, a LOP3 taking one immediate) 6-7 us at 2 bits and 2-4 us
+// at 4 bits for K = 100864 (under 1 us at K = 8192; 8 bits, one PRMT, unchanged).
+// Tried and dropped: splitting the ring into a dy ring and a word ring (219-227 us); stream-K
+// (the 18 x KB (tile, k-block) units dealt out evenly to all 132 SMs, a CTA storing one partial
+// a tile it touches; correct, tests and compute-sanitizer clean) measured 266.8 / 258.8 / 262.8
+// us at K = 100864 and 46.0 / 39.8 / 39.9 us at K = 8192. Its CTAs no longer cover the same
+// k-range across the 18 tiles, so the 6 n-tiles' reads of a dy row and the 3 m-tiles' reads of a
+// packed row are spread over the whole run instead of coinciding, and L2 no longer serves them:
+// with S = 7 aligned splits the k-alignment is worth far more than the 6 idle SMs. (Its first
+// version also stored a segment's tile inside the k-loop, where the accumulators of in-flight
+// wgmmas meet the store path and ptxas injects a wgmma wait in every k-block, C7517; an outer
+// loop over segments avoids that.)
 //
-// Numerics: x̂ = (1 + q 2^-t) S + M with S = scale 2^t, M = min - S differs from the spec's
-// fmaf(q, scale, min) by the rounding of M, at most 2^-24 (|min| + 2^t scale), before x̂ is
-// rounded to bf16 for the tensor cores; accumulation is fp32. Rows k >= K and columns >= CIN are
-// zero in both operands (TMA zero-fills, the producer writes zeros), so tails need no special
-// MMA; stores are masked.
+// K = 8192 (analysis, not yet measured by ncu). 126 CTAs of 18-19 k-blocks; at the K = 100864
+// steady state (about 0.83 us a k-block a CTA) that is 15-16 us of main loop, so about half of
+// the 30 us is fixed cost: launch and pipeline fill (first TMA round trip, first dequantization
+// before any wgmma), each CTA's 128 KB fp32 partial store, and the fix-up kernel reading 16.5 MB
+// of partials (7 x 2.36 MB) and its PDL tail. Why 2 bits is 5 us slower than 4 bits there while
+// at K = 100864 the two are within 1-3.5 us (so it is a fixed cost, not a per-k-block one): the
+// partial store. At 2 bits a word's pair partners are columns e and e + 8 (W = 16), so the 8
+// dWᵀ rows m0..m0+7 a warp holds per accumulator are columns {0,8,1,9,2,10,3,11}: each of the
+// warp's 4 rows touches two 32-byte sectors half-filled, 8 sectors per store instruction where
+// 4 bits (W = 8: {0,4,1,5,2,6,3,7}, 8 contiguous columns) and 8 bits (identity) touch 4 full
+// ones. 128 scalar stores a thread become twice the L1-to-L2 write transactions (and partial
+// sector writes) at 2 bits. To check with ncu: l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum
+// and the main kernel's duration at 2 vs 4 bits. What should bring K = 8192 to about 25 us:
+//  - stage the accumulator tile through shared memory (the 128 KB dy ring is idle by then) and
+//    write it with TMA stores (or float4 stores): full sectors at every width, the permutation
+//    undone in shared memory, and the LSU free (about the 5 us of 2 bits, 1-2 us elsewhere);
+//  - fold the fix-up into the main kernel: a per-tile arrival counter, and the last of a tile's
+//    S CTAs adds the S partials in split order (deterministic) while they are still in L2,
+//    overlapping other CTAs' k-loops, with no second launch or griddepcontrol tail (2-4 us); or
+//    reduce the S partials of a tile through distributed shared memory in a cluster, though
+//    with GPCs of 16-18 SMs a cluster of 7 one-CTA-per-SM blocks likely fits only twice in one
+//    (112 of 126 CTAs resident; cudaOccupancyMaxActiveClusters would tell);
+//  - not more split-K: S = 7 already puts 18.3 k-blocks on a CTA and every extra split adds
+//    2.36 MB of partials each way; not stream-K (above); smaller tiles (128 x 128, 36 tiles)
+//    need the same partial volume for the same parallelism and halve the wgmma width.
+//
+// Rows k >= K and columns >= CIN: TMA zero-fills dy rows >= K and the words; the consumers give
+// rows >= K statistics 0 (x̂ = 0 there); columns >= CIN get finite values that only reach dWᵀ
+// rows >= CIN, which are never stored. Tails need no special MMA.
 //
 // Fallbacks, correct but slower: dy goes through TMA when COUT % 8 == 0 and dy is 16-byte aligned,
-// else the producer threads copy it element by element; packed words and statistics go through
-// TMA when the packed rows are a multiple of 16 bytes, the bases 16-byte aligned and 64 G
-// statistics fit a 1536-byte slot (G <= 12 with bf16 statistics, 6 with f32), else the producer
-// threads load them with plain loads. Supported: group a multiple of 32 (any multiple of 32 / bits
-// is a valid format; smaller groups are rejected here with fk::Error on argument 'x'). GPUs other
-// than sm_90 have no kernel and get fk::Error naming the op.
+// else the producer threads copy it element by element; packed words go through TMA when the
+// packed rows are a multiple of 16 bytes and the base is 16-byte aligned, else the producer
+// threads copy them; statistics go by bulk copies when the bases are 16-byte aligned and 64 G
+// values fit a 2048-byte slot (G <= 16 with bf16 statistics, 8 with f32), else each consumer
+// thread loads its own from global memory. Supported: group a multiple of 32 (any multiple of
+// 32 / bits is a valid format; smaller groups are rejected here with fk::Error on argument 'x').
+// GPUs other than sm_90 have no kernel and get fk::Error naming the op.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -85,38 +132,43 @@ using cute::Tensor;  // fk declares Tensor too
 
 constexpr const char* kOp = "weight_grad_from_packed";
 
-// CTA tile (M = COUT rows of dW, N = CIN columns, K = reduction), pipeline depth, warp roles.
-constexpr int kBlockM = 256, kBlockN = 128, kBlockK = 64, kStages = 4;
-// One producer warpgroup, two consumer warpgroups: a wgmma 64x256 with its 128 accumulators
-// needs more registers than the 128 a thread of a 512-thread CTA starts with.
+// CTA tile (M = COUT rows of dW, N = CIN columns, K = reduction), pipeline depths, warp roles.
+constexpr int kBlockM = 256, kBlockN = 128, kBlockK = 64;
+constexpr int kStages = 4;  // ring of dy k-blocks with their packed words and statistics (TMA, producer)
+constexpr int kXBufs = 3;   // ring of dequantized x̂ k-blocks (written and read by the consumers)
+// One producer warpgroup (TMA, statistics), two consumer warpgroups (dequantization and MMA): a
+// wgmma 64x256 with its 128 accumulators needs more registers than the 128 a thread of a
+// 512-thread CTA starts with.
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
-constexpr int kSpanCols = 128 * 64 / kProducerThreads;  // columns of a k-block row a producer thread owns (64)
-constexpr int kSpanGroups = kSpanCols / 32;              // groups a span may touch (group % 32 == 0)
-constexpr int kStageBytesA = kBlockM * kBlockK * 2;  // 32 KB of bf16 dy
-constexpr int kStageBytesB = kBlockN * kBlockK * 2;  // 16 KB of bf16 x̂
+// Columns of a k-block row a consumer thread dequantizes (inside one group, as group % 32 == 0):
+// chunk c of the 4 in a tile row is dequantized by consumer warpgroup c / 2.
+[[maybe_unused]] constexpr int kChunkCols = 32;
+constexpr int kStageBytesA = kBlockM * kBlockK * 2;   // 32 KB of bf16 dy
+constexpr int kXBufBytes = kBlockN * kBlockK * 2;     // 16 KB of bf16 x̂
+template <int kBits> constexpr int kWordBytes = kBlockK * kBlockN * kBits / 8;  // packed words of a k-block
+// A k-block's statistics rows (its 64 rows x G groups: contiguous in [K, G]) come by 1-D bulk
+// copies into a slot of this many bytes per array: G <= 16 with bf16 statistics, 8 with f32.
+constexpr int kStatsBytes = 2048;
+constexpr int kStatBytes = 2 * kStatsBytes;           // scales, then minimums
 constexpr int kTileElems = kBlockM * kBlockN;
-// Each full barrier expects the producer's 128 threads (after their stores) plus one arrival that
-// carries the TMA byte count (or a plain one when dy is copied by the threads).
-[[maybe_unused]] constexpr int kFullArrivals = kProducerThreads + 1;
-[[maybe_unused]] constexpr int kEmptyArrivals = 2;  // one per consumer warpgroup
-// A thread of the 384 starts with 168 registers; the consumers' 128 fp32 accumulators a thread
-// need more, the producer fewer: 128 x 120 + 256 x 192 = 384 x 168.
+// Every producer thread arrives on a full barrier once (thread 0 adds the TMA byte count first;
+// the others copy dy or the words when TMA cannot); every consumer thread arrives on an empty one
+// once it has read the stage's words and statistics and seen the stage's wgmmas retire.
+[[maybe_unused]] constexpr int kFullArrivals = kProducerThreads;
+[[maybe_unused]] constexpr int kEmptyArrivals = kConsumerThreads;
+// A thread of the 384 starts with 168 registers; the producer needs few, the consumers' 128 fp32
+// accumulators a thread plus the dequantization many: 128 x 56 + 256 x 224 = 384 x 168.
 constexpr int kStartRegs = 168;
-constexpr int kConsumerRegs = 192;
-constexpr int kProducerRegs = (kStartRegs * kThreads - kConsumerRegs * kConsumerThreads) / kProducerThreads / 8 * 8;
-static_assert(kProducerRegs == 120);
-// The packed words of a k-block (64 rows x 128 columns, 1 KB a bit) and the statistics rows of
-// its 64 rows (all G groups: they are contiguous, 64 G scales then as many minimums) come by TMA
-// into a ring of raw slots, kRawSlots - 1 k-blocks ahead of the dequantization (3 slots at 8 bits,
-// where 4 do not fit next to the 192 KB of operand stages).
-template <int kBits> constexpr int kRawSlots = kBits == 8 ? 3 : 4;
-template <int kBits> constexpr int kRawWordBytes = kBlockK * kBlockN * kBits / 8;
-constexpr int kStatsBytes = 1536;  // per array and slot: the 64 G values fit when G <= 12 (bf16) or 6 (f32)
-template <int kBits> constexpr int kRawSlotBytes = kRawWordBytes<kBits> + 2 * kStatsBytes;
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = (kStartRegs * kThreads - kProducerRegs * kProducerThreads) / kConsumerThreads / 8 * 8;
+static_assert(kConsumerRegs == 224);
+// Shared memory: dy stages, x̂ buffers, word slots, statistics slots (each 1024-byte aligned: the
+// swizzled TMA destinations need it), then the mbarriers.
 template <int kBits>
-constexpr int kSmemBytes = kStages * (kStageBytesA + kStageBytesB) + kRawSlots<kBits> * kRawSlotBytes<kBits> +
-                           (2 * kStages + kRawSlots<kBits>) * 8 + 1024;  // + slack for the 1024-byte alignment
-static_assert(kSmemBytes<8> <= 227 * 1024 && kSmemBytes<4> <= 227 * 1024);
+constexpr int kSmemBytes = kStages * (kStageBytesA + kWordBytes<kBits> + kStatBytes) + kXBufs * kXBufBytes +
+                           2 * kStages * 8 + 1024;  // + slack for the 1024-byte alignment
+static_assert(kSmemBytes<8> <= 227 * 1024);
+static_assert(kWordBytes<1> % 1024 == 0 && kStatBytes % 1024 == 0);
 // Split K no finer than this many k-blocks a CTA: the pipeline fill would cost more than it brings.
 constexpr int kMinKBlocksPerCta = 8;
 
@@ -128,16 +180,17 @@ using Bf16 = cute::bfloat16_t;
 using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{},
                                            Shape<Int<kBlockM>, Int<kBlockK>, Int<kStages>>{},
                                            Step<_2, _1, _3>{}));  // (BLK_M,BLK_K,PIPE)
-using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{},
-                                           Shape<Int<kBlockN>, Int<kBlockK>, Int<kStages>>{},
-                                           Step<_2, _1, _3>{}));  // (BLK_N,BLK_K,PIPE)
+using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{},
+                                           Shape<Int<kBlockN>, Int<kBlockK>, Int<kXBufs>>{},
+                                           Step<_2, _1, _3>{}));  // (BLK_N,BLK_K,XBUFS)
 static_assert(cosize_v<SmemLayoutA> * 2 == kStages * kStageBytesA);
-static_assert(cosize_v<SmemLayoutB> * 2 == kStages * kStageBytesB);
+static_assert(cosize_v<SmemLayoutX> * 2 == kXBufs * kXBufBytes);
 // The MMA computes the tile transposed, dWᵀ [128 CIN, 256 COUT] = x̂ᵀ dy, so that each consumer
 // warpgroup issues wgmma 64x256x16 (its 64 CIN rows against all 256 COUT columns): per k-block
 // the two warpgroups read 2 x 4 x (2 + 8) KB of shared memory, against 96 KB for 4 x 64x128
 // blocks of dW, and shared-memory bandwidth is what the tensor cores share with the TMA and
-// dequantization traffic (measured: 7% faster than 64x128 blocks).
+// dequantization traffic. Warpgroup j's A operand is x̂ᵀ rows [64 j, 64 j + 64): exactly the
+// x̂ columns it dequantizes itself, so only its own 128 threads need to agree before its wgmmas.
 using TiledMma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{},
                                          Layout<Shape<_2, _1, _1>>{}));
 static_assert(decltype(size(TiledMma{}))::value == kConsumerThreads);
@@ -155,8 +208,8 @@ struct Params {
   int stats_bytes;             // 2 (bf16) or 4 (f32)
   bool stats_bf16, dw_bf16, accumulate;
   bool tma_a;                  // dy by TMA (else copied by the producer threads)
-  bool tma_x;                  // packed words and statistics by TMA (else loaded by the producer threads)
-  bool vec_words;              // without TMA: a thread's words in 4-32 byte loads
+  bool tma_x;                  // packed words by TMA (else copied by the producer threads)
+  bool tma_stats;              // statistics rows by bulk copies (else each consumer thread loads its own)
 };
 
 #if FK_WGRAD_SM90
@@ -171,36 +224,31 @@ __device__ __forceinline__ void st_shared_v4(std::uint32_t addr, uint4 v) {
 __device__ __forceinline__ void st_shared_u16(std::uint32_t addr, std::uint16_t v) {
   asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
 }
+__device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
 __device__ __forceinline__ uint4 ld_shared_v4(std::uint32_t addr) {
   uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
   return v;
 }
 __device__ __forceinline__ uint2 ld_shared_v2(std::uint32_t addr) {
   uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
   return v;
 }
 __device__ __forceinline__ std::uint32_t ld_shared_u32(std::uint32_t addr) {
   std::uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
   return v;
-}
-__device__ __forceinline__ float ld_shared_stat(std::uint32_t addr, bool bf16) {
-  if (bf16) {
-    unsigned short v;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-    return __uint_as_float(static_cast<std::uint32_t>(v) << 16);
-  }
-  return __uint_as_float(ld_shared_u32(addr));
 }
 // Makes this thread's generic-proxy shared-memory stores visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-// Synchronises the producer warpgroups only (barrier 0 is __syncthreads).
-__device__ __forceinline__ void producer_barrier() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kProducerThreads) : "memory");
+// Synchronises the 128 threads of consumer warpgroup `wg` (barrier 0 is __syncthreads).
+__device__ __forceinline__ void consumer_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
 }
 // mbarriers, addressed by their shared-window address.
 __device__ __forceinline__ void mbar_init(std::uint32_t bar, int count) {
@@ -209,9 +257,9 @@ __device__ __forceinline__ void mbar_init(std::uint32_t bar, int count) {
 __device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-// Arrives and adds `bytes` to the transaction count the phase waits for.
-__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+// Adds `bytes` to the transaction count the current phase waits for (no arrival).
+__device__ __forceinline__ void mbar_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 // Waits until the phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(std::uint32_t bar, int parity) {
@@ -231,6 +279,7 @@ __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, std::uint32_
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
+
 // `bytes` (a multiple of 16) from global to shared memory by the TMA unit, completing on `bar`.
 __device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes, std::uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
@@ -238,52 +287,146 @@ __device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, st
                : "memory");
 }
 
+__device__ __forceinline__ float ld_shared_stat(std::uint32_t addr, bool bf16) {
+  if (bf16) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+    return __uint_as_float(static_cast<std::uint32_t>(v) << 16);
+  }
+  return __uint_as_float(ld_shared_u32(addr));
+}
+
 __device__ __forceinline__ float load_stat(const void* base, std::int64_t i, bool bf16) {
   if (bf16) return __uint_as_float(static_cast<std::uint32_t>(__ldg(static_cast<const unsigned short*>(base) + i)) << 16);
   return __ldg(static_cast<const float*>(base) + i);
 }
 
-// One producer thread's share of a k-block: kSpanCols consecutive columns of one row, as packed
-// words, with the scale and minimum of each 32 columns (one group each, as group % 32 == 0).
-template <int kBits>
-struct Span {
-  std::uint32_t w[kSpanCols * kBits / 32];
-  float scale[kSpanGroups], min[kSpanGroups];
-};
+// (a & b) | c in one LOP3: with b and c both constants the compiler emits two (a LOP3 takes one
+// immediate); here one of them is kept in a register across the loop.
+__device__ __forceinline__ std::uint32_t and_or(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
+  std::uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
 
-// Level q of element e (0..31) of the span as the float f = 1 + q 2^-t (t = kBits, or 15 at 8
-// bits): q goes into the top of the mantissa of 1.0 with one shift and one LOP3 (one PRMT at 8
-// bits), no int-to-float conversion. Then x̂ = f S + M with S = scale 2^t (exact) and
-// M = min - S, one FFMA: it differs from the spec's fmaf(q, scale, min) by the rounding of M,
-// at most 2^-24 (|min| + 2^t scale), far below the bf16 rounding of x̂ that follows.
+// Level q of element e (0..31) of a chunk (its kBits words in w) as the float f = 1 + q 2^-t
+// (t = kBits, or 15 at 8 bits): q goes into the top of the mantissa of 1.0 with one shift and one
+// LOP3 (one PRMT at 8 bits), no int-to-float conversion. Then x̂ = f S + M with S = scale 2^t
+// (exact) and M = min - S, one FFMA: it differs from the spec's fmaf(q, scale, min) by the
+// rounding of M, at most 2^-24 (|min| + 2^t scale), far below the bf16 rounding of x̂ that follows.
 template <int kBits> constexpr int kMagicShift = kBits == 8 ? 15 : kBits;
 template <int kBits, int E>
-__device__ __forceinline__ float unit_level(const Span<kBits>& sp) {
+__device__ __forceinline__ float unit_level(const std::uint32_t (&w)[kBits]) {
   constexpr int bit = E * kBits;
-  const std::uint32_t w = sp.w[bit / 32];
+  const std::uint32_t v0 = w[bit / 32];
   if constexpr (kBits == 8) {
-    return __uint_as_float(__byte_perm(w, 0x3F800000u, 0x7604u | ((bit % 32 / 8) << 4)));  // bytes (0, q, 0x80, 0x3F)
+    return __uint_as_float(__byte_perm(v0, 0x3F800000u, 0x7604u | ((bit % 32 / 8) << 4)));  // bytes (0, q, 0x80, 0x3F)
   } else {
     constexpr int d = 23 - kBits - bit % 32;  // where q goes minus where it is
-    const std::uint32_t v = d >= 0 ? w << (d & 31) : w >> (-d & 31);
-    return __uint_as_float((v & (((1u << kBits) - 1u) << (23 - kBits))) | 0x3F800000u);
+    const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
+    return __uint_as_float(and_or(v, ((1u << kBits) - 1u) << (23 - kBits), 0x3F800000u));
   }
 }
 
-// Chunk J (columns 8J..8J+7 of the span) as 8 bf16.
-template <int kBits, int J>
-__device__ __forceinline__ uint4 dequant_chunk(const Span<kBits>& sp, const float (&S)[kSpanGroups],
-                                               const float (&M)[kSpanGroups]) {
+// x̂ is stored pair by pair (one bf16x2 a 32-bit word). At 2 and 4 bits a pair is columns e and
+// e + W/2 of one packed word (W = 32 / kBits columns), which sit 16 bits apart, so that one shift
+// and one LOP3 place both levels (bf16x2 arithmetic below); the x̂ ring, and therefore the rows
+// of dWᵀ, hold the tile's columns in that order: within each W columns, position 2i is column i
+// and position 2i + 1 column i + W/2. At 1 and 8 bits pairs are adjacent columns.
+template <int kBits> constexpr bool kInterleaved = kBits == 2 || kBits == 4;
+template <int kBits> constexpr int kWordCols = 32 / kBits;
+// The elements (0..31 of a chunk) of pair P (0..15).
+template <int kBits, int P>
+constexpr int kPairFirst = kInterleaved<kBits> ? P / (kWordCols<kBits> / 2) * kWordCols<kBits> + P % (kWordCols<kBits> / 2)
+                                               : 2 * P;
+template <int kBits, int P>
+constexpr int kPairSecond = kInterleaved<kBits> ? kPairFirst<kBits, P> + kWordCols<kBits> / 2 : 2 * P + 1;
+// Tile column of x̂ position (dWᵀ row) m.
+template <int kBits>
+__device__ __forceinline__ int column_of(int m) {
+  if constexpr (kInterleaved<kBits>) {
+    constexpr int W = kWordCols<kBits>;
+    const int j = m % W;
+    return m - j + (j % 2) * (W / 2) + j / 2;
+  } else {
+    return m;
+  }
+}
+
+// Pair P in f32 arithmetic (f32 statistics, or 1 and 8 bits): two FFMAs, one rounding to bf16x2.
+template <int kBits, int P>
+__device__ __forceinline__ std::uint32_t pair_f32(const std::uint32_t (&w)[kBits], float S, float M) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(fmaf(unit_level<kBits, kPairFirst<kBits, P>>(w), S, M),
+                                                 fmaf(unit_level<kBits, kPairSecond<kBits, P>>(w), S, M));
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+// Pair P in bf16x2 arithmetic (bf16 statistics at 2 and 4 bits): one shift and one LOP3 put the
+// two levels into the top of the mantissas of 1.0 (f = 1 + q 2^-t), an HFMA2 makes q exactly
+// (f 2^t - 2^t), and an HFMA2 computes q scale + min with a single rounding to bf16: x̂ is the
+// spec's value correctly rounded, the same as the f32 path's up to its double rounding.
+template <int kBits, int P>
+__device__ __forceinline__ std::uint32_t pair_bf16(const std::uint32_t (&w)[kBits], __nv_bfloat162 scale2,
+                                                   __nv_bfloat162 min2) {
+  static_assert(kInterleaved<kBits>);
+  constexpr int E = kPairFirst<kBits, P>, bit = E * kBits % 32;
+  constexpr int d = 7 - kBits - bit;  // where q goes in the low bf16 minus where it is
+  const std::uint32_t v0 = w[E * kBits / 32];
+  const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
+  constexpr std::uint32_t m = ((1u << kBits) - 1u) << (7 - kBits);
+  const std::uint32_t f = and_or(v, m | m << 16, 0x3F803F80u);
+  const __nv_bfloat162 two_t = __float2bfloat162_rn(static_cast<float>(1 << kBits));
+  const __nv_bfloat162 q = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&f), two_t, __hneg2(two_t));
+  const __nv_bfloat162 x = __hfma2(q, scale2, min2);
+  return *reinterpret_cast<const std::uint32_t*>(&x);
+}
+
+// Positions 8J..8J+7 of a chunk (pairs 4J..4J+3) as 8 bf16.
+template <int kBits, int J, bool kBf16Math>
+__device__ __forceinline__ uint4 dequant8(const std::uint32_t (&w)[kBits], float S, float M, __nv_bfloat162 scale2,
+                                          __nv_bfloat162 min2) {
   std::uint32_t out[4];
   [&]<int... P>(std::integer_sequence<int, P...>) {
-    ((out[P] = [&] {
-       const __nv_bfloat162 v = __floats2bfloat162_rn(fmaf(unit_level<kBits, 8 * J + 2 * P>(sp), S[J / 4], M[J / 4]),
-                                                      fmaf(unit_level<kBits, 8 * J + 2 * P + 1>(sp), S[J / 4], M[J / 4]));
-       return *reinterpret_cast<const std::uint32_t*>(&v);
-     }()),
-     ...);
+    if constexpr (kBf16Math) {
+      ((out[P] = pair_bf16<kBits, 4 * J + P>(w, scale2, min2)), ...);
+    } else {
+      ((out[P] = pair_f32<kBits, 4 * J + P>(w, S, M)), ...);
+    }
   }(std::make_integer_sequence<int, 4>{});
   return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// Shared-memory carve-up, as shared-window addresses: dy stages (1024-aligned, for the 128-byte
+// swizzle), x̂ buffers, word slots, statistics slots, then the full and empty mbarrier of each
+// stage.
+struct Smem {
+  std::uint32_t a, x, words, stats, bars;
+  int word_bytes;
+  __device__ std::uint32_t full(int s) const { return bars + 8 * s; }
+  __device__ std::uint32_t empty(int s) const { return bars + 8 * (kStages + s); }
+  __device__ std::uint32_t word_slot(int s) const { return words + s * word_bytes; }
+  __device__ std::uint32_t stat_slot(int s) const { return stats + s * kStatBytes; }
+};
+
+template <int kBits>
+__device__ __forceinline__ Smem carve_smem(const std::uint8_t* raw) {
+  const std::uint32_t a = (smem_addr(raw) + 1023) & ~1023u;
+  const std::uint32_t x = a + kStages * kStageBytesA;
+  const std::uint32_t w = x + kXBufs * kXBufBytes;
+  const std::uint32_t st = w + kStages * kWordBytes<kBits>;
+  return {a, x, w, st, st + kStages * kStatBytes, kWordBytes<kBits>};
+}
+
+// The CTA's work: tile `tile`, k-blocks [kb_begin, kb_end).
+struct CtaWork {
+  int tile, mb, nb, kb_begin, kb_end;
+};
+
+__device__ __forceinline__ CtaWork cta_work(const Params& p) {
+  const int tile = blockIdx.x / p.splits, split = blockIdx.x % p.splits;
+  const int kb0 = static_cast<int>(static_cast<std::int64_t>(split) * p.kblocks / p.splits);
+  const int kb1 = static_cast<int>(static_cast<std::int64_t>(split + 1) * p.kblocks / p.splits);
+  return {tile, tile / p.tiles_n, tile % p.tiles_n, kb0, kb1};
 }
 
 // dy k-block into A stage `a_stage` by the producer threads, element by element (odd COUT or a
@@ -300,40 +443,28 @@ __device__ void load_a_by_threads(const Params& p, std::uint32_t a_stage, int m0
   }
 }
 
-// Shared-memory carve-up, as shared-window addresses: A stages (1024-aligned, for the 128-byte
-// swizzle), B stages, raw slots (words, then scales, then minimums), then the full and empty
-// mbarriers of each stage and the full mbarrier of each raw slot.
-struct Smem {
-  std::uint32_t a, b, raw, bars;
-  __device__ std::uint32_t full(int s) const { return bars + 8 * s; }
-  __device__ std::uint32_t empty(int s) const { return bars + 8 * (kStages + s); }
-  __device__ std::uint32_t raw_full(int j) const { return bars + 8 * (2 * kStages + j); }
-};
-
+// Row r's packed words of a k-block sit in a word slot at r * 16 kBits bytes, with the swizzle of
+// the words' tensor map (none, 32, 64 or 128 bytes at 1, 2, 4, 8 bits): 16-byte unit u of row r
+// at unit u ^ (r / 4 % 2), u ^ (r / 2 % 4) or u ^ (r % 8), so that the 32 consecutive rows a warp
+// reads fall in different banks.
 template <int kBits>
-__device__ __forceinline__ Smem carve_smem(const std::uint8_t* raw) {
-  const std::uint32_t a = (smem_addr(raw) + 1023) & ~1023u;
-  const std::uint32_t b = a + kStages * kStageBytesA;
-  const std::uint32_t w = b + kStages * kStageBytesB;
-  return {a, b, w, w + kRawSlots<kBits> * kRawSlotBytes<kBits>};
+__device__ __forceinline__ std::uint32_t word_offset(int r, int byte) {
+  const int swz = kBits == 1 ? 0 : kBits == 2 ? (r >> 2) & 1 : kBits == 4 ? (r >> 1) & 3 : r & 7;
+  return static_cast<std::uint32_t>(r * 16 * kBits + (((byte >> 4) ^ swz) << 4) + (byte & 15));
 }
 
-// The CTA's work: tile `tile`, k-blocks [kb_begin, kb_end).
-struct CtaWork {
-  int tile, mb, nb, kb_begin, kb_end;
-};
-
-__device__ __forceinline__ CtaWork cta_work(const Params& p) {
-  const int tile = blockIdx.x / p.splits, split = blockIdx.x % p.splits;
-  const int kb0 = static_cast<int>(static_cast<std::int64_t>(split) * p.kblocks / p.splits);
-  const int kb1 = static_cast<int>(static_cast<std::int64_t>(split + 1) * p.kblocks / p.splits);
-  return {tile, tile / p.tiles_n, tile % p.tiles_n, kb0, kb1};
+// Bytes of k-block kb's statistics rows (of each array) that the bulk copies bring: a multiple
+// of 16, so the rest of a last, partial k-block is loaded from global memory by the consumers.
+__device__ __forceinline__ std::uint32_t stats_copy_bytes(const Params& p, int kb) {
+  const std::int64_t rows = min(static_cast<std::int64_t>(kBlockK), p.k - static_cast<std::int64_t>(kb) * kBlockK);
+  return static_cast<std::uint32_t>(rows * p.groups * p.stats_bytes) & ~15u;
 }
 
-// The producer warpgroups. Thread pt owns row r = pt % 64 of every k-block and its kSpanCols
-// columns [q kSpanCols, (q + 1) kSpanCols) of the tile, q = pt / 64: lanes of a warp hold
-// consecutive rows, which keeps both the raw-word reads and the 16-byte stores into the swizzled
-// B stage free of bank conflicts.
+// The producer warpgroup. Thread 0 brings each k-block's dy (64 k x 256 m, M-major, 128-byte
+// swizzle: what wgmma reads), packed words (a 2-D box of 128 columns x 64 rows) and statistics
+// rows (two 1-D bulk copies: scales, minimums) by TMA, all on the stage's full barrier. Without
+// TMA (odd COUT, rows not a multiple of 16 bytes, misaligned bases) all 128 threads copy dy or
+// the words themselves.
 template <int kBits>
 struct Producer {
   const Params& p;
@@ -341,180 +472,110 @@ struct Producer {
   const CUtensorMap* tmap_x;
   Smem sm;
   CtaWork w;
-  int pt, r, q;
-  int c0;           // first column of the thread's span
-  int chunks;       // chunks of 8 columns of the span inside CIN (0..kSpanCols / 8)
-  int g[kSpanGroups];    // the groups of the span's 32-column halves
-  std::uint32_t b_row;   // offset of the thread's row in a B stage: its 64-column atom, row r
-  int kb, it = 0;   // next k-block to produce; k-blocks produced so far
-  int kb_raw;       // thread 0: next k-block whose raw data is loaded by TMA
-  Span<kBits> sp;
+  int pt;
 
-  __device__ Producer(const Params& p_, const CUtensorMap* dy, const CUtensorMap* x, Smem sm_, CtaWork w_, int pt_)
-      : p(p_), tmap_dy(dy), tmap_x(x), sm(sm_), w(w_), pt(pt_), r(pt_ % 64), q(pt_ / 64) {
-    c0 = w.nb * kBlockN + kSpanCols * q;
-    chunks = c0 < p.cin ? min(kSpanCols / 8, (p.cin - c0 + 7) / 8) : 0;
-    for (int i = 0; i < kSpanGroups; ++i) g[i] = c0 + 32 * i < p.cin ? (c0 + 32 * i) / p.group : 0;
-    b_row = (kSpanCols * q / 64) * 8192 + (r / 8) * 1024 + (r % 8) * 128;
-    kb = kb_raw = w.kb_begin;
-  }
-
-  // Bytes of a k-block's statistics rows that TMA copies (a multiple of 16: the rest of a last,
-  // partial k-block is read from global memory).
-  __device__ __forceinline__ std::uint32_t stats_copy_bytes(int k0) const {
-    return static_cast<std::uint32_t>(min(static_cast<std::int64_t>(kBlockK), p.k - k0) * p.groups * p.stats_bytes) &
-           ~15u;
-  }
-
-  // Thread 0: k-block kb_raw's packed words (zeros past K and the row's words) and statistics
-  // rows into raw slot `slot` by TMA.
-  __device__ __forceinline__ void issue_raw(int slot) {
-    const std::uint32_t bar = sm.raw_full(slot), dst = sm.raw + slot * kRawSlotBytes<kBits>;
-    const int k0 = kb_raw * kBlockK;
-    const std::uint32_t stats = stats_copy_bytes(k0);
-    mbar_arrive_expect_tx(bar, kRawWordBytes<kBits> + 2 * stats);
-    tma_load_2d(tmap_x, bar, dst, w.nb * (kBlockN * kBits / 32), k0);
-    if (stats > 0) {
-      const std::int64_t first = static_cast<std::int64_t>(k0) * p.groups * p.stats_bytes;
-      bulk_copy(dst + kRawWordBytes<kBits>, static_cast<const char*>(p.scale) + first, stats, bar);
-      bulk_copy(dst + kRawWordBytes<kBits> + kStatsBytes, static_cast<const char*>(p.min) + first, stats, bar);
+  // Without TMA: the k-block's words into word slot `slot` with the same layout, zeros past K and
+  // past the row.
+  __device__ void load_words_by_threads(std::uint32_t slot, std::int64_t k0) {
+    constexpr int kRowWords = 4 * kBits;  // 128 columns
+    const int w0 = w.nb * kRowWords;
+    for (int e = pt; e < kBlockK * kRowWords; e += kProducerThreads) {
+      const int rr = e / kRowWords, c = e % kRowWords;
+      std::uint32_t v = 0;
+      if (k0 + rr < p.k && w0 + c < p.row_words) v = __ldg(p.words + (k0 + rr) * p.row_words + w0 + c);
+      st_shared_u32(slot + word_offset<kBits>(rr, 4 * c), v);
     }
-    ++kb_raw;
-  }
-
-  // The span's words and statistics from raw slot `slot`, where TMA left row r's 16 * kBits bytes
-  // at r * 16 * kBits with the tensor map's swizzle (none, 32, 64 or 128 bytes at 1, 2, 4, 8
-  // bits): 16-byte chunk c of row r sits at chunk c ^ (r / 4 % 2), c ^ (r / 2 % 4) or c ^ (r % 8),
-  // so that consecutive rows fall in different banks.
-  __device__ __forceinline__ void read_raw(std::uint32_t slot, std::int64_t k0) {
-    constexpr int kSpanBytes = kSpanCols * kBits / 8;
-    const std::uint32_t row = slot + r * 16 * kBits;
-    if constexpr (kBits == 1) {  // 16-byte rows, no swizzle
-      const uint2 v = ld_shared_v2(row + 8 * q);
-      sp.w[0] = v.x, sp.w[1] = v.y;
-    } else {
-      const int swz = kBits == 2 ? (r >> 2) & 1 : kBits == 4 ? (r >> 1) & 3 : r & 7;
-      constexpr int kChunks = kSpanBytes / 16;
-#pragma unroll
-      for (int i = 0; i < kChunks; ++i) {
-        const uint4 v = ld_shared_v4(row + (((q * kChunks + i) ^ swz) << 4));
-        sp.w[4 * i] = v.x, sp.w[4 * i + 1] = v.y, sp.w[4 * i + 2] = v.z, sp.w[4 * i + 3] = v.w;
-      }
-    }
-    if (chunks == 0 || k0 + r >= p.k) return;  // stored as zeros
-    const std::uint32_t scales = slot + kRawWordBytes<kBits>, mins = scales + kStatsBytes;
-    const bool all_copied = k0 + kBlockK <= p.k;
-#pragma unroll
-    for (int i = 0; i < kSpanGroups; ++i) {
-      const std::uint32_t e = static_cast<std::uint32_t>((r * p.groups + g[i]) * p.stats_bytes);
-      if (all_copied || e < stats_copy_bytes(static_cast<int>(k0))) {
-        sp.scale[i] = ld_shared_stat(scales + e, p.stats_bf16);
-        sp.min[i] = ld_shared_stat(mins + e, p.stats_bf16);
-      } else {  // past the bytes TMA copied, in a last partial k-block
-        const std::int64_t at = (k0 + r) * p.groups + g[i];
-        sp.scale[i] = load_stat(p.scale, at, p.stats_bf16);
-        sp.min[i] = load_stat(p.min, at, p.stats_bf16);
-      }
-    }
-  }
-
-  // Without TMA: the span of k-block kb with plain loads, issued right after the previous stage
-  // was handed over so that they are in flight while the thread waits for the next one (a fence
-  // or a release with loads outstanding waits for them).
-  __device__ __forceinline__ void load_span() {
-    constexpr int kWords = kSpanCols * kBits / 32;
-    const std::int64_t k = static_cast<std::int64_t>(kb) * kBlockK + r;
-    if (chunks == 0 || k >= p.k) return;  // stored as zeros
-    const std::uint32_t* src = p.words + k * p.row_words + c0 / 32 * kBits;
-    if (p.vec_words) {  // aligned rows: loads of up to 16 bytes
-      if constexpr (kWords == 2) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-        sp.w[0] = v.x, sp.w[1] = v.y;
-      } else {
-#pragma unroll
-        for (int i = 0; i < kWords / 4; ++i) {
-          const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + i);
-          sp.w[4 * i] = v.x, sp.w[4 * i + 1] = v.y, sp.w[4 * i + 2] = v.z, sp.w[4 * i + 3] = v.w;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kWords; ++i) sp.w[i] = __ldg(src + i);  // a span never runs past its row
-    }
-#pragma unroll
-    for (int i = 0; i < kSpanGroups; ++i) {
-      sp.scale[i] = load_stat(p.scale, k * p.groups + g[i], p.stats_bf16);
-      sp.min[i] = load_stat(p.min, k * p.groups + g[i], p.stats_bf16);
-    }
-  }
-
-  // Dequantizes the span into B stage `b_stage`: all its chunks without a branch, or (tails) the
-  // chunks inside CIN and zeros for the rest.
-  __device__ __forceinline__ void store_span(std::uint32_t b_stage, bool row_ok) {
-    constexpr int kChunks = kSpanCols / 8;
-    float S[kSpanGroups], M[kSpanGroups];
-#pragma unroll
-    for (int i = 0; i < kSpanGroups; ++i) {
-      S[i] = sp.scale[i] * static_cast<float>(1 << kMagicShift<kBits>);
-      M[i] = sp.min[i] - S[i];
-    }
-    const std::uint32_t row = b_stage + b_row;
-    const int x = r % 8, j0 = kSpanCols * q % 64 / 8;  // the span's chunks are chunks j0.. of its 64-column atom
-    if (row_ok && chunks == kChunks) {
-      [&]<int... J>(std::integer_sequence<int, J...>) {
-        (st_shared_v4(row + (((j0 + J) ^ x) << 4), dequant_chunk<kBits, J>(sp, S, M)), ...);
-      }(std::make_integer_sequence<int, kChunks>{});
-    } else {
-      const int valid = row_ok ? chunks : 0;
-      [&]<int... J>(std::integer_sequence<int, J...>) {
-        (st_shared_v4(row + (((j0 + J) ^ x) << 4), J < valid ? dequant_chunk<kBits, J>(sp, S, M) : make_uint4(0, 0, 0, 0)),
-         ...);
-      }(std::make_integer_sequence<int, kChunks>{});
-    }
-  }
-
-  __device__ __forceinline__ void step() {
-    if (p.tma_x) {
-      producer_barrier();  // every producer thread has read the raw slot of the previous k-block ...
-      if (pt == 0 && kb_raw < w.kb_end) issue_raw((it + kRawSlots<kBits> - 1) % kRawSlots<kBits>);  // ... refilled
-    }
-    const int s = it % kStages;
-    mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
-    const std::int64_t k0 = static_cast<std::int64_t>(kb) * kBlockK;
-    const std::uint32_t a_stage = sm.a + s * kStageBytesA;
-    if (p.tma_a) {
-      if (pt == 0) {
-        mbar_arrive_expect_tx(sm.full(s), kStageBytesA);
-#pragma unroll
-        for (int i = 0; i < kBlockM / 64; ++i)
-          tma_load_2d(tmap_dy, sm.full(s), a_stage + i * 8192, w.mb * kBlockM + 64 * i, static_cast<int>(k0));
-      }
-    } else {
-      load_a_by_threads(p, a_stage, w.mb * kBlockM, k0, pt);
-      if (pt == 0) mbar_arrive(sm.full(s));
-    }
-    if (p.tma_x) {
-      const int slot = it % kRawSlots<kBits>;
-      mbar_wait(sm.raw_full(slot), (it / kRawSlots<kBits>) & 1);
-      read_raw(sm.raw + slot * kRawSlotBytes<kBits>, k0);
-    }
-    store_span(sm.b + s * kStageBytesB, k0 + r < p.k);
-    fence_proxy_async_shared();
-    mbar_arrive(sm.full(s));
-    ++kb, ++it;
-    if (!p.tma_x && kb < w.kb_end) load_span();
   }
 
   __device__ void run() {
-    if (p.tma_x) {
-      if (pt == 0)
-        for (int i = 0; i < kRawSlots<kBits> - 1 && kb_raw < w.kb_end; ++i) issue_raw(i);
-    } else {
-      load_span();
+    const int n = w.kb_end - w.kb_begin;
+    for (int it = 0; it < n; ++it) {
+      const int s = it % kStages, kb = w.kb_begin + it;
+      const std::int64_t k0 = static_cast<std::int64_t>(kb) * kBlockK;
+      mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
+      const std::uint32_t a_stage = sm.a + s * kStageBytesA, words = sm.word_slot(s), full = sm.full(s);
+      if (pt == 0) {
+        const std::uint32_t stats = p.tma_stats ? stats_copy_bytes(p, kb) : 0;
+        const std::uint32_t bytes = (p.tma_a ? kStageBytesA : 0) + (p.tma_x ? kWordBytes<kBits> : 0) + 2 * stats;
+        if (bytes > 0) mbar_expect_tx(full, bytes);
+        if (p.tma_a) {
+#pragma unroll
+          for (int i = 0; i < kBlockM / 64; ++i)
+            tma_load_2d(tmap_dy, full, a_stage + i * 8192, w.mb * kBlockM + 64 * i, static_cast<int>(k0));
+        }
+        if (p.tma_x) tma_load_2d(tmap_x, full, words, w.nb * (kBlockN * kBits / 32), static_cast<int>(k0));
+        if (stats > 0) {
+          const std::int64_t first = k0 * p.groups * p.stats_bytes;
+          bulk_copy(sm.stat_slot(s), static_cast<const char*>(p.scale) + first, stats, full);
+          bulk_copy(sm.stat_slot(s) + kStatsBytes, static_cast<const char*>(p.min) + first, stats, full);
+        }
+      }
+      if (!p.tma_a) {
+        load_a_by_threads(p, a_stage, w.mb * kBlockM, k0, pt);
+        fence_proxy_async_shared();  // dy stored by the threads is read by wgmma
+      }
+      if (!p.tma_x) load_words_by_threads(words, k0);
+      mbar_arrive(full);
     }
-    while (kb < w.kb_end) step();
   }
 };
+
+// Consumer thread t (of its warpgroup's 128) dequantizes row r = t % 64 of k-block kb, chunk
+// c = 2 wg + t / 64 (32 columns, one group): its kBits words (one 4-32 byte load), its scale and
+// minimum (two 2- or 4-byte loads, turned into S = scale 2^t and M = min - S; 0 for rows >= K so
+// that x̂ is 0 there), 32 FFMAs, and four 16-byte stores into the swizzled MN-major x̂ buffer
+// that wgmma reads. Lanes of a warp hold consecutive rows: the stores are free of bank conflicts.
+// Columns >= CIN get finite values (the last group's statistics) that only reach dWᵀ rows >= CIN,
+// which are never stored.
+template <int kBits>
+__device__ __forceinline__ void dequantize(const Params& p, const Smem& sm, int s, int kb, int g, std::uint32_t xbuf,
+                                           int wg, int t) {
+  const int r = t % kBlockK, h = t / kBlockK, c = 2 * wg + h;
+  std::uint32_t wd[kBits];
+  const std::uint32_t slot = sm.word_slot(s);
+  if constexpr (kBits == 1) {
+    wd[0] = ld_shared_u32(slot + word_offset<1>(r, 4 * c));
+  } else if constexpr (kBits == 2) {
+    const uint2 v = ld_shared_v2(slot + word_offset<2>(r, 8 * c));
+    wd[0] = v.x, wd[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBits / 4; ++i) {
+      const uint4 v = ld_shared_v4(slot + word_offset<kBits>(r, 4 * kBits * c + 16 * i));
+      wd[4 * i] = v.x, wd[4 * i + 1] = v.y, wd[4 * i + 2] = v.z, wd[4 * i + 3] = v.w;
+    }
+  }
+  const std::int64_t k = static_cast<std::int64_t>(kb) * kBlockK + r;
+  float scale = 0.0f, mn = 0.0f;
+  if (k < p.k) {
+    const std::uint32_t e = static_cast<std::uint32_t>((r * p.groups + g) * p.stats_bytes);
+    if (p.tma_stats && e < stats_copy_bytes(p, kb)) {
+      scale = ld_shared_stat(sm.stat_slot(s) + e, p.stats_bf16);
+      mn = ld_shared_stat(sm.stat_slot(s) + kStatsBytes + e, p.stats_bf16);
+    } else {  // no bulk copies, or past the bytes they brought in a last partial k-block
+      scale = load_stat(p.scale, k * p.groups + g, p.stats_bf16);
+      mn = load_stat(p.min, k * p.groups + g, p.stats_bf16);
+    }
+  }
+  // x̂ position (n, k) of a buffer: (n / 64) * 8192 + (k / 8) * 1024 + (k % 8) * 128 + (((n % 64) / 8) ^ (k % 8)) * 16.
+  const std::uint32_t row = xbuf + wg * 8192 + (r / 8) * 1024 + (r % 8) * 128;
+  const int x = r % 8;
+  if (kInterleaved<kBits> && p.stats_bf16) {
+    // The statistics as bf16 again (exact: they were bf16), each in both halves.
+    const __nv_bfloat162 scale2 = __bfloat162bfloat162(__float2bfloat16_rn(scale));
+    const __nv_bfloat162 min2 = __bfloat162bfloat162(__float2bfloat16_rn(mn));
+    [&]<int... J>(std::integer_sequence<int, J...>) {
+      (st_shared_v4(row + (((4 * h + J) ^ x) << 4), dequant8<kBits, J, kInterleaved<kBits>>(wd, 0.f, 0.f, scale2, min2)),
+       ...);
+    }(std::make_integer_sequence<int, kChunkCols / 8>{});
+  } else {
+    const float S = scale * static_cast<float>(1 << kMagicShift<kBits>), M = mn - S;
+    const __nv_bfloat162 z{};
+    [&]<int... J>(std::integer_sequence<int, J...>) {
+      (st_shared_v4(row + (((4 * h + J) ^ x) << 4), dequant8<kBits, J, false>(wd, S, M, z, z)), ...);
+    }(std::make_integer_sequence<int, kChunkCols / 8>{});
+  }
+}
 
 // Stores one consumer thread's accumulators: into dW (tile not split) or the CTA's workspace slot
 // (a [256 COUT, 128 CIN] tile, like dW). In the SM90 64x256 fp32 accumulator layout, two
@@ -522,22 +583,22 @@ struct Producer {
 // w = ct % 128 / 32, lane l = ct % 32) holds dWᵀ tile element (cin, cout) =
 //   (64 (ct / 128) + 16 w + l / 4 + 8 e1,  2 (l % 4) + 8 j + e0).
 // (Written out rather than taken from an identity tensor, whose 128 coordinate pairs the compiler
-// would otherwise keep live across both store paths.) A warp's store covers 8 consecutive CIN
-// columns of 4 dW rows.
-template <class Acc>
+// would otherwise keep live across both store paths.) dWᵀ row m is tile column column_of(m).
+template <int kBits, class Acc>
 __device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWork& w) {
   static_assert(decltype(size(acc))::value == 128);
-  const int ci = 64 * (ct / 128) + 16 * (ct % 128 / 32) + ct % 32 / 4, co = 2 * (ct % 4);
-  // Tile coordinates (cout, cin) of accumulator i, relative to the thread's (co, ci).
+  const int m = 64 * (ct / 128) + 16 * (ct % 128 / 32) + ct % 32 / 4, co = 2 * (ct % 4);
+  const int ci_lo = column_of<kBits>(m), ci_hi = column_of<kBits>(m + 8);
+  // Tile coordinates (cout, cin) of accumulator i, cout relative to the thread's co.
   auto cout_of = [](int i) { return 8 * (i / 4) + i % 2; };
-  auto cin_of = [](int i) { return 8 * (i / 2 % 2); };
+  auto cin_of = [&](int i) { return i / 2 % 2 ? ci_hi : ci_lo; };
   if (p.splits > 1) {
-    float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + co * kBlockN + ci;
+    float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + co * kBlockN;
     CUTE_UNROLL
     for (int i = 0; i < 128; ++i) ws[cout_of(i) * kBlockN + cin_of(i)] = acc(i);
     return;
   }
-  const int co0 = w.mb * kBlockM + co, ci0 = w.nb * kBlockN + ci;
+  const int co0 = w.mb * kBlockM + co, ci0 = w.nb * kBlockN;
   CUTE_UNROLL
   for (int i = 0; i < 128; ++i) {
     const int o = co0 + cout_of(i), c = ci0 + cin_of(i);
@@ -556,40 +617,61 @@ __device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWor
   }
 }
 
+// The two consumer warpgroups. Per k-block, warpgroup wg dequantizes its 64 x̂ columns of the
+// next k-block into the x̂ ring while its 4 wgmma 64x256x16 on the current one run: issue the
+// wgmmas of k-block i, dequantize k-block i + 1 (into the buffer k-block i - 2 used, whose
+// wgmmas retired in the previous iteration), wait until at most the wgmmas of k-block i are in
+// flight, release k-block i - 1's stage to the producer, fence the x̂ stores to the async proxy
+// and synchronise the warpgroup's 128 threads (barrier 1 + wg), so that k-block i + 1's wgmmas
+// may read what all of them wrote.
+template <int kBits>
 __device__ void consume(const Params& p, const Smem& sm, const std::uint8_t* smem_raw, const CtaWork& w) {
   const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
-  const bool leader = ct % 128 == 0;
+  const int wg = ct / 128, t = ct % 128;
   TiledMma mma;
   auto thr = mma.get_thread_slice(ct);
   const Bf16* dy = reinterpret_cast<const Bf16*>(smem_raw + (sm.a - smem_addr(smem_raw)));
-  const Bf16* xhat = reinterpret_cast<const Bf16*>(smem_raw + (sm.b - smem_addr(smem_raw)));
+  const Bf16* xhat = reinterpret_cast<const Bf16*>(smem_raw + (sm.x - smem_addr(smem_raw)));
   Tensor sDy = make_tensor(make_smem_ptr(dy), SmemLayoutA{});   // (BLK_M,BLK_K,PIPE)
-  Tensor sX = make_tensor(make_smem_ptr(xhat), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
-  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sX));   // (MMA,1,MMA_K,PIPE) descriptors: x̂ᵀ
+  Tensor sX = make_tensor(make_smem_ptr(xhat), SmemLayoutX{});  // (BLK_N,BLK_K,XBUFS)
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sX));   // (MMA,1,MMA_K,XBUFS) descriptors: x̂ᵀ
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sDy));  // (MMA,1,MMA_K,PIPE) descriptors: dy
   Tensor acc = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA,1,1) fp32: dWᵀ tile
 
+  const int n = w.kb_end - w.kb_begin;
+  // The group of the thread's chunk (the last one for columns past CIN).
+  const int g = min((w.nb * kBlockN + kChunkCols * (2 * wg + t / kBlockK)) / p.group, p.groups - 1);
+  mbar_wait(sm.full(0), 0);
+  dequantize<kBits>(p, sm, 0, w.kb_begin, g, sm.x, wg, t);
+  fence_proxy_async_shared();
+  consumer_barrier(wg);
   mma.accumulate_ = GMMA::ScaleOut::Zero;  // the first wgmmas overwrite the accumulators
-  int prev_stage = -1;
-  for (int it = 0; it < w.kb_end - w.kb_begin; ++it) {
-    const int s = it % kStages;
-    mbar_wait(sm.full(s), (it / kStages) & 1);
+  for (int it = 0; it < n; ++it) {
+    const int s = it % kStages, xb = it % kXBufs;
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
     CUTE_UNROLL
     for (int kk = 0; kk < size<2>(tCrA); ++kk) {  // 4 k16 steps, one wgmma 64x256x16 each
-      gemm(mma, tCrA(_, _, kk, s), tCrB(_, _, kk, s), acc);
+      gemm(mma, tCrA(_, _, kk, xb), tCrB(_, _, kk, s), acc);
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    warpgroup_wait<1>();  // the previous k-block's wgmmas have retired: its stage is free
+    if (it + 1 < n) {
+      const int s1 = (it + 1) % kStages;
+      mbar_wait(sm.full(s1), ((it + 1) / kStages) & 1);
+      dequantize<kBits>(p, sm, s1, w.kb_begin + it + 1, g, sm.x + ((it + 1) % kXBufs) * kXBufBytes, wg, t);
+    }
+    warpgroup_wait<1>();  // k-block it - 1's wgmmas have retired: its stage and x̂ buffer are free
     warpgroup_fence_operand(acc);
-    if (prev_stage >= 0 && leader) mbar_arrive(sm.empty(prev_stage));
-    prev_stage = s;
+    if (it > 0) mbar_arrive(sm.empty((it - 1) % kStages));
+    if (it + 1 < n) {
+      fence_proxy_async_shared();
+      consumer_barrier(wg);
+    }
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  store_tile(acc, ct, p, w);
+  store_tile<kBits>(acc, ct, p, w);
 }
 
 #endif  // FK_WGRAD_SM90
@@ -608,52 +690,63 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(sm.full(s), kFullArrivals);
       mbar_init(sm.empty(s), kEmptyArrivals);
     }
-    for (int j = 0; j < kRawSlots<kBits>; ++j) mbar_init(sm.raw_full(j), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   const CtaWork w = cta_work(p);
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    Producer<kBits>(p, &tmap_dy, &tmap_x, sm, w, threadIdx.x).run();
+    Producer<kBits>{p, &tmap_dy, &tmap_x, sm, w, static_cast<int>(threadIdx.x)}.run();
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume(p, sm, smem_raw, w);
+    consume<kBits>(p, sm, smem_raw, w);
   }
 #else
   __trap();  // the launcher never starts this kernel off sm_90
 #endif
 }
 
-// dW for every split tile: the sum of its S partials in split order, plus beta * dW.
-__global__ void __launch_bounds__(256) weight_grad_fixup_kernel(const Params p) {
+// dW for every split tile: the sum of its S partials in split order, plus beta * dW. Thread v of
+// grid row y takes 4 consecutive elements (one float4 of each partial) of tile blockIdx.x, with
+// all its loads in flight at once: the partials are read from L2 at its bandwidth, not latency.
+constexpr int kFixupThreads = 256;
+constexpr int kFixupRows = kTileElems / 4 / kFixupThreads;  // grid.y (32)
+__global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
 #endif
   const int tile = blockIdx.x;
   const int m0 = tile / p.tiles_n * kBlockM, n0 = tile % p.tiles_n * kBlockN;
-  for (int v = blockIdx.y * blockDim.x + threadIdx.x; v < kTileElems / 4; v += gridDim.y * blockDim.x) {
-    const int m = v / (kBlockN / 4), n = v % (kBlockN / 4) * 4;
-    if (m0 + m >= p.cout) continue;
-    const float* part = p.workspace + static_cast<std::int64_t>(tile) * p.splits * kTileElems + m * kBlockN + n;
-    float4 s = *reinterpret_cast<const float4*>(part);
-    for (int c = 1; c < p.splits; ++c) {
-      part += kTileElems;
-      const float4 q = *reinterpret_cast<const float4*>(part);
-      s.x += q.x, s.y += q.y, s.z += q.z, s.w += q.w;
-    }
-    const float sum[4] = {s.x, s.y, s.z, s.w};
-    const std::int64_t row = static_cast<std::int64_t>(m0 + m) * p.cin;
-    for (int e = 0; e < 4; ++e) {
-      const int n_abs = n0 + n + e;
-      if (n_abs >= p.cin) break;
-      if (p.dw_bf16) {
-        auto* dw = static_cast<__nv_bfloat16*>(p.dw) + row + n_abs;
-        *dw = __float2bfloat16_rn((p.accumulate ? __bfloat162float(*dw) : 0.0f) + sum[e]);
-      } else {
-        auto* dw = static_cast<float*>(p.dw) + row + n_abs;
-        *dw = (p.accumulate ? *dw : 0.0f) + sum[e];
-      }
+  const int v = blockIdx.y * kFixupThreads + threadIdx.x;
+  const int m = v / (kBlockN / 4), n = v % (kBlockN / 4) * 4;
+  if (m0 + m >= p.cout || n0 + n >= p.cin) return;
+  const float4* part = reinterpret_cast<const float4*>(p.workspace + static_cast<std::int64_t>(tile) * p.splits * kTileElems +
+                                                       m * kBlockN + n);
+  constexpr int kStride = kTileElems / 4;
+  float4 s = part[0];
+  int c = 1;
+  for (; c + 4 <= p.splits; c += 4) {
+    float4 q[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q[j] = part[(c + j) * kStride];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s.x += q[j].x, s.y += q[j].y, s.z += q[j].z, s.w += q[j].w;
+  }
+  for (; c < p.splits; ++c) {
+    const float4 q = part[c * kStride];
+    s.x += q.x, s.y += q.y, s.z += q.z, s.w += q.w;
+  }
+  const float sum[4] = {s.x, s.y, s.z, s.w};
+  const std::int64_t row = static_cast<std::int64_t>(m0 + m) * p.cin;
+  for (int e = 0; e < 4; ++e) {
+    const int n_abs = n0 + n + e;
+    if (n_abs >= p.cin) break;
+    if (p.dw_bf16) {
+      auto* dw = static_cast<__nv_bfloat16*>(p.dw) + row + n_abs;
+      *dw = __float2bfloat16_rn((p.accumulate ? __bfloat162float(*dw) : 0.0f) + sum[e]);
+    } else {
+      auto* dw = static_cast<float*>(p.dw) + row + n_abs;
+      *dw = (p.accumulate ? *dw : 0.0f) + sum[e];
     }
   }
 }
@@ -703,8 +796,8 @@ void launch_main(const Params& p, unsigned ctas, const CUtensorMap& map_dy, cons
 // waits for it on the GPU (griddepcontrol.wait), so no launch gap separates the two.
 void launch_fixup(const Params& p, unsigned tiles, cudaStream_t s) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(tiles, 8);
-  cfg.blockDim = dim3(256);
+  cfg.gridDim = dim3(tiles, kFixupRows);
+  cfg.blockDim = dim3(kFixupThreads);
   cfg.stream = s;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -760,15 +853,12 @@ void weight_grad_from_packed(const TensorView& dy, const PackedView& x, const Te
   p.stats_bf16 = x.scale.dtype() == DType::bf16;
   p.dw_bf16 = dw.dtype() == DType::bf16;
   p.accumulate = wp.beta != 0.0f;
-  p.stats_bytes = p.stats_bf16 ? 2 : 4;
   // TMA needs 16-byte aligned bases and row strides.
   const std::int64_t row_bytes = static_cast<std::int64_t>(p.row_words) * 4;
   p.tma_a = cout % 8 == 0 && aligned(dy.data(), 16);
-  p.tma_x = row_bytes % 16 == 0 && aligned(x.words.data(), 16) && aligned(p.scale, 16) && aligned(p.min, 16) &&
-            kBlockK * x.groups() * p.stats_bytes <= kStatsBytes;
-  // Without TMA, a thread's kSpanCols * bits / 8 bytes are read in loads of up to 16 bytes when
-  // rows are aligned to that (a span never runs past its row: group % 32 == 0).
-  p.vec_words = aligned(x.words.data(), 16) && row_bytes % std::min(16, kSpanCols * x.bits / 8) == 0;
+  p.tma_x = row_bytes % 16 == 0 && aligned(x.words.data(), 16);
+  p.stats_bytes = p.stats_bf16 ? 2 : 4;
+  p.tma_stats = aligned(p.scale, 16) && aligned(p.min, 16) && kBlockK * x.groups() * p.stats_bytes <= kStatsBytes;
 
   const int sms = multiprocessor_count();
   // One tile per CTA when the tiles fill the GPU; otherwise split K S ways, S = SMs / tiles (but
