@@ -12,14 +12,16 @@
 // B-fragment registers (mask 0x000F000F | magic exponent, subtract magic + zero point — exact —,
 // multiply by the scale: one rounding, the same as dequantize_weights) and issues mma.sync
 // m16n8k16 with fp32 accumulators against A fragments from ldmatrix. Scales and zero points come
-// from global memory (L1/L2), one k-tile ahead. Split-K partials go to an fp32 workspace
-// [splits, M, N] that a second kernel sums in a fixed order (deterministic) and rounds.
+// in the same cp.async stages ([2][BN] scales, [2][BN / 8] zero words). Split-K partials go to an
+// fp32 workspace [splits, M, N] that a second kernel sums in a fixed order (deterministic), rounds.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "fusekit/core/cuda_check.hpp"
 #include "ops/cuda_common.cuh"
@@ -119,7 +121,11 @@ struct Tiles {
   static constexpr int BM = WARPS_M * WM * 16, BN = WARPS_N * WN * 8;
   static constexpr int X_STAGE = BM * kBK * 2;  // bytes: BM rows of 8 16-byte chunks
   static constexpr int W_STAGE = BN * 32;       // bytes: BN / 16 tiles of 512
-  static constexpr int SMEM = STAGES * (X_STAGE + W_STAGE);
+  // Scales and zero points of the CTA's rows for both 32-wide halves of the k-tile: [2][BN] scales
+  // then [2][BN / 8] zero words, copied as 16-byte chunks.
+  static constexpr int S_CHUNKS = BN / 8 + BN / 32;  // per half
+  static constexpr int S_STAGE = 2 * S_CHUNKS * 16;
+  static constexpr int SMEM = STAGES * (X_STAGE + W_STAGE + S_STAGE);
   static_assert(WARPS_M * WARPS_N * 32 == kThreads);
   static_assert(WN % 2 == 0, "a warp reads whole 16-row word tiles");
   static_assert(kQgemmRowPad % BN == 0, "a CTA's rows never pass the padded rows");
@@ -135,7 +141,9 @@ __global__ void __launch_bounds__(kThreads) qgemm_kernel(const Params<T> p) {
   extern __shared__ int4 smem[];
   const std::uint32_t sx = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));  // x stages
   const std::uint32_t sw = sx + STAGES * C::X_STAGE;                                   // word stages
+  const std::uint32_t ss = sw + STAGES * C::W_STAGE;                                  // scale stages
   const int4* sw_ptr = smem + STAGES * C::X_STAGE / 16;
+  const char* ss_ptr = reinterpret_cast<const char*>(smem) + STAGES * (C::X_STAGE + C::W_STAGE);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int warp_m = warp / C::WARPS_N, warp_n = warp % C::WARPS_N;
@@ -153,19 +161,15 @@ __global__ void __launch_bounds__(kThreads) qgemm_kernel(const Params<T> p) {
     }
     const int4* src = p.words + (static_cast<std::int64_t>(kt) * (p.n_pad / 16) + n_cta / 16) * 32;
     for (int c = tid; c < BN * 2; c += kThreads) cp_async_16(sw + stage * C::W_STAGE + c * 16, src + c, 16);
-  };
-
-  // Scale bits and zero point of each of the thread's rows, for both 32-wide halves of a k-tile.
-  auto load_scales = [&](int kt, std::uint32_t (&s)[WN][2], std::uint32_t (&z)[WN][2]) {
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int grp = min((kt * kBK + b * 32) / p.group, p.groups - 1);
-#pragma unroll
-      for (int j = 0; j < WN; ++j) {
-        const int n = n_cta + (warp_n * WN + j) * 8 + g;
-        s[j][b] = __ldg(p.scale + static_cast<std::int64_t>(grp) * p.n_pad + n);
-        z[j][b] = (__ldg(p.zero + static_cast<std::int64_t>(grp) * (p.n_pad / 8) + n / 8) >> (4 * g)) & 0xFu;
-      }
+    // Scales and zero points; alignment: n_pad % 256 == 0 and n_cta % 128 == 0.
+    for (int c = tid; c < 2 * C::S_CHUNKS; c += kThreads) {
+      const int b = c / C::S_CHUNKS, r = c % C::S_CHUNKS;
+      const std::int64_t grp = min((kt * kBK + b * 32) / p.group, p.groups - 1);
+      const char* from = r < BN / 8
+                             ? reinterpret_cast<const char*>(p.scale + grp * p.n_pad + n_cta) + r * 16
+                             : reinterpret_cast<const char*>(p.zero + grp * (p.n_pad / 8) + n_cta / 8) + (r - BN / 8) * 16;
+      const int to = r < BN / 8 ? b * BN * 2 + r * 16 : 2 * BN * 2 + b * (BN / 2) + (r - BN / 8) * 16;
+      cp_async_16(ss + stage * C::S_STAGE + to, from, 16);
     }
   };
 
@@ -182,17 +186,16 @@ __global__ void __launch_bounds__(kThreads) qgemm_kernel(const Params<T> p) {
     if (s < nk) load_stage(s, kt_begin + s);
     cp_async_commit();
   }
-  std::uint32_t s_cur[WN][2], z_cur[WN][2], s_next[WN][2], z_next[WN][2];
-  load_scales(kt_begin, s_cur, z_cur);
 
   for (int it = 0; it < nk; ++it) {
-    if (it + 1 < nk) load_scales(kt_begin + it + 1, s_next, z_next);
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage `it` landed for every thread; stage it - 1 is free to refill
     if (it + STAGES - 1 < nk) load_stage((it + STAGES - 1) % STAGES, kt_begin + it + STAGES - 1);
     cp_async_commit();
 
     const int stage = it % STAGES;
+    const auto* s_stage = reinterpret_cast<const unsigned short*>(ss_ptr + stage * C::S_STAGE);  // [2][BN]
+    const auto* z_stage = reinterpret_cast<const std::uint32_t*>(s_stage + 2 * BN);              // [2][BN / 8]
     int4 words[WN / 2];
 #pragma unroll
     for (int i = 0; i < WN / 2; ++i) words[i] = sw_ptr[stage * (C::W_STAGE / 16) + (warp_n * WN / 2 + i) * 32 + lane];
@@ -204,7 +207,9 @@ __global__ void __launch_bounds__(kThreads) qgemm_kernel(const Params<T> p) {
         const int4 v = words[j / 2];
         const int slot = (j % 2) * 2 + b;
         const int q = slot == 0 ? v.x : slot == 1 ? v.y : slot == 2 ? v.z : v.w;
-        dequant_word<T>(static_cast<std::uint32_t>(q), s_cur[j][b], z_cur[j][b], bf[j]);
+        const int row = (warp_n * WN + j) * 8 + g;  // within the CTA's rows
+        const std::uint32_t z = (z_stage[b * (BN / 8) + row / 8] >> (4 * g)) & 0xFu;
+        dequant_word<T>(static_cast<std::uint32_t>(q), s_stage[b * BN + row], z, bf[j]);
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -221,13 +226,6 @@ __global__ void __launch_bounds__(kThreads) qgemm_kernel(const Params<T> p) {
           for (int j = 0; j < WN; ++j) mma_16816<T>(acc[i][j], a[i], bf[j][h * 2], bf[j][h * 2 + 1]);
       }
     }
-#pragma unroll
-    for (int j = 0; j < WN; ++j)
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        s_cur[j][b] = s_next[j][b];
-        z_cur[j][b] = z_next[j][b];
-      }
   }
   cp_async_wait<0>();
 
@@ -260,6 +258,21 @@ __global__ void __launch_bounds__(256) sum_partials_kernel(const float* __restri
   }
 }
 
+// CTAs of qgemm_kernel<T, C> the device holds at once (resident per SM x SMs), after opting in to
+// its shared memory; once per kernel and device, since decoding calls qgemm at a high rate.
+template <class T, class C>
+int resident_slots(int device) {
+  static std::mutex mutex;
+  static std::map<int, int> slots;  // per device
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = slots.find(device); it != slots.end()) return it->second;
+  const auto kernel = qgemm_kernel<T, C>;
+  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+  int per_sm = 0;
+  FK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, C::SMEM));
+  return slots[device] = std::max(1, per_sm) * multiprocessor_count();
+}
+
 template <class T, class C>
 void launch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
   const cudaStream_t st = fk::detail::cuda_stream(stream);
@@ -279,11 +292,9 @@ void launch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y,
   p.k_tiles = static_cast<int>(qw.k_pad() / kBK);
 
   const auto kernel = qgemm_kernel<T, C>;
-  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-  int per_sm = 0;
-  FK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, C::SMEM));
+  const int slots = resident_slots<T, C>(y.device().index);
   const int n_tiles = (n + C::BN - 1) / C::BN, m_tiles = (m + C::BM - 1) / C::BM;
-  const int tiles = n_tiles * m_tiles, slots = std::max(1, per_sm) * multiprocessor_count();
+  const int tiles = n_tiles * m_tiles;
   // Split K so that the CTAs fill the resident slots in one wave (never more: a partial second wave
   // costs a whole tile's time), keeping 4 k-tiles (256 of K) per split and the fp32 partials
   // (splits * M * N * 4 bytes) under the bytes of the weight (N * K / 2).
@@ -301,7 +312,7 @@ void launch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y,
   FK_CUDA_CHECK_LAUNCH("qgemm_kernel");
   if (splits > 1) {
     const std::int64_t count = static_cast<std::int64_t>(m) * n;
-    const int blocks = static_cast<int>(std::min<std::int64_t>((count + 255) / 256, 4 * multiprocessor_count()));
+    const int blocks = static_cast<int>(std::min<std::int64_t>((count + 255) / 256, 2048));
     sum_partials_kernel<T><<<blocks, 256, 0, st>>>(p.partial, p.y, count, splits);
     FK_CUDA_CHECK_LAUNCH("qgemm sum_partials_kernel");
   }
