@@ -72,13 +72,13 @@ template <class T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
                                           std::uint32_t b1) {
   if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -94,7 +94,7 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&a)[4], std::uint32_t
 
 // 16 bytes global -> shared; src_bytes 0 writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async_16(std::uint32_t smem_addr, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -115,9 +115,10 @@ struct Params {
 };
 
 // Tile constants derived from the warp grid and the warp tile (WM m16 tiles x WN n8 tiles).
-template <int WARPS_M_, int WARPS_N_, int WM_, int WN_, int STAGES_>
+template <int WARPS_M_, int WARPS_N_, int WM_, int WN_, int STAGES_, int MIN_CTAS_>
 struct Tiles {
   static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, WM = WM_, WN = WN_, STAGES = STAGES_;
+  static constexpr int MIN_CTAS = MIN_CTAS_;  // resident CTAs an SM must hold (register budget)
   static constexpr int BM = WARPS_M * WM * 16, BN = WARPS_N * WN * 8;
   static constexpr int X_STAGE = BM * kBK * 2;  // bytes: BM rows of 8 16-byte chunks
   static constexpr int W_STAGE = BN * 32;       // bytes: BN / 16 tiles of 512
@@ -131,12 +132,12 @@ struct Tiles {
   static_assert(kQgemmRowPad % BN == 0, "a CTA's rows never pass the padded rows");
 };
 
-using SmallM = Tiles<1, 8, 1, 2, 8>;   // 16 x 128
-using MidM = Tiles<1, 8, 4, 4, 4>;     // 64 x 256
-using LargeM = Tiles<2, 4, 4, 4, 4>;   // 128 x 128
+using SmallM = Tiles<1, 8, 1, 2, 16, 2>;  // 16 x 128
+using MidM = Tiles<1, 8, 4, 4, 4, 2>;     // 64 x 256
+using LargeM = Tiles<2, 4, 4, 4, 4, 2>;   // 128 x 128
 
 template <class T, class C>
-__global__ void __launch_bounds__(kThreads) qgemm_kernel(const Params<T> p) {
+__global__ void __launch_bounds__(kThreads, C::MIN_CTAS) qgemm_kernel(const Params<T> p) {
   constexpr int BM = C::BM, BN = C::BN, WM = C::WM, WN = C::WN, STAGES = C::STAGES;
   extern __shared__ int4 smem[];
   const std::uint32_t sx = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));  // x stages
@@ -252,8 +253,16 @@ __global__ void __launch_bounds__(256) sum_partials_kernel(const float* __restri
                                                            std::int64_t count, int splits) {
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    // Eight loads in flight before the adds (still summed in split order): a loop of dependent
+    // load-add pairs would pay one L2 round trip per split.
     float s = 0.0f;
-    for (int z = 0; z < splits; ++z) s += partial[z * count + i];
+    for (int z0 = 0; z0 < splits; z0 += 8) {
+      float v[8];
+#pragma unroll
+      for (int d = 0; d < 8; ++d) v[d] = z0 + d < splits ? partial[(z0 + d) * count + i] : 0.0f;
+#pragma unroll
+      for (int d = 0; d < 8; ++d) s += v[d];
+    }
     y[i] = device::from_float<T>(s);
   }
 }
@@ -268,6 +277,10 @@ int resident_slots(int device) {
   if (const auto it = slots.find(device); it != slots.end()) return it->second;
   const auto kernel = qgemm_kernel<T, C>;
   FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+  // All of the unified L1/shared memory as shared memory, so that the residency the occupancy
+  // query reports (and the split-K below counts on) is the residency the launch gets.
+  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     cudaSharedmemCarveoutMaxShared));
   int per_sm = 0;
   FK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, C::SMEM));
   return slots[device] = std::max(1, per_sm) * multiprocessor_count();
@@ -297,8 +310,9 @@ void launch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y,
   const int tiles = n_tiles * m_tiles;
   // Split K so that the CTAs fill the resident slots in one wave (never more: a partial second wave
   // costs a whole tile's time), keeping 4 k-tiles (256 of K) per split and the fp32 partials
-  // (splits * M * N * 4 bytes) under the bytes of the weight (N * K / 2).
-  const int most = std::max(1, std::min(p.k_tiles / 4, p.k / (8 * m)));
+  // (splits * M * N * 4 bytes, written and read back through L2) under twice the bytes of the
+  // weight (N * K / 2).
+  const int most = std::max(1, std::min(p.k_tiles / 4, p.k / (4 * m)));
   int splits = std::clamp(slots / tiles, 1, most);
   p.tiles_per_split = (p.k_tiles + splits - 1) / splits;
   splits = (p.k_tiles + p.tiles_per_split - 1) / p.tiles_per_split;  // no empty split
