@@ -102,6 +102,43 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// sm_90: the words, scales and zero points of a stage (contiguous runs of the packed layout) come
+// by bulk copies (cp.async.bulk, the TMA engine without a tensor map), issued by one thread and
+// counted on one mbarrier per stage, so that many kilobytes per SM are in flight at the cost of a
+// few instructions; x keeps per-thread cp.async (swizzled, zero-filled). sm_80: all cp.async.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FK_QGEMM_BULK 1
+#else
+#define FK_QGEMM_BULK 0
+#endif
+
+#if FK_QGEMM_BULK
+__device__ __forceinline__ void mbarrier_init(std::uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_expect_tx(std::uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(std::uint32_t bar, std::uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@!P1 bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// `bytes` (a multiple of 16, both ends 16-byte aligned) global -> shared, completing on `bar`.
+__device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, int bytes, std::uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+#endif
+
 template <class T>
 struct Params {
   const T* x;                 // [m, k]
@@ -153,6 +190,16 @@ __global__ void __launch_bounds__(kThreads, C::MIN_CTAS) qgemm_kernel(const Para
   const int kt_begin = blockIdx.z * p.tiles_per_split;
   const int nk = min(p.k_tiles, kt_begin + p.tiles_per_split) - kt_begin;
 
+#if FK_QGEMM_BULK
+  __shared__ alignas(8) std::uint64_t full[STAGES];  // one per stage: the bulk copies landed
+  const std::uint32_t full_bar = static_cast<std::uint32_t>(__cvta_generic_to_shared(full));
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) mbarrier_init(full_bar + s * 8, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+#endif
+
   auto load_stage = [&](int stage, int kt) {
     for (int c = tid; c < BM * 8; c += kThreads) {
       const int row = c / 8, ch = c % 8, gm = m_cta + row, gk = kt * kBK + ch * 8;
@@ -161,8 +208,21 @@ __global__ void __launch_bounds__(kThreads, C::MIN_CTAS) qgemm_kernel(const Para
       cp_async_16(sx + stage * C::X_STAGE + row * 128 + ((ch ^ (row & 7)) * 16), src, in ? 16 : 0);
     }
     const int4* src = p.words + (static_cast<std::int64_t>(kt) * (p.n_pad / 16) + n_cta / 16) * 32;
-    for (int c = tid; c < BN * 2; c += kThreads) cp_async_16(sw + stage * C::W_STAGE + c * 16, src + c, 16);
     // Scales and zero points; alignment: n_pad % 256 == 0 and n_cta % 128 == 0.
+#if FK_QGEMM_BULK
+    if (tid == 0) {
+      const std::uint32_t bar = full_bar + stage * 8;
+      mbarrier_expect_tx(bar, C::W_STAGE + C::S_STAGE);
+      bulk_copy(sw + stage * C::W_STAGE, src, C::W_STAGE, bar);
+      for (int b = 0; b < 2; ++b) {
+        const std::int64_t grp = min((kt * kBK + b * 32) / p.group, p.groups - 1);
+        bulk_copy(ss + stage * C::S_STAGE + b * BN * 2, p.scale + grp * p.n_pad + n_cta, BN * 2, bar);
+        bulk_copy(ss + stage * C::S_STAGE + 2 * BN * 2 + b * (BN / 2), p.zero + grp * (p.n_pad / 8) + n_cta / 8,
+                  BN / 2, bar);
+      }
+    }
+#else
+    for (int c = tid; c < BN * 2; c += kThreads) cp_async_16(sw + stage * C::W_STAGE + c * 16, src + c, 16);
     for (int c = tid; c < 2 * C::S_CHUNKS; c += kThreads) {
       const int b = c / C::S_CHUNKS, r = c % C::S_CHUNKS;
       const std::int64_t grp = min((kt * kBK + b * 32) / p.group, p.groups - 1);
@@ -172,6 +232,7 @@ __global__ void __launch_bounds__(kThreads, C::MIN_CTAS) qgemm_kernel(const Para
       const int to = r < BN / 8 ? b * BN * 2 + r * 16 : 2 * BN * 2 + b * (BN / 2) + (r - BN / 8) * 16;
       cp_async_16(ss + stage * C::S_STAGE + to, from, 16);
     }
+#endif
   };
 
   float acc[WM][WN][4];
@@ -190,6 +251,9 @@ __global__ void __launch_bounds__(kThreads, C::MIN_CTAS) qgemm_kernel(const Para
 
   for (int it = 0; it < nk; ++it) {
     cp_async_wait<STAGES - 2>();
+#if FK_QGEMM_BULK
+    mbarrier_wait(full_bar + (it % STAGES) * 8, static_cast<std::uint32_t>(it / STAGES) & 1u);
+#endif
     __syncthreads();  // stage `it` landed for every thread; stage it - 1 is free to refill
     if (it + STAGES - 1 < nk) load_stage((it + STAGES - 1) % STAGES, kt_begin + it + STAGES - 1);
     cp_async_commit();
