@@ -167,6 +167,10 @@ void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, 
   FK_CHECK_ARG(reinterpret_cast<std::uintptr_t>(x.data()) % 16 == 0, op, "x", "16-byte aligned data",
                "a misaligned pointer");
   FK_CHECK_ARG(x.size(0) <= 65535 * 128, op, "x", "at most 8388480 rows", x.shape().str());
+  for (const Tensor* t : {&qw.packed, &qw.scale, &qw.zero})
+    FK_CHECK_ARG(reinterpret_cast<std::uintptr_t>(t->data()) % 16 == 0, op, "qw",
+                 "16-byte aligned packed, scale and zero (the kernel copies them in 16-byte units)",
+                 "a misaligned pointer");
 #if FUSEKIT_WITH_CUDA
   cuda::qgemm(x, qw, y, stream);
 #else
