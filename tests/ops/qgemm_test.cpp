@@ -253,7 +253,8 @@ TEST(QgemmGpuLayout, QuantizeOnGpuMatchesHost) {
   EXPECT_EQ(std::memcmp(zero.data(), host.zero.data(), host.zero.nbytes()), 0);
 }
 
-// The puzzle's group of 8 cannot reach the kernel (its scale changes inside a word): a clear error.
+// The puzzle's group of 8 cannot reach the kernel (its scale changes inside a word), nor can K % 8 != 0:
+// a clear error.
 TEST(QgemmGpuLayout, PuzzleGroupRejectedOnGpu) {
   FK_SKIP_WITHOUT_GPU();
   std::vector<std::uint32_t> words(32 * 8, 0x76543210u), shifts(32, 0x11111111u);
@@ -265,6 +266,14 @@ TEST(QgemmGpuLayout, PuzzleGroupRejectedOnGpu) {
           .copy_to(Device::cuda());
   const Tensor x = test::random_tensor({4, 64}, DType::f16, Device::cuda(), 3);
   test::expect_arg_error([&] { qgemm(x, qw); }, "qgemm", "qw");
+  // K % 8 != 0 cannot be copied in 16-byte rows of x: rejected on CUDA, run on the CPU.
+  const Tensor w100 = test::random_tensor({5, 100}, DType::f16, kCpu, 4);
+  const QuantizedWeight q100 = quantize_weights(w100, 100);
+  const Tensor x100 = test::random_tensor({2, 100}, DType::f16, kCpu, 5);
+  EXPECT_EQ(qgemm(x100, q100).shape(), (Dims{2, 5}));
+  const QuantizedWeight q100_gpu = q100.copy_to(Device::cuda());
+  const Tensor x100_gpu = x100.copy_to(Device::cuda());
+  test::expect_arg_error([&] { qgemm(x100_gpu, q100_gpu); }, "qgemm", "qw");
   // dequantize_weights handles any group on the GPU.
   const Tensor wt = test::to_host(dequantize_weights(qw));
   EXPECT_EQ(reference::load(wt, 1), 0.5 * (1 - 1));
