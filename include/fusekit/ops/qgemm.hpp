@@ -1,0 +1,81 @@
+// Family `qgemm`: 4-bit weight-only quantized matmul (W4A16, GPTQ/AWQ style; seed 001, puzzle 12).
+//
+// A weight w [N, K] (f16 or bf16) is quantized once, group-wise along K, to 4-bit unsigned values q
+// with one scale s (w's dtype) and one 4-bit zero point z per (row, group):
+//     w̃[n, k] = s[n, k / group] * (q[n, k] - z[n, k / group])          (rounded once to w's dtype)
+// and y [M, N] = x [M, K] · w̃ᵀ is computed straight from the 4-bit words (fp32 accumulation), so
+// that decoding at small M reads about a quarter of the bytes an f16 GEMM reads.
+//
+// The packed words are laid out for the CUDA kernel: the 8 nibbles of one int32 are the 8 values
+// one thread of an mma.sync m16n8k16 B fragment needs for two k16 steps, already in the order in
+// which the LOP3/magic-number trick turns them into f16x2/bf16x2 registers (docs/qgemm.md).
+//
+// K not a multiple of the group is rejected (fk::Error naming `group`); group == K (one group per
+// row) is accepted for any K. The CUDA kernel needs K % 8 == 0 (16-byte rows of x) and a group that
+// is a multiple of 32 or equal to K; other packings (e.g. the puzzle's group of 8) run on the CPU.
+#pragma once
+
+#include <cstdint>
+
+#include "fusekit/core/tensor.hpp"
+
+namespace fk {
+
+class Stream;
+
+// Padding of the packed layout: rows to a multiple of kQgemmRowPad, K to a multiple of
+// kQgemmKPad. Padded weights are 0 (q = z = 0, s = 0) and never reach an output.
+inline constexpr std::int64_t kQgemmRowPad = 256;
+inline constexpr std::int64_t kQgemmKPad = 64;
+
+struct QuantizedWeight {
+  Tensor packed;  // i32 [k_pad / 64, n_pad / 16, 32, 4]: fragment order, docs/qgemm.md
+  Tensor scale;   // dtype [groups, n_pad]: s[n, g] at scale[g, n]
+  Tensor zero;    // i32 [groups, n_pad / 8]: z[n, g] in bits 4 * (n % 8) of zero[g, n / 8]
+  std::int64_t n = 0, k = 0;
+  int group = 128;            // values of K per scale; == k for one group per row
+  DType dtype = DType::f16;   // dtype of the weight, of the scales and of the activations
+
+  std::int64_t groups() const noexcept { return group > 0 ? (k + group - 1) / group : 0; }
+  std::int64_t n_pad() const noexcept { return (n + kQgemmRowPad - 1) / kQgemmRowPad * kQgemmRowPad; }
+  std::int64_t k_pad() const noexcept { return (k + kQgemmKPad - 1) / kQgemmKPad * kQgemmKPad; }
+  Device device() const noexcept { return packed.device(); }
+  // Bytes a GEMM reads for the weight: words, scales and zero points.
+  std::size_t nbytes() const noexcept { return packed.nbytes() + scale.nbytes() + zero.nbytes(); }
+
+  // Zeroed storage (every padded weight 0) for an [n, k] weight of `dtype`.
+  static QuantizedWeight zeros(std::int64_t n, std::int64_t k, int group, DType dtype, Device device);
+  QuantizedWeight copy_to(Device device) const;
+};
+
+// Quantizes w [N, K] (f16 or bf16) with group ∈ {32, 64, 128, K}: per (row, group) the range
+// [lo, hi] = [min(w, 0), max(w, 0)], s = (hi - lo) / 15 rounded up to w's dtype, z = round(-lo / s),
+// q = clamp(round(w / s) + z, 0, 15); every weight then lies within s / 2 of w̃. The quantization
+// runs on the host (a one-time step at model load); the result lives on w's device.
+QuantizedWeight quantize_weights(const TensorView& w, int group, const Stream* stream = nullptr);
+
+// w̃ [N, K] in the weight's dtype (on the weight's device).
+Tensor dequantize_weights(const QuantizedWeight& qw, const Stream* stream = nullptr);
+void dequantize_weights(const QuantizedWeight& qw, const TensorView& out, const Stream* stream = nullptr);
+
+// The puzzle's layout (puzzle 12): weight i32 [N, K / 8] with value k at bits 4 * (k % 8) of word
+// k / 8; scale f32/f16/bf16 [N, K / group]; shift i32 [N, ceil(K / group / 8)] with the zero point
+// of group g at bits 4 * (g % 8) of word g / 8. Host tensors; K % 8 == 0 and group % 8 == 0. The
+// scales are rounded to `dtype`.
+QuantizedWeight from_puzzle_layout(const TensorView& weight, const TensorView& scale, const TensorView& shift,
+                                   int group, DType dtype);
+
+// y [M, N] = x [M, K] · w̃ᵀ, x and y in the weight's dtype, fp32 accumulation, y overwritten.
+// CUDA: M <= 16 streams the weights (one m16 tile, split-K), larger M uses 64x256 or 128x128 tiles;
+// both dequantize in registers and multiply on tensor cores (mma.sync m16n8k16).
+void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream = nullptr);
+Tensor qgemm(const TensorView& x, const QuantizedWeight& qw, const Stream* stream = nullptr);
+
+namespace reference {
+QuantizedWeight quantize_weights(const TensorView& w, int group);
+void dequantize_weights(const QuantizedWeight& qw, const TensorView& out);
+// Double accumulation of x * w̃ over K, w̃ as dequantize_weights rounds it.
+void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y);
+}  // namespace reference
+
+}  // namespace fk
