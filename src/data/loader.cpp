@@ -1,0 +1,129 @@
+// Batches from raw records, and the loader that prepares them on a background thread: a ring of
+// `prefetch` batch slots, filled in order by the producer and handed out in order to the consumer.
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/data/criteo.hpp"
+
+namespace fk::data {
+
+namespace {
+
+void ensure(Tensor& t, Dims shape, DType dtype) {
+  if (t.numel() != shape.numel() || t.dtype() != dtype || !(t.shape() == shape))
+    t = Tensor::empty(shape, dtype, Device::cpu());
+}
+
+}  // namespace
+
+void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch) {
+  FK_CHECK_ARG(featurizer.cardinalities.size() == kNumSparse, "data::make_batch", "featurizer",
+               "26 cardinalities", fmt::format("{}", featurizer.cardinalities.size()));
+  const std::int64_t b = static_cast<std::int64_t>(records.size());
+  batch.size = b;
+  ensure(batch.labels, {b}, DType::f32);
+  ensure(batch.dense, {b, kNumDense}, DType::f32);
+  ensure(batch.indices, {kNumSparse * b}, DType::i64);
+  ensure(batch.offsets, {kNumSparse * b + 1}, DType::i64);
+  float* labels = batch.labels.data_as<float>();
+  float* dense = batch.dense.data_as<float>();
+  std::int64_t* idx = batch.indices.data_as<std::int64_t>();
+  std::int64_t* off = batch.offsets.data_as<std::int64_t>();
+  for (std::int64_t i = 0; i < b; ++i) {
+    const RawRecord& r = records[static_cast<std::size_t>(i)];
+    labels[i] = static_cast<float>(r.label);
+    for (int j = 0; j < kNumDense; ++j) dense[i * kNumDense + j] = Featurizer::dense_transform(r.dense[j]);
+    for (int t = 0; t < kNumSparse; ++t) idx[t * b + i] = featurizer.hash_index(t, r.sparse[t]);
+  }
+  for (std::int64_t k = 0; k <= kNumSparse * b; ++k) off[k] = k;
+}
+
+struct BatchLoader::State {
+  std::shared_ptr<RecordSource> source;
+  Featurizer featurizer;
+  LoaderOptions options;
+  std::int64_t num_batches = 0;
+
+  std::vector<Batch> slots;
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::int64_t produced = 0;  // batches ready (slot = index % slots)
+  std::int64_t handed = 0;    // batches handed to the consumer
+  std::int64_t released = 0;  // batches whose slot the consumer has given back
+  bool stop = false;
+  std::exception_ptr error;
+  std::thread worker;
+
+  void produce() {
+    std::vector<RawRecord> records;
+    try {
+      for (std::int64_t k = 0; k < num_batches; ++k) {
+        {
+          std::unique_lock lock(mutex);
+          changed.wait(lock, [&] { return stop || k - released < static_cast<std::int64_t>(slots.size()); });
+          if (stop) return;
+        }
+        const std::int64_t begin = k * options.batch_size;
+        const std::int64_t n = std::min(options.batch_size, source->size() - begin);
+        records.resize(static_cast<std::size_t>(n));
+        source->read(begin, records);
+        make_batch(records, featurizer, slots[static_cast<std::size_t>(k % static_cast<std::int64_t>(slots.size()))]);
+        {
+          std::lock_guard lock(mutex);
+          produced = k + 1;
+        }
+        changed.notify_all();
+      }
+    } catch (...) {
+      std::lock_guard lock(mutex);
+      error = std::current_exception();
+      changed.notify_all();
+    }
+  }
+};
+
+BatchLoader::BatchLoader(std::shared_ptr<RecordSource> source, Featurizer featurizer, LoaderOptions options)
+    : state_(std::make_unique<State>()) {
+  FK_CHECK_ARG(options.batch_size >= 1, "data::BatchLoader", "batch_size", ">= 1", fmt::format("{}", options.batch_size));
+  FK_CHECK_ARG(options.prefetch >= 1, "data::BatchLoader", "prefetch", ">= 1", fmt::format("{}", options.prefetch));
+  const std::int64_t n = source->size();
+  num_batches_ = options.drop_last ? n / options.batch_size : (n + options.batch_size - 1) / options.batch_size;
+  State& s = *state_;
+  s.source = std::move(source);
+  s.featurizer = std::move(featurizer);
+  s.options = options;
+  s.num_batches = num_batches_;
+  // One slot more than the prefetch depth: the consumer holds one while the producer fills the rest.
+  s.slots.resize(static_cast<std::size_t>(options.prefetch) + 1);
+  s.worker = std::thread([&s] { s.produce(); });
+}
+
+BatchLoader::~BatchLoader() {
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->stop = true;
+  }
+  state_->changed.notify_all();
+  state_->worker.join();
+}
+
+const Batch* BatchLoader::next() {
+  State& s = *state_;
+  std::unique_lock lock(s.mutex);
+  // The batch handed out last time is given back now: its slot may be refilled.
+  const std::int64_t k = s.handed;
+  s.released = k;
+  s.changed.notify_all();
+  s.changed.wait(lock, [&] { return s.error || s.produced > k || k >= s.num_batches; });
+  if (s.error) std::rethrow_exception(s.error);
+  if (k >= s.num_batches) return nullptr;
+  ++s.handed;
+  return &s.slots[static_cast<std::size_t>(k % static_cast<std::int64_t>(s.slots.size()))];
+}
+
+}  // namespace fk::data
