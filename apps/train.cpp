@@ -1,0 +1,493 @@
+// `fusekit train`: DLRM trained on synthetic or real Criteo data, with the DLRM reference's flags,
+// a JSON config, progress lines, periodic evaluation and a metrics JSON; `fusekit data`.
+#include "apps/train.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <set>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/data/criteo.hpp"
+#include "fusekit/fusekit.hpp"
+#include "fusekit/models/dlrm.hpp"
+#include "fusekit/models/metrics.hpp"
+
+namespace fk::app {
+
+using nlohmann::json;
+
+namespace {
+
+// "13-512-256-64-16" -> {13, 512, 256, 64, 16}
+std::vector<std::int64_t> parse_sizes(const std::string& s, const char* flag) {
+  std::vector<std::int64_t> v;
+  std::size_t start = 0;
+  while (start <= s.size()) {
+    const std::size_t dash = s.find('-', start);
+    const std::string part = s.substr(start, dash == std::string::npos ? std::string::npos : dash - start);
+    std::size_t used = 0;
+    long long x = 0;
+    try {
+      x = std::stoll(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != part.size() || x < 1)
+      throw Error("fusekit train", flag, "layer sizes like 13-512-256-64-16", s);
+    v.push_back(x);
+    if (dash == std::string::npos) break;
+    start = dash + 1;
+  }
+  return v;
+}
+
+template <class T>
+void take(const json& section, const char* key, T& out, std::set<std::string>& seen) {
+  if (!section.contains(key)) return;
+  seen.insert(key);
+  try {
+    out = section.at(key).get<T>();
+  } catch (const json::exception& e) {
+    throw Error("fusekit train --config", key, "a value of the right type", e.what());
+  }
+}
+
+void reject_unknown(const json& section, const std::set<std::string>& seen, const std::string& name) {
+  for (const auto& [key, value] : section.items())
+    if (!seen.contains(key)) throw Error("fusekit train --config", name + "." + key, "a known key (see docs/dlrm.md)", key);
+}
+
+}  // namespace
+
+void from_json(const json& j, TrainConfig& c) {
+  if (!j.is_object()) throw Error("fusekit train --config", "file", "a JSON object", j.type_name());
+  for (const auto& [key, value] : j.items())
+    if (key != "model" && key != "data" && key != "training" && key != "comment")
+      throw Error("fusekit train --config", key, "sections model, data, training (and comment)", key);
+  if (j.contains("model")) {
+    const json& m = j.at("model");
+    std::set<std::string> seen;
+    take(m, "arch_mlp_bot", c.arch_mlp_bot, seen);
+    take(m, "arch_mlp_top", c.arch_mlp_top, seen);
+    take(m, "arch_sparse_feature_size", c.arch_sparse_feature_size, seen);
+    take(m, "arch_interaction_op", c.arch_interaction_op, seen);
+    take(m, "arch_interaction_itself", c.arch_interaction_itself, seen);
+    take(m, "seed", c.model_seed, seen);
+    reject_unknown(m, seen, "model");
+  }
+  if (j.contains("data")) {
+    const json& d = j.at("data");
+    std::set<std::string> seen;
+    take(d, "source", c.data, seen);
+    take(d, "cardinalities", c.cardinalities, seen);
+    take(d, "max_ind_range", c.max_ind_range, seen);
+    take(d, "hash", c.data_hash, seen);
+    take(d, "train_samples", c.train_samples, seen);
+    take(d, "test_samples", c.test_samples, seen);
+    take(d, "seed", c.data_seed, seen);
+    take(d, "zipf_exponent", c.zipf_exponent, seen);
+    take(d, "test_fraction", c.test_fraction, seen);
+    take(d, "strict", c.strict_data, seen);
+    reject_unknown(d, seen, "data");
+  }
+  if (j.contains("training")) {
+    const json& t = j.at("training");
+    std::set<std::string> seen;
+    take(t, "optimizer", c.optimizer, seen);
+    take(t, "learning_rate", c.learning_rate, seen);
+    take(t, "mini_batch_size", c.mini_batch_size, seen);
+    take(t, "test_mini_batch_size", c.test_mini_batch_size, seen);
+    take(t, "epochs", c.epochs, seen);
+    take(t, "steps", c.steps, seen);
+    take(t, "eval_every", c.eval_every, seen);
+    take(t, "print_every", c.print_every, seen);
+    take(t, "device", c.device, seen);
+    take(t, "impl", c.impl, seen);
+    take(t, "metrics_json", c.metrics_json, seen);
+    reject_unknown(t, seen, "training");
+  }
+}
+
+json to_json(const TrainConfig& c) {
+  return {{"model",
+           {{"arch_mlp_bot", c.arch_mlp_bot},
+            {"arch_mlp_top", c.arch_mlp_top},
+            {"arch_sparse_feature_size", c.arch_sparse_feature_size},
+            {"arch_interaction_op", c.arch_interaction_op},
+            {"arch_interaction_itself", c.arch_interaction_itself},
+            {"seed", c.model_seed}}},
+          {"data",
+           {{"source", c.data},
+            {"cardinalities", c.cardinalities},
+            {"max_ind_range", c.max_ind_range},
+            {"hash", c.data_hash},
+            {"train_samples", c.train_samples},
+            {"test_samples", c.test_samples},
+            {"seed", c.data_seed},
+            {"zipf_exponent", c.zipf_exponent},
+            {"test_fraction", c.test_fraction},
+            {"strict", c.strict_data}}},
+          {"training",
+           {{"optimizer", c.optimizer},
+            {"learning_rate", c.learning_rate},
+            {"mini_batch_size", c.mini_batch_size},
+            {"test_mini_batch_size", c.test_mini_batch_size},
+            {"epochs", c.epochs},
+            {"steps", c.steps},
+            {"eval_every", c.eval_every},
+            {"print_every", c.print_every},
+            {"device", c.device},
+            {"impl", c.impl},
+            {"metrics_json", c.metrics_json}}}};
+}
+
+CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
+  CLI::App* cmd = app.add_subcommand("train", "Train DLRM on synthetic or Criteo data (docs/dlrm.md)");
+  cmd->add_option("--config", f.config, "JSON file with the hyperparameters (configs/*.json); flags override it")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--arch-mlp-bot", f.arch_mlp_bot, "Bottom MLP sizes, input first (default 13-512-256-64-16)");
+  cmd->add_option("--arch-mlp-top", f.arch_mlp_top, "Top MLP sizes after the interaction (default 512-256-1)");
+  cmd->add_option("--arch-sparse-feature-size", f.arch_sparse_feature_size, "Embedding dimension (default 16)");
+  cmd->add_option("--arch-interaction-op", f.arch_interaction_op, "dot | cat | outer (default dot)");
+  cmd->add_flag("--arch-interaction-itself", f.interaction_itself, "dot: include each feature's dot with itself");
+  cmd->add_option("--data", f.data, "synthetic (default), or a Criteo TSV (.gz) / fusekit binary file");
+  cmd->add_option("--data-hash", f.data_hash, "seed: (v + 1) % rows (default); reference: v % rows");
+  cmd->add_option("--max-ind-range", f.max_ind_range, "Cap on rows per table (0: the full cardinalities)");
+  cmd->add_option("--train-samples", f.train_samples, "Synthetic data: training samples per epoch");
+  cmd->add_option("--test-samples", f.test_samples, "Synthetic data: test samples");
+  cmd->add_option("--data-seed", f.data_seed, "Synthetic data: seed");
+  cmd->add_flag("--strict-data", f.strict_data, "A malformed TSV line is an error (default: skipped and counted)");
+  cmd->add_option("--optimizer", f.optimizer, "sgd (default) | adagrad");
+  cmd->add_option("--learning-rate", f.learning_rate, "Learning rate (default 0.1)");
+  cmd->add_option("--mini-batch-size", f.mini_batch_size, "Training batch size (default 128)");
+  cmd->add_option("--test-mini-batch-size", f.test_mini_batch_size, "Evaluation batch size (default 4096)");
+  cmd->add_option("--epochs,--nepochs", f.epochs, "Passes over the training data (default 1)");
+  cmd->add_option("--steps,--num-batches", f.steps, "Stop after this many training steps");
+  cmd->add_option("--eval-every,--test-freq", f.eval_every, "Evaluate every this many steps (default: at the end)");
+  cmd->add_option("--print-every,--print-freq", f.print_every, "Progress line every this many steps (default 200)");
+  cmd->add_option("--seed", f.model_seed, "Model initialisation seed (default 1)");
+  cmd->add_option("--device", f.device, "cpu (default) | cuda");
+  cmd->add_option("--impl", f.impl, "reference (default) | fused");
+  cmd->add_option("--metrics-json", f.metrics_json, "Write the run's configuration, evaluations and summary here");
+  return cmd;
+}
+
+namespace {
+
+TrainConfig resolve(const TrainFlags& f) {
+  TrainConfig c;
+  if (!f.config.empty()) {
+    std::ifstream in(f.config);
+    json j;
+    try {
+      j = json::parse(in, nullptr, true, /*ignore_comments=*/true);
+    } catch (const json::exception& e) {
+      throw Error("fusekit train", "--config", "a JSON file", fmt::format("{}: {}", f.config, e.what()));
+    }
+    from_json(j, c);
+  }
+  auto over = [](auto& dst, const auto& src) {
+    if (src) dst = *src;
+  };
+  over(c.arch_mlp_bot, f.arch_mlp_bot);
+  over(c.arch_mlp_top, f.arch_mlp_top);
+  over(c.arch_sparse_feature_size, f.arch_sparse_feature_size);
+  over(c.arch_interaction_op, f.arch_interaction_op);
+  if (f.interaction_itself) c.arch_interaction_itself = true;
+  over(c.data, f.data);
+  over(c.data_hash, f.data_hash);
+  over(c.max_ind_range, f.max_ind_range);
+  over(c.train_samples, f.train_samples);
+  over(c.test_samples, f.test_samples);
+  over(c.data_seed, f.data_seed);
+  if (f.strict_data) c.strict_data = true;
+  over(c.optimizer, f.optimizer);
+  over(c.learning_rate, f.learning_rate);
+  over(c.mini_batch_size, f.mini_batch_size);
+  over(c.test_mini_batch_size, f.test_mini_batch_size);
+  over(c.epochs, f.epochs);
+  over(c.steps, f.steps);
+  over(c.eval_every, f.eval_every);
+  over(c.print_every, f.print_every);
+  over(c.model_seed, f.model_seed);
+  over(c.device, f.device);
+  over(c.impl, f.impl);
+  over(c.metrics_json, f.metrics_json);
+  FK_CHECK_ARG(c.mini_batch_size >= 1, "fusekit train", "mini_batch_size", ">= 1", fmt::format("{}", c.mini_batch_size));
+  FK_CHECK_ARG(c.test_mini_batch_size >= 1, "fusekit train", "test_mini_batch_size", ">= 1",
+               fmt::format("{}", c.test_mini_batch_size));
+  FK_CHECK_ARG(c.epochs >= 1 || c.steps > 0, "fusekit train", "epochs", ">= 1 (or steps > 0)", fmt::format("{}", c.epochs));
+  FK_CHECK_ARG(c.test_fraction >= 0 && c.test_fraction < 1, "fusekit train", "test_fraction", "in [0, 1)",
+               fmt::format("{}", c.test_fraction));
+  FK_CHECK_ARG(c.learning_rate > 0, "fusekit train", "learning_rate", "> 0", fmt::format("{}", c.learning_rate));
+  return c;
+}
+
+struct Split {
+  std::shared_ptr<data::RecordSource> train, test;
+  std::string description;
+};
+
+Split load_data(const TrainConfig& c) {
+  Split s;
+  if (c.data == "synthetic") {
+    data::SyntheticConfig sc;
+    sc.seed = c.data_seed;
+    if (!c.cardinalities.empty()) sc.cardinalities = c.cardinalities;
+    sc.zipf_exponent = c.zipf_exponent;
+    FK_CHECK_ARG(c.train_samples >= 1 && c.test_samples >= 0, "fusekit train", "train_samples",
+                 ">= 1 training and >= 0 test samples", fmt::format("{} and {}", c.train_samples, c.test_samples));
+    auto all = data::synthetic_source(sc, c.train_samples + c.test_samples);
+    s.train = data::slice_source(all, 0, c.train_samples);
+    s.test = data::slice_source(all, c.train_samples, c.train_samples + c.test_samples);
+    s.description = fmt::format("synthetic Criteo-like data (seed {}, zipf {}): {} train, {} test samples", sc.seed,
+                                sc.zipf_exponent, c.train_samples, c.test_samples);
+    return s;
+  }
+  std::shared_ptr<data::RecordSource> all;
+  if (data::is_binary_file(c.data)) {
+    all = data::binary_source(c.data);
+    s.description = fmt::format("{} (fusekit binary): ", c.data);
+  } else {
+    data::ReadReport report;
+    std::vector<data::RawRecord> records = data::read_tsv(c.data, {.strict = c.strict_data}, report);
+    fmt::print("data: {}: {}\n", c.data, report.summary());
+    all = data::memory_source(std::move(records));
+    s.description = fmt::format("{} (Criteo TSV): ", c.data);
+  }
+  const std::int64_t n = all->size();
+  const std::int64_t n_test = static_cast<std::int64_t>(std::floor(static_cast<double>(n) * c.test_fraction));
+  FK_CHECK_ARG(n - n_test >= 1, "fusekit train", "data", "at least one training record", fmt::format("{} records", n));
+  s.train = data::slice_source(all, 0, n - n_test);
+  s.test = data::slice_source(all, n - n_test, n);
+  s.description += fmt::format("{} train, {} test records (the last {:.0f}%)", n - n_test, n_test, 100 * c.test_fraction);
+  return s;
+}
+
+models::BinaryMetrics evaluate(models::Dlrm& model, const std::shared_ptr<data::RecordSource>& test,
+                               const data::Featurizer& feat, std::int64_t batch) {
+  data::BatchLoader loader(test, feat, {.batch_size = batch});
+  std::vector<float> probs, labels;
+  probs.reserve(static_cast<std::size_t>(test->size()));
+  labels.reserve(static_cast<std::size_t>(test->size()));
+  Tensor p;
+  while (const data::Batch* b = loader.next()) {
+    if (p.numel() != b->size) p = Tensor::empty({b->size}, DType::f32, Device::cpu());
+    model.predict({b->dense, b->indices, b->offsets}, p);
+    probs.insert(probs.end(), p.data_as<float>(), p.data_as<float>() + b->size);
+    labels.insert(labels.end(), b->labels.data_as<float>(), b->labels.data_as<float>() + b->size);
+  }
+  return models::evaluate_binary(probs, labels);
+}
+
+json metrics_record(const models::BinaryMetrics& m) {
+  return {{"samples", m.samples}, {"positive_rate", m.positive_rate}, {"logloss", m.log_loss},
+          {"auc", std::isnan(m.auc) ? json(nullptr) : json(m.auc)}, {"accuracy", m.accuracy}};
+}
+
+double peak_host_mb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
+}
+
+void write_json_atomically(const std::string& path, const json& j) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) throw Error("fusekit train", "--metrics-json", "a writable path", path);
+    out << j.dump(2) << "\n";
+    if (!out) throw Error("fusekit train", "--metrics-json", "a complete write", path);
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+std::string progress_bar(double fraction, int width = 24) {
+  const int filled = static_cast<int>(fraction * width);
+  std::string s(static_cast<std::size_t>(width), ' ');
+  for (int i = 0; i < filled && i < width; ++i) s[static_cast<std::size_t>(i)] = '=';
+  if (filled < width) s[static_cast<std::size_t>(filled)] = '>';
+  return "[" + s + "]";
+}
+
+}  // namespace
+
+int run_train(const TrainFlags& flags) {
+  using clock = std::chrono::steady_clock;
+  const TrainConfig c = resolve(flags);
+  if (c.device != "cpu") {
+    if (c.device.rfind("cuda", 0) == 0) {
+      std::cerr << "fusekit train: --device " << c.device
+                << ": not yet: the GPU implementations of DLRM (--impl reference|fused on CUDA) are the next step; "
+                   "use --device cpu\n";
+      return 2;
+    }
+    throw Error("fusekit train", "--device", "cpu | cuda", c.device);
+  }
+  if (c.impl != "reference") {
+    if (c.impl == "fused") {
+      std::cerr << "fusekit train: --impl fused runs on the GPU only (not yet written); the CPU runs --impl reference\n";
+      return 2;
+    }
+    throw Error("fusekit train", "--impl", "reference | fused", c.impl);
+  }
+
+  data::Featurizer feat;
+  if (!c.cardinalities.empty()) feat.cardinalities = c.cardinalities;
+  FK_CHECK_ARG(feat.cardinalities.size() == data::kNumSparse, "fusekit train", "cardinalities", "26 table sizes",
+               fmt::format("{}", feat.cardinalities.size()));
+  feat.max_ind_range = c.max_ind_range;
+  feat.hash = data::parse_hash_mode(c.data_hash);
+
+  models::DlrmConfig mc;
+  mc.bottom_mlp = parse_sizes(c.arch_mlp_bot, "--arch-mlp-bot");
+  mc.top_mlp = parse_sizes(c.arch_mlp_top, "--arch-mlp-top");
+  mc.embedding_dim = c.arch_sparse_feature_size;
+  mc.interaction = models::parse_interaction_op(c.arch_interaction_op);
+  mc.interaction_itself = c.arch_interaction_itself;
+  mc.table_rows = feat.table_rows();
+  mc.seed = c.model_seed;
+  FK_CHECK_ARG(mc.bottom_mlp.front() == data::kNumDense, "fusekit train", "--arch-mlp-bot",
+               "13 inputs (Criteo's integer features)", c.arch_mlp_bot);
+  const models::OptimizerConfig opt{.kind = models::parse_optimizer(c.optimizer),
+                                    .learning_rate = static_cast<float>(c.learning_rate)};
+
+  const Split split = load_data(c);
+  std::int64_t rows = 0;
+  for (std::int64_t r : mc.table_rows) rows += r;
+  const auto t_init = clock::now();
+  models::Dlrm model(mc, Device::cpu());
+  fmt::print("fusekit train: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows, hash {}, max_ind_range {}), "
+             "{:.1f}M parameters ({:.0f} MB), {} lr {} batch {}, device cpu, impl reference\n",
+             c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,
+             mc.table_rows.size(), rows, c.data_hash, c.max_ind_range, static_cast<double>(mc.parameter_count()) / 1e6,
+             static_cast<double>(mc.parameter_count()) * 4 / 1e6, c.optimizer, c.learning_rate, c.mini_batch_size);
+  fmt::print("data: {}\n", split.description);
+  fmt::print("init: {:.1f} s\n", std::chrono::duration<double>(clock::now() - t_init).count());
+
+  const std::int64_t per_epoch = (split.train->size() + c.mini_batch_size - 1) / c.mini_batch_size;
+  const std::int64_t total = c.steps > 0 ? c.steps : per_epoch * c.epochs;
+  json evals = json::array();
+  std::int64_t step = 0, samples = 0;
+  double train_seconds = 0, window_loss = 0, epoch_loss = 0, last_epoch_loss = 0;
+  std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0;
+  auto window_start = clock::now();
+  auto run_eval = [&](const char* when) {
+    const auto t0 = clock::now();
+    const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size);
+    const double secs = std::chrono::duration<double>(clock::now() - t0).count();
+    fmt::print("eval {} step {}: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples, {:.1f}% positive, {:.1f} s)\n",
+               when, step, m.log_loss, m.auc, m.accuracy, m.samples, 100 * m.positive_rate, secs);
+    json r = metrics_record(m);
+    r["step"] = step;
+    evals.push_back(r);
+    return m;
+  };
+  for (std::int64_t epoch = 0; step < total; ++epoch) {
+    data::BatchLoader loader(split.train, feat, {.batch_size = c.mini_batch_size});
+    epoch_loss = 0;
+    epoch_steps = 0;
+    auto epoch_start = clock::now();
+    while (step < total) {
+      const data::Batch* b = loader.next();
+      if (!b) break;
+      const double loss = model.train_step({b->dense, b->indices, b->offsets}, b->labels, opt);
+      ++step;
+      samples += b->size;
+      window_loss += loss;
+      epoch_loss += loss;
+      ++window_steps;
+      ++epoch_steps;
+      window_samples += b->size;
+      if (c.print_every > 0 && (step % c.print_every == 0 || step == total)) {
+        const double secs = std::chrono::duration<double>(clock::now() - window_start).count();
+        fmt::print("epoch {} step {}/{} {} {:5.1f}%  loss {:.5f}  {:.0f} samples/s\n", epoch, step, total,
+                   progress_bar(static_cast<double>(step) / static_cast<double>(total)),
+                   100.0 * static_cast<double>(step) / static_cast<double>(total), window_loss / window_steps,
+                   static_cast<double>(window_samples) / secs);
+        std::fflush(stdout);
+        window_loss = 0;
+        window_steps = 0;
+        window_samples = 0;
+        window_start = clock::now();
+      }
+      if (c.eval_every > 0 && step % c.eval_every == 0 && step < total) {
+        train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
+        run_eval("at");
+        // Evaluation time is not training time.
+        epoch_start = clock::now();
+        window_start = clock::now();
+      }
+    }
+    train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
+    if (epoch_steps > 0) last_epoch_loss = epoch_loss / static_cast<double>(epoch_steps);
+    if (epoch_steps == 0) break;
+  }
+  const models::BinaryMetrics final_m = run_eval("final,");
+  const double sps = static_cast<double>(samples) / train_seconds;
+  fmt::print("summary: train loss {:.5f} (mean over the last epoch), test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f}, "
+             "{:.0f} samples/s ({} steps, {} samples, {:.1f} s training), peak host memory {:.0f} MB\n",
+             last_epoch_loss, final_m.log_loss, final_m.auc, final_m.accuracy, sps, step, samples, train_seconds,
+             peak_host_mb());
+  if (!c.metrics_json.empty()) {
+    json out = {{"config", to_json(c)},
+                {"device", "cpu"},
+                {"impl", "reference"},
+                {"commit", fk::build_info().commit},
+                {"evaluations", evals},
+                {"summary",
+                 {{"train_loss", last_epoch_loss},
+                  {"test", metrics_record(final_m)},
+                  {"samples_per_s", sps},
+                  {"steps", step},
+                  {"samples", samples},
+                  {"train_seconds", train_seconds},
+                  {"peak_host_mb", peak_host_mb()}}}};
+    write_json_atomically(c.metrics_json, out);
+    fmt::print("metrics: {}\n", c.metrics_json);
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// fusekit data
+// ---------------------------------------------------------------------------------------------
+
+CLI::App* add_data_command(CLI::App& app, DataFlags& f) {
+  CLI::App* cmd = app.add_subcommand("data", "Criteo data tools: write synthetic data as TSV, convert TSV to binary");
+  cmd->require_subcommand(1);
+  CLI::App* synth = cmd->add_subcommand("synth", "Write synthetic Criteo-like samples as a Criteo TSV file");
+  synth->add_option("--rows", f.rows, "Samples to write")->check(CLI::PositiveNumber);
+  synth->add_option("--seed", f.seed, "Generator seed (as fusekit train --data-seed)");
+  synth->add_option("--out", f.out, "Output TSV file")->required();
+  CLI::App* convert = cmd->add_subcommand("convert", "Convert a Criteo TSV (.gz) file to the fusekit binary format");
+  convert->add_option("in", f.in, "Criteo TSV file, plain or gzip")->required()->check(CLI::ExistingFile);
+  convert->add_option("out", f.out, "Binary output file")->required();
+  convert->add_flag("--strict", f.strict, "Stop at the first malformed line");
+  return cmd;
+}
+
+int run_data(CLI::App& data_cmd, const DataFlags& f) {
+  if (*data_cmd.get_subcommand("synth")) {
+    data::SyntheticConfig sc;
+    sc.seed = f.seed;
+    const data::SyntheticCriteo gen(sc);
+    std::vector<data::RawRecord> records(static_cast<std::size_t>(f.rows));
+    gen.generate(0, records);
+    data::write_tsv(f.out, records);
+    fmt::print("data: wrote {} synthetic samples (seed {}) to {}\n", f.rows, f.seed, f.out);
+    return 0;
+  }
+  const data::ReadReport report = data::convert_tsv_to_binary(f.in, f.out, {.strict = f.strict});
+  fmt::print("data: {}: {}\ndata: wrote {} records to {}\n", f.in, report.summary(), report.records, f.out);
+  return 0;
+}
+
+}  // namespace fk::app
