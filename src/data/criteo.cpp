@@ -109,6 +109,16 @@ std::optional<LineIssue> parse_line(std::string_view line, RawRecord& out) {
   return std::nullopt;
 }
 
+namespace {
+
+// "bad_hex in field 20", "field_count (39 fields, expected 40)".
+std::string describe(LineError e, int field) {
+  if (e == LineError::field_count) return fmt::format("field_count ({} fields, expected {})", field, kFields);
+  return fmt::format("{} in field {}", line_error_name(e), field);
+}
+
+}  // namespace
+
 std::string ReadReport::summary() const {
   std::string s = fmt::format("{} lines: {} records, {} malformed", lines, records, malformed);
   if (malformed > 0) {
@@ -121,7 +131,7 @@ std::string ReadReport::summary() const {
       }
     s += ")";
     for (const Entry& x : first)
-      s += fmt::format("; line {}: {} in field {}", x.line, line_error_name(x.error), x.field);
+      s += fmt::format("; line {}: {}", x.line, describe(x.error, x.field));
     if (static_cast<std::int64_t>(first.size()) < malformed) s += "; ...";
   }
   return s;
@@ -189,7 +199,7 @@ std::vector<RawRecord> read_tsv(const std::filesystem::path& path, const ReadOpt
     if (const auto issue = parse_line(line, rec)) {
       if (options.strict)
         throw Error("data::read_tsv", path.string(), "well-formed Criteo lines (strict mode)",
-                    fmt::format("line {}: {} in field {}", report.lines, line_error_name(issue->error), issue->field));
+                    fmt::format("line {}: {}", report.lines, describe(issue->error, issue->field)));
       ++report.malformed;
       ++report.by_error[static_cast<int>(issue->error)];
       if (report.first.size() < options.max_reported) report.first.push_back({report.lines, issue->error, issue->field});

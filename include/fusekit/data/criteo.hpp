@@ -73,7 +73,8 @@ std::string_view line_error_name(LineError e);
 
 // Parses one line (without its newline; a trailing '\r' is accepted): label, 13 decimal integers,
 // 26 hex strings of at most 8 digits, separated by single tabs; every field but the label may be
-// empty. Returns the error and the 0-based field it is in when the line is malformed.
+// empty. Returns the error and the 0-based field it is in when the line is malformed (for
+// field_count: the number of fields found, or 41 when there are more than 40).
 struct LineIssue {
   LineError error;
   int field;
