@@ -111,6 +111,8 @@ void from_json(const json& j, TrainConfig& c) {
     take(t, "device", c.device, seen);
     take(t, "impl", c.impl, seen);
     take(t, "metrics_json", c.metrics_json, seen);
+    take(t, "checkpoint", c.checkpoint, seen);
+    take(t, "checkpoint_every", c.checkpoint_every, seen);
     reject_unknown(t, seen, "training");
   }
 }
@@ -145,7 +147,9 @@ json to_json(const TrainConfig& c) {
             {"print_every", c.print_every},
             {"device", c.device},
             {"impl", c.impl},
-            {"metrics_json", c.metrics_json}}}};
+            {"metrics_json", c.metrics_json},
+            {"checkpoint", c.checkpoint},
+            {"checkpoint_every", c.checkpoint_every}}}};
 }
 
 CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
@@ -176,6 +180,9 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
   cmd->add_option("--device", f.device, "cpu (default) | cuda");
   cmd->add_option("--impl", f.impl, "reference (default) | fused");
   cmd->add_option("--metrics-json", f.metrics_json, "Write the run's configuration, evaluations and summary here");
+  cmd->add_option("--checkpoint", f.checkpoint, "Save the training state here (atomically) at the end and at evaluations");
+  cmd->add_option("--checkpoint-every", f.checkpoint_every, "Also save every this many steps");
+  cmd->add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
   return cmd;
 }
 
@@ -220,6 +227,8 @@ TrainConfig resolve(const TrainFlags& f) {
   over(c.device, f.device);
   over(c.impl, f.impl);
   over(c.metrics_json, f.metrics_json);
+  over(c.checkpoint, f.checkpoint);
+  over(c.checkpoint_every, f.checkpoint_every);
   FK_CHECK_ARG(c.mini_batch_size >= 1, "fusekit train", "mini_batch_size", ">= 1", fmt::format("{}", c.mini_batch_size));
   FK_CHECK_ARG(c.test_mini_batch_size >= 1, "fusekit train", "test_mini_batch_size", ">= 1",
                fmt::format("{}", c.test_mini_batch_size));
@@ -319,33 +328,40 @@ std::string progress_bar(double fraction, int width = 24) {
 
 }  // namespace
 
-int run_train(const TrainFlags& flags) {
-  using clock = std::chrono::steady_clock;
-  const TrainConfig c = resolve(flags);
+namespace {
+
+// Exit code 2 and a clear line for what the CPU build cannot do yet; fk::Error for nonsense.
+int check_device(const TrainConfig& c, const char* command) {
   if (c.device != "cpu") {
     if (c.device.rfind("cuda", 0) == 0) {
-      std::cerr << "fusekit train: --device " << c.device
+      std::cerr << command << ": --device " << c.device
                 << ": not yet: the GPU implementations of DLRM (--impl reference|fused on CUDA) are the next step; "
                    "use --device cpu\n";
       return 2;
     }
-    throw Error("fusekit train", "--device", "cpu | cuda", c.device);
+    throw Error(command, "--device", "cpu | cuda", c.device);
   }
   if (c.impl != "reference") {
     if (c.impl == "fused") {
-      std::cerr << "fusekit train: --impl fused runs on the GPU only (not yet written); the CPU runs --impl reference\n";
+      std::cerr << command << ": --impl fused runs on the GPU only (not yet written); the CPU runs --impl reference\n";
       return 2;
     }
-    throw Error("fusekit train", "--impl", "reference | fused", c.impl);
+    throw Error(command, "--impl", "reference | fused", c.impl);
   }
+  return 0;
+}
 
+data::Featurizer make_featurizer(const TrainConfig& c) {
   data::Featurizer feat;
   if (!c.cardinalities.empty()) feat.cardinalities = c.cardinalities;
   FK_CHECK_ARG(feat.cardinalities.size() == data::kNumSparse, "fusekit train", "cardinalities", "26 table sizes",
                fmt::format("{}", feat.cardinalities.size()));
   feat.max_ind_range = c.max_ind_range;
   feat.hash = data::parse_hash_mode(c.data_hash);
+  return feat;
+}
 
+models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurizer& feat) {
   models::DlrmConfig mc;
   mc.bottom_mlp = parse_sizes(c.arch_mlp_bot, "--arch-mlp-bot");
   mc.top_mlp = parse_sizes(c.arch_mlp_top, "--arch-mlp-top");
@@ -356,6 +372,62 @@ int run_train(const TrainFlags& flags) {
   mc.seed = c.model_seed;
   FK_CHECK_ARG(mc.bottom_mlp.front() == data::kNumDense, "fusekit train", "--arch-mlp-bot",
                "13 inputs (Criteo's integer features)", c.arch_mlp_bot);
+  mc.validate();
+  return mc;
+}
+
+// Checkpoint: "FKCKPT01", u64 step, u64 length + the run's config as JSON, then the model state.
+constexpr char kCheckpointMagic[8] = {'F', 'K', 'C', 'K', 'P', 'T', '0', '1'};
+
+void save_checkpoint(const std::string& path, std::int64_t step, const TrainConfig& c, const models::Dlrm& model) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error("fusekit train", "--checkpoint", "a writable path", path);
+    const std::string cfg = to_json(c).dump();
+    const std::uint64_t st = static_cast<std::uint64_t>(step), len = cfg.size();
+    out.write(kCheckpointMagic, 8);
+    out.write(reinterpret_cast<const char*>(&st), 8);
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out.write(cfg.data(), static_cast<std::streamsize>(len));
+    model.save_state(out);
+    out.flush();
+    if (!out) throw Error("fusekit train", "--checkpoint", "a complete write", path);
+  }
+  std::filesystem::rename(tmp, path);  // atomic: a crash leaves the previous checkpoint whole
+}
+
+struct CheckpointHeader {
+  std::int64_t step = 0;
+  json config;
+};
+
+// Reads the header and leaves `in` at the model state.
+CheckpointHeader read_checkpoint_header(std::ifstream& in, const std::string& path) {
+  char magic[8] = {};
+  std::uint64_t step = 0, len = 0;
+  in.read(magic, 8);
+  in.read(reinterpret_cast<char*>(&step), 8);
+  in.read(reinterpret_cast<char*>(&len), 8);
+  if (!in || !std::equal(magic, magic + 8, kCheckpointMagic) || len > (1u << 24))
+    throw Error("fusekit", "--checkpoint", "a fusekit DLRM checkpoint (FKCKPT01)", path);
+  std::string cfg(len, '\0');
+  in.read(cfg.data(), static_cast<std::streamsize>(len));
+  CheckpointHeader h;
+  h.step = static_cast<std::int64_t>(step);
+  h.config = json::parse(cfg);
+  return h;
+}
+
+}  // namespace
+
+int run_train(const TrainFlags& flags) {
+  using clock = std::chrono::steady_clock;
+  const TrainConfig c = resolve(flags);
+  if (const int rc = check_device(c, "fusekit train")) return rc;
+  FK_CHECK_ARG(!flags.resume || !c.checkpoint.empty(), "fusekit train", "--resume", "a --checkpoint path", "none");
+  const data::Featurizer feat = make_featurizer(c);
+  const models::DlrmConfig mc = make_model_config(c, feat);
   const models::OptimizerConfig opt{.kind = models::parse_optimizer(c.optimizer),
                                     .learning_rate = static_cast<float>(c.learning_rate)};
 
@@ -374,8 +446,14 @@ int run_train(const TrainFlags& flags) {
 
   const std::int64_t per_epoch = (split.train->size() + c.mini_batch_size - 1) / c.mini_batch_size;
   const std::int64_t total = c.steps > 0 ? c.steps : per_epoch * c.epochs;
-  json evals = json::array();
   std::int64_t step = 0, samples = 0;
+  if (flags.resume && std::filesystem::exists(c.checkpoint)) {
+    std::ifstream in(c.checkpoint, std::ios::binary);
+    step = read_checkpoint_header(in, c.checkpoint).step;
+    model.load_state(in);
+    fmt::print("resumed from {} at step {}\n", c.checkpoint, step);
+  }
+  json evals = json::array();
   double train_seconds = 0, window_loss = 0, epoch_loss = 0, last_epoch_loss = 0;
   std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0;
   auto window_start = clock::now();
@@ -390,8 +468,17 @@ int run_train(const TrainFlags& flags) {
     evals.push_back(r);
     return m;
   };
-  for (std::int64_t epoch = 0; step < total; ++epoch) {
-    data::BatchLoader loader(split.train, feat, {.batch_size = c.mini_batch_size});
+  auto checkpoint = [&] {
+    if (c.checkpoint.empty()) return;
+    save_checkpoint(c.checkpoint, step, c, model);
+    fmt::print("checkpoint: step {} saved to {}\n", step, c.checkpoint);
+  };
+  while (step < total) {
+    // Batch k of an epoch is records [k B, (k + 1) B): a resumed run starts mid-epoch exactly
+    // where the interrupted one stopped.
+    const std::int64_t epoch = step / per_epoch, first = step % per_epoch;
+    data::BatchLoader loader(data::slice_source(split.train, first * c.mini_batch_size, split.train->size()), feat,
+                             {.batch_size = c.mini_batch_size});
     epoch_loss = 0;
     epoch_steps = 0;
     auto epoch_start = clock::now();
@@ -418,10 +505,13 @@ int run_train(const TrainFlags& flags) {
         window_samples = 0;
         window_start = clock::now();
       }
-      if (c.eval_every > 0 && step % c.eval_every == 0 && step < total) {
+      const bool eval_now = c.eval_every > 0 && step % c.eval_every == 0 && step < total;
+      const bool save_now = c.checkpoint_every > 0 && step % c.checkpoint_every == 0 && step < total;
+      if (eval_now || save_now) {
+        // Evaluation and checkpoint time is not training time.
         train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
-        run_eval("at");
-        // Evaluation time is not training time.
+        if (eval_now) run_eval("at");
+        checkpoint();
         epoch_start = clock::now();
         window_start = clock::now();
       }
@@ -431,7 +521,8 @@ int run_train(const TrainFlags& flags) {
     if (epoch_steps == 0) break;
   }
   const models::BinaryMetrics final_m = run_eval("final,");
-  const double sps = static_cast<double>(samples) / train_seconds;
+  checkpoint();
+  const double sps = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0.0;
   fmt::print("summary: train loss {:.5f} (mean over the last epoch), test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f}, "
              "{:.0f} samples/s ({} steps, {} samples, {:.1f} s training), peak host memory {:.0f} MB\n",
              last_epoch_loss, final_m.log_loss, final_m.auc, final_m.accuracy, sps, step, samples, train_seconds,
@@ -453,6 +544,38 @@ int run_train(const TrainFlags& flags) {
     write_json_atomically(c.metrics_json, out);
     fmt::print("metrics: {}\n", c.metrics_json);
   }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// fusekit eval
+// ---------------------------------------------------------------------------------------------
+
+CLI::App* add_eval_command(CLI::App& app, EvalFlags& f) {
+  CLI::App* cmd = app.add_subcommand("eval", "Test metrics of a DLRM checkpoint (from fusekit train --checkpoint)");
+  cmd->add_option("--checkpoint", f.checkpoint, "Checkpoint file")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--data", f.data, "Evaluate on this data's test split instead of the run's");
+  cmd->add_option("--test-mini-batch-size", f.test_mini_batch_size, "Evaluation batch size");
+  return cmd;
+}
+
+int run_eval(const EvalFlags& f) {
+  std::ifstream in(f.checkpoint, std::ios::binary);
+  const CheckpointHeader h = read_checkpoint_header(in, f.checkpoint);
+  TrainConfig c;
+  from_json(h.config, c);
+  if (f.data) c.data = *f.data;
+  if (f.test_mini_batch_size) c.test_mini_batch_size = *f.test_mini_batch_size;
+  c.device = "cpu";
+  c.impl = "reference";
+  const data::Featurizer feat = make_featurizer(c);
+  models::Dlrm model(make_model_config(c, feat), Device::cpu());
+  model.load_state(in);
+  const Split split = load_data(c);
+  fmt::print("fusekit eval: {} (step {}), {}\n", f.checkpoint, h.step, split.description);
+  const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size);
+  fmt::print("eval: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples, {:.1f}% positive)\n", m.log_loss, m.auc,
+             m.accuracy, m.samples, 100 * m.positive_rate);
   return 0;
 }
 

@@ -45,6 +45,8 @@ struct TrainConfig {
   std::string device = "cpu";
   std::string impl = "reference";
   std::string metrics_json;
+  std::string checkpoint;            // saved at the end, at each evaluation and every checkpoint_every steps
+  std::int64_t checkpoint_every = 0;
 };
 
 void from_json(const nlohmann::json& j, TrainConfig& c);  // sets the keys present
@@ -54,16 +56,26 @@ nlohmann::json to_json(const TrainConfig& c);              // sectioned, as a co
 struct TrainFlags {
   std::string config;
   std::optional<std::string> arch_mlp_bot, arch_mlp_top, arch_interaction_op, data, data_hash, optimizer, device, impl,
-      metrics_json;
-  std::optional<std::int64_t> arch_sparse_feature_size, max_ind_range, train_samples, test_samples, mini_batch_size,
+      metrics_json, checkpoint;
+  std::optional<std::int64_t> checkpoint_every, arch_sparse_feature_size, max_ind_range, train_samples, test_samples, mini_batch_size,
       test_mini_batch_size, epochs, steps, eval_every, print_every;
   std::optional<std::uint64_t> model_seed, data_seed;
   std::optional<double> learning_rate;
-  bool interaction_itself = false, strict_data = false;
+  bool interaction_itself = false, strict_data = false, resume = false;
 };
 
 CLI::App* add_train_command(CLI::App& app, TrainFlags& flags);
 int run_train(const TrainFlags& flags);
+
+// `fusekit eval --checkpoint PATH`: the test metrics of a saved model, on the data of its run or
+// on --data.
+struct EvalFlags {
+  std::string checkpoint;
+  std::optional<std::string> data;
+  std::optional<std::int64_t> test_mini_batch_size;
+};
+CLI::App* add_eval_command(CLI::App& app, EvalFlags& flags);
+int run_eval(const EvalFlags& flags);
 
 struct DataFlags {
   std::string in, out;

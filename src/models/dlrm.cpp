@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <istream>
+#include <ostream>
 
 #include "fusekit/core/error.hpp"
 #include "models/layers.hpp"
@@ -213,6 +215,81 @@ std::vector<Tensor*> Dlrm::tables() {
 }
 
 const std::vector<SparseGrad>& Dlrm::table_grads() const { return s_->embeddings.grads; }
+
+namespace {
+
+constexpr char kStateMagic[8] = {'F', 'K', 'D', 'L', 'R', 'M', 'S', '1'};
+
+// Every float array of the training state, in a fixed order: linear weights and biases, tables,
+// then (when Adagrad has run) their optimizer states in the same order.
+std::vector<std::pair<float*, std::int64_t>> state_arrays(detail::DlrmState& s, bool with_adagrad) {
+  std::vector<std::pair<float*, std::int64_t>> v;
+  for (cpu::Linear* l : s.linears()) {
+    v.emplace_back(l->weight.data_as<float>(), l->weight.numel());
+    v.emplace_back(l->bias.data_as<float>(), l->bias.numel());
+  }
+  for (Tensor& t : s.embeddings.tables) v.emplace_back(t.data_as<float>(), t.numel());
+  if (with_adagrad) {
+    for (auto& a : s.adagrad_state) v.emplace_back(a.data(), static_cast<std::int64_t>(a.size()));
+    for (Tensor& t : s.embeddings.adagrad_state) v.emplace_back(t.data_as<float>(), t.numel());
+  }
+  return v;
+}
+
+}  // namespace
+
+void Dlrm::save_state(std::ostream& out) const {
+  detail::DlrmState& s = *s_;
+  const std::uint8_t adagrad = s.adagrad_state.empty() ? 0 : 1;
+  const auto arrays = state_arrays(s, adagrad != 0);
+  const std::uint64_t count = arrays.size();
+  out.write(kStateMagic, 8);
+  out.write(reinterpret_cast<const char*>(&adagrad), 1);
+  out.write(reinterpret_cast<const char*>(&count), 8);
+  for (const auto& [p, n] : arrays) {
+    const std::uint64_t len = static_cast<std::uint64_t>(n);
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out.write(reinterpret_cast<const char*>(p), static_cast<std::streamsize>(n * 4));
+  }
+  if (!out) throw Error("models::Dlrm::save_state", "out", "a writable stream", "a failed write");
+}
+
+void Dlrm::load_state(std::istream& in) {
+  detail::DlrmState& s = *s_;
+  const char* op = "models::Dlrm::load_state";
+  char magic[8] = {};
+  std::uint8_t adagrad = 0;
+  std::uint64_t count = 0;
+  in.read(magic, 8);
+  in.read(reinterpret_cast<char*>(&adagrad), 1);
+  in.read(reinterpret_cast<char*>(&count), 8);
+  FK_CHECK_ARG(in && std::equal(magic, magic + 8, kStateMagic), op, "in", "a DLRM state (FKDLRMS1)", "something else");
+  if (!adagrad) {
+    s.adagrad_state.clear();
+    s.embeddings.adagrad_state.clear();
+  } else {
+    // Allocate the optimizer state the stream holds; its values are read below.
+    s.adagrad_state.clear();
+    for (cpu::Linear* l : s.linears()) {
+      s.adagrad_state.emplace_back(static_cast<std::size_t>(l->weight.numel()), 0.0f);
+      s.adagrad_state.emplace_back(static_cast<std::size_t>(l->bias.numel()), 0.0f);
+    }
+    s.embeddings.adagrad_state.clear();
+    for (const Tensor& t : s.embeddings.tables)
+      s.embeddings.adagrad_state.push_back(Tensor::empty(t.shape(), DType::f32, Device::cpu()));
+  }
+  const auto arrays = state_arrays(s, adagrad != 0);
+  FK_CHECK_ARG(count == arrays.size(), op, "in", fmt::format("{} arrays (this configuration)", arrays.size()),
+               fmt::format("{}", count));
+  for (std::size_t i = 0; i < arrays.size(); ++i) {
+    std::uint64_t len = 0;
+    in.read(reinterpret_cast<char*>(&len), 8);
+    FK_CHECK_ARG(in && len == static_cast<std::uint64_t>(arrays[i].second), op, "in",
+                 fmt::format("array {} of {} floats (this configuration)", i, arrays[i].second), fmt::format("{}", len));
+    in.read(reinterpret_cast<char*>(arrays[i].first), static_cast<std::streamsize>(len * 4));
+    FK_CHECK_ARG(static_cast<bool>(in), op, "in", "a complete state", "a truncated stream");
+  }
+}
 
 double bce_with_logits(const TensorView& logits, const TensorView& labels, const TensorView* dlogits) {
   const std::int64_t n = logits.numel();

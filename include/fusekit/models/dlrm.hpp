@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iosfwd>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -116,6 +117,12 @@ class Dlrm {
   std::vector<LinearParams> linear_layers();
   std::vector<Tensor*> tables();
   const std::vector<SparseGrad>& table_grads() const;
+
+  // The training state (every parameter and the optimizer state) as a binary stream, so that a
+  // run resumed from it computes exactly what the uninterrupted run would have. load_state
+  // throws fk::Error when the stream's shapes do not match this model's configuration.
+  void save_state(std::ostream& out) const;
+  void load_state(std::istream& in);
 
  private:
   std::unique_ptr<detail::DlrmState> s_;
