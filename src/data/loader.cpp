@@ -50,38 +50,42 @@ struct BatchLoader::State {
   std::int64_t num_batches = 0;
 
   std::vector<Batch> slots;
+  std::vector<std::int64_t> ready;  // per slot: the batch it holds, ready for the consumer (-1: none)
   std::mutex mutex;
   std::condition_variable changed;
-  std::int64_t produced = 0;  // batches ready (slot = index % slots)
   std::int64_t handed = 0;    // batches handed to the consumer
   std::int64_t released = 0;  // batches whose slot the consumer has given back
   bool stop = false;
   std::exception_ptr error;
-  std::thread worker;
+  std::vector<std::thread> workers;
 
-  void produce() {
+  std::int64_t num_slots() const { return static_cast<std::int64_t>(slots.size()); }
+
+  // Worker w makes batches w, w + W, w + 2W, ...; batch k goes to slot k % slots once the batch
+  // that slot held before (k - slots) has been given back.
+  void produce(std::int64_t w, std::int64_t num_workers) {
     std::vector<RawRecord> records;
     try {
-      for (std::int64_t k = 0; k < num_batches; ++k) {
+      for (std::int64_t k = w; k < num_batches; k += num_workers) {
         {
           std::unique_lock lock(mutex);
-          changed.wait(lock, [&] { return stop || k - released < static_cast<std::int64_t>(slots.size()); });
+          changed.wait(lock, [&] { return stop || k - released < num_slots(); });
           if (stop) return;
         }
         const std::int64_t begin = k * options.batch_size;
         const std::int64_t n = std::min(options.batch_size, source->size() - begin);
         records.resize(static_cast<std::size_t>(n));
         source->read(begin, records);
-        make_batch(records, featurizer, slots[static_cast<std::size_t>(k % static_cast<std::int64_t>(slots.size()))]);
+        make_batch(records, featurizer, slots[static_cast<std::size_t>(k % num_slots())]);
         {
           std::lock_guard lock(mutex);
-          produced = k + 1;
+          ready[static_cast<std::size_t>(k % num_slots())] = k;
         }
         changed.notify_all();
       }
     } catch (...) {
       std::lock_guard lock(mutex);
-      error = std::current_exception();
+      if (!error) error = std::current_exception();
       changed.notify_all();
     }
   }
@@ -91,6 +95,7 @@ BatchLoader::BatchLoader(std::shared_ptr<RecordSource> source, Featurizer featur
     : state_(std::make_unique<State>()) {
   FK_CHECK_ARG(options.batch_size >= 1, "data::BatchLoader", "batch_size", ">= 1", fmt::format("{}", options.batch_size));
   FK_CHECK_ARG(options.prefetch >= 1, "data::BatchLoader", "prefetch", ">= 1", fmt::format("{}", options.prefetch));
+  FK_CHECK_ARG(options.workers >= 1, "data::BatchLoader", "workers", ">= 1", fmt::format("{}", options.workers));
   const std::int64_t n = source->size();
   num_batches_ = options.drop_last ? n / options.batch_size : (n + options.batch_size - 1) / options.batch_size;
   State& s = *state_;
@@ -98,9 +103,11 @@ BatchLoader::BatchLoader(std::shared_ptr<RecordSource> source, Featurizer featur
   s.featurizer = std::move(featurizer);
   s.options = options;
   s.num_batches = num_batches_;
-  // One slot more than the prefetch depth: the consumer holds one while the producer fills the rest.
-  s.slots.resize(static_cast<std::size_t>(options.prefetch) + 1);
-  s.worker = std::thread([&s] { s.produce(); });
+  // The consumer holds one slot while the workers fill the others; at least one slot per worker.
+  const std::size_t slots = static_cast<std::size_t>(std::max(options.prefetch, options.workers)) + 1;
+  s.slots.resize(slots);
+  s.ready.assign(slots, -1);
+  for (int w = 0; w < options.workers; ++w) s.workers.emplace_back([&s, w, options] { s.produce(w, options.workers); });
 }
 
 BatchLoader::~BatchLoader() {
@@ -109,7 +116,7 @@ BatchLoader::~BatchLoader() {
     state_->stop = true;
   }
   state_->changed.notify_all();
-  state_->worker.join();
+  for (std::thread& t : state_->workers) t.join();
 }
 
 const Batch* BatchLoader::next() {
@@ -119,7 +126,9 @@ const Batch* BatchLoader::next() {
   const std::int64_t k = s.handed;
   s.released = k;
   s.changed.notify_all();
-  s.changed.wait(lock, [&] { return s.error || s.produced > k || k >= s.num_batches; });
+  s.changed.wait(lock, [&] {
+    return s.error || k >= s.num_batches || s.ready[static_cast<std::size_t>(k % s.num_slots())] == k;
+  });
   if (s.error) std::rethrow_exception(s.error);
   if (k >= s.num_batches) return nullptr;
   ++s.handed;

@@ -277,9 +277,42 @@ TEST(BatchLoader, SyntheticSourceMatchesTheGeneratorAndDropsTheLastPartialBatch)
   EXPECT_EQ(batches, 2);
 }
 
+TEST(BatchLoader, SeveralWorkersKeepTheOrder) {
+  std::vector<RawRecord> recs(1000);
+  for (std::size_t i = 0; i < recs.size(); ++i) recs[i].dense[0] = static_cast<std::int32_t>(i);
+  for (int workers : {1, 2, 3, 5}) {
+    BatchLoader loader(memory_source(recs), Featurizer{}, {.batch_size = 7, .prefetch = 2, .workers = workers});
+    std::int64_t next_id = 0;
+    while (const Batch* b = loader.next())
+      for (std::int64_t i = 0; i < b->size; ++i, ++next_id)
+        ASSERT_EQ(b->dense.data_as<float>()[i * kNumDense], Featurizer::dense_transform(static_cast<std::int32_t>(next_id)))
+            << workers << " workers";
+    EXPECT_EQ(next_id, 1000);
+  }
+}
+
+// A source that fails past a given record, as a truncated or unreadable file would.
+class FailingSource final : public RecordSource {
+ public:
+  std::int64_t size() const override { return 1000; }
+  void read(std::int64_t begin, std::span<RawRecord> out) const override {
+    if (begin >= 500) throw Error("test::FailingSource", "begin", "< 500", std::to_string(begin));
+    std::fill(out.begin(), out.end(), RawRecord{});
+  }
+};
+
 TEST(BatchLoader, StopsCleanlyWhenDestroyedEarlyAndReportsSourceErrors) {
-  { BatchLoader loader(synthetic_source(small_synthetic(), 100000), Featurizer{}, {.batch_size = 64}); loader.next(); }
+  { BatchLoader loader(synthetic_source(small_synthetic(), 100000), Featurizer{}, {.batch_size = 64, .workers = 2}); loader.next(); }
   EXPECT_THROW(binary_source(kFixture), Error);  // not a binary file
+  BatchLoader loader(std::make_shared<FailingSource>(), Featurizer{}, {.batch_size = 100, .workers = 2});
+  int good = 0;
+  try {
+    while (loader.next()) ++good;
+    ADD_FAILURE() << "the source's error did not reach the consumer";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.op(), "test::FailingSource");
+  }
+  EXPECT_LE(good, 5);
 }
 
 }  // namespace

@@ -192,9 +192,10 @@ struct LoaderOptions {
   std::int64_t batch_size = 128;
   bool drop_last = false;
   int prefetch = 4;  // batches prepared ahead of the consumer
+  int workers = 1;   // threads preparing batches (each makes every workers-th batch)
 };
 
-// Streams the source's records in order as batches, prepared on a background thread. next()
+// Streams the source's records in order as batches, prepared on background threads. next()
 // returns nullptr at the end; the returned batch stays valid until the following next() call.
 class BatchLoader {
  public:
