@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <set>
+#include <thread>
 
 #include "fusekit/core/error.hpp"
 #include "fusekit/data/criteo.hpp"
@@ -589,7 +590,8 @@ CLI::App* add_data_command(CLI::App& app, DataFlags& f) {
   CLI::App* synth = cmd->add_subcommand("synth", "Write synthetic Criteo-like samples as a Criteo TSV file");
   synth->add_option("--rows", f.rows, "Samples to write")->check(CLI::PositiveNumber);
   synth->add_option("--seed", f.seed, "Generator seed (as fusekit train --data-seed)");
-  synth->add_option("--out", f.out, "Output TSV file")->required();
+  synth->add_option("--out", f.out, "Output file: Criteo TSV, or the fusekit binary format when it ends in .bin")
+      ->required();
   CLI::App* convert = cmd->add_subcommand("convert", "Convert a Criteo TSV (.gz) file to the fusekit binary format");
   convert->add_option("in", f.in, "Criteo TSV file, plain or gzip")->required()->check(CLI::ExistingFile);
   convert->add_option("out", f.out, "Binary output file")->required();
@@ -603,9 +605,24 @@ int run_data(CLI::App& data_cmd, const DataFlags& f) {
     sc.seed = f.seed;
     const data::SyntheticCriteo gen(sc);
     std::vector<data::RawRecord> records(static_cast<std::size_t>(f.rows));
-    gen.generate(0, records);
-    data::write_tsv(f.out, records);
-    fmt::print("data: wrote {} synthetic samples (seed {}) to {}\n", f.rows, f.seed, f.out);
+    // Samples are independent: generate in parallel, one contiguous chunk per thread.
+    const std::int64_t threads = std::clamp<std::int64_t>(std::thread::hardware_concurrency(), 1, 64);
+    const std::int64_t chunk = (f.rows + threads - 1) / threads;
+    std::vector<std::thread> pool;
+    for (std::int64_t t = 0; t * chunk < f.rows; ++t)
+      pool.emplace_back([&, t] {
+        const std::int64_t begin = t * chunk, n = std::min(chunk, f.rows - begin);
+        gen.generate(begin, std::span(records).subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(n)));
+      });
+    for (std::thread& th : pool) th.join();
+    const bool binary = std::filesystem::path(f.out).extension() == ".bin";
+    if (binary) {
+      data::write_binary(f.out, records);
+    } else {
+      data::write_tsv(f.out, records);
+    }
+    fmt::print("data: wrote {} synthetic samples (seed {}) to {} ({})\n", f.rows, f.seed, f.out,
+               binary ? "fusekit binary" : "Criteo TSV");
     return 0;
   }
   const data::ReadReport report = data::convert_tsv_to_binary(f.in, f.out, {.strict = f.strict});
