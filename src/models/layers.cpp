@@ -72,10 +72,10 @@ Mlp::Mlp(const std::vector<std::int64_t>& sizes, bool relu_last, std::uint64_t s
 
 void Mlp::forward(const float* x, std::int64_t batch, float* y) {
   batch_ = batch;
-  acts_[0].assign(x, x + batch * layers.front().in());
+  input_ = x;
   for (std::size_t l = 0; l < layers.size(); ++l) {
     acts_[l + 1].resize(static_cast<std::size_t>(batch * layers[l].out()));
-    layers[l].forward(acts_[l].data(), batch, acts_[l + 1].data());
+    layers[l].forward(l == 0 ? x : acts_[l].data(), batch, acts_[l + 1].data());
   }
   std::copy(acts_.back().begin(), acts_.back().end(), y);
 }
@@ -85,7 +85,7 @@ void Mlp::backward(const float* dy, float* dx) {
   for (std::size_t l = layers.size(); l-- > 0;) {
     const bool want_dx = l > 0 || dx != nullptr;
     grad_b_.resize(want_dx ? static_cast<std::size_t>(batch_ * layers[l].in()) : 0);
-    layers[l].backward(acts_[l].data(), acts_[l + 1].data(), grad_a_.data(), batch_,
+    layers[l].backward(l == 0 ? input_ : acts_[l].data(), acts_[l + 1].data(), grad_a_.data(), batch_,
                        want_dx ? grad_b_.data() : nullptr);
     std::swap(grad_a_, grad_b_);
   }

@@ -36,7 +36,9 @@ class Linear {
 class Mlp {
  public:
   Mlp(const std::vector<std::int64_t>& sizes, bool relu_last, std::uint64_t seed, std::uint64_t first_subsequence);
-  // x [B, sizes[0]] -> y [B, sizes.back()]; keeps the activations for backward.
+  // x [B, sizes[0]] -> y [B, sizes.back()]; keeps the activations for backward, and a pointer
+  // to x, which must stay unchanged until backward (not copied: DLRM's top-MLP input can be
+  // hundreds of MB with the outer interaction).
   void forward(const float* x, std::int64_t batch, float* y);
   // dy [B, out] -> gradients, and dx [B, in] when dx is not null.
   void backward(const float* dy, float* dx);
@@ -44,7 +46,8 @@ class Mlp {
 
  private:
   std::int64_t batch_ = 0;
-  std::vector<std::vector<float>> acts_;  // acts_[l] = input of layer l; acts_.back() = output
+  const float* input_ = nullptr;
+  std::vector<std::vector<float>> acts_;  // acts_[l] = output of layer l - 1 (acts_[0] unused)
   std::vector<float> grad_a_, grad_b_;
 };
 

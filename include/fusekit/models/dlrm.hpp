@@ -95,7 +95,8 @@ class Dlrm {
 
   const DlrmConfig& config() const noexcept;
 
-  // logits f32 [B] (the sigmoid is applied by the loss and by predict()).
+  // logits f32 [B] (the sigmoid is applied by the loss and by predict()). input.dense must stay
+  // valid and unchanged until backward() (the bottom MLP reads it there).
   void forward(const DlrmInput& input, const TensorView& logits);
   // From dlogits f32 [B] (dL/dlogit): every gradient, for the last forward().
   void backward(const TensorView& dlogits);
