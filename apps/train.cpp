@@ -113,6 +113,8 @@ void from_json(const json& j, TrainConfig& c) {
     take(t, "impl", c.impl, seen);
     take(t, "metrics_json", c.metrics_json, seen);
     take(t, "checkpoint", c.checkpoint, seen);
+    take(t, "trace", c.trace, seen);
+    take(t, "trace_steps", c.trace_steps, seen);
     take(t, "checkpoint_every", c.checkpoint_every, seen);
     reject_unknown(t, seen, "training");
   }
@@ -150,6 +152,8 @@ json to_json(const TrainConfig& c) {
             {"impl", c.impl},
             {"metrics_json", c.metrics_json},
             {"checkpoint", c.checkpoint},
+            {"trace", c.trace},
+            {"trace_steps", c.trace_steps},
             {"checkpoint_every", c.checkpoint_every}}}};
 }
 
@@ -181,6 +185,8 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
   cmd->add_option("--device", f.device, "cpu (default) | cuda");
   cmd->add_option("--impl", f.impl, "reference (default) | fused");
   cmd->add_option("--metrics-json", f.metrics_json, "Write the run's configuration, evaluations and summary here");
+  cmd->add_option("--trace", f.trace, "Chrome trace-event JSON of the step phases (chrome://tracing, Perfetto)");
+  cmd->add_option("--trace-steps", f.trace_steps, "Steps recorded in the trace (default 50)");
   cmd->add_option("--checkpoint", f.checkpoint, "Save the training state here (atomically) at the end and at evaluations");
   cmd->add_option("--checkpoint-every", f.checkpoint_every, "Also save every this many steps");
   cmd->add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
@@ -229,6 +235,8 @@ TrainConfig resolve(const TrainFlags& f) {
   over(c.impl, f.impl);
   over(c.metrics_json, f.metrics_json);
   over(c.checkpoint, f.checkpoint);
+  over(c.trace, f.trace);
+  over(c.trace_steps, f.trace_steps);
   over(c.checkpoint_every, f.checkpoint_every);
   FK_CHECK_ARG(c.mini_batch_size >= 1, "fusekit train", "mini_batch_size", ">= 1", fmt::format("{}", c.mini_batch_size));
   FK_CHECK_ARG(c.test_mini_batch_size >= 1, "fusekit train", "test_mini_batch_size", ">= 1",
@@ -454,6 +462,12 @@ int run_train(const TrainFlags& flags) {
     model.load_state(in);
     fmt::print("resumed from {} at step {}\n", c.checkpoint, step);
   }
+  std::unique_ptr<TraceRecorder> trace;
+  if (!c.trace.empty()) {
+    trace = std::make_unique<TraceRecorder>();
+    model.set_trace(trace.get());
+  }
+  const std::int64_t trace_until = step + c.trace_steps;
   json evals = json::array();
   double train_seconds = 0, window_loss = 0, epoch_loss = 0, last_epoch_loss = 0;
   std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0;
@@ -484,9 +498,19 @@ int run_train(const TrainFlags& flags) {
     epoch_steps = 0;
     auto epoch_start = clock::now();
     while (step < total) {
-      const data::Batch* b = loader.next();
+      if (trace && step == trace_until) model.set_trace(nullptr);
+      TraceRecorder* tr = step < trace_until ? trace.get() : nullptr;
+      const data::Batch* b = nullptr;
+      {
+        const auto scope = trace_scope(tr, "data.wait");
+        b = loader.next();
+      }
       if (!b) break;
-      const double loss = model.train_step({b->dense, b->indices, b->offsets}, b->labels, opt);
+      double loss = 0;
+      {
+        const auto scope = trace_scope(tr, "train_step", "train");
+        loss = model.train_step({b->dense, b->indices, b->offsets}, b->labels, opt);
+      }
       ++step;
       samples += b->size;
       window_loss += loss;
@@ -523,6 +547,10 @@ int run_train(const TrainFlags& flags) {
   }
   const models::BinaryMetrics final_m = run_eval("final,");
   checkpoint();
+  if (trace) {
+    trace->write(c.trace);
+    fmt::print("trace: {} events of the first {} steps in {}\n", trace->size(), std::min(c.trace_steps, step), c.trace);
+  }
   const double sps = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0.0;
   fmt::print("summary: train loss {:.5f} (mean over the last epoch), test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f}, "
              "{:.0f} samples/s ({} steps, {} samples, {:.1f} s training), peak host memory {:.0f} MB\n",

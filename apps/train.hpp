@@ -45,6 +45,8 @@ struct TrainConfig {
   std::string device = "cpu";
   std::string impl = "reference";
   std::string metrics_json;
+  std::string trace;                 // Chrome trace-event JSON of the step phases
+  std::int64_t trace_steps = 50;     // steps recorded in the trace (the first ones)
   std::string checkpoint;            // saved at the end, at each evaluation and every checkpoint_every steps
   std::int64_t checkpoint_every = 0;
 };
@@ -56,8 +58,8 @@ nlohmann::json to_json(const TrainConfig& c);              // sectioned, as a co
 struct TrainFlags {
   std::string config;
   std::optional<std::string> arch_mlp_bot, arch_mlp_top, arch_interaction_op, data, data_hash, optimizer, device, impl,
-      metrics_json, checkpoint;
-  std::optional<std::int64_t> checkpoint_every, arch_sparse_feature_size, max_ind_range, train_samples, test_samples, mini_batch_size,
+      metrics_json, checkpoint, trace;
+  std::optional<std::int64_t> trace_steps, checkpoint_every, arch_sparse_feature_size, max_ind_range, train_samples, test_samples, mini_batch_size,
       test_mini_batch_size, epochs, steps, eval_every, print_every;
   std::optional<std::uint64_t> model_seed, data_seed;
   std::optional<double> learning_rate;

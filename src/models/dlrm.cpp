@@ -10,6 +10,7 @@
 #include <ostream>
 
 #include "fusekit/core/error.hpp"
+#include "fusekit/core/trace.hpp"
 #include "models/layers.hpp"
 
 namespace fk::models {
@@ -85,6 +86,7 @@ struct DlrmState {
   cpu::Interaction interaction;
   std::vector<std::vector<float>> adagrad_state;  // per Linear: weight then bias, flattened
   std::int64_t batch = 0;
+  TraceRecorder* trace = nullptr;
   std::vector<float> x, z, r, dr, dz, dx, logits, dlogits;
 
   static std::vector<std::int64_t> top_sizes(const DlrmConfig& c) {
@@ -143,10 +145,20 @@ void Dlrm::forward(const DlrmInput& input, const TensorView& logits) {
   s.x.resize(static_cast<std::size_t>(b * d));
   s.z.resize(static_cast<std::size_t>(b * f * d));
   s.r.resize(static_cast<std::size_t>(b * s.interaction.output_size()));
-  s.bottom.forward(input.dense.data_as<float>(), b, s.x.data());
-  for (std::int64_t i = 0; i < b; ++i) std::copy_n(s.x.data() + i * d, d, s.z.data() + i * f * d);
-  s.embeddings.forward(input.indices, input.offsets, b, s.z.data() + d, f * d);
-  s.interaction.forward(s.z.data(), b, s.r.data());
+  {
+    const auto scope = trace_scope(s.trace, "bottom_mlp.fwd");
+    s.bottom.forward(input.dense.data_as<float>(), b, s.x.data());
+    for (std::int64_t i = 0; i < b; ++i) std::copy_n(s.x.data() + i * d, d, s.z.data() + i * f * d);
+  }
+  {
+    const auto scope = trace_scope(s.trace, "embeddings.fwd");
+    s.embeddings.forward(input.indices, input.offsets, b, s.z.data() + d, f * d);
+  }
+  {
+    const auto scope = trace_scope(s.trace, "interaction.fwd");
+    s.interaction.forward(s.z.data(), b, s.r.data());
+  }
+  const auto scope = trace_scope(s.trace, "top_mlp.fwd");
   s.top.forward(s.r.data(), b, logits.data_as<float>());
 }
 
@@ -157,9 +169,19 @@ void Dlrm::backward(const TensorView& dlogits) {
   s.dr.resize(s.r.size());
   s.dz.resize(s.z.size());
   s.dx.resize(s.x.size());
-  s.top.backward(dlogits.data_as<float>(), s.dr.data());
-  s.interaction.backward(s.z.data(), s.dr.data(), b, s.dz.data());
-  s.embeddings.backward(s.dz.data() + d, f * d);
+  {
+    const auto scope = trace_scope(s.trace, "top_mlp.bwd");
+    s.top.backward(dlogits.data_as<float>(), s.dr.data());
+  }
+  {
+    const auto scope = trace_scope(s.trace, "interaction.bwd");
+    s.interaction.backward(s.z.data(), s.dr.data(), b, s.dz.data());
+  }
+  {
+    const auto scope = trace_scope(s.trace, "embeddings.bwd");
+    s.embeddings.backward(s.dz.data() + d, f * d);
+  }
+  const auto scope = trace_scope(s.trace, "bottom_mlp.bwd");
   for (std::int64_t i = 0; i < b; ++i) std::copy_n(s.dz.data() + i * f * d, d, s.dx.data() + i * d);
   s.bottom.backward(s.dx.data(), nullptr);
 }
@@ -172,13 +194,17 @@ void Dlrm::step(const OptimizerConfig& opt) {
       s.adagrad_state.emplace_back(static_cast<std::size_t>(l->weight.numel()), opt.initial_accumulator);
       s.adagrad_state.emplace_back(static_cast<std::size_t>(l->bias.numel()), opt.initial_accumulator);
     }
-  for (std::size_t i = 0; i < layers.size(); ++i) {
-    cpu::Linear& l = *layers[i];
-    float* sw = s.adagrad_state.empty() ? nullptr : s.adagrad_state[2 * i].data();
-    float* sb = s.adagrad_state.empty() ? nullptr : s.adagrad_state[2 * i + 1].data();
-    cpu::optimizer_update(opt, l.weight.data_as<float>(), l.weight_grad.data_as<float>(), sw, l.weight.numel());
-    cpu::optimizer_update(opt, l.bias.data_as<float>(), l.bias_grad.data_as<float>(), sb, l.bias.numel());
+  {
+    const auto scope = trace_scope(s.trace, "optimizer.mlp");
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      cpu::Linear& l = *layers[i];
+      float* sw = s.adagrad_state.empty() ? nullptr : s.adagrad_state[2 * i].data();
+      float* sb = s.adagrad_state.empty() ? nullptr : s.adagrad_state[2 * i + 1].data();
+      cpu::optimizer_update(opt, l.weight.data_as<float>(), l.weight_grad.data_as<float>(), sw, l.weight.numel());
+      cpu::optimizer_update(opt, l.bias.data_as<float>(), l.bias_grad.data_as<float>(), sb, l.bias.numel());
+    }
   }
+  const auto scope = trace_scope(s.trace, "optimizer.embeddings");
   s.embeddings.step(opt);
 }
 
@@ -190,7 +216,11 @@ double Dlrm::train_step(const DlrmInput& input, const TensorView& labels, const 
   const TensorView logits(s.logits.data(), DType::f32, {b}, Device::cpu());
   const TensorView dlogits(s.dlogits.data(), DType::f32, {b}, Device::cpu());
   forward(input, logits);
-  const double loss = bce_with_logits(logits, labels, &dlogits);
+  double loss = 0;
+  {
+    const auto scope = trace_scope(s.trace, "bce_loss");
+    loss = bce_with_logits(logits, labels, &dlogits);
+  }
   backward(dlogits);
   step(opt);
   return loss;
@@ -201,6 +231,8 @@ void Dlrm::predict(const DlrmInput& input, const TensorView& probabilities) {
   float* p = probabilities.data_as<float>();
   for (std::int64_t i = 0; i < probabilities.numel(); ++i) p[i] = 1.0f / (1.0f + std::exp(-p[i]));
 }
+
+void Dlrm::set_trace(TraceRecorder* trace) noexcept { s_->trace = trace; }
 
 std::vector<Dlrm::LinearParams> Dlrm::linear_layers() {
   std::vector<LinearParams> v;

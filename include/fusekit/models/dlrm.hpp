@@ -33,6 +33,10 @@
 
 #include "fusekit/core/tensor.hpp"
 
+namespace fk {
+class TraceRecorder;
+}
+
 namespace fk::models {
 
 enum class InteractionOp { dot, cat, outer };
@@ -106,6 +110,10 @@ class Dlrm {
   double train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt);
   // Click probabilities f32 [B].
   void predict(const DlrmInput& input, const TensorView& probabilities);
+
+  // Records each phase of forward / backward / step (bottom_mlp.fwd, embeddings.fwd, ...) on
+  // `trace` until set back to null.
+  void set_trace(TraceRecorder* trace) noexcept;
 
   // Parameters and gradients, for tests and checkpoints: the MLP layers in order (bottom, then
   // top), each weight [out, in] and bias [out]; the tables [rows_t, D].
