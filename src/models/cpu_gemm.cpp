@@ -4,9 +4,9 @@
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define FK_CPU_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#define FK_CPU_DISPATCH 1
 #else
-#define FK_CPU_CLONES
+#define FK_CPU_DISPATCH 0
 #endif
 
 namespace fk::models::cpu {
@@ -16,7 +16,7 @@ namespace {
 constexpr std::int64_t kBlockK = 256;
 
 // C rows [i0, i0 + 4) += A(i, p) * B row p over p in [p0, p1): four C rows share each B load.
-FK_CPU_CLONES void panel4(std::int64_t n, std::int64_t p0, std::int64_t p1, float alpha, const float* a_row[4],
+inline void panel4_body(std::int64_t n, std::int64_t p0, std::int64_t p1, float alpha, const float* a_row[4],
                           std::int64_t a_step, const float* __restrict b, std::int64_t ldb, float* __restrict c0,
                           float* __restrict c1, float* __restrict c2, float* __restrict c3) {
   for (std::int64_t p = p0; p < p1; ++p) {
@@ -33,7 +33,7 @@ FK_CPU_CLONES void panel4(std::int64_t n, std::int64_t p0, std::int64_t p1, floa
   }
 }
 
-FK_CPU_CLONES void panel1(std::int64_t n, std::int64_t p0, std::int64_t p1, float alpha, const float* a_row, std::int64_t a_step,
+inline void panel1_body(std::int64_t n, std::int64_t p0, std::int64_t p1, float alpha, const float* a_row, std::int64_t a_step,
                           const float* __restrict b, std::int64_t ldb, float* __restrict c) {
   for (std::int64_t p = p0; p < p1; ++p) {
     const float x = alpha * a_row[p * a_step];
@@ -42,6 +42,42 @@ FK_CPU_CLONES void panel1(std::int64_t n, std::int64_t p0, std::int64_t p1, floa
     for (std::int64_t j = 0; j < n; ++j) c[j] += x * bp[j];
   }
 }
+
+// The kernels compiled twice: for the baseline x86-64 (SSE2) and for AVX2 + FMA, picked once at
+// run time from the CPU's features. (GCC's target_clones dispatcher chose the baseline clone on
+// AVX-512 machines here, so the choice is made by hand.)
+using Panel4 = void (*)(std::int64_t, std::int64_t, std::int64_t, float, const float**, std::int64_t, const float*,
+                        std::int64_t, float*, float*, float*, float*);
+using Panel1 = void (*)(std::int64_t, std::int64_t, std::int64_t, float, const float*, std::int64_t, const float*,
+                        std::int64_t, float*);
+
+void panel4_base(std::int64_t n, std::int64_t p0, std::int64_t p1, float alpha, const float** a, std::int64_t s,
+                 const float* b, std::int64_t ldb, float* c0, float* c1, float* c2, float* c3) {
+  panel4_body(n, p0, p1, alpha, a, s, b, ldb, c0, c1, c2, c3);
+}
+void panel1_base(std::int64_t n, std::int64_t p0, std::int64_t p1, float alpha, const float* a, std::int64_t s,
+                 const float* b, std::int64_t ldb, float* c) {
+  panel1_body(n, p0, p1, alpha, a, s, b, ldb, c);
+}
+
+#if FK_CPU_DISPATCH
+__attribute__((target("avx2,fma"))) void panel4_avx2(std::int64_t n, std::int64_t p0, std::int64_t p1, float alpha,
+                                                     const float** a, std::int64_t s, const float* b, std::int64_t ldb,
+                                                     float* c0, float* c1, float* c2, float* c3) {
+  panel4_body(n, p0, p1, alpha, a, s, b, ldb, c0, c1, c2, c3);
+}
+__attribute__((target("avx2,fma"))) void panel1_avx2(std::int64_t n, std::int64_t p0, std::int64_t p1, float alpha,
+                                                     const float* a, std::int64_t s, const float* b, std::int64_t ldb,
+                                                     float* c) {
+  panel1_body(n, p0, p1, alpha, a, s, b, ldb, c);
+}
+bool has_avx2_fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+const Panel4 panel4 = has_avx2_fma() ? panel4_avx2 : panel4_base;
+const Panel1 panel1 = has_avx2_fma() ? panel1_avx2 : panel1_base;
+#else
+const Panel4 panel4 = panel4_base;
+const Panel1 panel1 = panel1_base;
+#endif
 
 }  // namespace
 

@@ -2,8 +2,8 @@
 // row-major with leading dimensions, float accumulation. The nn spec GEMM (src/nn/gemm.hpp) reads
 // every element through a dtype switch and accumulates in double: right for checking kernels, but
 // ~50x too slow to train a DLRM on. This one runs row-panel axpy loops that the compiler
-// vectorises (AVX2/FMA clone where the CPU has it, chosen at load time) and blocks K so that the
-// B panel stays in L2.
+// vectorises (an AVX2/FMA build of them is chosen at run time where the CPU has it) and blocks K
+// so that the B panel stays in L2.
 #pragma once
 
 #include <cstdint>
