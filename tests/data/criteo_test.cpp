@@ -125,6 +125,22 @@ TEST(CriteoReader, FixtureLenientCountsEveryMalformedLine) {
   EXPECT_TRUE(std::all_of(recs[1].sparse.begin(), recs[1].sparse.end(), [](std::uint32_t x) { return x == 0; }));
 }
 
+TEST(CriteoReader, ConvertingTheFixtureKeepsTheGoodRecordsOnly) {
+  const fs::path bin = temp_path("fixture.bin");
+  const ReadReport rep = convert_tsv_to_binary(kFixture, bin, {});
+  EXPECT_EQ(rep.records, 3);
+  EXPECT_EQ(rep.malformed, 9);
+  auto source = binary_source(bin);
+  ASSERT_EQ(source->size(), 3);
+  std::vector<RawRecord> recs(3);
+  source->read(0, recs);
+  EXPECT_EQ(recs[0].sparse[0], 0x68fd1e64u);
+  EXPECT_EQ(recs[2].label, 1);
+  EXPECT_THROW(convert_tsv_to_binary(kFixture, temp_path("strict.bin"), {.strict = true}), Error);
+  EXPECT_FALSE(fs::exists(temp_path("strict.bin")));  // nothing half-written
+  EXPECT_FALSE(fs::exists(temp_path("strict.bin.tmp")));
+}
+
 TEST(CriteoReader, FixtureStrictThrowsAtTheFirstMalformedLine) {
   ReadReport rep;
   try {
