@@ -14,22 +14,25 @@ namespace fk::data {
 
 namespace {
 
-void ensure(Tensor& t, Dims shape, DType dtype) {
-  if (t.numel() != shape.numel() || t.dtype() != dtype || !(t.shape() == shape))
-    t = Tensor::empty(shape, dtype, Device::cpu());
+void ensure(Tensor& t, Dims shape, DType dtype, const HostAllocator& allocate) {
+  if (t.dtype() == dtype && t.shape() == shape && t.data() != nullptr) return;
+  t = allocate ? allocate(shape, dtype) : Tensor::empty(shape, dtype, Device::cpu());
+  FK_CHECK_ARG(t.device().is_cpu() && t.shape() == shape && t.dtype() == dtype, "data::make_batch", "allocate",
+               fmt::format("host {} {}", dtype_name(dtype), shape.str()), t.view().str());
 }
 
 }  // namespace
 
-void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch) {
+void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch,
+                const HostAllocator& allocate) {
   FK_CHECK_ARG(featurizer.cardinalities.size() == kNumSparse, "data::make_batch", "featurizer",
                "26 cardinalities", fmt::format("{}", featurizer.cardinalities.size()));
   const std::int64_t b = static_cast<std::int64_t>(records.size());
   batch.size = b;
-  ensure(batch.labels, {b}, DType::f32);
-  ensure(batch.dense, {b, kNumDense}, DType::f32);
-  ensure(batch.indices, {kNumSparse * b}, DType::i64);
-  ensure(batch.offsets, {kNumSparse * b + 1}, DType::i64);
+  ensure(batch.labels, {b}, DType::f32, allocate);
+  ensure(batch.dense, {b, kNumDense}, DType::f32, allocate);
+  ensure(batch.indices, {kNumSparse * b}, DType::i64, allocate);
+  ensure(batch.offsets, {kNumSparse * b + 1}, DType::i64, allocate);
   float* labels = batch.labels.data_as<float>();
   float* dense = batch.dense.data_as<float>();
   std::int64_t* idx = batch.indices.data_as<std::int64_t>();
@@ -76,7 +79,7 @@ struct BatchLoader::State {
         const std::int64_t n = std::min(options.batch_size, source->size() - begin);
         records.resize(static_cast<std::size_t>(n));
         source->read(begin, records);
-        make_batch(records, featurizer, slots[static_cast<std::size_t>(k % num_slots())]);
+        make_batch(records, featurizer, slots[static_cast<std::size_t>(k % num_slots())], options.allocate);
         {
           std::lock_guard lock(mutex);
           ready[static_cast<std::size_t>(k % num_slots())] = k;

@@ -5,6 +5,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -305,6 +306,20 @@ TEST(BatchLoader, SeveralWorkersKeepTheOrder) {
             << workers << " workers";
     EXPECT_EQ(next_id, 1000);
   }
+}
+
+TEST(BatchLoader, BatchMemoryComesFromTheGivenAllocatorAndIsReused) {
+  std::atomic<int> calls{0};
+  LoaderOptions opt{.batch_size = 50, .prefetch = 2};
+  opt.allocate = [&](Dims shape, DType dtype) {
+    ++calls;
+    return Tensor::empty(shape, dtype, Device::cpu());
+  };
+  BatchLoader loader(synthetic_source(small_synthetic(), 1000), Featurizer{}, opt);
+  int batches = 0;
+  while (loader.next()) ++batches;
+  EXPECT_EQ(batches, 20);
+  EXPECT_EQ(calls.load(), 3 * 4);  // 3 slots x 4 tensors, allocated once
 }
 
 // A source that fails past a given record, as a truncated or unreadable file would.

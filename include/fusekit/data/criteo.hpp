@@ -185,14 +185,22 @@ struct Batch {
   Tensor offsets;         // i64 [26 * B + 1]
 };
 
-// Fills `batch` (allocating its tensors for `records.size()` samples when they are too small).
-void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch);
+// Host memory for a batch tensor of the given shape and dtype. The default is plain host memory
+// (Tensor::empty on the CPU); the GPU path passes page-locked memory so that batches can be
+// copied to the device asynchronously.
+using HostAllocator = std::function<Tensor(Dims shape, DType dtype)>;
+
+// Fills `batch`, (re)allocating its tensors through `allocate` (plain host memory when empty)
+// when their shapes differ from what `records.size()` samples need.
+void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch,
+                const HostAllocator& allocate = {});
 
 struct LoaderOptions {
   std::int64_t batch_size = 128;
   bool drop_last = false;
   int prefetch = 4;  // batches prepared ahead of the consumer
   int workers = 1;   // threads preparing batches (each makes every workers-th batch)
+  HostAllocator allocate;  // memory of the batch slots (empty: plain host memory)
 };
 
 // Streams the source's records in order as batches, prepared on background threads. next()
