@@ -189,6 +189,7 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
   cmd->add_option("--trace-steps", f.trace_steps, "Steps recorded in the trace (default 50)");
   cmd->add_option("--checkpoint", f.checkpoint, "Save the training state here (atomically) at the end and at evaluations");
   cmd->add_option("--checkpoint-every", f.checkpoint_every, "Also save every this many steps");
+  cmd->add_flag("--dry-run", f.dry_run, "Check the configuration, print the model and data it describes, exit");
   cmd->add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
   return cmd;
 }
@@ -433,16 +434,26 @@ CheckpointHeader read_checkpoint_header(std::ifstream& in, const std::string& pa
 int run_train(const TrainFlags& flags) {
   using clock = std::chrono::steady_clock;
   const TrainConfig c = resolve(flags);
-  if (const int rc = check_device(c, "fusekit train")) return rc;
   FK_CHECK_ARG(!flags.resume || !c.checkpoint.empty(), "fusekit train", "--resume", "a --checkpoint path", "none");
   const data::Featurizer feat = make_featurizer(c);
   const models::DlrmConfig mc = make_model_config(c, feat);
   const models::OptimizerConfig opt{.kind = models::parse_optimizer(c.optimizer),
                                     .learning_rate = static_cast<float>(c.learning_rate)};
 
-  const Split split = load_data(c);
   std::int64_t rows = 0;
   for (std::int64_t r : mc.table_rows) rows += r;
+  if (flags.dry_run) {
+    fmt::print("fusekit train --dry-run: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows), {:.1f}M "
+               "parameters ({:.0f} MB), {} lr {} batch {}, data {}, device {}, impl {}\n",
+               c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,
+               mc.table_rows.size(), rows, static_cast<double>(mc.parameter_count()) / 1e6,
+               static_cast<double>(mc.parameter_count()) * 4 / 1e6, c.optimizer, c.learning_rate, c.mini_batch_size,
+               c.data, c.device, c.impl);
+    fmt::print("{}\n", to_json(c).dump(2));
+    return 0;
+  }
+  if (const int rc = check_device(c, "fusekit train")) return rc;
+  const Split split = load_data(c);
   const auto t_init = clock::now();
   models::Dlrm model(mc, Device::cpu());
   fmt::print("fusekit train: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows, hash {}, max_ind_range {}), "

@@ -63,7 +63,7 @@ struct TrainFlags {
       test_mini_batch_size, epochs, steps, eval_every, print_every;
   std::optional<std::uint64_t> model_seed, data_seed;
   std::optional<double> learning_rate;
-  bool interaction_itself = false, strict_data = false, resume = false;
+  bool interaction_itself = false, strict_data = false, resume = false, dry_run = false;
 };
 
 CLI::App* add_train_command(CLI::App& app, TrainFlags& flags);
