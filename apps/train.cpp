@@ -643,23 +643,25 @@ int run_data(CLI::App& data_cmd, const DataFlags& f) {
     data::SyntheticConfig sc;
     sc.seed = f.seed;
     const data::SyntheticCriteo gen(sc);
-    std::vector<data::RawRecord> records(static_cast<std::size_t>(f.rows));
-    // Samples are independent: generate in parallel, one contiguous chunk per thread.
-    const std::int64_t threads = std::clamp<std::int64_t>(std::thread::hardware_concurrency(), 1, 64);
-    const std::int64_t chunk = (f.rows + threads - 1) / threads;
-    std::vector<std::thread> pool;
-    for (std::int64_t t = 0; t * chunk < f.rows; ++t)
-      pool.emplace_back([&, t] {
-        const std::int64_t begin = t * chunk, n = std::min(chunk, f.rows - begin);
-        gen.generate(begin, std::span(records).subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(n)));
-      });
-    for (std::thread& th : pool) th.join();
     const bool binary = std::filesystem::path(f.out).extension() == ".bin";
-    if (binary) {
-      data::write_binary(f.out, records);
-    } else {
-      data::write_tsv(f.out, records);
+    data::RecordWriter writer(f.out, binary ? data::FileFormat::binary : data::FileFormat::tsv);
+    // Chunks of 1M samples, each generated on every core (samples are independent), then written.
+    const std::int64_t threads = std::clamp<std::int64_t>(std::thread::hardware_concurrency(), 1, 64);
+    std::vector<data::RawRecord> records;
+    for (std::int64_t begin = 0; begin < f.rows; begin += std::int64_t{1} << 20) {
+      const std::int64_t n = std::min(std::int64_t{1} << 20, f.rows - begin);
+      records.resize(static_cast<std::size_t>(n));
+      const std::int64_t chunk = (n + threads - 1) / threads;
+      std::vector<std::thread> pool;
+      for (std::int64_t t = 0; t * chunk < n; ++t)
+        pool.emplace_back([&, t] {
+          const std::int64_t b = t * chunk, m = std::min(chunk, n - b);
+          gen.generate(begin + b, std::span(records).subspan(static_cast<std::size_t>(b), static_cast<std::size_t>(m)));
+        });
+      for (std::thread& th : pool) th.join();
+      writer.write(records);
     }
+    writer.close();
     fmt::print("data: wrote {} synthetic samples (seed {}) to {} ({})\n", f.rows, f.seed, f.out,
                binary ? "fusekit binary" : "Criteo TSV");
     return 0;

@@ -222,18 +222,9 @@ std::vector<RawRecord> read_tsv(const std::filesystem::path& path, const ReadOpt
 }
 
 void write_tsv(const std::filesystem::path& path, std::span<const RawRecord> records) {
-  std::ofstream f(path, std::ios::binary);
-  if (!f) throw Error("data::write_tsv", "path", "a writable file", path.string());
-  std::string line;
-  for (const RawRecord& r : records) {
-    line.clear();
-    line += static_cast<char>('0' + r.label);
-    for (std::int32_t x : r.dense) fmt::format_to(std::back_inserter(line), "\t{}", x);
-    for (std::uint32_t v : r.sparse) fmt::format_to(std::back_inserter(line), "\t{:08x}", v);
-    line += '\n';
-    f.write(line.data(), static_cast<std::streamsize>(line.size()));
-  }
-  if (!f) throw Error("data::write_tsv", "path", "a complete write", path.string());
+  RecordWriter w(path, FileFormat::tsv);
+  w.write(records);
+  w.close();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -276,55 +267,80 @@ std::optional<Header> read_header(const std::filesystem::path& path) {
   return h;
 }
 
-void write_atomically(const std::filesystem::path& path, const std::function<void(std::ofstream&)>& body) {
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  try {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error("data::write_binary", "path", "a writable file", tmp.string());
-    body(f);
-    f.flush();
-    if (!f) throw Error("data::write_binary", "path", "a complete write", tmp.string());
-  } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    throw;
-  }
-  std::filesystem::rename(tmp, path);
-}
-
 }  // namespace
 
 void write_binary(const std::filesystem::path& path, std::span<const RawRecord> records) {
-  write_atomically(path, [&](std::ofstream& f) {
-    const Header h = make_header(records.size());
-    f.write(reinterpret_cast<const char*>(&h), sizeof h);
-    f.write(reinterpret_cast<const char*>(records.data()), static_cast<std::streamsize>(records.size_bytes()));
-  });
+  RecordWriter w(path, FileFormat::binary);
+  w.write(records);
+  w.close();
+}
+
+RecordWriter::RecordWriter(std::filesystem::path path, FileFormat format)
+    : path_(std::move(path)), tmp_(path_.string() + ".tmp"), format_(format) {
+  out_ = std::make_unique<std::ofstream>(tmp_, std::ios::binary | std::ios::trunc);
+  if (!*out_) throw Error("data::RecordWriter", "path", "a writable file", tmp_.string());
+  if (format_ == FileFormat::binary) {
+    const Header h = make_header(0);  // the count is written at close()
+    out_->write(reinterpret_cast<const char*>(&h), sizeof h);
+  }
+}
+
+RecordWriter::~RecordWriter() {
+  if (out_) {
+    out_.reset();
+    std::error_code ignored;
+    std::filesystem::remove(tmp_, ignored);
+  }
+}
+
+void RecordWriter::write(std::span<const RawRecord> records) {
+  FK_CHECK_ARG(out_ != nullptr, "data::RecordWriter::write", "this", "an open writer", "a closed one");
+  if (format_ == FileFormat::binary) {
+    out_->write(reinterpret_cast<const char*>(records.data()), static_cast<std::streamsize>(records.size_bytes()));
+  } else {
+    for (const RawRecord& r : records) {
+      line_.clear();
+      line_ += static_cast<char>('0' + r.label);
+      for (std::int32_t x : r.dense) fmt::format_to(std::back_inserter(line_), "\t{}", x);
+      for (std::uint32_t v : r.sparse) fmt::format_to(std::back_inserter(line_), "\t{:08x}", v);
+      line_ += '\n';
+      out_->write(line_.data(), static_cast<std::streamsize>(line_.size()));
+    }
+  }
+  count_ += static_cast<std::int64_t>(records.size());
+  if (!*out_) throw Error("data::RecordWriter::write", "path", "a complete write", tmp_.string());
+}
+
+void RecordWriter::close() {
+  FK_CHECK_ARG(out_ != nullptr, "data::RecordWriter::close", "this", "an open writer", "a closed one");
+  if (format_ == FileFormat::binary) {
+    const Header h = make_header(static_cast<std::uint64_t>(count_));
+    out_->seekp(0);
+    out_->write(reinterpret_cast<const char*>(&h), sizeof h);
+  }
+  out_->flush();
+  if (!*out_) throw Error("data::RecordWriter::close", "path", "a complete write", tmp_.string());
+  out_.reset();
+  std::filesystem::rename(tmp_, path_);
 }
 
 ReadReport convert_tsv_to_binary(const std::filesystem::path& tsv, const std::filesystem::path& bin,
                                  const ReadOptions& options) {
   // Streams: records go out in chunks as they are parsed (the Kaggle file is 45M records, 7 GB in
-  // this format), then the header is written again with the final count.
+  // this format).
   ReadReport report;
-  write_atomically(bin, [&](std::ofstream& f) {
-    Header h = make_header(0);
-    f.write(reinterpret_cast<const char*>(&h), sizeof h);
-    std::vector<RawRecord> chunk;
-    chunk.reserve(1 << 16);
-    auto flush = [&] {
-      f.write(reinterpret_cast<const char*>(chunk.data()), static_cast<std::streamsize>(chunk.size() * sizeof(RawRecord)));
+  RecordWriter writer(bin, FileFormat::binary);
+  std::vector<RawRecord> chunk;
+  chunk.reserve(1 << 16);
+  scan_tsv(tsv, options, report, [&](const RawRecord& r) {
+    chunk.push_back(r);
+    if (chunk.size() == chunk.capacity()) {
+      writer.write(chunk);
       chunk.clear();
-    };
-    scan_tsv(tsv, options, report, [&](const RawRecord& r) {
-      chunk.push_back(r);
-      if (chunk.size() == chunk.capacity()) flush();
-    });
-    flush();
-    h.count = static_cast<std::uint64_t>(report.records);
-    f.seekp(0);
-    f.write(reinterpret_cast<const char*>(&h), sizeof h);
+    }
   });
+  writer.write(chunk);
+  writer.close();
   return report;
 }
 

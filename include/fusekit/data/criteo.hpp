@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <iosfwd>
 #include <memory>
 #include <optional>
 #include <span>
@@ -152,6 +153,27 @@ class SyntheticCriteo {
 // 160-byte little-endian records: i32 label, i32 dense[13], u32 sparse[26]. Raw values are kept
 // (hashing happens at load time), so one file serves any table size or hash mode.
 void write_binary(const std::filesystem::path& path, std::span<const RawRecord> records);
+
+// Streams records to a Criteo TSV or binary file, in order, through a temporary file that close()
+// renames into place (an unclosed writer removes it): for data sets larger than memory.
+enum class FileFormat { tsv, binary };
+class RecordWriter {
+ public:
+  RecordWriter(std::filesystem::path path, FileFormat format);
+  ~RecordWriter();
+  RecordWriter(const RecordWriter&) = delete;
+  RecordWriter& operator=(const RecordWriter&) = delete;
+  void write(std::span<const RawRecord> records);
+  void close();
+  std::int64_t count() const noexcept { return count_; }
+
+ private:
+  std::filesystem::path path_, tmp_;
+  FileFormat format_;
+  std::unique_ptr<std::ofstream> out_;
+  std::int64_t count_ = 0;
+  std::string line_;
+};
 // Converts a TSV (or .gz) file; returns the reader's report. Written atomically (temp + rename).
 ReadReport convert_tsv_to_binary(const std::filesystem::path& tsv, const std::filesystem::path& bin,
                                  const ReadOptions& options);
