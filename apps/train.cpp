@@ -364,8 +364,7 @@ int check_device(const TrainConfig& c, const char* command) {
 data::Featurizer make_featurizer(const TrainConfig& c) {
   data::Featurizer feat;
   if (!c.cardinalities.empty()) feat.cardinalities = c.cardinalities;
-  FK_CHECK_ARG(feat.cardinalities.size() == data::kNumSparse, "fusekit train", "cardinalities", "26 table sizes",
-               fmt::format("{}", feat.cardinalities.size()));
+  feat.validate();
   feat.max_ind_range = c.max_ind_range;
   feat.hash = data::parse_hash_mode(c.data_hash);
   return feat;

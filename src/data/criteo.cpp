@@ -27,6 +27,14 @@ HashMode parse_hash_mode(std::string_view name) {
 
 std::string_view hash_mode_name(HashMode m) { return m == HashMode::seed ? "seed" : "reference"; }
 
+void Featurizer::validate() const {
+  FK_CHECK_ARG(cardinalities.size() == kNumSparse, "data::Featurizer", "cardinalities", "26 table sizes",
+               fmt::format("{}", cardinalities.size()));
+  for (std::size_t t = 0; t < cardinalities.size(); ++t)
+    FK_CHECK_ARG(cardinalities[t] >= 1, "data::Featurizer", "cardinalities", "sizes >= 1",
+                 fmt::format("{} for table {}", cardinalities[t], t));
+}
+
 std::int64_t Featurizer::rows(int table) const {
   const std::int64_t c = cardinalities.at(static_cast<std::size_t>(table));
   return max_ind_range > 0 ? std::min(c, max_ind_range) : c;

@@ -1,5 +1,6 @@
-// Batches from raw records, and the loader that prepares them on a background thread: a ring of
-// `prefetch` batch slots, filled in order by the producer and handed out in order to the consumer.
+// Batches from raw records, and the loader that prepares them on background threads: a ring of
+// batch slots (max(prefetch, workers) + 1), filled by the workers (worker w makes batches w,
+// w + W, ...) and handed out in batch order to the consumer.
 #include <fmt/format.h>
 
 #include <condition_variable>
@@ -25,8 +26,7 @@ void ensure(Tensor& t, Dims shape, DType dtype, const HostAllocator& allocate) {
 
 void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch,
                 const HostAllocator& allocate) {
-  FK_CHECK_ARG(featurizer.cardinalities.size() == kNumSparse, "data::make_batch", "featurizer",
-               "26 cardinalities", fmt::format("{}", featurizer.cardinalities.size()));
+  featurizer.validate();
   const std::int64_t b = static_cast<std::int64_t>(records.size());
   batch.size = b;
   ensure(batch.labels, {b}, DType::f32, allocate);
@@ -99,6 +99,7 @@ BatchLoader::BatchLoader(std::shared_ptr<RecordSource> source, Featurizer featur
   FK_CHECK_ARG(options.batch_size >= 1, "data::BatchLoader", "batch_size", ">= 1", fmt::format("{}", options.batch_size));
   FK_CHECK_ARG(options.prefetch >= 1, "data::BatchLoader", "prefetch", ">= 1", fmt::format("{}", options.prefetch));
   FK_CHECK_ARG(options.workers >= 1, "data::BatchLoader", "workers", ">= 1", fmt::format("{}", options.workers));
+  featurizer.validate();
   const std::int64_t n = source->size();
   num_batches_ = options.drop_last ? n / options.batch_size : (n + options.batch_size - 1) / options.batch_size;
   State& s = *state_;

@@ -95,6 +95,11 @@ TEST(CriteoFeaturize, HashAndDenseTransformHandWorked) {
   EXPECT_FLOAT_EQ(Featurizer::dense_transform(5), 1.7917595f);   // log 6
   EXPECT_FLOAT_EQ(Featurizer::dense_transform(9), 2.3025851f);   // log 10
   EXPECT_EQ(parse_hash_mode("reference"), HashMode::reference);
+  Featurizer bad;
+  bad.cardinalities[7] = 0;
+  EXPECT_THROW(bad.validate(), Error);
+  bad.cardinalities.pop_back();
+  EXPECT_THROW(bad.validate(), Error);
   EXPECT_THROW(parse_hash_mode("md5"), Error);
 }
 

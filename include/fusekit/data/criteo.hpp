@@ -59,6 +59,8 @@ struct Featurizer {
   std::int64_t max_ind_range = 0;  // <= 0: tables as large as the cardinalities
   HashMode hash = HashMode::seed;
 
+  // Throws fk::Error unless there are 26 cardinalities, all >= 1.
+  void validate() const;
   std::int64_t rows(int table) const;      // min(cardinality, max_ind_range)
   std::vector<std::int64_t> table_rows() const;
   std::int64_t hash_index(int table, std::uint32_t v) const;
