@@ -172,6 +172,7 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
   cmd->add_option("--train-samples", f.train_samples, "Synthetic data: training samples per epoch");
   cmd->add_option("--test-samples", f.test_samples, "Synthetic data: test samples");
   cmd->add_option("--data-seed", f.data_seed, "Synthetic data: seed");
+  cmd->add_option("--test-fraction", f.test_fraction, "File data: the last fraction of the records is the test set (0.1)");
   cmd->add_flag("--strict-data", f.strict_data, "A malformed TSV line is an error (default: skipped and counted)");
   cmd->add_option("--optimizer", f.optimizer, "sgd (default) | adagrad");
   cmd->add_option("--learning-rate", f.learning_rate, "Learning rate (default 0.1)");
@@ -223,6 +224,7 @@ TrainConfig resolve(const TrainFlags& f) {
   over(c.test_samples, f.test_samples);
   over(c.data_seed, f.data_seed);
   if (f.strict_data) c.strict_data = true;
+  over(c.test_fraction, f.test_fraction);
   over(c.optimizer, f.optimizer);
   over(c.learning_rate, f.learning_rate);
   over(c.mini_batch_size, f.mini_batch_size);

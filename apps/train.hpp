@@ -62,7 +62,7 @@ struct TrainFlags {
   std::optional<std::int64_t> trace_steps, checkpoint_every, arch_sparse_feature_size, max_ind_range, train_samples, test_samples, mini_batch_size,
       test_mini_batch_size, epochs, steps, eval_every, print_every;
   std::optional<std::uint64_t> model_seed, data_seed;
-  std::optional<double> learning_rate;
+  std::optional<double> learning_rate, test_fraction;
   bool interaction_itself = false, strict_data = false, resume = false, dry_run = false;
 };
 
