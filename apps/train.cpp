@@ -168,7 +168,7 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
   cmd->add_flag("--arch-interaction-itself", f.interaction_itself, "dot: include each feature's dot with itself");
   cmd->add_option("--data", f.data, "synthetic (default), or a Criteo TSV (.gz) / fusekit binary file");
   cmd->add_option("--data-hash", f.data_hash, "seed: (v + 1) % rows (default); reference: v % rows");
-  cmd->add_option("--max-ind-range", f.max_ind_range, "Cap on rows per table (0: the full cardinalities)");
+  cmd->add_option("--max-ind-range", f.max_ind_range, "Cap on rows per table (default 100000; 0: the full Kaggle cardinalities)");
   cmd->add_option("--train-samples", f.train_samples, "Synthetic data: training samples per epoch");
   cmd->add_option("--test-samples", f.test_samples, "Synthetic data: test samples");
   cmd->add_option("--data-seed", f.data_seed, "Synthetic data: seed");
