@@ -33,15 +33,20 @@ void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer
   ensure(batch.dense, {b, kNumDense}, DType::f32, allocate);
   ensure(batch.indices, {kNumSparse * b}, DType::i64, allocate);
   ensure(batch.offsets, {kNumSparse * b + 1}, DType::i64, allocate);
+  ensure(batch.raw_sparse, {kNumSparse * b}, DType::i32, allocate);
   float* labels = batch.labels.data_as<float>();
   float* dense = batch.dense.data_as<float>();
   std::int64_t* idx = batch.indices.data_as<std::int64_t>();
   std::int64_t* off = batch.offsets.data_as<std::int64_t>();
+  std::uint32_t* raw = static_cast<std::uint32_t*>(batch.raw_sparse.data());
   for (std::int64_t i = 0; i < b; ++i) {
     const RawRecord& r = records[static_cast<std::size_t>(i)];
     labels[i] = static_cast<float>(r.label);
     for (int j = 0; j < kNumDense; ++j) dense[i * kNumDense + j] = Featurizer::dense_transform(r.dense[j]);
-    for (int t = 0; t < kNumSparse; ++t) idx[t * b + i] = featurizer.hash_index(t, r.sparse[t]);
+    for (int t = 0; t < kNumSparse; ++t) {
+      raw[t * b + i] = r.sparse[t];
+      idx[t * b + i] = featurizer.hash_index(t, r.sparse[t]);
+    }
   }
   for (std::int64_t k = 0; k <= kNumSparse * b; ++k) off[k] = k;
 }

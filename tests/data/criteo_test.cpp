@@ -273,6 +273,7 @@ TEST(BinaryFormat, TsvToBinaryToBatchesRoundTrip) {
       for (int t = 0; t < kNumSparse; ++t) {
         const std::int64_t idx = b->indices.data_as<std::int64_t>()[t * bs + i];
         ASSERT_EQ(idx, static_cast<std::int64_t>(r.sparse[t] % static_cast<std::uint64_t>(f.rows(t))));
+        ASSERT_EQ(static_cast<std::uint32_t>(b->raw_sparse.data_as<std::int32_t>()[t * bs + i]), r.sparse[t]);
         ASSERT_LT(idx, f.rows(t));
       }
     }
@@ -324,7 +325,7 @@ TEST(BatchLoader, BatchMemoryComesFromTheGivenAllocatorAndIsReused) {
   int batches = 0;
   while (loader.next()) ++batches;
   EXPECT_EQ(batches, 20);
-  EXPECT_EQ(calls.load(), 3 * 4);  // 3 slots x 4 tensors, allocated once
+  EXPECT_EQ(calls.load(), 3 * 5);  // 3 slots x 5 tensors, allocated once
 }
 
 // A source that fails past a given record, as a truncated or unreadable file would.

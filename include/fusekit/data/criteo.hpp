@@ -16,6 +16,7 @@
 //   dense   f32 [B, 13]
 //   indices i64 [nnz]        rows of all tables, table-major: table 0's bags, then table 1's, ...
 //   offsets i64 [26 * B + 1] bag (t, b) is indices[offsets[t*B + b], offsets[t*B + b + 1])
+//   raw_sparse i32 [26 * B]  the unhashed values, table-major (for a lookup with the hash fused in)
 // (TorchRec's KeyedJaggedTensor layout; Criteo data has one index per bag, so offsets = 0..26B.)
 #pragma once
 
@@ -207,6 +208,8 @@ struct Batch {
   Tensor dense;           // f32 [B, 13]
   Tensor indices;         // i64 [26 * B]
   Tensor offsets;         // i64 [26 * B + 1]
+  Tensor raw_sparse;      // i32 [26 * B], table-major: the unhashed 32-bit values (bit patterns),
+                          // for implementations that fuse the hash into the embedding lookup
 };
 
 // Host memory for a batch tensor of the given shape and dtype. The default is plain host memory
