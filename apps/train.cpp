@@ -96,6 +96,7 @@ void from_json(const json& j, TrainConfig& c) {
     take(d, "zipf_exponent", c.zipf_exponent, seen);
     take(d, "test_fraction", c.test_fraction, seen);
     take(d, "strict", c.strict_data, seen);
+    take(d, "workers", c.data_workers, seen);
     reject_unknown(d, seen, "data");
   }
   if (j.contains("training")) {
@@ -138,7 +139,8 @@ json to_json(const TrainConfig& c) {
             {"seed", c.data_seed},
             {"zipf_exponent", c.zipf_exponent},
             {"test_fraction", c.test_fraction},
-            {"strict", c.strict_data}}},
+            {"strict", c.strict_data},
+            {"workers", c.data_workers}}},
           {"training",
            {{"optimizer", c.optimizer},
             {"learning_rate", c.learning_rate},
@@ -173,6 +175,7 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
   cmd->add_option("--test-samples", f.test_samples, "Synthetic data: test samples");
   cmd->add_option("--data-seed", f.data_seed, "Synthetic data: seed");
   cmd->add_option("--test-fraction", f.test_fraction, "File data: the last fraction of the records is the test set (0.1)");
+  cmd->add_option("--data-workers", f.data_workers, "Threads preparing batches (default 1)");
   cmd->add_flag("--strict-data", f.strict_data, "A malformed TSV line is an error (default: skipped and counted)");
   cmd->add_option("--optimizer", f.optimizer, "sgd (default) | adagrad");
   cmd->add_option("--learning-rate", f.learning_rate, "Learning rate (default 0.1)");
@@ -225,6 +228,7 @@ TrainConfig resolve(const TrainFlags& f) {
   over(c.data_seed, f.data_seed);
   if (f.strict_data) c.strict_data = true;
   over(c.test_fraction, f.test_fraction);
+  over(c.data_workers, f.data_workers);
   over(c.optimizer, f.optimizer);
   over(c.learning_rate, f.learning_rate);
   over(c.mini_batch_size, f.mini_batch_size);
@@ -247,6 +251,8 @@ TrainConfig resolve(const TrainFlags& f) {
   FK_CHECK_ARG(c.epochs >= 1 || c.steps > 0, "fusekit train", "epochs", ">= 1 (or steps > 0)", fmt::format("{}", c.epochs));
   FK_CHECK_ARG(c.test_fraction >= 0 && c.test_fraction < 1, "fusekit train", "test_fraction", "in [0, 1)",
                fmt::format("{}", c.test_fraction));
+  FK_CHECK_ARG(c.data_workers >= 1 && c.data_workers <= 256, "fusekit train", "data_workers", "in [1, 256]",
+               fmt::format("{}", c.data_workers));
   FK_CHECK_ARG(c.learning_rate > 0, "fusekit train", "learning_rate", "> 0", fmt::format("{}", c.learning_rate));
   return c;
 }
@@ -293,8 +299,8 @@ Split load_data(const TrainConfig& c) {
 }
 
 models::BinaryMetrics evaluate(models::Dlrm& model, const std::shared_ptr<data::RecordSource>& test,
-                               const data::Featurizer& feat, std::int64_t batch) {
-  data::BatchLoader loader(test, feat, {.batch_size = batch});
+                               const data::Featurizer& feat, std::int64_t batch, int workers) {
+  data::BatchLoader loader(test, feat, {.batch_size = batch, .workers = workers});
   std::vector<float> probs, labels;
   probs.reserve(static_cast<std::size_t>(test->size()));
   labels.reserve(static_cast<std::size_t>(test->size()));
@@ -486,7 +492,7 @@ int run_train(const TrainFlags& flags) {
   auto window_start = clock::now();
   auto run_eval = [&](const char* when) {
     const auto t0 = clock::now();
-    const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size);
+    const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
     const double secs = std::chrono::duration<double>(clock::now() - t0).count();
     fmt::print("eval {} step {}: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples, {:.1f}% positive, {:.1f} s)\n",
                when, step, m.log_loss, m.auc, m.accuracy, m.samples, 100 * m.positive_rate, secs);
@@ -505,7 +511,7 @@ int run_train(const TrainFlags& flags) {
     // where the interrupted one stopped.
     const std::int64_t epoch = step / per_epoch, first = step % per_epoch;
     data::BatchLoader loader(data::slice_source(split.train, first * c.mini_batch_size, split.train->size()), feat,
-                             {.batch_size = c.mini_batch_size});
+                             {.batch_size = c.mini_batch_size, .workers = static_cast<int>(c.data_workers)});
     epoch_loss = 0;
     epoch_steps = 0;
     auto epoch_start = clock::now();
@@ -614,7 +620,7 @@ int run_eval(const EvalFlags& f) {
   model.load_state(in);
   const Split split = load_data(c);
   fmt::print("fusekit eval: {} (step {}), {}\n", f.checkpoint, h.step, split.description);
-  const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size);
+  const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
   fmt::print("eval: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples, {:.1f}% positive)\n", m.log_loss, m.auc,
              m.accuracy, m.samples, 100 * m.positive_rate);
   return 0;

@@ -33,6 +33,7 @@ struct TrainConfig {
   double zipf_exponent = 1.1;               // synthetic data
   double test_fraction = 0.1;               // file data: the last fraction of the records is the test set
   bool strict_data = false;                 // file data: a malformed line is an error, not skipped
+  std::int64_t data_workers = 1;            // threads preparing batches
   // training
   std::string optimizer = "sgd";
   double learning_rate = 0.1;
@@ -59,7 +60,7 @@ struct TrainFlags {
   std::string config;
   std::optional<std::string> arch_mlp_bot, arch_mlp_top, arch_interaction_op, data, data_hash, optimizer, device, impl,
       metrics_json, checkpoint, trace;
-  std::optional<std::int64_t> trace_steps, checkpoint_every, arch_sparse_feature_size, max_ind_range, train_samples, test_samples, mini_batch_size,
+  std::optional<std::int64_t> data_workers, trace_steps, checkpoint_every, arch_sparse_feature_size, max_ind_range, train_samples, test_samples, mini_batch_size,
       test_mini_batch_size, epochs, steps, eval_every, print_every;
   std::optional<std::uint64_t> model_seed, data_seed;
   std::optional<double> learning_rate, test_fraction;
