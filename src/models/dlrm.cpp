@@ -87,7 +87,11 @@ struct DlrmState {
   std::vector<std::vector<float>> adagrad_state;  // per Linear: weight then bias, flattened
   std::int64_t batch = 0;
   TraceRecorder* trace = nullptr;
-  std::vector<float> x, z, r, dr, dz, dx, logits, dlogits;
+  // Activations of the last forward and their gradients (F = tables + 1, I = interaction size):
+  std::vector<float> x, dx;         // bottom MLP output   [B, D]
+  std::vector<float> z, dz;         // [x, e_1 .. e_T]     [B, F, D]
+  std::vector<float> r, dr;         // interaction output  [B, I]
+  std::vector<float> logits, dlogits;  // train_step's     [B]
 
   static std::vector<std::int64_t> top_sizes(const DlrmConfig& c) {
     std::vector<std::int64_t> s{c.interaction_size()};
@@ -97,6 +101,7 @@ struct DlrmState {
 
   explicit DlrmState(DlrmConfig c)
       : config((c.validate(), std::move(c))),
+        // Philox subsequences: bottom layers from 0, top layers from 1000, tables from 2^40.
         bottom(config.bottom_mlp, true, config.seed, 0),
         top(top_sizes(config), false, config.seed, 1000),
         embeddings(config.table_rows, config.embedding_dim, config.seed, std::uint64_t{1} << 40),
