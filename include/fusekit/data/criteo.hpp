@@ -1,6 +1,6 @@
 // Criteo click data (family `data`): the raw Kaggle/Terabyte TSV format, a synthetic Criteo-like
 // generator whose labels a model can learn, a compact binary format, and a batch loader that
-// prefetches on a background thread.
+// prefetches on background threads.
 //
 // One sample of the Criteo format is a RawRecord: a 0/1 label, 13 integer ("count") features and
 // 26 categorical features given as 32-bit hex strings. Turning a RawRecord into model input is
