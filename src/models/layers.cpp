@@ -83,13 +83,17 @@ void Mlp::forward(const float* x, std::int64_t batch, float* y) {
 void Mlp::backward(const float* dy, float* dx) {
   grad_a_.assign(dy, dy + batch_ * layers.back().out());
   for (std::size_t l = layers.size(); l-- > 0;) {
-    const bool want_dx = l > 0 || dx != nullptr;
-    grad_b_.resize(want_dx ? static_cast<std::size_t>(batch_ * layers[l].in()) : 0);
-    layers[l].backward(l == 0 ? input_ : acts_[l].data(), acts_[l + 1].data(), grad_a_.data(), batch_,
-                       want_dx ? grad_b_.data() : nullptr);
-    std::swap(grad_a_, grad_b_);
+    // The first layer writes its input gradient straight to dx (it can be hundreds of MB).
+    float* out = nullptr;
+    if (l > 0) {
+      grad_b_.resize(static_cast<std::size_t>(batch_ * layers[l].in()));
+      out = grad_b_.data();
+    } else {
+      out = dx;
+    }
+    layers[l].backward(l == 0 ? input_ : acts_[l].data(), acts_[l + 1].data(), grad_a_.data(), batch_, out);
+    if (l > 0) std::swap(grad_a_, grad_b_);
   }
-  if (dx) std::copy(grad_a_.begin(), grad_a_.end(), dx);
 }
 
 // ---------------------------------------------------------------------------------------------
