@@ -2,6 +2,9 @@
 //   fusekit info                      build configuration and CUDA devices
 //   fusekit check                     the ops against their specs, on every device present
 //   fusekit bench [--filter F] [--json PATH] [--json-dir DIR]
+//   fusekit train [--config FILE.json] [DLRM flags]   (apps/train.cpp)
+//   fusekit eval --checkpoint PATH                     (apps/train.cpp)
+//   fusekit data synth|convert                         (apps/train.cpp)
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -9,6 +12,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "apps/train.hpp"
 #include "fusekit/fusekit.hpp"
 #include "ops/pointwise/seed_example.hpp"
 
@@ -132,8 +136,17 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--json", json, "Write all records as one JSON array to this file");
   bench_cmd->add_option("--json-dir", json_dir, "Write <family>.json per family (with the run's ceilings) here");
   bench_cmd->add_option("--min-runs", min_runs, "Timed runs per measurement, at least")->check(CLI::Range(5, 100000));
+  fk::app::TrainFlags train_flags;
+  auto* train_cmd = fk::app::add_train_command(app, train_flags);
+  fk::app::EvalFlags eval_flags;
+  auto* eval_cmd = fk::app::add_eval_command(app, eval_flags);
+  fk::app::DataFlags data_flags;
+  auto* data_cmd = fk::app::add_data_command(app, data_flags);
   CLI11_PARSE(app, argc, argv);
   try {
+    if (*train_cmd) return fk::app::run_train(train_flags);
+    if (*eval_cmd) return fk::app::run_eval(eval_flags);
+    if (*data_cmd) return fk::app::run_data(*data_cmd, data_flags);
     if (*info_cmd) return info();
     if (*check_cmd) return check();
     if (*bench_cmd) {

@@ -10,7 +10,7 @@ CUTLASS_VERSION=4.2.0.0
 BUILD_DIR=${FUSEKIT_BUILD_DIR:-build}
 
 packages=(build-essential cmake ninja-build git libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev
-          libdlpack-dev python3-pip unzip)
+          libdlpack-dev zlib1g-dev python3-pip unzip)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -9,6 +9,7 @@
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
 #include "fusekit/core/tensor.hpp"
+#include "fusekit/core/trace.hpp"
 #include "fusekit/ops/pointwise.hpp"
 #include "fusekit/ops/glu.hpp"
 #include "fusekit/ops/primitives.hpp"

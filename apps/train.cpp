@@ -1,0 +1,697 @@
+// `fusekit train`: DLRM trained on synthetic or real Criteo data, with the DLRM reference's flags,
+// a JSON config, progress lines, periodic evaluation and a metrics JSON; `fusekit data`.
+#include "apps/train.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sys/resource.h>
+#include <time.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <set>
+#include <thread>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/data/criteo.hpp"
+#include "fusekit/fusekit.hpp"
+#include "fusekit/models/dlrm.hpp"
+#include "fusekit/models/metrics.hpp"
+
+namespace fk::app {
+
+using nlohmann::json;
+
+namespace {
+
+// "13-512-256-64-16" -> {13, 512, 256, 64, 16}
+std::vector<std::int64_t> parse_sizes(const std::string& s, const char* flag) {
+  std::vector<std::int64_t> v;
+  std::size_t start = 0;
+  while (start <= s.size()) {
+    const std::size_t dash = s.find('-', start);
+    const std::string part = s.substr(start, dash == std::string::npos ? std::string::npos : dash - start);
+    std::size_t used = 0;
+    long long x = 0;
+    try {
+      x = std::stoll(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != part.size() || x < 1)
+      throw Error("fusekit train", flag, "layer sizes like 13-512-256-64-16", s);
+    v.push_back(x);
+    if (dash == std::string::npos) break;
+    start = dash + 1;
+  }
+  return v;
+}
+
+template <class T>
+void take(const json& section, const char* key, T& out, std::set<std::string>& seen) {
+  if (!section.contains(key)) return;
+  seen.insert(key);
+  try {
+    out = section.at(key).get<T>();
+  } catch (const json::exception& e) {
+    throw Error("fusekit train --config", key, "a value of the right type", e.what());
+  }
+}
+
+void reject_unknown(const json& section, const std::set<std::string>& seen, const std::string& name) {
+  for (const auto& [key, value] : section.items())
+    if (!seen.contains(key)) throw Error("fusekit train --config", name + "." + key, "a known key (see docs/dlrm.md)", key);
+}
+
+}  // namespace
+
+void from_json(const json& j, TrainConfig& c) {
+  if (!j.is_object()) throw Error("fusekit train --config", "file", "a JSON object", j.type_name());
+  for (const auto& [key, value] : j.items())
+    if (key != "model" && key != "data" && key != "training" && key != "comment")
+      throw Error("fusekit train --config", key, "sections model, data, training (and comment)", key);
+  if (j.contains("model")) {
+    const json& m = j.at("model");
+    std::set<std::string> seen;
+    take(m, "arch_mlp_bot", c.arch_mlp_bot, seen);
+    take(m, "arch_mlp_top", c.arch_mlp_top, seen);
+    take(m, "arch_sparse_feature_size", c.arch_sparse_feature_size, seen);
+    take(m, "arch_interaction_op", c.arch_interaction_op, seen);
+    take(m, "arch_interaction_itself", c.arch_interaction_itself, seen);
+    take(m, "seed", c.model_seed, seen);
+    reject_unknown(m, seen, "model");
+  }
+  if (j.contains("data")) {
+    const json& d = j.at("data");
+    std::set<std::string> seen;
+    take(d, "source", c.data, seen);
+    take(d, "cardinalities", c.cardinalities, seen);
+    take(d, "max_ind_range", c.max_ind_range, seen);
+    take(d, "hash", c.data_hash, seen);
+    take(d, "train_samples", c.train_samples, seen);
+    take(d, "test_samples", c.test_samples, seen);
+    take(d, "seed", c.data_seed, seen);
+    take(d, "zipf_exponent", c.zipf_exponent, seen);
+    take(d, "test_fraction", c.test_fraction, seen);
+    take(d, "strict", c.strict_data, seen);
+    take(d, "workers", c.data_workers, seen);
+    reject_unknown(d, seen, "data");
+  }
+  if (j.contains("training")) {
+    const json& t = j.at("training");
+    std::set<std::string> seen;
+    take(t, "optimizer", c.optimizer, seen);
+    take(t, "learning_rate", c.learning_rate, seen);
+    take(t, "mini_batch_size", c.mini_batch_size, seen);
+    take(t, "test_mini_batch_size", c.test_mini_batch_size, seen);
+    take(t, "epochs", c.epochs, seen);
+    take(t, "steps", c.steps, seen);
+    take(t, "eval_every", c.eval_every, seen);
+    take(t, "print_every", c.print_every, seen);
+    take(t, "device", c.device, seen);
+    take(t, "impl", c.impl, seen);
+    take(t, "metrics_json", c.metrics_json, seen);
+    take(t, "checkpoint", c.checkpoint, seen);
+    take(t, "trace", c.trace, seen);
+    take(t, "trace_steps", c.trace_steps, seen);
+    take(t, "checkpoint_every", c.checkpoint_every, seen);
+    reject_unknown(t, seen, "training");
+  }
+}
+
+json to_json(const TrainConfig& c) {
+  return {{"model",
+           {{"arch_mlp_bot", c.arch_mlp_bot},
+            {"arch_mlp_top", c.arch_mlp_top},
+            {"arch_sparse_feature_size", c.arch_sparse_feature_size},
+            {"arch_interaction_op", c.arch_interaction_op},
+            {"arch_interaction_itself", c.arch_interaction_itself},
+            {"seed", c.model_seed}}},
+          {"data",
+           {{"source", c.data},
+            {"cardinalities", c.cardinalities},
+            {"max_ind_range", c.max_ind_range},
+            {"hash", c.data_hash},
+            {"train_samples", c.train_samples},
+            {"test_samples", c.test_samples},
+            {"seed", c.data_seed},
+            {"zipf_exponent", c.zipf_exponent},
+            {"test_fraction", c.test_fraction},
+            {"strict", c.strict_data},
+            {"workers", c.data_workers}}},
+          {"training",
+           {{"optimizer", c.optimizer},
+            {"learning_rate", c.learning_rate},
+            {"mini_batch_size", c.mini_batch_size},
+            {"test_mini_batch_size", c.test_mini_batch_size},
+            {"epochs", c.epochs},
+            {"steps", c.steps},
+            {"eval_every", c.eval_every},
+            {"print_every", c.print_every},
+            {"device", c.device},
+            {"impl", c.impl},
+            {"metrics_json", c.metrics_json},
+            {"checkpoint", c.checkpoint},
+            {"trace", c.trace},
+            {"trace_steps", c.trace_steps},
+            {"checkpoint_every", c.checkpoint_every}}}};
+}
+
+CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
+  CLI::App* cmd = app.add_subcommand("train", "Train DLRM on synthetic or Criteo data (docs/dlrm.md)");
+  cmd->add_option("--config", f.config, "JSON file with the hyperparameters (configs/*.json); flags override it")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--arch-mlp-bot", f.arch_mlp_bot, "Bottom MLP sizes, input first (default 13-512-256-64-16)");
+  cmd->add_option("--arch-mlp-top", f.arch_mlp_top, "Top MLP sizes after the interaction (default 512-256-1)");
+  cmd->add_option("--arch-sparse-feature-size", f.arch_sparse_feature_size, "Embedding dimension (default 16)");
+  cmd->add_option("--arch-interaction-op", f.arch_interaction_op, "dot | cat | outer (default dot)");
+  cmd->add_flag("--arch-interaction-itself", f.interaction_itself, "dot: include each feature's dot with itself");
+  cmd->add_option("--data", f.data, "synthetic (default), or a Criteo TSV (.gz) / fusekit binary file");
+  cmd->add_option("--data-hash", f.data_hash, "seed: (v + 1) % rows (default); reference: v % rows");
+  cmd->add_option("--max-ind-range", f.max_ind_range, "Cap on rows per table (default 100000; 0: the full Kaggle cardinalities)");
+  cmd->add_option("--train-samples", f.train_samples, "Synthetic data: training samples per epoch");
+  cmd->add_option("--test-samples", f.test_samples, "Synthetic data: test samples");
+  cmd->add_option("--data-seed", f.data_seed, "Synthetic data: seed");
+  cmd->add_option("--test-fraction", f.test_fraction, "File data: the last fraction of the records is the test set (0.1)");
+  cmd->add_option("--data-workers", f.data_workers, "Threads preparing batches (default 1)");
+  cmd->add_flag("--strict-data", f.strict_data, "A malformed TSV line is an error (default: skipped and counted)");
+  cmd->add_option("--optimizer", f.optimizer, "sgd (default) | adagrad");
+  cmd->add_option("--learning-rate", f.learning_rate, "Learning rate (default 0.1)");
+  cmd->add_option("--mini-batch-size", f.mini_batch_size, "Training batch size (default 128)");
+  cmd->add_option("--test-mini-batch-size", f.test_mini_batch_size, "Evaluation batch size (default 4096)");
+  cmd->add_option("--epochs,--nepochs", f.epochs, "Passes over the training data (default 1)");
+  cmd->add_option("--steps,--num-batches", f.steps, "Stop after this many training steps");
+  cmd->add_option("--eval-every,--test-freq", f.eval_every, "Evaluate every this many steps (default: at the end)");
+  cmd->add_option("--print-every,--print-freq", f.print_every, "Progress line every this many steps (default 200)");
+  cmd->add_option("--seed", f.model_seed, "Model initialisation seed (default 1)");
+  cmd->add_option("--device", f.device, "cpu (default) | cuda");
+  cmd->add_option("--impl", f.impl, "reference (default) | fused");
+  cmd->add_option("--metrics-json", f.metrics_json, "Write the run's configuration, evaluations and summary here");
+  cmd->add_option("--trace", f.trace, "Chrome trace-event JSON of the step phases (chrome://tracing, Perfetto)");
+  cmd->add_option("--trace-steps", f.trace_steps, "Steps recorded in the trace (default 50)");
+  cmd->add_option("--checkpoint", f.checkpoint, "Save the training state here (atomically) at the end and at evaluations");
+  cmd->add_option("--checkpoint-every", f.checkpoint_every, "Also save every this many steps");
+  cmd->add_flag("--dry-run", f.dry_run, "Check the configuration, print the model and data it describes, exit");
+  cmd->add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
+  return cmd;
+}
+
+namespace {
+
+TrainConfig resolve(const TrainFlags& f) {
+  TrainConfig c;
+  if (!f.config.empty()) {
+    std::ifstream in(f.config);
+    json j;
+    try {
+      j = json::parse(in, nullptr, true, /*ignore_comments=*/true);
+    } catch (const json::exception& e) {
+      throw Error("fusekit train", "--config", "a JSON file", fmt::format("{}: {}", f.config, e.what()));
+    }
+    from_json(j, c);
+  }
+  auto over = [](auto& dst, const auto& src) {
+    if (src) dst = *src;
+  };
+  over(c.arch_mlp_bot, f.arch_mlp_bot);
+  over(c.arch_mlp_top, f.arch_mlp_top);
+  over(c.arch_sparse_feature_size, f.arch_sparse_feature_size);
+  over(c.arch_interaction_op, f.arch_interaction_op);
+  if (f.interaction_itself) c.arch_interaction_itself = true;
+  over(c.data, f.data);
+  over(c.data_hash, f.data_hash);
+  over(c.max_ind_range, f.max_ind_range);
+  over(c.train_samples, f.train_samples);
+  over(c.test_samples, f.test_samples);
+  over(c.data_seed, f.data_seed);
+  if (f.strict_data) c.strict_data = true;
+  over(c.test_fraction, f.test_fraction);
+  over(c.data_workers, f.data_workers);
+  over(c.optimizer, f.optimizer);
+  over(c.learning_rate, f.learning_rate);
+  over(c.mini_batch_size, f.mini_batch_size);
+  over(c.test_mini_batch_size, f.test_mini_batch_size);
+  over(c.epochs, f.epochs);
+  over(c.steps, f.steps);
+  over(c.eval_every, f.eval_every);
+  over(c.print_every, f.print_every);
+  over(c.model_seed, f.model_seed);
+  over(c.device, f.device);
+  over(c.impl, f.impl);
+  over(c.metrics_json, f.metrics_json);
+  over(c.checkpoint, f.checkpoint);
+  over(c.trace, f.trace);
+  over(c.trace_steps, f.trace_steps);
+  over(c.checkpoint_every, f.checkpoint_every);
+  FK_CHECK_ARG(c.mini_batch_size >= 1, "fusekit train", "mini_batch_size", ">= 1", fmt::format("{}", c.mini_batch_size));
+  FK_CHECK_ARG(c.test_mini_batch_size >= 1, "fusekit train", "test_mini_batch_size", ">= 1",
+               fmt::format("{}", c.test_mini_batch_size));
+  FK_CHECK_ARG(c.epochs >= 1 || c.steps > 0, "fusekit train", "epochs", ">= 1 (or steps > 0)", fmt::format("{}", c.epochs));
+  FK_CHECK_ARG(c.test_fraction >= 0 && c.test_fraction < 1, "fusekit train", "test_fraction", "in [0, 1)",
+               fmt::format("{}", c.test_fraction));
+  FK_CHECK_ARG(c.data_workers >= 1 && c.data_workers <= 256, "fusekit train", "data_workers", "in [1, 256]",
+               fmt::format("{}", c.data_workers));
+  FK_CHECK_ARG(c.learning_rate > 0, "fusekit train", "learning_rate", "> 0", fmt::format("{}", c.learning_rate));
+  return c;
+}
+
+struct Split {
+  std::shared_ptr<data::RecordSource> train, test;
+  std::string description;
+};
+
+Split load_data(const TrainConfig& c) {
+  Split s;
+  if (c.data == "synthetic") {
+    data::SyntheticConfig sc;
+    sc.seed = c.data_seed;
+    if (!c.cardinalities.empty()) sc.cardinalities = c.cardinalities;
+    sc.zipf_exponent = c.zipf_exponent;
+    FK_CHECK_ARG(c.train_samples >= 1 && c.test_samples >= 0, "fusekit train", "train_samples",
+                 ">= 1 training and >= 0 test samples", fmt::format("{} and {}", c.train_samples, c.test_samples));
+    auto all = data::synthetic_source(sc, c.train_samples + c.test_samples);
+    s.train = data::slice_source(all, 0, c.train_samples);
+    s.test = data::slice_source(all, c.train_samples, c.train_samples + c.test_samples);
+    s.description = fmt::format("synthetic Criteo-like data (seed {}, zipf {}): {} train, {} test samples", sc.seed,
+                                sc.zipf_exponent, c.train_samples, c.test_samples);
+    return s;
+  }
+  std::shared_ptr<data::RecordSource> all;
+  if (data::is_binary_file(c.data)) {
+    all = data::binary_source(c.data);
+    s.description = fmt::format("{} (fusekit binary): ", c.data);
+  } else {
+    data::ReadReport report;
+    std::vector<data::RawRecord> records = data::read_tsv(c.data, {.strict = c.strict_data}, report);
+    fmt::print("data: {}: {}\n", c.data, report.summary());
+    all = data::memory_source(std::move(records));
+    s.description = fmt::format("{} (Criteo TSV): ", c.data);
+  }
+  const std::int64_t n = all->size();
+  const std::int64_t n_test = static_cast<std::int64_t>(std::floor(static_cast<double>(n) * c.test_fraction));
+  FK_CHECK_ARG(n - n_test >= 1, "fusekit train", "data", "at least one training record", fmt::format("{} records", n));
+  s.train = data::slice_source(all, 0, n - n_test);
+  s.test = data::slice_source(all, n - n_test, n);
+  s.description += fmt::format("{} train, {} test records (the last {:.0f}%)", n - n_test, n_test, 100 * c.test_fraction);
+  return s;
+}
+
+models::BinaryMetrics evaluate(models::Dlrm& model, const std::shared_ptr<data::RecordSource>& test,
+                               const data::Featurizer& feat, std::int64_t batch, int workers) {
+  data::BatchLoader loader(test, feat, {.batch_size = batch, .workers = workers});
+  std::vector<float> probs, labels;
+  probs.reserve(static_cast<std::size_t>(test->size()));
+  labels.reserve(static_cast<std::size_t>(test->size()));
+  Tensor p;
+  while (const data::Batch* b = loader.next()) {
+    if (p.numel() != b->size) p = Tensor::empty({b->size}, DType::f32, Device::cpu());
+    model.predict({b->dense, b->indices, b->offsets}, p);
+    probs.insert(probs.end(), p.data_as<float>(), p.data_as<float>() + b->size);
+    labels.insert(labels.end(), b->labels.data_as<float>(), b->labels.data_as<float>() + b->size);
+  }
+  return models::evaluate_binary(probs, labels);
+}
+
+json metrics_record(const models::BinaryMetrics& m) {
+  return {{"samples", m.samples}, {"positive_rate", m.positive_rate}, {"logloss", m.log_loss},
+          {"auc", std::isnan(m.auc) ? json(nullptr) : json(m.auc)}, {"accuracy", m.accuracy}};
+}
+
+// CPU time of the calling thread: on a shared machine, samples per CPU-second of the training
+// thread says what the code does when wall-clock samples/s says what the machine allowed.
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+double peak_host_mb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
+}
+
+void write_json_atomically(const std::string& path, const json& j) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) throw Error("fusekit train", "--metrics-json", "a writable path", path);
+    out << j.dump(2) << "\n";
+    if (!out) throw Error("fusekit train", "--metrics-json", "a complete write", path);
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+std::string progress_bar(double fraction, int width = 24) {
+  const int filled = static_cast<int>(fraction * width);
+  std::string s(static_cast<std::size_t>(width), ' ');
+  for (int i = 0; i < filled && i < width; ++i) s[static_cast<std::size_t>(i)] = '=';
+  if (filled < width) s[static_cast<std::size_t>(filled)] = '>';
+  return "[" + s + "]";
+}
+
+}  // namespace
+
+namespace {
+
+// Exit code 2 and a clear line for what the CPU build cannot do yet; fk::Error for nonsense.
+int check_device(const TrainConfig& c, const char* command) {
+  if (c.device != "cpu") {
+    if (c.device.rfind("cuda", 0) == 0) {
+      std::cerr << command << ": --device " << c.device
+                << ": not yet: the GPU implementations of DLRM (--impl reference|fused on CUDA) are the next step; "
+                   "use --device cpu\n";
+      return 2;
+    }
+    throw Error(command, "--device", "cpu | cuda", c.device);
+  }
+  if (c.impl != "reference") {
+    if (c.impl == "fused") {
+      std::cerr << command << ": --impl fused runs on the GPU only (not yet written); the CPU runs --impl reference\n";
+      return 2;
+    }
+    throw Error(command, "--impl", "reference | fused", c.impl);
+  }
+  return 0;
+}
+
+data::Featurizer make_featurizer(const TrainConfig& c) {
+  data::Featurizer feat;
+  if (!c.cardinalities.empty()) feat.cardinalities = c.cardinalities;
+  feat.validate();
+  feat.max_ind_range = c.max_ind_range;
+  feat.hash = data::parse_hash_mode(c.data_hash);
+  return feat;
+}
+
+models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurizer& feat) {
+  models::DlrmConfig mc;
+  mc.bottom_mlp = parse_sizes(c.arch_mlp_bot, "--arch-mlp-bot");
+  mc.top_mlp = parse_sizes(c.arch_mlp_top, "--arch-mlp-top");
+  mc.embedding_dim = c.arch_sparse_feature_size;
+  mc.interaction = models::parse_interaction_op(c.arch_interaction_op);
+  mc.interaction_itself = c.arch_interaction_itself;
+  mc.table_rows = feat.table_rows();
+  mc.seed = c.model_seed;
+  FK_CHECK_ARG(mc.bottom_mlp.front() == data::kNumDense, "fusekit train", "--arch-mlp-bot",
+               "13 inputs (Criteo's integer features)", c.arch_mlp_bot);
+  mc.validate();
+  return mc;
+}
+
+// Checkpoint: "FKCKPT01", u64 step, u64 length + the run's config as JSON, then the model state.
+constexpr char kCheckpointMagic[8] = {'F', 'K', 'C', 'K', 'P', 'T', '0', '1'};
+
+void save_checkpoint(const std::string& path, std::int64_t step, const TrainConfig& c, const models::Dlrm& model) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error("fusekit train", "--checkpoint", "a writable path", path);
+    const std::string cfg = to_json(c).dump();
+    const std::uint64_t st = static_cast<std::uint64_t>(step), len = cfg.size();
+    out.write(kCheckpointMagic, 8);
+    out.write(reinterpret_cast<const char*>(&st), 8);
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out.write(cfg.data(), static_cast<std::streamsize>(len));
+    model.save_state(out);
+    out.flush();
+    if (!out) throw Error("fusekit train", "--checkpoint", "a complete write", path);
+  }
+  std::filesystem::rename(tmp, path);  // atomic: a crash leaves the previous checkpoint whole
+}
+
+struct CheckpointHeader {
+  std::int64_t step = 0;
+  json config;
+};
+
+// Reads the header and leaves `in` at the model state.
+CheckpointHeader read_checkpoint_header(std::ifstream& in, const std::string& path) {
+  char magic[8] = {};
+  std::uint64_t step = 0, len = 0;
+  in.read(magic, 8);
+  in.read(reinterpret_cast<char*>(&step), 8);
+  in.read(reinterpret_cast<char*>(&len), 8);
+  if (!in || !std::equal(magic, magic + 8, kCheckpointMagic) || len > (1u << 24))
+    throw Error("fusekit", "--checkpoint", "a fusekit DLRM checkpoint (FKCKPT01)", path);
+  std::string cfg(len, '\0');
+  in.read(cfg.data(), static_cast<std::streamsize>(len));
+  CheckpointHeader h;
+  h.step = static_cast<std::int64_t>(step);
+  h.config = json::parse(cfg);
+  return h;
+}
+
+}  // namespace
+
+int run_train(const TrainFlags& flags) {
+  using clock = std::chrono::steady_clock;
+  const TrainConfig c = resolve(flags);
+  FK_CHECK_ARG(!flags.resume || !c.checkpoint.empty(), "fusekit train", "--resume", "a --checkpoint path", "none");
+  const data::Featurizer feat = make_featurizer(c);
+  const models::DlrmConfig mc = make_model_config(c, feat);
+  const models::OptimizerConfig opt{.kind = models::parse_optimizer(c.optimizer),
+                                    .learning_rate = static_cast<float>(c.learning_rate)};
+
+  std::int64_t rows = 0;
+  for (std::int64_t r : mc.table_rows) rows += r;
+  if (flags.dry_run) {
+    fmt::print("fusekit train --dry-run: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows), {:.1f}M "
+               "parameters ({:.0f} MB), {} lr {} batch {}, data {}, device {}, impl {}\n",
+               c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,
+               mc.table_rows.size(), rows, static_cast<double>(mc.parameter_count()) / 1e6,
+               static_cast<double>(mc.parameter_count()) * 4 / 1e6, c.optimizer, c.learning_rate, c.mini_batch_size,
+               c.data, c.device, c.impl);
+    fmt::print("{}\n", to_json(c).dump(2));
+    return 0;
+  }
+  if (const int rc = check_device(c, "fusekit train")) return rc;
+  const Split split = load_data(c);
+  const auto t_init = clock::now();
+  models::Dlrm model(mc, Device::cpu());
+  fmt::print("fusekit train: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows, hash {}, max_ind_range {}), "
+             "{:.1f}M parameters ({:.0f} MB), {} lr {} batch {}, device cpu, impl reference\n",
+             c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,
+             mc.table_rows.size(), rows, c.data_hash, c.max_ind_range, static_cast<double>(mc.parameter_count()) / 1e6,
+             static_cast<double>(mc.parameter_count()) * 4 / 1e6, c.optimizer, c.learning_rate, c.mini_batch_size);
+  fmt::print("data: {}\n", split.description);
+  fmt::print("init: {:.1f} s\n", std::chrono::duration<double>(clock::now() - t_init).count());
+
+  const std::int64_t per_epoch = (split.train->size() + c.mini_batch_size - 1) / c.mini_batch_size;
+  const std::int64_t total = c.steps > 0 ? c.steps : per_epoch * c.epochs;
+  std::int64_t step = 0, samples = 0;
+  if (flags.resume && std::filesystem::exists(c.checkpoint)) {
+    std::ifstream in(c.checkpoint, std::ios::binary);
+    step = read_checkpoint_header(in, c.checkpoint).step;
+    model.load_state(in);
+    fmt::print("resumed from {} at step {}\n", c.checkpoint, step);
+  }
+  std::unique_ptr<TraceRecorder> trace;
+  if (!c.trace.empty()) {
+    trace = std::make_unique<TraceRecorder>();
+    model.set_trace(trace.get());
+  }
+  const std::int64_t trace_until = step + c.trace_steps;
+  json evals = json::array();
+  double train_seconds = 0, train_cpu_seconds = 0, window_loss = 0, epoch_loss = 0, last_epoch_loss = 0;
+  std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0;
+  auto window_start = clock::now();
+  auto run_eval = [&](const char* when) {
+    const auto t0 = clock::now();
+    const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
+    const double secs = std::chrono::duration<double>(clock::now() - t0).count();
+    fmt::print("eval {} step {}: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples, {:.1f}% positive, {:.1f} s)\n",
+               when, step, m.log_loss, m.auc, m.accuracy, m.samples, 100 * m.positive_rate, secs);
+    json r = metrics_record(m);
+    r["step"] = step;
+    evals.push_back(r);
+    return m;
+  };
+  auto checkpoint = [&] {
+    if (c.checkpoint.empty()) return;
+    save_checkpoint(c.checkpoint, step, c, model);
+    fmt::print("checkpoint: step {} saved to {}\n", step, c.checkpoint);
+  };
+  while (step < total) {
+    // Batch k of an epoch is records [k B, (k + 1) B): a resumed run starts mid-epoch exactly
+    // where the interrupted one stopped.
+    const std::int64_t epoch = step / per_epoch, first = step % per_epoch;
+    data::BatchLoader loader(data::slice_source(split.train, first * c.mini_batch_size, split.train->size()), feat,
+                             {.batch_size = c.mini_batch_size, .workers = static_cast<int>(c.data_workers)});
+    epoch_loss = 0;
+    epoch_steps = 0;
+    auto epoch_start = clock::now();
+    double epoch_cpu_start = thread_cpu_seconds();
+    while (step < total) {
+      if (trace && step == trace_until) model.set_trace(nullptr);
+      TraceRecorder* tr = step < trace_until ? trace.get() : nullptr;
+      const data::Batch* b = nullptr;
+      {
+        const auto scope = trace_scope(tr, "data.wait");
+        b = loader.next();
+      }
+      if (!b) break;
+      double loss = 0;
+      {
+        const auto scope = trace_scope(tr, "train_step", "train");
+        loss = model.train_step({b->dense, b->indices, b->offsets}, b->labels, opt);
+      }
+      ++step;
+      samples += b->size;
+      window_loss += loss;
+      epoch_loss += loss;
+      ++window_steps;
+      ++epoch_steps;
+      window_samples += b->size;
+      if (c.print_every > 0 && (step % c.print_every == 0 || step == total)) {
+        const double secs = std::chrono::duration<double>(clock::now() - window_start).count();
+        fmt::print("epoch {} step {}/{} {} {:5.1f}%  loss {:.5f}  {:.0f} samples/s\n", epoch, step, total,
+                   progress_bar(static_cast<double>(step) / static_cast<double>(total)),
+                   100.0 * static_cast<double>(step) / static_cast<double>(total), window_loss / window_steps,
+                   static_cast<double>(window_samples) / secs);
+        std::fflush(stdout);
+        window_loss = 0;
+        window_steps = 0;
+        window_samples = 0;
+        window_start = clock::now();
+      }
+      const bool eval_now = c.eval_every > 0 && step % c.eval_every == 0 && step < total;
+      const bool save_now = c.checkpoint_every > 0 && step % c.checkpoint_every == 0 && step < total;
+      if (eval_now || save_now) {
+        // Evaluation and checkpoint time is not training time.
+        train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
+        train_cpu_seconds += thread_cpu_seconds() - epoch_cpu_start;
+        if (eval_now) run_eval("at");
+        checkpoint();
+        epoch_start = clock::now();
+        epoch_cpu_start = thread_cpu_seconds();
+        window_start = clock::now();
+      }
+    }
+    train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
+    train_cpu_seconds += thread_cpu_seconds() - epoch_cpu_start;
+    if (epoch_steps > 0) last_epoch_loss = epoch_loss / static_cast<double>(epoch_steps);
+    if (epoch_steps == 0) break;
+  }
+  const models::BinaryMetrics final_m = run_eval("final,");
+  checkpoint();
+  if (trace) {
+    trace->write(c.trace);
+    fmt::print("trace: {} events of the first {} steps in {}\n", trace->size(), std::min(c.trace_steps, step), c.trace);
+  }
+  const double sps = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0.0;
+  const double cpu_sps = train_cpu_seconds > 0 ? static_cast<double>(samples) / train_cpu_seconds : 0.0;
+  fmt::print("summary: train loss {:.5f} (mean over the last epoch), test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f}, "
+             "{:.0f} samples/s ({} steps, {} samples, {:.1f} s training; {:.0f} samples per CPU-second of the "
+             "training thread), peak host memory {:.0f} MB\n",
+             last_epoch_loss, final_m.log_loss, final_m.auc, final_m.accuracy, sps, step, samples, train_seconds, cpu_sps,
+             peak_host_mb());
+  if (!c.metrics_json.empty()) {
+    json out = {{"config", to_json(c)},
+                {"device", "cpu"},
+                {"impl", "reference"},
+                {"commit", fk::build_info().commit},
+                {"evaluations", evals},
+                {"summary",
+                 {{"train_loss", last_epoch_loss},
+                  {"test", metrics_record(final_m)},
+                  {"samples_per_s", sps},
+                  {"samples_per_cpu_s", cpu_sps},
+                  {"steps", step},
+                  {"samples", samples},
+                  {"train_seconds", train_seconds},
+                  {"peak_host_mb", peak_host_mb()}}}};
+    write_json_atomically(c.metrics_json, out);
+    fmt::print("metrics: {}\n", c.metrics_json);
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// fusekit eval
+// ---------------------------------------------------------------------------------------------
+
+CLI::App* add_eval_command(CLI::App& app, EvalFlags& f) {
+  CLI::App* cmd = app.add_subcommand("eval", "Test metrics of a DLRM checkpoint (from fusekit train --checkpoint)");
+  cmd->add_option("--checkpoint", f.checkpoint, "Checkpoint file")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--data", f.data, "Evaluate on this data's test split instead of the run's");
+  cmd->add_option("--test-mini-batch-size", f.test_mini_batch_size, "Evaluation batch size");
+  return cmd;
+}
+
+int run_eval(const EvalFlags& f) {
+  std::ifstream in(f.checkpoint, std::ios::binary);
+  const CheckpointHeader h = read_checkpoint_header(in, f.checkpoint);
+  TrainConfig c;
+  from_json(h.config, c);
+  if (f.data) c.data = *f.data;
+  if (f.test_mini_batch_size) c.test_mini_batch_size = *f.test_mini_batch_size;
+  c.device = "cpu";
+  c.impl = "reference";
+  const data::Featurizer feat = make_featurizer(c);
+  models::Dlrm model(make_model_config(c, feat), Device::cpu());
+  model.load_state(in);
+  const Split split = load_data(c);
+  fmt::print("fusekit eval: {} (step {}), {}\n", f.checkpoint, h.step, split.description);
+  const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
+  fmt::print("eval: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples, {:.1f}% positive)\n", m.log_loss, m.auc,
+             m.accuracy, m.samples, 100 * m.positive_rate);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// fusekit data
+// ---------------------------------------------------------------------------------------------
+
+CLI::App* add_data_command(CLI::App& app, DataFlags& f) {
+  CLI::App* cmd = app.add_subcommand("data", "Criteo data tools: write synthetic data as TSV, convert TSV to binary");
+  cmd->require_subcommand(1);
+  CLI::App* synth = cmd->add_subcommand("synth", "Write synthetic Criteo-like samples as a Criteo TSV file");
+  synth->add_option("--rows", f.rows, "Samples to write")->check(CLI::PositiveNumber);
+  synth->add_option("--seed", f.seed, "Generator seed (as fusekit train --data-seed)");
+  synth->add_option("--out", f.out, "Output file: Criteo TSV, or the fusekit binary format when it ends in .bin")
+      ->required();
+  CLI::App* convert = cmd->add_subcommand("convert", "Convert a Criteo TSV (.gz) file to the fusekit binary format");
+  convert->add_option("in", f.in, "Criteo TSV file, plain or gzip")->required()->check(CLI::ExistingFile);
+  convert->add_option("out", f.out, "Binary output file")->required();
+  convert->add_flag("--strict", f.strict, "Stop at the first malformed line");
+  return cmd;
+}
+
+int run_data(CLI::App& data_cmd, const DataFlags& f) {
+  if (*data_cmd.get_subcommand("synth")) {
+    data::SyntheticConfig sc;
+    sc.seed = f.seed;
+    const data::SyntheticCriteo gen(sc);
+    const bool binary = std::filesystem::path(f.out).extension() == ".bin";
+    data::RecordWriter writer(f.out, binary ? data::FileFormat::binary : data::FileFormat::tsv);
+    // Chunks of 1M samples, each generated on every core (samples are independent), then written.
+    const std::int64_t threads = std::clamp<std::int64_t>(std::thread::hardware_concurrency(), 1, 64);
+    std::vector<data::RawRecord> records;
+    for (std::int64_t begin = 0; begin < f.rows; begin += std::int64_t{1} << 20) {
+      const std::int64_t n = std::min(std::int64_t{1} << 20, f.rows - begin);
+      records.resize(static_cast<std::size_t>(n));
+      const std::int64_t chunk = (n + threads - 1) / threads;
+      std::vector<std::thread> pool;
+      for (std::int64_t t = 0; t * chunk < n; ++t)
+        pool.emplace_back([&, t] {
+          const std::int64_t b = t * chunk, m = std::min(chunk, n - b);
+          gen.generate(begin + b, std::span(records).subspan(static_cast<std::size_t>(b), static_cast<std::size_t>(m)));
+        });
+      for (std::thread& th : pool) th.join();
+      writer.write(records);
+    }
+    writer.close();
+    fmt::print("data: wrote {} synthetic samples (seed {}) to {} ({})\n", f.rows, f.seed, f.out,
+               binary ? "fusekit binary" : "Criteo TSV");
+    return 0;
+  }
+  const data::ReadReport report = data::convert_tsv_to_binary(f.in, f.out, {.strict = f.strict});
+  fmt::print("data: {}: {}\ndata: wrote {} records to {}\n", f.in, report.summary(), report.records, f.out);
+  return 0;
+}
+
+}  // namespace fk::app

@@ -1,0 +1,144 @@
+// DLRM (Naumov et al. 2019), as dlrm_s_pytorch.py defines it:
+//
+//   x  = bottom_mlp(dense)                       dense [B, 13] -> x [B, D], ReLU after every layer
+//   e_t = sum of table_t rows over bag (t, b)    one table per categorical feature, [rows_t, D]
+//   Z  = [x, e_1, ..., e_T]                      [B, F, D], F = T + 1
+//   R  = interaction(Z)
+//        dot:   [x, <Z_i, Z_j> for i in 0..F-1, j < i]    D + F(F-1)/2 features (367 for Kaggle)
+//        cat:   Z flattened                                F*D
+//        outer: the seed's flatten(c cᵀ), c = Z flattened  (F*D)^2 (186,624 for Kaggle)
+//   p  = sigmoid(top_mlp(R))                     ReLU after every top layer but the last
+//   loss = BCE(p, label), mean over the batch (computed from the logit, stably)
+//
+// Initialisation as the reference: a Linear(n -> m) has W ~ N(0, sqrt(2 / (m + n))),
+// b ~ N(0, sqrt(1 / m)); table t has rows ~ U(-sqrt(1 / rows_t), sqrt(1 / rows_t)); all from the
+// Philox stream of `seed` (one subsequence per parameter), so a model is reproducible.
+//
+// Training: forward() keeps what backward() needs; backward() overwrites (=) the dense gradients
+// and the sparse embedding gradients (per table: the distinct rows touched and their summed
+// gradients, as PyTorch's sparse EmbeddingBag gradient coalesced); step() applies SGD or Adagrad
+// (PyTorch's update: state += g^2, p -= lr g / (sqrt(state) + eps); rows not touched by the
+// batch are not updated, as with sparse gradients).
+//
+// This is the `--impl reference` CPU backend: plain float32 loops and a blocked CPU GEMM. The
+// GPU implementations take the same config and the same Batch layout (see data/criteo.hpp).
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fusekit/core/tensor.hpp"
+
+namespace fk {
+class TraceRecorder;
+}
+
+namespace fk::models {
+
+enum class InteractionOp { dot, cat, outer };
+InteractionOp parse_interaction_op(std::string_view name);  // "dot" | "cat" | "outer"
+std::string_view interaction_op_name(InteractionOp op);
+
+enum class OptimizerKind { sgd, adagrad };
+OptimizerKind parse_optimizer(std::string_view name);  // "sgd" | "adagrad"
+std::string_view optimizer_name(OptimizerKind k);
+
+struct OptimizerConfig {
+  OptimizerKind kind = OptimizerKind::sgd;
+  float learning_rate = 0.1f;
+  float eps = 1e-10f;                // Adagrad (PyTorch's default)
+  float initial_accumulator = 0.0f;  // Adagrad
+};
+
+struct DlrmConfig {
+  std::vector<std::int64_t> bottom_mlp = {13, 512, 256, 64, 16};  // input first, last == embedding_dim
+  std::vector<std::int64_t> top_mlp = {512, 256, 1};               // the input (interaction) size is derived
+  std::int64_t embedding_dim = 16;
+  std::vector<std::int64_t> table_rows;  // one table per categorical feature
+  InteractionOp interaction = InteractionOp::dot;
+  bool interaction_itself = false;  // dot: include the diagonal <Z_i, Z_i>
+  std::uint64_t seed = 1;
+
+  std::int64_t num_features() const { return static_cast<std::int64_t>(table_rows.size()) + 1; }
+  std::int64_t interaction_size() const;
+  // Throws fk::Error naming the field that is inconsistent.
+  void validate() const;
+  std::int64_t parameter_count() const;
+};
+
+// One batch of model input (host tensors for the CPU backend):
+//   dense   f32 [B, bottom_mlp[0]]
+//   indices i64 [nnz]        all tables' rows, table-major
+//   offsets i64 [T * B + 1]  bag (t, b) is indices[offsets[t*B + b], offsets[t*B + b + 1])
+struct DlrmInput {
+  TensorView dense;
+  TensorView indices;
+  TensorView offsets;
+};
+
+// Sparse gradient of one table: `rows` distinct (ascending), `values` [rows.size(), D].
+struct SparseGrad {
+  std::vector<std::int64_t> rows;
+  std::vector<float> values;
+};
+
+namespace detail {
+struct DlrmState;
+}
+
+class Dlrm {
+ public:
+  Dlrm(DlrmConfig config, Device device);
+  ~Dlrm();
+  Dlrm(Dlrm&&) noexcept;
+  Dlrm& operator=(Dlrm&&) noexcept;
+
+  const DlrmConfig& config() const noexcept;
+
+  // logits f32 [B] (the sigmoid is applied by the loss and by predict()). input.dense must stay
+  // valid and unchanged until backward() (the bottom MLP reads it there).
+  void forward(const DlrmInput& input, const TensorView& logits);
+  // From dlogits f32 [B] (dL/dlogit): every gradient, for the last forward().
+  void backward(const TensorView& dlogits);
+  void step(const OptimizerConfig& opt);
+
+  // forward + BCE loss + backward + step; returns the mean loss of the batch.
+  double train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt);
+  // Click probabilities f32 [B].
+  void predict(const DlrmInput& input, const TensorView& probabilities);
+
+  // Records each phase of forward / backward / step (bottom_mlp.fwd, embeddings.fwd, ...) on
+  // `trace` until set back to null.
+  void set_trace(TraceRecorder* trace) noexcept;
+
+  // Parameters and gradients, for tests and checkpoints: the MLP layers in order (bottom, then
+  // top), each weight [out, in] and bias [out]; the tables [rows_t, D].
+  struct LinearParams {
+    Tensor* weight;
+    Tensor* bias;
+    Tensor* weight_grad;
+    Tensor* bias_grad;
+  };
+  std::vector<LinearParams> linear_layers();
+  std::vector<Tensor*> tables();
+  const std::vector<SparseGrad>& table_grads() const;
+
+  // The training state (every parameter and the optimizer state) as a binary stream, so that a
+  // run resumed from it computes exactly what the uninterrupted run would have. load_state
+  // throws fk::Error when the stream's shapes do not match this model's configuration.
+  void save_state(std::ostream& out) const;
+  void load_state(std::istream& in);
+
+ private:
+  std::unique_ptr<detail::DlrmState> s_;
+};
+
+// Mean binary cross-entropy of sigmoid(logits) against labels (0/1), computed stably from the
+// logits; writes dL/dlogit = (sigmoid(logit) - label) / B when dlogits is given.
+double bce_with_logits(const TensorView& logits, const TensorView& labels, const TensorView* dlogits);
+
+}  // namespace fk::models

@@ -1,0 +1,147 @@
+// Batches from raw records, and the loader that prepares them on background threads: a ring of
+// batch slots (max(prefetch, workers) + 1), filled by the workers (worker w makes batches w,
+// w + W, ...) and handed out in batch order to the consumer.
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/data/criteo.hpp"
+
+namespace fk::data {
+
+namespace {
+
+void ensure(Tensor& t, Dims shape, DType dtype, const HostAllocator& allocate) {
+  if (t.dtype() == dtype && t.shape() == shape && t.data() != nullptr) return;
+  t = allocate ? allocate(shape, dtype) : Tensor::empty(shape, dtype, Device::cpu());
+  FK_CHECK_ARG(t.device().is_cpu() && t.shape() == shape && t.dtype() == dtype, "data::make_batch", "allocate",
+               fmt::format("host {} {}", dtype_name(dtype), shape.str()), t.view().str());
+}
+
+}  // namespace
+
+void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch,
+                const HostAllocator& allocate) {
+  featurizer.validate();
+  const std::int64_t b = static_cast<std::int64_t>(records.size());
+  batch.size = b;
+  ensure(batch.labels, {b}, DType::f32, allocate);
+  ensure(batch.dense, {b, kNumDense}, DType::f32, allocate);
+  ensure(batch.indices, {kNumSparse * b}, DType::i64, allocate);
+  ensure(batch.offsets, {kNumSparse * b + 1}, DType::i64, allocate);
+  ensure(batch.raw_sparse, {kNumSparse * b}, DType::i32, allocate);
+  float* labels = batch.labels.data_as<float>();
+  float* dense = batch.dense.data_as<float>();
+  std::int64_t* idx = batch.indices.data_as<std::int64_t>();
+  std::int64_t* off = batch.offsets.data_as<std::int64_t>();
+  std::uint32_t* raw = static_cast<std::uint32_t*>(batch.raw_sparse.data());
+  for (std::int64_t i = 0; i < b; ++i) {
+    const RawRecord& r = records[static_cast<std::size_t>(i)];
+    labels[i] = static_cast<float>(r.label);
+    for (int j = 0; j < kNumDense; ++j) dense[i * kNumDense + j] = Featurizer::dense_transform(r.dense[j]);
+    for (int t = 0; t < kNumSparse; ++t) {
+      raw[t * b + i] = r.sparse[t];
+      idx[t * b + i] = featurizer.hash_index(t, r.sparse[t]);
+    }
+  }
+  for (std::int64_t k = 0; k <= kNumSparse * b; ++k) off[k] = k;
+}
+
+struct BatchLoader::State {
+  std::shared_ptr<RecordSource> source;
+  Featurizer featurizer;
+  LoaderOptions options;
+  std::int64_t num_batches = 0;
+
+  std::vector<Batch> slots;
+  std::vector<std::int64_t> ready;  // per slot: the batch it holds, ready for the consumer (-1: none)
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::int64_t handed = 0;    // batches handed to the consumer
+  std::int64_t released = 0;  // batches whose slot the consumer has given back
+  bool stop = false;
+  std::exception_ptr error;
+  std::vector<std::thread> workers;
+
+  std::int64_t num_slots() const { return static_cast<std::int64_t>(slots.size()); }
+
+  // Worker w makes batches w, w + W, w + 2W, ...; batch k goes to slot k % slots once the batch
+  // that slot held before (k - slots) has been given back.
+  void produce(std::int64_t w, std::int64_t num_workers) {
+    std::vector<RawRecord> records;
+    try {
+      for (std::int64_t k = w; k < num_batches; k += num_workers) {
+        {
+          std::unique_lock lock(mutex);
+          changed.wait(lock, [&] { return stop || k - released < num_slots(); });
+          if (stop) return;
+        }
+        const std::int64_t begin = k * options.batch_size;
+        const std::int64_t n = std::min(options.batch_size, source->size() - begin);
+        records.resize(static_cast<std::size_t>(n));
+        source->read(begin, records);
+        make_batch(records, featurizer, slots[static_cast<std::size_t>(k % num_slots())], options.allocate);
+        {
+          std::lock_guard lock(mutex);
+          ready[static_cast<std::size_t>(k % num_slots())] = k;
+        }
+        changed.notify_all();
+      }
+    } catch (...) {
+      std::lock_guard lock(mutex);
+      if (!error) error = std::current_exception();
+      changed.notify_all();
+    }
+  }
+};
+
+BatchLoader::BatchLoader(std::shared_ptr<RecordSource> source, Featurizer featurizer, LoaderOptions options)
+    : state_(std::make_unique<State>()) {
+  FK_CHECK_ARG(options.batch_size >= 1, "data::BatchLoader", "batch_size", ">= 1", fmt::format("{}", options.batch_size));
+  FK_CHECK_ARG(options.prefetch >= 1, "data::BatchLoader", "prefetch", ">= 1", fmt::format("{}", options.prefetch));
+  FK_CHECK_ARG(options.workers >= 1, "data::BatchLoader", "workers", ">= 1", fmt::format("{}", options.workers));
+  featurizer.validate();
+  const std::int64_t n = source->size();
+  num_batches_ = options.drop_last ? n / options.batch_size : (n + options.batch_size - 1) / options.batch_size;
+  State& s = *state_;
+  s.source = std::move(source);
+  s.featurizer = std::move(featurizer);
+  s.options = options;
+  s.num_batches = num_batches_;
+  // The consumer holds one slot while the workers fill the others; at least one slot per worker.
+  const std::size_t slots = static_cast<std::size_t>(std::max(options.prefetch, options.workers)) + 1;
+  s.slots.resize(slots);
+  s.ready.assign(slots, -1);
+  for (int w = 0; w < options.workers; ++w) s.workers.emplace_back([&s, w, options] { s.produce(w, options.workers); });
+}
+
+BatchLoader::~BatchLoader() {
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->stop = true;
+  }
+  state_->changed.notify_all();
+  for (std::thread& t : state_->workers) t.join();
+}
+
+const Batch* BatchLoader::next() {
+  State& s = *state_;
+  std::unique_lock lock(s.mutex);
+  // The batch handed out last time is given back now: its slot may be refilled.
+  const std::int64_t k = s.handed;
+  s.released = k;
+  s.changed.notify_all();
+  s.changed.wait(lock, [&] {
+    return s.error || k >= s.num_batches || s.ready[static_cast<std::size_t>(k % s.num_slots())] == k;
+  });
+  if (s.error) std::rethrow_exception(s.error);
+  if (k >= s.num_batches) return nullptr;
+  ++s.handed;
+  return &s.slots[static_cast<std::size_t>(k % static_cast<std::int64_t>(s.slots.size()))];
+}
+
+}  // namespace fk::data

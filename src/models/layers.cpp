@@ -1,0 +1,278 @@
+#include "models/layers.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/core/random.hpp"
+#include "models/cpu_gemm.hpp"
+
+namespace fk::models::cpu {
+
+namespace {
+
+constexpr std::uint64_t kBiasStream = std::uint64_t{1} << 32;
+
+Tensor host_f32(Dims shape) { return Tensor::empty(shape, DType::f32, Device::cpu()); }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Linear
+// ---------------------------------------------------------------------------------------------
+
+Linear::Linear(std::int64_t in, std::int64_t out, bool relu, std::uint64_t seed, std::uint64_t subsequence)
+    : weight(host_f32({out, in})), bias(host_f32({out})), weight_grad(host_f32({out, in})),
+      bias_grad(host_f32({out})), relu_(relu) {
+  fill_normal(weight, 0.0f, static_cast<float>(std::sqrt(2.0 / static_cast<double>(in + out))), {seed, subsequence});
+  fill_normal(bias, 0.0f, static_cast<float>(std::sqrt(1.0 / static_cast<double>(out))),
+              {seed, subsequence + kBiasStream});
+  fill(weight_grad, 0.0);
+  fill(bias_grad, 0.0);
+}
+
+void Linear::forward(const float* x, std::int64_t batch, float* y) const {
+  const std::int64_t n = out(), k = in();
+  sgemm(false, true, batch, n, k, 1.0f, x, k, weight.data_as<float>(), k, 0.0f, y, n);
+  const float* b = bias.data_as<float>();
+  for (std::int64_t i = 0; i < batch; ++i) {
+    float* row = y + i * n;
+    for (std::int64_t j = 0; j < n; ++j) row[j] += b[j];
+    if (relu_)
+      for (std::int64_t j = 0; j < n; ++j) row[j] = std::max(row[j], 0.0f);
+  }
+}
+
+void Linear::backward(const float* x, const float* y, float* dy, std::int64_t batch, float* dx) {
+  const std::int64_t n = out(), k = in();
+  if (relu_)
+    for (std::int64_t i = 0; i < batch * n; ++i)
+      if (!(y[i] > 0.0f)) dy[i] = 0.0f;
+  sgemm(true, false, n, k, batch, 1.0f, dy, n, x, k, 0.0f, weight_grad.data_as<float>(), k);
+  float* db = bias_grad.data_as<float>();
+  std::fill(db, db + n, 0.0f);
+  for (std::int64_t i = 0; i < batch; ++i)
+    for (std::int64_t j = 0; j < n; ++j) db[j] += dy[i * n + j];
+  if (dx) sgemm(false, false, batch, k, n, 1.0f, dy, n, weight.data_as<float>(), k, 0.0f, dx, k);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mlp
+// ---------------------------------------------------------------------------------------------
+
+Mlp::Mlp(const std::vector<std::int64_t>& sizes, bool relu_last, std::uint64_t seed, std::uint64_t first_subsequence) {
+  for (std::size_t l = 0; l + 1 < sizes.size(); ++l)
+    layers.emplace_back(sizes[l], sizes[l + 1], relu_last || l + 2 < sizes.size(), seed, first_subsequence + l);
+  acts_.resize(layers.size() + 1);
+}
+
+void Mlp::forward(const float* x, std::int64_t batch, float* y) {
+  batch_ = batch;
+  input_ = x;
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    acts_[l + 1].resize(static_cast<std::size_t>(batch * layers[l].out()));
+    layers[l].forward(l == 0 ? x : acts_[l].data(), batch, acts_[l + 1].data());
+  }
+  std::copy(acts_.back().begin(), acts_.back().end(), y);
+}
+
+void Mlp::backward(const float* dy, float* dx) {
+  grad_a_.assign(dy, dy + batch_ * layers.back().out());
+  for (std::size_t l = layers.size(); l-- > 0;) {
+    // The first layer writes its input gradient straight to dx (it can be hundreds of MB).
+    float* out = nullptr;
+    if (l > 0) {
+      grad_b_.resize(static_cast<std::size_t>(batch_ * layers[l].in()));
+      out = grad_b_.data();
+    } else {
+      out = dx;
+    }
+    layers[l].backward(l == 0 ? input_ : acts_[l].data(), acts_[l + 1].data(), grad_a_.data(), batch_, out);
+    if (l > 0) std::swap(grad_a_, grad_b_);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// EmbeddingBagCollection
+// ---------------------------------------------------------------------------------------------
+
+EmbeddingBagCollection::EmbeddingBagCollection(const std::vector<std::int64_t>& rows, std::int64_t d,
+                                               std::uint64_t seed, std::uint64_t first_subsequence)
+    : dim(d), grads(rows.size()) {
+  for (std::size_t t = 0; t < rows.size(); ++t) {
+    tables.push_back(host_f32({rows[t], d}));
+    const float bound = static_cast<float>(std::sqrt(1.0 / static_cast<double>(rows[t])));
+    fill_uniform(tables.back(), -bound, bound, {seed, first_subsequence + t});
+  }
+}
+
+void EmbeddingBagCollection::forward(const TensorView& indices, const TensorView& offsets, std::int64_t batch,
+                                     float* out, std::int64_t out_stride) {
+  const char* op = "models::Dlrm::forward";
+  const std::int64_t nt = num_tables();
+  FK_CHECK_ARG(offsets.dtype() == DType::i64 && offsets.rank() == 1 && offsets.numel() == nt * batch + 1 &&
+                   offsets.is_contiguous() && offsets.device().is_cpu(),
+               op, "offsets", fmt::format("host i64 [{}] (tables * batch + 1)", nt * batch + 1), offsets.str());
+  FK_CHECK_ARG(indices.dtype() == DType::i64 && indices.rank() == 1 && indices.is_contiguous() &&
+                   indices.device().is_cpu(),
+               op, "indices", "host i64 [nnz]", indices.str());
+  const std::int64_t* off = offsets.data_as<std::int64_t>();
+  const std::int64_t* idx = indices.data_as<std::int64_t>();
+  FK_CHECK_ARG(off[0] == 0 && off[nt * batch] == indices.numel(), op, "offsets",
+               fmt::format("0 first and {} (nnz) last", indices.numel()),
+               fmt::format("{} first and {} last", off[0], off[nt * batch]));
+  for (std::int64_t k = 0; k < nt * batch; ++k)
+    FK_CHECK_ARG(off[k] <= off[k + 1], op, "offsets", "non-decreasing offsets",
+                 fmt::format("offsets[{}] = {} > offsets[{}] = {}", k, off[k], k + 1, off[k + 1]));
+  batch_ = batch;
+  indices_.assign(idx, idx + indices.numel());
+  offsets_.assign(off, off + offsets.numel());
+  for (std::int64_t t = 0; t < nt; ++t) {
+    const std::int64_t rows = tables[t].size(0);
+    const float* table = tables[t].data_as<float>();
+    for (std::int64_t b = 0; b < batch; ++b) {
+      float* dst = out + b * out_stride + t * dim;
+      std::fill(dst, dst + dim, 0.0f);
+      for (std::int64_t k = off[t * batch + b]; k < off[t * batch + b + 1]; ++k) {
+        const std::int64_t r = idx[k];
+        FK_CHECK_ARG(r >= 0 && r < rows, op, "indices", fmt::format("rows of table {} in [0, {})", t, rows),
+                     fmt::format("{} at position {}", r, k));
+        const float* src = table + r * dim;
+        for (std::int64_t c = 0; c < dim; ++c) dst[c] += src[c];
+      }
+    }
+  }
+}
+
+void EmbeddingBagCollection::backward(const float* dout, std::int64_t out_stride) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> hits;  // (row, bag)
+  for (std::int64_t t = 0; t < num_tables(); ++t) {
+    hits.clear();
+    for (std::int64_t b = 0; b < batch_; ++b)
+      for (std::int64_t k = offsets_[t * batch_ + b]; k < offsets_[t * batch_ + b + 1]; ++k)
+        hits.emplace_back(indices_[k], b);
+    std::sort(hits.begin(), hits.end());
+    SparseGrad& g = grads[t];
+    g.rows.clear();
+    g.values.clear();
+    for (std::size_t h = 0; h < hits.size(); ++h) {
+      if (h == 0 || hits[h].first != hits[h - 1].first) {
+        g.rows.push_back(hits[h].first);
+        g.values.resize(g.values.size() + static_cast<std::size_t>(dim), 0.0f);
+      }
+      float* dst = g.values.data() + g.values.size() - dim;
+      const float* src = dout + hits[h].second * out_stride + t * dim;
+      for (std::int64_t c = 0; c < dim; ++c) dst[c] += src[c];
+    }
+  }
+}
+
+void EmbeddingBagCollection::step(const OptimizerConfig& opt) {
+  if (opt.kind == OptimizerKind::adagrad && adagrad_state.empty())
+    for (const Tensor& t : tables) {
+      adagrad_state.push_back(host_f32(t.shape()));
+      fill(adagrad_state.back(), opt.initial_accumulator);
+    }
+  for (std::int64_t t = 0; t < num_tables(); ++t) {
+    const SparseGrad& g = grads[t];
+    float* table = tables[t].data_as<float>();
+    float* state = adagrad_state.empty() ? nullptr : adagrad_state[t].data_as<float>();
+    for (std::size_t r = 0; r < g.rows.size(); ++r) {
+      const std::int64_t at = g.rows[r] * dim;
+      optimizer_update(opt, table + at, g.values.data() + r * dim, state ? state + at : nullptr, dim);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Interaction
+// ---------------------------------------------------------------------------------------------
+
+Interaction::Interaction(InteractionOp op, std::int64_t features, std::int64_t dim, bool itself)
+    : op_(op), f_(features), d_(dim), out_(0) {
+  switch (op) {
+    case InteractionOp::dot:
+      for (std::int32_t i = 0; i < f_; ++i)
+        for (std::int32_t j = 0; j < i + (itself ? 1 : 0); ++j) pairs_.emplace_back(i, j);
+      out_ = d_ + static_cast<std::int64_t>(pairs_.size());
+      break;
+    case InteractionOp::cat: out_ = f_ * d_; break;
+    case InteractionOp::outer: out_ = (f_ * d_) * (f_ * d_); break;
+  }
+}
+
+void Interaction::forward(const float* z, std::int64_t batch, float* r) const {
+  const std::int64_t n = f_ * d_;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const float* zb = z + b * n;
+    float* rb = r + b * out_;
+    switch (op_) {
+      case InteractionOp::dot: {
+        std::copy(zb, zb + d_, rb);
+        std::int64_t k = d_;
+        for (const auto& [i, j] : pairs_) {
+          float s = 0;
+          for (std::int64_t c = 0; c < d_; ++c) s += zb[i * d_ + c] * zb[j * d_ + c];
+          rb[k++] = s;
+        }
+        break;
+      }
+      case InteractionOp::cat: std::copy(zb, zb + n, rb); break;
+      case InteractionOp::outer:
+        for (std::int64_t i = 0; i < n; ++i)
+          for (std::int64_t j = 0; j < n; ++j) rb[i * n + j] = zb[i] * zb[j];
+        break;
+    }
+  }
+}
+
+void Interaction::backward(const float* z, const float* dr, std::int64_t batch, float* dz) const {
+  const std::int64_t n = f_ * d_;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const float* zb = z + b * n;
+    const float* gb = dr + b * out_;
+    float* db = dz + b * n;
+    switch (op_) {
+      case InteractionOp::dot: {
+        std::fill(db, db + n, 0.0f);
+        std::copy(gb, gb + d_, db);
+        std::int64_t k = d_;
+        for (const auto& [i, j] : pairs_) {
+          const float g = gb[k++];
+          for (std::int64_t c = 0; c < d_; ++c) {
+            db[i * d_ + c] += g * zb[j * d_ + c];
+            db[j * d_ + c] += g * zb[i * d_ + c];
+          }
+        }
+        break;
+      }
+      case InteractionOp::cat: std::copy(gb, gb + n, db); break;
+      case InteractionOp::outer:
+        // r_ij = c_i c_j: dc_i = sum_j g_ij c_j + sum_j g_ji c_j.
+        for (std::int64_t i = 0; i < n; ++i) {
+          float s = 0;
+          for (std::int64_t j = 0; j < n; ++j) s += (gb[i * n + j] + gb[j * n + i]) * zb[j];
+          db[i] = s;
+        }
+        break;
+    }
+  }
+}
+
+void optimizer_update(const OptimizerConfig& opt, float* param, const float* grad, float* state, std::int64_t n) {
+  const float lr = opt.learning_rate;
+  if (opt.kind == OptimizerKind::sgd) {
+    for (std::int64_t i = 0; i < n; ++i) param[i] -= lr * grad[i];
+    return;
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    state[i] += grad[i] * grad[i];
+    param[i] -= lr * grad[i] / (std::sqrt(state[i]) + opt.eps);
+  }
+}
+
+}  // namespace fk::models::cpu

@@ -1,0 +1,356 @@
+// Criteo data: the TSV reader on a fixture holding every kind of malformed line, the hash and
+// the dense transform against hand-worked values, gzip input, synthetic data (determinism, label
+// rate, learnable signal), and TSV -> binary -> batches round trips through the loader.
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "fusekit/data/criteo.hpp"
+#include "fusekit/core/error.hpp"
+
+namespace fk::data {
+namespace {
+
+namespace fs = std::filesystem;
+
+const fs::path kFixture = fs::path(FK_TEST_DATA_DIR) / "criteo_malformed.tsv";
+
+fs::path temp_path(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / "fusekit_data_test";
+  fs::create_directories(dir);
+  return dir / name;
+}
+
+TEST(CriteoParse, HandWorkedLine) {
+  RawRecord r;
+  std::string line = "1\t5\t-3\t\t0\t1\t2\t3\t4\t5\t6\t7\t8\t9\t68fd1e64\t80E26C9B";
+  for (int t = 2; t < kNumSparse; ++t) line += t == 5 ? "\t" : "\tff";
+  ASSERT_FALSE(parse_line(line, r).has_value());
+  EXPECT_EQ(r.label, 1);
+  EXPECT_EQ(r.dense[0], 5);
+  EXPECT_EQ(r.dense[1], -3);
+  EXPECT_EQ(r.dense[2], 0);  // empty
+  EXPECT_EQ(r.sparse[0], 0x68fd1e64u);
+  EXPECT_EQ(r.sparse[1], 0x80e26c9bu);  // upper-case hex
+  EXPECT_EQ(r.sparse[5], 0u);           // empty
+  EXPECT_EQ(r.sparse[25], 0xffu);
+}
+
+TEST(CriteoParse, EachKindOfError) {
+  RawRecord r;
+  const std::string good_tail = [] {
+    std::string s;
+    for (int j = 0; j < kNumDense; ++j) s += "\t1";
+    for (int t = 0; t < kNumSparse; ++t) s += "\ta";
+    return s;
+  }();
+  EXPECT_FALSE(parse_line("0" + good_tail, r).has_value());
+  EXPECT_FALSE(parse_line("0" + good_tail + "\r", r).has_value());
+  auto error_of = [&](const std::string& line) { return parse_line(line, r).value().error; };
+  EXPECT_EQ(error_of("0" + good_tail + "\t1"), LineError::field_count);
+  EXPECT_EQ(error_of("0"), LineError::field_count);
+  EXPECT_EQ(error_of(""), LineError::field_count);
+  EXPECT_EQ(error_of("x" + good_tail), LineError::bad_label);
+  EXPECT_EQ(error_of("-1" + good_tail), LineError::bad_label);
+  EXPECT_EQ(error_of("0\t1.5" + good_tail.substr(2)), LineError::bad_integer);
+  EXPECT_EQ(error_of("0\t3000000000" + good_tail.substr(2)), LineError::bad_integer);  // > int32
+  EXPECT_EQ(error_of("0\t+3" + good_tail.substr(2)), LineError::bad_integer);
+  std::string hex_bad = "0" + good_tail;
+  hex_bad.back() = 'g';
+  EXPECT_EQ(error_of(hex_bad), LineError::bad_hex);
+  EXPECT_EQ(error_of(hex_bad.substr(0, hex_bad.size() - 1) + "0x1"), LineError::bad_hex);
+  EXPECT_EQ(error_of(hex_bad.substr(0, hex_bad.size() - 1) + "123456789"), LineError::bad_hex);  // > 32 bits
+  const auto issue = parse_line(hex_bad, r).value();
+  EXPECT_EQ(issue.field, 39);
+}
+
+TEST(CriteoFeaturize, HashAndDenseTransformHandWorked) {
+  Featurizer f;  // Kaggle cardinalities: table 0 has 1460 rows, table 1 583
+  // 0x68fd1e64 = 1761418852: (v + 1) % 1460 = 393, v % 1460 = 392.
+  EXPECT_EQ(f.hash_index(0, 0x68fd1e64u), 393);
+  f.hash = HashMode::reference;
+  EXPECT_EQ(f.hash_index(0, 0x68fd1e64u), 392);
+  // 0x80e26c9b = 2162322587 (>= 2^31): % 583 = 73.
+  EXPECT_EQ(f.hash_index(1, 0x80e26c9bu), 73);
+  // The largest value: (2^32 - 1 + 1) % 3 = 2^32 % 3 = 1 (no 32-bit overflow).
+  f.hash = HashMode::seed;
+  EXPECT_EQ(f.hash_index(8, 0xffffffffu), 1);
+  // max_ind_range caps the tables: table 2 (10131227 rows) becomes 1000 rows, table 0 stays.
+  f.max_ind_range = 1000;
+  EXPECT_EQ(f.rows(2), 1000);
+  EXPECT_EQ(f.rows(0), 1000);
+  EXPECT_EQ(f.rows(8), 3);
+  EXPECT_EQ(f.hash_index(0, 0x68fd1e64u), 853);  // 1761418853 % 1000
+  EXPECT_FLOAT_EQ(Featurizer::dense_transform(0), 0.0f);
+  EXPECT_FLOAT_EQ(Featurizer::dense_transform(-3), 0.0f);
+  EXPECT_FLOAT_EQ(Featurizer::dense_transform(5), 1.7917595f);   // log 6
+  EXPECT_FLOAT_EQ(Featurizer::dense_transform(9), 2.3025851f);   // log 10
+  EXPECT_EQ(parse_hash_mode("reference"), HashMode::reference);
+  Featurizer bad;
+  bad.cardinalities[7] = 0;
+  EXPECT_THROW(bad.validate(), Error);
+  bad.cardinalities.pop_back();
+  EXPECT_THROW(bad.validate(), Error);
+  EXPECT_THROW(parse_hash_mode("md5"), Error);
+}
+
+TEST(CriteoReader, FixtureLenientCountsEveryMalformedLine) {
+  ReadReport rep;
+  const std::vector<RawRecord> recs = read_tsv(kFixture, {}, rep);
+  // 14 lines: 3 good (1, 9, 14), 2 empty (8, 11), 9 malformed.
+  EXPECT_EQ(rep.lines, 14);
+  ASSERT_EQ(rep.records, 3);
+  ASSERT_EQ(recs.size(), 3u);
+  EXPECT_EQ(rep.malformed, 9);
+  EXPECT_EQ(rep.by_error[static_cast<int>(LineError::field_count)], 2);
+  EXPECT_EQ(rep.by_error[static_cast<int>(LineError::bad_label)], 2);
+  EXPECT_EQ(rep.by_error[static_cast<int>(LineError::bad_integer)], 3);
+  EXPECT_EQ(rep.by_error[static_cast<int>(LineError::bad_hex)], 2);
+  std::vector<std::int64_t> lines;
+  for (const auto& e : rep.first) lines.push_back(e.line);
+  EXPECT_EQ(lines, (std::vector<std::int64_t>{2, 3, 4, 5, 6, 7, 10, 12, 13}));
+  EXPECT_EQ(rep.first[4].error, LineError::bad_hex);
+  EXPECT_EQ(rep.first[4].field, 20);
+  EXPECT_NE(rep.summary().find("line 10: bad_integer in field 13"), std::string::npos) << rep.summary();
+  // Line 1, hand-worked; line 9 (CRLF, every field empty) reads as zeros.
+  EXPECT_EQ(recs[0].label, 0);
+  EXPECT_EQ(recs[0].dense[1], -3);
+  EXPECT_EQ(recs[0].sparse[0], 0x68fd1e64u);
+  EXPECT_EQ(recs[0].sparse[21], 0u);
+  EXPECT_EQ(recs[1].label, 1);
+  EXPECT_TRUE(std::all_of(recs[1].dense.begin(), recs[1].dense.end(), [](int x) { return x == 0; }));
+  EXPECT_TRUE(std::all_of(recs[1].sparse.begin(), recs[1].sparse.end(), [](std::uint32_t x) { return x == 0; }));
+}
+
+TEST(CriteoReader, ConvertingTheFixtureKeepsTheGoodRecordsOnly) {
+  const fs::path bin = temp_path("fixture.bin");
+  const ReadReport rep = convert_tsv_to_binary(kFixture, bin, {});
+  EXPECT_EQ(rep.records, 3);
+  EXPECT_EQ(rep.malformed, 9);
+  auto source = binary_source(bin);
+  ASSERT_EQ(source->size(), 3);
+  std::vector<RawRecord> recs(3);
+  source->read(0, recs);
+  EXPECT_EQ(recs[0].sparse[0], 0x68fd1e64u);
+  EXPECT_EQ(recs[2].label, 1);
+  EXPECT_THROW(convert_tsv_to_binary(kFixture, temp_path("strict.bin"), {.strict = true}), Error);
+  EXPECT_FALSE(fs::exists(temp_path("strict.bin")));  // nothing half-written
+  EXPECT_FALSE(fs::exists(temp_path("strict.bin.tmp")));
+}
+
+TEST(CriteoReader, FixtureStrictThrowsAtTheFirstMalformedLine) {
+  ReadReport rep;
+  try {
+    read_tsv(kFixture, {.strict = true}, rep);
+    FAIL() << "no error in strict mode";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("line 2: field_count (39 fields, expected 40)"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(read_tsv(temp_path("does_not_exist.tsv"), {}, rep), Error);
+}
+
+TEST(CriteoReader, GzipInputReadsLikeThePlainFile) {
+  std::ifstream in(kFixture, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const fs::path gz = temp_path("fixture.tsv.gz");
+  gzFile f = gzopen(gz.c_str(), "wb");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(gzwrite(f, text.data(), static_cast<unsigned>(text.size())), static_cast<int>(text.size()));
+  gzclose(f);
+  ReadReport plain, zipped;
+  const auto a = read_tsv(kFixture, {}, plain);
+  const auto b = read_tsv(gz, {}, zipped);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(plain.summary(), zipped.summary());
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_EQ(std::memcmp(&a[i], &b[i], sizeof(RawRecord)), 0);
+}
+
+SyntheticConfig small_synthetic() {
+  SyntheticConfig c;
+  c.seed = 11;
+  return c;
+}
+
+TEST(Synthetic, DeterministicFromTheSeedAndRandomAccess) {
+  const SyntheticCriteo a(small_synthetic()), b(small_synthetic());
+  SyntheticConfig other = small_synthetic();
+  other.seed = 12;
+  const SyntheticCriteo c(other);
+  std::vector<RawRecord> block(64);
+  a.generate(1000, block);
+  int differ = 0;
+  for (int i = 0; i < 64; ++i) {
+    const RawRecord r = b.record(1000 + i);
+    EXPECT_EQ(std::memcmp(&r, &block[static_cast<std::size_t>(i)], sizeof r), 0) << i;
+    const RawRecord s = c.record(1000 + i);
+    differ += std::memcmp(&r, &s, sizeof r) != 0;
+  }
+  EXPECT_EQ(differ, 64);
+}
+
+// Area under the ROC curve by counting pairs (test-local, independent of the metrics code).
+double pair_auc(const std::vector<double>& score, const std::vector<int>& label) {
+  double num = 0, pairs = 0;
+  for (std::size_t i = 0; i < score.size(); ++i)
+    if (label[i])
+      for (std::size_t j = 0; j < score.size(); ++j)
+        if (!label[j]) {
+          num += score[i] > score[j] ? 1.0 : score[i] == score[j] ? 0.5 : 0.0;
+          pairs += 1;
+        }
+  return num / pairs;
+}
+
+TEST(Synthetic, CriteoLikeStatisticsAndALearnableLabel) {
+  const SyntheticCriteo gen(small_synthetic());
+  const int n = 4000;
+  std::vector<double> logit(n);
+  std::vector<int> label(n);
+  std::int64_t positives = 0, empty_dense = 0, negative = 0;
+  std::set<std::uint32_t> distinct_small, distinct_large;
+  std::int64_t head_large = 0;
+  std::map<std::uint32_t, int> counts_large;
+  for (int i = 0; i < n; ++i) {
+    const RawRecord r = gen.record(i);
+    label[i] = r.label;
+    logit[i] = gen.hidden_logit(i);
+    positives += r.label;
+    for (int x : r.dense) {
+      empty_dense += x == 0;
+      negative += x < 0;
+    }
+    distinct_small.insert(r.sparse[8]);  // 3 categories
+    ++counts_large[r.sparse[2]];         // 10M categories
+  }
+  for (const auto& [v, c] : counts_large) head_large = std::max<std::int64_t>(head_large, c);
+  EXPECT_NEAR(static_cast<double>(positives) / n, 0.25, 0.03);
+  EXPECT_EQ(distinct_small.size(), 3u);
+  // Zipf-like: the most frequent of 10M categories is seen many times, yet most are rare.
+  EXPECT_GT(head_large, n / 50);
+  EXPECT_GT(counts_large.size(), static_cast<std::size_t>(n / 4));
+  EXPECT_GT(negative, 0);
+  EXPECT_GT(empty_dense, 0);
+  // The hidden logit ranks the labels well: a model has something to learn.
+  EXPECT_GT(pair_auc(logit, label), 0.8);
+}
+
+TEST(BinaryFormat, TsvToBinaryToBatchesRoundTrip) {
+  const SyntheticCriteo gen(small_synthetic());
+  std::vector<RawRecord> recs(1000);
+  gen.generate(0, recs);
+  const fs::path tsv = temp_path("synthetic.tsv"), bin = temp_path("synthetic.bin");
+  write_tsv(tsv, recs);
+  const ReadReport rep = convert_tsv_to_binary(tsv, bin, {.strict = true});
+  EXPECT_EQ(rep.records, 1000);
+  EXPECT_EQ(rep.malformed, 0);
+  EXPECT_TRUE(is_binary_file(bin));
+  EXPECT_FALSE(is_binary_file(tsv));
+  EXPECT_EQ(fs::file_size(bin), 64u + 1000u * 160u);
+
+  Featurizer f;
+  f.max_ind_range = 5000;
+  f.hash = HashMode::reference;
+  BatchLoader loader(binary_source(bin), f, {.batch_size = 300, .drop_last = false, .prefetch = 2});
+  ASSERT_EQ(loader.num_batches(), 4);
+  std::int64_t seen = 0;
+  while (const Batch* b = loader.next()) {
+    const std::int64_t bs = b->size;
+    EXPECT_EQ(bs, seen < 900 ? 300 : 100);
+    for (std::int64_t i = 0; i < bs; ++i) {
+      const RawRecord& r = recs[static_cast<std::size_t>(seen + i)];
+      ASSERT_EQ(b->labels.data_as<float>()[i], static_cast<float>(r.label));
+      for (int j = 0; j < kNumDense; ++j)
+        ASSERT_EQ(b->dense.data_as<float>()[i * kNumDense + j], Featurizer::dense_transform(r.dense[j]));
+      for (int t = 0; t < kNumSparse; ++t) {
+        const std::int64_t idx = b->indices.data_as<std::int64_t>()[t * bs + i];
+        ASSERT_EQ(idx, static_cast<std::int64_t>(r.sparse[t] % static_cast<std::uint64_t>(f.rows(t))));
+        ASSERT_EQ(static_cast<std::uint32_t>(b->raw_sparse.data_as<std::int32_t>()[t * bs + i]), r.sparse[t]);
+        ASSERT_LT(idx, f.rows(t));
+      }
+    }
+    EXPECT_EQ(b->offsets.data_as<std::int64_t>()[kNumSparse * bs], kNumSparse * bs);
+    seen += bs;
+  }
+  EXPECT_EQ(seen, 1000);
+  EXPECT_EQ(loader.next(), nullptr);
+}
+
+TEST(BatchLoader, SyntheticSourceMatchesTheGeneratorAndDropsTheLastPartialBatch) {
+  const SyntheticConfig cfg = small_synthetic();
+  const SyntheticCriteo gen(cfg);
+  auto source = slice_source(synthetic_source(cfg, 10000), 5000, 5250);
+  Featurizer f;
+  BatchLoader loader(source, f, {.batch_size = 100, .drop_last = true, .prefetch = 3});
+  EXPECT_EQ(loader.num_batches(), 2);
+  int batches = 0;
+  while (const Batch* b = loader.next()) {
+    const RawRecord r = gen.record(5000 + batches * 100 + 7);
+    EXPECT_EQ(b->indices.data_as<std::int64_t>()[3 * 100 + 7], f.hash_index(3, r.sparse[3]));
+    ++batches;
+  }
+  EXPECT_EQ(batches, 2);
+}
+
+TEST(BatchLoader, SeveralWorkersKeepTheOrder) {
+  std::vector<RawRecord> recs(1000);
+  for (std::size_t i = 0; i < recs.size(); ++i) recs[i].dense[0] = static_cast<std::int32_t>(i);
+  for (int workers : {1, 2, 3, 5}) {
+    BatchLoader loader(memory_source(recs), Featurizer{}, {.batch_size = 7, .prefetch = 2, .workers = workers});
+    std::int64_t next_id = 0;
+    while (const Batch* b = loader.next())
+      for (std::int64_t i = 0; i < b->size; ++i, ++next_id)
+        ASSERT_EQ(b->dense.data_as<float>()[i * kNumDense], Featurizer::dense_transform(static_cast<std::int32_t>(next_id)))
+            << workers << " workers";
+    EXPECT_EQ(next_id, 1000);
+  }
+}
+
+TEST(BatchLoader, BatchMemoryComesFromTheGivenAllocatorAndIsReused) {
+  std::atomic<int> calls{0};
+  LoaderOptions opt{.batch_size = 50, .prefetch = 2};
+  opt.allocate = [&](Dims shape, DType dtype) {
+    ++calls;
+    return Tensor::empty(shape, dtype, Device::cpu());
+  };
+  BatchLoader loader(synthetic_source(small_synthetic(), 1000), Featurizer{}, opt);
+  int batches = 0;
+  while (loader.next()) ++batches;
+  EXPECT_EQ(batches, 20);
+  EXPECT_EQ(calls.load(), 3 * 5);  // 3 slots x 5 tensors, allocated once
+}
+
+// A source that fails past a given record, as a truncated or unreadable file would.
+class FailingSource final : public RecordSource {
+ public:
+  std::int64_t size() const override { return 1000; }
+  void read(std::int64_t begin, std::span<RawRecord> out) const override {
+    if (begin >= 500) throw Error("test::FailingSource", "begin", "< 500", std::to_string(begin));
+    std::fill(out.begin(), out.end(), RawRecord{});
+  }
+};
+
+TEST(BatchLoader, StopsCleanlyWhenDestroyedEarlyAndReportsSourceErrors) {
+  { BatchLoader loader(synthetic_source(small_synthetic(), 100000), Featurizer{}, {.batch_size = 64, .workers = 2}); loader.next(); }
+  EXPECT_THROW(binary_source(kFixture), Error);  // not a binary file
+  BatchLoader loader(std::make_shared<FailingSource>(), Featurizer{}, {.batch_size = 100, .workers = 2});
+  int good = 0;
+  try {
+    while (loader.next()) ++good;
+    ADD_FAILURE() << "the source's error did not reach the consumer";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.op(), "test::FailingSource");
+  }
+  EXPECT_LE(good, 5);
+}
+
+}  // namespace
+}  // namespace fk::data
