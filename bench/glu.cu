@@ -55,6 +55,22 @@ std::vector<GluSet> make_sets(Context& ctx, const GluShape& s, bool backward) {
   return sets;
 }
 
+// The fused and baseline records of a case from the interleaved medians {fused, baseline,
+// GEMMs alone}; tflops counts the GEMM flops for both.
+void add_records(Context& ctx, const std::string& name, const std::vector<double>& t, double flops, double err) {
+  Record fr{"glu", name, "fused", "cublas+act"};
+  fr.median_us = t[0];
+  fr.tflops = flops / (fr.median_us * 1e6);
+  fr.rel_err = err;
+  fr.gemm_only_us = t[2];
+  Record br{"glu", name, "cublas+act", "cublas+act"};
+  br.median_us = t[1];
+  br.tflops = flops / (br.median_us * 1e6);
+  br.gemm_only_us = t[2];
+  ctx.add(fr);
+  ctx.add(br);
+}
+
 void forward_case(Context& ctx, const GluShape& s) {
   const std::string name = "glu_fwd/" + shape_name(s);
   if (!ctx.selected("glu", name)) return;
@@ -80,17 +96,7 @@ void forward_case(Context& ctx, const GluShape& s) {
   const auto at = [&](int i) -> const GluSet& { return sets[static_cast<std::size_t>(i)]; };
   const std::vector<double> t = ctx.time_us_interleaved(
       {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); }}, rot);
-  Record fr{"glu", name, "fused", "cublas+act"};
-  fr.median_us = t[0];
-  fr.tflops = flops / (fr.median_us * 1e6);
-  fr.rel_err = err;
-  fr.gemm_only_us = t[2];
-  Record br{"glu", name, "cublas+act", "cublas+act"};
-  br.median_us = t[1];
-  br.tflops = flops / (br.median_us * 1e6);
-  br.gemm_only_us = t[2];
-  ctx.add(fr);
-  ctx.add(br);
+  add_records(ctx, name, t, flops, err);
 }
 
 void backward_case(Context& ctx, const GluShape& s) {
@@ -130,17 +136,7 @@ void backward_case(Context& ctx, const GluShape& s) {
   const auto at = [&](int i) -> const GluSet& { return sets[static_cast<std::size_t>(i)]; };
   const std::vector<double> t = ctx.time_us_interleaved(
       {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemms(at(i)); }}, rot);
-  Record fr{"glu", name, "fused", "cublas+act"};
-  fr.median_us = t[0];
-  fr.tflops = flops / (fr.median_us * 1e6);
-  fr.rel_err = err;
-  fr.gemm_only_us = t[2];
-  Record br{"glu", name, "cublas+act", "cublas+act"};
-  br.median_us = t[1];
-  br.tflops = flops / (br.median_us * 1e6);
-  br.gemm_only_us = t[2];
-  ctx.add(fr);
-  ctx.add(br);
+  add_records(ctx, name, t, flops, err);
 }
 
 void glu_cases(Context& ctx) {

@@ -22,14 +22,7 @@ namespace {
 const Device kCpu = Device::cpu();
 const Device kGpu = Device::cuda(0);
 
-Tensor host_tensor(Dims shape, DType dtype, const std::vector<float>& values) {
-  Tensor t = Tensor::empty(shape, dtype, kCpu);
-  visit_dtype(dtype, [&](auto zero) {
-    using T = decltype(zero);
-    for (std::size_t i = 0; i < values.size(); ++i) t.data_as<T>()[i] = T(values[i]);
-  });
-  return t;
-}
+using test::host_tensor;
 
 // ---------------------------------------------------------------------------------------------
 // The spec against hand-worked values

@@ -18,24 +18,10 @@ const Device kCpu = Device::cpu();
 constexpr GluKind kKinds[] = {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh, GluKind::geglu_erf,
                               GluKind::reglu};
 
-Tensor host_tensor(const std::vector<float>& v, Dims shape) {
-  Tensor t = Tensor::empty(shape, DType::f32, kCpu);
-  std::copy(v.begin(), v.end(), t.data_as<float>());
-  return t;
-}
+Tensor host_tensor(const std::vector<float>& v, Dims shape) { return test::host_tensor(shape, DType::f32, v); }
 
-// ||got - ref|| / ||ref|| over all elements (as `fusekit bench` reports rel_err), infinite when got
-// holds a NaN: the relative error of a GEMM-shaped result.
-double rel_err(const TensorView& got, const TensorView& ref) {
-  const std::vector<double> g = test::to_doubles(got), r = test::to_doubles(ref);
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < g.size(); ++i) {
-    if (!std::isfinite(g[i])) return INFINITY;
-    num += (g[i] - r[i]) * (g[i] - r[i]);
-    den += r[i] * r[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
+// The relative error: normwise, as `fusekit bench` reports it.
+const auto rel_err = test::rel_err_normwise;
 
 // Maps a host tensor to {-v, 0, v}: -v below -threshold, v above, 0 between (threshold 0: +-v).
 // With x and w in {-1, 0, 1} and a bias of +-0.5, C = x wᵀ + b is exact or rounded away from 0 in

@@ -19,17 +19,8 @@ namespace {
 
 const Device kCpu = Device::cpu();
 
-// ||got - ref|| / ||ref||, infinite when got holds a NaN: the normwise relative error.
-double rel_err(const TensorView& got, const TensorView& ref) {
-  const std::vector<double> g = test::to_doubles(got), r = test::to_doubles(ref);
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < g.size(); ++i) {
-    if (!std::isfinite(g[i])) return INFINITY;
-    num += (g[i] - r[i]) * (g[i] - r[i]);
-    den += r[i] * r[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
+// The relative error: normwise, as `fusekit bench` reports it.
+const auto rel_err = test::rel_err_normwise;
 
 struct Fields {
   int q, z;

@@ -28,6 +28,26 @@ std::vector<double> to_doubles(const TensorView& t) {
   return out;
 }
 
+Tensor host_tensor(Dims shape, DType dtype, const std::vector<float>& values) {
+  Tensor t = Tensor::empty(shape, dtype, Device::cpu());
+  visit_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    for (std::size_t i = 0; i < values.size(); ++i) t.data_as<T>()[i] = T(values[i]);
+  });
+  return t;
+}
+
+double rel_err_normwise(const TensorView& got, const TensorView& ref) {
+  const std::vector<double> g = to_doubles(got), r = to_doubles(ref);
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    if (!std::isfinite(g[i])) return INFINITY;
+    num += (g[i] - r[i]) * (g[i] - r[i]);
+    den += r[i] * r[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 void poison(const TensorView& t) { fill(t, std::numeric_limits<double>::quiet_NaN()); }
 
 Tolerance tolerance_for(DType t) {

@@ -23,6 +23,8 @@ namespace fk::test {
 // and copied to `device`, so the same seed gives the same values everywhere.
 Tensor random_tensor(Dims shape, DType dtype, Device device, std::uint64_t seed, float lo = -1.f, float hi = 1.f);
 Tensor to_host(const TensorView& t);
+// A host tensor holding `values` (row-major), each rounded to `dtype`.
+Tensor host_tensor(Dims shape, DType dtype, const std::vector<float>& values);
 // Every element as double (host or device tensor).
 std::vector<double> to_doubles(const TensorView& t);
 // Fills a tensor with NaN, so that an element a kernel fails to write cannot pass a comparison.
@@ -38,6 +40,11 @@ struct Tolerance {
 Tolerance tolerance_for(DType t);
 
 ::testing::AssertionResult all_close(const TensorView& got, const TensorView& ref, Tolerance tol);
+
+// ||got - ref|| / ||ref|| over every element (||got - ref|| when ref is all zeros), infinite when
+// got holds a NaN or an infinity: the normwise relative error of GEMM-shaped results, as
+// `fusekit bench` reports rel_err.
+double rel_err_normwise(const TensorView& got, const TensorView& ref);
 
 // Runs f and checks that it throws fk::Error of op `op` naming argument `arg`.
 template <class F>
