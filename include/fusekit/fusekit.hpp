@@ -12,6 +12,7 @@
 #include "fusekit/core/trace.hpp"
 #include "fusekit/ops/pointwise.hpp"
 #include "fusekit/ops/glu.hpp"
+#include "fusekit/ops/mlp.hpp"
 #include "fusekit/ops/primitives.hpp"
 #include "fusekit/ops/qgemm.hpp"
 #include "fusekit/ops/quant.hpp"

@@ -1,0 +1,91 @@
+// Bench case of the mlp family: the whole MLP in one kernel against the path a user would run
+// otherwise, one cuBLAS GEMM (bf16 in, fp32 compute) and one fusekit bias_act_forward per layer,
+// each layer's output stored to memory and read back by the next. Both round every layer's output
+// to bf16, so they compute the same function; the figures come from one interleaved timing.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "bench/harness.hpp"
+#include "fusekit/ops/mlp.hpp"
+#include "fusekit/ops/pointwise.hpp"
+#include "nn/gemm.hpp"
+
+namespace fk::bench {
+namespace {
+
+struct MlpSet {
+  Tensor x, y;  // [batch, in], [batch, out]
+};
+
+// `hidden_layers` hidden layers of width `hidden`: hidden_layers + 1 weight matrices, ReLU on the
+// hidden layers, identity at the output (tiny-cuda-nn's n_hidden_layers).
+void forward_case(Context& ctx, std::int64_t batch, std::int64_t in, std::int64_t hidden, int hidden_layers,
+                  std::int64_t out) {
+  const DType dt = DType::bf16;
+  const std::string name = "fused_mlp/bf16_w" + std::to_string(hidden) + "_l" + std::to_string(hidden_layers) + "_B" +
+                           std::to_string(batch);
+  if (!ctx.selected("mlp", name)) return;
+  std::vector<std::int64_t> widths{in};
+  for (int l = 0; l < hidden_layers; ++l) widths.push_back(hidden);
+  widths.push_back(out);
+  const std::size_t n_mats = widths.size() - 1;
+  std::vector<Tensor> w, b;
+  std::vector<MlpLayer> layers;
+  double flops = 0;
+  for (std::size_t l = 0; l < n_mats; ++l) {
+    const float s = 1.7f / std::sqrt(static_cast<float>(widths[l]));
+    w.push_back(ctx.random({widths[l + 1], widths[l]}, dt, -s, s));
+    b.push_back(ctx.random({widths[l + 1]}, dt, -0.5f, 0.5f));
+    layers.push_back({w.back(), b.back(), l + 1 == n_mats ? Activation::identity : Activation::relu});
+    flops += 2.0 * static_cast<double>(batch * widths[l] * widths[l + 1]);
+  }
+  const std::size_t io_bytes = static_cast<std::size_t>(batch * (in + out)) * dtype_size(dt);
+  const int rot = ctx.rotations_for(io_bytes);
+  std::vector<MlpSet> sets;
+  for (int i = 0; i < rot; ++i) sets.push_back({ctx.random({batch, in}, dt, -2.f, 2.f), ctx.empty({batch, out}, dt)});
+  // The per-layer path's activations, reused across runs as a caching allocator would hand them out.
+  const Tensor h[2] = {ctx.empty({batch, hidden}, dt), ctx.empty({batch, hidden}, dt)};
+  const Tensor y_base = ctx.empty({batch, out}, dt);
+  const Stream* st = &ctx.fk_stream();
+  using nn::detail::Op;
+  auto baseline = [&](const MlpSet& s) {
+    TensorView cur = s.x;
+    for (std::size_t l = 0; l < n_mats; ++l) {
+      const TensorView next = l + 1 == n_mats ? y_base.view() : h[l % 2].view();
+      nn::detail::gemm(Op::n, Op::t, cur, w[l], next, st);
+      bias_act_forward({next, std::nullopt, b[l].view(), next, std::nullopt}, {layers[l].act, 1.0f}, st);
+      cur = next;
+    }
+  };
+  auto fused = [&](const MlpSet& s) { fused_mlp_forward({s.x, layers, s.y}, st); };
+
+  fused(sets[0]);
+  baseline(sets[0]);
+  // Same function (every layer rounded to bf16); fp32 sums in different orders can round a hidden
+  // value to the neighbouring bf16, which the later layers carry: a few bf16 ulps normwise.
+  const double err = ctx.rel_err(sets[0].y, y_base);
+  require_close(name, err, 2e-2);
+
+  const auto at = [&](int i) -> const MlpSet& { return sets[static_cast<std::size_t>(i)]; };
+  const std::vector<double> t =
+      ctx.time_us_interleaved({[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }}, rot);
+  Record fr{"mlp", name, "fused", "cublas_bias_act"};
+  fr.median_us = t[0];
+  fr.tflops = flops / (fr.median_us * 1e6);
+  fr.gbps = static_cast<double>(io_bytes) / (fr.median_us * 1e3);
+  fr.rel_err = err;
+  Record br{"mlp", name, "cublas_bias_act", "cublas_bias_act"};
+  br.median_us = t[1];
+  br.tflops = flops / (br.median_us * 1e6);
+  br.gbps = static_cast<double>(io_bytes) / (br.median_us * 1e3);  // the same useful bytes
+  ctx.add(fr);
+  ctx.add(br);
+}
+
+void mlp_cases(Context& ctx) { forward_case(ctx, std::int64_t{1} << 20, 64, 64, 4, 16); }
+
+FK_BENCH_CASE("mlp", "fused_mlp", mlp_cases);
+
+}  // namespace
+}  // namespace fk::bench
