@@ -58,6 +58,7 @@
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/tensor.hpp"
+#include "ops/sm90_async.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FK_ATTN_SM90 1
@@ -67,6 +68,8 @@
 
 namespace fk::cuda {
 namespace {
+
+using namespace sm90;  // mbarriers, TMA and bulk copies (ops/sm90_async.cuh)
 
 using namespace cute;
 using cute::Tensor;  // fk declares Tensor too
@@ -122,37 +125,6 @@ struct Params {
 
 #if FK_ATTN_SM90
 
-__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(std::uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(std::uint32_t bar, int parity) {
-  std::uint32_t done = 0;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// One box {64 columns, 128 rows, 1 head} of a (D, S, B*H) tensor map into shared memory.
-__device__ __forceinline__ void tma_load_3d(const CUtensorMap* map, std::uint32_t bar, std::uint32_t dst, int c0,
-                                            int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
-          dst),
-      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
 
 // 2^x on the SFU (2 ulp; 2^-inf = +0), as exp2f compiles to more than one instruction.
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -409,17 +381,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    FK_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || f == nullptr)
-      throw Error(kOp, "the CUDA driver has no cuTensorMapEncodeTiled (TMA needs driver 12.0 or newer)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
 
 // A (D, S, B*H) map of a [B*H, S, D] tensor, boxes of {64, 128, 1} with the 128-byte swizzle.
 CUtensorMap head_map(const char* what, const TensorView& t) {
@@ -431,7 +392,7 @@ CUtensorMap head_map(const char* what, const TensorView& t) {
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUtensorMapDataType type =
       t.dtype() == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult r = tensor_map_encoder()(&map, type, 3, t.data(), dims, strides, box, elem_strides,
+  const CUresult r = sm90::tensor_map_encoder(kOp)(&map, type, 3, t.data(), dims, strides, box, elem_strides,
                                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)

@@ -28,9 +28,12 @@
 #include "ops/pointwise/activations.cuh"
 #include "qgemm_cuda.hpp"
 #include "qgemm_layout.hpp"
+#include "ops/sm90_async.cuh"
 
 namespace fk::cuda {
 namespace {
+
+using namespace sm90;  // mbarriers and bulk copies (ops/sm90_async.cuh)
 
 constexpr int kThreads = 256;
 constexpr int kBK = 64;  // K per stage: two 32-wide word columns
@@ -112,32 +115,6 @@ __device__ __forceinline__ void cp_async_wait() {
 #define FK_QGEMM_BULK 0
 #endif
 
-#if FK_QGEMM_BULK
-__device__ __forceinline__ void mbarrier_init(std::uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbarrier_expect_tx(std::uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(std::uint32_t bar, std::uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@!P1 bra WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// `bytes` (a multiple of 16, both ends 16-byte aligned) global -> shared, completing on `bar`.
-__device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, int bytes, std::uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-#endif
 
 template <class T>
 struct Params {
@@ -194,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, C::MIN_CTAS) qgemm_kernel(const Para
   __shared__ alignas(8) std::uint64_t full[STAGES];  // one per stage: the bulk copies landed
   const std::uint32_t full_bar = static_cast<std::uint32_t>(__cvta_generic_to_shared(full));
   if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) mbarrier_init(full_bar + s * 8, 1);
+    for (int s = 0; s < STAGES; ++s) mbar_init(full_bar + s * 8, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -212,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, C::MIN_CTAS) qgemm_kernel(const Para
 #if FK_QGEMM_BULK
     if (tid == 0) {
       const std::uint32_t bar = full_bar + stage * 8;
-      mbarrier_expect_tx(bar, C::W_STAGE + C::S_STAGE);
+      mbar_arrive_expect_tx(bar, C::W_STAGE + C::S_STAGE);
       bulk_copy(sw + stage * C::W_STAGE, src, C::W_STAGE, bar);
       for (int b = 0; b < 2; ++b) {
         const std::int64_t grp = min((kt * kBK + b * 32) / p.group, p.groups - 1);
@@ -252,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, C::MIN_CTAS) qgemm_kernel(const Para
   for (int it = 0; it < nk; ++it) {
     cp_async_wait<STAGES - 2>();
 #if FK_QGEMM_BULK
-    mbarrier_wait(full_bar + (it % STAGES) * 8, static_cast<std::uint32_t>(it / STAGES) & 1u);
+    mbar_wait(full_bar + (it % STAGES) * 8, static_cast<std::uint32_t>(it / STAGES) & 1u);
 #endif
     __syncthreads();  // stage `it` landed for every thread; stage it - 1 is free to refill
     if (it + STAGES - 1 < nk) load_stage((it + STAGES - 1) % STAGES, kt_begin + it + STAGES - 1);

@@ -116,6 +116,7 @@
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/tensor.hpp"
 #include "ops/cuda_common.cuh"
+#include "ops/sm90_async.cuh"
 #include "quant_cuda.hpp"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -126,6 +127,8 @@
 
 namespace fk::cuda {
 namespace {
+
+using namespace sm90;  // mbarriers, TMA and bulk copies (ops/sm90_async.cuh)
 
 using namespace cute;
 using cute::Tensor;  // fk declares Tensor too
@@ -214,9 +217,6 @@ struct Params {
 
 #if FK_WGRAD_SM90
 
-__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void st_shared_v4(std::uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
@@ -242,50 +242,11 @@ __device__ __forceinline__ std::uint32_t ld_shared_u32(std::uint32_t addr) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
-// Makes this thread's generic-proxy shared-memory stores visible to the async proxy (wgmma).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 // Synchronises the 128 threads of consumer warpgroup `wg` (barrier 0 is __syncthreads).
 __device__ __forceinline__ void consumer_barrier(int wg) {
   asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
 }
-// mbarriers, addressed by their shared-window address.
-__device__ __forceinline__ void mbar_init(std::uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-// Adds `bytes` to the transaction count the current phase waits for (no arrival).
-__device__ __forceinline__ void mbar_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Waits until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(std::uint32_t bar, int parity) {
-  std::uint32_t done = 0;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, std::uint32_t bar, std::uint32_t dst, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-          dst),
-      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
 
-// `bytes` (a multiple of 16) from global to shared memory by the TMA unit, completing on `bar`.
-__device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes, std::uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
 
 __device__ __forceinline__ float ld_shared_stat(std::uint32_t addr, bool bf16) {
   if (bf16) {
@@ -755,18 +716,6 @@ __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const 
 // Host side
 // ---------------------------------------------------------------------------------------------
 
-// cuTensorMapEncodeTiled from the driver, found through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    FK_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || f == nullptr)
-      throw Error(kOp, "the CUDA driver has no cuTensorMapEncodeTiled (TMA needs driver 12.0 or newer)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
 
 // A row-major [rows, cols] tensor as a TMA source of box_cols x box_rows boxes, zeros outside.
 CUtensorMap tensor_map_2d(const char* what, const void* base, CUtensorMapDataType type, int elem_bytes,
@@ -776,7 +725,7 @@ CUtensorMap tensor_map_2d(const char* what, const void* base, CUtensorMapDataTyp
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * elem_bytes};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = tensor_map_encoder()(&map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+  const CUresult r = sm90::tensor_map_encoder(kOp)(&map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
                                           CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
