@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Copies the built binaries into .gpu/bin (ignored by git) so that the device tool can carry them
-# to a GPU machine: `carry: [".gpu"]`, then `scripts/gpu-check.sh --bin .gpu/bin` there.
+# Copies the built binaries into .gpu/bin (ignored by git), stripped, and packs them into
+# .gpu-pack/bin.tar.gz: together they are over the device tool's 64 MiB carry limit, the archive
+# is about a third of that. On the GPU machine (`carry: [".gpu-pack"]`):
+#   mkdir -p /tmp/g && tar -C /tmp/g -xzf .gpu-pack/bin.tar.gz
+#   scripts/gpu-check.sh --bin /tmp/g/bin --skip-bench                      # tests, sanitizers
+#   scripts/gpu-check.sh --bin /tmp/g/bin --skip-tests --skip-sanitizer     # the bench
+# (two calls: together they come close to one call's 10-minute limit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${FUSEKIT_BUILD_DIR:-build}
-rm -rf .gpu/bin && mkdir -p .gpu/bin
+rm -rf .gpu/bin .gpu-pack && mkdir -p .gpu/bin .gpu-pack
 cp "$build/fusekit" "$build"/tests/*_test .gpu/bin/
-strip --strip-debug .gpu/bin/* 2>/dev/null || true
-du -sh .gpu/bin
+strip .gpu/bin/* 2>/dev/null || true
+tar -C .gpu -czf .gpu-pack/bin.tar.gz bin
+du -sh .gpu/bin .gpu-pack/bin.tar.gz
