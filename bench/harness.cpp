@@ -158,6 +158,20 @@ std::vector<double> Context::time_us_interleaved(const std::vector<std::function
   return medians;
 }
 
+Record copy_record(Context& ctx, const std::string& family, const std::string& name, double bytes) {
+  const std::int64_t half = static_cast<std::int64_t>(bytes / 2) / 16 * 16;
+  const Tensor src = ctx.random({half / 4}, DType::f32), dst = ctx.empty({half / 4}, DType::f32);
+  Record r{family, name, "copy_same_bytes", "copy_same_bytes"};
+  r.median_us = ctx.time_us(
+      [&](int) {
+        FK_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), static_cast<std::size_t>(half), cudaMemcpyDeviceToDevice,
+                                      ctx.stream()));
+      },
+      1);
+  r.gbps = bytes / (r.median_us * 1e3);
+  return r;
+}
+
 std::optional<double> Context::copy_gbps() const {
   for (const Record& r : records_)
     if (r.family == "ceiling" && r.name == "copy") return r.gbps;

@@ -84,6 +84,10 @@ class Context {
   std::vector<Record> records_;
 };
 
+// The record of a device-to-device copy moving `bytes` in total (read + write), impl
+// "copy_same_bytes": what a memory-bound case's traffic costs at copy speed, in the same run.
+Record copy_record(Context& ctx, const std::string& family, const std::string& name, double bytes);
+
 // Throws fk::Error naming the case when err > bound: a case never times a wrong result.
 void require_close(const std::string& what, double err, double bound);
 

@@ -76,21 +76,6 @@ __global__ void __launch_bounds__(kThreads) eager_normalize_kernel(const T* x, c
   }
 }
 
-// A record for a device-to-device copy of `bytes` in total (read + write).
-Record copy_record(Context& ctx, const std::string& name, double bytes) {
-  const std::int64_t half = static_cast<std::int64_t>(bytes / 2) / 16 * 16;
-  const Tensor src = ctx.random({half / 4}, DType::f32), dst = ctx.empty({half / 4}, DType::f32);
-  Record r{"primitives", name, "copy_same_bytes", "copy_same_bytes"};
-  r.median_us = ctx.time_us(
-      [&](int) {
-        FK_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), static_cast<std::size_t>(half), cudaMemcpyDeviceToDevice,
-                                      ctx.stream()));
-      },
-      1);
-  r.gbps = bytes / (r.median_us * 1e3);
-  return r;
-}
-
 void softmax_case(Context& ctx, std::int64_t rows, std::int64_t cols) {
   const std::string name = "softmax/bf16_" + shape_str(rows, cols);
   if (!ctx.selected("primitives", name)) return;
@@ -120,7 +105,7 @@ void softmax_case(Context& ctx, std::int64_t rows, std::int64_t cols) {
   e.median_us = ctx.time_us([&](int) { eager(); }, 1);
   e.gbps = bytes / (e.median_us * 1e3);
   ctx.add(e);
-  ctx.add(copy_record(ctx, name, bytes));
+  ctx.add(copy_record(ctx, "primitives", name, bytes));
 }
 
 void softmax_cases(Context& ctx) {
@@ -158,7 +143,7 @@ void row_sum_cases(Context& ctx) {
   b.gbps = bytes / (b.median_us * 1e3);
   ctx.add(r);
   ctx.add(b);
-  ctx.add(copy_record(ctx, name, bytes));
+  ctx.add(copy_record(ctx, "primitives", name, bytes));
 }
 
 void batched_matmul_cases(Context& ctx) {

@@ -57,21 +57,6 @@ unsigned grid_for(std::int64_t n) {
       std::min<std::int64_t>((n / V + 255) / 256, static_cast<std::int64_t>(cuda::multiprocessor_count()) * 8));
 }
 
-// A record for a copy of the same traffic: `bytes` read + written in total.
-Record copy_record(Context& ctx, const std::string& name, double bytes) {
-  const std::int64_t half = static_cast<std::int64_t>(bytes / 2) / 16 * 16;
-  const Tensor src = ctx.random({half / 4}, DType::f32), dst = ctx.empty({half / 4}, DType::f32);
-  Record r{"quant", name, "copy_same_bytes", "copy_same_bytes"};
-  r.median_us = ctx.time_us(
-      [&](int) {
-        FK_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), static_cast<std::size_t>(half), cudaMemcpyDeviceToDevice,
-                                      ctx.stream()));
-      },
-      1);
-  r.gbps = bytes / (r.median_us * 1e3);
-  return r;
-}
-
 void pack_unpack_cases(Context& ctx) {
   const std::int64_t k = 100864, c = 768;
   for (int bits : {2, 4, 8}) {
@@ -97,7 +82,7 @@ void pack_unpack_cases(Context& ctx) {
       r.gbps = (x_bytes + packed_bytes) / (r.median_us * 1e3);
       r.rel_err = err;
       ctx.add(r);
-      ctx.add(copy_record(ctx, "pack/" + shape, x_bytes + packed_bytes));
+      ctx.add(copy_record(ctx, "quant", "pack/" + shape, x_bytes + packed_bytes));
     }
     if (want_unpack) {
       Record r{"quant", "unpack/" + shape, "fused", "copy_same_bytes"};
@@ -105,7 +90,7 @@ void pack_unpack_cases(Context& ctx) {
       r.gbps = (x_bytes + packed_bytes) / (r.median_us * 1e3);
       r.rel_err = err;
       ctx.add(r);
-      ctx.add(copy_record(ctx, "unpack/" + shape, x_bytes + packed_bytes));
+      ctx.add(copy_record(ctx, "quant", "unpack/" + shape, x_bytes + packed_bytes));
     }
   }
 }

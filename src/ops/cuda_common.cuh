@@ -2,6 +2,8 @@
 // dispatch from a floating DType to its CUDA element type.
 #pragma once
 
+#include <cstdint>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -9,6 +11,9 @@
 #include "fusekit/core/dtype.hpp"
 
 namespace fk::cuda {
+
+// True when p is 16-byte aligned: the condition for 16-byte vector accesses and TMA sources.
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 // Multiprocessors of the current device.
 inline int multiprocessor_count() {

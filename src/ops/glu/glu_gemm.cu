@@ -378,7 +378,6 @@ struct GluGemmConfig<Element, Cfg<TM, TN, CM, CN, PP>> {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 template <class Element, class Schedule>
 void run_fused(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,

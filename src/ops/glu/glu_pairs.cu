@@ -82,7 +82,6 @@ __global__ void glu_pairs_kernel(const T* __restrict__ c, const T* __restrict__ 
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 

@@ -233,7 +233,6 @@ Launch plan(std::int64_t rows, std::int64_t cols, int vec, int blocks_per_sm) {
   return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), tpr_log2};
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 template <class T>
 constexpr int vec16() { return 16 / static_cast<int>(sizeof(T)); }

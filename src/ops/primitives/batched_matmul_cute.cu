@@ -28,6 +28,7 @@
 
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/error.hpp"
+#include "ops/cuda_common.cuh"
 #include "primitives_cuda.hpp"
 
 namespace fk::cuda {
@@ -328,7 +329,6 @@ void batched_matmul_cute(const TensorView& a, const TensorView& b, const TensorV
   constexpr int kMaxGridY = 65535;  // the grid's y dimension counts column tiles
   FK_CHECK_ARG(args.n <= std::int64_t(kMaxGridY) * kTileN, kOp, "b",
                "at most " + std::to_string(kMaxGridY * kTileN) + " columns with impl=cute", b.shape().str());
-  const auto aligned16 = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   const bool vectorized = args.k % 8 == 0 && args.n % 8 == 0 && aligned16(args.a) && aligned16(args.b);
   const cudaStream_t s = fk::detail::cuda_stream(stream);
   switch (a.dtype()) {

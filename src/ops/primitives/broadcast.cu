@@ -163,7 +163,6 @@ Layout make_layout(const TensorView& x, const TensorView& y, const TensorView& z
   return l;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 unsigned grid_for(std::int64_t items, int threads) {
   const std::int64_t cap = static_cast<std::int64_t>(multiprocessor_count()) * 16;

@@ -187,7 +187,6 @@ void launch(const T* x, T* y, std::int64_t rows, std::int64_t cols, const Stream
   FK_CUDA_CHECK_LAUNCH("softmax_chunk_normalize_kernel");
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace
 
