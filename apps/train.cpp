@@ -21,6 +21,10 @@
 #include "fusekit/models/dlrm.hpp"
 #include "fusekit/models/metrics.hpp"
 
+#if FUSEKIT_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace fk::app {
 
 using nlohmann::json;
@@ -299,16 +303,24 @@ Split load_data(const TrainConfig& c) {
   return s;
 }
 
+// Page-locked host memory for the batch slots when the model runs on the GPU (asynchronous
+// copies); plain host memory otherwise.
+data::HostAllocator batch_allocator(const models::Dlrm& model) {
+  return model.device().is_cuda() ? data::pinned_host_allocator() : data::HostAllocator{};
+}
+
+models::DlrmInput model_input(const data::Batch& b) { return {b.dense, b.indices, b.offsets, b.raw_sparse}; }
+
 models::BinaryMetrics evaluate(models::Dlrm& model, const std::shared_ptr<data::RecordSource>& test,
                                const data::Featurizer& feat, std::int64_t batch, int workers) {
-  data::BatchLoader loader(test, feat, {.batch_size = batch, .workers = workers});
+  data::BatchLoader loader(test, feat, {.batch_size = batch, .workers = workers, .allocate = batch_allocator(model)});
   std::vector<float> probs, labels;
   probs.reserve(static_cast<std::size_t>(test->size()));
   labels.reserve(static_cast<std::size_t>(test->size()));
   Tensor p;
   while (const data::Batch* b = loader.next()) {
     if (p.numel() != b->size) p = Tensor::empty({b->size}, DType::f32, Device::cpu());
-    model.predict({b->dense, b->indices, b->offsets}, p);
+    model.predict(model_input(*b), p);
     probs.insert(probs.end(), p.data_as<float>(), p.data_as<float>() + b->size);
     labels.insert(labels.end(), b->labels.data_as<float>(), b->labels.data_as<float>() + b->size);
   }
@@ -357,25 +369,22 @@ std::string progress_bar(double fraction, int width = 24) {
 
 namespace {
 
-// Exit code 2 and a clear line for what the CPU build cannot do yet; fk::Error for nonsense.
-int check_device(const TrainConfig& c, const char* command) {
-  if (c.device != "cpu") {
-    if (c.device.rfind("cuda", 0) == 0) {
-      std::cerr << command << ": --device " << c.device
-                << ": not yet: the GPU implementations of DLRM (--impl reference|fused on CUDA) are the next step; "
-                   "use --device cpu\n";
-      return 2;
-    }
-    throw Error(command, "--device", "cpu | cuda", c.device);
+// The device and implementation asked for, or fk::Error naming what is missing.
+std::pair<Device, models::DlrmImpl> pick_device(const TrainConfig& c, const char* command) {
+  const Device dev = Device::parse(c.device);
+  const models::DlrmImpl impl = models::parse_impl(c.impl);
+  if (dev.is_cuda()) {
+    int count = 0;
+#if FUSEKIT_WITH_CUDA
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+#endif
+    FK_CHECK_ARG(dev.index < count, command, "--device", "a CUDA device that exists (--device cpu otherwise)",
+                 fmt::format("{} ({} CUDA devices)", c.device, count));
+  } else {
+    FK_CHECK_ARG(impl == models::DlrmImpl::reference, command, "--impl",
+                 "reference on the CPU (the fused implementation runs on CUDA)", c.impl);
   }
-  if (c.impl != "reference") {
-    if (c.impl == "fused") {
-      std::cerr << command << ": --impl fused runs on the GPU only (not yet written); the CPU runs --impl reference\n";
-      return 2;
-    }
-    throw Error(command, "--impl", "reference | fused", c.impl);
-  }
-  return 0;
+  return {dev, impl};
 }
 
 data::Featurizer make_featurizer(const TrainConfig& c) {
@@ -396,6 +405,7 @@ models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurize
   mc.interaction_itself = c.arch_interaction_itself;
   mc.table_rows = feat.table_rows();
   mc.seed = c.model_seed;
+  mc.raw_hash = feat.hash == data::HashMode::seed ? models::RawHash::seed : models::RawHash::reference;
   FK_CHECK_ARG(mc.bottom_mlp.front() == data::kNumDense, "fusekit train", "--arch-mlp-bot",
                "13 inputs (Criteo's integer features)", c.arch_mlp_bot);
   mc.validate();
@@ -468,15 +478,16 @@ int run_train(const TrainFlags& flags) {
     fmt::print("{}\n", to_json(c).dump(2));
     return 0;
   }
-  if (const int rc = check_device(c, "fusekit train")) return rc;
+  const auto [device, impl] = pick_device(c, "fusekit train");
   const Split split = load_data(c);
   const auto t_init = clock::now();
-  models::Dlrm model(mc, Device::cpu());
+  models::Dlrm model(mc, device, impl);
   fmt::print("fusekit train: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows, hash {}, max_ind_range {}), "
-             "{:.1f}M parameters ({:.0f} MB), {} lr {} batch {}, device cpu, impl reference\n",
+             "{:.1f}M parameters ({:.0f} MB), {} lr {} batch {}, device {}, impl {}{}\n",
              c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,
              mc.table_rows.size(), rows, c.data_hash, c.max_ind_range, static_cast<double>(mc.parameter_count()) / 1e6,
-             static_cast<double>(mc.parameter_count()) * 4 / 1e6, c.optimizer, c.learning_rate, c.mini_batch_size);
+             static_cast<double>(mc.parameter_count()) * 4 / 1e6, c.optimizer, c.learning_rate, c.mini_batch_size,
+             device.str(), models::impl_name(impl), device.is_cuda() ? " (fp32 parameters, TF32 MLP GEMMs)" : "");
   fmt::print("data: {}\n", split.description);
   fmt::print("init: {:.1f} s\n", std::chrono::duration<double>(clock::now() - t_init).count());
 
@@ -497,7 +508,7 @@ int run_train(const TrainFlags& flags) {
   const std::int64_t trace_until = step + c.trace_steps;
   json evals = json::array();
   double train_seconds = 0, train_cpu_seconds = 0, window_loss = 0, epoch_loss = 0, last_epoch_loss = 0;
-  std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0;
+  std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0, drained_steps = 0;
   auto window_start = clock::now();
   auto run_eval = [&](const char* when) {
     const auto t0 = clock::now();
@@ -520,7 +531,8 @@ int run_train(const TrainFlags& flags) {
     // where the interrupted one stopped.
     const std::int64_t epoch = step / per_epoch, first = step % per_epoch;
     data::BatchLoader loader(data::slice_source(split.train, first * c.mini_batch_size, split.train->size()), feat,
-                             {.batch_size = c.mini_batch_size, .workers = static_cast<int>(c.data_workers)});
+                             {.batch_size = c.mini_batch_size, .workers = static_cast<int>(c.data_workers),
+                              .allocate = batch_allocator(model)});
     epoch_loss = 0;
     epoch_steps = 0;
     auto epoch_start = clock::now();
@@ -534,19 +546,27 @@ int run_train(const TrainFlags& flags) {
         b = loader.next();
       }
       if (!b) break;
-      double loss = 0;
       {
+        // On the GPU this returns once the batch is on the device; the loss is read at the
+        // next progress line (drain_loss), so the host never waits for a step to finish.
         const auto scope = trace_scope(tr, "train_step", "train");
-        loss = model.train_step({b->dense, b->indices, b->offsets}, b->labels, opt);
+        model.enqueue_train_step(model_input(*b), b->labels, opt);
       }
       ++step;
       samples += b->size;
-      window_loss += loss;
-      epoch_loss += loss;
       ++window_steps;
-      ++epoch_steps;
       window_samples += b->size;
-      if (c.print_every > 0 && (step % c.print_every == 0 || step == total)) {
+      const bool print_now = c.print_every > 0 && (step % c.print_every == 0 || step == total);
+      const bool eval_now = c.eval_every > 0 && step % c.eval_every == 0 && step < total;
+      const bool save_now = c.checkpoint_every > 0 && step % c.checkpoint_every == 0 && step < total;
+      if (print_now || eval_now || save_now || step == total) {
+        const double mean = model.drain_loss();
+        window_loss += mean * static_cast<double>(window_steps - drained_steps);
+        epoch_loss += mean * static_cast<double>(window_steps - drained_steps);
+        epoch_steps += window_steps - drained_steps;
+        drained_steps = window_steps;
+      }
+      if (print_now) {
         const double secs = std::chrono::duration<double>(clock::now() - window_start).count();
         fmt::print("epoch {} step {}/{} {} {:5.1f}%  loss {:.5f}  {:.0f} samples/s\n", epoch, step, total,
                    progress_bar(static_cast<double>(step) / static_cast<double>(total)),
@@ -555,11 +575,10 @@ int run_train(const TrainFlags& flags) {
         std::fflush(stdout);
         window_loss = 0;
         window_steps = 0;
+        drained_steps = 0;
         window_samples = 0;
         window_start = clock::now();
       }
-      const bool eval_now = c.eval_every > 0 && step % c.eval_every == 0 && step < total;
-      const bool save_now = c.checkpoint_every > 0 && step % c.checkpoint_every == 0 && step < total;
       if (eval_now || save_now) {
         // Evaluation and checkpoint time is not training time.
         train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
@@ -570,6 +589,14 @@ int run_train(const TrainFlags& flags) {
         epoch_cpu_start = thread_cpu_seconds();
         window_start = clock::now();
       }
+    }
+    {
+      // The epoch's last steps (the loader ran dry before `total`).
+      const double mean = model.drain_loss();
+      epoch_loss += mean * static_cast<double>(window_steps - drained_steps);
+      epoch_steps += window_steps - drained_steps;
+      window_loss += mean * static_cast<double>(window_steps - drained_steps);
+      drained_steps = window_steps;
     }
     train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
     train_cpu_seconds += thread_cpu_seconds() - epoch_cpu_start;
@@ -586,13 +613,13 @@ int run_train(const TrainFlags& flags) {
   const double cpu_sps = train_cpu_seconds > 0 ? static_cast<double>(samples) / train_cpu_seconds : 0.0;
   fmt::print("summary: train loss {:.5f} (mean over the last epoch), test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f}, "
              "{:.0f} samples/s ({} steps, {} samples, {:.1f} s training; {:.0f} samples per CPU-second of the "
-             "training thread), peak host memory {:.0f} MB\n",
+             "training thread), peak host memory {:.0f} MB, peak GPU memory {:.0f} MB\n",
              last_epoch_loss, final_m.log_loss, final_m.auc, final_m.accuracy, sps, step, samples, train_seconds, cpu_sps,
-             peak_host_mb());
+             peak_host_mb(), static_cast<double>(model.peak_device_bytes()) / 1e6);
   if (!c.metrics_json.empty()) {
     json out = {{"config", to_json(c)},
-                {"device", "cpu"},
-                {"impl", "reference"},
+                {"device", device.str()},
+                {"impl", std::string(models::impl_name(impl))},
                 {"commit", fk::build_info().commit},
                 {"evaluations", evals},
                 {"summary",
@@ -603,7 +630,8 @@ int run_train(const TrainFlags& flags) {
                   {"steps", step},
                   {"samples", samples},
                   {"train_seconds", train_seconds},
-                  {"peak_host_mb", peak_host_mb()}}}};
+                  {"peak_host_mb", peak_host_mb()},
+                  {"peak_gpu_mb", static_cast<double>(model.peak_device_bytes()) / 1e6}}}};
     write_json_atomically(c.metrics_json, out);
     fmt::print("metrics: {}\n", c.metrics_json);
   }

@@ -238,6 +238,7 @@ nlohmann::json to_json(const Record& r, const std::string& device, const std::st
   if (r.gemm_only_us) j["gemm_only_us"] = *r.gemm_only_us;
   if (r.pct_of_copy) j["pct_of_copy"] = *r.pct_of_copy;
   if (r.pct_of_gemm) j["pct_of_gemm"] = *r.pct_of_gemm;
+  for (const auto& [key, value] : r.extra) j[key] = value;
   return j;
 }
 

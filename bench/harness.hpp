@@ -27,6 +27,7 @@ struct Record {
   std::optional<double> gemm_only_us;
   std::optional<double> pct_of_copy;  // gbps over the copy ceiling of the same run
   std::optional<double> pct_of_gemm;  // tflops over the gemm_bf16 ceiling of the same run
+  std::vector<std::pair<std::string, double>> extra;  // case-specific figures, written as they are
 };
 
 struct Options {

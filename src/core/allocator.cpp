@@ -148,6 +148,14 @@ void release_cached(Device device) {
 #endif
 }
 
+void reset_peak(Device device) {
+  if (!device.is_cuda()) return;
+  State& s = state();
+  std::lock_guard lock(s.mu);
+  AllocatorStats& st = s.stats[device.index];
+  st.peak_allocated_bytes = st.allocated_bytes;
+}
+
 AllocatorStats stats(Device device) {
   State& s = state();
   std::lock_guard lock(s.mu);

@@ -3,6 +3,7 @@
 // w + W, ...) and handed out in batch order to the consumer.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -10,6 +11,10 @@
 
 #include "fusekit/core/error.hpp"
 #include "fusekit/data/criteo.hpp"
+
+#if FUSEKIT_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace fk::data {
 
@@ -142,6 +147,22 @@ const Batch* BatchLoader::next() {
   if (k >= s.num_batches) return nullptr;
   ++s.handed;
   return &s.slots[static_cast<std::size_t>(k % static_cast<std::int64_t>(s.slots.size()))];
+}
+
+HostAllocator pinned_host_allocator() {
+#if FUSEKIT_WITH_CUDA
+  return [](Dims shape, DType dtype) {
+    void* p = nullptr;
+    const std::size_t bytes = std::max<std::size_t>(1, static_cast<std::size_t>(shape.numel()) * dtype_size(dtype));
+    if (cudaMallocHost(&p, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      throw Error("data::pinned_host_allocator", "bytes", "page-locked host memory", fmt::format("{} bytes refused", bytes));
+    }
+    return Tensor::adopt(TensorView(p, dtype, shape, Device::cpu()), [p] { cudaFreeHost(p); });
+  };
+#else
+  return {};
+#endif
 }
 
 }  // namespace fk::data

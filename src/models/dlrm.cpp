@@ -13,6 +13,19 @@
 #include "fusekit/core/trace.hpp"
 #include "models/layers.hpp"
 
+#include "models/dlrm_gpu.hpp"
+
+#if FUSEKIT_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "fusekit/core/cuda_check.hpp"
+#else
+namespace fk::models::gpu {
+struct GpuDlrm::State {};
+GpuDlrm::~GpuDlrm() = default;
+}  // namespace fk::models::gpu
+#endif
+
 namespace fk::models {
 
 InteractionOp parse_interaction_op(std::string_view name) {
@@ -38,6 +51,14 @@ OptimizerKind parse_optimizer(std::string_view name) {
 }
 
 std::string_view optimizer_name(OptimizerKind k) { return k == OptimizerKind::sgd ? "sgd" : "adagrad"; }
+
+DlrmImpl parse_impl(std::string_view name) {
+  if (name == "reference") return DlrmImpl::reference;
+  if (name == "fused") return DlrmImpl::fused;
+  throw Error("models::parse_impl", "name", "reference | fused", std::string(name));
+}
+
+std::string_view impl_name(DlrmImpl impl) { return impl == DlrmImpl::fused ? "fused" : "reference"; }
 
 std::int64_t DlrmConfig::interaction_size() const {
   const std::int64_t f = num_features(), d = embedding_dim;
@@ -126,9 +147,25 @@ void check_vector(const TensorView& t, std::int64_t n, const char* arg) {
 
 }  // namespace
 
-Dlrm::Dlrm(DlrmConfig config, Device device) {
-  FK_CHECK_ARG(device.is_cpu(), "models::Dlrm", "device",
-               "cpu (the CUDA implementations of DLRM are not written yet)", device.str());
+Dlrm::Dlrm(DlrmConfig config, Device device, DlrmImpl impl) : device_(device), impl_(impl) {
+  config.validate();
+  if (device.is_cuda()) {
+#if FUSEKIT_WITH_CUDA
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    FK_CHECK_ARG(device.index >= 0 && device.index < count, "models::Dlrm", "device", "a CUDA device that exists",
+                 fmt::format("{} ({} CUDA devices usable)", device.str(), count));
+    g_ = std::make_unique<gpu::GpuDlrm>(config, impl, device.index);
+    config_ = std::move(config);
+    return;
+#else
+    throw Error("models::Dlrm", "device", "cpu (fusekit was built without CUDA)", device.str());
+#endif
+  }
+  FK_CHECK_ARG(device.is_cpu(), "models::Dlrm", "device", "cpu | cuda", device.str());
+  FK_CHECK_ARG(impl == DlrmImpl::reference, "models::Dlrm", "impl",
+               "reference on the CPU (the fused implementation is CUDA only)", std::string(impl_name(impl)));
+  config_ = config;
   s_ = std::make_unique<detail::DlrmState>(std::move(config));
 }
 
@@ -136,9 +173,12 @@ Dlrm::~Dlrm() = default;
 Dlrm::Dlrm(Dlrm&&) noexcept = default;
 Dlrm& Dlrm::operator=(Dlrm&&) noexcept = default;
 
-const DlrmConfig& Dlrm::config() const noexcept { return s_->config; }
+const DlrmConfig& Dlrm::config() const noexcept { return config_; }
+Device Dlrm::device() const noexcept { return device_; }
+DlrmImpl Dlrm::impl() const noexcept { return impl_; }
 
 void Dlrm::forward(const DlrmInput& input, const TensorView& logits) {
+  if (g_) return g_->forward(input, logits);
   detail::DlrmState& s = *s_;
   const std::int64_t in = s.config.bottom_mlp.front(), d = s.config.embedding_dim, f = s.config.num_features();
   FK_CHECK_ARG(input.dense.dtype() == DType::f32 && input.dense.rank() == 2 && input.dense.size(1) == in &&
@@ -168,6 +208,7 @@ void Dlrm::forward(const DlrmInput& input, const TensorView& logits) {
 }
 
 void Dlrm::backward(const TensorView& dlogits) {
+  if (g_) return g_->backward(dlogits);
   detail::DlrmState& s = *s_;
   check_vector(dlogits, s.batch, "dlogits");
   const std::int64_t b = s.batch, d = s.config.embedding_dim, f = s.config.num_features();
@@ -192,6 +233,7 @@ void Dlrm::backward(const TensorView& dlogits) {
 }
 
 void Dlrm::step(const OptimizerConfig& opt) {
+  if (g_) return g_->step(opt);
   detail::DlrmState& s = *s_;
   const std::vector<cpu::Linear*> layers = s.linears();
   if (opt.kind == OptimizerKind::adagrad && s.adagrad_state.empty())
@@ -214,6 +256,10 @@ void Dlrm::step(const OptimizerConfig& opt) {
 }
 
 double Dlrm::train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt) {
+  if (g_) {
+    g_->enqueue_train_step(input, labels, opt);
+    return g_->drain_loss();
+  }
   detail::DlrmState& s = *s_;
   const std::int64_t b = input.dense.rank() == 2 ? input.dense.size(0) : 0;
   s.logits.resize(static_cast<std::size_t>(b));
@@ -232,100 +278,172 @@ double Dlrm::train_step(const DlrmInput& input, const TensorView& labels, const 
 }
 
 void Dlrm::predict(const DlrmInput& input, const TensorView& probabilities) {
+  if (g_) return g_->predict(input, probabilities);
   forward(input, probabilities);
   float* p = probabilities.data_as<float>();
   for (std::int64_t i = 0; i < probabilities.numel(); ++i) p[i] = 1.0f / (1.0f + std::exp(-p[i]));
 }
 
-void Dlrm::set_trace(TraceRecorder* trace) noexcept { s_->trace = trace; }
+void Dlrm::set_trace(TraceRecorder* trace) noexcept {
+  if (s_) s_->trace = trace;
+}
+
+void Dlrm::enqueue_train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt) {
+  if (g_) return g_->enqueue_train_step(input, labels, opt);
+  pending_loss_ += train_step(input, labels, opt);
+  ++pending_steps_;
+}
+
+double Dlrm::drain_loss() {
+  if (g_) return g_->drain_loss();
+  const double mean = pending_steps_ > 0 ? pending_loss_ / static_cast<double>(pending_steps_) : 0.0;
+  pending_loss_ = 0;
+  pending_steps_ = 0;
+  return mean;
+}
+
+std::size_t Dlrm::peak_device_bytes() const { return g_ ? g_->peak_device_bytes() : 0; }
 
 std::vector<Dlrm::LinearParams> Dlrm::linear_layers() {
+  if (g_) return g_->linear_layers();
   std::vector<LinearParams> v;
   for (cpu::Linear* l : s_->linears()) v.push_back({&l->weight, &l->bias, &l->weight_grad, &l->bias_grad});
   return v;
 }
 
 std::vector<Tensor*> Dlrm::tables() {
+  if (g_) return g_->tables();
   std::vector<Tensor*> v;
   for (Tensor& t : s_->embeddings.tables) v.push_back(&t);
   return v;
 }
 
-const std::vector<SparseGrad>& Dlrm::table_grads() const { return s_->embeddings.grads; }
+const std::vector<SparseGrad>& Dlrm::table_grads() const {
+  if (g_) {
+    static const std::vector<SparseGrad> none;
+    return none;
+  } return s_->embeddings.grads; }
 
 namespace {
 
 constexpr char kStateMagic[8] = {'F', 'K', 'D', 'L', 'R', 'M', 'S', '1'};
+constexpr std::int64_t kCopyChunk = std::int64_t{1} << 24;  // floats per host bounce (64 MB)
 
-// Every float array of the training state, in a fixed order: linear weights and biases, tables,
-// then (when Adagrad has run) their optimizer states in the same order.
-std::vector<std::pair<float*, std::int64_t>> state_arrays(detail::DlrmState& s, bool with_adagrad) {
-  std::vector<std::pair<float*, std::int64_t>> v;
+// Every float array of the CPU training state, in the stream's order: linear weights and biases,
+// tables, then (when Adagrad has run) their optimizer states in the same order.
+std::vector<detail::StateArray> state_arrays(detail::DlrmState& s, bool with_adagrad) {
+  std::vector<detail::StateArray> v;
   for (cpu::Linear* l : s.linears()) {
-    v.emplace_back(l->weight.data_as<float>(), l->weight.numel());
-    v.emplace_back(l->bias.data_as<float>(), l->bias.numel());
+    v.push_back({l->weight.data_as<float>(), l->weight.numel(), false});
+    v.push_back({l->bias.data_as<float>(), l->bias.numel(), false});
   }
-  for (Tensor& t : s.embeddings.tables) v.emplace_back(t.data_as<float>(), t.numel());
+  for (Tensor& t : s.embeddings.tables) v.push_back({t.data_as<float>(), t.numel(), false});
   if (with_adagrad) {
-    for (auto& a : s.adagrad_state) v.emplace_back(a.data(), static_cast<std::int64_t>(a.size()));
-    for (Tensor& t : s.embeddings.adagrad_state) v.emplace_back(t.data_as<float>(), t.numel());
+    for (auto& a : s.adagrad_state) v.push_back({a.data(), static_cast<std::int64_t>(a.size()), false});
+    for (Tensor& t : s.embeddings.adagrad_state) v.push_back({t.data_as<float>(), t.numel(), false});
   }
   return v;
 }
 
+void copy_floats(float* dst, const float* src, std::int64_t n, bool to_device) {
+#if FUSEKIT_WITH_CUDA
+  FK_CUDA_CHECK(cudaMemcpy(dst, src, static_cast<std::size_t>(n) * 4,
+                           to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost));
+#else
+  (void)dst, (void)src, (void)n, (void)to_device;
+  throw Error("models::Dlrm", "state", "host arrays (fusekit was built without CUDA)", "a device array");
+#endif
+}
+
 }  // namespace
 
-void Dlrm::save_state(std::ostream& out) const {
-  detail::DlrmState& s = *s_;
-  const std::uint8_t adagrad = s.adagrad_state.empty() ? 0 : 1;
-  const auto arrays = state_arrays(s, adagrad != 0);
+namespace detail {
+
+void write_state(std::ostream& out, bool adagrad, const std::vector<StateArray>& arrays) {
+  const std::uint8_t flag = adagrad ? 1 : 0;
   const std::uint64_t count = arrays.size();
   out.write(kStateMagic, 8);
-  out.write(reinterpret_cast<const char*>(&adagrad), 1);
+  out.write(reinterpret_cast<const char*>(&flag), 1);
   out.write(reinterpret_cast<const char*>(&count), 8);
-  for (const auto& [p, n] : arrays) {
-    const std::uint64_t len = static_cast<std::uint64_t>(n);
+  std::vector<float> bounce;
+  for (const StateArray& a : arrays) {
+    const std::uint64_t len = static_cast<std::uint64_t>(a.size);
     out.write(reinterpret_cast<const char*>(&len), 8);
-    out.write(reinterpret_cast<const char*>(p), static_cast<std::streamsize>(n * 4));
+    for (std::int64_t at = 0; at < a.size; at += kCopyChunk) {
+      const std::int64_t n = std::min(kCopyChunk, a.size - at);
+      const float* src = a.data + at;
+      if (a.on_device) {
+        bounce.resize(static_cast<std::size_t>(n));
+        copy_floats(bounce.data(), src, n, false);
+        src = bounce.data();
+      }
+      out.write(reinterpret_cast<const char*>(src), static_cast<std::streamsize>(n * 4));
+    }
   }
   if (!out) throw Error("models::Dlrm::save_state", "out", "a writable stream", "a failed write");
 }
 
-void Dlrm::load_state(std::istream& in) {
-  detail::DlrmState& s = *s_;
-  const char* op = "models::Dlrm::load_state";
+bool read_state_header(std::istream& in, std::uint64_t& count) {
   char magic[8] = {};
   std::uint8_t adagrad = 0;
-  std::uint64_t count = 0;
   in.read(magic, 8);
   in.read(reinterpret_cast<char*>(&adagrad), 1);
   in.read(reinterpret_cast<char*>(&count), 8);
-  FK_CHECK_ARG(in && std::equal(magic, magic + 8, kStateMagic), op, "in", "a DLRM state (FKDLRMS1)", "something else");
-  if (!adagrad) {
-    s.adagrad_state.clear();
-    s.embeddings.adagrad_state.clear();
-  } else {
+  FK_CHECK_ARG(in && std::equal(magic, magic + 8, kStateMagic), "models::Dlrm::load_state", "in",
+               "a DLRM state (FKDLRMS1)", "something else");
+  return adagrad != 0;
+}
+
+void read_state_arrays(std::istream& in, std::uint64_t count, const std::vector<StateArray>& arrays) {
+  const char* op = "models::Dlrm::load_state";
+  FK_CHECK_ARG(count == arrays.size(), op, "in", fmt::format("{} arrays (this configuration)", arrays.size()),
+               fmt::format("{}", count));
+  std::vector<float> bounce;
+  for (std::size_t i = 0; i < arrays.size(); ++i) {
+    std::uint64_t len = 0;
+    in.read(reinterpret_cast<char*>(&len), 8);
+    FK_CHECK_ARG(in && len == static_cast<std::uint64_t>(arrays[i].size), op, "in",
+                 fmt::format("array {} of {} floats (this configuration)", i, arrays[i].size), fmt::format("{}", len));
+    for (std::int64_t at = 0; at < arrays[i].size; at += kCopyChunk) {
+      const std::int64_t n = std::min(kCopyChunk, arrays[i].size - at);
+      float* dst = arrays[i].data + at;
+      if (arrays[i].on_device) {
+        bounce.resize(static_cast<std::size_t>(n));
+        dst = bounce.data();
+      }
+      in.read(reinterpret_cast<char*>(dst), static_cast<std::streamsize>(n * 4));
+      FK_CHECK_ARG(static_cast<bool>(in), op, "in", "a complete state", "a truncated stream");
+      if (arrays[i].on_device) copy_floats(arrays[i].data + at, bounce.data(), n, true);
+    }
+  }
+}
+
+}  // namespace detail
+
+void Dlrm::save_state(std::ostream& out) const {
+  if (g_) return g_->save_state(out);
+  detail::DlrmState& s = *s_;
+  const bool adagrad = !s.adagrad_state.empty();
+  detail::write_state(out, adagrad, state_arrays(s, adagrad));
+}
+
+void Dlrm::load_state(std::istream& in) {
+  if (g_) return g_->load_state(in);
+  detail::DlrmState& s = *s_;
+  std::uint64_t count = 0;
+  const bool adagrad = detail::read_state_header(in, count);
+  s.adagrad_state.clear();
+  s.embeddings.adagrad_state.clear();
+  if (adagrad) {
     // Allocate the optimizer state the stream holds; its values are read below.
-    s.adagrad_state.clear();
     for (cpu::Linear* l : s.linears()) {
       s.adagrad_state.emplace_back(static_cast<std::size_t>(l->weight.numel()), 0.0f);
       s.adagrad_state.emplace_back(static_cast<std::size_t>(l->bias.numel()), 0.0f);
     }
-    s.embeddings.adagrad_state.clear();
     for (const Tensor& t : s.embeddings.tables)
       s.embeddings.adagrad_state.push_back(Tensor::empty(t.shape(), DType::f32, Device::cpu()));
   }
-  const auto arrays = state_arrays(s, adagrad != 0);
-  FK_CHECK_ARG(count == arrays.size(), op, "in", fmt::format("{} arrays (this configuration)", arrays.size()),
-               fmt::format("{}", count));
-  for (std::size_t i = 0; i < arrays.size(); ++i) {
-    std::uint64_t len = 0;
-    in.read(reinterpret_cast<char*>(&len), 8);
-    FK_CHECK_ARG(in && len == static_cast<std::uint64_t>(arrays[i].second), op, "in",
-                 fmt::format("array {} of {} floats (this configuration)", i, arrays[i].second), fmt::format("{}", len));
-    in.read(reinterpret_cast<char*>(arrays[i].first), static_cast<std::streamsize>(len * 4));
-    FK_CHECK_ARG(static_cast<bool>(in), op, "in", "a complete state", "a truncated stream");
-  }
+  detail::read_state_arrays(in, count, state_arrays(s, adagrad));
 }
 
 double bce_with_logits(const TensorView& logits, const TensorView& labels, const TensorView* dlogits) {

@@ -301,7 +301,7 @@ TEST(Dlrm, BadConfigurationAndInputRaiseErrors) {
   c = tiny_config(InteractionOp::dot);
   c.top_mlp = {6, 2};
   test::expect_arg_error([&] { Dlrm m(c, Device::cpu()); }, "models::DlrmConfig", "top_mlp");
-  test::expect_arg_error([&] { Dlrm m(tiny_config(InteractionOp::dot), Device::cuda(0)); }, "models::Dlrm", "device");
+  test::expect_arg_error([&] { Dlrm m(tiny_config(InteractionOp::dot), Device::cuda(99)); }, "models::Dlrm", "device");
 
   Dlrm model(tiny_config(InteractionOp::dot), Device::cpu());
   std::vector<float> dense(13 * 2, 1.0f), logits(2);

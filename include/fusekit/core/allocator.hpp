@@ -30,6 +30,8 @@ void deallocate(void* ptr) noexcept;
 // Returns every cached block to the driver.
 void release_cached(Device device);
 AllocatorStats stats(Device device);
+// Starts a new peak: peak_allocated_bytes = allocated_bytes now.
+void reset_peak(Device device);
 // Rounded size a request of `bytes` is served with: 512-byte granularity under 1 MiB, 2 MiB above.
 std::size_t round_size(std::size_t bytes) noexcept;
 

@@ -216,6 +216,9 @@ struct Batch {
 // (Tensor::empty on the CPU); the GPU path passes page-locked memory so that batches can be
 // copied to the device asynchronously.
 using HostAllocator = std::function<Tensor(Dims shape, DType dtype)>;
+// Page-locked host memory (cudaMallocHost) when fusekit was built with CUDA; otherwise empty
+// (plain host memory).
+HostAllocator pinned_host_allocator();
 
 // Fills `batch`, (re)allocating its tensors through `allocate` (plain host memory when empty)
 // when their shapes differ from what `records.size()` samples need.

@@ -20,10 +20,14 @@
 // (PyTorch's update: state += g^2, p -= lr g / (sqrt(state) + eps); rows not touched by the
 // batch are not updated, as with sparse gradients).
 //
-// This is the `--impl reference` CPU backend: plain float32 loops and a blocked CPU GEMM. The
-// GPU implementations take the same config and the same Batch layout (see data/criteo.hpp).
+// Backends: on the CPU, `--impl reference` only: plain float32 loops and a blocked CPU GEMM (the
+// spec the GPU implementations are tested against). On CUDA, `reference` (unfused kernels, dense
+// table gradients) and `fused` (fused kernels, sparse in-place table updates, CUDA graph); see
+// src/models/dlrm_gpu.hpp and docs/dlrm.md. All take the same config and the same Batch layout
+// (see data/criteo.hpp).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <iosfwd>
 #include <memory>
@@ -42,6 +46,14 @@ namespace fk::models {
 enum class InteractionOp { dot, cat, outer };
 InteractionOp parse_interaction_op(std::string_view name);  // "dot" | "cat" | "outer"
 std::string_view interaction_op_name(InteractionOp op);
+
+enum class DlrmImpl { reference, fused };
+DlrmImpl parse_impl(std::string_view name);  // "reference" | "fused"
+std::string_view impl_name(DlrmImpl impl);
+
+// How the fused GPU embedding lookup hashes raw categorical values (DlrmInput::raw_sparse):
+// seed: (v + 1) % rows_t, reference: v % rows_t (data::HashMode's two modes).
+enum class RawHash { seed, reference };
 
 enum class OptimizerKind { sgd, adagrad };
 OptimizerKind parse_optimizer(std::string_view name);  // "sgd" | "adagrad"
@@ -62,6 +74,9 @@ struct DlrmConfig {
   InteractionOp interaction = InteractionOp::dot;
   bool interaction_itself = false;  // dot: include the diagonal <Z_i, Z_i>
   std::uint64_t seed = 1;
+  RawHash raw_hash = RawHash::seed;  // for DlrmInput::raw_sparse (GPU fused)
+  bool allow_tf32 = true;            // GPU: MLP GEMMs on TF32 tensor cores (CPU: ignored)
+  bool cuda_graph = true;            // GPU fused: replay the training step as a CUDA graph
 
   std::int64_t num_features() const { return static_cast<std::int64_t>(table_rows.size()) + 1; }
   std::int64_t interaction_size() const;
@@ -74,10 +89,15 @@ struct DlrmConfig {
 //   dense   f32 [B, bottom_mlp[0]]
 //   indices i64 [nnz]        all tables' rows, table-major
 //   offsets i64 [T * B + 1]  bag (t, b) is indices[offsets[t*B + b], offsets[t*B + b + 1])
+//   raw_sparse i32 [T * B]   optional: the unhashed values of one-hot bags, table-major; the GPU
+//                            fused implementation then hashes them in its lookup (config
+//                            raw_hash) and ignores indices/offsets
+// On CUDA the tensors may be host (page-locked for asynchronous copies) or device tensors.
 struct DlrmInput {
   TensorView dense;
   TensorView indices;
   TensorView offsets;
+  TensorView raw_sparse;
 };
 
 // Sparse gradient of one table: `rows` distinct (ascending), `values` [rows.size(), D].
@@ -89,15 +109,21 @@ struct SparseGrad {
 namespace detail {
 struct DlrmState;
 }
+namespace gpu {
+class GpuDlrm;
+}
 
 class Dlrm {
  public:
-  Dlrm(DlrmConfig config, Device device);
+  // Throws fk::Error for an inconsistent config, and for impl fused on the CPU.
+  Dlrm(DlrmConfig config, Device device, DlrmImpl impl = DlrmImpl::reference);
   ~Dlrm();
   Dlrm(Dlrm&&) noexcept;
   Dlrm& operator=(Dlrm&&) noexcept;
 
   const DlrmConfig& config() const noexcept;
+  Device device() const noexcept;
+  DlrmImpl impl() const noexcept;
 
   // logits f32 [B] (the sigmoid is applied by the loss and by predict()). input.dense must stay
   // valid and unchanged until backward() (the bottom MLP reads it there).
@@ -108,6 +134,11 @@ class Dlrm {
 
   // forward + BCE loss + backward + step; returns the mean loss of the batch.
   double train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt);
+  // The same step without waiting for its loss: on CUDA it returns once the batch has been copied
+  // to the device (the caller may then reuse its buffers) while the step runs. drain_loss()
+  // waits and returns the mean of the losses of the steps enqueued since the last drain (0 when none).
+  void enqueue_train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt);
+  double drain_loss();
   // Click probabilities f32 [B].
   void predict(const DlrmInput& input, const TensorView& probabilities);
 
@@ -125,7 +156,11 @@ class Dlrm {
   };
   std::vector<LinearParams> linear_layers();
   std::vector<Tensor*> tables();
+  // CPU only: the sparse gradients of the last backward (CUDA: empty; the fused implementation
+  // never forms them, the reference one keeps dense table gradients).
   const std::vector<SparseGrad>& table_grads() const;
+  // Peak bytes of device memory allocated through fusekit's allocator (0 on the CPU).
+  std::size_t peak_device_bytes() const;
 
   // The training state (every parameter and the optimizer state) as a binary stream, so that a
   // run resumed from it computes exactly what the uninterrupted run would have. load_state
@@ -134,11 +169,31 @@ class Dlrm {
   void load_state(std::istream& in);
 
  private:
-  std::unique_ptr<detail::DlrmState> s_;
+  std::unique_ptr<detail::DlrmState> s_;  // the CPU backend
+  std::unique_ptr<gpu::GpuDlrm> g_;       // or the CUDA one
+  DlrmConfig config_;
+  Device device_;
+  DlrmImpl impl_;
+  double pending_loss_ = 0;  // CPU enqueue_train_step
+  std::int64_t pending_steps_ = 0;
 };
 
 // Mean binary cross-entropy of sigmoid(logits) against labels (0/1), computed stably from the
 // logits; writes dL/dlogit = (sigmoid(logit) - label) / B when dlogits is given.
 double bce_with_logits(const TensorView& logits, const TensorView& labels, const TensorView* dlogits);
+
+namespace detail {
+// The state stream shared by both backends: magic, Adagrad flag, then (length, floats) per array
+// in the order of the backend's state arrays. `on_device` arrays are copied through host memory.
+struct StateArray {
+  float* data;
+  std::int64_t size;
+  bool on_device;
+};
+void write_state(std::ostream& out, bool adagrad, const std::vector<StateArray>& arrays);
+// Reads the header; returns the Adagrad flag (the caller then allocates the optimizer state).
+bool read_state_header(std::istream& in, std::uint64_t& count);
+void read_state_arrays(std::istream& in, std::uint64_t count, const std::vector<StateArray>& arrays);
+}  // namespace detail
 
 }  // namespace fk::models

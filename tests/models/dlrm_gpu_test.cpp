@@ -1,0 +1,258 @@
+// The two CUDA implementations of DLRM against the CPU model (the spec): forward logits, MLP
+// gradients, parameters and tables after optimizer steps (SGD and Adagrad), for the dot, cat and
+// outer interactions, one-hot raw input with the hash fused in and multi-hot CSR input, odd batch
+// sizes, and tables so small that one row collects thousands of gradients (the fused sparse
+// backward's cross-chunk path). Also: the CUDA-graph step equals the eager one bit for bit, the
+// fused step is deterministic, checkpoints move between GPU and CPU, and bad input raises.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <sstream>
+#include <vector>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/core/philox.hpp"
+#include "fusekit/models/dlrm.hpp"
+#include "test_util.hpp"
+
+namespace fk::models {
+namespace {
+
+struct HostBatch {
+  std::int64_t b = 0;
+  Tensor dense, indices, offsets, raw, labels;
+  DlrmInput input(bool with_raw) const {
+    return {dense, indices, offsets, with_raw ? raw.view() : TensorView()};
+  }
+};
+
+std::uint32_t bits(std::uint64_t seed, std::uint64_t i) { return philox::random_block(seed, 11, i).v[0]; }
+float unit(std::uint64_t seed, std::uint64_t i) { return philox::to_unit_float(philox::random_block(seed, 12, i).v[1]); }
+
+// One-hot bags (raw values hashed with `hash`) unless multi_hot, then 0..3 indices per bag.
+HostBatch make_batch(const DlrmConfig& c, std::int64_t b, std::uint64_t seed, bool multi_hot) {
+  HostBatch h;
+  h.b = b;
+  const std::int64_t t = static_cast<std::int64_t>(c.table_rows.size());
+  h.dense = Tensor::empty({b, c.bottom_mlp.front()}, DType::f32, Device::cpu());
+  for (std::int64_t i = 0; i < h.dense.numel(); ++i) h.dense.data_as<float>()[i] = 3.0f * unit(seed, static_cast<std::uint64_t>(i));
+  h.labels = Tensor::empty({b}, DType::f32, Device::cpu());
+  for (std::int64_t i = 0; i < b; ++i) h.labels.data_as<float>()[i] = unit(seed + 1, static_cast<std::uint64_t>(i)) < 0.3f ? 1.f : 0.f;
+  h.raw = Tensor::empty({t * b}, DType::i32, Device::cpu());
+  h.offsets = Tensor::empty({t * b + 1}, DType::i64, Device::cpu());
+  std::vector<std::int64_t> idx;
+  auto* off = h.offsets.data_as<std::int64_t>();
+  off[0] = 0;
+  for (std::int64_t q = 0; q < t * b; ++q) {
+    const std::int64_t rows = c.table_rows[static_cast<std::size_t>(q / b)];
+    const std::uint32_t v = bits(seed + 2, static_cast<std::uint64_t>(q));
+    h.raw.data_as<std::uint32_t>()[q] = v;
+    if (!multi_hot) {
+      idx.push_back(c.raw_hash == RawHash::seed ? static_cast<std::int64_t>((std::uint64_t{v} + 1) % static_cast<std::uint64_t>(rows))
+                                                : static_cast<std::int64_t>(v % static_cast<std::uint64_t>(rows)));
+    } else {
+      const int n = static_cast<int>(v % 4);
+      for (int k = 0; k < n; ++k) idx.push_back(static_cast<std::int64_t>(bits(seed + 3, static_cast<std::uint64_t>(q * 4 + k)) % rows));
+    }
+    off[q + 1] = static_cast<std::int64_t>(idx.size());
+  }
+  h.indices = Tensor::empty({static_cast<std::int64_t>(idx.size())}, DType::i64, Device::cpu());
+  std::copy(idx.begin(), idx.end(), h.indices.data_as<std::int64_t>());
+  return h;
+}
+
+DlrmConfig tiny(InteractionOp op) {
+  DlrmConfig c;
+  c.bottom_mlp = {13, 24, 8};
+  c.top_mlp = {20, 1};
+  c.embedding_dim = 8;
+  c.table_rows = {50, 3, 200, 1, 77};
+  c.interaction = op;
+  c.seed = 5;
+  c.allow_tf32 = false;  // fp32 GEMMs: compare with the CPU tightly
+  return c;
+}
+
+void expect_close(const TensorView& got, const TensorView& ref, double tol, const std::string& what) {
+  const Tensor g = test::to_host(got), r = test::to_host(ref);
+  ASSERT_EQ(g.numel(), r.numel()) << what;
+  EXPECT_LE(test::rel_err_normwise(g, r), tol) << what;
+}
+
+void expect_same_params(Dlrm& gpu, Dlrm& cpu, double tol, const std::string& what) {
+  auto gl = gpu.linear_layers(), cl = cpu.linear_layers();
+  ASSERT_EQ(gl.size(), cl.size());
+  for (std::size_t i = 0; i < gl.size(); ++i) {
+    expect_close(*gl[i].weight, *cl[i].weight, tol, what + ": weight " + std::to_string(i));
+    expect_close(*gl[i].bias, *cl[i].bias, tol, what + ": bias " + std::to_string(i));
+  }
+  auto gt = gpu.tables(), ct = cpu.tables();
+  ASSERT_EQ(gt.size(), ct.size());
+  for (std::size_t t = 0; t < gt.size(); ++t) expect_close(*gt[t], *ct[t], tol, what + ": table " + std::to_string(t));
+}
+
+std::vector<float> host_vec(const TensorView& t) {
+  const Tensor h = test::to_host(t);
+  return {h.data_as<float>(), h.data_as<float>() + h.numel()};
+}
+
+struct Case {
+  DlrmImpl impl;
+  InteractionOp op;
+  bool multi_hot;
+  OptimizerKind opt;
+};
+
+class DlrmGpuVsCpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DlrmGpuVsCpu, ForwardGradientsAndStepsMatchTheCpuModel) {
+  FK_SKIP_WITHOUT_GPU();
+  const Case k = GetParam();
+  const DlrmConfig c = tiny(k.op);
+  Dlrm cpu(c, Device::cpu());
+  Dlrm gpu(c, Device::cuda(), k.impl);
+  expect_same_params(gpu, cpu, 1e-6, "init");
+  const OptimizerConfig opt{.kind = k.opt, .learning_rate = k.opt == OptimizerKind::sgd ? 0.3f : 0.05f};
+  for (std::int64_t b : {37, 1, 130}) {
+    const HostBatch h = make_batch(c, b, 100 + static_cast<std::uint64_t>(b), k.multi_hot);
+    Tensor lc = Tensor::empty({b}, DType::f32, Device::cpu()), lg = Tensor::empty({b}, DType::f32, Device::cpu());
+    Tensor dl = Tensor::empty({b}, DType::f32, Device::cpu());
+    cpu.forward(h.input(false), lc);
+    gpu.forward(h.input(!k.multi_hot), lg);
+    expect_close(lg, lc, 2e-5, "logits, batch " + std::to_string(b));
+    const TensorView dlv = dl;
+    bce_with_logits(lc, h.labels, &dlv);
+    cpu.backward(dl);
+    gpu.backward(dl);
+    auto gl = gpu.linear_layers(), cl = cpu.linear_layers();
+    for (std::size_t i = 0; i < gl.size(); ++i) {
+      expect_close(*gl[i].weight_grad, *cl[i].weight_grad, 1e-4, "dW " + std::to_string(i));
+      expect_close(*gl[i].bias_grad, *cl[i].bias_grad, 1e-4, "db " + std::to_string(i));
+    }
+    cpu.step(opt);
+    gpu.step(opt);
+    expect_same_params(gpu, cpu, 1e-5, "after step, batch " + std::to_string(b));
+  }
+  // Whole training steps (the graph path for fused one-hot input after the first).
+  for (int i = 0; i < 4; ++i) {
+    const HostBatch h = make_batch(c, 61, 900 + static_cast<std::uint64_t>(i), k.multi_hot);
+    const double lc = cpu.train_step(h.input(false), h.labels, opt);
+    const double lg = gpu.train_step(h.input(!k.multi_hot), h.labels, opt);
+    EXPECT_NEAR(lg, lc, 1e-4 * std::max(1.0, std::fabs(lc))) << "train step " << i;
+  }
+  expect_same_params(gpu, cpu, 1e-4, "after train steps");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Impls, DlrmGpuVsCpu,
+    ::testing::Values(Case{DlrmImpl::reference, InteractionOp::dot, false, OptimizerKind::sgd},
+                      Case{DlrmImpl::fused, InteractionOp::dot, false, OptimizerKind::sgd},
+                      Case{DlrmImpl::reference, InteractionOp::dot, true, OptimizerKind::adagrad},
+                      Case{DlrmImpl::fused, InteractionOp::dot, true, OptimizerKind::adagrad},
+                      Case{DlrmImpl::fused, InteractionOp::dot, false, OptimizerKind::adagrad},
+                      Case{DlrmImpl::reference, InteractionOp::cat, false, OptimizerKind::sgd},
+                      Case{DlrmImpl::fused, InteractionOp::cat, false, OptimizerKind::sgd},
+                      Case{DlrmImpl::reference, InteractionOp::outer, false, OptimizerKind::sgd},
+                      Case{DlrmImpl::fused, InteractionOp::outer, true, OptimizerKind::sgd}),
+    [](const auto& info) {
+      const Case& k = info.param;
+      return std::string(impl_name(k.impl)) + "_" + std::string(interaction_op_name(k.op)) +
+             (k.multi_hot ? "_multihot_" : "_onehot_") + std::string(optimizer_name(k.opt));
+    });
+
+TEST(DlrmGpu, HotRowsAcrossManyChunksMatchTheCpuModel) {
+  FK_SKIP_WITHOUT_GPU();
+  // Tables of 1-3 rows at batch 4133: each row gathers ~1400-4133 gradients, cut into many
+  // chunks of 32 sorted entries (phase 2 of the fused backward), plus a large table.
+  DlrmConfig c = tiny(InteractionOp::dot);
+  c.table_rows = {2, 1, 3, 100000};
+  c.embedding_dim = 16;  // the Kaggle width (the register-blocked interaction backward)
+  c.bottom_mlp = {13, 24, 16};
+  for (OptimizerKind ok : {OptimizerKind::sgd, OptimizerKind::adagrad}) {
+    Dlrm cpu(c, Device::cpu());
+    Dlrm gpu(c, Device::cuda(), DlrmImpl::fused);
+    const OptimizerConfig opt{.kind = ok, .learning_rate = 0.05f};
+    for (int i = 0; i < 3; ++i) {
+      const HostBatch h = make_batch(c, 4133, 50 + static_cast<std::uint64_t>(i), false);
+      cpu.train_step(h.input(false), h.labels, opt);
+      gpu.train_step(h.input(true), h.labels, opt);
+    }
+    expect_same_params(gpu, cpu, 1e-4, std::string("hot rows, ") + std::string(optimizer_name(ok)));
+  }
+}
+
+TEST(DlrmGpu, GraphStepEqualsEagerStepAndIsDeterministic) {
+  FK_SKIP_WITHOUT_GPU();
+  DlrmConfig c = tiny(InteractionOp::dot);
+  c.table_rows = {3, 1000, 17, 5};
+  c.allow_tf32 = true;
+  const OptimizerConfig opt{.kind = OptimizerKind::sgd, .learning_rate = 0.1f};
+  DlrmConfig no_graph = c;
+  no_graph.cuda_graph = false;
+  Dlrm graph(c, Device::cuda(), DlrmImpl::fused), eager(no_graph, Device::cuda(), DlrmImpl::fused),
+      again(c, Device::cuda(), DlrmImpl::fused);
+  for (int i = 0; i < 6; ++i) {
+    const HostBatch h = make_batch(c, 2000, 7 + static_cast<std::uint64_t>(i), false);
+    graph.enqueue_train_step(h.input(true), h.labels, opt);  // eager once, then captured and replayed
+    again.enqueue_train_step(h.input(true), h.labels, opt);
+    eager.enqueue_train_step(h.input(true), h.labels, opt);
+  }
+  const double lg = graph.drain_loss();
+  EXPECT_GT(lg, 0.0);
+  EXPECT_EQ(lg, again.drain_loss());
+  EXPECT_EQ(lg, eager.drain_loss());
+  auto tg = graph.tables(), te = eager.tables(), ta = again.tables();
+  for (std::size_t t = 0; t < tg.size(); ++t) {
+    EXPECT_EQ(host_vec(*tg[t]), host_vec(*ta[t])) << "table " << t << ": two fused runs differ";
+    EXPECT_EQ(host_vec(*tg[t]), host_vec(*te[t])) << "table " << t << ": graph and eager steps differ";
+  }
+  auto wg = graph.linear_layers(), wa = again.linear_layers();
+  for (std::size_t i = 0; i < wg.size(); ++i) EXPECT_EQ(host_vec(*wg[i].weight), host_vec(*wa[i].weight)) << i;
+}
+
+TEST(DlrmGpu, CheckpointMovesBetweenGpuAndCpuAndResumesExactly) {
+  FK_SKIP_WITHOUT_GPU();
+  const DlrmConfig c = tiny(InteractionOp::dot);
+  const OptimizerConfig opt{.kind = OptimizerKind::adagrad, .learning_rate = 0.05f};
+  Dlrm a(c, Device::cuda(), DlrmImpl::fused);
+  std::vector<HostBatch> batches;
+  for (int i = 0; i < 6; ++i) batches.push_back(make_batch(c, 300, 40 + static_cast<std::uint64_t>(i), false));
+  for (int i = 0; i < 3; ++i) a.train_step(batches[i].input(true), batches[i].labels, opt);
+  std::stringstream state;
+  a.save_state(state);
+  const std::string saved = state.str();
+  Dlrm cpu(c, Device::cpu());
+  std::stringstream s1(saved);
+  cpu.load_state(s1);
+  expect_same_params(a, cpu, 0.0, "GPU state loaded on the CPU");
+  Dlrm b(c, Device::cuda(), DlrmImpl::fused);
+  std::stringstream s2(saved);
+  b.load_state(s2);
+  for (int i = 3; i < 6; ++i) {
+    const double la = a.train_step(batches[i].input(true), batches[i].labels, opt);
+    const double lb = b.train_step(batches[i].input(true), batches[i].labels, opt);
+    EXPECT_EQ(la, lb) << "step " << i << ": the resumed run differs";
+  }
+}
+
+TEST(DlrmGpu, BadInputRaises) {
+  FK_SKIP_WITHOUT_GPU();
+  const DlrmConfig c = tiny(InteractionOp::dot);
+  Dlrm ref(c, Device::cuda(), DlrmImpl::reference);
+  HostBatch h = make_batch(c, 8, 1, false);
+  Tensor l = Tensor::empty({8}, DType::f32, Device::cpu());
+  test::expect_arg_error([&] { ref.forward({h.labels, h.indices, h.offsets, {}}, l); }, "models::Dlrm", "dense");
+  h.indices.data_as<std::int64_t>()[8] = 3;  // table 1 has 3 rows
+  test::expect_arg_error([&] { ref.forward(h.input(false), l); }, "models::Dlrm", "indices");
+  Tensor short_logits = Tensor::empty({7}, DType::f32, Device::cpu());
+  HostBatch ok = make_batch(c, 8, 2, false);
+  test::expect_arg_error([&] { ref.forward(ok.input(false), short_logits); }, "models::Dlrm", "logits");
+}
+
+TEST(DlrmGpu, FusedOnTheCpuRaises) {
+  test::expect_arg_error([] { Dlrm m(tiny(InteractionOp::dot), Device::cpu(), DlrmImpl::fused); }, "models::Dlrm",
+                         "impl");
+}
+
+}  // namespace
+}  // namespace fk::models
