@@ -647,6 +647,7 @@ CLI::App* add_eval_command(CLI::App& app, EvalFlags& f) {
   cmd->add_option("--checkpoint", f.checkpoint, "Checkpoint file")->required()->check(CLI::ExistingFile);
   cmd->add_option("--data", f.data, "Evaluate on this data's test split instead of the run's");
   cmd->add_option("--test-mini-batch-size", f.test_mini_batch_size, "Evaluation batch size");
+  cmd->add_option("--device", f.device, "cpu (default) | cuda: where the model is evaluated");
   return cmd;
 }
 
@@ -657,13 +658,16 @@ int run_eval(const EvalFlags& f) {
   from_json(h.config, c);
   if (f.data) c.data = *f.data;
   if (f.test_mini_batch_size) c.test_mini_batch_size = *f.test_mini_batch_size;
-  c.device = "cpu";
-  c.impl = "reference";
+  c.device = f.device;
+  // Evaluation is a forward pass, the same function in both implementations; on CUDA the fused
+  // one (it keeps no dense table gradients).
+  c.impl = Device::parse(c.device).is_cuda() ? "fused" : "reference";
+  const auto [device, impl] = pick_device(c, "fusekit eval");
   const data::Featurizer feat = make_featurizer(c);
-  models::Dlrm model(make_model_config(c, feat), Device::cpu());
+  models::Dlrm model(make_model_config(c, feat), device, impl);
   model.load_state(in);
   const Split split = load_data(c);
-  fmt::print("fusekit eval: {} (step {}), {}\n", f.checkpoint, h.step, split.description);
+  fmt::print("fusekit eval: {} (step {}), {}, device {}\n", f.checkpoint, h.step, split.description, device.str());
   const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
   fmt::print("eval: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples, {:.1f}% positive)\n", m.log_loss, m.auc,
              m.accuracy, m.samples, 100 * m.positive_rate);

@@ -76,6 +76,7 @@ struct EvalFlags {
   std::string checkpoint;
   std::optional<std::string> data;
   std::optional<std::int64_t> test_mini_batch_size;
+  std::string device = "cpu";
 };
 CLI::App* add_eval_command(CLI::App& app, EvalFlags& flags);
 int run_eval(const EvalFlags& flags);

@@ -26,7 +26,7 @@
 namespace fk::bench {
 namespace {
 
-constexpr std::int64_t kTrainSamples = std::int64_t{1} << 21;
+constexpr std::int64_t kTrainSamples = std::int64_t{1} << 22;  // one epoch of configs/dlrm_kaggle.json
 constexpr std::int64_t kTestSamples = std::int64_t{1} << 18;
 constexpr std::int64_t kTestBatch = 32768;
 constexpr int kWarmup = 8;

@@ -18,7 +18,12 @@ double TraceRecorder::now_us() const {
 }
 
 void TraceRecorder::add(const char* name, const char* category, double start_us, double duration_us) {
-  const auto tid = static_cast<std::uint32_t>(std::hash<std::thread::id>{}(std::this_thread::get_id()) & 0xffffff);
+  add_on_track(name, category, start_us, duration_us,
+               static_cast<std::uint32_t>(std::hash<std::thread::id>{}(std::this_thread::get_id()) & 0xffffff));
+}
+
+void TraceRecorder::add_on_track(const char* name, const char* category, double start_us, double duration_us,
+                                 std::uint32_t tid) {
   std::lock_guard lock(mutex_);
   if (events_.size() < max_events_) events_.push_back({name, category, start_us, duration_us, tid});
 }

@@ -286,6 +286,7 @@ void Dlrm::predict(const DlrmInput& input, const TensorView& probabilities) {
 
 void Dlrm::set_trace(TraceRecorder* trace) noexcept {
   if (s_) s_->trace = trace;
+  if (g_) g_->set_trace(trace);
 }
 
 void Dlrm::enqueue_train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt) {

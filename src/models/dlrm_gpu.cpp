@@ -108,6 +108,42 @@ struct GpuDlrm::State {
   std::map<std::int64_t, bool> warm;  // batch sizes that ran one eager step
   std::map<std::pair<std::size_t, std::int64_t>, LtPlan> plans;
 
+  // Phase timing for --trace: mark(name) starts a phase (ending the previous one); flush() waits
+  // for the step and adds the phases to the trace.
+  TraceRecorder* trace = nullptr;
+  std::vector<cudaEvent_t> events;
+  std::vector<const char*> marks;
+  double step_host_start_us = 0;
+
+  void mark(const char* name) {
+    if (!trace) return;
+    if (marks.empty()) {
+      FK_CUDA_CHECK(cudaStreamSynchronize(cs()));
+      step_host_start_us = trace->now_us();
+    }
+    if (events.size() <= marks.size()) {
+      cudaEvent_t e = nullptr;
+      FK_CUDA_CHECK(cudaEventCreate(&e));
+      events.push_back(e);
+    }
+    FK_CUDA_CHECK(cudaEventRecord(events[marks.size()], cs()));
+    marks.push_back(name);
+  }
+
+  void flush_trace() {
+    if (!trace || marks.empty()) return;
+    mark(nullptr);
+    FK_CUDA_CHECK(cudaEventSynchronize(events[marks.size() - 1]));
+    for (std::size_t i = 0; i + 1 < marks.size(); ++i) {
+      float start = 0, end = 0;
+      FK_CUDA_CHECK(cudaEventElapsedTime(&start, events[0], events[i]));
+      FK_CUDA_CHECK(cudaEventElapsedTime(&end, events[0], events[i + 1]));
+      trace->add_on_track(marks[i], "gpu", step_host_start_us + 1e3 * start, 1e3 * (end - start),
+                          TraceRecorder::kGpuTrack);
+    }
+    marks.clear();
+  }
+
   cudaStream_t cs() const { return static_cast<cudaStream_t>(stream.handle()); }
   float* P(std::int64_t off) const { return params.data_as<float>() + off; }
   float* G(std::int64_t off) const { return grads.data_as<float>() + off; }
@@ -124,6 +160,7 @@ struct GpuDlrm::State {
       : config(c), impl(im), dev(Device::cuda(device)), stream(Stream::create(dev)), copy_stream(Stream::create(dev)) {}
 
   ~State() {
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
     for (auto& [k, g] : graphs) cudaGraphExecDestroy(g);
     for (auto& [k, p] : plans) destroy(p);
     for (Slot& s : slots) {
@@ -379,6 +416,7 @@ struct GpuDlrm::State {
     const Slot& sl = slots[static_cast<std::size_t>(slot)];
     const std::int64_t b = batch, fd = features * dim;
     const std::int64_t t = static_cast<std::int64_t>(base_host.size());
+    mark("bottom_mlp.fwd");
     refresh_shadows();
     const float* x = sl.dense.data_as<float>();
     std::int64_t ldx = ld_dense;
@@ -390,6 +428,7 @@ struct GpuDlrm::State {
       x = y;
       ldx = ldy;
     }
+    mark("embeddings.fwd");
     if (impl == DlrmImpl::fused) {
       embedding_forward_fused(table_set(), use_raw ? sl.raw.data_as<std::uint32_t>() : nullptr,
                               config.raw_hash == fk::models::RawHash::seed ? gpu::RawHash::seed : gpu::RawHash::reference,
@@ -401,6 +440,7 @@ struct GpuDlrm::State {
                                 sl.indices.data_as<std::int64_t>(), sl.offsets.data_as<std::int64_t>(), b,
                                 z.data_as<float>(), cs());
     }
+    mark("interaction.fwd");
     switch (config.interaction) {
       case InteractionOp::dot:
         if (impl == DlrmImpl::fused) {
@@ -421,6 +461,7 @@ struct GpuDlrm::State {
         interaction_outer_forward(z.data_as<float>(), fd, b, r.data_as<float>(), cs());
         break;
     }
+    mark("top_mlp.fwd");
     x = r.data_as<float>();
     ldx = ldr;
     for (std::size_t i = bottom_layers; i < linears.size(); ++i) {
@@ -433,6 +474,7 @@ struct GpuDlrm::State {
   }
 
   void loss_body() {
+    mark("bce_loss");
     const Slot& sl = slots[static_cast<std::size_t>(slot)];
     if (impl == DlrmImpl::fused)
       sigmoid_bce_fused(logits.data_as<float>(), sl.labels.data_as<float>(), batch, dlogits.data_as<float>(),
@@ -446,6 +488,7 @@ struct GpuDlrm::State {
     const Slot& sl = slots[static_cast<std::size_t>(slot)];
     const std::int64_t b = batch, fd = features * dim;
     const std::int64_t t = static_cast<std::int64_t>(base_host.size());
+    mark("top_mlp.bwd");
     // Top MLP, last layer first; dy ping-pongs between ga and gb.
     float* dy = dlogits.data_as<float>();
     std::int64_t lddy = 1;
@@ -462,6 +505,7 @@ struct GpuDlrm::State {
       lddy = linears[i].in_ld;
       which ^= 1;
     }
+    mark("interaction.bwd");
     switch (config.interaction) {
       case InteractionOp::dot:
         if (impl == DlrmImpl::fused) {
@@ -490,6 +534,7 @@ struct GpuDlrm::State {
         break;
     }
     if (impl == DlrmImpl::reference) {
+      mark("embeddings.bwd");
       FK_CUDA_CHECK(cudaMemsetAsync(dense_grad.data(), 0, dense_grad.nbytes(), cs()));
       for (int ti = 0; ti < t; ++ti)
         embedding_backward_dense_table(dense_grad.data_as<float>() + base_host[ti] * dim, static_cast<int>(dim), ti,
@@ -497,6 +542,7 @@ struct GpuDlrm::State {
                                        sl.offsets.data_as<std::int64_t>(), b, dz.data_as<float>(), cs());
     }
     // Bottom MLP: its output's gradient is dZ[:, 0].
+    mark("bottom_mlp.bwd");
     // (The fused dot backward has already applied the last bottom ReLU's derivative.)
     const bool masked = impl == DlrmImpl::fused && config.interaction == InteractionOp::dot;
     dy = dz.data_as<float>();
@@ -529,9 +575,11 @@ struct GpuDlrm::State {
     const std::int64_t t = static_cast<std::int64_t>(base_host.size());
     TableSet ts = table_set();
     ts.adagrad_state = ada ? table_state.data_as<float>() : nullptr;
+    mark("optimizer.embeddings");
     if (impl == DlrmImpl::fused) {
       embedding_backward_fused(ts, key_bits, keys.data_as<std::uint32_t>(), bags.data_as<std::uint32_t>(), nnz, batch,
                                dz.data_as<float>(), opt.learning_rate, opt.eps, ws, cs());
+      mark("optimizer.mlp");
       optimizer_update(params.data_as<float>(), grads.data_as<float>(), ada ? adagrad.data_as<float>() : nullptr,
                        param_floats, opt.learning_rate, opt.eps, cs());
       return;
@@ -541,6 +589,7 @@ struct GpuDlrm::State {
       optimizer_update(table(ti), dense_grad.data_as<float>() + at, ada ? table_state.data_as<float>() + at : nullptr,
                        rows_host[ti] * dim, opt.learning_rate, opt.eps, cs());
     }
+    mark("optimizer.mlp");
     for (const LinearSlot& l : linears) {
       optimizer_update(P(l.w), G(l.w), ada ? adagrad.data_as<float>() + l.w : nullptr, l.in * l.out,
                        opt.learning_rate, opt.eps, cs());
@@ -552,6 +601,7 @@ struct GpuDlrm::State {
   void finish_step() {
     FK_CUDA_CHECK(cudaEventRecord(slots[static_cast<std::size_t>(slot)].free, cs()));
     ++steps;
+    flush_trace();
   }
 };
 
@@ -704,7 +754,7 @@ void GpuDlrm::enqueue_train_step(const DlrmInput& input, const TensorView& label
   };
   // The fused step with one-hot raw input has fixed sizes for a given batch: after one eager
   // step at that size (which also builds the cuBLASLt plans), capture it once per slot and replay.
-  const bool graphable = s.impl == DlrmImpl::fused && s.use_raw && s.config.cuda_graph;
+  const bool graphable = s.impl == DlrmImpl::fused && s.use_raw && s.config.cuda_graph && s.trace == nullptr;
   if (!graphable || !s.warm[s.batch]) {
     body();
     s.warm[s.batch] = true;
@@ -750,6 +800,7 @@ void GpuDlrm::predict(const DlrmInput& input, const TensorView& probabilities) {
   FK_CHECK_ARG(probabilities.dtype() == DType::f32 && probabilities.numel() == s.batch && probabilities.is_contiguous(),
                kOp, "probabilities", fmt::format("f32 with {} elements", s.batch), probabilities.str());
   s.forward_body();
+  s.marks.clear();  // evaluation is not traced
   sigmoid(s.logits.data_as<float>(), s.p.data_as<float>(), s.batch, s.cs());
   FK_CUDA_CHECK(cudaMemcpyAsync(probabilities.data(), s.p.data(), static_cast<std::size_t>(s.batch) * 4,
                                 cudaMemcpyDefault, s.cs()));
@@ -828,6 +879,8 @@ void GpuDlrm::load_state(std::istream& in) {
                        s.table_buf.data_as<float>(), ada ? s.table_state.data_as<float>() : nullptr, s.linears,
                        s.base_host, s.rows_host, s.dim));
 }
+
+void GpuDlrm::set_trace(TraceRecorder* trace) noexcept { s_->trace = trace; }
 
 std::size_t GpuDlrm::peak_device_bytes() const { return allocator::stats(s_->dev).peak_allocated_bytes; }
 

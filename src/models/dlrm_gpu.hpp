@@ -21,6 +21,7 @@
 #include <memory>
 #include <vector>
 
+#include "fusekit/core/trace.hpp"
 #include "fusekit/models/dlrm.hpp"
 
 namespace fk::models::gpu {
@@ -44,6 +45,9 @@ class GpuDlrm {
   void save_state(std::ostream& out) const;
   void load_state(std::istream& in);
   std::size_t peak_device_bytes() const;
+  // While set, training steps run without the graph and each phase is timed with CUDA events and
+  // added to `trace` on its GPU track (names as the CPU model's phases).
+  void set_trace(TraceRecorder* trace) noexcept;
 
  private:
   struct State;

@@ -41,6 +41,9 @@ class TraceRecorder {
 
   double now_us() const;
   void add(const char* name, const char* category, double start_us, double duration_us);
+  // The same on an explicit track (e.g. kGpuTrack for phases timed with CUDA events).
+  void add_on_track(const char* name, const char* category, double start_us, double duration_us, std::uint32_t tid);
+  static constexpr std::uint32_t kGpuTrack = 0x1000000;
 
  private:
   struct Event {
