@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <type_traits>
 
 #include "fusekit/core/cuda_check.hpp"
@@ -34,6 +35,7 @@ using u16 = unsigned short;
 struct MlpParams {
   const u16* x;     // [batch, in]
   u16* y;           // [batch, out]
+  u16* hidden;      // [L-1, batch, H]: the training forward's hidden outputs; nullptr for inference
   std::int64_t batch;
   int in, out, layers;
   const u16* w[kMlpMaxLayers];  // [out_l, in_l]
@@ -104,6 +106,19 @@ __device__ __forceinline__ void epilogue(Activation act, const float (&acc)[H / 
     case Activation::relu: return to_next_layer<T, H, Activation::relu>(acc, bias, lane, a);
     case Activation::sigmoid: return to_next_layer<T, H, Activation::sigmoid>(acc, bias, lane, a);
     default: return to_next_layer<T, H, Activation::identity>(acc, bias, lane, a);
+  }
+}
+
+// Rows g and g + 8 of a [16, H] tile held as A fragments, stored as 16-bit pairs to dst [rows, H]
+// (rows beyond `rows` are not stored). Column 8j + 2t lives in a[j / 2][(j % 2) * 2 + half].
+template <int H>
+__device__ __forceinline__ void store_tile(const std::uint32_t (&a)[H / 16][4], u16* dst, int rows, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < H / 8; ++j) {
+    const int col = 8 * j + 2 * t;
+    if (g < rows) *reinterpret_cast<std::uint32_t*>(dst + g * H + col) = a[j / 2][(j % 2) * 2];
+    if (g + 8 < rows) *reinterpret_cast<std::uint32_t*>(dst + (g + 8) * H + col) = a[j / 2][(j % 2) * 2 + 1];
   }
 }
 
@@ -201,6 +216,7 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_kernel(const MlpParams p) 
         }
       }
       epilogue<T, H>(p.act[0], acc, bias, lane, a);
+      if (p.hidden != nullptr) store_tile<H>(a, p.hidden + row0 * H, rows, lane);
     }
     for (int l = 1; l < p.layers - 1; ++l) {
       const u16* w = wh + (l - 1) * H * ldh;
@@ -216,6 +232,7 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_kernel(const MlpParams p) 
         }
       }
       epilogue<T, H>(p.act[l], acc, bias + l * H, lane, a);
+      if (p.hidden != nullptr) store_tile<H>(a, p.hidden + (l * p.batch + row0) * H, rows, lane);
     }
     // The output layer, 16 columns at a time.
     const Activation out_act = p.act[p.layers - 1];
@@ -267,6 +284,253 @@ void launch(const MlpParams& p, std::size_t smem, cudaStream_t stream) {
   FK_CUDA_CHECK_LAUNCH("fused_mlp_kernel");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+
+struct MlpBackwardParams {
+  const u16* dy;      // [batch, out]
+  const u16* y;       // [batch, out], the forward's output (act' of the output layer)
+  const u16* hidden;  // [L-1, batch, H], the forward's hidden outputs
+  u16* dx;            // [batch, in]; nullptr: not computed
+  u16* g_hidden;      // [L-1, batch, H]: g_0 .. g_{L-2}, read by the dW GEMMs
+  u16* g_out;         // [batch, out]: g_{L-1}
+  float* db_part;     // [gridDim.x, n_bias]: each CTA's column sums of every g
+  std::int64_t batch;
+  int in, out, layers;
+  const u16* w[kMlpMaxLayers];  // [out_l, in_l]
+  Activation act[kMlpMaxLayers];
+};
+
+__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], const u16* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+template <class T>
+__device__ __forceinline__ float lo(std::uint32_t v) { return unpack<T>(static_cast<u16>(v & 0xffffu)); }
+template <class T>
+__device__ __forceinline__ float hi(std::uint32_t v) { return unpack<T>(static_cast<u16>(v >> 16)); }
+
+// act'(z) from y = act(z) (identity, relu, sigmoid).
+__device__ __forceinline__ float grad_from_output(Activation act, float y) {
+  switch (act) {
+    case Activation::relu: return device::activation_grad_from_output<Activation::relu>(y);
+    case Activation::sigmoid: return device::activation_grad_from_output<Activation::sigmoid>(y);
+    default: return 1.0f;
+  }
+}
+
+// Adds the column sums of one m16n8 tile (s0, s1: this lane's two rows summed, columns col and
+// col + 1) to the warp's accumulator: a butterfly over the 8 lanes that share the columns, then
+// the lanes of row group 0 add. Plain adds by one lane per column: a fixed order.
+__device__ __forceinline__ void add_column_sums(float* slot, int col, float s0, float s1, int lane) {
+#pragma unroll
+  for (int off = 4; off < 32; off *= 2) {
+    s0 += __shfl_xor_sync(0xffffffffu, s0, off);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, off);
+  }
+  if (lane < 4) {
+    slot[col] += s0;
+    slot[col + 1] += s1;
+  }
+}
+
+// The backward through every layer, 16 rows per warp at a time: the gradients g_l travel down
+// the layers in registers (the A fragments of the product with the next weight matrix, held in
+// shared memory in its natural [out_l, in_l] layout and read transposed by ldmatrix.trans); each
+// g_l is stored once for the dW GEMMs and its column sums (db) kept per warp in shared memory.
+template <class T, int H>
+__global__ void __launch_bounds__(kThreads) fused_mlp_backward_kernel(const MlpBackwardParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int k0 = round16(p.in), ldk0 = k0 + 8, n_out = round16(p.out);
+  constexpr int ldh = H + 8;
+  u16* w0 = reinterpret_cast<u16*>(smem_raw);           // [H, ldk0]
+  u16* wh = w0 + H * ldk0;                              // (layers-2) x [H, ldh]
+  u16* wo = wh + (p.layers - 2) * H * ldh;              // [n_out, ldh]
+  float* slots = reinterpret_cast<float*>(wo + n_out * ldh);  // warps x [n_bias]
+  const int n_bias = (p.layers - 1) * H + n_out;
+
+  copy_weight(p.w[0], H, p.in, w0, ldk0);
+  for (int l = 1; l < p.layers - 1; ++l) copy_weight(p.w[l], H, H, wh + (l - 1) * H * ldh, ldh);
+  copy_weight(p.w[p.layers - 1], p.out, H, wo, ldh);
+  for (int i = threadIdx.x; i < kMlpWarps * n_bias; i += kThreads) slots[i] = 0.0f;
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  float* slot = slots + warp * n_bias;
+  // ldmatrix.trans addresses of B (k16 x two n8 tiles) from W [k, n]: lane -> k row
+  // 8((lane/8)%2) + lane%8, n half lane/16.
+  const int bt_row = ((lane / 8) % 2) * 8 + lane % 8, bt_col = (lane / 16) * 8;
+  const Activation out_act = p.act[p.layers - 1];
+  const bool pair_dx = p.in % 2 == 0 && reinterpret_cast<std::uintptr_t>(p.dx) % 4 == 0;
+
+  const std::int64_t tiles = (p.batch + 15) / 16;
+  for (std::int64_t tile = static_cast<std::int64_t>(blockIdx.x) * kMlpWarps + warp; tile < tiles;
+       tile += static_cast<std::int64_t>(gridDim.x) * kMlpWarps) {
+    const std::int64_t row0 = tile * 16;
+    const int rows = p.batch - row0 < 16 ? static_cast<int>(p.batch - row0) : 16;
+
+    // Output layer, 16 of its (padded) columns at a time: g = dy ⊙ act'(y) rounded to the dtype,
+    // dh = g · W_{L-1} (fp32, [16, H]).
+    float dh[H / 8][4] = {};
+    for (int kc = 0; kc < n_out; kc += 16) {
+      std::uint32_t ga[4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = kc + 8 * j + 2 * t;
+        float v[4];  // (g, col), (g, col + 1), (g + 8, col), (g + 8, col + 1)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = g + 8 * (e / 2), c = col + e % 2;
+          v[e] = 0.0f;
+          if (r < rows && c < p.out) {
+            const std::int64_t i = (row0 + r) * p.out + c;
+            v[e] = unpack<T>(p.dy[i]);
+            if (out_act != Activation::identity) v[e] *= grad_from_output(out_act, unpack<T>(p.y[i]));
+          }
+        }
+        const std::uint32_t top = pack2<T>(v[0], v[1]), bot = pack2<T>(v[2], v[3]);
+        ga[2 * j] = top;      // row g,     k = 8j + 2t
+        ga[2 * j + 1] = bot;  // row g + 8
+        const std::uint32_t q[4] = {top & 0xffffu, top >> 16, bot & 0xffffu, bot >> 16};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = g + 8 * (e / 2), c = col + e % 2;
+          if (r < rows && c < p.out) p.g_out[(row0 + r) * p.out + c] = static_cast<u16>(q[e]);
+        }
+        add_column_sums(slot + (p.layers - 1) * H, col, lo<T>(top) + lo<T>(bot), hi<T>(top) + hi<T>(bot), lane);
+      }
+#pragma unroll
+      for (int np = 0; np < H / 16; ++np) {
+        std::uint32_t bf[4];
+        ldmatrix_x4_trans(bf, wo + (kc + bt_row) * ldh + np * 16 + bt_col);
+        mma<T>(dh[2 * np], ga, bf[0], bf[1]);
+        mma<T>(dh[2 * np + 1], ga, bf[2], bf[3]);
+      }
+    }
+
+    // Hidden layers, top down: g_l = dh ⊙ act'_l(h_l) rounded; then dh = g_l · W_l, or dx at l = 0.
+    for (int l = p.layers - 2; l >= 0; --l) {
+      const std::int64_t base = (l * p.batch + row0) * H;
+      const u16* hl = p.hidden + base;
+      const Activation act = p.act[l];
+      std::uint32_t ga[H / 16][4];
+#pragma unroll
+      for (int j = 0; j < H / 8; ++j) {
+        const int col = 8 * j + 2 * t;
+        const std::uint32_t h_top = g < rows ? __ldg(reinterpret_cast<const unsigned*>(hl + g * H + col)) : 0u;
+        const std::uint32_t h_bot = g + 8 < rows ? __ldg(reinterpret_cast<const unsigned*>(hl + (g + 8) * H + col)) : 0u;
+        const std::uint32_t top = pack2<T>(dh[j][0] * grad_from_output(act, lo<T>(h_top)),
+                                           dh[j][1] * grad_from_output(act, hi<T>(h_top)));
+        const std::uint32_t bot = pack2<T>(dh[j][2] * grad_from_output(act, lo<T>(h_bot)),
+                                           dh[j][3] * grad_from_output(act, hi<T>(h_bot)));
+        ga[j / 2][(j % 2) * 2] = top;
+        ga[j / 2][(j % 2) * 2 + 1] = bot;
+        add_column_sums(slot + l * H, col, lo<T>(top) + lo<T>(bot), hi<T>(top) + hi<T>(bot), lane);
+      }
+      store_tile<H>(ga, p.g_hidden + base, rows, lane);
+      if (l > 0) {
+        const u16* w = wh + (l - 1) * H * ldh;  // W_l [H, H]
+#pragma unroll
+        for (int j = 0; j < H / 8; ++j) dh[j][0] = dh[j][1] = dh[j][2] = dh[j][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < H / 16; ++kk) {
+#pragma unroll
+          for (int np = 0; np < H / 16; ++np) {
+            std::uint32_t bf[4];
+            ldmatrix_x4_trans(bf, w + (kk * 16 + bt_row) * ldh + np * 16 + bt_col);
+            mma<T>(dh[2 * np], ga[kk], bf[0], bf[1]);
+            mma<T>(dh[2 * np + 1], ga[kk], bf[2], bf[3]);
+          }
+        }
+      } else if (p.dx != nullptr) {
+        // dx = g_0 · W_0, 16 of its (padded) columns at a time.
+        for (int nb = 0; nb < k0; nb += 16) {
+          float acc[2][4] = {};
+#pragma unroll
+          for (int kk = 0; kk < H / 16; ++kk) {
+            std::uint32_t bf[4];
+            ldmatrix_x4_trans(bf, w0 + (kk * 16 + bt_row) * ldk0 + nb + bt_col);
+            mma<T>(acc[0], ga[kk], bf[0], bf[1]);
+            mma<T>(acc[1], ga[kk], bf[2], bf[3]);
+          }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = nb + 8 * j + 2 * t;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // rows g, g + 8
+              const int r = g + 8 * h;
+              if (r >= rows || col >= p.in) continue;
+              const std::uint32_t packed = pack2<T>(acc[j][2 * h], acc[j][2 * h + 1]);
+              u16* dst = p.dx + (row0 + r) * p.in + col;
+              if (pair_dx) {
+                *reinterpret_cast<std::uint32_t*>(dst) = packed;
+              } else {
+                dst[0] = static_cast<u16>(packed & 0xffffu);
+                if (col + 1 < p.in) dst[1] = static_cast<u16>(packed >> 16);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // This CTA's column sums: its warps' accumulators added in a fixed order.
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_bias; i += kThreads) {
+    float sum = 0.0f;
+    for (int w = 0; w < kMlpWarps; ++w) sum += slots[w * n_bias + i];
+    p.db_part[static_cast<std::int64_t>(blockIdx.x) * n_bias + i] = sum;
+  }
+}
+
+struct DbOut {
+  float* db[kMlpMaxLayers];  // [out_l]
+};
+
+// db_l = the CTAs' column sums added in a fixed order (deterministic), one thread per bias element.
+__global__ void mlp_bias_grad_kernel(const float* __restrict__ part, int blocks, int n_bias, int hidden, int layers,
+                                     int out, DbOut d) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_bias) return;
+  double sum = 0.0;
+  for (int b = 0; b < blocks; ++b) sum += part[static_cast<std::int64_t>(b) * n_bias + i];
+  const int layer = min(i / hidden, layers - 1), col = i - layer * hidden;
+  if (layer == layers - 1 && col >= out) return;  // the output layer's padding
+  d.db[layer][col] = static_cast<float>(sum);
+}
+
+template <class T, int H>
+int launch_backward(MlpBackwardParams p, std::size_t smem, cudaStream_t stream, float** db_part_out,
+                    const std::function<float*(std::int64_t)>& alloc_part) {
+  auto* kernel = fused_mlp_backward_kernel<T, H>;
+  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int per_sm = 0;
+  FK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  const std::int64_t tiles = (p.batch + 15) / 16;
+  const std::int64_t want = (tiles + kMlpWarps - 1) / kMlpWarps;
+  const int blocks = static_cast<int>(std::min<std::int64_t>(want, std::int64_t{multiprocessor_count()} * std::max(per_sm, 1)));
+  p.db_part = alloc_part(blocks);
+  *db_part_out = p.db_part;
+  kernel<<<blocks, kThreads, smem, stream>>>(p);
+  FK_CUDA_CHECK_LAUNCH("fused_mlp_backward_kernel");
+  return blocks;
+}
+
+// dW [n_out, n_in] (f32, row-major) = gᵀ · h over the batch: g [batch, n_out], h [batch, n_in]
+// (the dtype). Column-major, dWᵀ [n_in, n_out] = h_cm [n_in, batch] · (g_cm [n_out, batch])ᵀ.
+void weight_grad(cublasHandle_t handle, cudaDataType_t t, const void* g, const void* h, float* dw, int batch, int n_out,
+                 int n_in) {
+  const float one = 1.0f, zero = 0.0f;
+  FK_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, n_in, n_out, batch, &one, h, t, n_in, g, t, n_out, &zero,
+                               dw, CUDA_R_32F, n_in, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 }  // namespace
 
 std::size_t fused_mlp_smem_limit() {
@@ -276,11 +540,12 @@ std::size_t fused_mlp_smem_limit() {
   return static_cast<std::size_t>(bytes);
 }
 
-void fused_mlp_forward(const FusedMlpForwardArgs& a, const Stream* stream) {
+void fused_mlp_forward(const FusedMlpForwardArgs& a, const TensorView* hidden_out, const Stream* stream) {
   const fk::detail::DeviceScope on_device(a.x.device().index);
   MlpParams p{};
   p.x = a.x.data_as<const u16>();
   p.y = a.y.data_as<u16>();
+  p.hidden = hidden_out != nullptr ? hidden_out->data_as<u16>() : nullptr;
   p.batch = a.x.size(0);
   p.in = static_cast<int>(a.x.size(1));
   p.out = static_cast<int>(a.y.size(1));
@@ -305,6 +570,82 @@ void fused_mlp_forward(const FusedMlpForwardArgs& a, const Stream* stream) {
       }
     }
   });
+}
+
+
+void fused_mlp_backward(const FusedMlpBackwardArgs& a, const Stream* stream) {
+  const fk::detail::DeviceScope on_device(a.x.device().index);
+  const cudaStream_t s = fk::detail::cuda_stream(stream);
+  const int layers = static_cast<int>(a.layers.size());
+  const std::int64_t batch = a.x.size(0);
+  if (batch == 0) {  // the sums over no rows
+    for (int l = 0; l < layers; ++l) {
+      FK_CUDA_CHECK(cudaMemsetAsync(a.dweight[static_cast<std::size_t>(l)].data(), 0, a.dweight[static_cast<std::size_t>(l)].nbytes(), s));
+      FK_CUDA_CHECK(cudaMemsetAsync(a.dbias[static_cast<std::size_t>(l)].data(), 0, a.dbias[static_cast<std::size_t>(l)].nbytes(), s));
+    }
+    return;
+  }
+  const int hidden = static_cast<int>(a.layers[0].weight.size(0));
+  const int in = static_cast<int>(a.x.size(1)), out = static_cast<int>(a.y.size(1));
+  const Device dev = a.x.device();
+  const DType dt = a.x.dtype();
+  // The gradients at every layer's output, for the dW GEMMs (workspace, stream-ordered).
+  const Tensor g_hidden = Tensor::empty({std::int64_t{layers} - 1, batch, std::int64_t{hidden}}, dt, dev, stream);
+  const Tensor g_out = Tensor::empty({batch, std::int64_t{out}}, dt, dev, stream);
+  Tensor part;
+
+  MlpBackwardParams p{};
+  p.dy = a.dy.data_as<const u16>();
+  p.y = a.y.data_as<const u16>();
+  p.hidden = a.hidden.data_as<const u16>();
+  p.dx = a.dx ? a.dx->data_as<u16>() : nullptr;
+  p.g_hidden = g_hidden.data_as<u16>();
+  p.g_out = g_out.data_as<u16>();
+  p.batch = batch;
+  p.in = in;
+  p.out = out;
+  p.layers = layers;
+  for (int l = 0; l < layers; ++l) {
+    p.w[l] = a.layers[static_cast<std::size_t>(l)].weight.data_as<const u16>();
+    p.act[l] = a.layers[static_cast<std::size_t>(l)].act;
+  }
+  const int n_bias = static_cast<int>(fused_mlp_bias_elems(hidden, out, layers));
+  const std::size_t smem = fused_mlp_backward_smem_bytes(in, hidden, out, layers);
+  const auto alloc_part = [&](std::int64_t blocks) {
+    part = Tensor::empty({blocks, std::int64_t{n_bias}}, DType::f32, dev, stream);
+    return part.data_as<float>();
+  };
+  float* db_part = nullptr;
+  int blocks = 0;
+  with_float_type(dt, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, float>) {
+      switch (hidden) {
+        case 16: blocks = launch_backward<T, 16>(p, smem, s, &db_part, alloc_part); return;
+        case 32: blocks = launch_backward<T, 32>(p, smem, s, &db_part, alloc_part); return;
+        case 64: blocks = launch_backward<T, 64>(p, smem, s, &db_part, alloc_part); return;
+        case 128: blocks = launch_backward<T, 128>(p, smem, s, &db_part, alloc_part); return;
+        default: throw_internal("fused_mlp_backward: hidden width not checked by the caller");
+      }
+    }
+  });
+  DbOut d{};
+  for (int l = 0; l < layers; ++l) d.db[l] = a.dbias[static_cast<std::size_t>(l)].data_as<float>();
+  mlp_bias_grad_kernel<<<(n_bias + 127) / 128, 128, 0, s>>>(db_part, blocks, n_bias, hidden, layers, out, d);
+  FK_CUDA_CHECK_LAUNCH("mlp_bias_grad_kernel");
+
+  // dW_l = g_lᵀ · h_{l-1} (h_{-1} = x): cuBLAS, fp32 output.
+  const fk::detail::CublasLease cublas(dev.index, s);
+  const cudaDataType_t t = fk::detail::cuda_data_type(dt);
+  const auto h_slice = [&](int l) { return a.hidden.data_as<const u16>() + static_cast<std::int64_t>(l) * batch * hidden; };
+  const auto g_slice = [&](int l) { return g_hidden.data_as<const u16>() + static_cast<std::int64_t>(l) * batch * hidden; };
+  const int b = static_cast<int>(batch);
+  weight_grad(cublas.get(), t, g_slice(0), a.x.data(), a.dweight[0].data_as<float>(), b, hidden, in);
+  for (int l = 1; l < layers - 1; ++l)
+    weight_grad(cublas.get(), t, g_slice(l), h_slice(l - 1), a.dweight[static_cast<std::size_t>(l)].data_as<float>(), b,
+                hidden, hidden);
+  weight_grad(cublas.get(), t, g_out.data(), h_slice(layers - 2),
+              a.dweight[static_cast<std::size_t>(layers - 1)].data_as<float>(), b, out, hidden);
 }
 
 }  // namespace fk::cuda
