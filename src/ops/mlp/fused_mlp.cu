@@ -292,6 +292,7 @@ struct MlpBackwardParams {
   const u16* dy;      // [batch, out]
   const u16* y;       // [batch, out], the forward's output (act' of the output layer)
   const u16* hidden;  // [L-1, batch, H], the forward's hidden outputs
+  const u16* x;       // [batch, in], the forward's input (the fused-dW kernel's dW_0)
   u16* dx;            // [batch, in]; nullptr: not computed
   u16* g_hidden;      // [L-1, batch, H]: g_0 .. g_{L-2}, read by the dW GEMMs
   u16* g_out;         // [batch, out]: g_{L-1}
@@ -505,6 +506,286 @@ __global__ void mlp_bias_grad_kernel(const float* __restrict__ part, int blocks,
   d.db[layer][col] = static_cast<float>(sum);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Backward with dW fused (the MLPs whose fp32 dW accumulators fit in shared memory)
+// ---------------------------------------------------------------------------------------------
+
+// Rows of the batch one CTA takes at a time: 16 per warp.
+constexpr int kChunkRows = 16 * kMlpWarps;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// One warp's 16 rows of src [*, cols] (row r0 onward, `rows` of them valid) into dst [16, ld],
+// columns up to round16(cols); rows past `rows` and columns past `cols` are zero. 16-byte
+// cp.async when `vec` (cols % 8 == 0 and src 16-byte aligned), element copies otherwise.
+__device__ __forceinline__ void load_rows(const u16* __restrict__ src, int cols, int rows, bool vec, u16* dst, int ld,
+                                          int lane) {
+  const int cp = round16(cols);
+  if (vec) {
+    const int chunks = cp / 8;
+    for (int c = lane; c < 16 * chunks; c += 32) {
+      const int r = c / chunks, col = (c % chunks) * 8;
+      u16* d = dst + r * ld + col;
+      if (r < rows && col < cols) cp_async16(d, src + static_cast<std::int64_t>(r) * cols + col);
+      else *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+    }
+  } else {
+    for (int e = lane; e < 16 * cp; e += 32) {
+      const int r = e / cp, col = e % cp;
+      dst[r * ld + col] = (r < rows && col < cols) ? src[static_cast<std::int64_t>(r) * cols + col] : u16(0);
+    }
+  }
+}
+
+struct MlpFusedDwParams {
+  MlpBackwardParams b;
+  float* dw_part;                 // [gridDim.x, dw_total]: each CTA's dW_l, row-major per layer
+  int dw_total;
+  int dw_offset[kMlpMaxLayers];   // where dW_l starts in a CTA's row of dw_part
+  int acc_offset[kMlpMaxLayers];  // where layer l's accumulator starts in shared memory (floats)
+};
+
+// dW [m_pad, n_pad] (this CTA's fp32 accumulator, m16n8 fragment order) += Gᵀ · X over the chunk's
+// 128 rows: G [128, ldg] (m columns), X [128, ldx] (n columns). Warp w takes the 16x16 blocks w,
+// w + 8, ...; both operands by ldmatrix.trans.
+template <class T>
+__device__ __forceinline__ void accumulate_dw(float* acc, int m_pad, int n_pad, const u16* G, int ldg, const u16* X,
+                                              int ldx, int warp, int lane) {
+  const int q = lane / 8;
+  const int a_m = (q % 2) * 8, a_k = (q / 2) * 8 + lane % 8;                  // A = Gᵀ: m half, k row
+  const int bt_row = ((lane / 8) % 2) * 8 + lane % 8, bt_col = (lane / 16) * 8;  // B = X: k row, n half
+  const int nb = n_pad / 16, blocks = (m_pad / 16) * nb;
+  for (int blk = warp; blk < blocks; blk += kMlpWarps) {
+    const int bm = blk / nb, bn = blk % nb;
+    float4* frag = reinterpret_cast<float4*>(acc) + blk * 64;  // [2 n8 tiles][32 lanes]
+    float c[2][4];
+    {
+      const float4 c0 = frag[lane], c1 = frag[32 + lane];
+      c[0][0] = c0.x, c[0][1] = c0.y, c[0][2] = c0.z, c[0][3] = c0.w;
+      c[1][0] = c1.x, c[1][1] = c1.y, c[1][2] = c1.z, c[1][3] = c1.w;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kChunkRows / 16; ++kk) {
+      std::uint32_t af[4], bf[4];
+      ldmatrix_x4_trans(af, G + (kk * 16 + a_k) * ldg + bm * 16 + a_m);
+      ldmatrix_x4_trans(bf, X + (kk * 16 + bt_row) * ldx + bn * 16 + bt_col);
+      mma<T>(c[0], af, bf[0], bf[1]);
+      mma<T>(c[1], af, bf[2], bf[3]);
+    }
+    frag[lane] = make_float4(c[0][0], c[0][1], c[0][2], c[0][3]);
+    frag[32 + lane] = make_float4(c[1][0], c[1][1], c[1][2], c[1][3]);
+  }
+}
+
+// The backward through every layer with dW and db accumulated on chip. A CTA takes 128 rows at a
+// time; per layer, top down: each warp computes its 16 rows of g_l (registers -> the chunk's G
+// buffer) while the layer's input h_{l-1} (x at l = 0) for the chunk streams into an H buffer by
+// cp.async; after one barrier every warp adds its blocks of g_lᵀ · h_{l-1} (K = 128) to the CTA's
+// fp32 dW_l in shared memory, and carries dh = g_l · W_l on in registers. G and H are double
+// buffered by layer parity, so one barrier per layer suffices. At the end each CTA writes its dW
+// and db once; a second kernel adds the CTAs' in a fixed order.
+template <class T, int H>
+__global__ void __launch_bounds__(kThreads, 1) fused_mlp_backward_fused_dw_kernel(const MlpFusedDwParams fp) {
+  const MlpBackwardParams& p = fp.b;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int k0 = round16(p.in), ldk0 = k0 + 8, n_out = round16(p.out);
+  constexpr int ldh = H + 8;
+  const int ldg = max(H, n_out) + 8, ldx = max(H, k0) + 8;
+  u16* w0 = reinterpret_cast<u16*>(smem_raw);  // [H, ldk0]
+  u16* wh = w0 + H * ldk0;                     // (layers-2) x [H, ldh]
+  u16* wo = wh + (p.layers - 2) * H * ldh;     // [n_out, ldh]
+  u16* gbuf = wo + n_out * ldh;                // 2 x [128, ldg]: g_l of the chunk, by l's parity
+  u16* hbuf = gbuf + 2 * kChunkRows * ldg;     // 2 x [128, ldx]: h_l of the chunk (x = h_{-1}), by parity
+  float* acc = reinterpret_cast<float*>(hbuf + 2 * kChunkRows * ldx);  // every dW_l, fragment order
+  float* slots = acc + fp.acc_offset[p.layers - 1] + n_out * H;        // warps x [n_bias]
+  const int n_bias = (p.layers - 1) * H + n_out;
+  const int acc_total = fp.acc_offset[p.layers - 1] + n_out * H;
+
+  copy_weight(p.w[0], H, p.in, w0, ldk0);
+  for (int l = 1; l < p.layers - 1; ++l) copy_weight(p.w[l], H, H, wh + (l - 1) * H * ldh, ldh);
+  copy_weight(p.w[p.layers - 1], p.out, H, wo, ldh);
+  for (int i = threadIdx.x; i < acc_total; i += kThreads) acc[i] = 0.0f;
+  for (int i = threadIdx.x; i < kMlpWarps * n_bias; i += kThreads) slots[i] = 0.0f;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  float* slot = slots + warp * n_bias;
+  const int bt_row = ((lane / 8) % 2) * 8 + lane % 8, bt_col = (lane / 16) * 8;
+  const Activation out_act = p.act[p.layers - 1];
+  const bool pair_dx = p.in % 2 == 0 && reinterpret_cast<std::uintptr_t>(p.dx) % 4 == 0;
+  const bool vec_x = p.in % 8 == 0 && reinterpret_cast<std::uintptr_t>(p.x) % 16 == 0;
+  const bool vec_h = reinterpret_cast<std::uintptr_t>(p.hidden) % 16 == 0;
+  const auto gb = [&](int l) { return gbuf + (l & 1) * kChunkRows * ldg + warp * 16 * ldg; };  // this warp's rows
+  const auto hb = [&](int l) { return hbuf + ((l + 2) & 1) * kChunkRows * ldx + warp * 16 * ldx; };
+
+  const std::int64_t chunks = (p.batch + kChunkRows - 1) / kChunkRows;
+  for (std::int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const std::int64_t row0 = chunk * kChunkRows + warp * 16;
+    const std::int64_t left = p.batch - row0;
+    const int rows = left <= 0 ? 0 : left < 16 ? static_cast<int>(left) : 16;
+    __syncthreads();  // the previous chunk's reads of G and H (and, first time, the weights) are done
+
+    // Layer L-1: h_{L-2} streams in; g = dy ⊙ act'(y) to G; dh = g · W_{L-1}.
+    load_rows(p.hidden + (static_cast<std::int64_t>(p.layers - 2) * p.batch + row0) * H, H, rows, vec_h, hb(p.layers - 2),
+              ldx, lane);
+    cp_async_commit();
+    float dh[H / 8][4] = {};
+    {
+      u16* G = gb(p.layers - 1);
+      for (int kc = 0; kc < n_out; kc += 16) {
+        std::uint32_t ga[4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = kc + 8 * j + 2 * t;
+          float v[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = g + 8 * (e / 2), c = col + e % 2;
+            v[e] = 0.0f;
+            if (r < rows && c < p.out) {
+              const std::int64_t i = (row0 + r) * p.out + c;
+              v[e] = unpack<T>(p.dy[i]);
+              if (out_act != Activation::identity) v[e] *= grad_from_output(out_act, unpack<T>(p.y[i]));
+            }
+          }
+          const std::uint32_t top = pack2<T>(v[0], v[1]), bot = pack2<T>(v[2], v[3]);
+          ga[2 * j] = top;
+          ga[2 * j + 1] = bot;
+          *reinterpret_cast<std::uint32_t*>(G + g * ldg + col) = top;
+          *reinterpret_cast<std::uint32_t*>(G + (g + 8) * ldg + col) = bot;
+          add_column_sums(slot + (p.layers - 1) * H, col, lo<T>(top) + lo<T>(bot), hi<T>(top) + hi<T>(bot), lane);
+        }
+#pragma unroll
+        for (int np = 0; np < H / 16; ++np) {
+          std::uint32_t bf[4];
+          ldmatrix_x4_trans(bf, wo + (kc + bt_row) * ldh + np * 16 + bt_col);
+          mma<T>(dh[2 * np], ga, bf[0], bf[1]);
+          mma<T>(dh[2 * np + 1], ga, bf[2], bf[3]);
+        }
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    accumulate_dw<T>(acc + fp.acc_offset[p.layers - 1], n_out, H, gbuf + ((p.layers - 1) & 1) * kChunkRows * ldg, ldg,
+                     hbuf + ((p.layers - 2 + 2) & 1) * kChunkRows * ldx, ldx, warp, lane);
+
+    for (int l = p.layers - 2; l >= 0; --l) {
+      // h_{l-1} (x at l = 0) streams in while g_l is computed.
+      if (l > 0)
+        load_rows(p.hidden + (static_cast<std::int64_t>(l - 1) * p.batch + row0) * H, H, rows, vec_h, hb(l - 1), ldx, lane);
+      else
+        load_rows(p.x + row0 * p.in, p.in, rows, vec_x, hb(-1), ldx, lane);
+      cp_async_commit();
+      const u16* Hl = hb(l);  // h_l, this warp's rows, loaded one layer up
+      u16* G = gb(l);
+      const Activation act = p.act[l];
+      std::uint32_t ga[H / 16][4];
+#pragma unroll
+      for (int j = 0; j < H / 8; ++j) {
+        const int col = 8 * j + 2 * t;
+        const std::uint32_t h_top = *reinterpret_cast<const std::uint32_t*>(Hl + g * ldx + col);
+        const std::uint32_t h_bot = *reinterpret_cast<const std::uint32_t*>(Hl + (g + 8) * ldx + col);
+        const std::uint32_t top = pack2<T>(dh[j][0] * grad_from_output(act, lo<T>(h_top)),
+                                           dh[j][1] * grad_from_output(act, hi<T>(h_top)));
+        const std::uint32_t bot = pack2<T>(dh[j][2] * grad_from_output(act, lo<T>(h_bot)),
+                                           dh[j][3] * grad_from_output(act, hi<T>(h_bot)));
+        ga[j / 2][(j % 2) * 2] = top;
+        ga[j / 2][(j % 2) * 2 + 1] = bot;
+        *reinterpret_cast<std::uint32_t*>(G + g * ldg + col) = top;
+        *reinterpret_cast<std::uint32_t*>(G + (g + 8) * ldg + col) = bot;
+        add_column_sums(slot + l * H, col, lo<T>(top) + lo<T>(bot), hi<T>(top) + hi<T>(bot), lane);
+      }
+      if (l > 0) {
+        const u16* w = wh + (l - 1) * H * ldh;  // W_l [H, H]
+#pragma unroll
+        for (int j = 0; j < H / 8; ++j) dh[j][0] = dh[j][1] = dh[j][2] = dh[j][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < H / 16; ++kk) {
+#pragma unroll
+          for (int np = 0; np < H / 16; ++np) {
+            std::uint32_t bf[4];
+            ldmatrix_x4_trans(bf, w + (kk * 16 + bt_row) * ldh + np * 16 + bt_col);
+            mma<T>(dh[2 * np], ga[kk], bf[0], bf[1]);
+            mma<T>(dh[2 * np + 1], ga[kk], bf[2], bf[3]);
+          }
+        }
+      } else if (p.dx != nullptr) {
+        for (int nb = 0; nb < k0; nb += 16) {
+          float c2[2][4] = {};
+#pragma unroll
+          for (int kk = 0; kk < H / 16; ++kk) {
+            std::uint32_t bf[4];
+            ldmatrix_x4_trans(bf, w0 + (kk * 16 + bt_row) * ldk0 + nb + bt_col);
+            mma<T>(c2[0], ga[kk], bf[0], bf[1]);
+            mma<T>(c2[1], ga[kk], bf[2], bf[3]);
+          }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = nb + 8 * j + 2 * t;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int r = g + 8 * h;
+              if (r >= rows || col >= p.in) continue;
+              const std::uint32_t packed = pack2<T>(c2[j][2 * h], c2[j][2 * h + 1]);
+              u16* dst = p.dx + (row0 + r) * p.in + col;
+              if (pair_dx) {
+                *reinterpret_cast<std::uint32_t*>(dst) = packed;
+              } else {
+                dst[0] = static_cast<u16>(packed & 0xffffu);
+                if (col + 1 < p.in) dst[1] = static_cast<u16>(packed >> 16);
+              }
+            }
+          }
+        }
+      }
+      cp_async_wait_all();
+      __syncthreads();
+      accumulate_dw<T>(acc + fp.acc_offset[l], H, l == 0 ? k0 : H, gbuf + (l & 1) * kChunkRows * ldg, ldg,
+                       hbuf + ((l + 1) & 1) * kChunkRows * ldx, ldx, warp, lane);
+    }
+  }
+
+  // This CTA's dW (fragment order -> row-major, the valid part) and db, written once.
+  __syncthreads();
+  float* part = fp.dw_part + static_cast<std::int64_t>(blockIdx.x) * fp.dw_total;
+  for (int l = 0; l < p.layers; ++l) {
+    const int m = l == p.layers - 1 ? p.out : H, n = l == 0 ? p.in : H;
+    const int m_pad = l == p.layers - 1 ? n_out : H, n_pad = l == 0 ? k0 : H, nb = n_pad / 16;
+    for (int i = threadIdx.x; i < m_pad * n_pad; i += kThreads) {
+      // i = ((blk * 2 + half) * 32 + lane) * 4 + v
+      const int v = i % 4, ln = (i / 4) % 32, half = (i / 128) % 2, blk = i / 256;
+      const int o = (blk / nb) * 16 + ln / 4 + 8 * (v / 2), c = (blk % nb) * 16 + half * 8 + 2 * (ln % 4) + v % 2;
+      if (o < m && c < n) part[fp.dw_offset[l] + o * n + c] = acc[fp.acc_offset[l] + i];
+    }
+  }
+  for (int i = threadIdx.x; i < n_bias; i += kThreads) {
+    float sum = 0.0f;
+    for (int w = 0; w < kMlpWarps; ++w) sum += slots[w * n_bias + i];
+    p.db_part[static_cast<std::int64_t>(blockIdx.x) * n_bias + i] = sum;
+  }
+}
+
+struct DwOut {
+  float* dw[kMlpMaxLayers];
+  int offset[kMlpMaxLayers + 1];  // offset[layers] = the total
+};
+
+// dW_l = the CTAs' partial dW added in a fixed order (deterministic), one thread per element.
+__global__ void mlp_weight_grad_kernel(const float* __restrict__ part, int blocks, int total, int layers, DwOut d) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  double sum = 0.0;
+  for (int b = 0; b < blocks; ++b) sum += part[static_cast<std::int64_t>(b) * total + i];
+  int l = 0;
+  while (l + 1 < layers && i >= d.offset[l + 1]) ++l;
+  d.dw[l][i - d.offset[l]] = static_cast<float>(sum);
+}
+
 template <class T, int H>
 int launch_backward(MlpBackwardParams p, std::size_t smem, cudaStream_t stream, float** db_part_out,
                     const std::function<float*(std::int64_t)>& alloc_part) {
@@ -580,8 +861,10 @@ void fused_mlp_backward(const FusedMlpBackwardArgs& a, const Stream* stream) {
   const std::int64_t batch = a.x.size(0);
   if (batch == 0) {  // the sums over no rows
     for (int l = 0; l < layers; ++l) {
-      FK_CUDA_CHECK(cudaMemsetAsync(a.dweight[static_cast<std::size_t>(l)].data(), 0, a.dweight[static_cast<std::size_t>(l)].nbytes(), s));
-      FK_CUDA_CHECK(cudaMemsetAsync(a.dbias[static_cast<std::size_t>(l)].data(), 0, a.dbias[static_cast<std::size_t>(l)].nbytes(), s));
+      const TensorView& dw = a.dweight[static_cast<std::size_t>(l)];
+      const TensorView& db = a.dbias[static_cast<std::size_t>(l)];
+      FK_CUDA_CHECK(cudaMemsetAsync(dw.data(), 0, dw.nbytes(), s));
+      FK_CUDA_CHECK(cudaMemsetAsync(db.data(), 0, db.nbytes(), s));
     }
     return;
   }
@@ -589,18 +872,14 @@ void fused_mlp_backward(const FusedMlpBackwardArgs& a, const Stream* stream) {
   const int in = static_cast<int>(a.x.size(1)), out = static_cast<int>(a.y.size(1));
   const Device dev = a.x.device();
   const DType dt = a.x.dtype();
-  // The gradients at every layer's output, for the dW GEMMs (workspace, stream-ordered).
-  const Tensor g_hidden = Tensor::empty({std::int64_t{layers} - 1, batch, std::int64_t{hidden}}, dt, dev, stream);
-  const Tensor g_out = Tensor::empty({batch, std::int64_t{out}}, dt, dev, stream);
-  Tensor part;
+  const int n_bias = static_cast<int>(fused_mlp_bias_elems(hidden, out, layers));
 
   MlpBackwardParams p{};
   p.dy = a.dy.data_as<const u16>();
   p.y = a.y.data_as<const u16>();
   p.hidden = a.hidden.data_as<const u16>();
+  p.x = a.x.data_as<const u16>();
   p.dx = a.dx ? a.dx->data_as<u16>() : nullptr;
-  p.g_hidden = g_hidden.data_as<u16>();
-  p.g_out = g_out.data_as<u16>();
   p.batch = batch;
   p.in = in;
   p.out = out;
@@ -609,7 +888,65 @@ void fused_mlp_backward(const FusedMlpBackwardArgs& a, const Stream* stream) {
     p.w[l] = a.layers[static_cast<std::size_t>(l)].weight.data_as<const u16>();
     p.act[l] = a.layers[static_cast<std::size_t>(l)].act;
   }
-  const int n_bias = static_cast<int>(fused_mlp_bias_elems(hidden, out, layers));
+  DbOut d{};
+  for (int l = 0; l < layers; ++l) d.db[l] = a.dbias[static_cast<std::size_t>(l)].data_as<float>();
+
+  if (fused_mlp_backward_fused_dw_smem_bytes(in, hidden, out, layers) <= fused_mlp_smem_limit()) {
+    // dW on chip: one kernel, then the fixed-order sums of the CTAs' dW and db.
+    MlpFusedDwParams fp{};
+    fp.b = p;
+    const std::int64_t k0 = round_up(in, 16), n_out = round_up(out, 16);
+    int dw_off = 0, acc_off = 0;
+    DwOut dwo{};
+    for (int l = 0; l < layers; ++l) {
+      const int m = l == layers - 1 ? out : hidden, n = l == 0 ? in : hidden;
+      const int m_pad = static_cast<int>(l == layers - 1 ? n_out : hidden), n_pad = static_cast<int>(l == 0 ? k0 : hidden);
+      fp.dw_offset[l] = dwo.offset[l] = dw_off;
+      fp.acc_offset[l] = acc_off;
+      dwo.dw[l] = a.dweight[static_cast<std::size_t>(l)].data_as<float>();
+      dw_off += m * n;
+      acc_off += m_pad * n_pad;
+    }
+    dwo.offset[layers] = dw_off;
+    fp.dw_total = dw_off;
+    const std::size_t smem = fused_mlp_backward_fused_dw_smem_bytes(in, hidden, out, layers);
+    const std::int64_t chunks = (batch + kChunkRows - 1) / kChunkRows;
+    const int blocks = static_cast<int>(std::min<std::int64_t>(chunks, multiprocessor_count()));
+    const Tensor dw_part = Tensor::empty({blocks, std::int64_t{dw_off}}, DType::f32, dev, stream);
+    const Tensor db_part = Tensor::empty({blocks, std::int64_t{n_bias}}, DType::f32, dev, stream);
+    fp.dw_part = dw_part.data_as<float>();
+    fp.b.db_part = db_part.data_as<float>();
+    with_float_type(dt, [&](auto tag) {
+      using T = decltype(tag);
+      if constexpr (!std::is_same_v<T, float>) {
+        auto launch_fused = [&](auto* kernel) {
+          FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+          kernel<<<blocks, kThreads, smem, s>>>(fp);
+          FK_CUDA_CHECK_LAUNCH("fused_mlp_backward_fused_dw_kernel");
+        };
+        switch (hidden) {
+          case 16: return launch_fused(fused_mlp_backward_fused_dw_kernel<T, 16>);
+          case 32: return launch_fused(fused_mlp_backward_fused_dw_kernel<T, 32>);
+          case 64: return launch_fused(fused_mlp_backward_fused_dw_kernel<T, 64>);
+          case 128: return launch_fused(fused_mlp_backward_fused_dw_kernel<T, 128>);
+          default: throw_internal("fused_mlp_backward: hidden width not checked by the caller");
+        }
+      }
+    });
+    mlp_weight_grad_kernel<<<(dw_off + 255) / 256, 256, 0, s>>>(dw_part.data_as<float>(), blocks, dw_off, layers, dwo);
+    FK_CUDA_CHECK_LAUNCH("mlp_weight_grad_kernel");
+    mlp_bias_grad_kernel<<<(n_bias + 127) / 128, 128, 0, s>>>(db_part.data_as<float>(), blocks, n_bias, hidden, layers,
+                                                             out, d);
+    FK_CUDA_CHECK_LAUNCH("mlp_bias_grad_kernel");
+    return;
+  }
+
+  // dW too large for shared memory: the kernel stores every g_l, cuBLAS forms the dW GEMMs.
+  const Tensor g_hidden = Tensor::empty({std::int64_t{layers} - 1, batch, std::int64_t{hidden}}, dt, dev, stream);
+  const Tensor g_out = Tensor::empty({batch, std::int64_t{out}}, dt, dev, stream);
+  p.g_hidden = g_hidden.data_as<u16>();
+  p.g_out = g_out.data_as<u16>();
+  Tensor part;
   const std::size_t smem = fused_mlp_backward_smem_bytes(in, hidden, out, layers);
   const auto alloc_part = [&](std::int64_t blocks) {
     part = Tensor::empty({blocks, std::int64_t{n_bias}}, DType::f32, dev, stream);
@@ -629,8 +966,6 @@ void fused_mlp_backward(const FusedMlpBackwardArgs& a, const Stream* stream) {
       }
     }
   });
-  DbOut d{};
-  for (int l = 0; l < layers; ++l) d.db[l] = a.dbias[static_cast<std::size_t>(l)].data_as<float>();
   mlp_bias_grad_kernel<<<(n_bias + 127) / 128, 128, 0, s>>>(db_part, blocks, n_bias, hidden, layers, out, d);
   FK_CUDA_CHECK_LAUNCH("mlp_bias_grad_kernel");
 

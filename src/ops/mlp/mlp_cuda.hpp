@@ -2,6 +2,7 @@
 // checked, and the shared-memory budgets that decide whether an MLP fits the fused kernels.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -43,6 +44,19 @@ inline std::size_t fused_mlp_backward_smem_bytes(std::int64_t in, std::int64_t h
                                                  std::int64_t layers) {
   return static_cast<std::size_t>(fused_mlp_weight_elems(in, hidden, out, layers) * 2 +
                                   kMlpWarps * fused_mlp_bias_elems(hidden, out, layers) * 4);
+}
+
+// Shared memory of the backward kernel that also accumulates dW on chip (used when it fits):
+// the weights, two [128, max(H, out) + 8] buffers of g, two [128, max(H, in) + 8] buffers of the
+// layer inputs, every dW_l in fp32 (padded to 16 x 16 blocks) and the per-warp db accumulators.
+inline std::size_t fused_mlp_backward_fused_dw_smem_bytes(std::int64_t in, std::int64_t hidden, std::int64_t out,
+                                                          std::int64_t layers) {
+  const std::int64_t k0 = round_up(in, 16), n_out = round_up(out, 16);
+  const std::int64_t rows = 16 * kMlpWarps;
+  const std::int64_t g_buf = 2 * rows * (std::max(hidden, n_out) + 8), h_buf = 2 * rows * (std::max(hidden, k0) + 8);
+  const std::int64_t dw = hidden * k0 + (layers - 2) * hidden * hidden + n_out * hidden;
+  return static_cast<std::size_t>((fused_mlp_weight_elems(in, hidden, out, layers) + g_buf + h_buf) * 2 +
+                                  (dw + kMlpWarps * fused_mlp_bias_elems(hidden, out, layers)) * 4);
 }
 
 // The opt-in shared memory per block of the current device.
