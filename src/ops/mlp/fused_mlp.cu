@@ -122,6 +122,28 @@ __device__ __forceinline__ void store_tile(const std::uint32_t (&a)[H / 16][4], 
   }
 }
 
+// The same tile through this warp's staging buffer `st` [16, H + 8]: the fragments go to shared
+// memory, then whole rows to dst in 16-byte stores (full sectors, where the fragment layout would
+// write 8 rows x 16 bytes per instruction).
+template <int H>
+__device__ __forceinline__ void store_tile_staged(const std::uint32_t (&a)[H / 16][4], u16* st, u16* dst, int rows,
+                                                  int lane) {
+  constexpr int ld = H + 8, chunks = H / 8;
+  const int g = lane / 4, t = lane % 4;
+  __syncwarp();  // the previous tile's reads of st are done
+#pragma unroll
+  for (int j = 0; j < H / 8; ++j) {
+    *reinterpret_cast<std::uint32_t*>(st + g * ld + 8 * j + 2 * t) = a[j / 2][(j % 2) * 2];
+    *reinterpret_cast<std::uint32_t*>(st + (g + 8) * ld + 8 * j + 2 * t) = a[j / 2][(j % 2) * 2 + 1];
+  }
+  __syncwarp();
+#pragma unroll
+  for (int c = lane; c < 16 * chunks; c += 32) {
+    const int r = c / chunks, col = (c % chunks) * 8;
+    if (r < rows) *reinterpret_cast<uint4*>(dst + r * H + col) = *reinterpret_cast<const uint4*>(st + r * ld + col);
+  }
+}
+
 template <Activation A>
 __device__ __forceinline__ void act4(float (&v)[4]) {
 #pragma unroll
@@ -152,6 +174,8 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_kernel(const MlpParams p) 
   u16* wo = wh + (p.layers - 2) * H * ldh;             // [n_out, ldh]
   u16* stage_all = wo + n_out * ldh;                   // warps x [16, ldk0]
   float* bias = reinterpret_cast<float*>(stage_all + kMlpWarps * 16 * ldk0);  // (layers-1) x [H], [n_out]
+  // warps x [16, H + 8]: the training forward's staging of the hidden outputs
+  u16* hstage_all = reinterpret_cast<u16*>(bias + (p.layers - 1) * H + round16(p.out));
 
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   copy_weight(p.w[0], H, p.in, w0, ldk0);
@@ -164,6 +188,7 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_kernel(const MlpParams p) 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   u16* stage = stage_all + warp * 16 * ldk0;
+  u16* hstage = hstage_all + warp * 16 * (H + 8);
   // 16-byte loads of x when every row starts 16-byte aligned.
   const bool vec_x = p.in % 8 == 0 && reinterpret_cast<std::uintptr_t>(p.x) % 16 == 0;
   const bool pair_y = p.out % 2 == 0 && reinterpret_cast<std::uintptr_t>(p.y) % 4 == 0;
@@ -216,7 +241,7 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_kernel(const MlpParams p) 
         }
       }
       epilogue<T, H>(p.act[0], acc, bias, lane, a);
-      if (p.hidden != nullptr) store_tile<H>(a, p.hidden + row0 * H, rows, lane);
+      if (p.hidden != nullptr) store_tile_staged<H>(a, hstage, p.hidden + row0 * H, rows, lane);
     }
     for (int l = 1; l < p.layers - 1; ++l) {
       const u16* w = wh + (l - 1) * H * ldh;
@@ -232,7 +257,7 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_kernel(const MlpParams p) 
         }
       }
       epilogue<T, H>(p.act[l], acc, bias + l * H, lane, a);
-      if (p.hidden != nullptr) store_tile<H>(a, p.hidden + (l * p.batch + row0) * H, rows, lane);
+      if (p.hidden != nullptr) store_tile_staged<H>(a, hstage, p.hidden + (l * p.batch + row0) * H, rows, lane);
     }
     // The output layer, 16 columns at a time.
     const Activation out_act = p.act[p.layers - 1];
@@ -515,10 +540,12 @@ constexpr int kChunkRows = 16 * kMlpWarps;
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // One warp's 16 rows of src [*, cols] (row r0 onward, `rows` of them valid) into dst [16, ld],
 // columns up to round16(cols); rows past `rows` and columns past `cols` are zero. 16-byte
@@ -553,9 +580,11 @@ struct MlpFusedDwParams {
 // dW [m_pad, n_pad] (this CTA's fp32 accumulator, m16n8 fragment order) += Gᵀ · X over the chunk's
 // 128 rows: G [128, ldg] (m columns), X [128, ldx] (n columns). Warp w takes the 16x16 blocks w,
 // w + 8, ...; both operands by ldmatrix.trans.
+// db [m_pad] += Gᵀ · 1 rides along: the warp of block (bm, 0) also multiplies its A fragments by
+// an all-ones B fragment, into the m16n8 fragment db + 128 bm (every column the same sum).
 template <class T>
-__device__ __forceinline__ void accumulate_dw(float* acc, int m_pad, int n_pad, const u16* G, int ldg, const u16* X,
-                                              int ldx, int warp, int lane) {
+__device__ __forceinline__ void accumulate_dw(float* acc, float* db, int m_pad, int n_pad, const u16* G, int ldg,
+                                              const u16* X, int ldx, int warp, int lane) {
   const int q = lane / 8;
   const int a_m = (q % 2) * 8, a_k = (q / 2) * 8 + lane % 8;                  // A = Gᵀ: m half, k row
   const int bt_row = ((lane / 8) % 2) * 8 + lane % 8, bt_col = (lane / 16) * 8;  // B = X: k row, n half
@@ -563,12 +592,16 @@ __device__ __forceinline__ void accumulate_dw(float* acc, int m_pad, int n_pad, 
   for (int blk = warp; blk < blocks; blk += kMlpWarps) {
     const int bm = blk / nb, bn = blk % nb;
     float4* frag = reinterpret_cast<float4*>(acc) + blk * 64;  // [2 n8 tiles][32 lanes]
-    float c[2][4];
+    float4* dfrag = reinterpret_cast<float4*>(db) + bm * 32;
+    float c[3][4];
     {
       const float4 c0 = frag[lane], c1 = frag[32 + lane];
+      const float4 c2 = bn == 0 ? dfrag[lane] : make_float4(0.f, 0.f, 0.f, 0.f);
       c[0][0] = c0.x, c[0][1] = c0.y, c[0][2] = c0.z, c[0][3] = c0.w;
       c[1][0] = c1.x, c[1][1] = c1.y, c[1][2] = c1.z, c[1][3] = c1.w;
+      c[2][0] = c2.x, c[2][1] = c2.y, c[2][2] = c2.z, c[2][3] = c2.w;
     }
+    const std::uint32_t ones = pack2<T>(1.0f, 1.0f);
 #pragma unroll
     for (int kk = 0; kk < kChunkRows / 16; ++kk) {
       std::uint32_t af[4], bf[4];
@@ -576,89 +609,119 @@ __device__ __forceinline__ void accumulate_dw(float* acc, int m_pad, int n_pad, 
       ldmatrix_x4_trans(bf, X + (kk * 16 + bt_row) * ldx + bn * 16 + bt_col);
       mma<T>(c[0], af, bf[0], bf[1]);
       mma<T>(c[1], af, bf[2], bf[3]);
+      if (bn == 0) mma<T>(c[2], af, ones, ones);
     }
     frag[lane] = make_float4(c[0][0], c[0][1], c[0][2], c[0][3]);
     frag[32 + lane] = make_float4(c[1][0], c[1][1], c[1][2], c[1][3]);
+    if (bn == 0) dfrag[lane] = make_float4(c[2][0], c[2][1], c[2][2], c[2][3]);
   }
 }
 
 // The backward through every layer with dW and db accumulated on chip. A CTA takes 128 rows at a
-// time; per layer, top down: each warp computes its 16 rows of g_l (registers -> the chunk's G
-// buffer) while the layer's input h_{l-1} (x at l = 0) for the chunk streams into an H buffer by
-// cp.async; after one barrier every warp adds its blocks of g_lᵀ · h_{l-1} (K = 128) to the CTA's
-// fp32 dW_l in shared memory, and carries dh = g_l · W_l on in registers. G and H are double
-// buffered by layer parity, so one barrier per layer suffices. At the end each CTA writes its dW
-// and db once; a second kernel adds the CTAs' in a fixed order.
+// time and walks the layers top down; one (chunk, layer) pair is a step. In a step each warp
+// computes its 16 rows of g_l (registers -> the chunk's G buffer, by step parity) and carries
+// dh = g_l · W_l on in registers; after one barrier every warp adds its 16 x 16 blocks of
+// g_lᵀ · h_{l-1} (K = 128 rows) to the CTA's fp32 dW_l in shared memory. The layer inputs h_{l-1}
+// (x at l = 0) and, at the output layer, dy and y stream in by cp.async one step ahead, into a
+// ring of three buffers (an input is written one step before its own, and read in its own step
+// (dW) and the next (act')). At the end each CTA writes its dW and db once; a second kernel adds
+// the CTAs' in a fixed order.
 template <class T, int H>
 __global__ void __launch_bounds__(kThreads, 1) fused_mlp_backward_fused_dw_kernel(const MlpFusedDwParams fp) {
   const MlpBackwardParams& p = fp.b;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int L = p.layers;
   const int k0 = round16(p.in), ldk0 = k0 + 8, n_out = round16(p.out);
   constexpr int ldh = H + 8;
-  const int ldg = max(H, n_out) + 8, ldx = max(H, k0) + 8;
+  const int ldg = max(H, n_out) + 8, ldx = max(H, k0) + 8, ldo = n_out + 8;
   u16* w0 = reinterpret_cast<u16*>(smem_raw);  // [H, ldk0]
   u16* wh = w0 + H * ldk0;                     // (layers-2) x [H, ldh]
-  u16* wo = wh + (p.layers - 2) * H * ldh;     // [n_out, ldh]
-  u16* gbuf = wo + n_out * ldh;                // 2 x [128, ldg]: g_l of the chunk, by l's parity
-  u16* hbuf = gbuf + 2 * kChunkRows * ldg;     // 2 x [128, ldx]: h_l of the chunk (x = h_{-1}), by parity
-  float* acc = reinterpret_cast<float*>(hbuf + 2 * kChunkRows * ldx);  // every dW_l, fragment order
-  float* slots = acc + fp.acc_offset[p.layers - 1] + n_out * H;        // warps x [n_bias]
-  const int n_bias = (p.layers - 1) * H + n_out;
-  const int acc_total = fp.acc_offset[p.layers - 1] + n_out * H;
+  u16* wo = wh + (L - 2) * H * ldh;            // [n_out, ldh]
+  u16* gbuf = wo + n_out * ldh;                // 2 x [128, ldg]: g_l of the chunk, by step parity
+  u16* ring = gbuf + 2 * kChunkRows * ldg;     // 3 x [128, ldx]: the steps' layer inputs
+  u16* dybuf = ring + 3 * kChunkRows * ldx;    // [128, ldo]: dy of the chunk
+  u16* ybuf = dybuf + kChunkRows * ldo;        // [128, ldo]: y of the chunk
+  float* acc = reinterpret_cast<float*>(ybuf + kChunkRows * ldo);  // every dW_l, fragment order
+  float* dbacc = acc + fp.acc_offset[L - 1] + n_out * H;           // db_l at 8 H l: [m_pad / 16] m16n8 fragments
+  const int n_bias = (L - 1) * H + n_out;
+  const int acc_total = fp.acc_offset[L - 1] + n_out * H + 8 * n_bias;
 
   copy_weight(p.w[0], H, p.in, w0, ldk0);
-  for (int l = 1; l < p.layers - 1; ++l) copy_weight(p.w[l], H, H, wh + (l - 1) * H * ldh, ldh);
-  copy_weight(p.w[p.layers - 1], p.out, H, wo, ldh);
+  for (int l = 1; l < L - 1; ++l) copy_weight(p.w[l], H, H, wh + (l - 1) * H * ldh, ldh);
+  copy_weight(p.w[L - 1], p.out, H, wo, ldh);
   for (int i = threadIdx.x; i < acc_total; i += kThreads) acc[i] = 0.0f;
-  for (int i = threadIdx.x; i < kMlpWarps * n_bias; i += kThreads) slots[i] = 0.0f;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  float* slot = slots + warp * n_bias;
   const int bt_row = ((lane / 8) % 2) * 8 + lane % 8, bt_col = (lane / 16) * 8;
-  const Activation out_act = p.act[p.layers - 1];
+  const Activation out_act = p.act[L - 1];
   const bool pair_dx = p.in % 2 == 0 && reinterpret_cast<std::uintptr_t>(p.dx) % 4 == 0;
   const bool vec_x = p.in % 8 == 0 && reinterpret_cast<std::uintptr_t>(p.x) % 16 == 0;
   const bool vec_h = reinterpret_cast<std::uintptr_t>(p.hidden) % 16 == 0;
-  const auto gb = [&](int l) { return gbuf + (l & 1) * kChunkRows * ldg + warp * 16 * ldg; };  // this warp's rows
-  const auto hb = [&](int l) { return hbuf + ((l + 2) & 1) * kChunkRows * ldx + warp * 16 * ldx; };
+  const bool vec_o = p.out % 8 == 0 && reinterpret_cast<std::uintptr_t>(p.dy) % 16 == 0 &&
+                     reinterpret_cast<std::uintptr_t>(p.y) % 16 == 0;
+  u16* dy_w = dybuf + warp * 16 * ldo;  // this warp's rows
+  u16* y_w = ybuf + warp * 16 * ldo;
 
   const std::int64_t chunks = (p.batch + kChunkRows - 1) / kChunkRows;
-  for (std::int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
-    const std::int64_t row0 = chunk * kChunkRows + warp * 16;
+  const std::int64_t steps = (chunks - blockIdx.x + gridDim.x - 1) / gridDim.x * L;
+  // Step s: chunk blockIdx.x + (s / L) * gridDim.x, layer L - 1 - s % L. This warp's rows.
+  const auto step_rows = [&](std::int64_t s, std::int64_t& row0) {
+    row0 = (blockIdx.x + (s / L) * gridDim.x) * kChunkRows + warp * 16;
     const std::int64_t left = p.batch - row0;
-    const int rows = left <= 0 ? 0 : left < 16 ? static_cast<int>(left) : 16;
-    __syncthreads();  // the previous chunk's reads of G and H (and, first time, the weights) are done
+    return left <= 0 ? 0 : left < 16 ? static_cast<int>(left) : 16;
+  };
+  // The loads of step s: its layer input into ring slot s % 3 and, at the output layer, dy and y.
+  const auto issue = [&](std::int64_t s) {
+    std::int64_t row0;
+    const int rows = step_rows(s, row0), l = L - 1 - static_cast<int>(s % L);
+    u16* dst = ring + static_cast<int>(s % 3) * kChunkRows * ldx + warp * 16 * ldx;
+    if (l > 0) load_rows(p.hidden + (static_cast<std::int64_t>(l - 1) * p.batch + row0) * H, H, rows, vec_h, dst, ldx, lane);
+    else load_rows(p.x + row0 * p.in, p.in, rows, vec_x, dst, ldx, lane);
+    if (l == L - 1) {
+      load_rows(p.dy + row0 * p.out, p.out, rows, vec_o, dy_w, ldo, lane);
+      if (out_act != Activation::identity) load_rows(p.y + row0 * p.out, p.out, rows, vec_o, y_w, ldo, lane);
+    }
+  };
 
-    // Layer L-1: h_{L-2} streams in; g = dy ⊙ act'(y) to G; dh = g · W_{L-1}.
-    load_rows(p.hidden + (static_cast<std::int64_t>(p.layers - 2) * p.batch + row0) * H, H, rows, vec_h, hb(p.layers - 2),
-              ldx, lane);
+  if (steps > 0) issue(0);
+  cp_async_commit();
+  __syncthreads();  // the weights and the zeroed accumulators
+  float dh[H / 8][4] = {};
+  for (std::int64_t s = 0; s < steps; ++s) {
+    const int l = L - 1 - static_cast<int>(s % L);
+    std::int64_t row0;
+    const int rows = step_rows(s, row0);
+    if (s + 1 < steps) issue(s + 1);
     cp_async_commit();
-    float dh[H / 8][4] = {};
-    {
-      u16* G = gb(p.layers - 1);
+    u16* G = gbuf + static_cast<int>(s & 1) * kChunkRows * ldg + warp * 16 * ldg;  // this warp's rows
+    if (l == L - 1) {
+      // g = dy ⊙ act'(y), rounded; dh = g · W_{L-1}. Rows and columns past the data are zero.
+      cp_async_wait_group<1>();
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < H / 8; ++j) dh[j][0] = dh[j][1] = dh[j][2] = dh[j][3] = 0.0f;
       for (int kc = 0; kc < n_out; kc += 16) {
         std::uint32_t ga[4];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int col = kc + 8 * j + 2 * t;
-          float v[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = g + 8 * (e / 2), c = col + e % 2;
-            v[e] = 0.0f;
-            if (r < rows && c < p.out) {
-              const std::int64_t i = (row0 + r) * p.out + c;
-              v[e] = unpack<T>(p.dy[i]);
-              if (out_act != Activation::identity) v[e] *= grad_from_output(out_act, unpack<T>(p.y[i]));
-            }
+          const std::uint32_t d_top = *reinterpret_cast<const std::uint32_t*>(dy_w + g * ldo + col);
+          const std::uint32_t d_bot = *reinterpret_cast<const std::uint32_t*>(dy_w + (g + 8) * ldo + col);
+          float v[4] = {lo<T>(d_top), hi<T>(d_top), lo<T>(d_bot), hi<T>(d_bot)};
+          if (out_act != Activation::identity) {
+            const std::uint32_t y_top = *reinterpret_cast<const std::uint32_t*>(y_w + g * ldo + col);
+            const std::uint32_t y_bot = *reinterpret_cast<const std::uint32_t*>(y_w + (g + 8) * ldo + col);
+            v[0] *= grad_from_output(out_act, lo<T>(y_top));
+            v[1] *= grad_from_output(out_act, hi<T>(y_top));
+            v[2] *= grad_from_output(out_act, lo<T>(y_bot));
+            v[3] *= grad_from_output(out_act, hi<T>(y_bot));
           }
           const std::uint32_t top = pack2<T>(v[0], v[1]), bot = pack2<T>(v[2], v[3]);
           ga[2 * j] = top;
           ga[2 * j + 1] = bot;
           *reinterpret_cast<std::uint32_t*>(G + g * ldg + col) = top;
           *reinterpret_cast<std::uint32_t*>(G + (g + 8) * ldg + col) = bot;
-          add_column_sums(slot + (p.layers - 1) * H, col, lo<T>(top) + lo<T>(bot), hi<T>(top) + hi<T>(bot), lane);
         }
 #pragma unroll
         for (int np = 0; np < H / 16; ++np) {
@@ -668,37 +731,30 @@ __global__ void __launch_bounds__(kThreads, 1) fused_mlp_backward_fused_dw_kerne
           mma<T>(dh[2 * np + 1], ga, bf[2], bf[3]);
         }
       }
-    }
-    cp_async_wait_all();
-    __syncthreads();
-    accumulate_dw<T>(acc + fp.acc_offset[p.layers - 1], n_out, H, gbuf + ((p.layers - 1) & 1) * kChunkRows * ldg, ldg,
-                     hbuf + ((p.layers - 2 + 2) & 1) * kChunkRows * ldx, ldx, warp, lane);
-
-    for (int l = p.layers - 2; l >= 0; --l) {
-      // h_{l-1} (x at l = 0) streams in while g_l is computed.
-      if (l > 0)
-        load_rows(p.hidden + (static_cast<std::int64_t>(l - 1) * p.batch + row0) * H, H, rows, vec_h, hb(l - 1), ldx, lane);
-      else
-        load_rows(p.x + row0 * p.in, p.in, rows, vec_x, hb(-1), ldx, lane);
-      cp_async_commit();
-      const u16* Hl = hb(l);  // h_l, this warp's rows, loaded one layer up
-      u16* G = gb(l);
+    } else {
+      // g_l = dh ⊙ act'_l(h_l) rounded, h_l being the previous step's input; then dh = g_l · W_l,
+      // or dx at l = 0.
+      const u16* Hl = ring + static_cast<int>((s - 1) % 3) * kChunkRows * ldx + warp * 16 * ldx;
       const Activation act = p.act[l];
+      // Every h first: shared stores to G could alias them for all the compiler knows.
+      std::uint32_t hv[H / 8][2];
+#pragma unroll
+      for (int j = 0; j < H / 8; ++j) {
+        hv[j][0] = *reinterpret_cast<const std::uint32_t*>(Hl + g * ldx + 8 * j + 2 * t);
+        hv[j][1] = *reinterpret_cast<const std::uint32_t*>(Hl + (g + 8) * ldx + 8 * j + 2 * t);
+      }
       std::uint32_t ga[H / 16][4];
 #pragma unroll
       for (int j = 0; j < H / 8; ++j) {
         const int col = 8 * j + 2 * t;
-        const std::uint32_t h_top = *reinterpret_cast<const std::uint32_t*>(Hl + g * ldx + col);
-        const std::uint32_t h_bot = *reinterpret_cast<const std::uint32_t*>(Hl + (g + 8) * ldx + col);
-        const std::uint32_t top = pack2<T>(dh[j][0] * grad_from_output(act, lo<T>(h_top)),
-                                           dh[j][1] * grad_from_output(act, hi<T>(h_top)));
-        const std::uint32_t bot = pack2<T>(dh[j][2] * grad_from_output(act, lo<T>(h_bot)),
-                                           dh[j][3] * grad_from_output(act, hi<T>(h_bot)));
+        const std::uint32_t top = pack2<T>(dh[j][0] * grad_from_output(act, lo<T>(hv[j][0])),
+                                           dh[j][1] * grad_from_output(act, hi<T>(hv[j][0])));
+        const std::uint32_t bot = pack2<T>(dh[j][2] * grad_from_output(act, lo<T>(hv[j][1])),
+                                           dh[j][3] * grad_from_output(act, hi<T>(hv[j][1])));
         ga[j / 2][(j % 2) * 2] = top;
         ga[j / 2][(j % 2) * 2 + 1] = bot;
         *reinterpret_cast<std::uint32_t*>(G + g * ldg + col) = top;
         *reinterpret_cast<std::uint32_t*>(G + (g + 8) * ldg + col) = bot;
-        add_column_sums(slot + l * H, col, lo<T>(top) + lo<T>(bot), hi<T>(top) + hi<T>(bot), lane);
       }
       if (l > 0) {
         const u16* w = wh + (l - 1) * H * ldh;  // W_l [H, H]
@@ -743,12 +799,14 @@ __global__ void __launch_bounds__(kThreads, 1) fused_mlp_backward_fused_dw_kerne
           }
         }
       }
-      cp_async_wait_all();
-      __syncthreads();
-      accumulate_dw<T>(acc + fp.acc_offset[l], H, l == 0 ? k0 : H, gbuf + (l & 1) * kChunkRows * ldg, ldg,
-                       hbuf + ((l + 1) & 1) * kChunkRows * ldx, ldx, warp, lane);
     }
+    cp_async_wait_group<1>();  // this step's input, issued one step earlier
+    __syncthreads();
+    accumulate_dw<T>(acc + fp.acc_offset[l], dbacc + 8 * H * l, l == L - 1 ? n_out : H, l == 0 ? k0 : H,
+                     gbuf + static_cast<int>(s & 1) * kChunkRows * ldg, ldg,
+                     ring + static_cast<int>(s % 3) * kChunkRows * ldx, ldx, warp, lane);
   }
+  cp_async_wait_group<0>();
 
   // This CTA's dW (fragment order -> row-major, the valid part) and db, written once.
   __syncthreads();
@@ -763,10 +821,11 @@ __global__ void __launch_bounds__(kThreads, 1) fused_mlp_backward_fused_dw_kerne
       if (o < m && c < n) part[fp.dw_offset[l] + o * n + c] = acc[fp.acc_offset[l] + i];
     }
   }
-  for (int i = threadIdx.x; i < n_bias; i += kThreads) {
-    float sum = 0.0f;
-    for (int w = 0; w < kMlpWarps; ++w) sum += slots[w * n_bias + i];
-    p.db_part[static_cast<std::int64_t>(blockIdx.x) * n_bias + i] = sum;
+  // db: column 0 of each m16n8 fragment (lanes with t = 0, values 0 and 2: rows g and g + 8).
+  for (int i = threadIdx.x; i < 8 * n_bias; i += kThreads) {
+    const int v = i % 4, ln = (i / 4) % 32, blk = i / 128;
+    if (ln % 4 != 0 || v % 2 != 0) continue;
+    p.db_part[static_cast<std::int64_t>(blockIdx.x) * n_bias + blk * 16 + ln / 4 + 8 * (v / 2)] = dbacc[i];
   }
 }
 
@@ -837,7 +896,7 @@ void fused_mlp_forward(const FusedMlpForwardArgs& a, const TensorView* hidden_ou
     p.act[l] = a.layers[static_cast<std::size_t>(l)].act;
   }
   const int hidden = static_cast<int>(a.layers[0].weight.size(0));
-  const std::size_t smem = fused_mlp_smem_bytes(p.in, hidden, p.out, p.layers);
+  const std::size_t smem = fused_mlp_smem_bytes(p.in, hidden, p.out, p.layers, hidden_out != nullptr);
   const cudaStream_t s = fk::detail::cuda_stream(stream);
   with_float_type(a.x.dtype(), [&](auto tag) {
     using T = decltype(tag);

@@ -73,20 +73,23 @@ void check_io(const char* op, const char* arg, const TensorView& t, const Tensor
 }
 
 // The shared-memory budget of the CUDA kernels on the current device.
-void check_fits(const char* op, const MlpShape& s, Device dev) {
+void check_fits(const char* op, const MlpShape& s, Device dev, bool train) {
 #if FUSEKIT_WITH_CUDA
   if (dev.is_cpu()) return;
   const detail::DeviceScope on_device(dev.index);
   FK_CHECK_ARG(s.layers <= cuda::kMlpMaxLayers, op, "layers", fmt::format("at most {} layers", cuda::kMlpMaxLayers),
                std::to_string(s.layers));
-  const std::size_t need = std::max(cuda::fused_mlp_smem_bytes(s.in, s.hidden, s.out, s.layers),
-                                    cuda::fused_mlp_backward_smem_bytes(s.in, s.hidden, s.out, s.layers));
+  // Training needs the training forward and the backward (its smaller variant) to fit.
+  const std::size_t need =
+      train ? std::max(cuda::fused_mlp_smem_bytes(s.in, s.hidden, s.out, s.layers, true),
+                       cuda::fused_mlp_backward_smem_bytes(s.in, s.hidden, s.out, s.layers))
+            : cuda::fused_mlp_smem_bytes(s.in, s.hidden, s.out, s.layers, false);
   const std::size_t limit = cuda::fused_mlp_smem_limit();
   FK_CHECK_ARG(need <= limit, op, "layers",
                fmt::format("weights that fit in shared memory ({} bytes on this device)", limit),
                fmt::format("{} layers of width {}: {} bytes", s.layers, s.hidden, need));
 #else
-  (void)op, (void)s, (void)dev;
+  (void)op, (void)s, (void)dev, (void)train;
 #endif
 }
 
@@ -99,7 +102,7 @@ void fused_mlp_forward(const FusedMlpForwardArgs& a, const Stream* stream) {
   FK_CHECK_ARG(!overlaps(a.y, a.x), op, "y", "memory that does not overlap x", "overlapping memory");
   if (s.batch == 0) return;
   if (a.x.device().is_cpu()) return reference::fused_mlp_forward(a);
-  check_fits(op, s, a.x.device());
+  check_fits(op, s, a.x.device(), false);
 #if FUSEKIT_WITH_CUDA
   cuda::fused_mlp_forward(a, nullptr, stream);
 #else
@@ -117,9 +120,9 @@ void fused_mlp_forward_train(const FusedMlpTrainForwardArgs& a, const Stream* st
                "memory that overlaps neither x nor y", "overlapping memory");
   if (s.batch == 0) return;
   if (a.x.device().is_cpu()) return reference::fused_mlp_forward_train(a);
-  check_fits(op, s, a.x.device());
-  FK_CHECK_ARG(reinterpret_cast<std::uintptr_t>(a.hidden.data()) % 4 == 0, op, "hidden",
-               "4-byte aligned data (the kernel stores pairs)", "a misaligned pointer");
+  check_fits(op, s, a.x.device(), true);
+  FK_CHECK_ARG(reinterpret_cast<std::uintptr_t>(a.hidden.data()) % 16 == 0, op, "hidden",
+               "16-byte aligned data (the kernel stores whole rows in 16-byte pieces)", "a misaligned pointer");
 #if FUSEKIT_WITH_CUDA
   cuda::fused_mlp_forward({a.x, a.layers, a.y}, &a.hidden, stream);
 #else
@@ -155,9 +158,9 @@ void fused_mlp_backward(const FusedMlpBackwardArgs& a, const Stream* stream) {
     checks::same_device(op, b.c_str(), a.dbias[i], a.x.device());
   }
   if (a.x.device().is_cpu()) return reference::fused_mlp_backward(a);
-  check_fits(op, s, a.x.device());
+  check_fits(op, s, a.x.device(), true);
   FK_CHECK_ARG(reinterpret_cast<std::uintptr_t>(a.hidden.data()) % 4 == 0, op, "hidden",
-               "4-byte aligned data (the kernel loads pairs)", "a misaligned pointer");
+               "4-byte aligned data (the kernels load pairs)", "a misaligned pointer");
   FK_CHECK_ARG(s.batch <= std::numeric_limits<int>::max(), op, "x", "at most 2^31 - 1 rows (cuBLAS's k)",
                a.x.str());
 #if FUSEKIT_WITH_CUDA

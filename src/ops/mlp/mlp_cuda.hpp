@@ -31,10 +31,11 @@ inline std::int64_t fused_mlp_bias_elems(std::int64_t hidden, std::int64_t out, 
   return (layers - 1) * hidden + round_up(out, 16);
 }
 
-// Shared memory of the forward kernel: the weights, fp32 biases, and one staging tile of 16
-// input rows per warp.
-inline std::size_t fused_mlp_smem_bytes(std::int64_t in, std::int64_t hidden, std::int64_t out, std::int64_t layers) {
-  const std::int64_t stage = kMlpWarps * 16 * (round_up(in, 16) + 8);
+// Shared memory of the forward kernel: the weights, fp32 biases, one staging tile of 16 input
+// rows per warp and, for the training forward, one of 16 hidden rows per warp.
+inline std::size_t fused_mlp_smem_bytes(std::int64_t in, std::int64_t hidden, std::int64_t out, std::int64_t layers,
+                                        bool train) {
+  const std::int64_t stage = kMlpWarps * 16 * (round_up(in, 16) + 8 + (train ? hidden + 8 : 0));
   return static_cast<std::size_t>((fused_mlp_weight_elems(in, hidden, out, layers) + stage) * 2 +
                                   fused_mlp_bias_elems(hidden, out, layers) * 4);
 }
@@ -47,15 +48,17 @@ inline std::size_t fused_mlp_backward_smem_bytes(std::int64_t in, std::int64_t h
 }
 
 // Shared memory of the backward kernel that also accumulates dW on chip (used when it fits):
-// the weights, two [128, max(H, out) + 8] buffers of g, two [128, max(H, in) + 8] buffers of the
-// layer inputs, every dW_l in fp32 (padded to 16 x 16 blocks) and the per-warp db accumulators.
+// the weights, two [128, max(H, out) + 8] buffers of g, a ring of three [128, max(H, in) + 8]
+// buffers of the layer inputs, [128, out + 8] of dy and of y, every dW_l in fp32 (padded to
+// 16 x 16 blocks) and the per-warp db accumulators.
 inline std::size_t fused_mlp_backward_fused_dw_smem_bytes(std::int64_t in, std::int64_t hidden, std::int64_t out,
                                                           std::int64_t layers) {
   const std::int64_t k0 = round_up(in, 16), n_out = round_up(out, 16);
   const std::int64_t rows = 16 * kMlpWarps;
-  const std::int64_t g_buf = 2 * rows * (std::max(hidden, n_out) + 8), h_buf = 2 * rows * (std::max(hidden, k0) + 8);
+  const std::int64_t g_buf = 2 * rows * (std::max(hidden, n_out) + 8), h_buf = 3 * rows * (std::max(hidden, k0) + 8);
+  const std::int64_t dy_buf = 2 * rows * (n_out + 8);
   const std::int64_t dw = hidden * k0 + (layers - 2) * hidden * hidden + n_out * hidden;
-  return static_cast<std::size_t>((fused_mlp_weight_elems(in, hidden, out, layers) + g_buf + h_buf) * 2 +
+  return static_cast<std::size_t>((fused_mlp_weight_elems(in, hidden, out, layers) + g_buf + h_buf + dy_buf) * 2 +
                                   (dw + kMlpWarps * fused_mlp_bias_elems(hidden, out, layers)) * 4);
 }
 
