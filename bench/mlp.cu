@@ -124,10 +124,11 @@ void train_case(Context& ctx, std::int64_t batch, std::int64_t in, std::int64_t 
     flops += 3 * 2.0 * static_cast<double>(batch * widths[l] * widths[l + 1]);
   }
   const std::int64_t n_hidden = static_cast<std::int64_t>(n_mats) - 1;
-  // Bytes a training step cannot avoid (hidden layers stored, not recomputed): x, dy read; y, dx
-  // written; every hidden layer written once and read once.
+  // Bytes a training step that stores its hidden layers (rather than recomputing them) cannot
+  // avoid: x read by the forward and again by the backward (dW_0), dy read, y and dx written, every
+  // hidden layer written once and read once.
   const std::size_t io_bytes =
-      static_cast<std::size_t>(batch * (2 * in + 2 * out) + 2 * n_hidden * batch * hidden) * dtype_size(dt);
+      static_cast<std::size_t>(batch * (3 * in + 2 * out) + 2 * n_hidden * batch * hidden) * dtype_size(dt);
   const int rot = ctx.rotations_for(static_cast<std::size_t>(batch * (2 * in + 2 * out)) * dtype_size(dt));
   std::vector<TrainSet> sets;
   for (int i = 0; i < rot; ++i)

@@ -577,31 +577,33 @@ struct MlpFusedDwParams {
   int acc_offset[kMlpMaxLayers];  // where layer l's accumulator starts in shared memory (floats)
 };
 
-// dW [m_pad, n_pad] (this CTA's fp32 accumulator, m16n8 fragment order) += Gᵀ · X over the chunk's
-// 128 rows: G [128, ldg] (m columns), X [128, ldx] (n columns). Warp w takes the 16x16 blocks w,
-// w + 8, ...; both operands by ldmatrix.trans.
-// db [m_pad] += Gᵀ · 1 rides along: the warp of block (bm, 0) also multiplies its A fragments by
-// an all-ones B fragment, into the m16n8 fragment db + 128 bm (every column the same sum).
+// dW [m_pad, n_pad] (this CTA's fp32 accumulator: 16 x 16 blocks, each two m16n8 fragments) +=
+// Gᵀ · X over the chunk's 128 rows: G [128, ldg] (m columns), X [128, ldx] (n columns). Warp w
+// takes the 16 x 32 tiles w, w + 8, ... (two blocks side by side, one A fragment for both; a
+// lone 16 x 16 block at an odd right edge); both operands by ldmatrix.trans. db [m_pad] += Gᵀ · 1
+// rides along: the warp of the tile at n = 0 also multiplies its A fragments by an all-ones B
+// fragment, into the m16n8 fragment db + 128 bm (every column the same sum).
 template <class T>
 __device__ __forceinline__ void accumulate_dw(float* acc, float* db, int m_pad, int n_pad, const u16* G, int ldg,
                                               const u16* X, int ldx, int warp, int lane) {
   const int q = lane / 8;
   const int a_m = (q % 2) * 8, a_k = (q / 2) * 8 + lane % 8;                  // A = Gᵀ: m half, k row
   const int bt_row = ((lane / 8) % 2) * 8 + lane % 8, bt_col = (lane / 16) * 8;  // B = X: k row, n half
-  const int nb = n_pad / 16, blocks = (m_pad / 16) * nb;
-  for (int blk = warp; blk < blocks; blk += kMlpWarps) {
-    const int bm = blk / nb, bn = blk % nb;
-    float4* frag = reinterpret_cast<float4*>(acc) + blk * 64;  // [2 n8 tiles][32 lanes]
+  const int nb = n_pad / 16, pairs = (nb + 1) / 2, tiles = (m_pad / 16) * pairs;
+  const std::uint32_t ones = pack2<T>(1.0f, 1.0f);
+  for (int tile = warp; tile < tiles; tile += kMlpWarps) {
+    const int bm = tile / pairs, bn = (tile % pairs) * 2;
+    const bool two = bn + 1 < nb, with_db = bn == 0;
+    float4* frag = reinterpret_cast<float4*>(acc) + (bm * nb + bn) * 64;  // [2 blocks][2 n8 tiles][32 lanes]
     float4* dfrag = reinterpret_cast<float4*>(db) + bm * 32;
-    float c[3][4];
-    {
-      const float4 c0 = frag[lane], c1 = frag[32 + lane];
-      const float4 c2 = bn == 0 ? dfrag[lane] : make_float4(0.f, 0.f, 0.f, 0.f);
-      c[0][0] = c0.x, c[0][1] = c0.y, c[0][2] = c0.z, c[0][3] = c0.w;
-      c[1][0] = c1.x, c[1][1] = c1.y, c[1][2] = c1.z, c[1][3] = c1.w;
-      c[2][0] = c2.x, c[2][1] = c2.y, c[2][2] = c2.z, c[2][3] = c2.w;
+    float c[5][4];
+#pragma unroll
+    for (int f = 0; f < 5; ++f) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (f < 2 || (f < 4 && two)) v = frag[f * 32 + lane];
+      else if (f == 4 && with_db) v = dfrag[lane];
+      c[f][0] = v.x, c[f][1] = v.y, c[f][2] = v.z, c[f][3] = v.w;
     }
-    const std::uint32_t ones = pack2<T>(1.0f, 1.0f);
 #pragma unroll
     for (int kk = 0; kk < kChunkRows / 16; ++kk) {
       std::uint32_t af[4], bf[4];
@@ -609,11 +611,19 @@ __device__ __forceinline__ void accumulate_dw(float* acc, float* db, int m_pad, 
       ldmatrix_x4_trans(bf, X + (kk * 16 + bt_row) * ldx + bn * 16 + bt_col);
       mma<T>(c[0], af, bf[0], bf[1]);
       mma<T>(c[1], af, bf[2], bf[3]);
-      if (bn == 0) mma<T>(c[2], af, ones, ones);
+      if (two) {
+        ldmatrix_x4_trans(bf, X + (kk * 16 + bt_row) * ldx + (bn + 1) * 16 + bt_col);
+        mma<T>(c[2], af, bf[0], bf[1]);
+        mma<T>(c[3], af, bf[2], bf[3]);
+      }
+      if (with_db) mma<T>(c[4], af, ones, ones);
     }
-    frag[lane] = make_float4(c[0][0], c[0][1], c[0][2], c[0][3]);
-    frag[32 + lane] = make_float4(c[1][0], c[1][1], c[1][2], c[1][3]);
-    if (bn == 0) dfrag[lane] = make_float4(c[2][0], c[2][1], c[2][2], c[2][3]);
+#pragma unroll
+    for (int f = 0; f < 5; ++f) {
+      const float4 v = make_float4(c[f][0], c[f][1], c[f][2], c[f][3]);
+      if (f < 2 || (f < 4 && two)) frag[f * 32 + lane] = v;
+      else if (f == 4 && with_db) dfrag[lane] = v;
+    }
   }
 }
 
