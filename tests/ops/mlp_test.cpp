@@ -471,8 +471,9 @@ TEST_P(MlpTrainGpu, ForwardTrainAndBackwardMatchSpec) {
   }
 }
 
-// The backward keeps dW on chip where the fp32 accumulators fit in shared memory (every case
-// here but the two with two or more 128 x 128 layers, which take the path with cuBLAS dW GEMMs).
+// The backward keeps dW on chip where its buffers and fp32 accumulators fit in shared memory;
+// the 27-128-128-5, 128-128-128-128 and 128-16-16-16-16-128 MLPs here do not, and take the path
+// with cuBLAS dW GEMMs.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, MlpTrainGpu,
     ::testing::Values(TrainCase{DType::bf16, 1, {3, 16, 1}, {R, I}, true},

@@ -17,7 +17,8 @@
 // The CUDA kernel keeps every weight matrix in shared memory and the hidden activations in
 // registers (the mma accumulator of one layer becomes the A operand of the next); it reads x and
 // writes y once. The weights of all layers must fit in shared memory together (at most ~6 layers
-// at H = 128 on H100); a larger MLP raises fk::Error.
+// at H = 128 on H100); a larger MLP raises fk::Error. Training: a forward that also stores the
+// hidden layers, and a backward whose gradients walk down the layers on chip (docs/mlp.md).
 #pragma once
 
 #include <optional>

@@ -1,4 +1,5 @@
-// The whole MLP in one kernel (see ops/mlp.hpp), in the manner of tiny-cuda-nn's FullyFusedMLP.
+// The whole MLP in one kernel, forward and backward (see ops/mlp.hpp), in the manner of tiny-cuda-nn's
+// FullyFusedMLP.
 //
 // What is fused: every layer's GEMM, bias and activation. x is read once and y written once; the
 // hidden activations never leave the SM. Each CTA first copies every weight matrix (zero-padded
@@ -12,6 +13,17 @@
 //      m16k16 A-fragment layout, so the activations stay in registers;
 //   4. hidden layers repeat 2-3 with A from registers; the output layer walks its (padded) width
 //      16 columns at a time and stores y.
+// The training forward is the same kernel, also storing each hidden layer's output (through a
+// per-warp staging tile, in whole-row 16-byte pieces).
+//
+// Backward (training), two kernels, chosen by shared memory:
+//   - fused_mlp_backward_fused_dw_kernel: per CTA 128 rows at a time, the gradients walk down the
+//     layers in registers (g_l as mma A fragments, W_l by ldmatrix.trans), and dW_l (fp32) and db_l
+//     are accumulated in shared memory from the chunk's g_l and h_{l-1} (streamed in by cp.async a
+//     step ahead); reads dy, (y), the hidden layers and x once, writes dx once.
+//   - fused_mlp_backward_kernel (MLPs whose dW does not fit): the same walk per warp, storing every
+//     g_l for cuBLAS dW GEMMs, db kept per warp in shared memory.
+//   Both end with fixed-order sums of per-CTA partials: dW and db are deterministic.
 // Assumes: bf16 or f16; checks (shapes, widths, shared-memory budget) done by mlp.cpp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
