@@ -1,9 +1,7 @@
 // qgemm: y [M, N] = x [M, K] · w̃ᵀ with w̃ dequantized in registers from 4-bit words.
 //
-// One kernel template, three tile shapes picked by M:
-//   M <= 16      16 x 128 tiles, 8 stages: streams the weights (each CTA reads its 128 rows of
-//                4-bit words once, a 4 KB stage per k-tile of 64, many stages in flight), split-K
-//                so that every SM holds as many CTAs as fit;
+// M <= 16 goes to the weight-streaming kernel (qgemm_small_m.cu) when its chunk of x fits shared
+// memory. Otherwise one kernel template, two tile shapes picked by M:
 //   M <= 64      64 x 256 tiles (8 warps side by side, 64 x 32 each), 4 stages;
 //   M >  64      128 x 128 tiles (2 x 4 warps, 64 x 32 each), 4 stages.
 // Per k-tile a CTA copies x [BM, 64] (zero-filled beyond M and K) and the words of its rows

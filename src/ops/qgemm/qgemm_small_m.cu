@@ -6,8 +6,9 @@
 // rows g and g + 8 of a 16-row tile for k = 2t, 2t+1, 2t+8, 2t+9 (+16): exactly the A fragment, so
 // the words go from global memory into registers and straight into mma.sync, never through shared
 // memory:
-//   - a CTA is 8 warps, kWarpsN along N (kNT 16-row tiles each) x kWarpsK along K; it owns
-//     kBN = 128 rows and a chunk of K; the grid's y dimension splits K further (S chunks);
+//   - a CTA is 8 warps, kWarpsN along N (kNT 16-row tiles each) x kWarpsK along K (4 x 2 for
+//     M <= 8, 8 x 1 for M <= 16: CtaShape); it owns kBN = 128 or 256 rows and a chunk of K; the
+//     grid's y dimension splits K further (S chunks);
 //   - each lane keeps two batches of kU k-tiles x kNT tiles of 16-byte words in flight
 //     (ld.global.nc.L1::no_allocate.v4: the words are read once), issued one batch ahead of the
 //     math, plus the scales and zero points of those k-tiles (read through L1: 16 rows share a
@@ -18,7 +19,7 @@
 //     dequantize_weights, fp32 accumulators.
 // Split-K is reduced without a workspace and deterministically: the warps of a CTA put their fp32
 // partials in shared memory, and on sm_90 the S CTAs of one 128-row block form a thread-block
-// cluster (1 x S x 1, S <= 8) whose CTA rank r sums rows r·128/S.. of all S·kWarpsK partials through
+// cluster (1 x S x 1, S <= 8) whose CTA rank r sums rows r·kBN/S.. of all S·kWarpsK partials through
 // distributed shared memory, always in the order (split, warp), then rounds and writes y once.
 // On sm_80 (no clusters) S = 1.
 #include <cooperative_groups.h>
@@ -43,13 +44,23 @@ namespace {
 using namespace qgemm_device;
 namespace cg = cooperative_groups;
 
-constexpr int kWarpsN = 4, kWarpsK = 2;  // warps of a CTA along N and along K
 constexpr int kNT = 2;                   // 16-row tiles per warp
 constexpr int kU = 1;                    // k-tiles (64 of K) per batch of loads
-constexpr int kThreads = 32 * kWarpsN * kWarpsK;
-constexpr int kBN = kWarpsN * kNT * 16;  // rows of N per CTA
+constexpr int kThreads = 256;
 constexpr int kMaxSplits = 8;            // portable cluster size
-static_assert(kQgemmRowPad % kBN == 0, "a CTA's rows never pass the padded rows");
+
+// The warps of a CTA: WN along N (kNT 16-row tiles each) x WK along K. M <= 8 splits K inside the
+// CTA (4 x 2: 128 rows); M <= 16, whose x chunk is twice as large, gives each x chunk more rows
+// (8 x 1: 256 rows: in an H100 run of a variant, 24 % faster at M = 16 for N x K = 11008 x 4096
+// and 8192 x 8192, 2 % at 4096 x 4096, and slower at M = 1).
+template <int MT>
+struct CtaShape {
+  static constexpr int WN = MT == 1 ? 4 : 8;
+  static constexpr int WK = kThreads / 32 / WN;
+  static constexpr int BN = WN * kNT * 16;  // rows of N per CTA
+  static_assert(WN * WK * 32 == kThreads);
+  static_assert(kQgemmRowPad % BN == 0, "a CTA's rows never pass the padded rows");
+};
 
 template <class T>
 struct SmallMParams {
@@ -166,6 +177,7 @@ constexpr int min_ctas(int mt, bool group64) { return mt == 1 && group64 ? 3 : 2
 
 template <class T, int MT, bool GROUP64>
 __global__ void __launch_bounds__(kThreads, min_ctas(MT, GROUP64)) qgemm_small_m_kernel(const SmallMParams<T> p) {
+  constexpr int kWarpsN = CtaShape<MT>::WN, kWarpsK = CtaShape<MT>::WK, kBN = CtaShape<MT>::BN;
   constexpr int H = GROUP64 ? 1 : 2;  // group halves per k-tile with their own scales
   constexpr int MP = MT * 8;          // columns of yᵀ per mma tile row
   static_assert(kNT == 2, "one 16-byte load of zero words covers the warp's 4 blocks of 8 rows");
@@ -450,7 +462,7 @@ int active_clusters(Kernel kernel, int device, int splits, std::size_t smem, int
 // least time by a simple model: waves of clusters x k-tiles per CTA (the CTAs of a wave stream
 // concurrently); ties go to more splits (more CTAs share the memory system). False when x's chunk
 // never fits a CTA's shared memory.
-template <class Kernel>
+template <int kWarpsK, int kBN, class Kernel>
 bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int device, Plan& plan) {
   const DeviceFacts f = device_facts(device);
   const int by_regs = resident_by_registers(kernel, device, f);
@@ -479,11 +491,12 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
 
 template <class T, int MT, bool GROUP64>
 bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
+  using C = CtaShape<MT>;
   const auto kernel = qgemm_small_m_kernel<T, MT, GROUP64>;
   const int m = static_cast<int>(x.size(0)), n = static_cast<int>(qw.n);
-  const int k_tiles = static_cast<int>(qw.k_pad() / 64), n_blocks = (n + kBN - 1) / kBN;
+  const int k_tiles = static_cast<int>(qw.k_pad() / 64), n_blocks = (n + C::BN - 1) / C::BN;
   Plan plan;
-  if (!plan_split(kernel, m, MT * 8, n_blocks, k_tiles, y.device().index, plan)) return false;
+  if (!plan_split<C::WK, C::BN>(kernel, m, MT * 8, n_blocks, k_tiles, y.device().index, plan)) return false;
 
   SmallMParams<T> p{};
   p.x = x.data_as<const T>();
