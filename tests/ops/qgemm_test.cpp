@@ -215,13 +215,20 @@ TEST_P(QgemmGpu, MatchesSpecOnDequantizedWeights) {
   // fp32 accumulation in another order plus one rounding of y to the dtype: within 5e-3 (the issue's
   // bound; bf16 rounding alone is 2^-9 = 2e-3 relative).
   EXPECT_LE(rel_err(got, ref), 5e-3) << "M " << m << " N " << n << " K " << k << " group " << group;
+  // Split-K is reduced in a fixed order: a second run gives the same bytes.
+  Tensor y2 = Tensor::empty({m, n}, dt, gpu);
+  qgemm(x, qw, y2);
+  const Tensor got2 = test::to_host(y2);
+  EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.nbytes()), 0) << "not deterministic";
   // The GPU's dequantization is the spec's, bit for bit.
   const Tensor wt_gpu = test::to_host(dequantize_weights(qw));
   EXPECT_TRUE(test::all_close(wt_gpu, dequantize_weights(qw_host), {0.0, 0.0}));
 }
 
-// Small M (16 x 128 tiles, split-K), 64 x 256 and 128 x 128 tiles; odd N, N over several tiles, K
-// tails inside a k-tile (K = 200, 96 with one group), K long enough to split.
+// Small M (the weight-streaming kernel: M <= 8 and M <= 16, groups of 32 and of 64+, split-K
+// clusters with uneven last splits), 64 x 256 and 128 x 128 tiles; odd N, N over several tiles,
+// K tails inside a k-tile (K = 200, 96 with one group), K long enough to split. M = 16 with
+// K = 65536 does not fit the small-M kernel's shared memory and takes the 64 x 256 tiles.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, QgemmGpu,
     ::testing::Values(Shape{1, 97, 256, 32, DType::f16}, Shape{1, 4097, 1024, 128, DType::bf16},
@@ -229,7 +236,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Shape{16, 130, 96, 0, DType::bf16}, Shape{17, 255, 512, 64, DType::bf16},
                       Shape{64, 513, 1024, 128, DType::f16}, Shape{65, 129, 384, 32, DType::bf16},
                       Shape{128, 300, 2048, 128, DType::bf16}, Shape{200, 33, 64, 64, DType::f16},
-                      Shape{1, 11008, 512, 128, DType::f16}));
+                      Shape{1, 11008, 512, 128, DType::f16}, Shape{9, 1000, 8192, 64, DType::bf16},
+                      Shape{12, 384, 1344, 32, DType::f16}, Shape{5, 700, 2880, 64, DType::f16},
+                      Shape{8, 2304, 4096, 128, DType::bf16}, Shape{16, 40, 65536, 128, DType::f16}));
 
 TEST(QgemmGpuLayout, QuantizeOnGpuMatchesHost) {
   FK_SKIP_WITHOUT_GPU();

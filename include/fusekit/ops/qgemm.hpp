@@ -66,8 +66,10 @@ QuantizedWeight from_puzzle_layout(const TensorView& weight, const TensorView& s
                                    int group, DType dtype);
 
 // y [M, N] = x [M, K] · w̃ᵀ, x and y in the weight's dtype, fp32 accumulation, y overwritten.
-// CUDA: M <= 16 streams the weights (one m16 tile, split-K), larger M uses 64x256 or 128x128 tiles;
-// both dequantize in registers and multiply on tensor cores (mma.sync m16n8k16).
+// CUDA: M <= 16 streams the weights (the weight as the mma's A operand, split-K over a thread-block
+// cluster, reduced in a fixed order: deterministic); it multiplies by the scale in fp32 once per
+// group and row, so y differs from x · w̃ᵀ by w̃'s rounding to 16 bits (within the 5e-3).
+// Larger M uses 64x256 or 128x128 tiles on the dequantized w̃. All mma.sync m16n8k16.
 void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream = nullptr);
 Tensor qgemm(const TensorView& x, const QuantizedWeight& qw, const Stream* stream = nullptr);
 

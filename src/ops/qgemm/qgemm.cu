@@ -1,9 +1,7 @@
 // qgemm: y [M, N] = x [M, K] · w̃ᵀ with w̃ dequantized in registers from 4-bit words.
 //
-// One kernel template, three tile shapes picked by M:
-//   M <= 16      16 x 128 tiles, 8 stages: streams the weights (each CTA reads its 128 rows of
-//                4-bit words once, a 4 KB stage per k-tile of 64, many stages in flight), split-K
-//                so that every SM holds as many CTAs as fit;
+// M <= 16 goes to the weight-streaming kernel (qgemm_small_m.cu) when its chunk of x fits shared
+// memory. Otherwise one kernel template, two tile shapes picked by M:
 //   M <= 64      64 x 256 tiles (8 warps side by side, 64 x 32 each), 4 stages;
 //   M >  64      128 x 128 tiles (2 x 4 warps, 64 x 32 each), 4 stages.
 // Per k-tile a CTA copies x [BM, 64] (zero-filled beyond M and K) and the words of its rows
@@ -27,82 +25,23 @@
 #include "ops/cuda_common.cuh"
 #include "ops/pointwise/activations.cuh"
 #include "qgemm_cuda.hpp"
+#include "qgemm_device.cuh"
 #include "qgemm_layout.hpp"
 #include "ops/sm90_async.cuh"
 
 namespace fk::cuda {
 namespace {
 
-using namespace sm90;  // mbarriers and bulk copies (ops/sm90_async.cuh)
+using namespace sm90;            // mbarriers and bulk copies (ops/sm90_async.cuh)
+using namespace qgemm_device;    // dequant_word, mma_16816, cp.async (qgemm_device.cuh)
 
 constexpr int kThreads = 256;
 constexpr int kBK = 64;  // K per stage: two 32-wide word columns
-
-template <class T> struct Half2;
-template <> struct Half2<__half> {
-  using type = __half2;
-  static constexpr std::uint32_t magic = 0x6400;  // 1024.0: 1024 + q exact for q < 1024
-};
-template <> struct Half2<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-  static constexpr std::uint32_t magic = 0x4300;  // 128.0: 128 + q exact for q < 128
-};
-
-template <class To, class From>
-__device__ __forceinline__ To bits_as(From v) {
-  static_assert(sizeof(To) == sizeof(From));
-  To t;
-  memcpy(&t, &v, sizeof(To));
-  return t;
-}
-
-// The four B-fragment registers of one word (qgemm_layout.hpp): s * (q - z) per value.
-template <class T>
-__device__ __forceinline__ void dequant_word(std::uint32_t q, std::uint32_t scale_bits, std::uint32_t z,
-                                             std::uint32_t (&out)[4]) {
-  using T2 = typename Half2<T>::type;
-  constexpr std::uint32_t magic = Half2<T>::magic * 0x10001u;
-  const T2 mz = bits_as<T2>((Half2<T>::magic + z) * 0x10001u);
-  const T2 s = bits_as<T2>(scale_bits * 0x10001u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const T2 v = bits_as<T2>(((q >> (4 * i)) & 0x000F000Fu) | magic);
-    out[i] = bits_as<std::uint32_t>(__hmul2(__hsub2(v, mz), s));
-  }
-}
-
-template <class T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                          std::uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
 
 __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&a)[4], std::uint32_t smem_addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(smem_addr));
-}
-
-// 16 bytes global -> shared; src_bytes 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async_16(std::uint32_t smem_addr, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // sm_90: the words, scales and zero points of a stage (contiguous runs of the packed layout) come
@@ -146,7 +85,6 @@ struct Tiles {
   static_assert(kQgemmRowPad % BN == 0, "a CTA's rows never pass the padded rows");
 };
 
-using SmallM = Tiles<1, 8, 1, 2, 16, 2>;  // 16 x 128
 using MidM = Tiles<1, 8, 4, 4, 4, 2>;     // 64 x 256
 using LargeM = Tiles<2, 4, 4, 4, 4, 2>;   // 128 x 128
 
@@ -407,7 +345,7 @@ void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, 
       throw_internal("qgemm: f32 weights are not packed");
     } else {
       const std::int64_t m = x.size(0);
-      if (m <= SmallM::BM) return launch<T, SmallM>(x, qw, y, stream);
+      if (m <= 16 && qgemm_small_m(x, qw, y, stream)) return;  // qgemm_small_m.cu
       if (m <= MidM::BM) return launch<T, MidM>(x, qw, y, stream);
       return launch<T, LargeM>(x, qw, y, stream);
     }

@@ -9,4 +9,8 @@ namespace fk::cuda {
 void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream);
 void dequantize_weights(const QuantizedWeight& qw, const TensorView& out, const Stream* stream);
 
+// qgemm_small_m.cu: M <= 16, the weight-streaming kernel. False (nothing launched) when M > 16 or
+// x's chunk of K does not fit a CTA's shared memory; the caller then takes the tensor-core tiles.
+bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream);
+
 }  // namespace fk::cuda
