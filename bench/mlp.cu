@@ -23,6 +23,20 @@ struct MlpSet {
   Tensor x, y;  // [batch, in], [batch, out]
 };
 
+// The fused record and its baseline (per-layer cuBLAS + bias_act) from one interleaved timing t
+// (fused first); GB/s counts the same useful bytes (x read, y written) for both.
+void add_pair(Context& ctx, const std::string& name, const std::vector<double>& t, double flops, std::size_t io_bytes,
+              double err) {
+  for (int i = 0; i < 2; ++i) {
+    Record r{"mlp", name, i == 0 ? "fused" : "cublas_bias_act", "cublas_bias_act"};
+    r.median_us = t[static_cast<std::size_t>(i)];
+    r.tflops = flops / (r.median_us * 1e6);
+    r.gbps = static_cast<double>(io_bytes) / (r.median_us * 1e3);
+    if (i == 0) r.rel_err = err;
+    ctx.add(r);
+  }
+}
+
 // `hidden_layers` hidden layers of width `hidden`: hidden_layers + 1 weight matrices, ReLU on the
 // hidden layers, identity at the output (tiny-cuda-nn's n_hidden_layers).
 void forward_case(Context& ctx, std::int64_t batch, std::int64_t in, std::int64_t hidden, int hidden_layers,
@@ -75,17 +89,7 @@ void forward_case(Context& ctx, std::int64_t batch, std::int64_t in, std::int64_
   const auto at = [&](int i) -> const MlpSet& { return sets[static_cast<std::size_t>(i)]; };
   const std::vector<double> t =
       ctx.time_us_interleaved({[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }}, rot);
-  Record fr{"mlp", name, "fused", "cublas_bias_act"};
-  fr.median_us = t[0];
-  fr.tflops = flops / (fr.median_us * 1e6);
-  fr.gbps = static_cast<double>(io_bytes) / (fr.median_us * 1e3);
-  fr.rel_err = err;
-  Record br{"mlp", name, "cublas_bias_act", "cublas_bias_act"};
-  br.median_us = t[1];
-  br.tflops = flops / (br.median_us * 1e6);
-  br.gbps = static_cast<double>(io_bytes) / (br.median_us * 1e3);  // the same useful bytes
-  ctx.add(fr);
-  ctx.add(br);
+  add_pair(ctx, name, t, flops, io_bytes, err);
 }
 
 struct TrainSet {
@@ -212,17 +216,7 @@ void train_case(Context& ctx, std::int64_t batch, std::int64_t in, std::int64_t 
   const auto at = [&](int i) -> const TrainSet& { return sets[static_cast<std::size_t>(i)]; };
   const std::vector<double> t =
       ctx.time_us_interleaved({[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }}, rot);
-  Record fr{"mlp", name, "fused", "cublas_bias_act"};
-  fr.median_us = t[0];
-  fr.tflops = flops / (fr.median_us * 1e6);
-  fr.gbps = static_cast<double>(io_bytes) / (fr.median_us * 1e3);
-  fr.rel_err = err;
-  Record br{"mlp", name, "cublas_bias_act", "cublas_bias_act"};
-  br.median_us = t[1];
-  br.tflops = flops / (br.median_us * 1e6);
-  br.gbps = static_cast<double>(io_bytes) / (br.median_us * 1e3);  // the same useful bytes
-  ctx.add(fr);
-  ctx.add(br);
+  add_pair(ctx, name, t, flops, io_bytes, err);
   // Where the time goes (printed, not recorded): each half timed alone.
   const std::vector<double> parts = ctx.time_us_interleaved(
       {[&](int i) { fused_forward(at(i)); }, [&](int i) { fused_backward(at(i)); },

@@ -825,8 +825,9 @@ std::vector<Tensor*> GpuDlrm::tables() {
 
 namespace {
 
-std::vector<fk::models::detail::StateArray> gpu_state_arrays(const GpuDlrm& /*unused*/, float* params, float* adagrad,
-                                                             float* tables, float* table_state,
+// The GPU state in the order of the CPU model's state_arrays (dlrm.cpp): the stream is the same.
+std::vector<fk::models::detail::StateArray> gpu_state_arrays(float* params, float* adagrad, float* tables,
+                                                             float* table_state,
                                                              const std::vector<LinearSlot>& linears,
                                                              const std::vector<std::int64_t>& base,
                                                              const std::vector<std::int64_t>& rows, std::int64_t dim) {
@@ -855,7 +856,7 @@ void GpuDlrm::save_state(std::ostream& out) const {
   const bool ada = s.adagrad.data() != nullptr;
   fk::models::detail::write_state(
       out, ada,
-      gpu_state_arrays(*this, s.params.data_as<float>(), ada ? s.adagrad.data_as<float>() : nullptr,
+      gpu_state_arrays(s.params.data_as<float>(), ada ? s.adagrad.data_as<float>() : nullptr,
                        s.table_buf.data_as<float>(), ada ? s.table_state.data_as<float>() : nullptr, s.linears,
                        s.base_host, s.rows_host, s.dim));
 }
@@ -875,7 +876,7 @@ void GpuDlrm::load_state(std::istream& in) {
   }
   fk::models::detail::read_state_arrays(
       in, count,
-      gpu_state_arrays(*this, s.params.data_as<float>(), ada ? s.adagrad.data_as<float>() : nullptr,
+      gpu_state_arrays(s.params.data_as<float>(), ada ? s.adagrad.data_as<float>() : nullptr,
                        s.table_buf.data_as<float>(), ada ? s.table_state.data_as<float>() : nullptr, s.linears,
                        s.base_host, s.rows_host, s.dim));
 }

@@ -6,26 +6,13 @@
 
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
+#include "nn/module_util.hpp"
 #include "ops/op_checks.hpp"
 
 namespace fk::nn {
-namespace {
 
-// A copy of x that outlives the caller's tensor, ordered after the work queued on `stream`.
-Tensor keep(const TensorView& x, const Stream* stream) {
-  if (stream != nullptr) stream->synchronize();  // copy() is ordered on the legacy stream only
-  Tensor t = Tensor::empty(x.shape(), x.dtype(), x.device());
-  copy(t, x);
-  return t;
-}
-
-Tensor uniform(Dims shape, float bound, DType dtype, Device device, RandomParams key) {
-  Tensor h = Tensor::empty(shape, dtype, Device::cpu());
-  fill_uniform(h, -bound, bound, key);
-  return h.copy_to(device);
-}
-
-}  // namespace
+using detail::keep;
+using detail::uniform;
 
 FusedMLP::FusedMLP(std::int64_t in, std::int64_t hidden, int hidden_layers, std::int64_t out, Activation act,
                    Activation out_act, DType dtype, Device device, std::uint64_t seed)

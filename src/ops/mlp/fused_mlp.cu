@@ -380,6 +380,76 @@ __device__ __forceinline__ void add_column_sums(float* slot, int col, float s0, 
 // the layers in registers (the A fragments of the product with the next weight matrix, held in
 // shared memory in its natural [out_l, in_l] layout and read transposed by ldmatrix.trans); each
 // g_l is stored once for the dW GEMMs and its column sums (db) kept per warp in shared memory.
+// Shared steps of the two backward kernels (16 rows of one warp; A fragments in registers).
+// ldmatrix.trans addresses of B (k16 x two n8 tiles) from W [k, n]: lane -> k row
+// 8((lane/8)%2) + lane%8, n half lane/16: bt_row, bt_col.
+
+// dh += g · W_{L-1}[kc .. kc + 16) for one 16-column slice g (ga) of the output layer's gradient.
+template <class T, int H>
+__device__ __forceinline__ void back_through_output(float (&dh)[H / 8][4], const std::uint32_t (&ga)[4], const u16* wo,
+                                                    int ldh, int kc, int bt_row, int bt_col) {
+#pragma unroll
+  for (int np = 0; np < H / 16; ++np) {
+    std::uint32_t bf[4];
+    ldmatrix_x4_trans(bf, wo + (kc + bt_row) * ldh + np * 16 + bt_col);
+    mma<T>(dh[2 * np], ga, bf[0], bf[1]);
+    mma<T>(dh[2 * np + 1], ga, bf[2], bf[3]);
+  }
+}
+
+// dh = g_l · W_l for a hidden layer (W_l [H, H] in shared memory).
+template <class T, int H>
+__device__ __forceinline__ void back_through_hidden(float (&dh)[H / 8][4], const std::uint32_t (&ga)[H / 16][4],
+                                                    const u16* w, int ldh, int bt_row, int bt_col) {
+#pragma unroll
+  for (int j = 0; j < H / 8; ++j) dh[j][0] = dh[j][1] = dh[j][2] = dh[j][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < H / 16; ++kk) {
+#pragma unroll
+    for (int np = 0; np < H / 16; ++np) {
+      std::uint32_t bf[4];
+      ldmatrix_x4_trans(bf, w + (kk * 16 + bt_row) * ldh + np * 16 + bt_col);
+      mma<T>(dh[2 * np], ga[kk], bf[0], bf[1]);
+      mma<T>(dh[2 * np + 1], ga[kk], bf[2], bf[3]);
+    }
+  }
+}
+
+// dx = g_0 · W_0 ([16, in] rows row0.., `rows` of them valid), 16 of its (padded) columns at a
+// time, rounded to the dtype; pair_dx: two columns per 32-bit store.
+template <class T, int H>
+__device__ __forceinline__ void store_dx(const std::uint32_t (&ga)[H / 16][4], const u16* w0, int ldk0, int k0, int in,
+                                         u16* dx, std::int64_t row0, int rows, bool pair_dx, int bt_row, int bt_col,
+                                         int g, int t) {
+  for (int nb = 0; nb < k0; nb += 16) {
+    float acc[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < H / 16; ++kk) {
+      std::uint32_t bf[4];
+      ldmatrix_x4_trans(bf, w0 + (kk * 16 + bt_row) * ldk0 + nb + bt_col);
+      mma<T>(acc[0], ga[kk], bf[0], bf[1]);
+      mma<T>(acc[1], ga[kk], bf[2], bf[3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = nb + 8 * j + 2 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // rows g, g + 8
+        const int r = g + 8 * h;
+        if (r >= rows || col >= in) continue;
+        const std::uint32_t packed = pack2<T>(acc[j][2 * h], acc[j][2 * h + 1]);
+        u16* dst = dx + (row0 + r) * in + col;
+        if (pair_dx) {
+          *reinterpret_cast<std::uint32_t*>(dst) = packed;
+        } else {
+          dst[0] = static_cast<u16>(packed & 0xffffu);
+          if (col + 1 < in) dst[1] = static_cast<u16>(packed >> 16);
+        }
+      }
+    }
+  }
+}
+
 template <class T, int H>
 __global__ void __launch_bounds__(kThreads) fused_mlp_backward_kernel(const MlpBackwardParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -442,13 +512,7 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_backward_kernel(const MlpB
         }
         add_column_sums(slot + (p.layers - 1) * H, col, lo<T>(top) + lo<T>(bot), hi<T>(top) + hi<T>(bot), lane);
       }
-#pragma unroll
-      for (int np = 0; np < H / 16; ++np) {
-        std::uint32_t bf[4];
-        ldmatrix_x4_trans(bf, wo + (kc + bt_row) * ldh + np * 16 + bt_col);
-        mma<T>(dh[2 * np], ga, bf[0], bf[1]);
-        mma<T>(dh[2 * np + 1], ga, bf[2], bf[3]);
-      }
+      back_through_output<T, H>(dh, ga, wo, ldh, kc, bt_row, bt_col);
     }
 
     // Hidden layers, top down: g_l = dh ⊙ act'_l(h_l) rounded; then dh = g_l · W_l, or dx at l = 0.
@@ -472,48 +536,9 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_backward_kernel(const MlpB
       }
       store_tile<H>(ga, p.g_hidden + base, rows, lane);
       if (l > 0) {
-        const u16* w = wh + (l - 1) * H * ldh;  // W_l [H, H]
-#pragma unroll
-        for (int j = 0; j < H / 8; ++j) dh[j][0] = dh[j][1] = dh[j][2] = dh[j][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < H / 16; ++kk) {
-#pragma unroll
-          for (int np = 0; np < H / 16; ++np) {
-            std::uint32_t bf[4];
-            ldmatrix_x4_trans(bf, w + (kk * 16 + bt_row) * ldh + np * 16 + bt_col);
-            mma<T>(dh[2 * np], ga[kk], bf[0], bf[1]);
-            mma<T>(dh[2 * np + 1], ga[kk], bf[2], bf[3]);
-          }
-        }
+        back_through_hidden<T, H>(dh, ga, wh + (l - 1) * H * ldh, ldh, bt_row, bt_col);
       } else if (p.dx != nullptr) {
-        // dx = g_0 · W_0, 16 of its (padded) columns at a time.
-        for (int nb = 0; nb < k0; nb += 16) {
-          float acc[2][4] = {};
-#pragma unroll
-          for (int kk = 0; kk < H / 16; ++kk) {
-            std::uint32_t bf[4];
-            ldmatrix_x4_trans(bf, w0 + (kk * 16 + bt_row) * ldk0 + nb + bt_col);
-            mma<T>(acc[0], ga[kk], bf[0], bf[1]);
-            mma<T>(acc[1], ga[kk], bf[2], bf[3]);
-          }
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int col = nb + 8 * j + 2 * t;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {  // rows g, g + 8
-              const int r = g + 8 * h;
-              if (r >= rows || col >= p.in) continue;
-              const std::uint32_t packed = pack2<T>(acc[j][2 * h], acc[j][2 * h + 1]);
-              u16* dst = p.dx + (row0 + r) * p.in + col;
-              if (pair_dx) {
-                *reinterpret_cast<std::uint32_t*>(dst) = packed;
-              } else {
-                dst[0] = static_cast<u16>(packed & 0xffffu);
-                if (col + 1 < p.in) dst[1] = static_cast<u16>(packed >> 16);
-              }
-            }
-          }
-        }
+        store_dx<T, H>(ga, w0, ldk0, k0, p.in, p.dx, row0, rows, pair_dx, bt_row, bt_col, g, t);
       }
     }
   }
@@ -745,13 +770,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_mlp_backward_fused_dw_kerne
           *reinterpret_cast<std::uint32_t*>(G + g * ldg + col) = top;
           *reinterpret_cast<std::uint32_t*>(G + (g + 8) * ldg + col) = bot;
         }
-#pragma unroll
-        for (int np = 0; np < H / 16; ++np) {
-          std::uint32_t bf[4];
-          ldmatrix_x4_trans(bf, wo + (kc + bt_row) * ldh + np * 16 + bt_col);
-          mma<T>(dh[2 * np], ga, bf[0], bf[1]);
-          mma<T>(dh[2 * np + 1], ga, bf[2], bf[3]);
-        }
+        back_through_output<T, H>(dh, ga, wo, ldh, kc, bt_row, bt_col);
       }
     } else {
       // g_l = dh ⊙ act'_l(h_l) rounded, h_l being the previous step's input; then dh = g_l · W_l,
@@ -779,47 +798,9 @@ __global__ void __launch_bounds__(kThreads, 1) fused_mlp_backward_fused_dw_kerne
         *reinterpret_cast<std::uint32_t*>(G + (g + 8) * ldg + col) = bot;
       }
       if (l > 0) {
-        const u16* w = wh + (l - 1) * H * ldh;  // W_l [H, H]
-#pragma unroll
-        for (int j = 0; j < H / 8; ++j) dh[j][0] = dh[j][1] = dh[j][2] = dh[j][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < H / 16; ++kk) {
-#pragma unroll
-          for (int np = 0; np < H / 16; ++np) {
-            std::uint32_t bf[4];
-            ldmatrix_x4_trans(bf, w + (kk * 16 + bt_row) * ldh + np * 16 + bt_col);
-            mma<T>(dh[2 * np], ga[kk], bf[0], bf[1]);
-            mma<T>(dh[2 * np + 1], ga[kk], bf[2], bf[3]);
-          }
-        }
+        back_through_hidden<T, H>(dh, ga, wh + (l - 1) * H * ldh, ldh, bt_row, bt_col);
       } else if (p.dx != nullptr) {
-        for (int nb = 0; nb < k0; nb += 16) {
-          float c2[2][4] = {};
-#pragma unroll
-          for (int kk = 0; kk < H / 16; ++kk) {
-            std::uint32_t bf[4];
-            ldmatrix_x4_trans(bf, w0 + (kk * 16 + bt_row) * ldk0 + nb + bt_col);
-            mma<T>(c2[0], ga[kk], bf[0], bf[1]);
-            mma<T>(c2[1], ga[kk], bf[2], bf[3]);
-          }
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int col = nb + 8 * j + 2 * t;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = g + 8 * h;
-              if (r >= rows || col >= p.in) continue;
-              const std::uint32_t packed = pack2<T>(c2[j][2 * h], c2[j][2 * h + 1]);
-              u16* dst = p.dx + (row0 + r) * p.in + col;
-              if (pair_dx) {
-                *reinterpret_cast<std::uint32_t*>(dst) = packed;
-              } else {
-                dst[0] = static_cast<u16>(packed & 0xffffu);
-                if (col + 1 < p.in) dst[1] = static_cast<u16>(packed >> 16);
-              }
-            }
-          }
-        }
+        store_dx<T, H>(ga, w0, ldk0, k0, p.in, p.dx, row0, rows, pair_dx, bt_row, bt_col, g, t);
       }
     }
     cp_async_wait_group<1>();  // this step's input, issued one step earlier
