@@ -85,6 +85,7 @@ void from_json(const json& j, TrainConfig& c) {
     take(m, "arch_sparse_feature_size", c.arch_sparse_feature_size, seen);
     take(m, "arch_interaction_op", c.arch_interaction_op, seen);
     take(m, "arch_interaction_itself", c.arch_interaction_itself, seen);
+    take(m, "fused_mlp", c.fused_mlp, seen);
     take(m, "seed", c.model_seed, seen);
     reject_unknown(m, seen, "model");
   }
@@ -133,6 +134,7 @@ json to_json(const TrainConfig& c) {
             {"arch_sparse_feature_size", c.arch_sparse_feature_size},
             {"arch_interaction_op", c.arch_interaction_op},
             {"arch_interaction_itself", c.arch_interaction_itself},
+            {"fused_mlp", c.fused_mlp},
             {"seed", c.model_seed}}},
           {"data",
            {{"source", c.data},
@@ -173,6 +175,9 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
   cmd->add_option("--arch-sparse-feature-size", f.arch_sparse_feature_size, "Embedding dimension (default 16)");
   cmd->add_option("--arch-interaction-op", f.arch_interaction_op, "dot | cat | outer (default dot)");
   cmd->add_flag("--arch-interaction-itself", f.interaction_itself, "dot: include each feature's dot with itself");
+  cmd->add_flag("--fused-mlp", f.fused_mlp,
+                "--impl fused: run every MLP whose widths fit (in/out <= 128, one hidden width of 16/32/64/128) as one "
+                "fused_mlp kernel, in bf16 with fp32 master weights");
   cmd->add_option("--data", f.data, "synthetic (default), or a Criteo TSV (.gz) / fusekit binary file");
   cmd->add_option("--data-hash", f.data_hash, "seed: (v + 1) % rows (default); reference: v % rows");
   cmd->add_option("--max-ind-range", f.max_ind_range, "Cap on rows per table (default 100000; 0: the full Kaggle cardinalities)");
@@ -225,6 +230,7 @@ TrainConfig resolve(const TrainFlags& f) {
   over(c.arch_sparse_feature_size, f.arch_sparse_feature_size);
   over(c.arch_interaction_op, f.arch_interaction_op);
   if (f.interaction_itself) c.arch_interaction_itself = true;
+  if (f.fused_mlp) c.fused_mlp = true;
   over(c.data, f.data);
   over(c.data_hash, f.data_hash);
   over(c.max_ind_range, f.max_ind_range);
@@ -403,6 +409,7 @@ models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurize
   mc.embedding_dim = c.arch_sparse_feature_size;
   mc.interaction = models::parse_interaction_op(c.arch_interaction_op);
   mc.interaction_itself = c.arch_interaction_itself;
+  mc.fused_mlp = c.fused_mlp;
   mc.table_rows = feat.table_rows();
   mc.seed = c.model_seed;
   mc.raw_hash = feat.hash == data::HashMode::seed ? models::RawHash::seed : models::RawHash::reference;

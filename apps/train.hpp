@@ -21,6 +21,7 @@ struct TrainConfig {
   std::int64_t arch_sparse_feature_size = 16;
   std::string arch_interaction_op = "dot";
   bool arch_interaction_itself = false;
+  bool fused_mlp = false;  // GPU fused: MLPs whose widths fit run through fused_mlp (bf16)
   std::uint64_t model_seed = 1;
   // data
   std::string data = "synthetic";           // "synthetic" or a file: Criteo TSV (.gz too) or fusekit binary
@@ -64,7 +65,7 @@ struct TrainFlags {
       test_mini_batch_size, epochs, steps, eval_every, print_every;
   std::optional<std::uint64_t> model_seed, data_seed;
   std::optional<double> learning_rate, test_fraction;
-  bool interaction_itself = false, strict_data = false, resume = false, dry_run = false;
+  bool interaction_itself = false, strict_data = false, resume = false, dry_run = false, fused_mlp = false;
 };
 
 CLI::App* add_train_command(CLI::App& app, TrainFlags& flags);

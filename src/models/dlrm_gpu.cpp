@@ -18,6 +18,7 @@
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
+#include "fusekit/ops/mlp.hpp"
 #include "models/dlrm_kernels.hpp"
 #include "models/layers.hpp"
 
@@ -59,6 +60,16 @@ Tensor view_of(float* p, Dims shape, Device dev) {
   return Tensor::adopt(TensorView(p, DType::f32, shape, dev), [] {});
 }
 
+// An MLP (linears [first, first + count)) run through fusekit's fused_mlp in bf16: a bf16 mirror
+// of its parameter range, refreshed every step from the fp32 master copy, and bf16 batch buffers.
+struct FusedMlpRun {
+  bool on = false;
+  std::size_t first = 0, count = 0;
+  std::int64_t in = 0, hidden = 0, out = 0;
+  std::int64_t start = 0, floats = 0;  // the parameter range [start, start + floats)
+  Tensor w16, x16, y16, hid16, dy16, dx16;
+};
+
 }  // namespace
 
 struct GpuDlrm::State {
@@ -84,6 +95,7 @@ struct GpuDlrm::State {
   std::vector<Tensor> table_views;
   Tensor pairs;
   int num_pairs = 0;
+  FusedMlpRun bottom_run, top_run;
   std::int64_t features = 0, dim = 0, inter = 0, ldr = 0, ld_dense = 0;
 
   // Batch-sized buffers, allocated for the largest batch seen.
@@ -262,11 +274,87 @@ struct GpuDlrm::State {
 
   // The padded layers' GEMM copies of W, from the parameters the optimizer updated.
   void refresh_shadows() {
-    for (const LinearSlot& l : linears)
-      if (l.padded())
+    for (std::size_t i = 0; i < linears.size(); ++i) {
+      const LinearSlot& l = linears[i];
+      const FusedMlpRun& run = i < bottom_layers ? bottom_run : top_run;
+      if (l.padded() && !run.on)
         FK_CUDA_CHECK(cudaMemcpy2DAsync(S(l.shadow_w), static_cast<std::size_t>(l.in_ld) * 4, P(l.w),
                                         static_cast<std::size_t>(l.in) * 4, static_cast<std::size_t>(l.in) * 4,
                                         static_cast<std::size_t>(l.out), cudaMemcpyDeviceToDevice, cs()));
+    }
+  }
+
+  // ---- MLPs through fused_mlp ---------------------------------------------------------------------
+  // Whether linears [first, first + count) fit fused_mlp: two layers or more, input and output
+  // <= 128, every hidden layer one width of 16, 32, 64 or 128.
+  bool fits_fused_mlp(std::size_t first, std::size_t count) const {
+    if (count < 2) return false;
+    const std::int64_t h = linears[first].out;
+    if (h != 16 && h != 32 && h != 64 && h != 128) return false;
+    for (std::size_t i = first; i + 1 < first + count; ++i)
+      if (linears[i].out != h) return false;
+    return linears[first].in <= 128 && linears[first + count - 1].out <= 128;
+  }
+
+  void plan_fused_mlp(FusedMlpRun& run, std::size_t first, std::size_t count) {
+    if (!config.fused_mlp || impl != DlrmImpl::fused || !fits_fused_mlp(first, count)) return;
+    const LinearSlot& a = linears[first];
+    const LinearSlot& z = linears[first + count - 1];
+    run = {true, first, count, a.in, a.out, z.out, a.w, z.b + z.out - a.w};
+    run.w16 = Tensor::empty({run.floats}, DType::bf16, dev, &stream);
+  }
+
+  std::vector<MlpLayer> mlp_layers(const FusedMlpRun& run) const {
+    std::vector<MlpLayer> v;
+    auto* w16 = static_cast<std::uint16_t*>(run.w16.data());
+    for (std::size_t i = run.first; i < run.first + run.count; ++i) {
+      const LinearSlot& l = linears[i];
+      v.push_back({TensorView(w16 + (l.w - run.start), DType::bf16, {l.out, l.in}, dev),
+                   TensorView(w16 + (l.b - run.start), DType::bf16, {l.out}, dev),
+                   l.relu ? Activation::relu : Activation::identity});
+    }
+    return v;
+  }
+
+  void alloc_fused_mlp(FusedMlpRun& run, bool with_dx) {
+    if (!run.on) return;
+    const Stream* s = &stream;
+    run.x16 = Tensor::empty({cap * run.in}, DType::bf16, dev, s);
+    run.y16 = Tensor::empty({cap * run.out}, DType::bf16, dev, s);
+    run.dy16 = Tensor::empty({cap * run.out}, DType::bf16, dev, s);
+    run.hid16 = Tensor::empty({static_cast<std::int64_t>(run.count - 1) * cap * run.hidden}, DType::bf16, dev, s);
+    if (with_dx) run.dx16 = Tensor::empty({cap * run.in}, DType::bf16, dev, s);
+  }
+
+  TensorView bf16_view(const Tensor& t, Dims shape) const { return TensorView(t.data(), DType::bf16, shape, dev); }
+
+  // y [B, out] (ld ldy, f32) = the MLP of x [B, in] (ld ldx, f32), in bf16; keeps what backward needs.
+  void fused_mlp_run_forward(const FusedMlpRun& run, const float* x, std::int64_t ldx, float* y, std::int64_t ldy,
+                             std::int64_t b) {
+    auto* w16 = static_cast<std::uint16_t*>(run.w16.data());
+    to_bf16_rows(P(run.start), run.floats, w16, 1, run.floats, cs());
+    to_bf16_rows(x, ldx, static_cast<std::uint16_t*>(run.x16.data()), b, run.in, cs());
+    fused_mlp_forward_train({bf16_view(run.x16, {b, run.in}), mlp_layers(run), bf16_view(run.y16, {b, run.out}),
+                             bf16_view(run.hid16, {static_cast<std::int64_t>(run.count - 1), b, run.hidden})},
+                            &stream);
+    from_bf16_rows(static_cast<const std::uint16_t*>(run.y16.data()), y, ldy, b, run.out, cs());
+  }
+
+  // From dy [B, out] (ld lddy, f32): the fp32 dW and db of every layer, and dx (ld lddx) if asked.
+  void fused_mlp_run_backward(const FusedMlpRun& run, const float* dy, std::int64_t lddy, float* dx, std::int64_t lddx,
+                              std::int64_t b) {
+    to_bf16_rows(dy, lddy, static_cast<std::uint16_t*>(run.dy16.data()), b, run.out, cs());
+    FusedMlpBackwardArgs a{bf16_view(run.dy16, {b, run.out}), bf16_view(run.x16, {b, run.in}),
+                           bf16_view(run.hid16, {static_cast<std::int64_t>(run.count - 1), b, run.hidden}),
+                           bf16_view(run.y16, {b, run.out}), mlp_layers(run), std::nullopt, {}, {}};
+    if (dx) a.dx = bf16_view(run.dx16, {b, run.in});
+    for (std::size_t i = run.first; i < run.first + run.count; ++i) {
+      const LinearSlot& l = linears[i];
+      a.dweight.emplace_back(G(l.w), DType::f32, Dims{l.out, l.in}, dev);
+      a.dbias.emplace_back(G(l.b), DType::f32, Dims{l.out}, dev);
+    }
+    fused_mlp_backward(a, &stream);
+    if (dx) from_bf16_rows(static_cast<const std::uint16_t*>(run.dx16.data()), dx, lddx, b, run.in, cs());
   }
 
   void strided_batched(cublasOperation_t ta, cublasOperation_t tb, std::int64_t m, std::int64_t n, std::int64_t k,
@@ -324,6 +412,8 @@ struct GpuDlrm::State {
       if (last) continue;
       (bottom ? bot_act : top_act).push_back(device_f32(cap * linears[i].out, dev, s));
     }
+    alloc_fused_mlp(bottom_run, false);
+    alloc_fused_mlp(top_run, true);
     if (config.interaction == InteractionOp::dot && impl == DlrmImpl::reference) {
       zz = device_f32(cap * features * features, dev, s);
       sym = device_f32(cap * features * features, dev, s);
@@ -420,7 +510,8 @@ struct GpuDlrm::State {
     refresh_shadows();
     const float* x = sl.dense.data_as<float>();
     std::int64_t ldx = ld_dense;
-    for (std::size_t i = 0; i < bottom_layers; ++i) {
+    if (bottom_run.on) fused_mlp_run_forward(bottom_run, x, ldx, z.data_as<float>(), fd, b);
+    for (std::size_t i = 0; i < bottom_layers && !bottom_run.on; ++i) {
       const bool last = i + 1 == bottom_layers;
       float* y = last ? z.data_as<float>() : bot_act[i].data_as<float>();
       const std::int64_t ldy = last ? fd : linears[i].out;
@@ -464,7 +555,8 @@ struct GpuDlrm::State {
     mark("top_mlp.fwd");
     x = r.data_as<float>();
     ldx = ldr;
-    for (std::size_t i = bottom_layers; i < linears.size(); ++i) {
+    if (top_run.on) fused_mlp_run_forward(top_run, x, ldx, logits.data_as<float>(), 1, b);
+    for (std::size_t i = bottom_layers; i < linears.size() && !top_run.on; ++i) {
       const bool last = i + 1 == linears.size();
       float* y = last ? logits.data_as<float>() : top_act[i - bottom_layers].data_as<float>();
       linear_forward(i, x, ldx, y, linears[i].out, b);
@@ -494,7 +586,8 @@ struct GpuDlrm::State {
     std::int64_t lddy = 1;
     float* spare[2] = {ga.data_as<float>(), gb.data_as<float>()};
     int which = 0;
-    for (std::size_t i = linears.size(); i-- > bottom_layers;) {
+    if (top_run.on) fused_mlp_run_backward(top_run, dy, 1, dr.data_as<float>(), ldr, b);
+    for (std::size_t i = linears.size(); i-- > bottom_layers && !top_run.on;) {
       const std::size_t k = i - bottom_layers;
       const float* x = k == 0 ? r.data_as<float>() : top_act[k - 1].data_as<float>();
       const std::int64_t ldx = linears[i].in_ld;
@@ -547,7 +640,8 @@ struct GpuDlrm::State {
     const bool masked = impl == DlrmImpl::fused && config.interaction == InteractionOp::dot;
     dy = dz.data_as<float>();
     lddy = fd;
-    for (std::size_t i = bottom_layers; i-- > 0;) {
+    if (bottom_run.on) fused_mlp_run_backward(bottom_run, dy, lddy, nullptr, 0, b);
+    for (std::size_t i = bottom_layers; i-- > 0 && !bottom_run.on;) {
       const float* x = i == 0 ? sl.dense.data_as<float>() : bot_act[i - 1].data_as<float>();
       const std::int64_t ldx = linears[i].in_ld;
       const bool last = i + 1 == bottom_layers;
@@ -653,6 +747,10 @@ GpuDlrm::GpuDlrm(const DlrmConfig& config, DlrmImpl impl, int device) {
     s.linears.push_back(slot);
   }
   s.shadow = device_f32(shadow_floats, s.dev, st);
+  FK_CHECK_ARG(!config.fused_mlp || impl == DlrmImpl::fused, kOp, "config.fused_mlp", "impl fused",
+               std::string(impl_name(impl)));
+  s.plan_fused_mlp(s.bottom_run, 0, s.bottom_layers);
+  s.plan_fused_mlp(s.top_run, s.bottom_layers, s.linears.size() - s.bottom_layers);
   FK_CUDA_CHECK(cudaMemsetAsync(s.shadow.data(), 0, s.shadow.nbytes(), s.cs()));  // padding columns stay 0
   s.params = device_f32(s.param_floats, s.dev, st);
   s.grads = device_f32(s.param_floats, s.dev, st);

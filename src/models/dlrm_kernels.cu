@@ -1,4 +1,6 @@
 // Kernels of the GPU DLRM; contracts in dlrm_kernels.hpp.
+#include <cuda_bf16.h>
+
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
@@ -474,6 +476,26 @@ __global__ void outer_kernel(const float* z, std::int64_t n, std::int64_t batch,
   }
 }
 
+// ---- bf16 conversions ---------------------------------------------------------------------------
+
+__global__ void to_bf16_kernel(const float* src, std::int64_t ld_src, std::uint16_t* dst, std::int64_t rows,
+                               std::int64_t cols) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * blockDim.x) {
+    const __nv_bfloat16 v = __float2bfloat16_rn(src[(i / cols) * ld_src + i % cols]);
+    dst[i] = *reinterpret_cast<const std::uint16_t*>(&v);
+  }
+}
+
+__global__ void from_bf16_kernel(const std::uint16_t* src, float* dst, std::int64_t ld_dst, std::int64_t rows,
+                                 std::int64_t cols) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * blockDim.x) {
+    const std::uint16_t u = src[i];
+    dst[(i / cols) * ld_dst + i % cols] = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&u));
+  }
+}
+
 // ---- Loss ---------------------------------------------------------------------------------------
 
 constexpr int kLossThreads = 1024;
@@ -706,6 +728,20 @@ void copy_rows(const float* src, std::int64_t ld_src, float* dst, std::int64_t l
                                   static_cast<std::size_t>(ld_src) * sizeof(float),
                                   static_cast<std::size_t>(cols) * sizeof(float), static_cast<std::size_t>(rows),
                                   cudaMemcpyDeviceToDevice, s));
+}
+
+void to_bf16_rows(const float* src, std::int64_t ld_src, std::uint16_t* dst, std::int64_t rows, std::int64_t cols,
+                  cudaStream_t s) {
+  if (rows * cols == 0) return;
+  to_bf16_kernel<<<blocks_for(rows * cols), kThreads, 0, s>>>(src, ld_src, dst, rows, cols);
+  FK_CUDA_CHECK_LAUNCH("models::gpu::to_bf16_rows");
+}
+
+void from_bf16_rows(const std::uint16_t* src, float* dst, std::int64_t ld_dst, std::int64_t rows, std::int64_t cols,
+                    cudaStream_t s) {
+  if (rows * cols == 0) return;
+  from_bf16_kernel<<<blocks_for(rows * cols), kThreads, 0, s>>>(src, dst, ld_dst, rows, cols);
+  FK_CUDA_CHECK_LAUNCH("models::gpu::from_bf16_rows");
 }
 
 void sigmoid_bce_fused(const float* logits, const float* labels, std::int64_t batch, float* dlogits,

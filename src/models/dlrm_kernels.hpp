@@ -110,6 +110,14 @@ void interaction_outer_forward(const float* z, std::int64_t n, std::int64_t batc
 void copy_rows(const float* src, std::int64_t ld_src, float* dst, std::int64_t ld_dst, std::int64_t rows,
                std::int64_t cols, cudaStream_t s);
 
+// ---- bf16 conversions (for MLPs run through fused_mlp) ------------------------------------------
+// dst [rows, cols] bf16 (contiguous) = src [rows, cols] f32 (leading dimension ld_src), rounded to nearest.
+void to_bf16_rows(const float* src, std::int64_t ld_src, std::uint16_t* dst, std::int64_t rows, std::int64_t cols,
+                  cudaStream_t s);
+// dst [rows, cols] f32 (leading dimension ld_dst) = src [rows, cols] bf16 (contiguous).
+void from_bf16_rows(const std::uint16_t* src, float* dst, std::int64_t ld_dst, std::int64_t rows, std::int64_t cols,
+                    cudaStream_t s);
+
 // ---- Loss ---------------------------------------------------------------------------------------
 // fused: one pass: loss from the logits (stable), dlogit = (sigmoid(x) - y) / B, and
 // loss_acc[0] += mean loss, loss_acc[1] += 1 (doubles; fixed-order reductions). loss_acc holds

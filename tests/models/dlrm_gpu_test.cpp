@@ -235,6 +235,47 @@ TEST(DlrmGpu, CheckpointMovesBetweenGpuAndCpuAndResumesExactly) {
   }
 }
 
+TEST(DlrmGpu, FusedMlpRunsBothMlpsInBf16AndTracksTheCpuModel) {
+  FK_SKIP_WITHOUT_GPU();
+  DlrmConfig c = tiny(InteractionOp::dot);
+  c.bottom_mlp = {13, 32, 8};  // hidden width 32: fits fused_mlp
+  c.top_mlp = {32, 1};         // input 8 + 15 = 23, hidden 32: fits
+  DlrmConfig f = c;
+  f.fused_mlp = true;
+  Dlrm cpu(c, Device::cpu());
+  Dlrm plain(c, Device::cuda(), DlrmImpl::fused);
+  Dlrm fm(f, Device::cuda(), DlrmImpl::fused);
+  const HostBatch h = make_batch(c, 300, 77, false);
+  Tensor lc = Tensor::empty({300}, DType::f32, Device::cpu()), lp = Tensor::empty({300}, DType::f32, Device::cpu()),
+         lf = Tensor::empty({300}, DType::f32, Device::cpu()), dl = Tensor::empty({300}, DType::f32, Device::cpu());
+  cpu.forward(h.input(false), lc);
+  plain.forward(h.input(true), lp);
+  fm.forward(h.input(true), lf);
+  // bf16 activations and weights: within bf16 rounding of the fp32 model, and visibly not the
+  // fp32 path (which matches the CPU to ~1e-6).
+  EXPECT_LE(test::rel_err_normwise(lf, lc), 3e-2);
+  EXPECT_GT(test::rel_err_normwise(lf, lp), 1e-4) << "fused_mlp was not used";
+  const TensorView dlv = dl;
+  bce_with_logits(lc, h.labels, &dlv);
+  cpu.backward(dl);
+  fm.backward(dl);
+  auto gl = fm.linear_layers(), cl = cpu.linear_layers();
+  for (std::size_t i = 0; i < gl.size(); ++i) {
+    expect_close(*gl[i].weight_grad, *cl[i].weight_grad, 6e-2, "fused_mlp dW " + std::to_string(i));
+    expect_close(*gl[i].bias_grad, *cl[i].bias_grad, 6e-2, "fused_mlp db " + std::to_string(i));
+  }
+  // Whole steps (graph-captured after the first): the losses follow the fp32 model's.
+  const OptimizerConfig opt{.kind = OptimizerKind::sgd, .learning_rate = 0.2f};
+  double sum_c = 0, sum_f = 0;
+  for (int i = 0; i < 30; ++i) {
+    const HostBatch b = make_batch(c, 256, 500 + static_cast<std::uint64_t>(i), false);
+    sum_c += cpu.train_step(b.input(false), b.labels, opt);
+    sum_f += fm.train_step(b.input(true), b.labels, opt);
+  }
+  EXPECT_NEAR(sum_f / 30, sum_c / 30, 0.01 * sum_c / 30);
+  test::expect_arg_error([&] { Dlrm bad(f, Device::cuda(), DlrmImpl::reference); }, "models::Dlrm", "config.fused_mlp");
+}
+
 TEST(DlrmGpu, BadInputRaises) {
   FK_SKIP_WITHOUT_GPU();
   const DlrmConfig c = tiny(InteractionOp::dot);

@@ -77,6 +77,10 @@ struct DlrmConfig {
   RawHash raw_hash = RawHash::seed;  // for DlrmInput::raw_sparse (GPU fused)
   bool allow_tf32 = true;            // GPU: MLP GEMMs on TF32 tensor cores (CPU: ignored)
   bool cuda_graph = true;            // GPU fused: replay the training step as a CUDA graph
+  // GPU fused: an MLP whose widths fit fusekit's fused_mlp (input and output <= 128, every hidden
+  // layer one width of 16, 32, 64 or 128) runs as one fused_mlp kernel each way, in bf16 with the
+  // fp32 parameters and gradients kept as master copies (the others keep cuBLASLt in TF32).
+  bool fused_mlp = false;
 
   std::int64_t num_features() const { return static_cast<std::int64_t>(table_rows.size()) + 1; }
   std::int64_t interaction_size() const;
