@@ -300,7 +300,14 @@ struct GpuDlrm::State {
     if (!config.fused_mlp || impl != DlrmImpl::fused || !fits_fused_mlp(first, count)) return;
     const LinearSlot& a = linears[first];
     const LinearSlot& z = linears[first + count - 1];
-    run = {true, first, count, a.in, a.out, z.out, a.w, z.b + z.out - a.w};
+    run.on = true;
+    run.first = first;
+    run.count = count;
+    run.in = a.in;
+    run.hidden = a.out;
+    run.out = z.out;
+    run.start = a.w;
+    run.floats = z.b + z.out - a.w;
     run.w16 = Tensor::empty({run.floats}, DType::bf16, dev, &stream);
   }
 
@@ -420,7 +427,7 @@ struct GpuDlrm::State {
     }
     keys = Tensor::empty({cap_nnz}, DType::i32, dev, s);
     bags = Tensor::empty({cap_nnz}, DType::i32, dev, s);
-    if (impl == DlrmImpl::fused) {
+    {
       const std::int64_t chunks = sparse_backward_chunks(cap_nnz);
       ws_keys = Tensor::empty({cap_nnz}, DType::i32, dev, s);
       ws_bags = Tensor::empty({cap_nnz}, DType::i32, dev, s);
@@ -579,7 +586,6 @@ struct GpuDlrm::State {
   void backward_body() {
     const Slot& sl = slots[static_cast<std::size_t>(slot)];
     const std::int64_t b = batch, fd = features * dim;
-    const std::int64_t t = static_cast<std::int64_t>(base_host.size());
     mark("top_mlp.bwd");
     // Top MLP, last layer first; dy ping-pongs between ga and gb.
     float* dy = dlogits.data_as<float>();
@@ -628,11 +634,16 @@ struct GpuDlrm::State {
     }
     if (impl == DlrmImpl::reference) {
       mark("embeddings.bwd");
+      // Dense gradients of every table: zeroed, then each touched row's summed gradient stored
+      // (sort-based like PyTorch's embedding backward, so the run is deterministic).
       FK_CUDA_CHECK(cudaMemsetAsync(dense_grad.data(), 0, dense_grad.nbytes(), cs()));
-      for (int ti = 0; ti < t; ++ti)
-        embedding_backward_dense_table(dense_grad.data_as<float>() + base_host[ti] * dim, static_cast<int>(dim), ti,
-                                       static_cast<int>(t), sl.indices.data_as<std::int64_t>(),
-                                       sl.offsets.data_as<std::int64_t>(), b, dz.data_as<float>(), cs());
+      TableSet gs = table_set();
+      gs.weights = dense_grad.data_as<float>();
+      gs.store_gradient = true;
+      embedding_keys(gs, sl.indices.data_as<std::int64_t>(), sl.offsets.data_as<std::int64_t>(), b,
+                     keys.data_as<std::uint32_t>(), bags.data_as<std::uint32_t>(), cs());
+      embedding_backward_fused(gs, key_bits, keys.data_as<std::uint32_t>(), bags.data_as<std::uint32_t>(), nnz, b,
+                               dz.data_as<float>(), 0.0f, 0.0f, ws, cs());
     }
     // Bottom MLP: its output's gradient is dZ[:, 0].
     mark("bottom_mlp.bwd");

@@ -176,15 +176,15 @@ __global__ void embedding_table_kernel(const float* table, int dim, int t, int t
   z[(b * (tables + 1) + 1 + t) * dim + d] = acc;
 }
 
-__global__ void embedding_dense_grad_kernel(float* grad, int dim, int t, int tables, const std::int64_t* indices,
-                                            const std::int64_t* offsets, std::int64_t batch, const float* dz) {
-  const std::int64_t gid = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
-  const std::int64_t b = gid / dim;
-  const int d = static_cast<int>(gid % dim);
-  if (b >= batch) return;
-  const std::int64_t q = t * batch + b;
-  const float g = dz[(b * (tables + 1) + 1 + t) * dim + d];
-  for (std::int64_t k = offsets[q]; k < offsets[q + 1]; ++k) atomicAdd(grad + indices[k] * dim + d, g);
+__global__ void embedding_keys_kernel(TableSet ts, const std::int64_t* indices, const std::int64_t* offsets,
+                                      std::int64_t batch, std::uint32_t* key, std::uint32_t* bag) {
+  const std::int64_t q = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (q >= batch * ts.tables) return;
+  const std::int64_t base = ts.base[q / batch];
+  for (std::int64_t k = offsets[q]; k < offsets[q + 1]; ++k) {
+    key[k] = static_cast<std::uint32_t>(base + indices[k]);
+    bag[k] = static_cast<std::uint32_t>(q);
+  }
 }
 
 __device__ __forceinline__ void apply_update(float* w, float* state, float g, float lr, float eps) {
@@ -260,7 +260,10 @@ __global__ void sparse_phase1_kernel(TableSet ts, const std::uint32_t* key, cons
     if (has_head && !continues) {
       float* w = ts.weights + std::int64_t{row} * ts.dim + s0;
       float* st = ts.adagrad_state ? ts.adagrad_state + std::int64_t{row} * ts.dim + s0 : nullptr;
-      for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) apply_update(w + i, st ? st + i : nullptr, v[i], lr, eps);
+      for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) {
+        if (ts.store_gradient) w[i] = v[i];
+        else apply_update(w + i, st ? st + i : nullptr, v[i], lr, eps);
+      }
     } else {
       float* dst = (continues ? tail : head) + c * ts.dim + s0;
       for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) dst[i] = v[i];
@@ -302,7 +305,8 @@ __global__ void sparse_phase2_kernel(TableSet ts, const std::uint32_t* key, std:
       if (i == lane) g = acc[i];
     if (lane < kSlice && s0 + lane < ts.dim) {
       const std::int64_t at = std::int64_t{row} * ts.dim + s0 + lane;
-      apply_update(ts.weights + at, ts.adagrad_state ? ts.adagrad_state + at : nullptr, g, lr, eps);
+      if (ts.store_gradient) ts.weights[at] = g;
+      else apply_update(ts.weights + at, ts.adagrad_state ? ts.adagrad_state + at : nullptr, g, lr, eps);
     }
   }
 }
@@ -311,47 +315,64 @@ __global__ void sparse_phase2_kernel(TableSet ts, const std::uint32_t* key, std:
 
 constexpr int kInteractionWarps = 8;
 
-// One warp per sample. Z[b] is staged in shared memory with rows of dim + 1 floats, so that lanes
-// reading rows i != i' hit different banks (with rows of 16 floats every even row shares banks).
+// One warp per sample, Z[b] staged in shared memory. With dim % 4 == 0 the rows are dim + 4 floats
+// and read 4 at a time (LDS.128: the 8 lanes of a phase reading rows i = 0..7 start at banks
+// (dim + 4) i mod 32, all different for dim = 8, 16, 32); otherwise rows of dim + 1 floats, read
+// one at a time (rows of 16 floats would put every even row in the same banks).
+__host__ __device__ constexpr int dot_row_floats(int dim) { return dim % 4 == 0 ? dim + 4 : dim + 1; }
+
 __global__ void dot_forward_kernel(const float* z, const std::uint32_t* pairs, int num_pairs, int features, int dim,
                                    std::int64_t batch, float* r, std::int64_t ldr) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t b = blockIdx.x * std::int64_t{kInteractionWarps} + warp;
   if (b >= batch) return;
-  const int n = features * dim, row = dim + 1;
+  const int n = features * dim, row = dot_row_floats(dim);
   float* zs = smem + warp * features * row;
   const float* zb = z + b * n;
   for (int i = lane; i < n; i += 32) zs[(i / dim) * row + i % dim] = zb[i];
   __syncwarp();
   float* rb = r + b * ldr;
   for (int c = lane; c < dim; c += 32) rb[c] = zs[c];
+  const bool vec = dim % 4 == 0;
   for (int k = lane; k < num_pairs; k += 32) {
     const std::uint32_t p = __ldg(pairs + k);
     const float* zi = zs + (p >> 16) * row;
     const float* zj = zs + (p & 0xffffu) * row;
     float s = 0.0f;
-    for (int c = 0; c < dim; ++c) s = fmaf(zi[c], zj[c], s);
+    if (vec) {
+      for (int c = 0; c < dim; c += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(zi + c);
+        const float4 q = *reinterpret_cast<const float4*>(zj + c);
+        s = fmaf(a.x, q.x, s);
+        s = fmaf(a.y, q.y, s);
+        s = fmaf(a.z, q.z, s);
+        s = fmaf(a.w, q.w, s);
+      }
+    } else {
+      for (int c = 0; c < dim; ++c) s = fmaf(zi[c], zj[c], s);
+    }
     rb[dim + k] = s;
   }
   for (std::int64_t c = dim + num_pairs + lane; c < ldr; c += 32) rb[c] = 0.0f;  // padding columns
 }
 
 // Builds S (the symmetric gradient of the dot matrix: S_ij = S_ji = g_k, S_ii = 2 g_ii) in shared
-// memory; the caller then forms dZ[b, i] = sum_j S_ij Z[b, j] (+ dR[b, :D] for i = 0).
-__device__ __forceinline__ void build_sym(float* sym, const float* gb, const std::uint32_t* pairs, int num_pairs,
-                                          int features, int dim, int lane) {
-  for (int i = lane; i < features * features; i += 32) sym[i] = 0.0f;
+// memory, rows of `ld` floats (columns past `features` zero); the caller then forms
+// dZ[b, i] = sum_j S_ij Z[b, j] (+ dR[b, :D] for i = 0).
+__device__ __forceinline__ void build_sym(float* sym, int ld, const float* gb, const std::uint32_t* pairs,
+                                          int num_pairs, int features, int dim, int lane) {
+  for (int i = lane; i < features * ld; i += 32) sym[i] = 0.0f;
   __syncwarp();
   for (int k = lane; k < num_pairs; k += 32) {
     const std::uint32_t p = __ldg(pairs + k);
     const int i = static_cast<int>(p >> 16), j = static_cast<int>(p & 0xffffu);
     const float g = gb[dim + k];
     if (i == j) {
-      sym[i * features + i] = 2.0f * g;
+      sym[i * ld + i] = 2.0f * g;
     } else {
-      sym[i * features + j] = g;
-      sym[j * features + i] = g;
+      sym[i * ld + j] = g;
+      sym[j * ld + i] = g;
     }
   }
   __syncwarp();
@@ -360,21 +381,24 @@ __device__ __forceinline__ void build_sym(float* sym, const float* gb, const std
 constexpr int kMaxRegFeatures = 32;
 
 // dim divides 32 and features <= 32: lane (group h, column c) keeps column c of Z[b] in registers
-// and forms dZ[b, i, c] for rows i = h, h + 32/dim, ...; S is read as broadcasts.
+// and forms dZ[b, i, c] for rows i = h, h + 32/dim, ...; S's rows (padded to 4 floats) are read 4 at
+// a time as broadcasts. At most 64 registers, so that 4 blocks (32 warps) fit an SM.
+constexpr int sym_row_floats(int features) { return (features + 3) / 4 * 4; }
+
 template <int Dim>
-__global__ void dot_backward_reg_kernel(const float* z, const float* dr, std::int64_t ldr, const std::uint32_t* pairs,
-                                        int num_pairs, int features, std::int64_t batch, float* dz,
-                                        const float* relu_of) {
-  extern __shared__ float smem[];
+__global__ void __launch_bounds__(32 * kInteractionWarps, 4)
+    dot_backward_reg_kernel(const float* z, const float* dr, std::int64_t ldr, const std::uint32_t* pairs,
+                            int num_pairs, int features, std::int64_t batch, float* dz, const float* relu_of) {
+  extern __shared__ __align__(16) float smem[];
   constexpr int kGroups = 32 / Dim;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t b = blockIdx.x * std::int64_t{kInteractionWarps} + warp;
   if (b >= batch) return;
-  const int n = features * Dim;
-  float* sym = smem + warp * features * features;
+  const int n = features * Dim, ld = sym_row_floats(features);
+  float* sym = smem + warp * features * ld;
   const float* zb = z + b * n;
   const float* gb = dr + b * ldr;
-  build_sym(sym, gb, pairs, num_pairs, features, Dim, lane);
+  build_sym(sym, ld, gb, pairs, num_pairs, features, Dim, lane);
   const int c = lane % Dim, h = lane / Dim;
   float zc[kMaxRegFeatures];
 #pragma unroll
@@ -382,10 +406,17 @@ __global__ void dot_backward_reg_kernel(const float* z, const float* dr, std::in
   float* db = dz + b * n;
   for (int i = h; i < features; i += kGroups) {
     float acc = i == 0 ? gb[c] : 0.0f;
-    const float* srow = sym + i * features;
+    const float* srow = sym + i * ld;
 #pragma unroll
-    for (int j = 0; j < kMaxRegFeatures; ++j)
-      if (j < features) acc = fmaf(srow[j], zc[j], acc);
+    for (int j = 0; j < kMaxRegFeatures; j += 4) {
+      if (j < ld) {
+        const float4 sv = *reinterpret_cast<const float4*>(srow + j);
+        acc = fmaf(sv.x, zc[j], acc);
+        acc = fmaf(sv.y, zc[j + 1], acc);
+        acc = fmaf(sv.z, zc[j + 2], acc);
+        acc = fmaf(sv.w, zc[j + 3], acc);
+      }
+    }
     // The bottom MLP's output went through a ReLU: its gradient is masked here, in the same pass.
     if (i == 0 && relu_of != nullptr && !(zc[0] > 0.0f)) acc = 0.0f;
     db[i * Dim + c] = acc;
@@ -395,7 +426,7 @@ __global__ void dot_backward_reg_kernel(const float* z, const float* dr, std::in
 __global__ void dot_backward_kernel(const float* z, const float* dr, std::int64_t ldr, const std::uint32_t* pairs,
                                     int num_pairs, int features, int dim, std::int64_t batch, float* dz,
                                     const float* relu_of) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t b = blockIdx.x * std::int64_t{kInteractionWarps} + warp;
   if (b >= batch) return;
@@ -405,7 +436,7 @@ __global__ void dot_backward_kernel(const float* z, const float* dr, std::int64_
   const float* zb = z + b * n;
   const float* gb = dr + b * ldr;
   for (int i = lane; i < n; i += 32) zs[i] = zb[i];
-  build_sym(sym, gb, pairs, num_pairs, features, dim, lane);
+  build_sym(sym, features, gb, pairs, num_pairs, features, dim, lane);
   float* db = dz + b * n;
   for (int o = lane; o < n; o += 32) {
     const int i = o / dim, c = o % dim;
@@ -619,11 +650,10 @@ void embedding_forward_table(const float* table, int dim, int t, int tables, con
   FK_CUDA_CHECK_LAUNCH("models::gpu::embedding_forward_table");
 }
 
-void embedding_backward_dense_table(float* dense_grad, int dim, int t, int tables, const std::int64_t* indices,
-                                    const std::int64_t* offsets, std::int64_t batch, const float* dz, cudaStream_t s) {
-  embedding_dense_grad_kernel<<<blocks_for(batch * dim), kThreads, 0, s>>>(dense_grad, dim, t, tables, indices,
-                                                                           offsets, batch, dz);
-  FK_CUDA_CHECK_LAUNCH("models::gpu::embedding_backward_dense_table");
+void embedding_keys(const TableSet& tables, const std::int64_t* indices, const std::int64_t* offsets,
+                    std::int64_t batch, std::uint32_t* key, std::uint32_t* bag, cudaStream_t s) {
+  embedding_keys_kernel<<<blocks_for(batch * tables.tables), kThreads, 0, s>>>(tables, indices, offsets, batch, key, bag);
+  FK_CUDA_CHECK_LAUNCH("models::gpu::embedding_keys");
 }
 
 void optimizer_update(float* param, const float* grad, float* state, std::int64_t n, float lr, float eps,
@@ -664,8 +694,8 @@ void embedding_backward_fused(const TableSet& tables, int key_bits, const std::u
 
 void interaction_dot_forward(const float* z, const std::uint32_t* pairs, int num_pairs, int features, int dim,
                              std::int64_t batch, float* r, std::int64_t ldr, cudaStream_t s) {
-  const std::size_t per = static_cast<std::size_t>(features) * (dim + 1);
-  check_interaction_smem(per, "features * (embedding_dim + 1)");
+  const std::size_t per = static_cast<std::size_t>(features) * dot_row_floats(dim);
+  check_interaction_smem(per, "features * (embedding_dim + 4)");
   const unsigned grid = static_cast<unsigned>((batch + kInteractionWarps - 1) / kInteractionWarps);
   dot_forward_kernel<<<grid, 32 * kInteractionWarps, per * kInteractionWarps * sizeof(float), s>>>(
       z, pairs, num_pairs, features, dim, batch, r, ldr);
@@ -679,8 +709,9 @@ void interaction_dot_backward(const float* z, const float* dr, std::int64_t ldr,
   const float* relu_of = relu_x ? z : nullptr;
   const std::size_t sym = static_cast<std::size_t>(features) * features;
   auto reg = [&](auto kernel) {
-    check_interaction_smem(sym, "features^2");
-    kernel<<<grid, 32 * kInteractionWarps, sym * kInteractionWarps * sizeof(float), s>>>(
+    const std::size_t per = static_cast<std::size_t>(features) * sym_row_floats(features);
+    check_interaction_smem(per, "features^2");
+    kernel<<<grid, 32 * kInteractionWarps, per * kInteractionWarps * sizeof(float), s>>>(
         z, dr, ldr, pairs, num_pairs, features, batch, dz, relu_of);
   };
   if (features <= kMaxRegFeatures && dim == 16) {

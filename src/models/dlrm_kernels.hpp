@@ -43,6 +43,10 @@ struct TableSet {
   const std::int64_t* rows = nullptr;     // device [T]
   int tables = 0;
   int dim = 0;
+  // embedding_backward_fused: write each touched row's summed gradient into `weights` (a dense
+  // gradient buffer, zeroed beforehand) instead of updating it (the reference's dense gradient,
+  // made deterministic the way PyTorch's embedding backward is: by sorting).
+  bool store_gradient = false;
 };
 
 // fused: every (table, sample) bag in one launch. With `raw` (one value per bag) the row is
@@ -55,9 +59,9 @@ void embedding_forward_fused(const TableSet& tables, const std::uint32_t* raw, R
 // reference: table t alone (launched once per table), CSR input, writes Z[b, 1 + t].
 void embedding_forward_table(const float* table, int dim, int t, int tables, const std::int64_t* indices,
                              const std::int64_t* offsets, std::int64_t batch, float* z, cudaStream_t s);
-// reference backward, table t: dense_grad[row] += dZ[b, 1 + t] for every index (atomics).
-void embedding_backward_dense_table(float* dense_grad, int dim, int t, int tables, const std::int64_t* indices,
-                                    const std::int64_t* offsets, std::int64_t batch, const float* dz, cudaStream_t s);
+// The sort keys of CSR input without a lookup: key[k] = table_base[t] + indices[k], bag[k] = t * B + b.
+void embedding_keys(const TableSet& tables, const std::int64_t* indices, const std::int64_t* offsets,
+                    std::int64_t batch, std::uint32_t* key, std::uint32_t* bag, cudaStream_t s);
 
 // SGD (lr) or Adagrad (state != null: state += g^2; p -= lr g / (sqrt(state) + eps)) on n floats.
 void optimizer_update(float* param, const float* grad, float* state, std::int64_t n, float lr, float eps,
