@@ -1,16 +1,19 @@
 // Bench cases of the lora family (seed 003's LoRA case study). The unfused path is the seed's:
 // three cuBLAS GEMMs P = x Wᵀ, T = x Aᵀ, Q = T Bᵀ, then the add-multiply-activation kernel
 // y = act(P + s Q + b) (fusekit's bias_act_forward, one memory-bound pass). The fused record
-// carries gemm_only_us, the plain cuBLAS GEMM x Wᵀ alone in the same run; a third record,
-// impl "lowrank_t_only", times the skinny cuBLAS GEMM t = s x Aᵀ that the fused forward runs
-// before its one big GEMM (its share of the gap to gemm_only). tflops counts the flops of
-// x Wᵀ + x Aᵀ + t Bᵀ for every impl.
+// carries gemm_only_us, the plain cuBLAS GEMM x Wᵀ alone in the same run. The breakdown of the
+// fused path comes as records of their own: "lowrank_t_only" (the down-projection pass
+// t = s x Aᵀ, a skinny cuBLAS GEMM) and "fused_gemm_only" (the one GEMM with the rank-r
+// epilogue, t given). tflops counts the flops of x Wᵀ + x Aᵀ + t Bᵀ for every impl.
 //
 // Backward (W frozen, bias frozen as LoRA trains it, act = relu: act' from the saved y). The
 // unfused path: g = dy ⊙ relu'(y) (bias_act_backward), then cuBLAS u = g B, dB = s gᵀ T,
-// dA = s uᵀ x, dx = g W and dx += s u A. The fused one (lora_backward): the same g pass and
-// skinny GEMMs, and dx as one GEMM g W with (s u) A added in its epilogue. gemm_only_us is the
-// cuBLAS g W alone.
+// dA = s uᵀ x, dx = g W and dx += s u A. The fused one (lora_backward): one pass over dy and y
+// giving g, s u and dB (lora_grad.cu), cuBLAS dA, and dx as one GEMM g W with (s u) A added in
+// its epilogue. gemm_only_us is the
+// cuBLAS g W alone; "grad_pass_only" and "dx_gemm_only" time the fused path's two big parts.
+#include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,6 +21,7 @@
 #include "fusekit/ops/lora.hpp"
 #include "fusekit/ops/pointwise.hpp"
 #include "nn/gemm.hpp"
+#include "ops/lora/lora_cuda.hpp"
 
 namespace fk::bench {
 namespace {
@@ -67,7 +71,8 @@ void forward_case(Context& ctx, const LoraShape& s) {
   const Tensor y = ctx.empty({s.m, s.n}, kType), y_base = ctx.empty({s.m, s.n}, kType);
   // The unfused path's intermediates, reused across runs as a caching allocator would hand them out.
   const Tensor pm = ctx.empty({s.m, s.n}, kType), tm = ctx.empty({s.m, s.r}, kType), qm = ctx.empty({s.m, s.n}, kType);
-  const Tensor t_only = ctx.empty({s.m, s.r}, kType);
+  const std::int64_t rb = (s.r + 15) / 16 * 16;
+  const Tensor t_only = ctx.empty({s.m, rb}, kType);
   const Stream* st = &ctx.fk_stream();
   auto fused = [&](const LoraSet& g) {
     lora_forward({g.x, l.w, l.bias.view(), l.a, l.b, y, std::nullopt, std::nullopt}, p, st);
@@ -80,15 +85,27 @@ void forward_case(Context& ctx, const LoraShape& s) {
   };
   auto gemm = [&](const LoraSet& g) { nn::detail::gemm(Op::n, Op::t, g.x, l.w, pm, st); };
   auto lowrank_t = [&](const LoraSet& g) { nn::detail::gemm(Op::n, Op::t, g.x, l.a, t_only, st, false, kScale); };
+  const TensorView bias = l.bias.view();
+  // The one GEMM with its epilogue, t given, in either schedule; with rb = 0 (no rank-r term:
+  // bias, relu and the store only) to separate the epilogue's parts.
+  const Tensor no_t = ctx.empty({s.m, 0}, kType), no_b = ctx.empty({s.n, 0}, kType);
+  auto fused_gemm = [&](const LoraSet& g, cuda::LoraTile tile, bool low_rank) {
+    // r is a multiple of 16 in these cases: B needs no padding.
+    cuda::lora_gemm_fused({g.x, l.w, true, low_rank ? t_only.view() : no_t.view(), low_rank ? l.b.view() : no_b.view(),
+                           &bias, Activation::relu, y, nullptr, tile},
+                          st);
+  };
+  using cuda::LoraTile;
   fused(sets[0]);
   baseline(sets[0]);
   // Same products; the baseline rounds P, T and Q to bf16, the fused path only t and y.
   const double err = ctx.rel_err(y, y_base);
   require_close(name, err, 2e-2);
   const auto at = [&](int i) -> const LoraSet& { return sets[static_cast<std::size_t>(i)]; };
-  const std::vector<double> t = ctx.time_us_interleaved({[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); },
-                                                         [&](int i) { gemm(at(i)); }, [&](int i) { lowrank_t(at(i)); }},
-                                                        rot);
+  const std::vector<double> t = ctx.time_us_interleaved(
+      {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); },
+       [&](int i) { lowrank_t(at(i)); }, [&](int i) { fused_gemm(at(i), LoraTile::automatic, true); }},
+      rot);
   const double flops = flops_of(s);
   Record fr{"lora", name, "fused", "cublas+act"};
   fr.median_us = t[0];
@@ -99,12 +116,47 @@ void forward_case(Context& ctx, const LoraShape& s) {
   br.median_us = t[1];
   br.tflops = flops / (t[1] * 1e6);
   br.gemm_only_us = t[2];
-  Record tr{"lora", name, "lowrank_t_only", "cublas+act"};
-  tr.median_us = t[3];
-  tr.gbps = static_cast<double>(s.m * s.k + s.m * s.r) * dtype_size(kType) / (t[3] * 1e3);
   ctx.add(fr);
   ctx.add(br);
-  ctx.add(tr);
+  const double t_bytes = static_cast<double>(s.m * s.k + s.m * s.r) * dtype_size(kType);
+  const char* parts[] = {"lowrank_t_only", "fused_gemm_only"};
+  for (int i = 0; i < 2; ++i) {
+    Record pr{"lora", name, parts[i], "cublas+act"};
+    pr.median_us = t[3 + i];
+    if (i == 0) pr.gbps = t_bytes / (t[3 + i] * 1e3);
+    else pr.tflops = flops / (t[3 + i] * 1e6);
+    ctx.add(pr);
+  }
+  // The GEMM's schedules compared (timed in a second interleaved run, with the plain cuBLAS GEMM
+  // again as the reference), each checked against the baseline first: a schedule whose result
+  // disagrees is reported and left out, without costing the case's main records.
+  std::vector<LoraTile> tiles;
+  for (LoraTile tile : {LoraTile::pingpong, LoraTile::cooperative}) {
+    lowrank_t(sets[0]);
+    fused_gemm(sets[0], tile, true);
+    const double e = ctx.rel_err(y, y_base);
+    if (e <= 2e-2) tiles.push_back(tile);
+    else
+      std::fprintf(stderr, "%s: the %s schedule disagrees with the baseline (rel_err %.3g), not timed\n", name.c_str(),
+                   tile == LoraTile::pingpong ? "ping-pong" : "cooperative", e);
+  }
+  std::vector<std::function<void(int)>> runs{[&](int i) { gemm(at(i)); }};
+  std::vector<std::string> names;
+  for (LoraTile tile : tiles) {
+    const std::string sched = tile == LoraTile::pingpong ? "pingpong" : "cooperative";
+    runs.push_back([&, tile](int i) { fused_gemm(at(i), tile, true); });
+    names.push_back("fused_gemm_" + sched);
+    runs.push_back([&, tile](int i) { fused_gemm(at(i), tile, false); });  // bias, relu and store only
+    names.push_back("epilogue_no_lowrank_" + sched);
+  }
+  const std::vector<double> tv = ctx.time_us_interleaved(runs, rot);
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    Record vr{"lora", name, names[i], "cublas+act"};
+    vr.median_us = tv[i + 1];
+    vr.tflops = flops / (tv[i + 1] * 1e6);
+    vr.gemm_only_us = tv[0];
+    ctx.add(vr);
+  }
 }
 
 void backward_case(Context& ctx, const LoraShape& s) {
@@ -139,13 +191,27 @@ void backward_case(Context& ctx, const LoraShape& s) {
     nn::detail::gemm(Op::n, Op::n, u, l.a, dx_b, st, false, kScale, 1.0f);
   };
   auto gemm = [&](const LoraSet& d) { nn::detail::gemm(Op::n, Op::n, d.dy, l.w, dx_b, st); };
+  // The fused path's parts: the gradient pass (g, s u, dB) and the dx GEMM with (s u) Aᵀ in its
+  // epilogue (r is a multiple of 16 here: no padding).
+  const Tensor su = ctx.empty({s.m, s.r}, kType), a_t = ctx.empty({s.k, s.r}, kType);
+  cuda::lora_transpose_pad(l.a, a_t, st);
+  auto grad_pass = [&](const LoraSet& d) {
+    cuda::lora_grad_fused({d.dy, y, l.b, t, g, su, db, nullptr, Activation::relu, true}, kScale, st);
+  };
+  auto dx_gemm = [&](const LoraSet& d, cuda::LoraTile tile) {
+    cuda::lora_gemm_fused({d.dy, l.w, false, su, a_t, nullptr, Activation::identity, dx, nullptr, tile}, st);
+  };
   fused(sets[0]);
   baseline(sets[0]);
   const double err = std::max({ctx.rel_err(dx, dx_b), ctx.rel_err(da, da_b), ctx.rel_err(db, db_b)});
   require_close(name, err, 3e-2);
   const auto at = [&](int i) -> const LoraSet& { return sets[static_cast<std::size_t>(i)]; };
   const std::vector<double> tm_us = ctx.time_us_interleaved(
-      {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); }}, rot);
+      {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); },
+       [&](int i) { grad_pass(at(i)); }, [&](int i) { dx_gemm(at(i), cuda::LoraTile::automatic); },
+       [&](int i) { dx_gemm(at(i), cuda::LoraTile::pingpong); },
+       [&](int i) { dx_gemm(at(i), cuda::LoraTile::cooperative); }},
+      rot);
   // g W, u = g B, dB, dA and u A: the backward's flops.
   const double flops = 2.0 * s.m * s.n * s.k + 2.0 * s.m * s.n * s.r * 2 + 2.0 * s.r * s.m * s.k * 2;
   Record fr{"lora", name, "fused", "cublas+act"};
@@ -159,6 +225,20 @@ void backward_case(Context& ctx, const LoraShape& s) {
   br.gemm_only_us = tm_us[2];
   ctx.add(fr);
   ctx.add(br);
+  Record gr{"lora", name, "grad_pass_only", "cublas+act"};
+  gr.median_us = tm_us[3];
+  gr.gbps = static_cast<double>(3 * s.m * s.n) * dtype_size(kType) / (tm_us[3] * 1e3);  // dy, y read; g written
+  Record xr{"lora", name, "dx_gemm_only", "cublas+act"};
+  xr.median_us = tm_us[4];
+  xr.tflops = 2.0 * s.m * s.n * s.k / (tm_us[4] * 1e6);
+  ctx.add(gr);
+  ctx.add(xr);
+  for (int i = 0; i < 2; ++i) {
+    Record vr{"lora", name, i == 0 ? "dx_gemm_pingpong" : "dx_gemm_cooperative", "cublas+act"};
+    vr.median_us = tm_us[5 + i];
+    vr.tflops = 2.0 * s.m * s.n * s.k / (tm_us[5 + i] * 1e6);
+    ctx.add(vr);
+  }
 }
 
 void lora_cases(Context& ctx) {

@@ -1,6 +1,6 @@
 // The first pass of the fused LoRA backward: one read of dy and of the saved y or z, producing
 //   g  = dy ⊙ act'(z)          [M, N], in the operand dtype (the dx GEMM's left operand)
-//   su = s g B                 [M, r]
+//   su = s g B                 [M, rb]  (zero-padded to rb = 16 ceil(r / 16) columns)
 //   dB = gᵀ t                  [N, r]
 //   db = Σ_m g                 [N]     (when asked)
 // so that no later kernel reads g except the dx GEMM. The two skinny products run on the tensor
@@ -131,7 +131,7 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t v) {
   return out;
 }
 
-// RB: r rounded up to a multiple of 16 (16, 32 or 64).
+// RB: r rounded up to a multiple of 16.
 template <class T, int RB>
 __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p) {
   constexpr int kJ8 = RB / 8, kJ16 = RB / 16;
@@ -161,18 +161,31 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
   float dbias_acc[8] = {};
   const std::int64_t row_begin = static_cast<std::int64_t>(blockIdx.y) * p.rows_per_group;
   const std::int64_t row_end = std::min<std::int64_t>(p.m, row_begin + p.rows_per_group);
+  // dy and saved of rows gq and gq + 8 of a slab; the next slab's are loaded before the current
+  // one is worked on, so that two slabs' bytes are in flight.
+  struct Slab {
+    uint4 dya, dyb, sa, sb;
+  };
+  auto load_slab = [&](std::int64_t row0) {
+    const std::int64_t ra = row0 + gq, rb = ra + 8;
+    Slab v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+    if (col_ok && ra < p.m) {
+      v.dya = *reinterpret_cast<const uint4*>(p.dy + ra * p.n + col);
+      v.sa = *reinterpret_cast<const uint4*>(p.saved + ra * p.n + col);
+    }
+    if (col_ok && rb < p.m) {
+      v.dyb = *reinterpret_cast<const uint4*>(p.dy + rb * p.n + col);
+      v.sb = *reinterpret_cast<const uint4*>(p.saved + rb * p.n + col);
+    }
+    return v;
+  };
+  Slab next = load_slab(row_begin);
   for (std::int64_t row0 = row_begin; row0 < row_end; row0 += 16) {
+    const Slab cur = next;
+    if (row0 + 16 < row_end) next = load_slab(row0 + 16);
+    const uint4 dya = cur.dya, dyb = cur.dyb, sa = cur.sa, sb = cur.sb;
     const std::int64_t ra = row0 + gq, rb = ra + 8;
     const bool ok_a = col_ok && ra < p.m, ok_b = col_ok && rb < p.m;
-    uint4 dya = make_uint4(0, 0, 0, 0), dyb = dya, sa = dya, sb = dya;
-    if (ok_a) {
-      dya = *reinterpret_cast<const uint4*>(p.dy + ra * p.n + col);
-      sa = *reinterpret_cast<const uint4*>(p.saved + ra * p.n + col);
-    }
-    if (ok_b) {
-      dyb = *reinterpret_cast<const uint4*>(p.dy + rb * p.n + col);
-      sb = *reinterpret_cast<const uint4*>(p.saved + rb * p.n + col);
-    }
     // g for rows a and b, word w = columns 2w, 2w + 1 of the lane's 8.
     uint32_t ga[4], gb[4];
     {
@@ -280,15 +293,16 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
 }
 
 // su = s Σ_strips part_u, dB = Σ_groups part_db, db = Σ_groups part_dbias, in a fixed order.
+// su [M, rb] (the padding columns come out zero: B's were loaded as zeros).
 template <class T>
 __global__ void lora_grad_reduce(const float* part_u, int strips, const float* part_db, const float* part_dbias,
                                  int groups, T* su, T* db, T* dbias, std::int64_t m, std::int64_t n, int r, int rb,
                                  float scale) {
-  const std::int64_t n_u = m * r, n_db = n * r, n_bias = dbias != nullptr ? n : 0;
+  const std::int64_t n_u = m * rb, n_db = n * r, n_bias = dbias != nullptr ? n : 0;
   for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < n_u + n_db + n_bias;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     if (e < n_u) {
-      const std::int64_t row = e / r, j = e % r;
+      const std::int64_t row = e / rb, j = e % rb;
       float s = 0.0f;
       for (int c = 0; c < strips; ++c) s += part_u[(c * m + row) * rb + j];
       su[e] = fk::device::from_float<T>(scale * s);
@@ -337,7 +351,7 @@ void launch(const LoraGradArgs& a, float scale, const Stream* stream) {
                   a.from_output};
   lora_grad_pass<T, RB><<<dim3(strips, groups), kThreads, 0, s>>>(p);
   FK_CUDA_CHECK_LAUNCH("lora_backward (gradient pass)");
-  const std::int64_t total = m * r + n * r + (a.dbias != nullptr ? n : 0);
+  const std::int64_t total = m * RB + n * r + (a.dbias != nullptr ? n : 0);
   const int blocks = static_cast<int>(std::min<std::int64_t>((total + 255) / 256, 4 * multiprocessor_count()));
   lora_grad_reduce<T><<<blocks, 256, 0, s>>>(part_u.data_as<float>(), strips, part_db.data_as<float>(),
                                              part_dbias.data_as<float>(), groups, static_cast<T*>(a.su.data()),
@@ -349,10 +363,12 @@ void launch(const LoraGradArgs& a, float scale, const Stream* stream) {
 
 template <class T>
 void launch_rank(const LoraGradArgs& a, float scale, const Stream* stream) {
-  const std::int64_t r = a.b.size(1);
-  if (r <= 16) launch<T, 16>(a, scale, stream);
-  else if (r <= 32) launch<T, 32>(a, scale, stream);
-  else launch<T, 64>(a, scale, stream);
+  switch (a.su.size(1)) {  // RB = 16 ceil(r / 16), the width of su
+    case 16: return launch<T, 16>(a, scale, stream);
+    case 32: return launch<T, 32>(a, scale, stream);
+    case 48: return launch<T, 48>(a, scale, stream);
+    default: return launch<T, 64>(a, scale, stream);
+  }
 }
 
 }  // namespace
@@ -362,6 +378,8 @@ bool lora_grad_fused(const LoraGradArgs& a, float scale, const Stream* stream) {
   if (t != DType::bf16 && t != DType::f16) return false;
   const std::int64_t m = a.dy.size(0), n = a.dy.size(1);
   if (m == 0 || n == 0 || n % 8 != 0 || a.b.size(1) > 64) return false;
+  const std::int64_t r = a.b.size(1), rb = (r + 15) / 16 * 16;
+  if (a.su.size(1) != rb) throw_internal("lora_grad_fused: su must be [M, 16 ceil(r / 16)]");
   for (const TensorView* v : {&a.dy, &a.saved, &a.g})
     if (!aligned16(v->data())) return false;
   const fk::detail::DeviceScope on_device(a.dy.device().index);
