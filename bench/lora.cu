@@ -89,10 +89,10 @@ void forward_case(Context& ctx, const LoraShape& s) {
   // The one GEMM with its epilogue, t given, in either schedule; with rb = 0 (no rank-r term:
   // bias, relu and the store only) to separate the epilogue's parts.
   const Tensor no_t = ctx.empty({s.m, 0}, kType), no_b = ctx.empty({s.n, 0}, kType);
-  auto fused_gemm = [&](const LoraSet& g, cuda::LoraTile tile, bool low_rank) {
+  auto fused_gemm = [&](const LoraSet& g, cuda::LoraTile tile, bool low_rank, bool ffma = false) {
     // r is a multiple of 16 in these cases: B needs no padding.
     cuda::lora_gemm_fused({g.x, l.w, true, low_rank ? t_only.view() : no_t.view(), low_rank ? l.b.view() : no_b.view(),
-                           &bias, Activation::relu, y, nullptr, tile},
+                           &bias, Activation::relu, y, nullptr, tile, ffma},
                           st);
   };
   using cuda::LoraTile;
@@ -130,25 +130,26 @@ void forward_case(Context& ctx, const LoraShape& s) {
   // The GEMM's schedules compared (timed in a second interleaved run, with the plain cuBLAS GEMM
   // again as the reference), each checked against the baseline first: a schedule whose result
   // disagrees is reported and left out, without costing the case's main records.
-  std::vector<LoraTile> tiles;
-  for (LoraTile tile : {LoraTile::pingpong, LoraTile::cooperative}) {
-    lowrank_t(sets[0]);
-    fused_gemm(sets[0], tile, true);
-    const double e = ctx.rel_err(y, y_base);
-    if (e <= 2e-2) tiles.push_back(tile);
-    else
-      std::fprintf(stderr, "%s: the %s schedule disagrees with the baseline (rel_err %.3g), not timed\n", name.c_str(),
-                   tile == LoraTile::pingpong ? "ping-pong" : "cooperative", e);
-  }
   std::vector<std::function<void(int)>> runs{[&](int i) { gemm(at(i)); }};
   std::vector<std::string> names;
-  for (LoraTile tile : tiles) {
-    const std::string sched = tile == LoraTile::pingpong ? "pingpong" : "cooperative";
-    runs.push_back([&, tile](int i) { fused_gemm(at(i), tile, true); });
-    names.push_back("fused_gemm_" + sched);
-    runs.push_back([&, tile](int i) { fused_gemm(at(i), tile, false); });  // bias, relu and store only
-    names.push_back("epilogue_no_lowrank_" + sched);
-  }
+  for (LoraTile tile : {LoraTile::pingpong, LoraTile::cooperative})
+    for (bool ffma : {false, true}) {
+      const std::string variant =
+          std::string(tile == LoraTile::pingpong ? "pingpong" : "cooperative") + (ffma ? "_ffma" : "");
+      lowrank_t(sets[0]);
+      fused_gemm(sets[0], tile, true, ffma);
+      const double e = ctx.rel_err(y, y_base);
+      if (e > 2e-2) {
+        std::fprintf(stderr, "%s: the %s variant disagrees with the baseline (rel_err %.3g), not timed\n",
+                     name.c_str(), variant.c_str(), e);
+        continue;
+      }
+      runs.push_back([&, tile, ffma](int i) { fused_gemm(at(i), tile, true, ffma); });
+      names.push_back("fused_gemm_" + variant);
+      if (ffma) continue;
+      runs.push_back([&, tile](int i) { fused_gemm(at(i), tile, false); });  // bias, relu and store only
+      names.push_back("epilogue_no_lowrank_" + variant);
+    }
   const std::vector<double> tv = ctx.time_us_interleaved(runs, rot);
   for (std::size_t i = 0; i < names.size(); ++i) {
     Record vr{"lora", name, names[i], "cublas+act"};
@@ -198,8 +199,8 @@ void backward_case(Context& ctx, const LoraShape& s) {
   auto grad_pass = [&](const LoraSet& d) {
     cuda::lora_grad_fused({d.dy, y, l.b, t, g, su, db, nullptr, Activation::relu, true}, kScale, st);
   };
-  auto dx_gemm = [&](const LoraSet& d, cuda::LoraTile tile) {
-    cuda::lora_gemm_fused({d.dy, l.w, false, su, a_t, nullptr, Activation::identity, dx, nullptr, tile}, st);
+  auto dx_gemm = [&](const LoraSet& d, cuda::LoraTile tile, bool ffma = false) {
+    cuda::lora_gemm_fused({d.dy, l.w, false, su, a_t, nullptr, Activation::identity, dx, nullptr, tile, ffma}, st);
   };
   fused(sets[0]);
   baseline(sets[0]);
@@ -210,7 +211,8 @@ void backward_case(Context& ctx, const LoraShape& s) {
       {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); },
        [&](int i) { grad_pass(at(i)); }, [&](int i) { dx_gemm(at(i), cuda::LoraTile::automatic); },
        [&](int i) { dx_gemm(at(i), cuda::LoraTile::pingpong); },
-       [&](int i) { dx_gemm(at(i), cuda::LoraTile::cooperative); }},
+       [&](int i) { dx_gemm(at(i), cuda::LoraTile::cooperative); },
+       [&](int i) { dx_gemm(at(i), cuda::LoraTile::pingpong, true); }},
       rot);
   // g W, u = g B, dB, dA and u A: the backward's flops.
   const double flops = 2.0 * s.m * s.n * s.k + 2.0 * s.m * s.n * s.r * 2 + 2.0 * s.r * s.m * s.k * 2;
@@ -233,8 +235,9 @@ void backward_case(Context& ctx, const LoraShape& s) {
   xr.tflops = 2.0 * s.m * s.n * s.k / (tm_us[4] * 1e6);
   ctx.add(gr);
   ctx.add(xr);
-  for (int i = 0; i < 2; ++i) {
-    Record vr{"lora", name, i == 0 ? "dx_gemm_pingpong" : "dx_gemm_cooperative", "cublas+act"};
+  const char* variants[] = {"dx_gemm_pingpong", "dx_gemm_cooperative", "dx_gemm_pingpong_ffma"};
+  for (int i = 0; i < 3; ++i) {
+    Record vr{"lora", name, variants[i], "cublas+act"};
     vr.median_us = tm_us[5 + i];
     vr.tflops = 2.0 * s.m * s.n * s.k / (tm_us[5 + i] * 1e6);
     ctx.add(vr);

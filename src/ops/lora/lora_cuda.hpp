@@ -25,6 +25,7 @@ struct LoraGemmArgs {
   TensorView out;
   const TensorView* preact = nullptr;
   LoraTile tile = LoraTile::automatic;  // the bench compares the two schedules
+  bool lowrank_ffma = false;             // the rank-r term by CUDA-core FMAs (the bench compares)
 };
 
 // Returns false, having done nothing, when the device or the shape has no fused kernel (not

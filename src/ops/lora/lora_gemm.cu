@@ -73,6 +73,7 @@ class LoraEpilogue {
     Element* out = nullptr;          // [M, N]
     Element* preact = nullptr;       // [M, N] or null
     Activation act = Activation::identity;
+    bool lowrank_ffma = false;       // the rank-r term on the CUDA cores instead of mma.sync
   };
   using Params = Arguments;
 
@@ -116,7 +117,8 @@ class LoraEpilogue {
     static_assert(decltype(size(acc))::value % 4 == 0, "lora epilogue: accumulators come in m16n8 quads");
     CUTE_STATIC_ASSERT_V(size(t_coords) == size(acc));
 
-    add_low_rank(acc, t_coords, m_total, n_total);
+    if (params_.lowrank_ffma) add_low_rank_ffma(acc, t_coords, m_total, n_total);
+    else add_low_rank(acc, t_coords, m_total, n_total);
     switch (params_.act) {
       case Activation::identity: return store<Activation::identity>(acc, t_coords, m_total, n_total);
       case Activation::relu: return store<Activation::relu>(acc, t_coords, m_total, n_total);
@@ -182,6 +184,65 @@ class LoraEpilogue {
           }
         }
       }
+    }
+  }
+
+  // The same update with fp32 FMAs on the CUDA cores: acc(row, col) += Σ_j L[row, j] R[col, j],
+  // 8 j at a time (one 16-byte load per row of L or R). 2 rb flops per accumulator, issued while
+  // the other warpgroup's mainloop keeps the tensor cores busy, and no synchronous tensor-core
+  // instruction among its asynchronous wgmma (the suspected cost of the mma.sync path: docs/lora.md).
+  template <class Acc, class Coords>
+  CUTLASS_DEVICE void add_low_rank_ffma(Acc& acc, Coords const& t_coords, int m_total, int n_total) {
+    using namespace cute;
+    constexpr int kChunks = decltype(size<0>(acc))::value / 4;
+    constexpr int kBlocksM = decltype(size<1>(acc))::value;
+    constexpr int kBlocksN = decltype(size<2>(acc))::value;
+    const Element* left = params_.left;
+    const Element* right = params_.right;
+    const int rb = params_.rank;
+    auto unpack8 = [](uint4 v, float (&f)[8]) {
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        cutlass::Array<Element, 2> p = reinterpret_cast<cutlass::Array<Element, 2> const&>(w[i]);
+        f[2 * i] = static_cast<float>(p[0]);
+        f[2 * i + 1] = static_cast<float>(p[1]);
+      }
+    };
+    for (int kb = 0; kb < rb; kb += 8) {
+      float lv[kBlocksM][2][8];  // rows (m, m + 8) of each MMA_M block
+      CUTLASS_PRAGMA_UNROLL
+      for (int mb = 0; mb < kBlocksM; ++mb)
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const int m = get<0>(t_coords(2 * h, mb, 0));
+          const uint4 v = m < m_total ? __ldg(reinterpret_cast<const uint4*>(left + static_cast<int64_t>(m) * rb + kb))
+                                      : make_uint4(0u, 0u, 0u, 0u);
+          unpack8(v, lv[mb][h]);
+        }
+      CUTLASS_PRAGMA_UNROLL
+      for (int nb = 0; nb < kBlocksN; ++nb)
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kChunks; ++c) {
+          float rv[2][8];  // columns (n, n + 1)
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const int n = get<1>(t_coords(4 * c + e, 0, nb));
+            const uint4 v = n < n_total
+                                ? __ldg(reinterpret_cast<const uint4*>(right + static_cast<int64_t>(n) * rb + kb))
+                                : make_uint4(0u, 0u, 0u, 0u);
+            unpack8(v, rv[e]);
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int mb = 0; mb < kBlocksM; ++mb)
+            CUTLASS_PRAGMA_UNROLL
+            for (int e = 0; e < 4; ++e) {
+              float s = acc(4 * c + e, mb, nb);
+              CUTLASS_PRAGMA_UNROLL
+              for (int j = 0; j < 8; ++j) s = fmaf(lv[mb][e >> 1][j], rv[e & 1][j], s);
+              acc(4 * c + e, mb, nb) = s;
+            }
+        }
     }
   }
 
@@ -261,7 +322,8 @@ void run_fused(const LoraGemmArgs& a, const Stream* stream) {
       {static_cast<const Element*>(a.lhs.data()), stride_a, static_cast<const Element*>(a.rhs.data()), stride_b},
       {static_cast<const Element*>(a.lowrank_left.data()), static_cast<const Element*>(a.lowrank_right.data()),
        static_cast<int>(a.lowrank_left.size(1)), a.bias ? static_cast<const Element*>(a.bias->data()) : nullptr,
-       static_cast<Element*>(a.out.data()), a.preact ? static_cast<Element*>(a.preact->data()) : nullptr, a.act},
+       static_cast<Element*>(a.out.data()), a.preact ? static_cast<Element*>(a.preact->data()) : nullptr, a.act,
+       a.lowrank_ffma},
       hw};
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess)
