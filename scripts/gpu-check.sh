@@ -62,7 +62,7 @@ if ((sanitize)); then
   done
   for t in "${tests[@]}"; do
     name=$(basename "$t")
-    case $name in pointwise_test|primitives_test|puzzles_test|quant_test|attention_test|mlp_test|models_test) ;; *) continue ;; esac
+    case $name in pointwise_test|primitives_test|puzzles_test|quant_test|attention_test|mlp_test|models_test|lora_test) ;; *) continue ;; esac
     if timeout 900 "$cs" --tool racecheck --error-exitcode 1 "$t" "$skip:*Errors*" >"$out/$name.racecheck.log" 2>&1; then
       echo "racecheck clean: $name"
     else

@@ -13,12 +13,14 @@
 #include "fusekit/ops/pointwise.hpp"
 #include "fusekit/ops/glu.hpp"
 #include "fusekit/ops/mlp.hpp"
+#include "fusekit/ops/lora.hpp"
 #include "fusekit/ops/primitives.hpp"
 #include "fusekit/ops/qgemm.hpp"
 #include "fusekit/ops/quant.hpp"
 #include "fusekit/nn/compressed.hpp"
 #include "fusekit/nn/fused_mlp.hpp"
 #include "fusekit/nn/glu.hpp"
+#include "fusekit/nn/lora.hpp"
 
 namespace fk {
 // Build description: commit, CUDA targets, compiler version, build type.
