@@ -117,7 +117,7 @@ void glu_forward(const GluForwardArgs& a, const GluOptions& opt, const Stream* s
   }
 #if FUSEKIT_WITH_CUDA
   const TensorView* bias = a.bias ? &*a.bias : nullptr;
-  if (cuda::glu_gemm_fused(a.x, a.w, bias, nullptr, a.out, opt, stream)) return;
+  if (cuda::glu_gemm_fused(a.x, a.w, bias, nullptr, a.out, nullptr, opt, stream)) return;
   const Tensor c = Tensor::empty({a.x.size(0), 2 * n}, a.x.dtype(), a.x.device(), stream);
   nn::detail::gemm(nn::detail::Op::n, nn::detail::Op::t, a.x, a.w, c.view(), stream, opt.allow_tf32);
   cuda::glu_pairs(c.view(), bias, nullptr, a.out, opt.kind, stream);
@@ -146,9 +146,14 @@ void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, const Stream*
   }
 #if FUSEKIT_WITH_CUDA
   const TensorView* bias = a.bias ? &*a.bias : nullptr;
-  // dC [M, 2N] in the prepared layout, the operand dtype.
+  // dC [M, 2N] in the prepared layout, the operand dtype. The fused GEMM also sums dC over
+  // 16-row slabs for db (db_partial, 1/8 of dC's size in fp32), so db reads that, not dC.
   const Tensor dc = Tensor::empty({m, 2 * n}, a.x.dtype(), a.x.device(), stream);
-  if (m > 0 && !cuda::glu_gemm_fused(a.x, a.w, bias, &a.dy, dc.view(), opt, stream)) {
+  Tensor db_partial;
+  if (a.dbias && m > 0) db_partial = Tensor::empty({(m + 15) / 16, 2 * n}, DType::f32, a.x.device(), stream);
+  const TensorView* partial = a.dbias ? &db_partial.view() : nullptr;
+  const bool fused = m > 0 && cuda::glu_gemm_fused(a.x, a.w, bias, &a.dy, dc.view(), partial, opt, stream);
+  if (m > 0 && !fused) {
     const Tensor c = Tensor::empty({m, 2 * n}, a.x.dtype(), a.x.device(), stream);
     nn::detail::gemm(nn::detail::Op::n, nn::detail::Op::t, a.x, a.w, c.view(), stream, opt.allow_tf32);
     cuda::glu_pairs(c.view(), bias, &a.dy, dc.view(), opt.kind, stream);
@@ -158,7 +163,7 @@ void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, const Stream*
   if (a.dw) nn::detail::gemm(Op::t, Op::n, dc.view(), a.x, *a.dw, stream, opt.allow_tf32);
   if (a.dbias) {
     if (m == 0) fill(*a.dbias, 0.0);
-    else cuda::column_sums(dc.view(), *a.dbias, stream);
+    else cuda::column_sums(fused ? db_partial.view() : dc.view(), *a.dbias, stream);
   }
 #endif
 }

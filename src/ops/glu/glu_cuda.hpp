@@ -7,11 +7,14 @@
 namespace fk::cuda {
 
 // glu_gemm.cu: the fused GEMM C = x wᵀ + b on Hopper tensor cores with the gated epilogue.
-// Without dy: out [M, N] = glu(C). With dy: out = dC [M, 2N], the pairs (dy dglu/dl, dy dglu/dr).
+// Without dy: out [M, N] = glu(C). With dy: out = dC [M, 2N], the pairs (dy dglu/dl, dy dglu/dr),
+// and, if db_partial (f32 [ceil(M / 16), 2N], contiguous) is given, its row s = the column sums of
+// dC's rows 16 s .. 16 s + 15 (the fp32 values before dC's rounding): db = column_sums(db_partial).
 // Returns false, having done nothing, when the device or the shape has no fused kernel
 // (not sm_90, rows not 16-byte multiples, f32 without allow_tf32).
 bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
-                    const TensorView& out, const GluOptions& opt, const Stream* stream);
+                    const TensorView& out, const TensorView* db_partial, const GluOptions& opt,
+                    const Stream* stream);
 
 // glu_pairs.cu: the unfused epilogue as one memory-bound pass over a C [M, 2N] in memory.
 // Without dy: out [M, N] = glu(C + b). With dy: out = dC [M, 2N].

@@ -12,7 +12,9 @@
 // In the prepared layout those are L[m, j] and R[m, j], so each thread computes glu(l + b, r + b')
 // from two of its own registers and stores one value: no shuffles, no shared memory, no [M, 2N]
 // anything. The backward variant recomputes the same accumulators, reads dy[m, j] and stores the
-// pair (dy dglu/dl, dy dglu/dr) to dC[m, 2j .. 2j + 1] with one 2-element store. The kind is a
+// pair (dy dglu/dl, dy dglu/dr) to dC[m, 2j .. 2j + 1] with one 2-element store, and (when asked)
+// the column sums of dC over each 16-row slab into db_partial [ceil(M / 16), 2N] (fp32, one
+// writer per element, so db = its column sums is deterministic and dC is not read again). The kind is a
 // runtime argument dispatched once per tile (the branch is uniform), which keeps one kernel per
 // dtype and direction instead of one per kind.
 //
@@ -42,7 +44,8 @@ namespace fk::cuda {
 namespace {
 
 // The epilogue. Arguments: the prepared bias (or null), the output (out [M, N] forward, dC
-// [M, 2N] backward), dy [M, N] (backward only, else null), the kind.
+// [M, 2N] backward), dy [M, N] (backward only, else null), the kind, and (backward only, or null)
+// db_partial [ceil(M / 16), 2N] fp32: row s gets the sums of dC's rows 16 s .. 16 s + 15.
 template <class Element>
 class GluEpilogue {
  public:
@@ -74,6 +77,7 @@ class GluEpilogue {
     GluKind kind = GluKind::swiglu;
     // N % 4 == 0 and out, dy 16-byte aligned: whole groups of 4 outputs per store.
     bool vector_ok = false;
+    float* db_partial = nullptr;
   };
   using Params = Arguments;
 
@@ -190,8 +194,9 @@ class GluEpilogue {
 
   // One step: 4 outputs (forward) or 4 (dL, dR) pairs (backward). Chunk c of the step is 8
   // columns right of chunk 0, in the same rows.
+  // Backward: adds each (dL, dR) it computes to sum[2 c], sum[2 c + 1] (c: the chunk).
   template <GluKind K, bool Backward, bool Vector>
-  CUTLASS_DEVICE void step(Step const& s, int m_total, int n2_total) {
+  CUTLASS_DEVICE void step(Step const& s, int m_total, int n2_total, float (&sum)[8]) {
     constexpr bool k16 = sizeof(Element) == 2;
     const int n_total = n2_total / 2;
     Element* out = params_.out;
@@ -209,6 +214,8 @@ class GluEpilogue {
         } else {
           float dl, dr;
           fk::device::glu_grad<K, true>(s.l[c], s.r[c], static_cast<float>(dy[j]), dl, dr);
+          sum[2 * c] += dl;
+          sum[2 * c + 1] += dr;
           Pair pr;
           pr[0] = Element(dl);
           pr[1] = Element(dr);
@@ -255,7 +262,12 @@ class GluEpilogue {
       }
       float dl[4], dr[4];
       CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < 4; ++c) fk::device::glu_grad<K, true>(s.l[c], s.r[c], gv[c], dl[c], dr[c]);
+      for (int c = 0; c < 4; ++c) {
+        // Outputs out of bounds have dy = 0 here (not loaded), so they add nothing.
+        fk::device::glu_grad<K, true>(s.l[c], s.r[c], gv[c], dl[c], dr[c]);
+        sum[2 * c] += dl[c];
+        sum[2 * c + 1] += dr[c];
+      }
       // Lane q then owns the pairs of chunk q of the step: prepared columns 2 col .. 2 col + 7.
       Element* dcp = out + static_cast<int64_t>(m) * n2_total + 2 * col;
       if constexpr (k16) {
@@ -315,12 +327,30 @@ class GluEpilogue {
     }
   }
 
+  // The slab sums of one group of 4 chunks: sum holds this thread's two rows (r, r + 8); the 8
+  // lanes with the same lane % 4 hold the 16 rows of the warp's slab, whose first row is m (the
+  // row of lanes 0..3). Lanes 0..3 write the slab's sums of their columns n + 8 c, n + 8 c + 1.
+  CUTLASS_DEVICE void store_partial(float (&sum)[8], int m, int n, int m_total, int n2_total) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 8; ++v) {
+      sum[v] += __shfl_xor_sync(0xffffffffu, sum[v], 4);
+      sum[v] += __shfl_xor_sync(0xffffffffu, sum[v], 8);
+      sum[v] += __shfl_xor_sync(0xffffffffu, sum[v], 16);
+    }
+    if ((threadIdx.x & 31) >= 4 || m >= m_total) return;
+    float* row = params_.db_partial + static_cast<int64_t>(m >> 4) * n2_total;
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < 4; ++c)
+      if (n + 8 * c < n2_total) *reinterpret_cast<float2*>(row + n + 8 * c) = make_float2(sum[2 * c], sum[2 * c + 1]);
+  }
+
   // PerStep: choose the vector or scalar path in every step (at run time) instead of once.
   template <GluKind K, bool Backward, bool Vector, bool PerStep = false, class Acc, class Coords>
   CUTLASS_DEVICE void steps(Acc const& acc, Coords const& t_coords, Pair const (&bias)[kChunks], int m_total,
                             int n2_total) {
     CUTLASS_PRAGMA_UNROLL
     for (int g = 0; g < kChunks / 4; ++g) {
+      float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // backward: this group's (dL, dR) sums
       CUTLASS_PRAGMA_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int i0 = 16 * g + 2 * h;  // chunk 4g, row half h
@@ -333,11 +363,15 @@ class GluEpilogue {
         s.m = cute::get<0>(t_coords(i0));
         s.n = cute::get<1>(t_coords(i0));
         if constexpr (PerStep) {
-          if (params_.vector_ok) step<K, Backward, true>(s, m_total, n2_total);
-          else step<K, Backward, false>(s, m_total, n2_total);
+          if (params_.vector_ok) step<K, Backward, true>(s, m_total, n2_total, sum);
+          else step<K, Backward, false>(s, m_total, n2_total, sum);
         } else {
-          step<K, Backward, Vector>(s, m_total, n2_total);
+          step<K, Backward, Vector>(s, m_total, n2_total, sum);
         }
+      }
+      if constexpr (Backward) {
+        if (params_.db_partial != nullptr)
+          store_partial(sum, cute::get<0>(t_coords(16 * g)), cute::get<1>(t_coords(16 * g)), m_total, n2_total);
       }
     }
   }
@@ -381,7 +415,7 @@ struct GluGemmConfig<Element, Cfg<TM, TN, CM, CN, PP>> {
 
 template <class Element, class Schedule>
 void run_fused(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
-               const TensorView& out, GluKind kind, const Stream* stream) {
+               const TensorView& out, const TensorView* db_partial, GluKind kind, const Stream* stream) {
   using Config = GluGemmConfig<Element, Schedule>;
   using Gemm = typename Config::Gemm;
   const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n2 = static_cast<int>(w.size(0));
@@ -401,7 +435,8 @@ void run_fused(const TensorView& x, const TensorView& w, const TensorView* bias,
       {static_cast<const Element*>(x.data()), stride_a, static_cast<const Element*>(w.data()), stride_b},
       {bias ? static_cast<const Element*>(bias->data()) : nullptr, static_cast<Element*>(out.data()),
        dy ? static_cast<const Element*>(dy->data()) : nullptr, kind,
-       n2 % 8 == 0 && aligned16(out.data()) && (dy == nullptr || aligned16(dy->data()))},
+       n2 % 8 == 0 && aligned16(out.data()) && (dy == nullptr || aligned16(dy->data())),
+       db_partial ? static_cast<float*>(db_partial->data()) : nullptr},
       hw};
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess)
@@ -427,7 +462,8 @@ bool is_hopper(int device) {
 }  // namespace
 
 bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
-                    const TensorView& out, const GluOptions& opt, const Stream* stream) {
+                    const TensorView& out, const TensorView* db_partial, const GluOptions& opt,
+                    const Stream* stream) {
   const DType t = x.dtype();
   if (t == DType::f32 && !opt.allow_tf32) return false;
   const std::int64_t k = x.size(1), align = 16 / static_cast<std::int64_t>(dtype_size(t));
@@ -441,16 +477,19 @@ bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* 
   // More than two waves of 128 x 256 tiles: ping-pong.
   const std::int64_t tiles = ((x.size(0) + 127) / 128) * ((w.size(0) + 255) / 256);
   const bool many = tiles > 2 * static_cast<std::int64_t>(multiprocessor_count());
+  const TensorView* part = dy != nullptr ? db_partial : nullptr;
   switch (t) {
     case DType::bf16:
-      many ? run_fused<cutlass::bfloat16_t, PingPong>(x, w, bias, dy, out, opt.kind, stream)
-           : run_fused<cutlass::bfloat16_t, Cooperative>(x, w, bias, dy, out, opt.kind, stream);
+      many ? run_fused<cutlass::bfloat16_t, PingPong>(x, w, bias, dy, out, part, opt.kind, stream)
+           : run_fused<cutlass::bfloat16_t, Cooperative>(x, w, bias, dy, out, part, opt.kind, stream);
       return true;
     case DType::f16:
-      many ? run_fused<cutlass::half_t, PingPong>(x, w, bias, dy, out, opt.kind, stream)
-           : run_fused<cutlass::half_t, Cooperative>(x, w, bias, dy, out, opt.kind, stream);
+      many ? run_fused<cutlass::half_t, PingPong>(x, w, bias, dy, out, part, opt.kind, stream)
+           : run_fused<cutlass::half_t, Cooperative>(x, w, bias, dy, out, part, opt.kind, stream);
       return true;
-    case DType::f32: run_fused<float, Cooperative>(x, w, bias, dy, out, opt.kind, stream); return true;
+    case DType::f32:
+      run_fused<float, Cooperative>(x, w, bias, dy, out, part, opt.kind, stream);
+      return true;
     default: return false;
   }
 }
