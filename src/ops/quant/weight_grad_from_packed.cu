@@ -289,12 +289,13 @@ __device__ __forceinline__ float unit_level(const std::uint32_t (&w)[kBits]) {
   }
 }
 
-// x̂ is stored pair by pair (one bf16x2 a 32-bit word). At 2 and 4 bits a pair is columns e and
-// e + W/2 of one packed word (W = 32 / kBits columns), which sit 16 bits apart, so that one shift
-// and one LOP3 place both levels (bf16x2 arithmetic below); the x̂ ring, and therefore the rows
-// of dWᵀ, hold the tile's columns in that order: within each W columns, position 2i is column i
-// and position 2i + 1 column i + W/2. At 1 and 8 bits pairs are adjacent columns.
-template <int kBits> constexpr bool kInterleaved = kBits == 2 || kBits == 4;
+// x̂ is stored pair by pair (one bf16x2 a 32-bit word). At 2, 4 and 8 bits a pair is columns e
+// and e + W/2 of one packed word (W = 32 / kBits columns), which sit 16 bits apart, so that one
+// shift and one LOP3 (one PRMT at 8 bits) place both levels (bf16x2 arithmetic below); the x̂
+// ring, and therefore the rows of dWᵀ, hold the tile's columns in that order: within each W
+// columns, position 2i is column i and position 2i + 1 column i + W/2. At 1 bit pairs are
+// adjacent columns.
+template <int kBits> constexpr bool kInterleaved = kBits == 2 || kBits == 4 || kBits == 8;
 template <int kBits> constexpr int kWordCols = 32 / kBits;
 // The elements (0..31 of a chunk) of pair P (0..15).
 template <int kBits, int P>
@@ -326,20 +327,35 @@ __device__ __forceinline__ std::uint32_t pair_f32(const std::uint32_t (&w)[kBits
 // two levels into the top of the mantissas of 1.0 (f = 1 + q 2^-t), an HFMA2 makes q exactly
 // (f 2^t - 2^t), and an HFMA2 computes q scale + min with a single rounding to bf16: x̂ is the
 // spec's value correctly rounded, the same as the f32 path's up to its double rounding.
+// At 8 bits a level has more bits than a bf16 mantissa, so it goes in as a subnormal instead: the
+// bf16 bit pattern q (0..255; q >= 128 spills into the lowest exponent bit, which continues the
+// subnormal scale linearly) is q 2^-133 exactly. One PRMT puts bytes e and e + 2 of the word into
+// the low bytes of the two halves, an HMUL2 by 2^66 makes q 2^-67 (exact), and one HFMA2 with
+// scale2 = scale 2^67 (exact; the caller takes the f32 path when that would overflow bf16)
+// computes q scale + min with a single rounding: 3 instructions a pair, against 5 in f32.
 template <int kBits, int P>
 __device__ __forceinline__ std::uint32_t pair_bf16(const std::uint32_t (&w)[kBits], __nv_bfloat162 scale2,
                                                    __nv_bfloat162 min2) {
   static_assert(kInterleaved<kBits>);
   constexpr int E = kPairFirst<kBits, P>, bit = E * kBits % 32;
-  constexpr int d = 7 - kBits - bit;  // where q goes in the low bf16 minus where it is
-  const std::uint32_t v0 = w[E * kBits / 32];
-  const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
-  constexpr std::uint32_t m = ((1u << kBits) - 1u) << (7 - kBits);
-  const std::uint32_t f = and_or(v, m | m << 16, 0x3F803F80u);
-  const __nv_bfloat162 two_t = __float2bfloat162_rn(static_cast<float>(1 << kBits));
-  const __nv_bfloat162 q = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&f), two_t, __hneg2(two_t));
-  const __nv_bfloat162 x = __hfma2(q, scale2, min2);
-  return *reinterpret_cast<const std::uint32_t*>(&x);
+  if constexpr (kBits == 8) {
+    const std::uint32_t d = __byte_perm(w[E / 4], 0u, 0x4240u + (E % 4) * 0x101u);  // bytes (q_e, 0, q_e+2, 0)
+    constexpr std::uint32_t kTwo66 = 0x60806080u;                                 // bf16x2 (2^66, 2^66)
+    const __nv_bfloat162 y = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&d),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&kTwo66));
+    const __nv_bfloat162 x = __hfma2(y, scale2, min2);
+    return *reinterpret_cast<const std::uint32_t*>(&x);
+  } else {
+    constexpr int d = 7 - kBits - bit;  // where q goes in the low bf16 minus where it is
+    const std::uint32_t v0 = w[E * kBits / 32];
+    const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
+    constexpr std::uint32_t m = ((1u << kBits) - 1u) << (7 - kBits);
+    const std::uint32_t f = and_or(v, m | m << 16, 0x3F803F80u);
+    const __nv_bfloat162 two_t = __float2bfloat162_rn(static_cast<float>(1 << kBits));
+    const __nv_bfloat162 q = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&f), two_t, __hneg2(two_t));
+    const __nv_bfloat162 x = __hfma2(q, scale2, min2);
+    return *reinterpret_cast<const std::uint32_t*>(&x);
+  }
 }
 
 // Positions 8J..8J+7 of a chunk (pairs 4J..4J+3) as 8 bf16.
@@ -521,9 +537,11 @@ __device__ __forceinline__ void dequantize(const Params& p, const Smem& sm, int 
   // x̂ position (n, k) of a buffer: (n / 64) * 8192 + (k / 8) * 1024 + (k % 8) * 128 + (((n % 64) / 8) ^ (k % 8)) * 16.
   const std::uint32_t row = xbuf + wg * 8192 + (r / 8) * 1024 + (r % 8) * 128;
   const int x = r % 8;
-  if (kInterleaved<kBits> && p.stats_bf16) {
-    // The statistics as bf16 again (exact: they were bf16), each in both halves.
-    const __nv_bfloat162 scale2 = __bfloat162bfloat162(__float2bfloat16_rn(scale));
+  // bf16x2 arithmetic needs bf16 statistics, and at 8 bits scale 2^67 below the bf16 overflow
+  // (scale < 2^61: values spanning less than about 5.9e20).
+  if (kInterleaved<kBits> && p.stats_bf16 && (kBits != 8 || scale < 0x1p61f)) {
+    // The statistics as bf16 again (exact: they were bf16; scale 2^67 too), each in both halves.
+    const __nv_bfloat162 scale2 = __bfloat162bfloat162(__float2bfloat16_rn(kBits == 8 ? scale * 0x1p67f : scale));
     const __nv_bfloat162 min2 = __bfloat162bfloat162(__float2bfloat16_rn(mn));
     [&]<int... J>(std::integer_sequence<int, J...>) {
       (st_shared_v4(row + (((4 * h + J) ^ x) << 4), dequant8<kBits, J, kInterleaved<kBits>>(wd, 0.f, 0.f, scale2, min2)),
