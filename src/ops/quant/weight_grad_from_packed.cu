@@ -556,15 +556,39 @@ __device__ __forceinline__ void dequantize(const Params& p, const Smem& sm, int 
   }
 }
 
+// Split tiles: the 16-byte unit of a 64-float staging row r that holds columns [4u, 4u + 4) is
+// u ^ staging_swizzle(r). In a warp's store of one accumulator, its 4 lane quads write rows
+// r0 + {0, 2, 4, 6} (r0 even) and its 8 lanes of a quad 8 columns in two units: u, u + 1 at 1, 4
+// and 8 bits, u, u + 2 at 2 bits (the interleaved columns {0, 8, 1, 9, 2, 10, 3, 11}). XOR-ing
+// the unit with (r / 2 % 4) * 2, or at 2 bits with r / 2 % 4 spread to bits 0 and 2, puts the
+// 8 units of a store in 8 different bank quads; the row reads that follow (8 lanes, 8 units of
+// one row) stay conflict-free under any XOR.
+template <int kBits>
+__device__ __forceinline__ int staging_swizzle(int r) {
+  const int q = (r >> 1) & 3;
+  return kBits == 2 ? (q & 1) | ((q & 2) << 1) : q << 1;
+}
+
+__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // Stores one consumer thread's accumulators: into dW (tile not split) or the CTA's workspace slot
-// (a [256 COUT, 128 CIN] tile, like dW). In the SM90 64x256 fp32 accumulator layout, two
+// (a [256 COUT, 128 CIN] tile, like dW). A split tile goes through shared memory (the dy ring,
+// idle once every wgmma has retired): each warpgroup writes its 64 columns there as a
+// [256 COUT, 64 CIN] fp32 block (swizzled, conflict-free) with the column permutation undone,
+// then copies it out row by row with 16-byte loads and 16-byte global stores (st.global.v4,
+// written out: the compiler split the C++ uint4 store into four 4-byte ones, 4x the sectors by
+// ncu), so that every global store covers whole 32-byte sectors (scalar stores straight from the
+// accumulators touch 4 rows x 32 bytes a warp instruction, and half sectors at 2 bits).
+// In the SM90 64x256 fp32 accumulator layout, two
 // warpgroups along M = CIN, accumulator i = e0 + 2 e1 + 4 j of consumer thread ct (warp
 // w = ct % 128 / 32, lane l = ct % 32) holds dWᵀ tile element (cin, cout) =
 //   (64 (ct / 128) + 16 w + l / 4 + 8 e1,  2 (l % 4) + 8 j + e0).
 // (Written out rather than taken from an identity tensor, whose 128 coordinate pairs the compiler
 // would otherwise keep live across both store paths.) dWᵀ row m is tile column column_of(m).
 template <int kBits, class Acc>
-__device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWork& w) {
+__device__ void store_tile(const Acc& acc, int ct, const Params& p, const Smem& sm, const CtaWork& w) {
   static_assert(decltype(size(acc))::value == 128);
   const int m = 64 * (ct / 128) + 16 * (ct % 128 / 32) + ct % 32 / 4, co = 2 * (ct % 4);
   const int ci_lo = column_of<kBits>(m), ci_hi = column_of<kBits>(m + 8);
@@ -572,9 +596,33 @@ __device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWor
   auto cout_of = [](int i) { return 8 * (i / 4) + i % 2; };
   auto cin_of = [&](int i) { return i / 2 % 2 ? ci_hi : ci_lo; };
   if (p.splits > 1) {
-    float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + co * kBlockN;
+    constexpr int kHalfCols = kBlockN / 2;  // a warpgroup's 64 columns
+    const int wg = ct / 128, t = ct % 128;
+    static_assert(kBlockM * kHalfCols * 4 * 2 == kStages * kStageBytesA);
+    const std::uint32_t stage = sm.a + wg * (kBlockM * kHalfCols * 4);
+    // Every wgmma of both warpgroups has retired (each waited for its own): the dy ring is free.
+    asm volatile("bar.sync 3, %0;" ::"n"(kConsumerThreads) : "memory");
+    {
+      // Row co + cout_of(i) has the swizzle of co (cout_of(i) / 2 % 4 == 0); columns local to the half.
+      const int swz = staging_swizzle<kBits>(co), lo = ci_lo - wg * kHalfCols, hi = ci_hi - wg * kHalfCols;
+      const std::uint32_t base = stage + co * (kHalfCols * 4);
+      const std::uint32_t at_lo = base + ((((lo >> 2) ^ swz) << 4) | ((lo & 3) << 2));
+      const std::uint32_t at_hi = base + ((((hi >> 2) ^ swz) << 4) | ((hi & 3) << 2));
+      CUTE_UNROLL
+      for (int i = 0; i < 128; ++i)
+        asm volatile("st.shared.f32 [%0], %1;" ::"r"((i / 2 % 2 ? at_hi : at_lo) + cout_of(i) * (kHalfCols * 4)),
+                     "f"(acc(i))
+                     : "memory");
+    }
+    consumer_barrier(wg);
+    // Thread t copies unit t % 16 of rows t / 16 + 8 j: a warp writes two whole 256-byte rows.
+    const int u = t % 16, r0 = t / 16, swz = staging_swizzle<kBits>(r0);  // r0 + 8 j has r0's swizzle
+    float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + wg * kHalfCols + u * 4;
     CUTE_UNROLL
-    for (int i = 0; i < 128; ++i) ws[cout_of(i) * kBlockN + cin_of(i)] = acc(i);
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const int r = r0 + 8 * j;
+      st_global_v4(ws + r * kBlockN, ld_shared_v4(stage + r * (kHalfCols * 4) + ((u ^ swz) << 4)));
+    }
     return;
   }
   const int co0 = w.mb * kBlockM + co, ci0 = w.nb * kBlockN;
@@ -650,7 +698,7 @@ __device__ void consume(const Params& p, const Smem& sm, const std::uint8_t* sme
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  store_tile<kBits>(acc, ct, p, w);
+  store_tile<kBits>(acc, ct, p, sm, w);
 }
 
 #endif  // FK_WGRAD_SM90
@@ -702,29 +750,38 @@ __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const 
   const float4* part = reinterpret_cast<const float4*>(p.workspace + static_cast<std::int64_t>(tile) * p.splits * kTileElems +
                                                        m * kBlockN + n);
   constexpr int kStride = kTileElems / 4;
-  float4 s = part[0];
-  int c = 1;
-  for (; c + 4 <= p.splits; c += 4) {
-    float4 q[4];
+  // Up to 8 partials' loads in flight at once (S = 7 for the benchmark's shapes: one round), then
+  // summed in split order.
+  float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int c = 0; c < p.splits; c += 8) {
+    float4 q[8];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) q[j] = part[(c + j) * kStride];
+    for (int j = 0; j < 8; ++j) q[j] = c + j < p.splits ? part[(c + j) * kStride] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) s.x += q[j].x, s.y += q[j].y, s.z += q[j].z, s.w += q[j].w;
-  }
-  for (; c < p.splits; ++c) {
-    const float4 q = part[c * kStride];
-    s.x += q.x, s.y += q.y, s.z += q.z, s.w += q.w;
+    for (int j = 0; j < 8; ++j)
+      if (c + j < p.splits) s.x += q[j].x, s.y += q[j].y, s.z += q[j].z, s.w += q[j].w;
   }
   const float sum[4] = {s.x, s.y, s.z, s.w};
-  const std::int64_t row = static_cast<std::int64_t>(m0 + m) * p.cin;
+  const std::int64_t at = static_cast<std::int64_t>(m0 + m) * p.cin + n0 + n;
+  if (n0 + n + 4 <= p.cin && !p.accumulate) {  // four whole elements: one 8- or 16-byte store when aligned
+    if (p.dw_bf16 && reinterpret_cast<std::uintptr_t>(static_cast<__nv_bfloat16*>(p.dw) + at) % 8 == 0) {
+      const __nv_bfloat162 a = __floats2bfloat162_rn(sum[0], sum[1]), b = __floats2bfloat162_rn(sum[2], sum[3]);
+      *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.dw) + at) =
+          make_uint2(*reinterpret_cast<const std::uint32_t*>(&a), *reinterpret_cast<const std::uint32_t*>(&b));
+      return;
+    }
+    if (!p.dw_bf16 && reinterpret_cast<std::uintptr_t>(static_cast<float*>(p.dw) + at) % 16 == 0) {
+      *reinterpret_cast<float4*>(static_cast<float*>(p.dw) + at) = s;
+      return;
+    }
+  }
   for (int e = 0; e < 4; ++e) {
-    const int n_abs = n0 + n + e;
-    if (n_abs >= p.cin) break;
+    if (n0 + n + e >= p.cin) break;
     if (p.dw_bf16) {
-      auto* dw = static_cast<__nv_bfloat16*>(p.dw) + row + n_abs;
+      auto* dw = static_cast<__nv_bfloat16*>(p.dw) + at + e;
       *dw = __float2bfloat16_rn((p.accumulate ? __bfloat162float(*dw) : 0.0f) + sum[e]);
     } else {
-      auto* dw = static_cast<float*>(p.dw) + row + n_abs;
+      auto* dw = static_cast<float*>(p.dw) + at + e;
       *dw = (p.accumulate ? *dw : 0.0f) + sum[e];
     }
   }
