@@ -18,74 +18,34 @@
 // Dequantization: at 2 and 4 bits with bf16 statistics, a pair of levels 16 bits apart in a word
 // becomes bf16x2 with one shift and one LOP3 (1 + q 2^-t in each half), one HFMA2 (q, exact) and
 // one HFMA2 (q scale + min, a single rounding: x̂ is the spec's value correctly rounded to bf16):
-// 2 instructions an element. Such pairs are columns e and e + W/2 of a word (W columns), so the
-// x̂ ring and the rows of dWᵀ hold each word's columns interleaved; the stores map them back.
-// Otherwise (f32 statistics, 1 or 8 bits) each level becomes the float 1 + q 2^-t (shift + LOP3,
-// or one PRMT at 8 bits), x̂ = f S + M with one FFMA (S = scale 2^t, M = min - S; within
-// 2^-24 (|min| + 2^t scale) of the spec's fmaf(q, scale, min)) and pairs are rounded to bf16x2.
+// 2 instructions an element. At 8 bits (a level wider than a bf16 mantissa) one PRMT makes the
+// pair two bf16 subnormals q 2^-133, an HMUL2 by 2^66 and an HFMA2 with scale 2^67 give the same
+// single rounding: 1.5 instructions an element (rows with scale >= 2^61 take the f32 path). Such
+// pairs are columns e and e + W/2 of a word (W columns), so the x̂ ring and the rows of dWᵀ hold
+// each word's columns interleaved; the stores map them back. Otherwise (f32 statistics, or 1
+// bit) each level becomes the float 1 + q 2^-t (shift + LOP3, or one PRMT at 8 bits),
+// x̂ = f S + M with one FFMA (S = scale 2^t, M = min - S; within 2^-24 (|min| + 2^t scale) of
+// the spec's fmaf(q, scale, min)) and pairs are rounded to bf16x2.
 //
 // Work split: with T tiles and KB k-blocks, when T is below the SM count K is split S = SMs / T
 // ways (at least 8 k-blocks a CTA): CTA t * S + s takes k-blocks [s KB / S, (s + 1) KB / S) of
 // tile t (COUT = CIN = 768: 18 tiles x 7 = 126 CTAs). All CTAs run at once, and those of one
 // k-range read the same dy and packed rows at about the same time, so both come from DRAM about
-// once. Each writes an fp32 partial tile into a workspace; a fix-up kernel, launched as a
+// once. Each writes an fp32 partial tile into a workspace (staged through the idle dy ring and
+// written with 16-byte stores, whole sectors at every width); a fix-up kernel, launched as a
 // programmatic dependent launch, adds a tile's S partials in split order (one float4 a thread,
 // all loads in flight), applies beta and rounds to dW's dtype. With S = 1 the CTA stores into dW
 // directly. The sum order depends only on the shape and the SM count: results are bit-identical
 // from run to run (deterministic = true and false take the same path).
 //
-// Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench
-// --filter quant/weight_grad_packed, two runs, each next to a run of the binary the f2e76a8
-// figures came from, in the same session): K = 100864 takes 188.7-190.3 / 186.9-187.7 /
-// 201.2-204.3 us at 2 / 4 / 8 bits (that f2e76a8 binary: 195.8-196.5 / 189.9-190.9 /
-// 203.3-208.5), against 233.5-233.7 / 242.4-242.7 / 253.3-254.3 us for unpack + cuBLAS
-// (1.23-1.24x / 1.29-1.30x / 1.24-1.26x faster) and 162.7-163.2 / 166.4-167.1 / 166.6-167.0 us
-// for the cuBLAS GEMM alone (1.16-1.17x / 1.12-1.13x / 1.21-1.23x of it: the issue's 1.15x is
-// met at 4 bits only). K = 8192 takes 35.1 / 29.9-30.0 /
-// 31.4-31.5 us against 29.9-30.1 / 30.2-30.5 / 30.9-31.2 us for unpack + cuBLAS (GEMM alone
-// 22.4-22.7 us): 0.85x / 1.01x / 0.99x, short of the 1.2x target. History: one producer
-// warpgroup dequantizing for both consumers ran at 269-282 us (its 4 warps at an IPC near 0.2
-// behind a producer-wide barrier each k-block); moving the dequantization into the consumers gave
-// 215-224 us, bf16x2 arithmetic 192-198 us at 2 and 4 bits, the fix-up with all loads in flight
-// took K = 8192 from 39-40 to 30-36 us, and the mask-and-or as one LOP3 (and_or: the compiler
-// splits (v & mask) | magic into two, a LOP3 taking one immediate) 6-7 us at 2 bits and 2-4 us
-// at 4 bits for K = 100864 (under 1 us at K = 8192; 8 bits, one PRMT, unchanged).
-// Tried and dropped: splitting the ring into a dy ring and a word ring (219-227 us); stream-K
-// (the 18 x KB (tile, k-block) units dealt out evenly to all 132 SMs, a CTA storing one partial
-// a tile it touches; correct, tests and compute-sanitizer clean) measured 266.8 / 258.8 / 262.8
-// us at K = 100864 and 46.0 / 39.8 / 39.9 us at K = 8192. Its CTAs no longer cover the same
-// k-range across the 18 tiles, so the 6 n-tiles' reads of a dy row and the 3 m-tiles' reads of a
-// packed row are spread over the whole run instead of coinciding, and L2 no longer serves them:
-// with S = 7 aligned splits the k-alignment is worth far more than the 6 idle SMs. (Its first
-// version also stored a segment's tile inside the k-loop, where the accumulators of in-flight
-// wgmmas meet the store path and ptxas injects a wgmma wait in every k-block, C7517; an outer
-// loop over segments avoids that.)
-//
-// K = 8192 (analysis, not yet measured by ncu). 126 CTAs of 18-19 k-blocks; at the K = 100864
-// steady state (about 0.83 us a k-block a CTA) that is 15-16 us of main loop, so about half of
-// the 30 us is fixed cost: launch and pipeline fill (first TMA round trip, first dequantization
-// before any wgmma), each CTA's 128 KB fp32 partial store, and the fix-up kernel reading 16.5 MB
-// of partials (7 x 2.36 MB) and its PDL tail. Why 2 bits is 5 us slower than 4 bits there while
-// at K = 100864 the two are within 1-3.5 us (so it is a fixed cost, not a per-k-block one): the
-// partial store. At 2 bits a word's pair partners are columns e and e + 8 (W = 16), so the 8
-// dWᵀ rows m0..m0+7 a warp holds per accumulator are columns {0,8,1,9,2,10,3,11}: each of the
-// warp's 4 rows touches two 32-byte sectors half-filled, 8 sectors per store instruction where
-// 4 bits (W = 8: {0,4,1,5,2,6,3,7}, 8 contiguous columns) and 8 bits (identity) touch 4 full
-// ones. 128 scalar stores a thread become twice the L1-to-L2 write transactions (and partial
-// sector writes) at 2 bits. To check with ncu: l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum
-// and the main kernel's duration at 2 vs 4 bits. What should bring K = 8192 to about 25 us:
-//  - stage the accumulator tile through shared memory (the 128 KB dy ring is idle by then) and
-//    write it with TMA stores (or float4 stores): full sectors at every width, the permutation
-//    undone in shared memory, and the LSU free (about the 5 us of 2 bits, 1-2 us elsewhere);
-//  - fold the fix-up into the main kernel: a per-tile arrival counter, and the last of a tile's
-//    S CTAs adds the S partials in split order (deterministic) while they are still in L2,
-//    overlapping other CTAs' k-loops, with no second launch or griddepcontrol tail (2-4 us); or
-//    reduce the S partials of a tile through distributed shared memory in a cluster, though
-//    with GPCs of 16-18 SMs a cluster of 7 one-CTA-per-SM blocks likely fits only twice in one
-//    (112 of 126 CTAs resident; cudaOccupancyMaxActiveClusters would tell);
-//  - not more split-K: S = 7 already puts 18.3 k-blocks on a CTA and every extra split adds
-//    2.36 MB of partials each way; not stream-K (above); smaller tiles (128 x 128, 36 tiles)
-//    need the same partial volume for the same parallelism and halve the wgmma width.
+// Measured on an H100 at 924a7ed (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit
+// bench --filter quant; bench/results/h100/quant.json): K = 100864 takes 183.9 / 188.7 / 195.6 us
+// at 2 / 4 / 8 bits, 1.28x / 1.29x / 1.31x faster than unpack + cuBLAS and 1.12x / 1.13x /
+// 1.16x of the cuBLAS GEMM alone (163.6 / 167.7 / 168.3 us; the issue asks <= 1.15x: 8 bits
+// misses by 2 us); K = 8192 takes 29.8 / 30.2 / 31.1 us, 1.01x / 0.99x / 0.99x of unpack +
+// cuBLAS (the issue asks 1.2x). The floors, the cost model (0.745 us a k-block a CTA plus about
+// 16 us fixed: launch, pipeline fill, partial stores, the fix-up), the ncu figures, what each
+// change brought and what was tried and dropped (stream-K among them) are in docs/quant.md.
 //
 // Rows k >= K and columns >= CIN: TMA zero-fills dy rows >= K and the words; the consumers give
 // rows >= K statistics 0 (x̂ = 0 there); columns >= CIN get finite values that only reach dWᵀ
