@@ -41,8 +41,14 @@ struct PackedPair {
   PackedTensor cpu, gpu;
 };
 
-PackedPair make_packed(std::int64_t k, std::int64_t cin, int bits, int group, DType stats, std::uint64_t seed) {
+// huge_odd_rows: odd rows scaled by 1e22 (their 8-bit scale, about 2^66, is past what the
+// kernel's bf16x2 dequantization takes, so those rows go through its f32 path).
+PackedPair make_packed(std::int64_t k, std::int64_t cin, int bits, int group, DType stats, std::uint64_t seed,
+                       bool huge_odd_rows = false) {
   const Tensor x = test::random_tensor({k, cin}, DType::f32, kCpu, seed, -2.f, 3.f);
+  if (huge_odd_rows)
+    for (std::int64_t r = 1; r < k; r += 2)
+      for (std::int64_t c = 0; c < cin; ++c) x.data_as<float>()[r * cin + c] *= 1e22f;
   PackedPair p;
   p.cpu = pack(x, {.bits = bits, .group = group, .stats_dtype = stats});
   p.gpu.words = p.cpu.words.copy_to(kGpu);
@@ -182,6 +188,25 @@ TEST(WeightGradPackedGpuDeterminism, TwoRunsGiveIdenticalBits) {
     const Tensor ha = test::to_host(a), hb = test::to_host(b);
     EXPECT_EQ(std::memcmp(ha.data(), hb.data(), ha.nbytes()), 0) << dtype_name(t);
   }
+}
+
+// 8 bits with bf16 statistics: rows whose scale 2^67 would overflow bf16 (odd rows, values near
+// 1e22) take the f32 dequantization, the others the bf16x2 one, within the same warps.
+TEST(WeightGradPackedGpuRange, HugeScalesAt8BitsMatchTheSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const std::int64_t k = 300, cout = 64, cin = 256;
+  const PackedPair x = make_packed(k, cin, 8, 256, DType::bf16, 11, /*huge_odd_rows=*/true);
+  const Tensor dy = test::random_tensor({k, cout}, DType::bf16, kCpu, 12, -1.f, 1.f);
+  Tensor dw = Tensor::empty({cout, cin}, DType::f32, kGpu);
+  weight_grad_from_packed(dy.copy_to(kGpu), x.gpu.view(), dw);
+  Tensor ref = Tensor::empty({cout, cin}, DType::f32, kCpu);
+  weight_grad_from_packed(dy, x.cpu.view(), ref);
+  const std::vector<double> got = test::to_doubles(dw), want = test::to_doubles(ref);
+  const std::vector<double> prod = abs_products(dy, x.cpu.view());
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)  // the bound of MatchesTheSpec (x̂ rounded to bf16, fp32 sums)
+    if (!(std::fabs(got[i] - want[i]) <= prod[i] / 256 + 1e-6 * std::fabs(want[i]))) ++bad;
+  EXPECT_EQ(bad, 0u) << bad << " of " << got.size() << " elements beyond the bound";
 }
 
 // Valid packed formats the GPU kernel does not take (groups below 32 or not a multiple of it) are

@@ -318,7 +318,9 @@ struct UnpackArgs {
 // Lane = 8 consecutive values of one row (group % 8 == 0, so they share one group): each store
 // instruction of a warp covers 512 contiguous bytes of bf16. (Measured slower: 16 values a lane,
 // two 16-byte stores 32 bytes apart, by 15-20%; two chunks a grid-stride apart per thread, their
-// loads issued together, by 20%.)
+// loads issued together, by 20%; the loop software-pipelined, the next chunk's loads issued
+// before the current chunk's store, 70.3 -> 76.3 us at 2 bits and 76.1 -> 79.4 us at 4 bits for
+// K = 100864, C = 768.)
 template <class T, class S, int BITS>
 __global__ void __launch_bounds__(kThreads) unpack_kernel(UnpackArgs a) {
   constexpr int kVpw = 32 / BITS;

@@ -18,74 +18,34 @@
 // Dequantization: at 2 and 4 bits with bf16 statistics, a pair of levels 16 bits apart in a word
 // becomes bf16x2 with one shift and one LOP3 (1 + q 2^-t in each half), one HFMA2 (q, exact) and
 // one HFMA2 (q scale + min, a single rounding: x̂ is the spec's value correctly rounded to bf16):
-// 2 instructions an element. Such pairs are columns e and e + W/2 of a word (W columns), so the
-// x̂ ring and the rows of dWᵀ hold each word's columns interleaved; the stores map them back.
-// Otherwise (f32 statistics, 1 or 8 bits) each level becomes the float 1 + q 2^-t (shift + LOP3,
-// or one PRMT at 8 bits), x̂ = f S + M with one FFMA (S = scale 2^t, M = min - S; within
-// 2^-24 (|min| + 2^t scale) of the spec's fmaf(q, scale, min)) and pairs are rounded to bf16x2.
+// 2 instructions an element. At 8 bits (a level wider than a bf16 mantissa) one PRMT makes the
+// pair two bf16 subnormals q 2^-133, an HMUL2 by 2^66 and an HFMA2 with scale 2^67 give the same
+// single rounding: 1.5 instructions an element (rows with scale >= 2^61 take the f32 path). Such
+// pairs are columns e and e + W/2 of a word (W columns), so the x̂ ring and the rows of dWᵀ hold
+// each word's columns interleaved; the stores map them back. Otherwise (f32 statistics, or 1
+// bit) each level becomes the float 1 + q 2^-t (shift + LOP3, or one PRMT at 8 bits),
+// x̂ = f S + M with one FFMA (S = scale 2^t, M = min - S; within 2^-24 (|min| + 2^t scale) of
+// the spec's fmaf(q, scale, min)) and pairs are rounded to bf16x2.
 //
 // Work split: with T tiles and KB k-blocks, when T is below the SM count K is split S = SMs / T
 // ways (at least 8 k-blocks a CTA): CTA t * S + s takes k-blocks [s KB / S, (s + 1) KB / S) of
 // tile t (COUT = CIN = 768: 18 tiles x 7 = 126 CTAs). All CTAs run at once, and those of one
 // k-range read the same dy and packed rows at about the same time, so both come from DRAM about
-// once. Each writes an fp32 partial tile into a workspace; a fix-up kernel, launched as a
+// once. Each writes an fp32 partial tile into a workspace (staged through the idle dy ring and
+// written with 16-byte stores, whole sectors at every width); a fix-up kernel, launched as a
 // programmatic dependent launch, adds a tile's S partials in split order (one float4 a thread,
 // all loads in flight), applies beta and rounds to dW's dtype. With S = 1 the CTA stores into dW
 // directly. The sum order depends only on the shape and the SM count: results are bit-identical
 // from run to run (deterministic = true and false take the same path).
 //
-// Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench
-// --filter quant/weight_grad_packed, two runs, each next to a run of the binary the f2e76a8
-// figures came from, in the same session): K = 100864 takes 188.7-190.3 / 186.9-187.7 /
-// 201.2-204.3 us at 2 / 4 / 8 bits (that f2e76a8 binary: 195.8-196.5 / 189.9-190.9 /
-// 203.3-208.5), against 233.5-233.7 / 242.4-242.7 / 253.3-254.3 us for unpack + cuBLAS
-// (1.23-1.24x / 1.29-1.30x / 1.24-1.26x faster) and 162.7-163.2 / 166.4-167.1 / 166.6-167.0 us
-// for the cuBLAS GEMM alone (1.16-1.17x / 1.12-1.13x / 1.21-1.23x of it: the issue's 1.15x is
-// met at 4 bits only). K = 8192 takes 35.1 / 29.9-30.0 /
-// 31.4-31.5 us against 29.9-30.1 / 30.2-30.5 / 30.9-31.2 us for unpack + cuBLAS (GEMM alone
-// 22.4-22.7 us): 0.85x / 1.01x / 0.99x, short of the 1.2x target. History: one producer
-// warpgroup dequantizing for both consumers ran at 269-282 us (its 4 warps at an IPC near 0.2
-// behind a producer-wide barrier each k-block); moving the dequantization into the consumers gave
-// 215-224 us, bf16x2 arithmetic 192-198 us at 2 and 4 bits, the fix-up with all loads in flight
-// took K = 8192 from 39-40 to 30-36 us, and the mask-and-or as one LOP3 (and_or: the compiler
-// splits (v & mask) | magic into two, a LOP3 taking one immediate) 6-7 us at 2 bits and 2-4 us
-// at 4 bits for K = 100864 (under 1 us at K = 8192; 8 bits, one PRMT, unchanged).
-// Tried and dropped: splitting the ring into a dy ring and a word ring (219-227 us); stream-K
-// (the 18 x KB (tile, k-block) units dealt out evenly to all 132 SMs, a CTA storing one partial
-// a tile it touches; correct, tests and compute-sanitizer clean) measured 266.8 / 258.8 / 262.8
-// us at K = 100864 and 46.0 / 39.8 / 39.9 us at K = 8192. Its CTAs no longer cover the same
-// k-range across the 18 tiles, so the 6 n-tiles' reads of a dy row and the 3 m-tiles' reads of a
-// packed row are spread over the whole run instead of coinciding, and L2 no longer serves them:
-// with S = 7 aligned splits the k-alignment is worth far more than the 6 idle SMs. (Its first
-// version also stored a segment's tile inside the k-loop, where the accumulators of in-flight
-// wgmmas meet the store path and ptxas injects a wgmma wait in every k-block, C7517; an outer
-// loop over segments avoids that.)
-//
-// K = 8192 (analysis, not yet measured by ncu). 126 CTAs of 18-19 k-blocks; at the K = 100864
-// steady state (about 0.83 us a k-block a CTA) that is 15-16 us of main loop, so about half of
-// the 30 us is fixed cost: launch and pipeline fill (first TMA round trip, first dequantization
-// before any wgmma), each CTA's 128 KB fp32 partial store, and the fix-up kernel reading 16.5 MB
-// of partials (7 x 2.36 MB) and its PDL tail. Why 2 bits is 5 us slower than 4 bits there while
-// at K = 100864 the two are within 1-3.5 us (so it is a fixed cost, not a per-k-block one): the
-// partial store. At 2 bits a word's pair partners are columns e and e + 8 (W = 16), so the 8
-// dWᵀ rows m0..m0+7 a warp holds per accumulator are columns {0,8,1,9,2,10,3,11}: each of the
-// warp's 4 rows touches two 32-byte sectors half-filled, 8 sectors per store instruction where
-// 4 bits (W = 8: {0,4,1,5,2,6,3,7}, 8 contiguous columns) and 8 bits (identity) touch 4 full
-// ones. 128 scalar stores a thread become twice the L1-to-L2 write transactions (and partial
-// sector writes) at 2 bits. To check with ncu: l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum
-// and the main kernel's duration at 2 vs 4 bits. What should bring K = 8192 to about 25 us:
-//  - stage the accumulator tile through shared memory (the 128 KB dy ring is idle by then) and
-//    write it with TMA stores (or float4 stores): full sectors at every width, the permutation
-//    undone in shared memory, and the LSU free (about the 5 us of 2 bits, 1-2 us elsewhere);
-//  - fold the fix-up into the main kernel: a per-tile arrival counter, and the last of a tile's
-//    S CTAs adds the S partials in split order (deterministic) while they are still in L2,
-//    overlapping other CTAs' k-loops, with no second launch or griddepcontrol tail (2-4 us); or
-//    reduce the S partials of a tile through distributed shared memory in a cluster, though
-//    with GPCs of 16-18 SMs a cluster of 7 one-CTA-per-SM blocks likely fits only twice in one
-//    (112 of 126 CTAs resident; cudaOccupancyMaxActiveClusters would tell);
-//  - not more split-K: S = 7 already puts 18.3 k-blocks on a CTA and every extra split adds
-//    2.36 MB of partials each way; not stream-K (above); smaller tiles (128 x 128, 36 tiles)
-//    need the same partial volume for the same parallelism and halve the wgmma width.
+// Measured on an H100 at 924a7ed (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit
+// bench --filter quant; bench/results/h100/quant.json): K = 100864 takes 183.9 / 188.7 / 195.6 us
+// at 2 / 4 / 8 bits, 1.28x / 1.29x / 1.31x faster than unpack + cuBLAS and 1.12x / 1.13x /
+// 1.16x of the cuBLAS GEMM alone (163.6 / 167.7 / 168.3 us; the issue asks <= 1.15x: 8 bits
+// misses by 2 us); K = 8192 takes 29.8 / 30.2 / 31.1 us, 1.01x / 0.99x / 0.99x of unpack +
+// cuBLAS (the issue asks 1.2x). The floors, the cost model (0.745 us a k-block a CTA plus about
+// 16 us fixed: launch, pipeline fill, partial stores, the fix-up), the ncu figures, what each
+// change brought and what was tried and dropped (stream-K among them) are in docs/quant.md.
 //
 // Rows k >= K and columns >= CIN: TMA zero-fills dy rows >= K and the words; the consumers give
 // rows >= K statistics 0 (x̂ = 0 there); columns >= CIN get finite values that only reach dWᵀ
@@ -289,12 +249,13 @@ __device__ __forceinline__ float unit_level(const std::uint32_t (&w)[kBits]) {
   }
 }
 
-// x̂ is stored pair by pair (one bf16x2 a 32-bit word). At 2 and 4 bits a pair is columns e and
-// e + W/2 of one packed word (W = 32 / kBits columns), which sit 16 bits apart, so that one shift
-// and one LOP3 place both levels (bf16x2 arithmetic below); the x̂ ring, and therefore the rows
-// of dWᵀ, hold the tile's columns in that order: within each W columns, position 2i is column i
-// and position 2i + 1 column i + W/2. At 1 and 8 bits pairs are adjacent columns.
-template <int kBits> constexpr bool kInterleaved = kBits == 2 || kBits == 4;
+// x̂ is stored pair by pair (one bf16x2 a 32-bit word). At 2, 4 and 8 bits a pair is columns e
+// and e + W/2 of one packed word (W = 32 / kBits columns), which sit 16 bits apart, so that one
+// shift and one LOP3 (one PRMT at 8 bits) place both levels (bf16x2 arithmetic below); the x̂
+// ring, and therefore the rows of dWᵀ, hold the tile's columns in that order: within each W
+// columns, position 2i is column i and position 2i + 1 column i + W/2. At 1 bit pairs are
+// adjacent columns.
+template <int kBits> constexpr bool kInterleaved = kBits == 2 || kBits == 4 || kBits == 8;
 template <int kBits> constexpr int kWordCols = 32 / kBits;
 // The elements (0..31 of a chunk) of pair P (0..15).
 template <int kBits, int P>
@@ -326,20 +287,35 @@ __device__ __forceinline__ std::uint32_t pair_f32(const std::uint32_t (&w)[kBits
 // two levels into the top of the mantissas of 1.0 (f = 1 + q 2^-t), an HFMA2 makes q exactly
 // (f 2^t - 2^t), and an HFMA2 computes q scale + min with a single rounding to bf16: x̂ is the
 // spec's value correctly rounded, the same as the f32 path's up to its double rounding.
+// At 8 bits a level has more bits than a bf16 mantissa, so it goes in as a subnormal instead: the
+// bf16 bit pattern q (0..255; q >= 128 spills into the lowest exponent bit, which continues the
+// subnormal scale linearly) is q 2^-133 exactly. One PRMT puts bytes e and e + 2 of the word into
+// the low bytes of the two halves, an HMUL2 by 2^66 makes q 2^-67 (exact), and one HFMA2 with
+// scale2 = scale 2^67 (exact; the caller takes the f32 path when that would overflow bf16)
+// computes q scale + min with a single rounding: 3 instructions a pair, against 5 in f32.
 template <int kBits, int P>
 __device__ __forceinline__ std::uint32_t pair_bf16(const std::uint32_t (&w)[kBits], __nv_bfloat162 scale2,
                                                    __nv_bfloat162 min2) {
   static_assert(kInterleaved<kBits>);
   constexpr int E = kPairFirst<kBits, P>, bit = E * kBits % 32;
-  constexpr int d = 7 - kBits - bit;  // where q goes in the low bf16 minus where it is
-  const std::uint32_t v0 = w[E * kBits / 32];
-  const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
-  constexpr std::uint32_t m = ((1u << kBits) - 1u) << (7 - kBits);
-  const std::uint32_t f = and_or(v, m | m << 16, 0x3F803F80u);
-  const __nv_bfloat162 two_t = __float2bfloat162_rn(static_cast<float>(1 << kBits));
-  const __nv_bfloat162 q = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&f), two_t, __hneg2(two_t));
-  const __nv_bfloat162 x = __hfma2(q, scale2, min2);
-  return *reinterpret_cast<const std::uint32_t*>(&x);
+  if constexpr (kBits == 8) {
+    const std::uint32_t d = __byte_perm(w[E / 4], 0u, 0x4240u + (E % 4) * 0x101u);  // bytes (q_e, 0, q_e+2, 0)
+    constexpr std::uint32_t kTwo66 = 0x60806080u;                                 // bf16x2 (2^66, 2^66)
+    const __nv_bfloat162 y = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&d),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&kTwo66));
+    const __nv_bfloat162 x = __hfma2(y, scale2, min2);
+    return *reinterpret_cast<const std::uint32_t*>(&x);
+  } else {
+    constexpr int d = 7 - kBits - bit;  // where q goes in the low bf16 minus where it is
+    const std::uint32_t v0 = w[E * kBits / 32];
+    const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
+    constexpr std::uint32_t m = ((1u << kBits) - 1u) << (7 - kBits);
+    const std::uint32_t f = and_or(v, m | m << 16, 0x3F803F80u);
+    const __nv_bfloat162 two_t = __float2bfloat162_rn(static_cast<float>(1 << kBits));
+    const __nv_bfloat162 q = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&f), two_t, __hneg2(two_t));
+    const __nv_bfloat162 x = __hfma2(q, scale2, min2);
+    return *reinterpret_cast<const std::uint32_t*>(&x);
+  }
 }
 
 // Positions 8J..8J+7 of a chunk (pairs 4J..4J+3) as 8 bf16.
@@ -521,9 +497,11 @@ __device__ __forceinline__ void dequantize(const Params& p, const Smem& sm, int 
   // x̂ position (n, k) of a buffer: (n / 64) * 8192 + (k / 8) * 1024 + (k % 8) * 128 + (((n % 64) / 8) ^ (k % 8)) * 16.
   const std::uint32_t row = xbuf + wg * 8192 + (r / 8) * 1024 + (r % 8) * 128;
   const int x = r % 8;
-  if (kInterleaved<kBits> && p.stats_bf16) {
-    // The statistics as bf16 again (exact: they were bf16), each in both halves.
-    const __nv_bfloat162 scale2 = __bfloat162bfloat162(__float2bfloat16_rn(scale));
+  // bf16x2 arithmetic needs bf16 statistics, and at 8 bits scale 2^67 below the bf16 overflow
+  // (scale < 2^61: values spanning less than about 5.9e20).
+  if (kInterleaved<kBits> && p.stats_bf16 && (kBits != 8 || scale < 0x1p61f)) {
+    // The statistics as bf16 again (exact: they were bf16; scale 2^67 too), each in both halves.
+    const __nv_bfloat162 scale2 = __bfloat162bfloat162(__float2bfloat16_rn(kBits == 8 ? scale * 0x1p67f : scale));
     const __nv_bfloat162 min2 = __bfloat162bfloat162(__float2bfloat16_rn(mn));
     [&]<int... J>(std::integer_sequence<int, J...>) {
       (st_shared_v4(row + (((4 * h + J) ^ x) << 4), dequant8<kBits, J, kInterleaved<kBits>>(wd, 0.f, 0.f, scale2, min2)),
@@ -538,15 +516,39 @@ __device__ __forceinline__ void dequantize(const Params& p, const Smem& sm, int 
   }
 }
 
+// Split tiles: the 16-byte unit of a 64-float staging row r that holds columns [4u, 4u + 4) is
+// u ^ staging_swizzle(r). In a warp's store of one accumulator, its 4 lane quads write rows
+// r0 + {0, 2, 4, 6} (r0 even) and its 8 lanes of a quad 8 columns in two units: u, u + 1 at 1, 4
+// and 8 bits, u, u + 2 at 2 bits (the interleaved columns {0, 8, 1, 9, 2, 10, 3, 11}). XOR-ing
+// the unit with (r / 2 % 4) * 2, or at 2 bits with r / 2 % 4 spread to bits 0 and 2, puts the
+// 8 units of a store in 8 different bank quads; the row reads that follow (8 lanes, 8 units of
+// one row) stay conflict-free under any XOR.
+template <int kBits>
+__device__ __forceinline__ int staging_swizzle(int r) {
+  const int q = (r >> 1) & 3;
+  return kBits == 2 ? (q & 1) | ((q & 2) << 1) : q << 1;
+}
+
+__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // Stores one consumer thread's accumulators: into dW (tile not split) or the CTA's workspace slot
-// (a [256 COUT, 128 CIN] tile, like dW). In the SM90 64x256 fp32 accumulator layout, two
+// (a [256 COUT, 128 CIN] tile, like dW). A split tile goes through shared memory (the dy ring,
+// idle once every wgmma has retired): each warpgroup writes its 64 columns there as a
+// [256 COUT, 64 CIN] fp32 block (swizzled, conflict-free) with the column permutation undone,
+// then copies it out row by row with 16-byte loads and 16-byte global stores (st.global.v4,
+// written out: the compiler split the C++ uint4 store into four 4-byte ones, 4x the sectors by
+// ncu), so that every global store covers whole 32-byte sectors (scalar stores straight from the
+// accumulators touch 4 rows x 32 bytes a warp instruction, and half sectors at 2 bits).
+// In the SM90 64x256 fp32 accumulator layout, two
 // warpgroups along M = CIN, accumulator i = e0 + 2 e1 + 4 j of consumer thread ct (warp
 // w = ct % 128 / 32, lane l = ct % 32) holds dWᵀ tile element (cin, cout) =
 //   (64 (ct / 128) + 16 w + l / 4 + 8 e1,  2 (l % 4) + 8 j + e0).
 // (Written out rather than taken from an identity tensor, whose 128 coordinate pairs the compiler
 // would otherwise keep live across both store paths.) dWᵀ row m is tile column column_of(m).
 template <int kBits, class Acc>
-__device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWork& w) {
+__device__ void store_tile(const Acc& acc, int ct, const Params& p, const Smem& sm, const CtaWork& w) {
   static_assert(decltype(size(acc))::value == 128);
   const int m = 64 * (ct / 128) + 16 * (ct % 128 / 32) + ct % 32 / 4, co = 2 * (ct % 4);
   const int ci_lo = column_of<kBits>(m), ci_hi = column_of<kBits>(m + 8);
@@ -554,9 +556,33 @@ __device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWor
   auto cout_of = [](int i) { return 8 * (i / 4) + i % 2; };
   auto cin_of = [&](int i) { return i / 2 % 2 ? ci_hi : ci_lo; };
   if (p.splits > 1) {
-    float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + co * kBlockN;
+    constexpr int kHalfCols = kBlockN / 2;  // a warpgroup's 64 columns
+    const int wg = ct / 128, t = ct % 128;
+    static_assert(kBlockM * kHalfCols * 4 * 2 == kStages * kStageBytesA);
+    const std::uint32_t stage = sm.a + wg * (kBlockM * kHalfCols * 4);
+    // Every wgmma of both warpgroups has retired (each waited for its own): the dy ring is free.
+    asm volatile("bar.sync 3, %0;" ::"n"(kConsumerThreads) : "memory");
+    {
+      // Row co + cout_of(i) has the swizzle of co (cout_of(i) / 2 % 4 == 0); columns local to the half.
+      const int swz = staging_swizzle<kBits>(co), lo = ci_lo - wg * kHalfCols, hi = ci_hi - wg * kHalfCols;
+      const std::uint32_t base = stage + co * (kHalfCols * 4);
+      const std::uint32_t at_lo = base + ((((lo >> 2) ^ swz) << 4) | ((lo & 3) << 2));
+      const std::uint32_t at_hi = base + ((((hi >> 2) ^ swz) << 4) | ((hi & 3) << 2));
+      CUTE_UNROLL
+      for (int i = 0; i < 128; ++i)
+        asm volatile("st.shared.f32 [%0], %1;" ::"r"((i / 2 % 2 ? at_hi : at_lo) + cout_of(i) * (kHalfCols * 4)),
+                     "f"(acc(i))
+                     : "memory");
+    }
+    consumer_barrier(wg);
+    // Thread t copies unit t % 16 of rows t / 16 + 8 j: a warp writes two whole 256-byte rows.
+    const int u = t % 16, r0 = t / 16, swz = staging_swizzle<kBits>(r0);  // r0 + 8 j has r0's swizzle
+    float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + wg * kHalfCols + u * 4;
     CUTE_UNROLL
-    for (int i = 0; i < 128; ++i) ws[cout_of(i) * kBlockN + cin_of(i)] = acc(i);
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const int r = r0 + 8 * j;
+      st_global_v4(ws + r * kBlockN, ld_shared_v4(stage + r * (kHalfCols * 4) + ((u ^ swz) << 4)));
+    }
     return;
   }
   const int co0 = w.mb * kBlockM + co, ci0 = w.nb * kBlockN;
@@ -632,7 +658,7 @@ __device__ void consume(const Params& p, const Smem& sm, const std::uint8_t* sme
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  store_tile<kBits>(acc, ct, p, w);
+  store_tile<kBits>(acc, ct, p, sm, w);
 }
 
 #endif  // FK_WGRAD_SM90
@@ -684,29 +710,38 @@ __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const 
   const float4* part = reinterpret_cast<const float4*>(p.workspace + static_cast<std::int64_t>(tile) * p.splits * kTileElems +
                                                        m * kBlockN + n);
   constexpr int kStride = kTileElems / 4;
-  float4 s = part[0];
-  int c = 1;
-  for (; c + 4 <= p.splits; c += 4) {
-    float4 q[4];
+  // Up to 8 partials' loads in flight at once (S = 7 for the benchmark's shapes: one round), then
+  // summed in split order.
+  float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int c = 0; c < p.splits; c += 8) {
+    float4 q[8];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) q[j] = part[(c + j) * kStride];
+    for (int j = 0; j < 8; ++j) q[j] = c + j < p.splits ? part[(c + j) * kStride] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) s.x += q[j].x, s.y += q[j].y, s.z += q[j].z, s.w += q[j].w;
-  }
-  for (; c < p.splits; ++c) {
-    const float4 q = part[c * kStride];
-    s.x += q.x, s.y += q.y, s.z += q.z, s.w += q.w;
+    for (int j = 0; j < 8; ++j)
+      if (c + j < p.splits) s.x += q[j].x, s.y += q[j].y, s.z += q[j].z, s.w += q[j].w;
   }
   const float sum[4] = {s.x, s.y, s.z, s.w};
-  const std::int64_t row = static_cast<std::int64_t>(m0 + m) * p.cin;
+  const std::int64_t at = static_cast<std::int64_t>(m0 + m) * p.cin + n0 + n;
+  if (n0 + n + 4 <= p.cin && !p.accumulate) {  // four whole elements: one 8- or 16-byte store when aligned
+    if (p.dw_bf16 && reinterpret_cast<std::uintptr_t>(static_cast<__nv_bfloat16*>(p.dw) + at) % 8 == 0) {
+      const __nv_bfloat162 a = __floats2bfloat162_rn(sum[0], sum[1]), b = __floats2bfloat162_rn(sum[2], sum[3]);
+      *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.dw) + at) =
+          make_uint2(*reinterpret_cast<const std::uint32_t*>(&a), *reinterpret_cast<const std::uint32_t*>(&b));
+      return;
+    }
+    if (!p.dw_bf16 && reinterpret_cast<std::uintptr_t>(static_cast<float*>(p.dw) + at) % 16 == 0) {
+      *reinterpret_cast<float4*>(static_cast<float*>(p.dw) + at) = s;
+      return;
+    }
+  }
   for (int e = 0; e < 4; ++e) {
-    const int n_abs = n0 + n + e;
-    if (n_abs >= p.cin) break;
+    if (n0 + n + e >= p.cin) break;
     if (p.dw_bf16) {
-      auto* dw = static_cast<__nv_bfloat16*>(p.dw) + row + n_abs;
+      auto* dw = static_cast<__nv_bfloat16*>(p.dw) + at + e;
       *dw = __float2bfloat16_rn((p.accumulate ? __bfloat162float(*dw) : 0.0f) + sum[e]);
     } else {
-      auto* dw = static_cast<float*>(p.dw) + row + n_abs;
+      auto* dw = static_cast<float*>(p.dw) + at + e;
       *dw = (p.accumulate ? *dw : 0.0f) + sum[e];
     }
   }
