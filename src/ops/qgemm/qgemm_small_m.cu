@@ -370,34 +370,23 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, GROUP64)) qgemm_small_m
   for (int e = tid; e < cols * (r1 - r0); e += kThreads) {
     const int col = e / (r1 - r0), row = r0 + e % (r1 - r0), n = n_cta + row;
     if (n >= p.n) continue;
-    // The splits' values are requested 4 at a time before they are added (not one round trip of the
-    // distributed shared memory per split), and added in the order (split, warp).
     float sum = 0.0f;
-    for (int s0 = 0; s0 < splits; s0 += 4) {
-      float v[4][kWarpsK];
-#pragma unroll
-      for (int d = 0; d < 4; ++d) {
-        const int s = min(s0 + d, splits - 1);
+    for (int s = 0; s < splits; ++s) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        const float* rs = cluster.map_shared_rank(red, s);
+      const float* rs = cluster.map_shared_rank(red, s);
 #else
-        const float* rs = red;
+      const float* rs = red;
 #endif
+      float v[kWarpsK];
 #pragma unroll
-        for (int w = 0; w < kWarpsK; ++w) v[d][w] = rs[(w * MP + col) * kBN + row];
-      }
+      for (int w = 0; w < kWarpsK; ++w) v[w] = rs[(w * MP + col) * kBN + row];
 #pragma unroll
-      for (int d = 0; d < 4; ++d)
-        if (s0 + d < splits)
-#pragma unroll
-          for (int w = 0; w < kWarpsK; ++w) sum += v[d][w];
+      for (int w = 0; w < kWarpsK; ++w) sum += v[w];
     }
     p.y[static_cast<std::int64_t>(col) * p.n + n] = device::from_float<T>(sum);
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // No CTA leaves while another still reads its shared memory. Relaxed: nothing is ordered by this
-  // barrier (cluster.sync() would fence the y stores at GPU scope first, MEMBAR.ALL.GPU).
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
 #endif
 }
 
@@ -469,20 +458,16 @@ int active_clusters(Kernel kernel, int device, int splits, std::size_t smem, int
   return cache[key] = clusters;
 }
 
-// The split of K (at most kMaxSplits, the portable cluster size; 1 without clusters): the most
-// splits whose clusters all run at once (one wave: a second wave pays every CTA's fixed costs —
-// launch, x staging, the reduction — again, and a partial one leaves SMs idle; on an H100 at M = 1,
-// 11008 x 4096 took 15.6 us with 4 splits in one wave against 18.6 us with 8 in two; in a sweep of
-// S = 3..8 this rule picked the fastest S for all six small-M bench shapes). When no
-// split fits in one wave, the least time by a simple model: waves of clusters x k-tiles per CTA;
-// ties go to more splits. False when x's chunk never fits a CTA's shared memory.
+// The split of K (at most kMaxSplits, the portable cluster size; 1 without clusters) with the
+// least time by a simple model: waves of clusters x k-tiles per CTA (the CTAs of a wave stream
+// concurrently); ties go to more splits (more CTAs share the memory system). False when x's chunk
+// never fits a CTA's shared memory.
 template <int kWarpsK, int kBN, class Kernel>
 bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int device, Plan& plan) {
   const DeviceFacts f = device_facts(device);
   const int by_regs = resident_by_registers(kernel, device, f);
   const int most = f.major >= 9 ? std::min(kMaxSplits, std::max(1, k_tiles / kWarpsK)) : 1;
   long best = -1;
-  bool one_wave = false;
   for (int s = most; s >= 1; --s) {
     Plan c;
     c.tiles_per_warp = (k_tiles + s * kWarpsK - 1) / (s * kWarpsK);
@@ -496,11 +481,7 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
     const int clusters = std::max(1, active_clusters(kernel, device, s, c.smem, by_regs, f));
     const long waves = (n_blocks + clusters - 1) / clusters;
     const long cost = waves * kWarpsK * c.tiles_per_warp;
-    if (waves == 1 && !one_wave) {
-      one_wave = true;  // the first, i.e. the most splits in one wave
-      best = cost;
-      plan = c;
-    } else if (!one_wave && (best < 0 || cost < best)) {
+    if (best < 0 || cost < best) {
       best = cost;
       plan = c;
     }
