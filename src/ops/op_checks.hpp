@@ -43,6 +43,17 @@ inline void same_device(const char* op, const char* arg, const TensorView& t, De
   FK_CHECK_ARG(t.device() == device, op, arg, fmt::format("a tensor on {}", device.str()), t.device().str());
 }
 
+// A tensor that goes with `ref`: the given shape, ref's dtype (an output, a bias, a gradient).
+inline void companion(const char* op, const char* arg, const TensorView& t, const TensorView& ref, const Dims& shape) {
+  tensor(op, arg, t, static_cast<int>(shape.size()));
+  same_dtype(op, arg, t, ref);
+  shape_is(op, arg, t, shape);
+  same_device(op, arg, t, ref.device());
+}
+
+// The floating dtypes of the GEMM-shaped families (f32 through TF32 where they allow it).
+inline constexpr std::initializer_list<DType> kFloatTypes = {DType::f32, DType::bf16, DType::f16};
+
 // Raises a clear error when a CUDA tensor reaches a build without CUDA.
 inline void cuda_available(const char* op, Device device) {
   FK_CHECK_ARG(device.is_cpu() || FUSEKIT_WITH_CUDA, op, "device",

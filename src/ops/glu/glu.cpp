@@ -17,14 +17,7 @@
 namespace fk {
 namespace {
 
-constexpr std::initializer_list<DType> kFloatTypes = {DType::f32, DType::bf16, DType::f16};
-
-void check_companion(const char* op, const char* arg, const TensorView& t, const TensorView& ref, const Dims& shape) {
-  checks::tensor(op, arg, t, shape.size());
-  checks::same_dtype(op, arg, t, ref);
-  checks::shape_is(op, arg, t, shape);
-  checks::same_device(op, arg, t, ref.device());
-}
+using checks::kFloatTypes;
 
 // x [M, K], w [2N, K], bias [2N]: returns N.
 std::int64_t check_operands(const char* op, const TensorView& x, const TensorView& w,
@@ -38,7 +31,7 @@ std::int64_t check_operands(const char* op, const TensorView& x, const TensorVie
   FK_CHECK_ARG(w.size(0) % 2 == 0 && w.size(0) > 0, op, "w", "[2N, K] with an even, non-zero number of rows",
                w.shape().str());
   FK_CHECK_ARG(w.size(1) == x.size(1), op, "w", fmt::format("[2N, {}] (K of x)", x.size(1)), w.shape().str());
-  if (bias) check_companion(op, "bias", *bias, x, Dims{w.size(0)});
+  if (bias) checks::companion(op, "bias", *bias, x, Dims{w.size(0)});
   return w.size(0) / 2;
 }
 
@@ -107,7 +100,7 @@ Tensor glu_unprepare_weight(const TensorView& w_prepared, const Stream* stream) 
 void glu_forward(const GluForwardArgs& a, const GluOptions& opt, const Stream* stream) {
   constexpr const char* op = "glu_forward";
   const std::int64_t n = check_operands(op, a.x, a.w, a.bias);
-  check_companion(op, "out", a.out, a.x, Dims{a.x.size(0), n});
+  checks::companion(op, "out", a.out, a.x, Dims{a.x.size(0), n});
   if (a.out.numel() == 0) return;
   if (a.x.device().is_cpu()) {
     const Tensor w = glu_unprepare_weight(a.w);
@@ -128,10 +121,10 @@ void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, const Stream*
   constexpr const char* op = "glu_backward";
   const std::int64_t n = check_operands(op, a.x, a.w, a.bias);
   const std::int64_t m = a.x.size(0), k = a.x.size(1);
-  check_companion(op, "dy", a.dy, a.x, Dims{m, n});
-  if (a.dx) check_companion(op, "dx", *a.dx, a.x, Dims{m, k});
-  if (a.dw) check_companion(op, "dw", *a.dw, a.x, Dims{2 * n, k});
-  if (a.dbias) check_companion(op, "dbias", *a.dbias, a.x, Dims{2 * n});
+  checks::companion(op, "dy", a.dy, a.x, Dims{m, n});
+  if (a.dx) checks::companion(op, "dx", *a.dx, a.x, Dims{m, k});
+  if (a.dw) checks::companion(op, "dw", *a.dw, a.x, Dims{2 * n, k});
+  if (a.dbias) checks::companion(op, "dbias", *a.dbias, a.x, Dims{2 * n});
   if (a.x.device().is_cpu()) {
     const Tensor w = glu_unprepare_weight(a.w);
     std::optional<Tensor> b, dw, db;

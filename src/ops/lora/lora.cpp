@@ -16,14 +16,7 @@
 namespace fk {
 namespace {
 
-constexpr std::initializer_list<DType> kFloatTypes = {DType::f32, DType::bf16, DType::f16};
-
-void check_companion(const char* op, const char* arg, const TensorView& t, const TensorView& ref, const Dims& shape) {
-  checks::tensor(op, arg, t, static_cast<int>(shape.size()));
-  checks::same_dtype(op, arg, t, ref);
-  checks::shape_is(op, arg, t, shape);
-  checks::same_device(op, arg, t, ref.device());
-}
+using checks::kFloatTypes;
 
 struct Sizes {
   std::int64_t m, n, k, r;
@@ -45,7 +38,7 @@ Sizes check_operands(const char* op, const TensorView& x, const TensorView& w, c
   FK_CHECK_ARG(a.size(0) >= 1 && a.size(0) <= kLoraMaxRank && a.size(1) == x.size(1), op, "a",
                fmt::format("[r, {}] with 1 <= r <= {}", x.size(1), kLoraMaxRank), a.shape().str());
   const Sizes s{x.size(0), w.size(0), x.size(1), a.size(0)};
-  check_companion(op, "b", b, x, Dims{s.n, s.r});
+  checks::companion(op, "b", b, x, Dims{s.n, s.r});
   return s;
 }
 
@@ -120,10 +113,10 @@ void lora_forward(const LoraForwardArgs& args, const LoraParams& p, const Stream
   constexpr const char* op = "lora_forward";
   const Sizes s = check_operands(op, args.x, args.w, args.a, args.b);
   check_params(op, p);
-  if (args.bias) check_companion(op, "bias", *args.bias, args.x, Dims{s.n});
-  check_companion(op, "y", args.y, args.x, Dims{s.m, s.n});
-  if (args.t) check_companion(op, "t", *args.t, args.x, Dims{s.m, s.r});
-  if (args.preact) check_companion(op, "preact", *args.preact, args.x, Dims{s.m, s.n});
+  if (args.bias) checks::companion(op, "bias", *args.bias, args.x, Dims{s.n});
+  checks::companion(op, "y", args.y, args.x, Dims{s.m, s.n});
+  if (args.t) checks::companion(op, "t", *args.t, args.x, Dims{s.m, s.r});
+  if (args.preact) checks::companion(op, "preact", *args.preact, args.x, Dims{s.m, s.n});
   if (args.x.device().is_cpu()) return reference::lora_forward(args, p);
   if (s.m == 0) return;
 #if FUSEKIT_WITH_CUDA
@@ -156,15 +149,15 @@ void lora_backward(const LoraBackwardArgs& args, const LoraParams& p, const Stre
   constexpr const char* op = "lora_backward";
   const Sizes s = check_operands(op, args.x, args.w, args.a, args.b);
   check_params(op, p);
-  check_companion(op, "dy", args.dy, args.x, Dims{s.m, s.n});
-  check_companion(op, "saved", args.saved, args.x, Dims{s.m, s.n});
+  checks::companion(op, "dy", args.dy, args.x, Dims{s.m, s.n});
+  checks::companion(op, "saved", args.saved, args.x, Dims{s.m, s.n});
   FK_CHECK_ARG(args.saved_kind == SavedForBackward::preactivation || derivative_from_output(p.act), op, "saved",
                fmt::format("the pre-activation z ({}'s derivative needs z)", activation_name(p.act)), "the output y");
-  if (args.t) check_companion(op, "t", *args.t, args.x, Dims{s.m, s.r});
-  if (args.dx) check_companion(op, "dx", *args.dx, args.x, Dims{s.m, s.k});
-  check_companion(op, "da", args.da, args.x, Dims{s.r, s.k});
-  check_companion(op, "db", args.db, args.x, Dims{s.n, s.r});
-  if (args.dbias) check_companion(op, "dbias", *args.dbias, args.x, Dims{s.n});
+  if (args.t) checks::companion(op, "t", *args.t, args.x, Dims{s.m, s.r});
+  if (args.dx) checks::companion(op, "dx", *args.dx, args.x, Dims{s.m, s.k});
+  checks::companion(op, "da", args.da, args.x, Dims{s.r, s.k});
+  checks::companion(op, "db", args.db, args.x, Dims{s.n, s.r});
+  if (args.dbias) checks::companion(op, "dbias", *args.dbias, args.x, Dims{s.n});
   if (args.x.device().is_cpu()) return reference::lora_backward(args, p);
 #if FUSEKIT_WITH_CUDA
   using nn::detail::Op;
