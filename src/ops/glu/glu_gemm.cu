@@ -38,6 +38,7 @@
 #include "fusekit/core/tensor.hpp"
 #include "glu_cuda.hpp"
 #include "glu_math.cuh"
+#include "ops/sm90_epilogue.cuh"
 #include "ops/cuda_common.cuh"
 
 namespace fk::cuda {
@@ -47,28 +48,13 @@ namespace {
 // [M, 2N] backward), dy [M, N] (backward only, else null), the kind, and (backward only, or null)
 // db_partial [ceil(M / 16), 2N] fp32: row s gets the sums of dC's rows 16 s .. 16 s + 15.
 template <class Element>
-class GluEpilogue {
+class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
  public:
-  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementC = Element;
-  using ElementD = Element;
-  using ElementOutput = Element;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
-  using StrideD = StrideC;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-
-  struct SharedStorage {};
-  using TensorStorage = SharedStorage;
-  struct ThreadEpilogueOp {  // what GemmUniversalAdapter looks up; the epilogue's work is below
-    using ElementOutput = Element;
-    using ElementAccumulator = float;
-    using ElementCompute = float;
-  };
+  using Base = sm90::NoSmemEpilogueBase<Element>;
+  using typename Base::ElementAccumulator;
+  using typename Base::StrideC;
+  using typename Base::StrideD;
+  using typename Base::SharedStorage;
 
   struct Arguments {
     const Element* bias = nullptr;

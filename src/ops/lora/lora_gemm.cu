@@ -35,6 +35,7 @@
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/tensor.hpp"
 #include "lora_cuda.hpp"
+#include "ops/sm90_epilogue.cuh"
 #include "ops/cuda_common.cuh"
 #include "ops/pointwise/activations.cuh"
 
@@ -42,28 +43,13 @@ namespace fk::cuda {
 namespace {
 
 template <class Element>
-class LoraEpilogue {
+class LoraEpilogue : public sm90::NoSmemEpilogueBase<Element> {
  public:
-  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementC = Element;
-  using ElementD = Element;
-  using ElementOutput = Element;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
-  using StrideD = StrideC;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-
-  struct SharedStorage {};
-  using TensorStorage = SharedStorage;
-  struct ThreadEpilogueOp {  // what GemmUniversalAdapter looks up; the epilogue's work is below
-    using ElementOutput = Element;
-    using ElementAccumulator = float;
-    using ElementCompute = float;
-  };
+  using Base = sm90::NoSmemEpilogueBase<Element>;
+  using typename Base::ElementAccumulator;
+  using typename Base::StrideC;
+  using typename Base::StrideD;
+  using typename Base::SharedStorage;
 
   struct Arguments {
     const Element* left = nullptr;   // L [M, rank], row-major

@@ -1,0 +1,38 @@
+// The members CUTLASS's sm90 GEMM kernels (GemmUniversal + GemmUniversalAdapter) look up on a
+// collective epilogue, for hand-written epilogues that keep no shared memory and store straight
+// from the accumulator registers (NoSmemWarpSpecialized): glu_gemm.cu and lora_gemm.cu derive
+// their epilogues from it and add Arguments, Params and the per-tile work.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/epilogue/dispatch_policy.hpp>
+
+namespace fk::cuda::sm90 {
+
+template <class Element>
+struct NoSmemEpilogueBase {
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementC = Element;
+  using ElementD = Element;
+  using ElementOutput = Element;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using StrideD = StrideC;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+
+  struct SharedStorage {};
+  using TensorStorage = SharedStorage;
+  struct ThreadEpilogueOp {  // what GemmUniversalAdapter looks up; the epilogue's work is elsewhere
+    using ElementOutput = Element;
+    using ElementAccumulator = float;
+    using ElementCompute = float;
+  };
+};
+
+}  // namespace fk::cuda::sm90
