@@ -1,12 +1,15 @@
 // The members CUTLASS's sm90 GEMM kernels (GemmUniversal + GemmUniversalAdapter) look up on a
 // collective epilogue, for hand-written epilogues that keep no shared memory and store straight
 // from the accumulator registers (NoSmemWarpSpecialized): glu_gemm.cu and lora_gemm.cu derive
-// their epilogues from it and add Arguments, Params and the per-tile work.
+// their epilogues from it and add Arguments (= Params), can_implement and the per-tile work.
 #pragma once
 
 #include <cstdint>
 
+#include <cuda_runtime.h>
+
 #include <cute/tensor.hpp>
+#include <cutlass/cuda_host_adapter.hpp>
 #include <cutlass/epilogue/dispatch_policy.hpp>
 
 namespace fk::cuda::sm90 {
@@ -33,6 +36,21 @@ struct NoSmemEpilogueBase {
     using ElementAccumulator = float;
     using ElementCompute = float;
   };
+
+  // The host side of an epilogue whose Params are its Arguments and that needs no workspace.
+  template <class ProblemShape, class Args>
+  static constexpr Args to_underlying_arguments(ProblemShape const&, Args const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape, class Args>
+  static size_t get_workspace_size(ProblemShape const&, Args const&) {
+    return 0;
+  }
+  template <class ProblemShape, class Args>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Args const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
 };
 
 }  // namespace fk::cuda::sm90

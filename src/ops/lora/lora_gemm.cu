@@ -64,19 +64,6 @@ class LoraEpilogue : public sm90::NoSmemEpilogueBase<Element> {
   using Params = Arguments;
 
   template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.out != nullptr && args.rank >= 0 && args.rank <= 64 && args.rank % 16 == 0;
   }
