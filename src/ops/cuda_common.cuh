@@ -23,6 +23,14 @@ inline int multiprocessor_count() {
   return sms;
 }
 
+// Whether `device` is an sm_90 GPU (H100/H200): sm_90a code (wgmma, TMA) runs there only.
+inline bool is_sm90(int device) {
+  int major = 0, minor = 0;
+  FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
+
 // Calls f(T{}) with T = float, __nv_bfloat16 or __half for f32, bf16, f16.
 template <class F>
 void with_float_type(DType t, F&& f) {

@@ -8,9 +8,15 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include <cute/tensor.hpp>
 #include <cutlass/cuda_host_adapter.hpp>
 #include <cutlass/epilogue/dispatch_policy.hpp>
+
+#include "fusekit/core/cuda_check.hpp"
+#include "fusekit/core/error.hpp"
+#include "fusekit/core/tensor.hpp"
 
 namespace fk::cuda::sm90 {
 
@@ -52,5 +58,22 @@ struct NoSmemEpilogueBase {
     return cutlass::Status::kSuccess;
   }
 };
+
+// Runs a CUTLASS GemmUniversalAdapter `Gemm` on `args` (its workspace, if any, from fusekit's
+// allocator on `device`); a CUTLASS status other than success is an internal error naming `what`.
+template <class Gemm>
+void run_gemm(const typename Gemm::Arguments& args, Device device, const Stream* stream, const char* what) {
+  Gemm gemm;
+  const auto fail = [&](const char* step) { throw_internal((std::string(what) + ": " + step).c_str()); };
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) fail("the GEMM rejected a shape the dispatch accepted");
+  const std::size_t ws_bytes = Gemm::get_workspace_size(args);
+  Tensor workspace;
+  if (ws_bytes > 0) workspace = Tensor::empty({static_cast<std::int64_t>(ws_bytes)}, DType::u8, device, stream);
+  const cudaStream_t s = fk::detail::cuda_stream(stream);
+  if (gemm.initialize(args, ws_bytes > 0 ? workspace.data() : nullptr, s) != cutlass::Status::kSuccess)
+    fail("initializing the GEMM failed");
+  if (gemm.run(s) != cutlass::Status::kSuccess) fail("launching the GEMM failed");
+  FK_CUDA_CHECK_LAUNCH(what);
+}
 
 }  // namespace fk::cuda::sm90

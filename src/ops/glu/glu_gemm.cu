@@ -411,25 +411,7 @@ void run_fused(const TensorView& x, const TensorView& w, const TensorView* bias,
        n2 % 8 == 0 && aligned16(out.data()) && (dy == nullptr || aligned16(dy->data())),
        db_partial ? static_cast<float*>(db_partial->data()) : nullptr},
       hw};
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    throw_internal("glu: the fused GEMM rejected a shape the dispatch accepted");
-  const std::size_t ws_bytes = Gemm::get_workspace_size(args);
-  Tensor workspace;
-  if (ws_bytes > 0)
-    workspace = Tensor::empty({static_cast<std::int64_t>(ws_bytes)}, DType::u8, x.device(), stream);
-  const cudaStream_t s = fk::detail::cuda_stream(stream);
-  if (gemm.initialize(args, ws_bytes > 0 ? workspace.data() : nullptr, s) != cutlass::Status::kSuccess)
-    throw_internal("glu: initializing the fused GEMM failed");
-  if (gemm.run(s) != cutlass::Status::kSuccess) throw_internal("glu: launching the fused GEMM failed");
-  FK_CUDA_CHECK_LAUNCH("glu_forward (fused GEMM)");
-}
-
-bool is_hopper(int device) {
-  int major = 0, minor = 0;
-  FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
+  sm90::run_gemm<Gemm>(args, x.device(), stream, "glu_forward (fused GEMM)");
 }
 
 }  // namespace
@@ -446,7 +428,7 @@ bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* 
   if (bias != nullptr && !aligned16(bias->data())) return false;  // read in 2-element pairs
   if (x.size(0) > INT32_MAX / 2 || w.size(0) > INT32_MAX / 2 || k > INT32_MAX / 2) return false;
   const fk::detail::DeviceScope on_device(x.device().index);
-  if (!is_hopper(x.device().index)) return false;
+  if (!is_sm90(x.device().index)) return false;
   // More than two waves of 128 x 256 tiles: ping-pong.
   const std::int64_t tiles = ((x.size(0) + 127) / 128) * ((w.size(0) + 255) / 256);
   const bool many = tiles > 2 * static_cast<std::int64_t>(multiprocessor_count());

@@ -298,25 +298,7 @@ void run_fused(const LoraGemmArgs& a, const Stream* stream) {
        static_cast<Element*>(a.out.data()), a.preact ? static_cast<Element*>(a.preact->data()) : nullptr, a.act,
        a.lowrank_ffma},
       hw};
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-    throw_internal("lora: the fused GEMM rejected a shape the dispatch accepted");
-  const std::size_t ws_bytes = Gemm::get_workspace_size(args);
-  Tensor workspace;
-  if (ws_bytes > 0)
-    workspace = Tensor::empty({static_cast<std::int64_t>(ws_bytes)}, DType::u8, a.out.device(), stream);
-  const cudaStream_t s = fk::detail::cuda_stream(stream);
-  if (gemm.initialize(args, ws_bytes > 0 ? workspace.data() : nullptr, s) != cutlass::Status::kSuccess)
-    throw_internal("lora: initializing the fused GEMM failed");
-  if (gemm.run(s) != cutlass::Status::kSuccess) throw_internal("lora: launching the fused GEMM failed");
-  FK_CUDA_CHECK_LAUNCH("lora (fused GEMM)");
-}
-
-bool is_hopper(int device) {
-  int major = 0, minor = 0;
-  FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
+  sm90::run_gemm<Gemm>(args, a.out.device(), stream, "lora (fused GEMM)");
 }
 
 template <class Element>
@@ -340,7 +322,7 @@ bool lora_gemm_fused(const LoraGemmArgs& a, const Stream* stream) {
   // rb = 0 (no rank-r term) only serves the bench's breakdown.
   if (a.lowrank_left.size(1) % 16 != 0 || a.lowrank_right.size(1) != a.lowrank_left.size(1)) return false;
   const fk::detail::DeviceScope on_device(a.out.device().index);
-  if (!is_hopper(a.out.device().index)) return false;
+  if (!is_sm90(a.out.device().index)) return false;
   // Automatic: ping-pong, the schedule measured on the H100 (docs/lora.md); the cooperative one is
   // built for the bench's comparison and not yet measured.
   const bool coop = a.tile == LoraTile::cooperative;

@@ -58,6 +58,7 @@
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/tensor.hpp"
+#include "ops/cuda_common.cuh"
 #include "ops/sm90_async.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -423,10 +424,7 @@ bool attention_forward_sm90(const TensorView& q, const TensorView& k, const Tens
     if (reinterpret_cast<std::uintptr_t>(x->data()) % 16 != 0) return false;
   const int device = q.device().index;
   fk::detail::DeviceScope on_device(device);
-  int major = 0, minor = 0;
-  FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major != 9 || minor != 0) return false;
+  if (!is_sm90(device)) return false;
 
   Params p{};
   p.out = out.data();

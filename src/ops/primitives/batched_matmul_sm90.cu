@@ -151,10 +151,7 @@ bool batched_matmul_sm90(const TensorView& a, const TensorView& b, const TensorV
   for (const TensorView* t : {&a, &b, &c})
     if (reinterpret_cast<std::uintptr_t>(t->data()) % 16 != 0) return false;
   const int device = a.device().index;
-  int major = 0, minor = 0;
-  FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major != 9 || minor != 0) return false;  // sm_90a code runs on sm_90 only
+  if (!is_sm90(device)) return false;  // sm_90a code runs on sm_90 only
 
   switch (a.dtype()) {
     case DType::bf16: return run_sm90_for_c<cutlass::bfloat16_t, DefaultSchedule>(a, b, c, stream);
