@@ -173,7 +173,7 @@ __device__ __forceinline__ void mma_16816_first(float (&c)[4], const std::uint32
 
 // Resident CTAs an SM must hold: 2 (128 registers a thread; at 80 registers, 3 CTAs an SM, the
 // kernel spills in its main loop).
-constexpr int min_ctas(int, int, bool) { return 2; }
+constexpr int min_ctas(int mt, int ku, bool group64) { return mt == 1 && ku == 1 && group64 ? 3 : 2; }
 
 // x in shared memory, in fragment order: per row and k-tile, the 32 pairs of values (k = 2w, 2w + 1
 // for pair w = 16 b + 8 h + 4 hi + t: half b, k16 step h, fragment register hi, lane column t) at
@@ -255,7 +255,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
   {  // x [m, kt_cta * 64 .. + tiles_cta * 64) -> xs in fragment order, zero beyond K; row m zero
     const int chunks_per_row = tiles_cta * 8;  // 16-byte chunks: 8 values, pairs 4 c .. 4 c + 3
     const int chunks = p.m * chunks_per_row;
-    constexpr int kAhead = 4;  // loads issued together (one round trip per kAhead chunks a thread)
+    // Loads issued together: one round trip per kAhead chunks a thread (M <= 16 with 8 splits of
+    // K = 8192: 8 chunks a thread, one round trip).
+    constexpr int kAhead = MT == 1 ? 4 : 8;
     for (int c0 = tid; c0 < chunks; c0 += kAhead * kThreads) {
       uint4 v[kAhead];
 #pragma unroll
