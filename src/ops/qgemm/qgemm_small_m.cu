@@ -319,10 +319,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
           sf[i][j] = scale_to_float<T>(bt.s[hb][i][j]);
         }
       // Σ x · (q - z) over the k16 steps of this group entry, then scaled once per row.
-      // M <= 8, two k-tiles a batch: two accumulator chains (the two k16 steps of each half), so that consecutive mmas
-      // of a tile do not wait for each other; added before the scale.
-      constexpr int kChains = MT == 1 && KU == 2 ? 2 : 1;
-      float part[kChains][kNT][MT][4];
+      float part[kNT][MT][4];
 #pragma unroll
       for (int u = 0; u < KU; ++u)
 #pragma unroll
@@ -348,11 +345,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
 #pragma unroll
               for (int mt = 0; mt < MT; ++mt) {
                 const std::uint32_t b0 = h == 0 ? xv[mt].x : xv[mt].z, b1 = h == 0 ? xv[mt].y : xv[mt].w;
-                const int ch = h % kChains;
-                if (u == 0 && bb == 0 && h == ch)
-                  mma_16816_first<T>(part[ch][i][mt], a, b0, b1);
+                if (u == 0 && bb == 0 && h == 0)
+                  mma_16816_first<T>(part[i][mt], a, b0, b1);
                 else
-                  mma_16816<T>(part[ch][i][mt], a, b0, b1);
+                  mma_16816<T>(part[i][mt], a, b0, b1);
               }
             }
           }
@@ -363,10 +359,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const float sum = kChains == 2 ? part[0][i][mt][r] + part[kChains - 1][i][mt][r] : part[0][i][mt][r];
-            acc[i][mt][r] = fmaf(sf[i][r / 2], sum, acc[i][mt][r]);
-          }
+          for (int r = 0; r < 4; ++r) acc[i][mt][r] = fmaf(sf[i][r / 2], part[i][mt][r], acc[i][mt][r]);
     }
   };
 
@@ -534,12 +527,8 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
   const DeviceFacts f = device_facts(device);
   const int by_regs = resident_by_registers(kernel, device, f);
   int most = f.major >= 9 ? std::min(kMaxSplits, std::max(1, k_tiles / (kWarpsK * KU))) : 1;
-  // FK_QGEMM_SPLITS=S: only S splits (for measurements; read once).
-  static const int env_splits = [] {
-    const char* e = std::getenv("FK_QGEMM_SPLITS");
-    return e != nullptr ? std::atoi(e) : 0;
-  }();
-  const int only = f.major >= 9 ? env_splits : 0;
+  int only = 0;  // FK_QGEMM_SPLITS: a fixed split, for measurements
+  if (const char* e = std::getenv("FK_QGEMM_SPLITS"); e != nullptr && f.major >= 9) only = std::atoi(e);
   long best = -1;
   bool one_wave = false;
   for (int s = most; s >= 1; --s) {
@@ -623,11 +612,8 @@ bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorV
   // that is a multiple of 128 (more than one group) one per batch of two k-tiles.
   const bool group64 = qw.groups() == 1 || qw.group % 64 == 0;
   const bool group128 = qw.groups() > 1 && qw.group % 128 == 0;
-  // FK_QGEMM_KU=1: one k-tile a batch everywhere (for measurements; read once).
-  static const int ku = [] {
-    const char* e = std::getenv("FK_QGEMM_KU");
-    return e != nullptr && std::atoi(e) == 1 ? 1 : 2;
-  }();
+  int ku = 2;  // FK_QGEMM_KU=1: one k-tile a batch everywhere (measurements)
+  if (const char* e = std::getenv("FK_QGEMM_KU"); e != nullptr) ku = std::atoi(e);
   bool done = false;
   with_float_type(qw.dtype, [&](auto tag) {
     using T = decltype(tag);
