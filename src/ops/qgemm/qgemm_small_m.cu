@@ -9,19 +9,24 @@
 //   - a CTA is 8 warps, kWarpsN along N (kNT 16-row tiles each) x kWarpsK along K (4 x 2 for
 //     M <= 8, 8 x 1 for M <= 16: CtaShape); it owns kBN = 128 or 256 rows and a chunk of K; the
 //     grid's y dimension splits K further (S chunks);
-//   - each lane keeps two batches of kU k-tiles x kNT tiles of 16-byte words in flight
-//     (ld.global.nc.L1::no_allocate.v4: the words are read once), issued one batch ahead of the
-//     math, plus the scales and zero points of those k-tiles (read through L1: 16 rows share a
-//     32-byte sector);
-//   - x [M, chunk] is staged once per CTA in shared memory (cp.async, zero beyond K), read as the
-//     mma's B fragments (rows padded by 16 bytes: no bank conflicts);
-//   - dequantization as in the tensor-core path (qgemm_device.cuh): bit-identical to
-//     dequantize_weights, fp32 accumulators.
+//   - each lane keeps two batches of KU k-tiles x kNT tiles of 16-byte words in flight
+//     (ld.global.nc.L1::no_allocate.v4: the words are read once), both issued before x is staged,
+//     then each refilled right after its math, plus the scales and zero points of those k-tiles
+//     (read through L1: 16 rows share a 32-byte sector). KU = 2 where a group is a multiple of 128
+//     (one scale and zero point per batch: the centering constants and the scaling once per
+//     group), else 1;
+//   - x [M, chunk] is staged once per CTA in shared memory in fragment order (each lane's B
+//     fragments of a 32-wide half are one 16-byte load), zero beyond K, with a zero row for the
+//     lanes whose row of x does not exist (no predicates in the main loop);
+//   - dequantization to q - z exactly (centered_word), the scale applied in fp32 once per group
+//     entry, fp32 accumulators.
 // Split-K is reduced without a workspace and deterministically: the warps of a CTA put their fp32
-// partials in shared memory, and on sm_90 the S CTAs of one 128-row block form a thread-block
+// partials in shared memory, and on sm_90 the S CTAs of one block of rows form a thread-block
 // cluster (1 x S x 1, S <= 8) whose CTA rank r sums rows r·kBN/S.. of all S·kWarpsK partials through
 // distributed shared memory, always in the order (split, warp), then rounds and writes y once.
-// On sm_80 (no clusters) S = 1.
+// The last cluster barrier is arrive.release after every read of another CTA's shared memory and
+// wait.acquire before the CTA exits, so no CTA leaves (its shared memory released) while a peer
+// still reads it; y is stored between the two. On sm_80 (no clusters) S = 1.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -171,8 +176,9 @@ __device__ __forceinline__ void mma_16816_first(float (&c)[4], const std::uint32
   }
 }
 
-// Resident CTAs an SM must hold: 2 (128 registers a thread; at 80 registers, 3 CTAs an SM, the
-// kernel spills in its main loop).
+// Resident CTAs an SM must hold (the register budget): 3 (80 registers a thread, no spills on
+// sm_90a) for one k-tile a batch at M <= 8 with groups of 64+; 2 (128 registers) otherwise (two
+// k-tiles a batch take 113 at M <= 8; M <= 16 holds twice the accumulators).
 constexpr int min_ctas(int mt, int ku, bool group64) { return mt == 1 && ku == 1 && group64 ? 3 : 2; }
 
 // x in shared memory, in fragment order: per row and k-tile, the 32 pairs of values (k = 2w, 2w + 1
@@ -527,8 +533,12 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
   const DeviceFacts f = device_facts(device);
   const int by_regs = resident_by_registers(kernel, device, f);
   int most = f.major >= 9 ? std::min(kMaxSplits, std::max(1, k_tiles / (kWarpsK * KU))) : 1;
-  int only = 0;  // FK_QGEMM_SPLITS: a fixed split, for measurements
-  if (const char* e = std::getenv("FK_QGEMM_SPLITS"); e != nullptr && f.major >= 9) only = std::atoi(e);
+  // FK_QGEMM_SPLITS=S: only S splits (for measurements; read once).
+  static const int env_splits = [] {
+    const char* e = std::getenv("FK_QGEMM_SPLITS");
+    return e != nullptr ? std::atoi(e) : 0;
+  }();
+  const int only = f.major >= 9 ? env_splits : 0;
   long best = -1;
   bool one_wave = false;
   for (int s = most; s >= 1; --s) {
@@ -612,8 +622,11 @@ bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorV
   // that is a multiple of 128 (more than one group) one per batch of two k-tiles.
   const bool group64 = qw.groups() == 1 || qw.group % 64 == 0;
   const bool group128 = qw.groups() > 1 && qw.group % 128 == 0;
-  int ku = 2;  // FK_QGEMM_KU=1: one k-tile a batch everywhere (measurements)
-  if (const char* e = std::getenv("FK_QGEMM_KU"); e != nullptr) ku = std::atoi(e);
+  // FK_QGEMM_KU=1: one k-tile a batch everywhere (for measurements; read once).
+  static const int ku = [] {
+    const char* e = std::getenv("FK_QGEMM_KU");
+    return e != nullptr && std::atoi(e) == 1 ? 1 : 2;
+  }();
   bool done = false;
   with_float_type(qw.dtype, [&](auto tag) {
     using T = decltype(tag);
