@@ -240,6 +240,55 @@ INSTANTIATE_TEST_SUITE_P(
                       Shape{12, 384, 1344, 32, DType::f16}, Shape{5, 700, 2880, 64, DType::f16},
                       Shape{8, 2304, 4096, 128, DType::bf16}, Shape{16, 40, 65536, 128, DType::f16}));
 
+// The bench's shapes (bench/qgemm.cu: M 1 and 16, group 128), so that the exact split-K plans the
+// bench takes (clusters of up to 8 CTAs, N = 11008 not a multiple of the 128- or 256-row blocks)
+// are checked against the spec, and then run many times, on two streams at once (clusters of two
+// grids side by side, different timing from run to run): every result must be the first one's bytes.
+TEST(QgemmGpu, BenchShapesRepeatedOnTwoStreams) {
+  FK_SKIP_WITHOUT_GPU();
+  struct Case {
+    std::int64_t n, k;
+    DType dt;
+  };
+  const Case cases[] = {{4096, 4096, DType::f16}, {11008, 4096, DType::f16}, {8192, 8192, DType::f16},
+                        {11008, 4096, DType::bf16}};
+  const Device gpu = Device::cuda();
+  const Stream s0 = Stream::create(gpu), s1 = Stream::create(gpu);
+  for (const Case& c : cases) {
+    const Tensor w = test::random_tensor({c.n, c.k}, c.dt, kCpu, static_cast<std::uint64_t>(c.n + c.k), -1.f, 1.f);
+    const QuantizedWeight qw_host = quantize_weights(w, 128);
+    const QuantizedWeight qw = qw_host.copy_to(gpu);
+    const Tensor x_host = test::random_tensor({16, c.k}, c.dt, kCpu, static_cast<std::uint64_t>(c.n), -1.f, 1.f);
+    Tensor ref = Tensor::empty({16, c.n}, DType::f32, kCpu);
+    reference::qgemm(x_host, qw_host, ref);
+    for (std::int64_t m : {1, 16}) {
+      const Tensor x = Tensor::empty({m, c.k}, c.dt, gpu);
+      copy(x, x_host.view().slice_rows(0, m));
+      const Tensor y0 = Tensor::empty({m, c.n}, c.dt, gpu);
+      test::poison(y0);
+      qgemm(x, qw, y0, &s0);
+      s0.synchronize();
+      const Tensor first = test::to_host(y0);
+      EXPECT_LE(rel_err(first, ref.view().slice_rows(0, m)), 5e-3) << "M " << m << " N " << c.n << " K " << c.k;
+      constexpr int kRuns = 40;
+      std::vector<Tensor> ys;
+      for (int r = 0; r < kRuns; ++r) {
+        ys.push_back(Tensor::empty({m, c.n}, c.dt, gpu));
+        test::poison(ys.back());
+      }
+      for (int r = 0; r < kRuns; ++r) qgemm(x, qw, ys[static_cast<std::size_t>(r)], r % 2 == 0 ? &s0 : &s1);
+      s0.synchronize();
+      s1.synchronize();
+      int differing = 0;
+      for (const Tensor& y : ys) {
+        const Tensor got = test::to_host(y);
+        differing += std::memcmp(got.data(), first.data(), got.nbytes()) != 0;
+      }
+      EXPECT_EQ(differing, 0) << "runs (of " << kRuns << ") unlike the first, M " << m << " N " << c.n << " K " << c.k;
+    }
+  }
+}
+
 TEST(QgemmGpuLayout, QuantizeOnGpuMatchesHost) {
   FK_SKIP_WITHOUT_GPU();
   const Tensor w = test::random_tensor({33, 256}, DType::bf16, kCpu, 5);

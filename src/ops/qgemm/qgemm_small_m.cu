@@ -9,24 +9,30 @@
 //   - a CTA is 8 warps, kWarpsN along N (kNT 16-row tiles each) x kWarpsK along K (4 x 2 for
 //     M <= 8, 8 x 1 for M <= 16: CtaShape); it owns kBN = 128 or 256 rows and a chunk of K; the
 //     grid's y dimension splits K further (S chunks);
-//   - each lane keeps two batches of kU k-tiles x kNT tiles of 16-byte words in flight
-//     (ld.global.nc.L1::no_allocate.v4: the words are read once), issued one batch ahead of the
-//     math, plus the scales and zero points of those k-tiles (read through L1: 16 rows share a
-//     32-byte sector);
-//   - x [M, chunk] is staged once per CTA in shared memory (cp.async, zero beyond K), read as the
-//     mma's B fragments (rows padded by 16 bytes: no bank conflicts);
-//   - dequantization as in the tensor-core path (qgemm_device.cuh): bit-identical to
-//     dequantize_weights, fp32 accumulators.
+//   - each lane keeps two batches of KU k-tiles x kNT tiles of 16-byte words in flight
+//     (ld.global.nc.L1::no_allocate.v4: the words are read once), both issued before x is staged,
+//     then each refilled right after its math, plus the scales and zero points of those k-tiles
+//     (read through L1: 16 rows share a 32-byte sector). KU = 2 where a group is a multiple of 128
+//     (one scale and zero point per batch: the centering constants and the scaling once per
+//     group), else 1;
+//   - x [M, chunk] is staged once per CTA in shared memory in fragment order (each lane's B
+//     fragments of a 32-wide half are one 16-byte load), zero beyond K, with a zero row for the
+//     lanes whose row of x does not exist (no predicates in the main loop);
+//   - dequantization to q - z exactly (centered_word), the scale applied in fp32 once per group
+//     entry, fp32 accumulators.
 // Split-K is reduced without a workspace and deterministically: the warps of a CTA put their fp32
-// partials in shared memory, and on sm_90 the S CTAs of one 128-row block form a thread-block
+// partials in shared memory, and on sm_90 the S CTAs of one block of rows form a thread-block
 // cluster (1 x S x 1, S <= 8) whose CTA rank r sums rows r·kBN/S.. of all S·kWarpsK partials through
 // distributed shared memory, always in the order (split, warp), then rounds and writes y once.
-// On sm_80 (no clusters) S = 1.
+// The last cluster barrier is arrive.release after every read of another CTA's shared memory and
+// wait.acquire before the CTA exits, so no CTA leaves (its shared memory released) while a peer
+// still reads it; y is stored between the two. On sm_80 (no clusters) S = 1.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -45,7 +51,6 @@ using namespace qgemm_device;
 namespace cg = cooperative_groups;
 
 constexpr int kNT = 2;                   // 16-row tiles per warp
-constexpr int kU = 1;                    // k-tiles (64 of K) per batch of loads
 constexpr int kThreads = 256;
 constexpr int kMaxSplits = 8;            // portable cluster size
 
@@ -70,10 +75,10 @@ struct SmallMParams {
   const std::uint32_t* zero;    // [groups, n_pad / 8]
   T* y;                         // [m, n]
   int m, n, k, n_pad, groups;
-  int halves_per_group;         // group / 32 (k_pad / 32 for one group per row)
+  int units_per_group;          // groups of 64+: k-tiles per group; else 32-wide halves (k_pad / 64 or / 32 for one group per row)
   int k_tiles;                  // k_pad / 64
-  int tiles_per_warp;           // k-tiles per warp; a CTA covers kWarpsK of them, split z of the grid's y
-  int x_stride;                 // halves per row of x in shared memory: kWarpsK * tiles_per_warp * 64 + 8
+  int tiles_per_warp;           // k-tiles per warp; a CTA covers kWarpsK of them, split y of the grid's y
+  int x_stride;                 // pairs of values per row of x in shared memory: kWarpsK * tiles_per_warp * 32 + kXPad
 };
 
 __device__ __forceinline__ uint4 load_l1(const uint4* p) {
@@ -97,14 +102,14 @@ __device__ __forceinline__ int4 load_streaming(const int4* p) {
   return v;
 }
 
-// One batch of a lane's loads: kU k-tiles x kNT tiles of words, and per k-tile and group-half hb
-// (one when a group spans whole k-tiles) the zero words of the warp's 2 * kNT 8-row blocks and the
-// scales of the lane's rows g, g + 8 of each tile.
-template <int H>
+// One batch of a lane's loads: KU k-tiles x kNT tiles of words, and per group entry (H: one when
+// the batch lies in one group, else one per 32-wide half of its k-tile) the zero words of the
+// warp's 2 * kNT 8-row blocks and the scales of the lane's rows g, g + 8 of each tile.
+template <int KU, int H>
 struct Batch {
-  int4 w[kU][kNT];
-  uint4 z[kU][H];  // kNT == 2: zero words of 8-row blocks 0..3 of the warp
-  unsigned short s[kU][H][kNT][2];
+  int4 w[KU][kNT];
+  uint4 z[H];  // kNT == 2: zero words of 8-row blocks 0..3 of the warp
+  unsigned short s[H][kNT][2];
 };
 
 // q - z for the 8 values of one word, as the four mma fragment registers (register i: nibbles i and
@@ -171,19 +176,29 @@ __device__ __forceinline__ void mma_16816_first(float (&c)[4], const std::uint32
   }
 }
 
-// Resident CTAs an SM must hold (the register budget: 80 or 128 a thread): 3 where the kernel fits
-// in 80 registers without spilling.
-constexpr int min_ctas(int mt, bool group64) { return mt == 1 && group64 ? 3 : 2; }
+// Resident CTAs an SM must hold (the register budget): 3 (80 registers a thread, no spills on
+// sm_90a) for one k-tile a batch at M <= 8 with groups of 64+; 2 (128 registers) otherwise (two
+// k-tiles a batch take 113 at M <= 8; M <= 16 holds twice the accumulators).
+constexpr int min_ctas(int mt, int ku, bool group64) { return mt == 1 && ku == 1 && group64 ? 3 : 2; }
 
-template <class T, int MT, bool GROUP64>
-__global__ void __launch_bounds__(kThreads, min_ctas(MT, GROUP64)) qgemm_small_m_kernel(const SmallMParams<T> p) {
+// x in shared memory, in fragment order: per row and k-tile, the 32 pairs of values (k = 2w, 2w + 1
+// for pair w = 16 b + 8 h + 4 hi + t: half b, k16 step h, fragment register hi, lane column t) at
+// position 8 t + 4 b + 2 h + hi, so that lane (g, t) reads its B fragments of a 32-wide half with
+// one 16-byte load. Rows are kXPad pairs longer than the chunk (stride = 4 mod 8 pairs: the two
+// rows one quarter-warp reads land in disjoint banks); row m is zero and serves the lanes whose
+// row of x does not exist (no predicates in the main loop).
+constexpr int kXPad = 4;
+
+template <class T, int MT, int KU, bool GROUP64>
+__global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_small_m_kernel(const SmallMParams<T> p) {
   constexpr int kWarpsN = CtaShape<MT>::WN, kWarpsK = CtaShape<MT>::WK, kBN = CtaShape<MT>::BN;
-  constexpr int H = GROUP64 ? 1 : 2;  // group halves per k-tile with their own scales
+  constexpr int H = GROUP64 ? 1 : 2;  // group entries per batch with their own scales
   constexpr int MP = MT * 8;          // columns of yᵀ per mma tile row
   static_assert(kNT == 2, "one 16-byte load of zero words covers the warp's 4 blocks of 8 rows");
+  static_assert(KU == 1 || GROUP64, "a batch of several k-tiles lies in one group");
   extern __shared__ int4 smem[];
-  T* xs = reinterpret_cast<T*>(smem);            // [m][x_stride]: x of the CTA's chunk
-  float* red = reinterpret_cast<float*>(smem);   // [kWarpsK][MP][kBN] after the main loop (aliases xs)
+  std::uint32_t* xs = reinterpret_cast<std::uint32_t*>(smem);  // [m + 1][x_stride] pairs, fragment order
+  float* red = reinterpret_cast<float*>(smem);  // [kWarpsK][MP][kBN] after the main loop (aliases xs)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wn = warp % kWarpsN, wk = warp / kWarpsN;
@@ -195,65 +210,92 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, GROUP64)) qgemm_small_m
   const int nt0 = blockIdx.x * (kWarpsN * kNT) + wn * kNT;  // first 16-row tile of the warp
   const int tiles_n = p.n_pad / 16;
 
-  // Loads of the batch starting at k-tile kt0 + base. The group of each k-tile half comes from a
-  // running (group, half within it) pair and pointers, advanced in k order; the group stops at the
-  // last one (padding beyond K: x is 0 there).
+  // Loads of the batch starting at k-tile kt0 + base (KU k-tiles; tiles_per_warp is a multiple of
+  // KU and, for KU > 1, of the k-tiles a group spans is a multiple of KU: a batch is all in or out
+  // of range and in one group). The group comes from a running counter and pointers, advanced in k
+  // order. Groups of 64+ (GROUP64) never run past the last group: K is a multiple of the group
+  // there, or there is one group. Otherwise (groups of 32 or 96, ...) entries go by 32-wide halves
+  // and stop at the last group (the padding beyond K: x is 0 there).
   const int4* wptr = p.words + (static_cast<std::int64_t>(kt0) * tiles_n + nt0) * 32 + lane;
   const std::int64_t wstep = static_cast<std::int64_t>(tiles_n) * 32;
-  int grp = min((kt0 * 2) / p.halves_per_group, p.groups - 1), half_in_grp = (kt0 * 2) % p.halves_per_group;
+  const int unit0 = GROUP64 ? kt0 : kt0 * 2;  // k-tiles or halves
+  int grp = min(unit0 / p.units_per_group, p.groups - 1), in_grp = unit0 % p.units_per_group;
   const unsigned short* sptr = p.scale + static_cast<std::int64_t>(grp) * p.n_pad + nt0 * 16 + g;
   const uint4* zptr = reinterpret_cast<const uint4*>(p.zero + static_cast<std::int64_t>(grp) * (p.n_pad / 8) + nt0 * 2);
-  auto load = [&](Batch<H>& b, int base) {
+  auto advance = [&](int units) {
+    in_grp += units;
+    if (in_grp == p.units_per_group) {
+      in_grp = 0;
+      if (GROUP64 || grp < p.groups - 1) {
+        ++grp;
+        sptr += p.n_pad;
+        zptr += p.n_pad / 32;
+      }
+    }
+  };
+  auto load = [&](Batch<KU, H>& b, int base) {
+    if (base < nk) {
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (base + u < nk) {
+      for (int u = 0; u < KU; ++u) {
 #pragma unroll
         for (int i = 0; i < kNT; ++i) b.w[u][i] = load_streaming(wptr + i * 32);
         wptr += wstep;
+      }
 #pragma unroll
-        for (int hb = 0; hb < H; ++hb) {
-          b.z[u][hb] = load_l1(zptr);
+      for (int hb = 0; hb < H; ++hb) {
+        b.z[hb] = load_l1(zptr);
 #pragma unroll
-          for (int i = 0; i < kNT; ++i)
+        for (int i = 0; i < kNT; ++i)
 #pragma unroll
-            for (int j = 0; j < 2; ++j) b.s[u][hb][i][j] = load_l1(sptr + i * 16 + j * 8);
-          // Advance by the halves this entry covers (2 when one entry serves the whole k-tile).
-#pragma unroll
-          for (int a = 0; a < 2 / H; ++a)
-            if (++half_in_grp == p.halves_per_group) {
-              half_in_grp = 0;
-              if (grp < p.groups - 1) {
-                ++grp;
-                sptr += p.n_pad;
-                zptr += p.n_pad / 32;
-              }
-            }
-        }
+          for (int j = 0; j < 2; ++j) b.s[hb][i][j] = load_l1(sptr + i * 16 + j * 8);
+        advance(GROUP64 ? KU : 1);
       }
     }
   };
 
-  Batch<H> cur, nxt;
-  load(cur, 0);  // the first weights are on their way while x is staged
+  Batch<KU, H> cur, nxt;
+  // The first two batches are on their way while x is staged.
+  load(cur, 0);
+  load(nxt, KU);
 
-  {  // x [m, kt_cta * 64 .. + tiles_cta * 64) -> xs, zero beyond K
-    const int chunks_per_row = tiles_cta * 8;
-    const std::uint32_t sx = static_cast<std::uint32_t>(__cvta_generic_to_shared(xs));
-    for (int c = tid; c < p.m * chunks_per_row; c += kThreads) {
-      const int row = c / chunks_per_row, col = (c % chunks_per_row) * 8, gk = kt_cta * 64 + col;
-      const bool in = gk < p.k;
-      const T* src = in ? p.x + static_cast<std::int64_t>(row) * p.k + gk : p.x;
-      cp_async_16(sx + (row * p.x_stride + col) * 2, src, in ? 16 : 0);
+  {  // x [m, kt_cta * 64 .. + tiles_cta * 64) -> xs in fragment order, zero beyond K; row m zero
+    const int chunks_per_row = tiles_cta * 8;  // 16-byte chunks: 8 values, pairs 4 c .. 4 c + 3
+    const int chunks = p.m * chunks_per_row;
+    // Loads issued together: one round trip per kAhead chunks a thread (M <= 16 with 8 splits of
+    // K = 8192: 8 chunks a thread, one round trip).
+    constexpr int kAhead = MT == 1 ? 4 : 8;
+    for (int c0 = tid; c0 < chunks; c0 += kAhead * kThreads) {
+      uint4 v[kAhead];
+#pragma unroll
+      for (int a = 0; a < kAhead; ++a) {
+        const int c = c0 + a * kThreads, row = c / chunks_per_row, gk = kt_cta * 64 + (c % chunks_per_row) * 8;
+        v[a] = make_uint4(0u, 0u, 0u, 0u);
+        if (c < chunks && gk < p.k)
+          v[a] = load_l1(reinterpret_cast<const uint4*>(p.x + static_cast<std::int64_t>(row) * p.k + gk));
+      }
+#pragma unroll
+      for (int a = 0; a < kAhead; ++a) {
+        const int c = c0 + a * kThreads, row = c / chunks_per_row, cc = c % chunks_per_row;
+        if (c >= chunks) break;
+        // pairs w0 .. w0 + 3 of k-tile cc / 8 (w0 = 4 (cc % 8)): lane column t = 0..3 at 8 t + w0 / 4
+        std::uint32_t* dst = xs + row * p.x_stride + (cc / 8) * 32 + cc % 8;
+        dst[0] = v[a].x;
+        dst[8] = v[a].y;
+        dst[16] = v[a].z;
+        dst[24] = v[a].w;
+      }
     }
-    cp_async_commit();
-    cp_async_wait<0>();
+    for (int c = tid; c < p.x_stride / 4; c += kThreads)
+      reinterpret_cast<uint4*>(xs + p.m * p.x_stride)[c] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();
   }
-  // This lane's B-fragment rows of x (g, g + 8), as pairs of values, at k = 2t.
-  const std::uint32_t* xrow[MT];
+  // This lane's B-fragment rows of x (g, g + 8; row m, all zero, where they do not exist), at the
+  // warp's first k-tile and column t.
+  const uint4* xrow[MT];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-    xrow[mt] = reinterpret_cast<const std::uint32_t*>(xs) + (g + 8 * mt) * (p.x_stride / 2) + t;
+    xrow[mt] = reinterpret_cast<const uint4*>(xs + min(g + 8 * mt, p.m) * p.x_stride + wk * p.tiles_per_warp * 32 +
+                                              t * 8);
 
   float acc[kNT][MT][4];
 #pragma unroll
@@ -264,42 +306,35 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, GROUP64)) qgemm_small_m
       for (int r = 0; r < 4; ++r) acc[i][mt][r] = 0.0f;
 
   // The math of the batch at k-tile kt0 + base (loaded into bt).
-  auto compute = [&](const Batch<H>& bt, int base) {
+  auto compute = [&](const Batch<KU, H>& bt, int base) {
+    if (base >= nk) return;
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (base + u >= nk) break;
-      const unsigned xk = static_cast<unsigned>(wk * p.tiles_per_warp + base + u) * 32;  // the k-tile in xs, in pairs
+    for (int hb = 0; hb < H; ++hb) {
+      // Per tile row g, g + 8 (block i * 2 + j of the warp): the centering constants of its zero
+      // point and its scale, for this group entry.
+      std::uint32_t c0[kNT][2], c1[kNT][2];
+      float sf[kNT][2];
+      const uint4 zw = bt.z[hb];
 #pragma unroll
-      for (int hb = 0; hb < H; ++hb) {
-        // Per tile row g, g + 8 (block i * 2 + j of the warp): the centering constants of its zero
-        // point and its scale, for this group.
-        std::uint32_t c0[kNT][2], c1[kNT][2];
-        float sf[kNT][2];
-        const uint4 zw = bt.z[u][hb];
+      for (int i = 0; i < kNT; ++i)
 #pragma unroll
-        for (int i = 0; i < kNT; ++i)
+        for (int j = 0; j < 2; ++j) {
+          const int blk = i * 2 + j;
+          const std::uint32_t zword = blk == 0 ? zw.x : blk == 1 ? zw.y : blk == 2 ? zw.z : zw.w;
+          centering_constants<T>((zword >> (4 * g)) & 0xFu, c0[i][j], c1[i][j]);
+          sf[i][j] = scale_to_float<T>(bt.s[hb][i][j]);
+        }
+      // Σ x · (q - z) over the k16 steps of this group entry, then scaled once per row.
+      float part[kNT][MT][4];
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int blk = i * 2 + j;
-            const std::uint32_t zword = blk == 0 ? zw.x : blk == 1 ? zw.y : blk == 2 ? zw.z : zw.w;
-            centering_constants<T>((zword >> (4 * g)) & 0xFu, c0[i][j], c1[i][j]);
-            sf[i][j] = scale_to_float<T>(bt.s[u][hb][i][j]);
-          }
-        // Σ x · (q - z) over the k16 steps of this group entry, then scaled once per row.
-        float part[kNT][MT][4];
+      for (int u = 0; u < KU; ++u)
 #pragma unroll
         for (int bb = 0; bb < 2 / H; ++bb) {
           const int b = GROUP64 ? bb : hb;  // 32-wide half of the k-tile
-          // B fragments (x) of the two k16 steps of this half: rows g (+ 8) of x, k = 2t.. and 2t + 8..
-          std::uint32_t xb[2][MT][2];
+          // B fragments (x) of the two k16 steps of this half: one 16-byte load per row of x.
+          uint4 xv[MT];
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const std::uint32_t* at = xrow[mt] + xk + b * 16 + h * 8;
-              xb[h][mt][0] = g + 8 * mt < p.m ? at[0] : 0u;
-              xb[h][mt][1] = g + 8 * mt < p.m ? at[4] : 0u;
-            }
+          for (int mt = 0; mt < MT; ++mt) xv[mt] = xrow[mt][(base + u) * 8 + b];
 #pragma unroll
           for (int i = 0; i < kNT; ++i) {
             const int4 v = bt.w[u][i];
@@ -315,32 +350,31 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, GROUP64)) qgemm_small_m
               const std::uint32_t a[4] = {deq[0][2 * h], deq[1][2 * h], deq[0][2 * h + 1], deq[1][2 * h + 1]};
 #pragma unroll
               for (int mt = 0; mt < MT; ++mt) {
-                if (bb == 0 && h == 0)
-                  mma_16816_first<T>(part[i][mt], a, xb[h][mt][0], xb[h][mt][1]);
+                const std::uint32_t b0 = h == 0 ? xv[mt].x : xv[mt].z, b1 = h == 0 ? xv[mt].y : xv[mt].w;
+                if (u == 0 && bb == 0 && h == 0)
+                  mma_16816_first<T>(part[i][mt], a, b0, b1);
                 else
-                  mma_16816<T>(part[i][mt], a, xb[h][mt][0], xb[h][mt][1]);
+                  mma_16816<T>(part[i][mt], a, b0, b1);
               }
             }
           }
         }
-        // c0, c1: row g; c2, c3: row g + 8.
+      // c0, c1: row g; c2, c3: row g + 8.
 #pragma unroll
-        for (int i = 0; i < kNT; ++i)
+      for (int i = 0; i < kNT; ++i)
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) acc[i][mt][r] = fmaf(sf[i][r / 2], part[i][mt][r], acc[i][mt][r]);
-      }
+          for (int r = 0; r < 4; ++r) acc[i][mt][r] = fmaf(sf[i][r / 2], part[i][mt][r], acc[i][mt][r]);
     }
   };
 
   // Two batches in turn: one in flight while the other is used (no register copies between them).
-  for (int base = 0; base < nk; base += 2 * kU) {
-    if (base + kU < nk) load(nxt, base + kU);
+  for (int base = 0; base < nk; base += 2 * KU) {
     compute(cur, base);
-    if (base + kU >= nk) break;
-    if (base + 2 * kU < nk) load(cur, base + 2 * kU);
-    compute(nxt, base + kU);
+    load(cur, base + 2 * KU);
+    compute(nxt, base + KU);
+    load(nxt, base + 3 * KU);
   }
 
   // Partials of the CTA's warps -> red [wk][col][row] (c0, c1: row g, columns 2t, 2t + 1; c2, c3: row g + 8).
@@ -360,33 +394,62 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, GROUP64)) qgemm_small_m
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const cg::cluster_group cluster = cg::this_cluster();
   const int splits = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  cluster.sync();
+  cluster.sync();  // arrive.release + wait.acquire: every CTA's partials are visible to the cluster
 #else
   constexpr int splits = 1, rank = 0;
   __syncthreads();
 #endif
   const int rows = (kBN + splits - 1) / splits, r0 = rank * rows, r1 = min(kBN, r0 + rows);
-  const int cols = min(p.m, MP);
-  for (int e = tid; e < cols * (r1 - r0); e += kThreads) {
-    const int col = e / (r1 - r0), row = r0 + e % (r1 - r0), n = n_cta + row;
-    if (n >= p.n) continue;
-    float sum = 0.0f;
-    for (int s = 0; s < splits; ++s) {
+  const int cols = min(p.m, MP), count = cols * max(0, r1 - r0);
+  // A thread sums at most kPerThread outputs (e = tid + kThreads q), all read before the final
+  // barrier, stored after its arrive.
+  constexpr int kPerThread = (MP * kBN + kThreads - 1) / kThreads;
+  float sum[kPerThread];
+#pragma unroll
+  for (int q = 0; q < kPerThread; ++q) {
+    const int e = tid + q * kThreads;
+    sum[q] = 0.0f;
+    if (e < count) {
+      const int col = e / (r1 - r0), row = r0 + e % (r1 - r0);
+      // The splits' values are requested 4 at a time before they are added (not one round trip of
+      // the distributed shared memory per split), and added in the order (split, warp).
+      for (int s0 = 0; s0 < splits; s0 += 4) {
+        float v[4][kWarpsK];
+#pragma unroll
+        for (int d = 0; d < 4; ++d) {
+          const int s = min(s0 + d, splits - 1);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      const float* rs = cluster.map_shared_rank(red, s);
+          const float* rs = cluster.map_shared_rank(red, s);
 #else
-      const float* rs = red;
+          const float* rs = red;
 #endif
-      float v[kWarpsK];
 #pragma unroll
-      for (int w = 0; w < kWarpsK; ++w) v[w] = rs[(w * MP + col) * kBN + row];
+          for (int w = 0; w < kWarpsK; ++w) v[d][w] = rs[(w * MP + col) * kBN + row];
+        }
 #pragma unroll
-      for (int w = 0; w < kWarpsK; ++w) sum += v[w];
+        for (int d = 0; d < 4; ++d)
+          if (s0 + d < splits)
+#pragma unroll
+            for (int w = 0; w < kWarpsK; ++w) sum[q] += v[d][w];
+      }
     }
-    p.y[static_cast<std::int64_t>(col) * p.n + n] = device::from_float<T>(sum);
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cluster.sync();  // no CTA leaves while another still reads its shared memory
+  // Every read of another CTA's shared memory is done (release) before this CTA may leave; the
+  // stores of y need no ordering, so they go between the arrive and the wait (no fence of global
+  // stores in the barrier). No CTA leaves before every CTA of the cluster arrived (acquire).
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+#pragma unroll
+  for (int q = 0; q < kPerThread; ++q) {
+    const int e = tid + q * kThreads;
+    if (e < count) {
+      const int col = e / (r1 - r0), n = n_cta + r0 + e % (r1 - r0);
+      if (n < p.n) p.y[static_cast<std::int64_t>(col) * p.n + n] = device::from_float<T>(sum[q]);
+    }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
 }
 
@@ -458,30 +521,46 @@ int active_clusters(Kernel kernel, int device, int splits, std::size_t smem, int
   return cache[key] = clusters;
 }
 
-// The split of K (at most kMaxSplits, the portable cluster size; 1 without clusters) with the
-// least time by a simple model: waves of clusters x k-tiles per CTA (the CTAs of a wave stream
-// concurrently); ties go to more splits (more CTAs share the memory system). False when x's chunk
-// never fits a CTA's shared memory.
-template <int kWarpsK, int kBN, class Kernel>
+// The split of K (at most kMaxSplits, the portable cluster size; 1 without clusters): the most
+// splits whose clusters all run at once (one wave: a second wave pays every CTA's fixed costs —
+// launch, x staging, the reduction — again, and a partial one leaves SMs idle; the rule of branch
+// qgemm2, measured there on an H100: 11008 x 4096 at M = 1 in 15.6 us with 4 splits in one wave
+// against 18.6 us with 8 in two). When no split fits in one wave, the least time by a simple
+// model: waves of clusters x k-tiles per CTA; ties go to more splits. A warp's k-tiles are a
+// multiple of KU (the k-tiles of one batch). False when x's chunk never fits a CTA's shared memory.
+template <int kWarpsK, int kBN, int KU, class Kernel>
 bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int device, Plan& plan) {
   const DeviceFacts f = device_facts(device);
   const int by_regs = resident_by_registers(kernel, device, f);
-  const int most = f.major >= 9 ? std::min(kMaxSplits, std::max(1, k_tiles / kWarpsK)) : 1;
+  int most = f.major >= 9 ? std::min(kMaxSplits, std::max(1, k_tiles / (kWarpsK * KU))) : 1;
+  // FK_QGEMM_SPLITS=S: only S splits (for measurements; read once).
+  static const int env_splits = [] {
+    const char* e = std::getenv("FK_QGEMM_SPLITS");
+    return e != nullptr ? std::atoi(e) : 0;
+  }();
+  const int only = f.major >= 9 ? env_splits : 0;
   long best = -1;
+  bool one_wave = false;
   for (int s = most; s >= 1; --s) {
     Plan c;
     c.tiles_per_warp = (k_tiles + s * kWarpsK - 1) / (s * kWarpsK);
+    c.tiles_per_warp = (c.tiles_per_warp + KU - 1) / KU * KU;
     c.splits = (k_tiles + kWarpsK * c.tiles_per_warp - 1) / (kWarpsK * c.tiles_per_warp);  // no empty split
     if (c.splits != s) continue;  // the same plan as a larger s
-    c.x_stride = kWarpsK * c.tiles_per_warp * 64 + 8;
-    const std::size_t x_bytes = static_cast<std::size_t>(m) * c.x_stride * 2;
+    if (only > 0 && s != only) continue;
+    c.x_stride = kWarpsK * c.tiles_per_warp * 32 + kXPad;
+    const std::size_t x_bytes = static_cast<std::size_t>(m + 1) * c.x_stride * 4;
     const std::size_t red_bytes = static_cast<std::size_t>(kWarpsK) * mp * kBN * 4;
     c.smem = std::max(x_bytes, red_bytes);
     if (c.smem > static_cast<std::size_t>(f.smem_optin)) continue;
     const int clusters = std::max(1, active_clusters(kernel, device, s, c.smem, by_regs, f));
     const long waves = (n_blocks + clusters - 1) / clusters;
     const long cost = waves * kWarpsK * c.tiles_per_warp;
-    if (best < 0 || cost < best) {
+    if (waves == 1 && !one_wave) {
+      one_wave = true;  // the first, i.e. the most splits in one wave
+      best = cost;
+      plan = c;
+    } else if (!one_wave && (best < 0 || cost < best)) {
       best = cost;
       plan = c;
     }
@@ -489,14 +568,14 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
   return best >= 0;
 }
 
-template <class T, int MT, bool GROUP64>
+template <class T, int MT, int KU, bool GROUP64>
 bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
   using C = CtaShape<MT>;
-  const auto kernel = qgemm_small_m_kernel<T, MT, GROUP64>;
+  const auto kernel = qgemm_small_m_kernel<T, MT, KU, GROUP64>;
   const int m = static_cast<int>(x.size(0)), n = static_cast<int>(qw.n);
   const int k_tiles = static_cast<int>(qw.k_pad() / 64), n_blocks = (n + C::BN - 1) / C::BN;
   Plan plan;
-  if (!plan_split<C::WK, C::BN>(kernel, m, MT * 8, n_blocks, k_tiles, y.device().index, plan)) return false;
+  if (!plan_split<C::WK, C::BN, KU>(kernel, m, MT * 8, n_blocks, k_tiles, y.device().index, plan)) return false;
 
   SmallMParams<T> p{};
   p.x = x.data_as<const T>();
@@ -509,7 +588,8 @@ bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const Tensor
   p.k = static_cast<int>(qw.k);
   p.n_pad = static_cast<int>(qw.n_pad());
   p.groups = static_cast<int>(qw.groups());
-  p.halves_per_group = (qw.groups() == 1 ? static_cast<int>(qw.k_pad()) : qw.group) / 32;
+  const int group = qw.groups() == 1 ? static_cast<int>(qw.k_pad()) : qw.group;
+  p.units_per_group = GROUP64 ? group / 64 : group / 32;
   p.k_tiles = k_tiles;
   p.tiles_per_warp = plan.tiles_per_warp;
   p.x_stride = plan.x_stride;
@@ -538,18 +618,32 @@ bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const Tensor
 bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
   const std::int64_t m = x.size(0);
   if (m > 16) return false;
-  // A group that is a multiple of 64 (or one group per row) has one scale per row and k-tile.
+  // A group that is a multiple of 64 (or one group per row) has one scale per row and k-tile; one
+  // that is a multiple of 128 (more than one group) one per batch of two k-tiles.
   const bool group64 = qw.groups() == 1 || qw.group % 64 == 0;
+  const bool group128 = qw.groups() > 1 && qw.group % 128 == 0;
+  // FK_QGEMM_KU=1: one k-tile a batch everywhere (for measurements; read once).
+  static const int ku = [] {
+    const char* e = std::getenv("FK_QGEMM_KU");
+    return e != nullptr && std::atoi(e) == 1 ? 1 : 2;
+  }();
   bool done = false;
   with_float_type(qw.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, float>) {
       throw_internal("qgemm: f32 weights are not packed");
     } else {
-      if (m <= 8)
-        done = group64 ? launch_small_m<T, 1, true>(x, qw, y, stream) : launch_small_m<T, 1, false>(x, qw, y, stream);
-      else
-        done = group64 ? launch_small_m<T, 2, true>(x, qw, y, stream) : launch_small_m<T, 2, false>(x, qw, y, stream);
+      if (m <= 8) {
+        if (group128 && ku == 2)
+          done = launch_small_m<T, 1, 2, true>(x, qw, y, stream);
+        else
+          done = group64 ? launch_small_m<T, 1, 1, true>(x, qw, y, stream) : launch_small_m<T, 1, 1, false>(x, qw, y, stream);
+      } else {
+        if (group128 && ku == 2)
+          done = launch_small_m<T, 2, 2, true>(x, qw, y, stream);
+        else
+          done = group64 ? launch_small_m<T, 2, 1, true>(x, qw, y, stream) : launch_small_m<T, 2, 1, false>(x, qw, y, stream);
+      }
     }
   });
   return done;
