@@ -13,6 +13,13 @@ namespace fk::cuda {
 // backward's g W); lowrank_left [M, rb] and lowrank_right [N, rb] (B in the forward, Aᵀ in the
 // backward), zero-padded to rb = 16 ceil(r / 16) columns. preact, when not null, receives z.
 enum class LoraTile { automatic, pingpong, cooperative };
+// How the tile reaches memory: `registers`, CUTLASS's no-shared-memory epilogue (2-element
+// stores straight from the accumulators; the only one that also writes preact); `tma`, CUTLASS's
+// TMA warp-specialized epilogue (the tile staged in shared memory, TMA stores); `tma_ktile`, the
+// same epilogue with the rank-r term computed by the mainloop as one more k-tile [lhs | L] ·
+// [rhs | R]ᵀ instead of in the epilogue (rhs [N, K] only; else as tma). automatic: registers
+// when preact is asked for, else tma_ktile for rhs [N, K] and tma for rhs [K, N].
+enum class LoraEpilogueKind { automatic, registers, tma, tma_ktile };
 
 struct LoraGemmArgs {
   TensorView lhs;
@@ -25,12 +32,20 @@ struct LoraGemmArgs {
   TensorView out;
   const TensorView* preact = nullptr;
   LoraTile tile = LoraTile::automatic;  // the bench compares the two schedules
-  bool lowrank_ffma = false;             // the rank-r term by CUDA-core FMAs (the bench compares)
+  LoraEpilogueKind epilogue = LoraEpilogueKind::automatic;
+  // The persistent tile scheduler's order: swizzle 1, 2, 4, 8 along the raster; raster 0 CUTLASS's
+  // heuristic, 1 along M, 2 along N. Both 0: the measured default (TMA: 4 along M; registers:
+  // CUTLASS's, 1 along the heuristic's).
+  int swizzle = 0;
+  int raster = 0;
 };
 
 // Returns false, having done nothing, when the device or the shape has no fused kernel (not
 // sm_90, not bf16 / f16, rows of lhs, rhs or out not 16-byte multiples, sizes past int32).
 bool lora_gemm_fused(const LoraGemmArgs& args, const Stream* stream);
+// The TMA-epilogue kernels (lora_gemm_tma.cu), called by lora_gemm_fused once it has checked
+// that they take the arguments (and preact is null).
+void lora_gemm_tma(const LoraGemmArgs& args, const Stream* stream);
 
 // The backward's first pass (lora_grad.cu): g = dy ⊙ act'(saved), su = scale g B, db = gᵀ t and
 // dbias = Σ_m g from one read of dy and saved. Shapes: dy, saved, g [M, N]; b, db [N, r]; t
