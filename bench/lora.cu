@@ -98,7 +98,7 @@ void forward_case(Context& ctx, const LoraShape& s) {
   auto fused_gemm = [&](const LoraSet& g, const Variant& v) {
     // r is a multiple of 16 in these cases: B needs no padding.
     cuda::lora_gemm_fused({g.x, l.w, true, v.low_rank ? t_only.view() : no_t.view(),
-                           v.low_rank ? l.b.view() : no_b.view(), &bias, Activation::relu, y, nullptr, v.tile, v.epi,
+                           v.low_rank ? l.b.view() : no_b.view(), &bias, Activation::relu, y, nullptr, {}, v.tile, v.epi,
                            v.swizzle, v.raster},
                           st);
   };
@@ -229,7 +229,8 @@ void backward_case(Context& ctx, const LoraShape& s) {
   };
   auto dx_gemm = [&](const LoraSet& d, cuda::LoraTile tile,
                      cuda::LoraEpilogueKind epi = cuda::LoraEpilogueKind::automatic) {
-    cuda::lora_gemm_fused({d.dy, l.w, false, su, a_t, nullptr, Activation::identity, dx, nullptr, tile, epi}, st);
+    cuda::lora_gemm_fused({d.dy, l.w, false, su, a_t, nullptr, Activation::identity, dx, nullptr, l.a, tile, epi},
+                          st);
   };
   fused(sets[0]);
   baseline(sets[0]);
@@ -242,7 +243,8 @@ void backward_case(Context& ctx, const LoraShape& s) {
        [&](int i) { dx_gemm(at(i), cuda::LoraTile::pingpong, cuda::LoraEpilogueKind::registers); },
        [&](int i) { dx_gemm(at(i), cuda::LoraTile::cooperative, cuda::LoraEpilogueKind::registers); },
        [&](int i) { dx_gemm(at(i), cuda::LoraTile::pingpong, cuda::LoraEpilogueKind::tma); },
-       [&](int i) { dx_gemm(at(i), cuda::LoraTile::cooperative, cuda::LoraEpilogueKind::tma); }},
+       [&](int i) { dx_gemm(at(i), cuda::LoraTile::cooperative, cuda::LoraEpilogueKind::tma); },
+       [&](int i) { dx_gemm(at(i), cuda::LoraTile::pingpong, cuda::LoraEpilogueKind::tma_ktile); }},
       rot);
   // g W, u = g B, dB, dA and u A: the backward's flops.
   const double flops = 2.0 * s.m * s.n * s.k + 2.0 * s.m * s.n * s.r * 2 + 2.0 * s.r * s.m * s.k * 2;
@@ -266,8 +268,8 @@ void backward_case(Context& ctx, const LoraShape& s) {
   ctx.add(gr);
   ctx.add(xr);
   const char* variants[] = {"dx_gemm_pingpong_registers", "dx_gemm_cooperative_registers", "dx_gemm_pingpong_tma",
-                            "dx_gemm_cooperative_tma"};
-  for (int i = 0; i < 4; ++i) {
+                            "dx_gemm_cooperative_tma", "dx_gemm_pingpong_tma_ktile"};
+  for (int i = 0; i < 5; ++i) {
     Record vr{"lora", name, variants[i], "cublas+act"};
     vr.median_us = tm_us[5 + i];
     vr.tflops = 2.0 * s.m * s.n * s.k / (tm_us[5 + i] * 1e6);

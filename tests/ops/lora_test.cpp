@@ -239,7 +239,7 @@ TEST(LoraGpu, BothGemmSchedulesMatchSpec) {
       for (cuda::LoraTile tile : {cuda::LoraTile::pingpong, cuda::LoraTile::cooperative})
         for (int variant = 0; variant < 5; ++variant) {
           // 0: registers; 1: TMA; 2: TMA, swizzle 4 along M; 3: TMA, swizzle 2 along N; 4: the
-          // rank-r term as the mainloop's last k-tile (rhs [N, K]; the other layout: TMA).
+          // rank-r term as the mainloop's last k-tile (R transposed as its right factor for rhs [K, N]).
           const auto epi = variant == 0   ? cuda::LoraEpilogueKind::registers
                            : variant == 4 ? cuda::LoraEpilogueKind::tma_ktile
                                           : cuda::LoraEpilogueKind::tma;
@@ -261,13 +261,19 @@ TEST(LoraGpu, BothGemmSchedulesMatchSpec) {
               for (std::int64_t j = 0; j < r; ++j) z += lv[i * r + j] * rv[c * r + j];
               want.data_as<float>()[i * n + c] = static_cast<float>(n_by_k ? std::tanh(z) : z);
             }
+          // R transposed, [r, N]: the k-tile path's right factor for rhs [K, N].
+          const std::vector<double> rrv = test::to_doubles(rr);
+          std::vector<float> rtv(static_cast<std::size_t>(r * n));
+          for (std::int64_t j = 0; j < r; ++j)
+            for (std::int64_t c = 0; c < n; ++c) rtv[j * n + c] = static_cast<float>(rrv[c * r + j]);
+          const Tensor rt = test::host_tensor({r, n}, dt, rtv);
           const Tensor xg = x.copy_to(gpu), wg = w.copy_to(gpu), bg = bias.copy_to(gpu), lg = l.copy_to(gpu),
-                       rg = rr.copy_to(gpu);
+                       rg = rr.copy_to(gpu), rtg = rt.copy_to(gpu);
           Tensor out = Tensor::empty({m, n}, dt, gpu);
           test::poison(out);
           const TensorView bias_view = bg.view();
           ASSERT_TRUE(cuda::lora_gemm_fused({xg, wg, n_by_k, lg, rg, n_by_k ? &bias_view : nullptr,
-                                             n_by_k ? Activation::tanh : Activation::identity, out, nullptr, tile, epi,
+                                             n_by_k ? Activation::tanh : Activation::identity, out, nullptr, rtg.view(), tile, epi,
                                              swizzle, raster},
                                             nullptr));
           Tensor got = Tensor::empty({m, n}, DType::f32, kCpu);

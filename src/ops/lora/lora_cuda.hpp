@@ -17,8 +17,8 @@ enum class LoraTile { automatic, pingpong, cooperative };
 // stores straight from the accumulators; the only one that also writes preact); `tma`, CUTLASS's
 // TMA warp-specialized epilogue (the tile staged in shared memory, TMA stores); `tma_ktile`, the
 // same epilogue with the rank-r term computed by the mainloop as one more k-tile [lhs | L] ·
-// [rhs | R]ᵀ instead of in the epilogue (rhs [N, K] only; else as tma). automatic: registers
-// when preact is asked for, else tma_ktile for rhs [N, K] and tma for rhs [K, N].
+// [rhs | R]ᵀ instead of in the epilogue (rhs [K, N]: with lowrank_right_t only; else as tma). automatic: registers
+// when preact is asked for, else tma_ktile (rhs [K, N] at rb = 16: tma).
 enum class LoraEpilogueKind { automatic, registers, tma, tma_ktile };
 
 struct LoraGemmArgs {
@@ -31,6 +31,9 @@ struct LoraGemmArgs {
   Activation act = Activation::identity;
   TensorView out;
   const TensorView* preact = nullptr;
+  // rhs [K, N] only: R transposed, [rb, N] (the backward's A zero-padded to rb rows), for the
+  // k-tile path; without it (empty) that layout takes the epilogue path.
+  TensorView lowrank_right_t;
   LoraTile tile = LoraTile::automatic;  // the bench compares the two schedules
   LoraEpilogueKind epilogue = LoraEpilogueKind::automatic;
   // The persistent tile scheduler's order: swizzle 1, 2, 4, 8 along the raster; raster 0 CUTLASS's

@@ -1,23 +1,23 @@
-// The fused LoRA GEMM on Hopper: z = lhs · op(rhs) + bias + L Rᵀ on the tensor cores, with the
-// rank-r term L Rᵀ (r <= 64) added to the fp32 accumulators in the epilogue, then act(z) stored.
+// The fused LoRA GEMM on Hopper: z = lhs · op(rhs) + bias + L Rᵀ on the tensor cores (r <= 64),
+// then act(z) stored.
 // Forward: lhs = x, rhs = W [N, K], L = t = s x Aᵀ [M, r], R = B [N, r]. Backward (dx): lhs = g
-// [M, N], rhs = W used as [K_g, N_out], L = s u [M, r], R = Aᵀ.
+// [M, N], rhs = W used as [K_g, N_out], L = s u [M, r], R = Aᵀ (A itself for the k-tile path).
 //
 // Mainloop: CUTLASS 3's SM90 TMA warp-specialized ping-pong GEMM, 128 x 128 tiles, clusters of 2
-// along N sharing the lhs tile by multicast (glu_gemm.cu measured this configuration at 0.97-0.98x
-// the cuBLAS GEMM alone for large problems). Both operands are read once per tile by TMA; L and
+// along N sharing the lhs tile by multicast (with the TMA epilogue and no rank-r term: 0.99x the
+// cuBLAS GEMM at M = 8192, N = K = 4096; docs/lora.md). Both operands are read once per tile by TMA; L and
 // R are small (t: 256 KiB at M = 8192, r = 16) and come from L2.
 //
-// Epilogue (LoraEpilogue, CUTLASS's no-shared-memory epilogue interface). A wgmma accumulator
-// fragment is, per warp, a stack of m16n8 tiles laid out exactly like the C fragment of
-// mma.sync.m16n8k16: lane (g = lane / 4, q = lane % 4) holds (row g, cols 2q, 2q + 1) and
-// (row g + 8, same cols) of every 8-column chunk. So each warp adds its slice of L Rᵀ with
-// rb / 16 mma.sync per chunk straight onto the accumulators: the A fragment is rows of L, the B
-// fragment rows of R, both read from global memory (L2) 8 bytes at a time, zero outside the
-// problem. L and R come zero-padded to rb = 16 ceil(r / 16) columns (lora.cpp), so the
-// fragments need no checks along r. Then bias, activation and one 2-element store per (row,
-// column pair); z is also stored when the caller keeps it. Nothing of shape [M, N] besides the
-// output is read or written.
+// Three ways to finish the tile (lora_cuda.hpp, LoraEpilogueKind), all on the same mainloop:
+//  - registers (this file, LoraEpilogue, CUTLASS's no-shared-memory epilogue interface): the
+//    rank-r term by mma.sync on the accumulators (lora_epilogue.cuh), then bias, activation and
+//    one 2-element store per (row, column pair); the only one that also writes z (preact);
+//  - tma (lora_gemm_tma.cu): the same register work, then CUTLASS's TMA warp-specialized
+//    collective epilogue (smem staging, TMA stores);
+//  - tma_ktile (lora_gemm_tma.cu): the rank-r term as one more mainloop k-tile, then the TMA
+//    epilogue with bias and activation only.
+// lora_gemm_fused picks (automatic): registers when preact is asked for, else the TMA kernels.
+// Nothing of shape [M, N] besides the output is read or written.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -204,7 +204,7 @@ bool lora_gemm_fused(const LoraGemmArgs& a, const Stream* stream) {
     lora_gemm_tma(a, stream);
     return true;
   }
-  // Automatic: ping-pong, the schedule measured on the H100 (docs/lora.md).
+  // Automatic: ping-pong, the faster schedule on the H100 (docs/lora.md).
   const bool coop = a.tile == LoraTile::cooperative;
   if (t == DType::bf16) run_layout<cutlass::bfloat16_t>(a, coop, stream);
   else run_layout<cutlass::half_t>(a, coop, stream);

@@ -108,7 +108,7 @@ struct LoraMainloop : Base {
 
   struct Arguments : Base::Arguments {
     typename Base::ElementA const* ptr_L = nullptr;  // [M, rb], row-major
-    typename Base::ElementB const* ptr_R = nullptr;  // [N, rb], row-major (rhs [N, K] only)
+    typename Base::ElementB const* ptr_R = nullptr;  // [N, rb] (rhs K-major) or [rb, N] (N-major), row-major
     int rank = 0;                                     // rb: a multiple of 16, at most 64
     int k_real = 0;                                   // K of lhs and rhs
   };
@@ -129,8 +129,12 @@ struct LoraMainloop : Base {
     const int rb = args.rank;
     auto tensor_l = make_tensor(reinterpret_cast<InternalElementA const*>(args.ptr_L),
                                 make_layout(make_shape(M, rb, L), StrideA{int64_t{rb}, Int<1>{}, int64_t{M} * rb}));
+    // R as the rhs's (n, k) view: [N, rb] row-major (rhs K-major) or [rb, N] row-major (N-major).
+    StrideB stride_r;
+    if constexpr (is_static<decltype(get<0>(StrideB{}))>::value) stride_r = StrideB{Int<1>{}, int64_t{N}, int64_t{N} * rb};
+    else stride_r = StrideB{int64_t{rb}, Int<1>{}, int64_t{N} * rb};
     auto tensor_r = make_tensor(reinterpret_cast<InternalElementB const*>(args.ptr_R),
-                                make_layout(make_shape(N, rb, L), StrideB{int64_t{rb}, Int<1>{}, int64_t{N} * rb}));
+                                make_layout(make_shape(N, rb, L), stride_r));
     p.tma_load_l = make_tma_copy_A_sm90(typename Base::GmemTiledCopyA{}, tensor_l, SmemLayoutA{}(cute::_, cute::_, Int<0>{}),
                                         TileShape{}, ClusterShape{});
     p.tma_load_r = make_tma_copy_B_sm90(typename Base::GmemTiledCopyB{}, tensor_r, SmemLayoutB{}(cute::_, cute::_, Int<0>{}),
@@ -260,10 +264,10 @@ void run_tma(const LoraGemmArgs& a, const Stream* stream) {
   sm90::run_gemm<Gemm>(args, a.out.device(), stream, "lora (fused GEMM, TMA epilogue)");
 }
 
-// The forward's layout (rhs [N, K]) with the rank-r term as the mainloop's last k-tile.
-template <class Element>
+// Ping-pong with the rank-r term as the mainloop's last k-tile.
+template <class Element, bool RhsNByK>
 void run_ktile(const LoraGemmArgs& a, const Stream* stream) {
-  using Tma = LoraTmaConfig<Element, true, false>;
+  using Tma = LoraTmaConfig<Element, RhsNByK, false>;
   using Epilogue = LoraTmaEpilogue<typename Tma::BaseEpilogue, Element, false>;
   using Mainloop = LoraMainloop<typename Tma::Mainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
@@ -278,9 +282,10 @@ void run_ktile(const LoraGemmArgs& a, const Stream* stream) {
   ml.ptr_A = static_cast<const Element*>(a.lhs.data());
   ml.dA = cute::make_stride(int64_t{kg}, cute::Int<1>{}, int64_t{m} * kg);
   ml.ptr_B = static_cast<const Element*>(a.rhs.data());
-  ml.dB = cute::make_stride(int64_t{kg}, cute::Int<1>{}, int64_t{n} * kg);
+  if constexpr (RhsNByK) ml.dB = cute::make_stride(int64_t{kg}, cute::Int<1>{}, int64_t{n} * kg);
+  else ml.dB = cute::make_stride(cute::Int<1>{}, int64_t{n}, int64_t{n} * kg);
   ml.ptr_L = static_cast<const Element*>(a.lowrank_left.data());
-  ml.ptr_R = static_cast<const Element*>(a.lowrank_right.data());
+  ml.ptr_R = static_cast<const Element*>(RhsNByK ? a.lowrank_right.data() : a.lowrank_right_t.data());
   ml.rank = static_cast<int>(a.lowrank_left.size(1));
   ml.k_real = kg;
   typename Epilogue::Arguments epi{};
@@ -319,13 +324,19 @@ void lora_gemm_tma(const LoraGemmArgs& args, const Stream* stream) {
     a.swizzle = 4;
     a.raster = 1;
   }
-  // Automatic, rhs [N, K]: the rank-r term as a k-tile (H100, M = 8192, N = K = 4096: 423.6 us
-  // at r = 16 and 414.7 at r = 64, against 427.3 and 515.8 with mma.sync in the epilogue;
-  // docs/lora.md).
-  const bool ktile = a.epilogue == LoraEpilogueKind::tma_ktile || a.epilogue == LoraEpilogueKind::automatic;
-  if (ktile && a.rhs_is_n_by_k && a.lowrank_left.size(1) > 0) {
-    if (a.lhs.dtype() == DType::bf16) run_ktile<cutlass::bfloat16_t>(a, stream);
-    else run_ktile<cutlass::half_t>(a, stream);
+  // Automatic: the rank-r term as a k-tile, but for the backward's layout (rhs [K, N]) at
+  // rb = 16. H100, M = 8192, N = K = 4096 (docs/lora.md): forward 421.2 us at r = 16 and 413.4 at
+  // r = 64 against 425.6 and 512.0 with mma.sync in the epilogue; dx 414.7 and 412.9 against
+  // 405.8 and 468.0.
+  const bool ktile = a.epilogue == LoraEpilogueKind::tma_ktile ||
+                     (a.epilogue == LoraEpilogueKind::automatic && (a.rhs_is_n_by_k || a.lowrank_left.size(1) > 16));
+  const bool has_rt = a.lowrank_right_t.data() != nullptr && a.lowrank_right_t.rank() == 2 &&
+                      a.lowrank_right_t.size(0) == a.lowrank_left.size(1) && a.lowrank_right_t.size(1) == a.out.size(1) &&
+                      aligned16(a.lowrank_right_t.data());
+  if (ktile && a.lowrank_left.size(1) > 0 && (a.rhs_is_n_by_k || has_rt)) {
+    const bool bf16 = a.lhs.dtype() == DType::bf16;
+    if (a.rhs_is_n_by_k) bf16 ? run_ktile<cutlass::bfloat16_t, true>(a, stream) : run_ktile<cutlass::half_t, true>(a, stream);
+    else bf16 ? run_ktile<cutlass::bfloat16_t, false>(a, stream) : run_ktile<cutlass::half_t, false>(a, stream);
     return;
   }
   const bool coop = a.tile == LoraTile::cooperative;
