@@ -129,15 +129,13 @@ class LoraEpilogue : public sm90::NoSmemEpilogueBase<Element> {
 };
 
 // RhsNByK: rhs is [N, Kg] (K-major, the forward); else [Kg, N] (N-major, the backward's dx).
-// Coop: 128 x 256 tiles, both consumer warpgroups on one tile, clusters of 2 along M (the rhs tile
-// multicast); else ping-pong: 128 x 128 tiles, the two warpgroups on alternate tiles so that one's
-// epilogue runs under the other's mainloop, clusters of 2 along N.
-template <class Element, bool RhsNByK, bool Coop>
+// Ping-pong: 128 x 128 tiles, the two warpgroups on alternate tiles so that one's epilogue runs
+// under the other's mainloop, clusters of 2 along N. (The cooperative schedule, 128 x 256 tiles,
+// measured slower in every case on the H100 and was dropped: docs/lora.md.)
+template <class Element, bool RhsNByK>
 struct LoraGemmConfig {
-  using TileShape = cute::conditional_t<Coop, cute::Shape<cute::_128, cute::_256, cute::_64>,
-                                        cute::Shape<cute::_128, cute::_128, cute::_64>>;
-  using ClusterShape = cute::conditional_t<Coop, cute::Shape<cute::_2, cute::_1, cute::_1>,
-                                           cute::Shape<cute::_1, cute::_2, cute::_1>>;
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<LoraEpilogue<Element>>;
   static constexpr int kAlignment = 16 / sizeof(Element);
   using LayoutB = cute::conditional_t<RhsNByK, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
@@ -145,15 +143,14 @@ struct LoraGemmConfig {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignment, Element,
       LayoutB, kAlignment, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cute::conditional_t<Coop, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                          cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-template <class Element, bool RhsNByK, bool Coop>
+template <class Element, bool RhsNByK>
 void run_fused(const LoraGemmArgs& a, const Stream* stream) {
-  using Gemm = typename LoraGemmConfig<Element, RhsNByK, Coop>::Gemm;
+  using Gemm = typename LoraGemmConfig<Element, RhsNByK>::Gemm;
   const int m = static_cast<int>(a.lhs.size(0)), kg = static_cast<int>(a.lhs.size(1));
   const int n = static_cast<int>(a.out.size(1));
   using StrideA = typename Gemm::GemmKernel::StrideA;
@@ -176,9 +173,9 @@ void run_fused(const LoraGemmArgs& a, const Stream* stream) {
 }
 
 template <class Element>
-void run_layout(const LoraGemmArgs& a, bool coop, const Stream* stream) {
-  if (a.rhs_is_n_by_k) coop ? run_fused<Element, true, true>(a, stream) : run_fused<Element, true, false>(a, stream);
-  else coop ? run_fused<Element, false, true>(a, stream) : run_fused<Element, false, false>(a, stream);
+void run_layout(const LoraGemmArgs& a, const Stream* stream) {
+  if (a.rhs_is_n_by_k) run_fused<Element, true>(a, stream);
+  else run_fused<Element, false>(a, stream);
 }
 
 }  // namespace
@@ -204,10 +201,8 @@ bool lora_gemm_fused(const LoraGemmArgs& a, const Stream* stream) {
     lora_gemm_tma(a, stream);
     return true;
   }
-  // Automatic: ping-pong, the faster schedule on the H100 (docs/lora.md).
-  const bool coop = a.tile == LoraTile::cooperative;
-  if (t == DType::bf16) run_layout<cutlass::bfloat16_t>(a, coop, stream);
-  else run_layout<cutlass::half_t>(a, coop, stream);
+  if (t == DType::bf16) run_layout<cutlass::bfloat16_t>(a, stream);
+  else run_layout<cutlass::half_t>(a, stream);
   return true;
 }
 

@@ -202,17 +202,14 @@ struct LoraMainloop : Base {
 };
 
 // RhsNByK: rhs is [N, Kg] (K-major, the forward); else [Kg, N] (N-major, the backward's dx).
-// Coop: 128 x 256 tiles, both consumer warpgroups on one tile, clusters of 2 along M; else
-// ping-pong: 128 x 128 tiles, the two warpgroups on alternate tiles, clusters of 2 along N.
-template <class Element, bool RhsNByK, bool Coop>
+// Ping-pong: 128 x 128 tiles, the two warpgroups on alternate tiles, clusters of 2 along N (the
+// cooperative schedule measured slower in every case: docs/lora.md).
+template <class Element, bool RhsNByK>
 struct LoraTmaConfig {
-  using TileShape = cute::conditional_t<Coop, cute::Shape<cute::_128, cute::_256, cute::_64>,
-                                        cute::Shape<cute::_128, cute::_128, cute::_64>>;
-  using ClusterShape = cute::conditional_t<Coop, cute::Shape<cute::_2, cute::_1, cute::_1>,
-                                           cute::Shape<cute::_1, cute::_2, cute::_1>>;
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
   static constexpr int kAlignment = 16 / sizeof(Element);
-  using EpilogueSchedule = cute::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
-                                               cutlass::epilogue::TmaWarpSpecialized>;
+  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlignment,
@@ -223,15 +220,14 @@ struct LoraTmaConfig {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignment, Element,
       LayoutB, kAlignment, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cute::conditional_t<Coop, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                          cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-template <class Element, bool RhsNByK, bool Coop>
+template <class Element, bool RhsNByK>
 void run_tma(const LoraGemmArgs& a, const Stream* stream) {
-  using Config = LoraTmaConfig<Element, RhsNByK, Coop>;
+  using Config = LoraTmaConfig<Element, RhsNByK>;
   using Gemm = typename Config::Gemm;
   const int m = static_cast<int>(a.lhs.size(0)), kg = static_cast<int>(a.lhs.size(1));
   const int n = static_cast<int>(a.out.size(1));
@@ -267,7 +263,7 @@ void run_tma(const LoraGemmArgs& a, const Stream* stream) {
 // Ping-pong with the rank-r term as the mainloop's last k-tile.
 template <class Element, bool RhsNByK>
 void run_ktile(const LoraGemmArgs& a, const Stream* stream) {
-  using Tma = LoraTmaConfig<Element, RhsNByK, false>;
+  using Tma = LoraTmaConfig<Element, RhsNByK>;
   using Epilogue = LoraTmaEpilogue<typename Tma::BaseEpilogue, Element, false>;
   using Mainloop = LoraMainloop<typename Tma::Mainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
@@ -309,9 +305,9 @@ void run_ktile(const LoraGemmArgs& a, const Stream* stream) {
 }
 
 template <class Element>
-void run_tma_layout(const LoraGemmArgs& a, bool coop, const Stream* stream) {
-  if (a.rhs_is_n_by_k) coop ? run_tma<Element, true, true>(a, stream) : run_tma<Element, true, false>(a, stream);
-  else coop ? run_tma<Element, false, true>(a, stream) : run_tma<Element, false, false>(a, stream);
+void run_tma_layout(const LoraGemmArgs& a, const Stream* stream) {
+  if (a.rhs_is_n_by_k) run_tma<Element, true>(a, stream);
+  else run_tma<Element, false>(a, stream);
 }
 
 }  // namespace
@@ -339,9 +335,8 @@ void lora_gemm_tma(const LoraGemmArgs& args, const Stream* stream) {
     else bf16 ? run_ktile<cutlass::bfloat16_t, false>(a, stream) : run_ktile<cutlass::half_t, false>(a, stream);
     return;
   }
-  const bool coop = a.tile == LoraTile::cooperative;
-  if (a.lhs.dtype() == DType::bf16) run_tma_layout<cutlass::bfloat16_t>(a, coop, stream);
-  else run_tma_layout<cutlass::half_t>(a, coop, stream);
+  if (a.lhs.dtype() == DType::bf16) run_tma_layout<cutlass::bfloat16_t>(a, stream);
+  else run_tma_layout<cutlass::half_t>(a, stream);
 }
 
 }  // namespace fk::cuda
