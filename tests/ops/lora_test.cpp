@@ -271,10 +271,10 @@ TEST(LoraGpu, BothGemmSchedulesMatchSpec) {
         Tensor out = Tensor::empty({m, n}, dt, gpu);
         test::poison(out);
         const TensorView bias_view = bg.view();
-        ASSERT_TRUE(cuda::lora_gemm_fused({xg, wg, n_by_k, lg, rg, n_by_k ? &bias_view : nullptr,
-                                           n_by_k ? Activation::tanh : Activation::identity, out, nullptr, rtg.view(), epi,
-                                           swizzle, raster},
-                                          nullptr));
+        ASSERT_TRUE(cuda::lora_gemm_fused(
+            {xg, wg, n_by_k, lg, rg, n_by_k ? &bias_view : nullptr, n_by_k ? Activation::tanh : Activation::identity,
+             out, nullptr, rtg.view(), epi, swizzle, raster},
+            nullptr));
         Tensor got = Tensor::empty({m, n}, DType::f32, kCpu);
         const std::vector<double> ov = test::to_doubles(out);
         for (std::int64_t i = 0; i < m * n; ++i) got.data_as<float>()[i] = static_cast<float>(ov[i]);

@@ -131,14 +131,16 @@ struct LoraMainloop : Base {
                                 make_layout(make_shape(M, rb, L), StrideA{int64_t{rb}, Int<1>{}, int64_t{M} * rb}));
     // R as the rhs's (n, k) view: [N, rb] row-major (rhs K-major) or [rb, N] row-major (N-major).
     StrideB stride_r;
-    if constexpr (is_static<decltype(get<0>(StrideB{}))>::value) stride_r = StrideB{Int<1>{}, int64_t{N}, int64_t{N} * rb};
-    else stride_r = StrideB{int64_t{rb}, Int<1>{}, int64_t{N} * rb};
-    auto tensor_r = make_tensor(reinterpret_cast<InternalElementB const*>(args.ptr_R),
-                                make_layout(make_shape(N, rb, L), stride_r));
-    p.tma_load_l = make_tma_copy_A_sm90(typename Base::GmemTiledCopyA{}, tensor_l, SmemLayoutA{}(cute::_, cute::_, Int<0>{}),
-                                        TileShape{}, ClusterShape{});
-    p.tma_load_r = make_tma_copy_B_sm90(typename Base::GmemTiledCopyB{}, tensor_r, SmemLayoutB{}(cute::_, cute::_, Int<0>{}),
-                                        TileShape{}, ClusterShape{});
+    if constexpr (is_static<decltype(get<0>(StrideB{}))>::value)
+      stride_r = StrideB{Int<1>{}, int64_t{N}, int64_t{N} * rb};
+    else
+      stride_r = StrideB{int64_t{rb}, Int<1>{}, int64_t{N} * rb};
+    auto tensor_r =
+        make_tensor(reinterpret_cast<InternalElementB const*>(args.ptr_R), make_layout(make_shape(N, rb, L), stride_r));
+    p.tma_load_l = make_tma_copy_A_sm90(typename Base::GmemTiledCopyA{}, tensor_l,
+                                        SmemLayoutA{}(cute::_, cute::_, Int<0>{}), TileShape{}, ClusterShape{});
+    p.tma_load_r = make_tma_copy_B_sm90(typename Base::GmemTiledCopyB{}, tensor_r,
+                                        SmemLayoutB{}(cute::_, cute::_, Int<0>{}), TileShape{}, ClusterShape{});
     p.rank = rb;
     p.m = static_cast<int>(M);
     p.n = static_cast<int>(N);
@@ -177,9 +179,11 @@ struct LoraMainloop : Base {
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     // k-tile 0 of L and R (one tile: rb <= 64).
     cute::Tensor gL = local_tile(params.tma_load_l.get_tma_tensor(make_shape(params.m, params.rank, 1)), TileShape{},
-                           make_coord(cute::_, cute::_, cute::_), Step<_1, Underscore, _1>{})(cute::_, cute::_, m_coord, 0, l_coord);
+                                 make_coord(cute::_, cute::_, cute::_),
+                                 Step<_1, Underscore, _1>{})(cute::_, cute::_, m_coord, 0, l_coord);
     cute::Tensor gR = local_tile(params.tma_load_r.get_tma_tensor(make_shape(params.n, params.rank, 1)), TileShape{},
-                           make_coord(cute::_, cute::_, cute::_), Step<Underscore, _1, _1>{})(cute::_, cute::_, n_coord, 0, l_coord);
+                                 make_coord(cute::_, cute::_, cute::_),
+                                 Step<Underscore, _1, _1>{})(cute::_, cute::_, n_coord, 0, l_coord);
     auto block_tma_l = params.tma_load_l.get_slice(cluster_id.y);
     auto block_tma_r = params.tma_load_r.get_slice(cluster_id.x);
     cute::Tensor tLgL = block_tma_l.partition_S(gL);  // (TMA, TMA_M, TMA_K)
@@ -189,16 +193,17 @@ struct LoraMainloop : Base {
     uint16_t mcast_mask_a = 0, mcast_mask_b = 0;
     auto block_layout = Layout<ClusterShape>{};  // (m, n) -> block id
     if constexpr (cute::is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>)
-      for (int n = 0; n < size<1>(block_layout); ++n) mcast_mask_a |= uint16_t(1) << block_layout(cluster_id.x, n, Int<0>{});
+      for (int n = 0; n < size<1>(block_layout); ++n)
+        mcast_mask_a |= uint16_t(1) << block_layout(cluster_id.x, n, Int<0>{});
     if constexpr (cute::is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>)
-      for (int m = 0; m < size<0>(block_layout); ++m) mcast_mask_b |= uint16_t(1) << block_layout(m, cluster_id.y, Int<0>{});
+      for (int m = 0; m < size<0>(block_layout); ++m)
+        mcast_mask_b |= uint16_t(1) << block_layout(m, cluster_id.y, Int<0>{});
     pipeline.producer_acquire(last_write);
     auto* barrier = pipeline.producer_get_barrier(last_write);
     const int stage = last_write.index();
     cute::copy(params.tma_load_l.with(*barrier, mcast_mask_a), tLgL, tLsL(cute::_, cute::_, cute::_, stage));
     cute::copy(params.tma_load_r.with(*barrier, mcast_mask_b), tRgR, tRsR(cute::_, cute::_, cute::_, stage));
   }
-
 };
 
 // RhsNByK: rhs is [N, Kg] (K-major, the forward); else [Kg, N] (N-major, the backward's dx).
@@ -327,12 +332,13 @@ void lora_gemm_tma(const LoraGemmArgs& args, const Stream* stream) {
   const bool ktile = a.epilogue == LoraEpilogueKind::tma_ktile ||
                      (a.epilogue == LoraEpilogueKind::automatic && (a.rhs_is_n_by_k || a.lowrank_left.size(1) > 16));
   const bool has_rt = a.lowrank_right_t.data() != nullptr && a.lowrank_right_t.rank() == 2 &&
-                      a.lowrank_right_t.size(0) == a.lowrank_left.size(1) && a.lowrank_right_t.size(1) == a.out.size(1) &&
-                      aligned16(a.lowrank_right_t.data());
+                      a.lowrank_right_t.size(0) == a.lowrank_left.size(1) &&
+                      a.lowrank_right_t.size(1) == a.out.size(1) && aligned16(a.lowrank_right_t.data());
   if (ktile && a.lowrank_left.size(1) > 0 && (a.rhs_is_n_by_k || has_rt)) {
+    using cutlass::bfloat16_t, cutlass::half_t;
     const bool bf16 = a.lhs.dtype() == DType::bf16;
-    if (a.rhs_is_n_by_k) bf16 ? run_ktile<cutlass::bfloat16_t, true>(a, stream) : run_ktile<cutlass::half_t, true>(a, stream);
-    else bf16 ? run_ktile<cutlass::bfloat16_t, false>(a, stream) : run_ktile<cutlass::half_t, false>(a, stream);
+    if (a.rhs_is_n_by_k) bf16 ? run_ktile<bfloat16_t, true>(a, stream) : run_ktile<half_t, true>(a, stream);
+    else bf16 ? run_ktile<bfloat16_t, false>(a, stream) : run_ktile<half_t, false>(a, stream);
     return;
   }
   if (a.lhs.dtype() == DType::bf16) run_tma_layout<cutlass::bfloat16_t>(a, stream);
