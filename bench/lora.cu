@@ -86,16 +86,22 @@ void forward_case(Context& ctx, const LoraShape& s) {
   auto gemm = [&](const LoraSet& g) { nn::detail::gemm(Op::n, Op::t, g.x, l.w, pm, st); };
   auto lowrank_t = [&](const LoraSet& g) { nn::detail::gemm(Op::n, Op::t, g.x, l.a, t_only, st, false, kScale); };
   const TensorView bias = l.bias.view();
-  // The one GEMM with its epilogue, t given, in either schedule; with rb = 0 (no rank-r term:
-  // bias, relu and the store only) to separate the epilogue's parts.
+  // The one GEMM (ping-pong) with its epilogue, t given, in each epilogue; with rb = 0
+  // (no rank-r term: bias, relu and the store only) to separate the epilogue's parts.
   const Tensor no_t = ctx.empty({s.m, 0}, kType), no_b = ctx.empty({s.n, 0}, kType);
-  auto fused_gemm = [&](const LoraSet& g, cuda::LoraTile tile, bool low_rank, bool ffma = false) {
+  struct Variant {
+    cuda::LoraEpilogueKind epi;
+    bool low_rank;
+    int swizzle, raster;
+  };
+  auto fused_gemm = [&](const LoraSet& g, const Variant& v) {
     // r is a multiple of 16 in these cases: B needs no padding.
-    cuda::lora_gemm_fused({g.x, l.w, true, low_rank ? t_only.view() : no_t.view(), low_rank ? l.b.view() : no_b.view(),
-                           &bias, Activation::relu, y, nullptr, tile, ffma},
+    cuda::lora_gemm_fused({g.x, l.w, true, v.low_rank ? t_only.view() : no_t.view(),
+                           v.low_rank ? l.b.view() : no_b.view(), &bias, Activation::relu, y, nullptr, {}, v.epi,
+                           v.swizzle, v.raster},
                           st);
   };
-  using cuda::LoraTile;
+  using cuda::LoraEpilogueKind;
   fused(sets[0]);
   baseline(sets[0]);
   // Same products; the baseline rounds P, T and Q to bf16, the fused path only t and y.
@@ -104,7 +110,9 @@ void forward_case(Context& ctx, const LoraShape& s) {
   const auto at = [&](int i) -> const LoraSet& { return sets[static_cast<std::size_t>(i)]; };
   const std::vector<double> t = ctx.time_us_interleaved(
       {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); },
-       [&](int i) { lowrank_t(at(i)); }, [&](int i) { fused_gemm(at(i), LoraTile::automatic, true); }},
+       [&](int i) { lowrank_t(at(i)); }, [&](int i) {
+         fused_gemm(at(i), {LoraEpilogueKind::automatic, true, 0, 0});
+       }},
       rot);
   const double flops = flops_of(s);
   Record fr{"lora", name, "fused", "cublas+act"};
@@ -132,25 +140,40 @@ void forward_case(Context& ctx, const LoraShape& s) {
   // disagrees is reported and left out, without costing the case's main records.
   std::vector<std::function<void(int)>> runs{[&](int i) { gemm(at(i)); }};
   std::vector<std::string> names;
+  std::vector<std::pair<std::string, Variant>> variants;
+  for (LoraEpilogueKind epi : {LoraEpilogueKind::registers, LoraEpilogueKind::tma}) {
+    const std::string v = std::string("pingpong") + (epi == LoraEpilogueKind::tma ? "_tma" : "_registers");
+    variants.push_back({"fused_gemm_" + v, {epi, true, 0, 0}});
+    variants.push_back({"epilogue_no_lowrank_" + v, {epi, false, 0, 0}});  // bias, relu and store only
+  }
+  // The rank-r term as the mainloop's last k-tile instead of in the epilogue.
+  variants.push_back({"fused_gemm_pingpong_tma_ktile", {LoraEpilogueKind::tma_ktile, true, 0, 0}});
+  // The persistent scheduler's tile order (swizzle 1, 2, 4, 8 along the raster; raster along M
+  // or N), TMA epilogue; the issue's case only.
+  if (s.m == 8192 && s.r == 16) {
+    for (int raster : {1, 2})
+      for (int swz : {1, 2, 4, 8}) {
+        const std::string v =
+            std::string("pingpong_tma_raster") + (raster == 1 ? "M" : "N") + "_swizzle" + std::to_string(swz);
+        variants.push_back({"fused_gemm_" + v, {LoraEpilogueKind::tma, true, swz, raster}});
+      }
+  }
   baseline(sets[0]);  // y_base of set 0 again: the timed runs above left another set's there
-  for (LoraTile tile : {LoraTile::pingpong, LoraTile::cooperative})
-    for (bool ffma : {false, true}) {
-      const std::string variant =
-          std::string(tile == LoraTile::pingpong ? "pingpong" : "cooperative") + (ffma ? "_ffma" : "");
-      lowrank_t(sets[0]);
-      fused_gemm(sets[0], tile, true, ffma);
+  lowrank_t(sets[0]);
+  for (const auto& [vname, v] : variants) {
+    if (v.low_rank) {  // each checked against the baseline first
+      fused_gemm(sets[0], v);
       const double e = ctx.rel_err(y, y_base);
       if (e > 2e-2) {
         std::fprintf(stderr, "%s: the %s variant disagrees with the baseline (rel_err %.3g), not timed\n",
-                     name.c_str(), variant.c_str(), e);
+                     name.c_str(), vname.c_str(), e);
         continue;
       }
-      runs.push_back([&, tile, ffma](int i) { fused_gemm(at(i), tile, true, ffma); });
-      names.push_back("fused_gemm_" + variant);
-      if (ffma) continue;
-      runs.push_back([&, tile](int i) { fused_gemm(at(i), tile, false); });  // bias, relu and store only
-      names.push_back("epilogue_no_lowrank_" + variant);
     }
+    const Variant vv = v;
+    runs.push_back([&, vv](int i) { fused_gemm(at(i), vv); });
+    names.push_back(vname);
+  }
   const std::vector<double> tv = ctx.time_us_interleaved(runs, rot);
   for (std::size_t i = 0; i < names.size(); ++i) {
     Record vr{"lora", name, names[i], "cublas+act"};
@@ -200,8 +223,8 @@ void backward_case(Context& ctx, const LoraShape& s) {
   auto grad_pass = [&](const LoraSet& d) {
     cuda::lora_grad_fused({d.dy, y, l.b, t, g, su, db, nullptr, Activation::relu, true}, kScale, st);
   };
-  auto dx_gemm = [&](const LoraSet& d, cuda::LoraTile tile, bool ffma = false) {
-    cuda::lora_gemm_fused({d.dy, l.w, false, su, a_t, nullptr, Activation::identity, dx, nullptr, tile, ffma}, st);
+  auto dx_gemm = [&](const LoraSet& d, cuda::LoraEpilogueKind epi) {
+    cuda::lora_gemm_fused({d.dy, l.w, false, su, a_t, nullptr, Activation::identity, dx, nullptr, l.a, epi}, st);
   };
   fused(sets[0]);
   baseline(sets[0]);
@@ -210,10 +233,10 @@ void backward_case(Context& ctx, const LoraShape& s) {
   const auto at = [&](int i) -> const LoraSet& { return sets[static_cast<std::size_t>(i)]; };
   const std::vector<double> tm_us = ctx.time_us_interleaved(
       {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); },
-       [&](int i) { grad_pass(at(i)); }, [&](int i) { dx_gemm(at(i), cuda::LoraTile::automatic); },
-       [&](int i) { dx_gemm(at(i), cuda::LoraTile::pingpong); },
-       [&](int i) { dx_gemm(at(i), cuda::LoraTile::cooperative); },
-       [&](int i) { dx_gemm(at(i), cuda::LoraTile::pingpong, true); }},
+       [&](int i) { grad_pass(at(i)); }, [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::automatic); },
+       [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::registers); },
+       [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma); },
+       [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma_ktile); }},
       rot);
   // g W, u = g B, dB, dA and u A: the backward's flops.
   const double flops = 2.0 * s.m * s.n * s.k + 2.0 * s.m * s.n * s.r * 2 + 2.0 * s.r * s.m * s.k * 2;
@@ -236,7 +259,7 @@ void backward_case(Context& ctx, const LoraShape& s) {
   xr.tflops = 2.0 * s.m * s.n * s.k / (tm_us[4] * 1e6);
   ctx.add(gr);
   ctx.add(xr);
-  const char* variants[] = {"dx_gemm_pingpong", "dx_gemm_cooperative", "dx_gemm_pingpong_ffma"};
+  const char* variants[] = {"dx_gemm_pingpong_registers", "dx_gemm_pingpong_tma", "dx_gemm_pingpong_tma_ktile"};
   for (int i = 0; i < 3; ++i) {
     Record vr{"lora", name, variants[i], "cublas+act"};
     vr.median_us = tm_us[5 + i];

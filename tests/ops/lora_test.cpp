@@ -226,48 +226,62 @@ TEST(LoraGpu, BackwardMatchesSpec) {
 }
 
 TEST(LoraGpu, BothGemmSchedulesMatchSpec) {
-  // The fused GEMM's two CUTLASS schedules (ping-pong 128 x 128, cooperative 128 x 256) and two
-  // ways of adding the rank-r term (mma.sync, CUDA-core FMAs), called directly: the public op
-  // picks one, the bench times them all. Forward (rhs [N, K]) and the backward's layout (rhs
-  // [K, N], z = lhs rhs + L Rᵀ, identity), M and N past a tile.
+  // The fused GEMM's ways of finishing a tile (no-shared-memory register stores; TMA stores with
+  // the rank-r term by mma.sync or as a mainloop k-tile) and a few tile orders of the persistent
+  // scheduler, called directly: the public op picks one, the bench times them all.
+  // Forward (rhs [N, K]) and the backward's layout (rhs [K, N], z = lhs rhs + L Rᵀ, identity),
+  // M and N past a tile.
   FK_SKIP_WITHOUT_GPU();
   const Device gpu = Device::cuda(0);
   const std::int64_t m = 300, n = 264, k = 136, r = 32;
   for (DType dt : {DType::bf16, DType::f16})
     for (bool n_by_k : {true, false})
-      for (cuda::LoraTile tile : {cuda::LoraTile::pingpong, cuda::LoraTile::cooperative})
-        for (bool ffma : {false, true}) {
-          const Tensor x = test::random_tensor({m, k}, dt, kCpu, 1, -1.f, 1.f);
-          const Tensor w = test::random_tensor(n_by_k ? Dims{n, k} : Dims{k, n}, dt, kCpu, 2, -0.5f, 0.5f);
-          const Tensor bias = test::random_tensor({n}, dt, kCpu, 3, -0.5f, 0.5f);
-          const Tensor l = test::random_tensor({m, r}, dt, kCpu, 4, -1.f, 1.f);
-          const Tensor rr = test::random_tensor({n, r}, dt, kCpu, 5, -1.f, 1.f);
-          // The spec of this product: plain loops in double.
-          Tensor want = Tensor::empty({m, n}, DType::f32, kCpu);
-          const std::vector<double> xv = test::to_doubles(x), wv = test::to_doubles(w), bv = test::to_doubles(bias),
-                                    lv = test::to_doubles(l), rv = test::to_doubles(rr);
-          for (std::int64_t i = 0; i < m; ++i)
-            for (std::int64_t c = 0; c < n; ++c) {
-              double z = n_by_k ? bv[c] : 0.0;
-              for (std::int64_t q = 0; q < k; ++q) z += xv[i * k + q] * (n_by_k ? wv[c * k + q] : wv[q * n + c]);
-              for (std::int64_t j = 0; j < r; ++j) z += lv[i * r + j] * rv[c * r + j];
-              want.data_as<float>()[i * n + c] = static_cast<float>(n_by_k ? std::tanh(z) : z);
-            }
-          const Tensor xg = x.copy_to(gpu), wg = w.copy_to(gpu), bg = bias.copy_to(gpu), lg = l.copy_to(gpu),
-                       rg = rr.copy_to(gpu);
-          Tensor out = Tensor::empty({m, n}, dt, gpu);
-          test::poison(out);
-          const TensorView bias_view = bg.view();
-          ASSERT_TRUE(cuda::lora_gemm_fused({xg, wg, n_by_k, lg, rg, n_by_k ? &bias_view : nullptr,
-                                             n_by_k ? Activation::tanh : Activation::identity, out, nullptr, tile, ffma},
-                                            nullptr));
-          Tensor got = Tensor::empty({m, n}, DType::f32, kCpu);
-          const std::vector<double> ov = test::to_doubles(out);
-          for (std::int64_t i = 0; i < m * n; ++i) got.data_as<float>()[i] = static_cast<float>(ov[i]);
-          EXPECT_LE(rel_err(got, want), tolerance(dt))
-              << dtype_name(dt) << (n_by_k ? " rhs [N, K]" : " rhs [K, N]")
-              << (tile == cuda::LoraTile::pingpong ? " ping-pong" : " cooperative") << (ffma ? " ffma" : " mma.sync");
-        }
+      for (int variant = 0; variant < 5; ++variant) {
+        // 0: registers; 1: TMA; 2: TMA, swizzle 4 along M; 3: TMA, swizzle 2 along N; 4: the
+        // rank-r term as the mainloop's last k-tile (R transposed as its right factor for rhs [K, N]).
+        const auto epi = variant == 0   ? cuda::LoraEpilogueKind::registers
+                         : variant == 4 ? cuda::LoraEpilogueKind::tma_ktile
+                                        : cuda::LoraEpilogueKind::tma;
+        const int swizzle = variant == 2 ? 4 : (variant == 3 ? 2 : 0);
+        const int raster = variant == 2 ? 1 : (variant == 3 ? 2 : 0);
+        const Tensor x = test::random_tensor({m, k}, dt, kCpu, 1, -1.f, 1.f);
+        const Tensor w = test::random_tensor(n_by_k ? Dims{n, k} : Dims{k, n}, dt, kCpu, 2, -0.5f, 0.5f);
+        const Tensor bias = test::random_tensor({n}, dt, kCpu, 3, -0.5f, 0.5f);
+        const Tensor l = test::random_tensor({m, r}, dt, kCpu, 4, -1.f, 1.f);
+        const Tensor rr = test::random_tensor({n, r}, dt, kCpu, 5, -1.f, 1.f);
+        // The spec of this product: plain loops in double.
+        Tensor want = Tensor::empty({m, n}, DType::f32, kCpu);
+        const std::vector<double> xv = test::to_doubles(x), wv = test::to_doubles(w), bv = test::to_doubles(bias),
+                                  lv = test::to_doubles(l), rv = test::to_doubles(rr);
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int64_t c = 0; c < n; ++c) {
+            double z = n_by_k ? bv[c] : 0.0;
+            for (std::int64_t q = 0; q < k; ++q) z += xv[i * k + q] * (n_by_k ? wv[c * k + q] : wv[q * n + c]);
+            for (std::int64_t j = 0; j < r; ++j) z += lv[i * r + j] * rv[c * r + j];
+            want.data_as<float>()[i * n + c] = static_cast<float>(n_by_k ? std::tanh(z) : z);
+          }
+        // R transposed, [r, N]: the k-tile path's right factor for rhs [K, N].
+        const std::vector<double> rrv = test::to_doubles(rr);
+        std::vector<float> rtv(static_cast<std::size_t>(r * n));
+        for (std::int64_t j = 0; j < r; ++j)
+          for (std::int64_t c = 0; c < n; ++c) rtv[j * n + c] = static_cast<float>(rrv[c * r + j]);
+        const Tensor rt = test::host_tensor({r, n}, dt, rtv);
+        const Tensor xg = x.copy_to(gpu), wg = w.copy_to(gpu), bg = bias.copy_to(gpu), lg = l.copy_to(gpu),
+                     rg = rr.copy_to(gpu), rtg = rt.copy_to(gpu);
+        Tensor out = Tensor::empty({m, n}, dt, gpu);
+        test::poison(out);
+        const TensorView bias_view = bg.view();
+        ASSERT_TRUE(cuda::lora_gemm_fused(
+            {xg, wg, n_by_k, lg, rg, n_by_k ? &bias_view : nullptr, n_by_k ? Activation::tanh : Activation::identity,
+             out, nullptr, rtg.view(), epi, swizzle, raster},
+            nullptr));
+        Tensor got = Tensor::empty({m, n}, DType::f32, kCpu);
+        const std::vector<double> ov = test::to_doubles(out);
+        for (std::int64_t i = 0; i < m * n; ++i) got.data_as<float>()[i] = static_cast<float>(ov[i]);
+        EXPECT_LE(rel_err(got, want), tolerance(dt))
+            << dtype_name(dt) << (n_by_k ? " rhs [N, K]" : " rhs [K, N]")
+            << " variant " << variant;
+      }
 }
 
 TEST(LoraGpu, EmptyBatch) {

@@ -188,12 +188,13 @@ void lora_backward(const LoraBackwardArgs& args, const LoraParams& p, const Stre
   if (!args.dx) return;
   const Tensor at = Tensor::empty({s.k, rb}, args.x.dtype(), args.x.device(), stream);  // Aᵀ, zero-padded
   cuda::lora_transpose_pad(args.a, at.view(), stream);
+  // The fused GEMM takes A itself, zero-padded to rb rows, as the right factor of its rank-r k-tile.
+  const Padded a_pad = pad_rows(args.a, rb, stream);
   if (cuda::lora_gemm_fused({g.view(), args.w, false, su.view(), at.view(), nullptr, Activation::identity, *args.dx,
-                             nullptr},
+                             nullptr, a_pad.view},
                             stream))
     return;
   nn::detail::gemm(Op::n, Op::n, g.view(), args.w, *args.dx, stream);  // dx = g W
-  const Padded a_pad = pad_rows(args.a, rb, stream);
   nn::detail::gemm(Op::n, Op::n, su.view(), a_pad.view, *args.dx, stream, false, 1.0f, 1.0f);  // + (s u) A
 #endif
 }

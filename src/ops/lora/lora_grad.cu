@@ -161,28 +161,46 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
   float dbias_acc[8] = {};
   const std::int64_t row_begin = static_cast<std::int64_t>(blockIdx.y) * p.rows_per_group;
   const std::int64_t row_end = std::min<std::int64_t>(p.m, row_begin + p.rows_per_group);
-  // dy and saved of rows gq and gq + 8 of a slab; the next slab's are loaded before the current
-  // one is worked on, so that two slabs' bytes are in flight.
+  // dy and saved of rows gq and gq + 8 of a slab, and the tᵀ fragments of its 16 rows (the A
+  // fragments of dBᵀ += tᵀ g: lane (gq, q) feeds j = 16 jb + gq (+ 8) of rows 2q, 2q + 1 (+ 8)).
+  // The slabs two and three ahead are loaded before the current one is worked on, so that three
+  // slabs' bytes are in flight and the scattered 2-byte loads of t are off the critical path.
   struct Slab {
     uint4 dya, dyb, sa, sb;
+    uint32_t tfrag[kJ16][4];
   };
   auto load_slab = [&](std::int64_t row0) {
     const std::int64_t ra = row0 + gq, rb = ra + 8;
-    Slab v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-    if (col_ok && ra < p.m) {
-      v.dya = *reinterpret_cast<const uint4*>(p.dy + ra * p.n + col);
-      v.sa = *reinterpret_cast<const uint4*>(p.saved + ra * p.n + col);
+    Slab v;
+    v.dya = v.dyb = v.sa = v.sb = make_uint4(0, 0, 0, 0);
+    if (row0 < row_end) {
+      if (col_ok && ra < p.m) {
+        v.dya = *reinterpret_cast<const uint4*>(p.dy + ra * p.n + col);
+        v.sa = *reinterpret_cast<const uint4*>(p.saved + ra * p.n + col);
+      }
+      if (col_ok && rb < p.m) {
+        v.dyb = *reinterpret_cast<const uint4*>(p.dy + rb * p.n + col);
+        v.sb = *reinterpret_cast<const uint4*>(p.saved + rb * p.n + col);
+      }
     }
-    if (col_ok && rb < p.m) {
-      v.dyb = *reinterpret_cast<const uint4*>(p.dy + rb * p.n + col);
-      v.sb = *reinterpret_cast<const uint4*>(p.saved + rb * p.n + col);
+#pragma unroll
+    for (int jb = 0; jb < kJ16; ++jb) {
+      const int j0 = 16 * jb + gq, j1 = j0 + 8;
+      const std::int64_t r0 = row0 + 2 * q, r8 = r0 + 8;
+      const bool in = row0 < row_end;
+      const bool r0ok = in && r0 < p.m, r1ok = in && r0 + 1 < p.m, r8ok = in && r8 < p.m, r9ok = in && r8 + 1 < p.m;
+      v.tfrag[jb][0] = raw(p.t, r0 * r + j0, r0ok && j0 < r) | raw(p.t, (r0 + 1) * r + j0, r1ok && j0 < r) << 16;
+      v.tfrag[jb][1] = raw(p.t, r0 * r + j1, r0ok && j1 < r) | raw(p.t, (r0 + 1) * r + j1, r1ok && j1 < r) << 16;
+      v.tfrag[jb][2] = raw(p.t, r8 * r + j0, r8ok && j0 < r) | raw(p.t, (r8 + 1) * r + j0, r9ok && j0 < r) << 16;
+      v.tfrag[jb][3] = raw(p.t, r8 * r + j1, r8ok && j1 < r) | raw(p.t, (r8 + 1) * r + j1, r9ok && j1 < r) << 16;
     }
     return v;
   };
-  Slab next = load_slab(row_begin);
+  Slab next = load_slab(row_begin), next2 = load_slab(row_begin + 16);
   for (std::int64_t row0 = row_begin; row0 < row_end; row0 += 16) {
     const Slab cur = next;
-    if (row0 + 16 < row_end) next = load_slab(row0 + 16);
+    next = next2;
+    next2 = load_slab(row0 + 32);
     const uint4 dya = cur.dya, dyb = cur.dyb, sa = cur.sa, sb = cur.sb;
     const std::int64_t ra = row0 + gq, rb = ra + 8;
     const bool ok_a = col_ok && ra < p.m, ok_b = col_ok && rb < p.m;
@@ -222,22 +240,11 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
 
     // dBᵀ += tᵀ g: word w of rows (a, b) transposed is the B fragment of the 8 columns
     // {8 c + 2w, 8 c + 2w + 1 : c = 0..3} (lane gq feeds column 8 (gq / 2) + 2w + gq % 2).
-    uint32_t tfrag[kJ16][4];
-#pragma unroll
-    for (int jb = 0; jb < kJ16; ++jb) {
-      const int j0 = 16 * jb + gq, j1 = j0 + 8;
-      const std::int64_t r0 = row0 + 2 * q, r8 = r0 + 8;
-      const bool r0ok = r0 < p.m, r1ok = r0 + 1 < p.m, r8ok = r8 < p.m, r9ok = r8 + 1 < p.m;
-      tfrag[jb][0] = raw(p.t, r0 * r + j0, r0ok && j0 < r) | raw(p.t, (r0 + 1) * r + j0, r1ok && j0 < r) << 16;
-      tfrag[jb][1] = raw(p.t, r0 * r + j1, r0ok && j1 < r) | raw(p.t, (r0 + 1) * r + j1, r1ok && j1 < r) << 16;
-      tfrag[jb][2] = raw(p.t, r8 * r + j0, r8ok && j0 < r) | raw(p.t, (r8 + 1) * r + j0, r9ok && j0 < r) << 16;
-      tfrag[jb][3] = raw(p.t, r8 * r + j1, r8ok && j1 < r) | raw(p.t, (r8 + 1) * r + j1, r9ok && j1 < r) << 16;
-    }
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const uint32_t b0 = transpose8x8(ga[w]), b1 = transpose8x8(gb[w]);
 #pragma unroll
-      for (int jb = 0; jb < kJ16; ++jb) mma16816<T>(db_acc[jb][w], tfrag[jb], b0, b1);
+      for (int jb = 0; jb < kJ16; ++jb) mma16816<T>(db_acc[jb][w], cur.tfrag[jb], b0, b1);
     }
 
     // The slab's g B: the 8 warps' fragments summed in shared memory, one strip partial per row.
@@ -325,9 +332,13 @@ void launch(const LoraGradArgs& a, float scale, const Stream* stream) {
   const std::int64_t m = a.dy.size(0), n = a.dy.size(1);
   const int r = static_cast<int>(a.b.size(1));
   const int strips = static_cast<int>((n + kStripCols - 1) / kStripCols);
-  // About three CTAs per SM in all; row ranges of whole slabs.
+  // One wave: as many CTAs as fit on the device at once (a second, partial wave left SMs idle
+  // for its tail), row ranges of whole slabs.
   const std::int64_t slabs = (m + 15) / 16;
-  const std::int64_t want = std::max<std::int64_t>(1, (3 * multiprocessor_count() + strips - 1) / strips);
+  int per_sm = 0;
+  FK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, lora_grad_pass<T, RB>, kThreads, 0));
+  const std::int64_t resident = static_cast<std::int64_t>(std::max(per_sm, 1)) * multiprocessor_count();
+  const std::int64_t want = std::max<std::int64_t>(1, resident / strips);
   const int groups = static_cast<int>(std::min<std::int64_t>(slabs, want));
   const int rows_per_group = static_cast<int>(16 * ((slabs + groups - 1) / groups));
   const Device dev = a.dy.device();
