@@ -131,9 +131,13 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t v) {
   return out;
 }
 
-// RB: r rounded up to a multiple of 16.
-template <class T, int RB>
-__global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p) {
+// RB: r rounded up to a multiple of 16. Up to RB = 16 the loads run two slabs ahead within 128
+// registers a thread (2 CTAs an SM); wider ranks hold more fragments and run one slab ahead.
+template <int RB> constexpr int kAhead = RB <= 16 ? 2 : 1;
+// kRelu: act' is the ReLU's (1 where the saved y or z is positive: the same test for both), inlined;
+// otherwise the runtime switch of grad_of per element.
+template <class T, int RB, bool kRelu>
+__global__ void __launch_bounds__(kThreads, kAhead<RB> == 2 ? 2 : 1) lora_grad_pass(const GradParams<T> p) {
   constexpr int kJ8 = RB / 8, kJ16 = RB / 16;
   __shared__ float u_sum[kWarps][16][RB];  // the 8 warps' [16, RB] partials of one slab
 
@@ -161,28 +165,49 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
   float dbias_acc[8] = {};
   const std::int64_t row_begin = static_cast<std::int64_t>(blockIdx.y) * p.rows_per_group;
   const std::int64_t row_end = std::min<std::int64_t>(p.m, row_begin + p.rows_per_group);
-  // dy and saved of rows gq and gq + 8 of a slab; the next slab's are loaded before the current
-  // one is worked on, so that two slabs' bytes are in flight.
+  // dy and saved of rows gq and gq + 8 of a slab; the next kAhead slabs' are loaded before the
+  // current one is worked on (the pass is bound by memory latency: 2 CTAs of 8 warps an SM,
+  // limited by registers).
+  // With the slab's rows of t as the A fragments of tᵀ g (below): loaded with the slab, so that
+  // their L2 round trip is not on the slab's critical path either.
   struct Slab {
     uint4 dya, dyb, sa, sb;
+    uint32_t tf[kJ16][4];
   };
   auto load_slab = [&](std::int64_t row0) {
     const std::int64_t ra = row0 + gq, rb = ra + 8;
-    Slab v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+    Slab v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), {}};
     if (col_ok && ra < p.m) {
-      v.dya = *reinterpret_cast<const uint4*>(p.dy + ra * p.n + col);
-      v.sa = *reinterpret_cast<const uint4*>(p.saved + ra * p.n + col);
+      v.dya = __ldg(reinterpret_cast<const uint4*>(p.dy + ra * p.n + col));
+      v.sa = __ldg(reinterpret_cast<const uint4*>(p.saved + ra * p.n + col));
     }
     if (col_ok && rb < p.m) {
-      v.dyb = *reinterpret_cast<const uint4*>(p.dy + rb * p.n + col);
-      v.sb = *reinterpret_cast<const uint4*>(p.saved + rb * p.n + col);
+      v.dyb = __ldg(reinterpret_cast<const uint4*>(p.dy + rb * p.n + col));
+      v.sb = __ldg(reinterpret_cast<const uint4*>(p.saved + rb * p.n + col));
+    }
+    // tᵀ fragments: rows row0 + 2q, + 1, + 8, + 9 (the k of the mma), j = 16 jb + gq and + 8.
+#pragma unroll
+    for (int jb = 0; jb < kJ16; ++jb) {
+      const int j0 = 16 * jb + gq, j1 = j0 + 8;
+      const std::int64_t r0 = row0 + 2 * q, r8 = r0 + 8;
+      const bool r0ok = r0 < p.m, r1ok = r0 + 1 < p.m, r8ok = r8 < p.m, r9ok = r8 + 1 < p.m;
+      v.tf[jb][0] = raw(p.t, r0 * r + j0, r0ok && j0 < r) | raw(p.t, (r0 + 1) * r + j0, r1ok && j0 < r) << 16;
+      v.tf[jb][1] = raw(p.t, r0 * r + j1, r0ok && j1 < r) | raw(p.t, (r0 + 1) * r + j1, r1ok && j1 < r) << 16;
+      v.tf[jb][2] = raw(p.t, r8 * r + j0, r8ok && j0 < r) | raw(p.t, (r8 + 1) * r + j0, r9ok && j0 < r) << 16;
+      v.tf[jb][3] = raw(p.t, r8 * r + j1, r8ok && j1 < r) | raw(p.t, (r8 + 1) * r + j1, r9ok && j1 < r) << 16;
     }
     return v;
   };
-  Slab next = load_slab(row_begin);
+  Slab next = load_slab(row_begin), after{};
+  if constexpr (kAhead<RB> == 2) after = load_slab(row_begin + 16);
   for (std::int64_t row0 = row_begin; row0 < row_end; row0 += 16) {
     const Slab cur = next;
-    if (row0 + 16 < row_end) next = load_slab(row0 + 16);
+    if constexpr (kAhead<RB> == 2) {
+      next = after;
+      if (row0 + 32 < row_end) after = load_slab(row0 + 32);
+    } else {
+      if (row0 + 16 < row_end) next = load_slab(row0 + 16);
+    }
     const uint4 dya = cur.dya, dyb = cur.dyb, sa = cur.sa, sb = cur.sb;
     const std::int64_t ra = row0 + gq, rb = ra + 8;
     const bool ok_a = col_ok && ra < p.m, ok_b = col_ok && rb < p.m;
@@ -196,8 +221,13 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
         float v[2][2];
 #pragma unroll
         for (int row = 0; row < 2; ++row) {
-          v[row][0] = lo_f<T>(dyw[row][w]) * grad_of(p.act, p.from_output, lo_f<T>(sw[row][w]));
-          v[row][1] = hi_f<T>(dyw[row][w]) * grad_of(p.act, p.from_output, hi_f<T>(sw[row][w]));
+          if constexpr (kRelu) {
+            v[row][0] = lo_f<T>(dyw[row][w]) * (lo_f<T>(sw[row][w]) > 0.0f ? 1.0f : 0.0f);
+            v[row][1] = hi_f<T>(dyw[row][w]) * (hi_f<T>(sw[row][w]) > 0.0f ? 1.0f : 0.0f);
+          } else {
+            v[row][0] = lo_f<T>(dyw[row][w]) * grad_of(p.act, p.from_output, lo_f<T>(sw[row][w]));
+            v[row][1] = hi_f<T>(dyw[row][w]) * grad_of(p.act, p.from_output, hi_f<T>(sw[row][w]));
+          }
         }
         ga[w] = pack<T>(v[0][0], v[0][1]);
         gb[w] = pack<T>(v[1][0], v[1][1]);
@@ -222,22 +252,11 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
 
     // dBᵀ += tᵀ g: word w of rows (a, b) transposed is the B fragment of the 8 columns
     // {8 c + 2w, 8 c + 2w + 1 : c = 0..3} (lane gq feeds column 8 (gq / 2) + 2w + gq % 2).
-    uint32_t tfrag[kJ16][4];
-#pragma unroll
-    for (int jb = 0; jb < kJ16; ++jb) {
-      const int j0 = 16 * jb + gq, j1 = j0 + 8;
-      const std::int64_t r0 = row0 + 2 * q, r8 = r0 + 8;
-      const bool r0ok = r0 < p.m, r1ok = r0 + 1 < p.m, r8ok = r8 < p.m, r9ok = r8 + 1 < p.m;
-      tfrag[jb][0] = raw(p.t, r0 * r + j0, r0ok && j0 < r) | raw(p.t, (r0 + 1) * r + j0, r1ok && j0 < r) << 16;
-      tfrag[jb][1] = raw(p.t, r0 * r + j1, r0ok && j1 < r) | raw(p.t, (r0 + 1) * r + j1, r1ok && j1 < r) << 16;
-      tfrag[jb][2] = raw(p.t, r8 * r + j0, r8ok && j0 < r) | raw(p.t, (r8 + 1) * r + j0, r9ok && j0 < r) << 16;
-      tfrag[jb][3] = raw(p.t, r8 * r + j1, r8ok && j1 < r) | raw(p.t, (r8 + 1) * r + j1, r9ok && j1 < r) << 16;
-    }
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const uint32_t b0 = transpose8x8(ga[w]), b1 = transpose8x8(gb[w]);
 #pragma unroll
-      for (int jb = 0; jb < kJ16; ++jb) mma16816<T>(db_acc[jb][w], tfrag[jb], b0, b1);
+      for (int jb = 0; jb < kJ16; ++jb) mma16816<T>(db_acc[jb][w], cur.tf[jb], b0, b1);
     }
 
     // The slab's g B: the 8 warps' fragments summed in shared memory, one strip partial per row.
@@ -325,9 +344,15 @@ void launch(const LoraGradArgs& a, float scale, const Stream* stream) {
   const std::int64_t m = a.dy.size(0), n = a.dy.size(1);
   const int r = static_cast<int>(a.b.size(1));
   const int strips = static_cast<int>((n + kStripCols - 1) / kStripCols);
-  // About three CTAs per SM in all; row ranges of whole slabs.
+  // One wave: as many CTAs as fit on the GPU at once (by registers), row ranges of whole
+  // slabs. (400 CTAs for M = 8192, N = 4096 were 1.52 waves: the second, half-full wave cost
+  // about a third of the pass.)
   const std::int64_t slabs = (m + 15) / 16;
-  const std::int64_t want = std::max<std::int64_t>(1, (3 * multiprocessor_count() + strips - 1) / strips);
+  int per_sm = 0;
+  const bool relu = a.act == Activation::relu;
+  auto kernel = relu ? lora_grad_pass<T, RB, true> : lora_grad_pass<T, RB, false>;
+  FK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  const std::int64_t want = std::max<std::int64_t>(1, std::max(per_sm, 1) * multiprocessor_count() / strips);
   const int groups = static_cast<int>(std::min<std::int64_t>(slabs, want));
   const int rows_per_group = static_cast<int>(16 * ((slabs + groups - 1) / groups));
   const Device dev = a.dy.device();
@@ -349,7 +374,7 @@ void launch(const LoraGradArgs& a, float scale, const Stream* stream) {
                   rows_per_group,
                   a.act,
                   a.from_output};
-  lora_grad_pass<T, RB><<<dim3(strips, groups), kThreads, 0, s>>>(p);
+  kernel<<<dim3(strips, groups), kThreads, 0, s>>>(p);
   FK_CUDA_CHECK_LAUNCH("lora_backward (gradient pass)");
   const std::int64_t total = m * RB + n * r + (a.dbias != nullptr ? n : 0);
   const int blocks = static_cast<int>(std::min<std::int64_t>((total + 255) / 256, 4 * multiprocessor_count()));
