@@ -139,7 +139,10 @@ template <int RB> constexpr int kAhead = RB <= 16 ? 2 : 1;
 template <class T, int RB, bool kRelu>
 __global__ void __launch_bounds__(kThreads, kAhead<RB> == 2 ? 2 : 1) lora_grad_pass(const GradParams<T> p) {
   constexpr int kJ8 = RB / 8, kJ16 = RB / 16;
-  __shared__ float u_sum[kWarps][16][RB];  // the 8 warps' [16, RB] partials of one slab
+  // The 8 warps' [16, RB] partials of one slab; two buffers (slab parity) where they fit the 48 KB
+  // of static shared memory, so that one barrier a slab suffices.
+  constexpr int kUBufs = RB <= 32 ? 2 : 1;
+  __shared__ float u_sum_buf[kUBufs][kWarps][16][RB];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, q = lane % 4;
   const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * kStripCols + warp * 32 + 8 * q;
@@ -201,6 +204,7 @@ __global__ void __launch_bounds__(kThreads, kAhead<RB> == 2 ? 2 : 1) lora_grad_p
   Slab next = load_slab(row_begin), after{};
   if constexpr (kAhead<RB> == 2) after = load_slab(row_begin + 16);
   for (std::int64_t row0 = row_begin; row0 < row_end; row0 += 16) {
+    float (&u_sum)[kWarps][16][RB] = u_sum_buf[kUBufs == 2 ? (row0 - row_begin) / 16 % 2 : 0];
     const Slab cur = next;
     if constexpr (kAhead<RB> == 2) {
       next = after;
@@ -276,7 +280,9 @@ __global__ void __launch_bounds__(kThreads, kAhead<RB> == 2 ? 2 : 1) lora_grad_p
       for (int w = 0; w < kWarps; ++w) s += u_sum[w][rr][j];
       if (row0 + rr < p.m) p.part_u[(static_cast<std::int64_t>(blockIdx.x) * p.m + row0 + rr) * RB + j] = s;
     }
-    __syncthreads();
+    // With two buffers the next slab writes the other one; this one is written again only after
+    // the next slab's barrier, which every thread reaches after finishing the sum above.
+    if constexpr (kUBufs == 1) __syncthreads();
   }
 
   // dB partial of this row range: fragment (jb, w) holds j = 16 jb + gq (c0, c1) and + 8 (c2, c3)
