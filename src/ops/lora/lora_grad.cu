@@ -131,12 +131,23 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t v) {
   return out;
 }
 
-// RB: r rounded up to a multiple of 16.
-template <class T, int RB>
-__global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p) {
+// RB: r rounded up to a multiple of 16. Up to RB = 16 the loads run two slabs ahead within 128
+// registers a thread (2 CTAs an SM); wider ranks hold more fragments and run one slab ahead.
+template <int RB> constexpr int kAhead = RB <= 16 ? 2 : 1;
+// kRelu: act' is the ReLU's (1 where the saved y or z is positive: the same test for both), inlined;
+// otherwise the runtime switch of grad_of per element.
+template <class T, int RB, bool kRelu>
+__global__ void __launch_bounds__(kThreads, kAhead<RB> == 2 ? 2 : 1) lora_grad_pass(const GradParams<T> p) {
   constexpr int kJ8 = RB / 8, kJ16 = RB / 16;
-  __shared__ float u_sum[kWarps][16][RB];  // the 8 warps' [16, RB] partials of one slab
+  // The 8 warps' [16, RB] partials of one slab; two buffers (slab parity) where they fit the 48 KB
+  // of static shared memory, so that one barrier a slab suffices.
+  constexpr int kUBufs = RB <= 32 ? 2 : 1;
+  __shared__ float u_sum_buf[kUBufs][kWarps][16][RB];
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The reduction kernel may be scheduled now; it waits for this grid's results (griddepcontrol.wait).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, q = lane % 4;
   const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * kStripCols + warp * 32 + 8 * q;
   const bool col_ok = col < p.n;  // N % 8 == 0: the lane's 8 columns are all in or all out
@@ -161,46 +172,50 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
   float dbias_acc[8] = {};
   const std::int64_t row_begin = static_cast<std::int64_t>(blockIdx.y) * p.rows_per_group;
   const std::int64_t row_end = std::min<std::int64_t>(p.m, row_begin + p.rows_per_group);
-  // dy and saved of rows gq and gq + 8 of a slab, and the tᵀ fragments of its 16 rows (the A
-  // fragments of dBᵀ += tᵀ g: lane (gq, q) feeds j = 16 jb + gq (+ 8) of rows 2q, 2q + 1 (+ 8)).
-  // The slabs two and three ahead are loaded before the current one is worked on, so that three
-  // slabs' bytes are in flight and the scattered 2-byte loads of t are off the critical path.
+  // dy and saved of rows gq and gq + 8 of a slab; the next kAhead slabs' are loaded before the
+  // current one is worked on (the pass is bound by memory latency: 2 CTAs of 8 warps an SM,
+  // limited by registers).
+  // With the slab's rows of t as the A fragments of tᵀ g (below): loaded with the slab, so that
+  // their L2 round trip is not on the slab's critical path either.
   struct Slab {
     uint4 dya, dyb, sa, sb;
-    uint32_t tfrag[kJ16][4];
+    uint32_t tf[kJ16][4];
   };
   auto load_slab = [&](std::int64_t row0) {
     const std::int64_t ra = row0 + gq, rb = ra + 8;
-    Slab v;
-    v.dya = v.dyb = v.sa = v.sb = make_uint4(0, 0, 0, 0);
-    if (row0 < row_end) {
-      if (col_ok && ra < p.m) {
-        v.dya = *reinterpret_cast<const uint4*>(p.dy + ra * p.n + col);
-        v.sa = *reinterpret_cast<const uint4*>(p.saved + ra * p.n + col);
-      }
-      if (col_ok && rb < p.m) {
-        v.dyb = *reinterpret_cast<const uint4*>(p.dy + rb * p.n + col);
-        v.sb = *reinterpret_cast<const uint4*>(p.saved + rb * p.n + col);
-      }
+    Slab v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), {}};
+    if (col_ok && ra < p.m) {
+      v.dya = __ldg(reinterpret_cast<const uint4*>(p.dy + ra * p.n + col));
+      v.sa = __ldg(reinterpret_cast<const uint4*>(p.saved + ra * p.n + col));
     }
+    if (col_ok && rb < p.m) {
+      v.dyb = __ldg(reinterpret_cast<const uint4*>(p.dy + rb * p.n + col));
+      v.sb = __ldg(reinterpret_cast<const uint4*>(p.saved + rb * p.n + col));
+    }
+    // tᵀ fragments: rows row0 + 2q, + 1, + 8, + 9 (the k of the mma), j = 16 jb + gq and + 8.
 #pragma unroll
     for (int jb = 0; jb < kJ16; ++jb) {
       const int j0 = 16 * jb + gq, j1 = j0 + 8;
       const std::int64_t r0 = row0 + 2 * q, r8 = r0 + 8;
-      const bool in = row0 < row_end;
-      const bool r0ok = in && r0 < p.m, r1ok = in && r0 + 1 < p.m, r8ok = in && r8 < p.m, r9ok = in && r8 + 1 < p.m;
-      v.tfrag[jb][0] = raw(p.t, r0 * r + j0, r0ok && j0 < r) | raw(p.t, (r0 + 1) * r + j0, r1ok && j0 < r) << 16;
-      v.tfrag[jb][1] = raw(p.t, r0 * r + j1, r0ok && j1 < r) | raw(p.t, (r0 + 1) * r + j1, r1ok && j1 < r) << 16;
-      v.tfrag[jb][2] = raw(p.t, r8 * r + j0, r8ok && j0 < r) | raw(p.t, (r8 + 1) * r + j0, r9ok && j0 < r) << 16;
-      v.tfrag[jb][3] = raw(p.t, r8 * r + j1, r8ok && j1 < r) | raw(p.t, (r8 + 1) * r + j1, r9ok && j1 < r) << 16;
+      const bool r0ok = r0 < p.m, r1ok = r0 + 1 < p.m, r8ok = r8 < p.m, r9ok = r8 + 1 < p.m;
+      v.tf[jb][0] = raw(p.t, r0 * r + j0, r0ok && j0 < r) | raw(p.t, (r0 + 1) * r + j0, r1ok && j0 < r) << 16;
+      v.tf[jb][1] = raw(p.t, r0 * r + j1, r0ok && j1 < r) | raw(p.t, (r0 + 1) * r + j1, r1ok && j1 < r) << 16;
+      v.tf[jb][2] = raw(p.t, r8 * r + j0, r8ok && j0 < r) | raw(p.t, (r8 + 1) * r + j0, r9ok && j0 < r) << 16;
+      v.tf[jb][3] = raw(p.t, r8 * r + j1, r8ok && j1 < r) | raw(p.t, (r8 + 1) * r + j1, r9ok && j1 < r) << 16;
     }
     return v;
   };
-  Slab next = load_slab(row_begin), next2 = load_slab(row_begin + 16);
+  Slab next = load_slab(row_begin), after{};
+  if constexpr (kAhead<RB> == 2) after = load_slab(row_begin + 16);
   for (std::int64_t row0 = row_begin; row0 < row_end; row0 += 16) {
+    float (&u_sum)[kWarps][16][RB] = u_sum_buf[kUBufs == 2 ? (row0 - row_begin) / 16 % 2 : 0];
     const Slab cur = next;
-    next = next2;
-    next2 = load_slab(row0 + 32);
+    if constexpr (kAhead<RB> == 2) {
+      next = after;
+      if (row0 + 32 < row_end) after = load_slab(row0 + 32);
+    } else {
+      if (row0 + 16 < row_end) next = load_slab(row0 + 16);
+    }
     const uint4 dya = cur.dya, dyb = cur.dyb, sa = cur.sa, sb = cur.sb;
     const std::int64_t ra = row0 + gq, rb = ra + 8;
     const bool ok_a = col_ok && ra < p.m, ok_b = col_ok && rb < p.m;
@@ -214,8 +229,13 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
         float v[2][2];
 #pragma unroll
         for (int row = 0; row < 2; ++row) {
-          v[row][0] = lo_f<T>(dyw[row][w]) * grad_of(p.act, p.from_output, lo_f<T>(sw[row][w]));
-          v[row][1] = hi_f<T>(dyw[row][w]) * grad_of(p.act, p.from_output, hi_f<T>(sw[row][w]));
+          if constexpr (kRelu) {
+            v[row][0] = lo_f<T>(dyw[row][w]) * (lo_f<T>(sw[row][w]) > 0.0f ? 1.0f : 0.0f);
+            v[row][1] = hi_f<T>(dyw[row][w]) * (hi_f<T>(sw[row][w]) > 0.0f ? 1.0f : 0.0f);
+          } else {
+            v[row][0] = lo_f<T>(dyw[row][w]) * grad_of(p.act, p.from_output, lo_f<T>(sw[row][w]));
+            v[row][1] = hi_f<T>(dyw[row][w]) * grad_of(p.act, p.from_output, hi_f<T>(sw[row][w]));
+          }
         }
         ga[w] = pack<T>(v[0][0], v[0][1]);
         gb[w] = pack<T>(v[1][0], v[1][1]);
@@ -244,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
     for (int w = 0; w < 4; ++w) {
       const uint32_t b0 = transpose8x8(ga[w]), b1 = transpose8x8(gb[w]);
 #pragma unroll
-      for (int jb = 0; jb < kJ16; ++jb) mma16816<T>(db_acc[jb][w], cur.tfrag[jb], b0, b1);
+      for (int jb = 0; jb < kJ16; ++jb) mma16816<T>(db_acc[jb][w], cur.tf[jb], b0, b1);
     }
 
     // The slab's g B: the 8 warps' fragments summed in shared memory, one strip partial per row.
@@ -264,7 +284,9 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
       for (int w = 0; w < kWarps; ++w) s += u_sum[w][rr][j];
       if (row0 + rr < p.m) p.part_u[(static_cast<std::int64_t>(blockIdx.x) * p.m + row0 + rr) * RB + j] = s;
     }
-    __syncthreads();
+    // With two buffers the next slab writes the other one; this one is written again only after
+    // the next slab's barrier, which every thread reaches after finishing the sum above.
+    if constexpr (kUBufs == 1) __syncthreads();
   }
 
   // dB partial of this row range: fragment (jb, w) holds j = 16 jb + gq (c0, c1) and + 8 (c2, c3)
@@ -299,30 +321,41 @@ __global__ void __launch_bounds__(kThreads) lora_grad_pass(const GradParams<T> p
   }
 }
 
+// Σ_{c < count} base[c * stride], in order, with up to 8 loads in flight.
+__device__ __forceinline__ float sum_strided(const float* base, int count, std::int64_t stride) {
+  float s = 0.0f;
+  for (int c0 = 0; c0 < count; c0 += 8) {
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = c0 + k < count ? base[(c0 + k) * stride] : 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (c0 + k < count) s += v[k];
+  }
+  return s;
+}
+
 // su = s Σ_strips part_u, dB = Σ_groups part_db, db = Σ_groups part_dbias, in a fixed order.
-// su [M, rb] (the padding columns come out zero: B's were loaded as zeros).
+// su [M, rb] (the padding columns come out zero: B's were loaded as zeros). Launched as a
+// programmatic dependent of the gradient pass: no launch gap between the two.
 template <class T>
 __global__ void lora_grad_reduce(const float* part_u, int strips, const float* part_db, const float* part_dbias,
                                  int groups, T* su, T* db, T* dbias, std::int64_t m, std::int64_t n, int r, int rb,
                                  float scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const std::int64_t n_u = m * rb, n_db = n * r, n_bias = dbias != nullptr ? n : 0;
   for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < n_u + n_db + n_bias;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     if (e < n_u) {
-      const std::int64_t row = e / rb, j = e % rb;
-      float s = 0.0f;
-      for (int c = 0; c < strips; ++c) s += part_u[(c * m + row) * rb + j];
-      su[e] = fk::device::from_float<T>(scale * s);
+      su[e] = fk::device::from_float<T>(scale * sum_strided(part_u + e, strips, m * rb));
     } else if (e < n_u + n_db) {
       const std::int64_t i = e - n_u, col = i / r, j = i % r;
-      float s = 0.0f;
-      for (int g = 0; g < groups; ++g) s += part_db[(g * n + col) * rb + j];
-      db[i] = fk::device::from_float<T>(s);
+      db[i] = fk::device::from_float<T>(sum_strided(part_db + col * rb + j, groups, n * rb));
     } else {
       const std::int64_t col = e - n_u - n_db;
-      float s = 0.0f;
-      for (int g = 0; g < groups; ++g) s += part_dbias[g * n + col];
-      dbias[col] = fk::device::from_float<T>(s);
+      dbias[col] = fk::device::from_float<T>(sum_strided(part_dbias + col, groups, n));
     }
   }
 }
@@ -332,13 +365,15 @@ void launch(const LoraGradArgs& a, float scale, const Stream* stream) {
   const std::int64_t m = a.dy.size(0), n = a.dy.size(1);
   const int r = static_cast<int>(a.b.size(1));
   const int strips = static_cast<int>((n + kStripCols - 1) / kStripCols);
-  // One wave: as many CTAs as fit on the device at once (a second, partial wave left SMs idle
-  // for its tail), row ranges of whole slabs.
+  // One wave: as many CTAs as fit on the GPU at once (by registers), row ranges of whole
+  // slabs. (400 CTAs for M = 8192, N = 4096 were 1.52 waves: the second, half-full wave cost
+  // about a third of the pass.)
   const std::int64_t slabs = (m + 15) / 16;
   int per_sm = 0;
-  FK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, lora_grad_pass<T, RB>, kThreads, 0));
-  const std::int64_t resident = static_cast<std::int64_t>(std::max(per_sm, 1)) * multiprocessor_count();
-  const std::int64_t want = std::max<std::int64_t>(1, resident / strips);
+  const bool relu = a.act == Activation::relu;
+  auto kernel = relu ? lora_grad_pass<T, RB, true> : lora_grad_pass<T, RB, false>;
+  FK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  const std::int64_t want = std::max<std::int64_t>(1, std::max(per_sm, 1) * multiprocessor_count() / strips);
   const int groups = static_cast<int>(std::min<std::int64_t>(slabs, want));
   const int rows_per_group = static_cast<int>(16 * ((slabs + groups - 1) / groups));
   const Device dev = a.dy.device();
@@ -360,16 +395,25 @@ void launch(const LoraGradArgs& a, float scale, const Stream* stream) {
                   rows_per_group,
                   a.act,
                   a.from_output};
-  lora_grad_pass<T, RB><<<dim3(strips, groups), kThreads, 0, s>>>(p);
+  kernel<<<dim3(strips, groups), kThreads, 0, s>>>(p);
   FK_CUDA_CHECK_LAUNCH("lora_backward (gradient pass)");
   const std::int64_t total = m * RB + n * r + (a.dbias != nullptr ? n : 0);
   const int blocks = static_cast<int>(std::min<std::int64_t>((total + 255) / 256, 4 * multiprocessor_count()));
-  lora_grad_reduce<T><<<blocks, 256, 0, s>>>(part_u.data_as<float>(), strips, part_db.data_as<float>(),
-                                             part_dbias.data_as<float>(), groups, static_cast<T*>(a.su.data()),
-                                             static_cast<T*>(a.db.data()),
-                                             a.dbias != nullptr ? static_cast<T*>(a.dbias->data()) : nullptr, m, n, r,
-                                             RB, scale);
-  FK_CUDA_CHECK_LAUNCH("lora_backward (gradient reduction)");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(256);
+  cfg.stream = s;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  FK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, lora_grad_reduce<T>, part_u.data_as<float>(), strips,
+                                   static_cast<const float*>(part_db.data_as<float>()),
+                                   static_cast<const float*>(part_dbias.data_as<float>()), groups,
+                                   static_cast<T*>(a.su.data()), static_cast<T*>(a.db.data()),
+                                   a.dbias != nullptr ? static_cast<T*>(a.dbias->data()) : static_cast<T*>(nullptr), m,
+                                   n, r, static_cast<int>(RB), scale));
 }
 
 template <class T>
