@@ -4,7 +4,7 @@
 // carries gemm_only_us, the plain cuBLAS GEMM x Wᵀ alone in the same run. The breakdown of the
 // fused path comes as records of their own: "lowrank_t_only" (the down-projection pass
 // t = s x Aᵀ, a skinny cuBLAS GEMM) and "fused_gemm_only" (the one GEMM with the rank-r
-// epilogue, t given). tflops counts the flops of x Wᵀ + x Aᵀ + t Bᵀ for every impl.
+// term, t given). tflops counts the flops of x Wᵀ + x Aᵀ + t Bᵀ for every impl.
 //
 // Backward (W frozen, bias frozen as LoRA trains it, act = relu: act' from the saved y). The
 // unfused path: g = dy ⊙ relu'(y) (bias_act_backward), then cuBLAS u = g B, dB = s gᵀ T,

@@ -61,11 +61,6 @@ struct LoraGradArgs {
 };
 bool lora_grad_fused(const LoraGradArgs& args, float scale, const Stream* stream);
 
-// t [M, rb] = scale x [M, K] · a [rb, K]ᵀ on sm_90 (lora_t.cu): one TMA-fed streaming pass over x
-// with wgmma. False (nothing launched) where it does not apply: not bf16/f16, rb not in
-// {16, 32, 48, 64}, K % 8 != 0, unaligned bases, another GPU, or fewer than SMs / 2 blocks of 64
-// rows; the caller then uses cuBLAS.
-bool lora_lowrank_t(const TensorView& x, const TensorView& a, const TensorView& t, float scale, const Stream* stream);
 
 // at [K, rb] = Aᵀ, zero past column r (lora_transpose.cu); a [r, K], any float dtype.
 void lora_transpose_pad(const TensorView& a, const TensorView& at, const Stream* stream);
