@@ -15,6 +15,8 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/numeric_types.h>
 
 #include "fusekit/ops/pointwise.hpp"
@@ -152,6 +154,8 @@ CUTLASS_DEVICE void bias_act_in_place(LowRankParams<Element> const& p, Acc& acc,
 }  // namespace fk::cuda::lora_detail
 
 #include "lora_cuda.hpp"
+#include "ops/cuda_common.cuh"
+#include "ops/sm90_epilogue.cuh"
 
 namespace fk::cuda::lora_detail {
 
@@ -160,6 +164,28 @@ LowRankParams<Element> lowrank_params(const LoraGemmArgs& a) {
   return {static_cast<const Element*>(a.lowrank_left.data()), static_cast<const Element*>(a.lowrank_right.data()),
           static_cast<int>(a.lowrank_left.size(1)), a.bias ? static_cast<const Element*>(a.bias->data()) : nullptr,
           a.act};
+}
+
+// The mainloop every fused LoRA GEMM uses: CUTLASS's SM90 TMA warp-specialized ping-pong, 128 x 128
+// x 64 tiles (the two warpgroups on alternate tiles), clusters of 2 along N, as many stages as fit
+// beside the epilogue's shared storage. RhsNByK: rhs is [N, Kg] (K-major, the forward); else
+// [Kg, N] (N-major, the backward's dx).
+using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+template <class Element, bool RhsNByK, class Epilogue>
+using PingpongMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 16 / sizeof(Element),
+    Element, cute::conditional_t<RhsNByK, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>,
+    16 / sizeof(Element), float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+
+// The strides of lhs [M, Kg] and rhs ([N, Kg] or [Kg, N]) in CUTLASS's (row, k, batch) form.
+template <bool RhsNByK, class StrideA, class StrideB>
+void operand_strides(std::int64_t m, std::int64_t n, std::int64_t kg, StrideA& a, StrideB& b) {
+  a = cute::make_stride(kg, cute::Int<1>{}, m * kg);
+  if constexpr (RhsNByK) b = cute::make_stride(kg, cute::Int<1>{}, n * kg);
+  else b = cute::make_stride(cute::Int<1>{}, n, n * kg);
 }
 
 // The persistent tile scheduler's arguments: swizzle and raster order from the args (the bench
@@ -172,6 +198,28 @@ SchedulerArgs scheduler_args(const LoraGemmArgs& a) {
   if (a.raster == 1) s.raster_order = Raster::AlongM;
   else if (a.raster == 2) s.raster_order = Raster::AlongN;
   return s;
+}
+
+// Runs `Gemm` (a GemmUniversalAdapter over PingpongMainloop, plain TMA operands) for
+// out [M, N] = lhs · op(rhs) with the epilogue arguments `epi`.
+template <class Gemm, bool RhsNByK, class Element, class EpilogueArgs>
+void run_plain_mainloop(const LoraGemmArgs& a, const EpilogueArgs& epi, const Stream* stream, const char* what) {
+  const int m = static_cast<int>(a.lhs.size(0)), kg = static_cast<int>(a.lhs.size(1));
+  const int n = static_cast<int>(a.out.size(1));
+  typename Gemm::GemmKernel::StrideA stride_a;
+  typename Gemm::GemmKernel::StrideB stride_b;
+  operand_strides<RhsNByK>(m, n, kg, stride_a, stride_b);
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = a.out.device().index;
+  hw.sm_count = multiprocessor_count();
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n, kg, 1},
+      {static_cast<const Element*>(a.lhs.data()), stride_a, static_cast<const Element*>(a.rhs.data()), stride_b},
+      epi,
+      hw,
+      scheduler_args<typename Gemm::GemmKernel::TileSchedulerArguments>(a)};
+  sm90::run_gemm<Gemm>(args, a.out.device(), stream, what);
 }
 
 }  // namespace fk::cuda::lora_detail

@@ -128,22 +128,13 @@ class LoraEpilogue : public sm90::NoSmemEpilogueBase<Element> {
   Params params_;
 };
 
-// RhsNByK: rhs is [N, Kg] (K-major, the forward); else [Kg, N] (N-major, the backward's dx).
-// Ping-pong: 128 x 128 tiles, the two warpgroups on alternate tiles so that one's epilogue runs
-// under the other's mainloop, clusters of 2 along N. (The cooperative schedule, 128 x 256 tiles,
-// measured slower in every case on the H100 and was dropped: docs/lora.md.)
+// The register-store epilogue (LoraEpilogue above) on lora_detail::PingpongMainloop. (The
+// cooperative schedule, 128 x 256 tiles, measured slower in every case on the H100 and was
+// dropped: docs/lora.md.)
 template <class Element, bool RhsNByK>
 struct LoraGemmConfig {
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<LoraEpilogue<Element>>;
-  static constexpr int kAlignment = 16 / sizeof(Element);
-  using LayoutB = cute::conditional_t<RhsNByK, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignment, Element,
-      LayoutB, kAlignment, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using Mainloop = lora_detail::PingpongMainloop<Element, RhsNByK, Epilogue>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
@@ -151,25 +142,10 @@ struct LoraGemmConfig {
 template <class Element, bool RhsNByK>
 void run_fused(const LoraGemmArgs& a, const Stream* stream) {
   using Gemm = typename LoraGemmConfig<Element, RhsNByK>::Gemm;
-  const int m = static_cast<int>(a.lhs.size(0)), kg = static_cast<int>(a.lhs.size(1));
-  const int n = static_cast<int>(a.out.size(1));
-  using StrideA = typename Gemm::GemmKernel::StrideA;
-  using StrideB = typename Gemm::GemmKernel::StrideB;
-  const StrideA stride_a = cute::make_stride(int64_t{kg}, cute::Int<1>{}, int64_t{m} * kg);
-  StrideB stride_b;
-  if constexpr (RhsNByK) stride_b = cute::make_stride(int64_t{kg}, cute::Int<1>{}, int64_t{n} * kg);
-  else stride_b = cute::make_stride(cute::Int<1>{}, int64_t{n}, int64_t{n} * kg);
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = a.out.device().index;
-  hw.sm_count = multiprocessor_count();
-  typename Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, n, kg, 1},
-      {static_cast<const Element*>(a.lhs.data()), stride_a, static_cast<const Element*>(a.rhs.data()), stride_b},
-      {lora_detail::lowrank_params<Element>(a), static_cast<Element*>(a.out.data()),
-       a.preact ? static_cast<Element*>(a.preact->data()) : nullptr},
-      hw, lora_detail::scheduler_args<typename Gemm::GemmKernel::TileSchedulerArguments>(a)};
-  sm90::run_gemm<Gemm>(args, a.out.device(), stream, "lora (fused GEMM)");
+  const typename LoraEpilogue<Element>::Arguments epi{
+      lora_detail::lowrank_params<Element>(a), static_cast<Element*>(a.out.data()),
+      a.preact ? static_cast<Element*>(a.preact->data()) : nullptr};
+  lora_detail::run_plain_mainloop<Gemm, RhsNByK, Element>(a, epi, stream, "lora (fused GEMM)");
 }
 
 template <class Element>

@@ -206,48 +206,30 @@ struct LoraMainloop : Base {
   }
 };
 
-// RhsNByK: rhs is [N, Kg] (K-major, the forward); else [Kg, N] (N-major, the backward's dx).
-// Ping-pong: 128 x 128 tiles, the two warpgroups on alternate tiles, clusters of 2 along N (the
+// CUTLASS's TMA epilogue for a plain D = acc (no C), derived as LoraTmaEpilogue, on
+// lora_detail::PingpongMainloop (ping-pong, 128 x 128 tiles, clusters of 2 along N; the
 // cooperative schedule measured slower in every case: docs/lora.md).
 template <class Element, bool RhsNByK>
 struct LoraTmaConfig {
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using TileShape = lora_detail::TileShape;
   static constexpr int kAlignment = 16 / sizeof(Element);
-  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, lora_detail::ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlignment,
-      Element, cutlass::layout::RowMajor, kAlignment, EpilogueSchedule>::CollectiveOp;
+      Element, cutlass::layout::RowMajor, kAlignment, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
   using Epilogue = LoraTmaEpilogue<BaseEpilogue, Element>;
-  using LayoutB = cute::conditional_t<RhsNByK, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignment, Element,
-      LayoutB, kAlignment, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using Mainloop = lora_detail::PingpongMainloop<Element, RhsNByK, Epilogue>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-template <class Element, bool RhsNByK>
-void run_tma(const LoraGemmArgs& a, const Stream* stream) {
-  using Config = LoraTmaConfig<Element, RhsNByK>;
-  using Gemm = typename Config::Gemm;
-  const int m = static_cast<int>(a.lhs.size(0)), kg = static_cast<int>(a.lhs.size(1));
-  const int n = static_cast<int>(a.out.size(1));
-  using StrideA = typename Gemm::GemmKernel::StrideA;
-  using StrideB = typename Gemm::GemmKernel::StrideB;
-  using StrideD = typename Gemm::GemmKernel::StrideD;
-  const StrideA stride_a = cute::make_stride(int64_t{kg}, cute::Int<1>{}, int64_t{m} * kg);
-  StrideB stride_b;
-  if constexpr (RhsNByK) stride_b = cute::make_stride(int64_t{kg}, cute::Int<1>{}, int64_t{n} * kg);
-  else stride_b = cute::make_stride(cute::Int<1>{}, int64_t{n}, int64_t{n} * kg);
-  const StrideD stride_d = cute::make_stride(int64_t{n}, cute::Int<1>{}, int64_t{m} * n);
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = a.out.device().index;
-  hw.sm_count = multiprocessor_count();
-  typename Config::Epilogue::Arguments epi{};
+// The TMA epilogue's arguments: D = out [M, N] row-major, no C, the rank-r, bias and activation
+// parameters for the accumulators.
+template <class Element, class Epilogue>
+typename Epilogue::Arguments tma_epilogue_args(const LoraGemmArgs& a, std::int64_t m, std::int64_t n) {
+  using StrideD = typename Epilogue::StrideD;
+  const StrideD stride_d = cute::make_stride(n, cute::Int<1>{}, m * n);
+  typename Epilogue::Arguments epi{};
   epi.thread.alpha = 1.0f;
   epi.thread.beta = 0.0f;
   epi.ptr_C = nullptr;
@@ -255,14 +237,15 @@ void run_tma(const LoraGemmArgs& a, const Stream* stream) {
   epi.ptr_D = static_cast<Element*>(a.out.data());
   epi.dD = stride_d;
   epi.lowrank = lora_detail::lowrank_params<Element>(a);
-  typename Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, n, kg, 1},
-      {static_cast<const Element*>(a.lhs.data()), stride_a, static_cast<const Element*>(a.rhs.data()), stride_b},
-      epi,
-      hw,
-      lora_detail::scheduler_args<typename Gemm::GemmKernel::TileSchedulerArguments>(a)};
-  sm90::run_gemm<Gemm>(args, a.out.device(), stream, "lora (fused GEMM, TMA epilogue)");
+  return epi;
+}
+
+template <class Element, bool RhsNByK>
+void run_tma(const LoraGemmArgs& a, const Stream* stream) {
+  using Config = LoraTmaConfig<Element, RhsNByK>;
+  const std::int64_t m = a.lhs.size(0), n = a.out.size(1);
+  lora_detail::run_plain_mainloop<typename Config::Gemm, RhsNByK, Element>(
+      a, tma_epilogue_args<Element, typename Config::Epilogue>(a, m, n), stream, "lora (fused GEMM, TMA epilogue)");
 }
 
 // Ping-pong with the rank-r term as the mainloop's last k-tile.
@@ -277,33 +260,21 @@ void run_ktile(const LoraGemmArgs& a, const Stream* stream) {
   const int n = static_cast<int>(a.out.size(1));
   constexpr int kBlockK = cute::size<2>(typename Tma::TileShape{});
   const int kp = (kg + kBlockK - 1) / kBlockK * kBlockK + kBlockK;  // one more k-tile: (L, R)
-  using StrideD = typename Gemm::GemmKernel::StrideD;
-  const StrideD stride_d = cute::make_stride(int64_t{n}, cute::Int<1>{}, int64_t{m} * n);
   typename Mainloop::Arguments ml{};
   ml.ptr_A = static_cast<const Element*>(a.lhs.data());
-  ml.dA = cute::make_stride(int64_t{kg}, cute::Int<1>{}, int64_t{m} * kg);
   ml.ptr_B = static_cast<const Element*>(a.rhs.data());
-  if constexpr (RhsNByK) ml.dB = cute::make_stride(int64_t{kg}, cute::Int<1>{}, int64_t{n} * kg);
-  else ml.dB = cute::make_stride(cute::Int<1>{}, int64_t{n}, int64_t{n} * kg);
+  lora_detail::operand_strides<RhsNByK>(m, n, kg, ml.dA, ml.dB);
   ml.ptr_L = static_cast<const Element*>(a.lowrank_left.data());
   ml.ptr_R = static_cast<const Element*>(RhsNByK ? a.lowrank_right.data() : a.lowrank_right_t.data());
   ml.rank = static_cast<int>(a.lowrank_left.size(1));
   ml.k_real = kg;
-  typename Epilogue::Arguments epi{};
-  epi.thread.alpha = 1.0f;
-  epi.thread.beta = 0.0f;
-  epi.ptr_C = nullptr;
-  epi.dC = stride_d;
-  epi.ptr_D = static_cast<Element*>(a.out.data());
-  epi.dD = stride_d;
-  epi.lowrank = lora_detail::lowrank_params<Element>(a);
   cutlass::KernelHardwareInfo hw;
   hw.device_id = a.out.device().index;
   hw.sm_count = multiprocessor_count();
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {m, n, kp, 1},
                                 ml,
-                                epi,
+                                tma_epilogue_args<Element, Epilogue>(a, m, n),
                                 hw,
                                 lora_detail::scheduler_args<typename Gemm::GemmKernel::TileSchedulerArguments>(a)};
   sm90::run_gemm<Gemm>(args, a.out.device(), stream, "lora (fused GEMM, rank-r k-tile)");
