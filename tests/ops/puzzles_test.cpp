@@ -4,8 +4,8 @@
 // with tails; the ops run on the CPU (fusekit's own spec) and on the GPU, and must match the
 // puzzle's spec with rtol = atol = 1e-3, as the notebook's harness asks. Under compute-sanitizer
 // these tests are the notebook's "invalid memory access" check.
-// Puzzle 9 (scalar FlashAttention) belongs to attention_forward and is added with it.
-// TODO(lead): wire puzzle 9 here once attention_forward lands (one head, head_dim 1, T = 200).
+// Puzzle 9 (scalar FlashAttention) is attention_forward's: tests/ops/attention_test.cpp
+// (AttentionPuzzle9.*) runs the notebook's spec at T = 200 on the CPU and the GPU.
 // Puzzle 12 (4-bit weight matmul) is the qgemm family's.
 #include <gtest/gtest.h>
 
