@@ -59,6 +59,23 @@ double flops_of(const LoraShape& s) {
   return 2.0 * s.m * s.n * s.k + 2.0 * s.m * s.r * s.k + 2.0 * s.m * s.n * s.r;
 }
 
+// The fused record (against the unfused path, with gemm_only_us) and the unfused one, from the
+// medians [fused, unfused, gemm alone, ...] of one interleaved run.
+void add_fused_and_baseline(Context& ctx, const std::string& name, const std::vector<double>& t, double flops,
+                            double err) {
+  Record fr{"lora", name, "fused", "cublas+act"};
+  fr.median_us = t[0];
+  fr.tflops = flops / (t[0] * 1e6);
+  fr.rel_err = err;
+  fr.gemm_only_us = t[2];
+  Record br{"lora", name, "cublas+act", "cublas+act"};
+  br.median_us = t[1];
+  br.tflops = flops / (t[1] * 1e6);
+  br.gemm_only_us = t[2];
+  ctx.add(fr);
+  ctx.add(br);
+}
+
 void forward_case(Context& ctx, const LoraShape& s) {
   const std::string name = "lora_fwd/" + shape_name(s);
   if (!ctx.selected("lora", name)) return;
@@ -115,17 +132,7 @@ void forward_case(Context& ctx, const LoraShape& s) {
        }},
       rot);
   const double flops = flops_of(s);
-  Record fr{"lora", name, "fused", "cublas+act"};
-  fr.median_us = t[0];
-  fr.tflops = flops / (t[0] * 1e6);
-  fr.rel_err = err;
-  fr.gemm_only_us = t[2];
-  Record br{"lora", name, "cublas+act", "cublas+act"};
-  br.median_us = t[1];
-  br.tflops = flops / (t[1] * 1e6);
-  br.gemm_only_us = t[2];
-  ctx.add(fr);
-  ctx.add(br);
+  add_fused_and_baseline(ctx, name, t, flops, err);
   const double t_bytes = static_cast<double>(s.m * s.k + s.m * s.r) * dtype_size(kType);
   const char* parts[] = {"lowrank_t_only", "fused_gemm_only"};
   for (int i = 0; i < 2; ++i) {
@@ -240,17 +247,7 @@ void backward_case(Context& ctx, const LoraShape& s) {
       rot);
   // g W, u = g B, dB, dA and u A: the backward's flops.
   const double flops = 2.0 * s.m * s.n * s.k + 2.0 * s.m * s.n * s.r * 2 + 2.0 * s.r * s.m * s.k * 2;
-  Record fr{"lora", name, "fused", "cublas+act"};
-  fr.median_us = tm_us[0];
-  fr.tflops = flops / (tm_us[0] * 1e6);
-  fr.rel_err = err;
-  fr.gemm_only_us = tm_us[2];
-  Record br{"lora", name, "cublas+act", "cublas+act"};
-  br.median_us = tm_us[1];
-  br.tflops = flops / (tm_us[1] * 1e6);
-  br.gemm_only_us = tm_us[2];
-  ctx.add(fr);
-  ctx.add(br);
+  add_fused_and_baseline(ctx, name, tm_us, flops, err);
   Record gr{"lora", name, "grad_pass_only", "cublas+act"};
   gr.median_us = tm_us[3];
   gr.gbps = static_cast<double>(3 * s.m * s.n) * dtype_size(kType) / (tm_us[3] * 1e3);  // dy, y read; g written
