@@ -178,11 +178,18 @@ TEST(LoraGpu, ForwardMatchesSpec) {
         test::poison(gy2);
         lora_forward({d.x, d.w, db, d.a, d.b, gy, gt.view(), gz.view()}, p);
         lora_forward({d.x, d.w, db, d.a, d.b, gy2, std::nullopt, std::nullopt}, p);  // the inference path
+        // y and t without z: at r <= 16 on sm_90, t comes out of the GEMM that computes y.
+        Tensor gy3 = Tensor::empty({c.m, c.n}, c.dtype, gpu), gt3 = Tensor::empty({c.m, c.r}, c.dtype, gpu);
+        test::poison(gy3);
+        test::poison(gt3);
+        lora_forward({d.x, d.w, db, d.a, d.b, gy3, gt3.view(), std::nullopt}, p);
         const std::string what = describe(c) + " " + std::string(activation_name(act)) + (with_bias ? " bias" : "");
         EXPECT_LE(rel_err(gy, y), tolerance(c.dtype)) << "y " << what;
         EXPECT_LE(rel_err(gz, z), tolerance(c.dtype)) << "z " << what;
         EXPECT_LE(rel_err(gt, t), tolerance(c.dtype)) << "t " << what;
         EXPECT_LE(rel_err(gy2, y), tolerance(c.dtype)) << "y (no t, z) " << what;
+        EXPECT_LE(rel_err(gy3, y), tolerance(c.dtype)) << "y (t, no z) " << what;
+        EXPECT_LE(rel_err(gt3, t), tolerance(c.dtype)) << "t (t, no z) " << what;
       }
 }
 
@@ -281,6 +288,76 @@ TEST(LoraGpu, BothGemmSchedulesMatchSpec) {
         EXPECT_LE(rel_err(got, want), tolerance(dt))
             << dtype_name(dt) << (n_by_k ? " rhs [N, K]" : " rhs [K, N]")
             << " variant " << variant;
+      }
+}
+
+TEST(LoraGpu, TInsideTheGemmOverManyWavesMatchesSpec) {
+  // The forward with t computed inside the GEMM (lora_gemm_t.cu) over 17 x 17 tiles, more than a
+  // wave on any GPU: every tile waits in its epilogue for the owner of its row block (the tile in
+  // N-block 0). Tails in M, N and K; r = 16 and r = 5 (A and B zero-padded to 16); the
+  // persistent scheduler's orders along M and along N. y and t against the spec on every 7th row
+  // (plain loops in double).
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const std::int64_t m = 2100, n = 2056, k = 520;
+  const float scale = 0.75f;
+  int seed = 9000;
+  for (DType dt : {DType::bf16, DType::f16})
+    for (std::int64_t r : {16, 5})
+      for (int order = 0; order < 3; ++order) {
+        // 0: the automatic order (swizzle 4 along M); 1: swizzle 1 along M; 2: swizzle 2 along N.
+        seed += 10;
+        const Tensor x = test::random_tensor({m, k}, dt, kCpu, seed, -1.f, 1.f);
+        const Tensor w = test::random_tensor({n, k}, dt, kCpu, seed + 1, -0.5f, 0.5f);
+        const Tensor bias = test::random_tensor({n}, dt, kCpu, seed + 2, -0.5f, 0.5f);
+        const Tensor a = test::random_tensor({r, k}, dt, kCpu, seed + 3, -0.5f, 0.5f);
+        const Tensor b = test::random_tensor({n, r}, dt, kCpu, seed + 4, -0.5f, 0.5f);
+        // A [16, K] and B [N, 16], zero-padded, as lora_forward hands them to the GEMM.
+        const std::vector<double> xv = test::to_doubles(x), wv = test::to_doubles(w), bv = test::to_doubles(bias),
+                                  av = test::to_doubles(a), bbv = test::to_doubles(b);
+        std::vector<float> ap(static_cast<std::size_t>(16 * k), 0.f), bp(static_cast<std::size_t>(n * 16), 0.f);
+        for (std::int64_t j = 0; j < r; ++j)
+          for (std::int64_t q = 0; q < k; ++q) ap[j * k + q] = static_cast<float>(av[j * k + q]);
+        for (std::int64_t c = 0; c < n; ++c)
+          for (std::int64_t j = 0; j < r; ++j) bp[c * 16 + j] = static_cast<float>(bbv[c * r + j]);
+        const Tensor xg = x.copy_to(gpu), wg = w.copy_to(gpu), bg = bias.copy_to(gpu);
+        const Tensor apg = test::host_tensor({16, k}, dt, ap).copy_to(gpu), bpg = test::host_tensor({n, 16}, dt, bp).copy_to(gpu);
+        Tensor out = Tensor::empty({m, n}, dt, gpu), t = Tensor::empty({m, 16}, dt, gpu);
+        test::poison(out);
+        test::poison(t);
+        const TensorView bias_view = bg.view();
+        cuda::LoraGemmArgs args{xg, wg, true, t, bpg, &bias_view, Activation::relu, out, nullptr};
+        args.lowrank_a = apg.view();
+        args.lowrank_scale = scale;
+        args.swizzle = order == 0 ? 0 : (order == 1 ? 1 : 2);
+        args.raster = order == 0 ? 0 : (order == 1 ? 1 : 2);
+        ASSERT_TRUE(cuda::lora_gemm_fused(args, nullptr));
+        const std::vector<double> ov = test::to_doubles(out), tv = test::to_doubles(t);
+        std::vector<float> got_y, want_y, got_t, want_t;
+        for (std::int64_t i = 0; i < m; i += 7) {
+          std::vector<double> ti(16, 0.0);
+          for (std::int64_t j = 0; j < r; ++j) {
+            for (std::int64_t q = 0; q < k; ++q) ti[j] += xv[i * k + q] * av[j * k + q];
+            ti[j] *= scale;
+          }
+          for (std::int64_t j = 0; j < 16; ++j) {
+            got_t.push_back(static_cast<float>(tv[i * 16 + j]));
+            want_t.push_back(static_cast<float>(ti[j]));
+          }
+          for (std::int64_t c = 0; c < n; ++c) {
+            double z = bv[c];
+            for (std::int64_t q = 0; q < k; ++q) z += xv[i * k + q] * wv[c * k + q];
+            for (std::int64_t j = 0; j < r; ++j) z += ti[j] * bbv[c * r + j];
+            want_y.push_back(static_cast<float>(z > 0 ? z : 0.0));
+            got_y.push_back(static_cast<float>(ov[i * n + c]));
+          }
+        }
+        const auto as_tensor = [](const std::vector<float>& v) {
+          return test::host_tensor({static_cast<std::int64_t>(v.size())}, DType::f32, v);
+        };
+        const std::string what = std::string(dtype_name(dt)) + " r" + std::to_string(r) + " order " + std::to_string(order);
+        EXPECT_LE(rel_err(as_tensor(got_y), as_tensor(want_y)), tolerance(dt)) << "y " << what;
+        EXPECT_LE(rel_err(as_tensor(got_t), as_tensor(want_t)), tolerance(dt)) << "t " << what;
       }
 }
 

@@ -3,6 +3,9 @@
 // the same math unfused (cuBLAS GEMMs and the pointwise family's pass).
 #include "fusekit/ops/lora.hpp"
 
+#include <cstdlib>
+#include <string>
+
 #include "nn/gemm.hpp"
 #include "ops/op_checks.hpp"
 
@@ -49,6 +52,15 @@ void check_params(const char* op, const LoraParams& p) {
 #if FUSEKIT_WITH_CUDA
 // r rounded up to a multiple of 16: the rank-r operands of the fused kernels come zero-padded to it.
 std::int64_t padded_rank(std::int64_t r) { return (r + 15) / 16 * 16; }
+
+// FK_LORA_T_IN_GEMM=0 keeps t's own cuBLAS pass before the fused GEMM (the bench compares both).
+bool lora_t_in_gemm() {
+  static const bool on = [] {
+    const char* v = std::getenv("FK_LORA_T_IN_GEMM");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
 
 // A tensor or a zero-padded copy of it.
 struct Padded {
@@ -131,11 +143,21 @@ void lora_forward(const LoraForwardArgs& args, const LoraParams& p, const Stream
   // the H100, 2.15 TB/s; a TMA + wgmma streaming kernel measured 30.9 us and a hand-written
   // mma.sync pass 48 us: docs/lora.md).
   const Padded a_pad = pad_rows(args.a, rb, stream);
-  nn::detail::gemm(Op::n, Op::t, args.x, a_pad.view, t, stream, false, p.scale);
-  if (t_user != nullptr) copy_columns(t, *t_user, stream);
   const Padded b_pad = pad_columns(args.b, rb, stream);  // [N, rb]
   const TensorView* bias = args.bias ? &*args.bias : nullptr;
   const TensorView* preact = args.preact ? &*args.preact : nullptr;
+  // r <= 16 without preact: t computed inside the fused GEMM (lora_gemm_t.cu), no pass of its own.
+  if (rb == 16 && preact == nullptr && lora_t_in_gemm()) {
+    cuda::LoraGemmArgs g{args.x, args.w, true, t, b_pad.view, bias, p.act, args.y, nullptr};
+    g.lowrank_a = a_pad.view;
+    g.lowrank_scale = p.scale;
+    if (cuda::lora_gemm_fused(g, stream)) {
+      if (t_user != nullptr) copy_columns(t, *t_user, stream);
+      return;
+    }
+  }
+  nn::detail::gemm(Op::n, Op::t, args.x, a_pad.view, t, stream, false, p.scale);
+  if (t_user != nullptr) copy_columns(t, *t_user, stream);
   if (cuda::lora_gemm_fused({args.x, args.w, true, t, b_pad.view, bias, p.act, args.y, preact}, stream)) return;
   // Unfused: z = x Wᵀ, z += t Bᵀ, then y = act(z + b) in one pointwise pass.
   const std::optional<Tensor> z_own = scratch_unless(args.preact, {s.m, s.n}, args.x, stream);

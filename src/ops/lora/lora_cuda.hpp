@@ -40,6 +40,12 @@ struct LoraGemmArgs {
   // CUTLASS's, 1 along the heuristic's).
   int swizzle = 0;
   int raster = 0;
+  // The forward with t inside the GEMM (lora_gemm_t.cu): when lowrank_a ([16, Kg], A zero-padded
+  // to 16 rows) is set, lowrank_left [M, 16] is an output, t = lowrank_scale · lhs · lowrank_aᵀ,
+  // computed by the GEMM and then used as L. Needs rhs [N, Kg], rb = 16, no preact; otherwise
+  // lora_gemm_fused returns false and the caller computes t itself.
+  TensorView lowrank_a{};
+  float lowrank_scale = 1.0f;
 };
 
 // Returns false, having done nothing, when the device or the shape has no fused kernel (not
@@ -48,6 +54,8 @@ bool lora_gemm_fused(const LoraGemmArgs& args, const Stream* stream);
 // The TMA-epilogue kernels (lora_gemm_tma.cu), called by lora_gemm_fused once it has checked
 // that they take the arguments (and preact is null).
 void lora_gemm_tma(const LoraGemmArgs& args, const Stream* stream);
+// The forward with t computed inside the GEMM (lora_gemm_t.cu), likewise.
+void lora_gemm_tma_t(const LoraGemmArgs& args, const Stream* stream);
 
 // The backward's first pass (lora_grad.cu): g = dy ⊙ act'(saved), su = scale g B, db = gᵀ t and
 // dbias = Σ_m g from one read of dy and saved. Shapes: dy, saved, g [M, N]; b, db [N, r]; t

@@ -169,8 +169,16 @@ bool lora_gemm_fused(const LoraGemmArgs& a, const Stream* stream) {
   // rb = 0 (no rank-r term) only serves the bench's breakdown.
   if (a.lowrank_left.size(1) % 16 != 0 || a.lowrank_right.size(1) != a.lowrank_left.size(1)) return false;
   if (a.lowrank_left.size(1) > 64) return false;
+  const bool in_gemm_t = a.lowrank_a.data() != nullptr;
+  if (in_gemm_t && (!a.rhs_is_n_by_k || a.preact != nullptr || a.lowrank_left.size(1) != 16 ||
+                    a.lowrank_a.size(0) != 16 || a.lowrank_a.size(1) != kg || !aligned16(a.lowrank_a.data())))
+    return false;
   const fk::detail::DeviceScope on_device(a.out.device().index);
   if (!is_sm90(a.out.device().index)) return false;
+  if (in_gemm_t) {
+    lora_gemm_tma_t(a, stream);
+    return true;
+  }
   // The TMA epilogue stores one output; the registers one also writes preact.
   const bool tma = a.preact == nullptr && a.epilogue != LoraEpilogueKind::registers;
   if (tma) {
