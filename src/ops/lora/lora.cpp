@@ -1,6 +1,7 @@
-// Dispatch of the lora family: argument checks, then the CPU spec, the fused Hopper path (a
-// skinny cuBLAS GEMM for t, then one tensor-core GEMM with the rank-r term in its epilogue), or
-// the same math unfused (cuBLAS GEMMs and the pointwise family's pass).
+// Dispatch of the lora family: argument checks, then the CPU spec, the fused Hopper path (at
+// r <= 16 one tensor-core GEMM that also computes t; otherwise a skinny cuBLAS GEMM for t, then
+// one tensor-core GEMM with the rank-r term as a mainloop k-tile), or the same math unfused
+// (cuBLAS GEMMs and the pointwise family's pass).
 #include "fusekit/ops/lora.hpp"
 
 #include <cstdlib>
