@@ -164,6 +164,8 @@ void forward_case(Context& ctx, const LoraShape& s) {
   }
   // The rank-r term as the mainloop's last k-tile instead of in the epilogue.
   variants.push_back({"fused_gemm_pingpong_tma_ktile", {LoraEpilogueKind::tma_ktile, true, 0, 0}});
+  // rb = 16: the rank-16 term by one register-sourced wgmma in the TMA epilogue.
+  if (s.r == 16) variants.push_back({"fused_gemm_pingpong_tma_rs", {LoraEpilogueKind::tma_rs, true, 0, 0}});
   // The persistent scheduler's tile order (swizzle 1, 2, 4, 8 along the raster; raster along M
   // or N), TMA epilogue; the issue's case only.
   if (s.m == 8192 && s.r == 16) {
@@ -252,7 +254,8 @@ void backward_case(Context& ctx, const LoraShape& s) {
        [&](int i) { grad_pass(at(i)); }, [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::automatic); },
        [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::registers); },
        [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma); },
-       [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma_ktile); }},
+       [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma_ktile); },
+       [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma_rs); }},
       rot);
   // g W, u = g B, dB, dA and u A: the backward's flops.
   const double flops = 2.0 * s.m * s.n * s.k + 2.0 * s.m * s.n * s.r * 2 + 2.0 * s.r * s.m * s.k * 2;
@@ -265,8 +268,9 @@ void backward_case(Context& ctx, const LoraShape& s) {
   xr.tflops = 2.0 * s.m * s.n * s.k / (tm_us[4] * 1e6);
   ctx.add(gr);
   ctx.add(xr);
-  const char* variants[] = {"dx_gemm_pingpong_registers", "dx_gemm_pingpong_tma", "dx_gemm_pingpong_tma_ktile"};
-  for (int i = 0; i < 3; ++i) {
+  const char* variants[] = {"dx_gemm_pingpong_registers", "dx_gemm_pingpong_tma", "dx_gemm_pingpong_tma_ktile",
+                            "dx_gemm_pingpong_tma_rs"};
+  for (int i = 0; i < (s.r == 16 ? 4 : 3); ++i) {
     Record vr{"lora", name, variants[i], "cublas+act"};
     vr.median_us = tm_us[5 + i];
     vr.tflops = 2.0 * s.m * s.n * s.k / (tm_us[5 + i] * 1e6);

@@ -240,14 +240,17 @@ TEST(LoraGpu, BothGemmSchedulesMatchSpec) {
   // M and N past a tile.
   FK_SKIP_WITHOUT_GPU();
   const Device gpu = Device::cuda(0);
-  const std::int64_t m = 300, n = 264, k = 136, r = 32;
+  const std::int64_t m = 300, n = 264, k = 136;
   for (DType dt : {DType::bf16, DType::f16})
     for (bool n_by_k : {true, false})
-      for (int variant = 0; variant < 5; ++variant) {
+      for (int variant = 0; variant < 6; ++variant) {
         // 0: registers; 1: TMA; 2: TMA, swizzle 4 along M; 3: TMA, swizzle 2 along N; 4: the
-        // rank-r term as the mainloop's last k-tile (R transposed as its right factor for rhs [K, N]).
+        // rank-r term as the mainloop's last k-tile (R transposed as its right factor for rhs [K, N]);
+        // 5: the rank-16 term by a register-sourced wgmma in the TMA epilogue (r = 16).
+        const std::int64_t r = variant == 5 ? 16 : 32;
         const auto epi = variant == 0   ? cuda::LoraEpilogueKind::registers
                          : variant == 4 ? cuda::LoraEpilogueKind::tma_ktile
+                         : variant == 5 ? cuda::LoraEpilogueKind::tma_rs
                                         : cuda::LoraEpilogueKind::tma;
         const int swizzle = variant == 2 ? 4 : (variant == 3 ? 2 : 0);
         const int raster = variant == 2 ? 1 : (variant == 3 ? 2 : 0);

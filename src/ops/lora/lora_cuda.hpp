@@ -17,9 +17,12 @@ namespace fk::cuda {
 // writes preact); `tma`, the same rank-r update, then CUTLASS's TMA warp-specialized epilogue (the
 // tile staged in shared memory, TMA stores); `tma_ktile`, the rank-r term computed by the mainloop
 // as one more k-tile [lhs | L] · [rhs | R]ᵀ, then the TMA epilogue (rhs [K, N]: with
-// lowrank_right_t only; else as tma). automatic: registers when preact is asked for, else
-// tma_ktile (rhs [K, N] at rb = 16: tma), the faster ones on the H100 (docs/lora.md).
-enum class LoraEpilogueKind { automatic, registers, tma, tma_ktile };
+// lowrank_right_t only; else as tma); `tma_rs` (rb = 16), the rank-16 term by one
+// register-sourced wgmma per 64 rows (L's rows as the register operand, R's 128 x 16 slice in
+// shared memory), then the TMA epilogue (lora_gemm_t.cu). automatic: registers when preact is
+// asked for, else tma_rs at rb = 16 and tma_ktile above, the faster ones on the H100
+// (docs/lora.md).
+enum class LoraEpilogueKind { automatic, registers, tma, tma_ktile, tma_rs };
 
 struct LoraGemmArgs {
   TensorView lhs;
@@ -54,6 +57,8 @@ bool lora_gemm_fused(const LoraGemmArgs& args, const Stream* stream);
 // The TMA-epilogue kernels (lora_gemm_tma.cu), called by lora_gemm_fused once it has checked
 // that they take the arguments (and preact is null).
 void lora_gemm_tma(const LoraGemmArgs& args, const Stream* stream);
+// The rank-16 term by a register-sourced wgmma in the TMA epilogue (lora_gemm_t.cu), likewise.
+void lora_gemm_tma_rs(const LoraGemmArgs& args, const Stream* stream);
 // The forward with t computed inside the GEMM (lora_gemm_t.cu), likewise.
 void lora_gemm_tma_t(const LoraGemmArgs& args, const Stream* stream);
 

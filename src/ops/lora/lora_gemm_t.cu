@@ -7,10 +7,11 @@
 // 0 is in the first band of its row block), and CTAs take tiles in that order. So the tile (m, 0),
 // the "owner", computes t for its 128 rows alongside its own x Wᵀ: every k-block its consumer
 // warpgroup issues, besides the 64 x 128 x 16 wgmma of the GEMM, a 64 x 16 x 16 wgmma of the same
-// x tile against A's 16 x 64 slice, which the producer loads by TMA into every stage (2 KiB more a
-// stage). After its mainloop the owner scales t by s, rounds it to the operand dtype, stores it to
-// t [M, 16] (the forward's t, kept for the backward) and releases ready[m] (a gpu-scope fence and a
-// relaxed add after a barrier of the warpgroup). 1/8 more tensor-core work for one tile in
+// x tile against A's 16 x 64 slice, which the producer loads by TMA into the owner's stages (2 KiB
+// more a stage, expected on the stage's barrier on top of x's and W's bytes). After its mainloop
+// the owner scales t by s, rounds it to the operand dtype, stores it to t [M, 16] (the forward's
+// t, kept for the backward) and releases ready[m] (a gpu-scope fence and a relaxed add after a
+// barrier of the warpgroup). 1/8 more tensor-core work for one tile in
 // N / 128, and no other tile waits for it but in its epilogue.
 //
 // The epilogue of every tile (m, n) then loads its 16 x 128 slice of B into shared memory, waits
@@ -132,9 +133,6 @@ struct LoraTMainloop : Base {
     auto tensor_al = make_tensor(reinterpret_cast<TmaElement const*>(args.ptr_AL), make_layout(make_shape(int32_t(kRank), int32_t(K)),
                                                           make_stride(int64_t(K), Int<1>{})));
     p.tma_load_al = make_tma_copy(SM90_TMA_LOAD{}, tensor_al, SmemLayoutAL{}(_, _, Int<0>{}));
-    constexpr uint32_t al_bytes = kRank * kBlockK * sizeof(Element);
-    p.tma_transaction_bytes += al_bytes;
-    p.tma_transaction_bytes_mk += al_bytes;
     p.t = args.ptr_t;
     p.ready = args.ready;
     p.scale = args.scale;
@@ -193,15 +191,19 @@ struct LoraTMainloop : Base {
       for (int n = 0; n < size<1>(block_layout); ++n) mcast_mask_a |= uint16_t(1) << block_layout(cluster_id.x, n, Int<0>{});
     if constexpr (is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>)
       for (int m = 0; m < size<0>(block_layout); ++m) mcast_mask_b |= uint16_t(1) << block_layout(m, cluster_id.y, Int<0>{});
+    // Only the owner's stages carry A's slice: their barrier expects its bytes on top of x's and W's.
+    const bool owner = n_coord == 0;
+    constexpr uint32_t al_bytes = kRank * kBlockK * sizeof(Element);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(smem_pipe_write);
+      if (owner) pipeline.producer_expect_transaction(smem_pipe_write, al_bytes);
       auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
       const int stage = smem_pipe_write.index();
       const int k = *k_tile_iter;
       copy(params.tma_load_a.with(*barrier, mcast_mask_a), tAgA(_, _, _, k), tAsA(_, _, _, stage));
       copy(params.tma_load_b.with(*barrier, mcast_mask_b), tBgB(_, _, _, k), tBsB(_, _, _, stage));
-      copy(params.tma_load_al.with(*barrier), tLgL(_, _, _, k), tLsL(_, _, _, stage));
+      if (owner) copy(params.tma_load_al.with(*barrier), tLgL(_, _, _, k), tLsL(_, _, _, stage));
       ++k_tile_iter;
       ++smem_pipe_write;
     }
@@ -320,7 +322,7 @@ class LoraTEpilogue : public Base {
 
   struct Arguments : Base::Arguments {
     lora_detail::LowRankParams<Element> lowrank;  // left: t [M, 16]; right: B [N, 16]; bias; act
-    const int* ready = nullptr;
+    const int* ready = nullptr;  // null: L is given, no wait
   };
   struct Params : Base::Params {
     lora_detail::LowRankParams<Element> lowrank;
@@ -339,7 +341,7 @@ class LoraTEpilogue : public Base {
 
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
-    return Base::can_implement(problem_shape, args) && args.lowrank.rank == kRank && args.ready != nullptr;
+    return Base::can_implement(problem_shape, args) && args.lowrank.rank == kRank;
   }
 
   CUTLASS_HOST_DEVICE LoraTEpilogue(Params const& params, TensorStorage& shared_tensors)
@@ -371,8 +373,8 @@ class LoraTEpilogue : public Base {
         v = *reinterpret_cast<const uint4*>(lowrank_.right + static_cast<int64_t>(n0 + row) * kRank + half * 8);
       *reinterpret_cast<uint4*>(&sBL(row, half * 8)) = v;
     }
-    // t's rows: published by the owner of this row block.
-    if (thread_idx == 0)
+    // t's rows: published by the owner of this row block (no flags: L was computed before).
+    if (ready_ != nullptr && thread_idx == 0)
       while (load_acquire(ready_ + m_blk) == 0) {
       }
     cutlass::arch::fence_view_async_shared();  // B's stores, before the wgmma reads them
@@ -509,7 +511,44 @@ void run_t(const LoraGemmArgs& a, const Stream* stream) {
   sm90::run_gemm<Gemm>(args, a.out.device(), stream, "lora (fused GEMM, t in the GEMM)");
 }
 
+// L given (t in the forward, s u in the backward's dx), rb = 16: CUTLASS's mainloop unchanged
+// (lora_detail::PingpongMainloop) and the epilogue above without the wait: L Rᵀ by one
+// register-sourced wgmma per 64 rows instead of mma.sync on the accumulators.
+template <class Element, bool RhsNByK>
+void run_rs(const LoraGemmArgs& a, const Stream* stream) {
+  using BaseEpilogue = typename LoraTConfig<Element>::BaseEpilogue;
+  using Epilogue = LoraTEpilogue<BaseEpilogue, Element>;
+  using Mainloop = lora_detail::PingpongMainloop<Element, RhsNByK, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  const std::int64_t m = a.lhs.size(0), n = a.out.size(1);
+  using StrideD = typename Epilogue::StrideD;
+  const StrideD stride_d = cute::make_stride(n, cute::Int<1>{}, m * n);
+  typename Epilogue::Arguments epi{};
+  epi.thread.alpha = 1.0f;
+  epi.thread.beta = 0.0f;
+  epi.ptr_C = nullptr;
+  epi.dC = stride_d;
+  epi.ptr_D = static_cast<Element*>(a.out.data());
+  epi.dD = stride_d;
+  epi.lowrank = lora_detail::lowrank_params<Element>(a);
+  epi.ready = nullptr;
+  lora_detail::run_plain_mainloop<Gemm, RhsNByK, Element>(a, epi, stream, "lora (fused GEMM, rank-16 wgmma epilogue)");
+}
+
 }  // namespace
+
+void lora_gemm_tma_rs(const LoraGemmArgs& args, const Stream* stream) {
+  LoraGemmArgs a = args;
+  if (a.swizzle == 0 && a.raster == 0) {
+    a.swizzle = 4;
+    a.raster = 1;
+  }
+  using cutlass::bfloat16_t, cutlass::half_t;
+  const bool bf16 = a.lhs.dtype() == DType::bf16;
+  if (a.rhs_is_n_by_k) bf16 ? run_rs<bfloat16_t, true>(a, stream) : run_rs<half_t, true>(a, stream);
+  else bf16 ? run_rs<bfloat16_t, false>(a, stream) : run_rs<half_t, false>(a, stream);
+}
 
 void lora_gemm_tma_t(const LoraGemmArgs& args, const Stream* stream) {
   // The tile order the k-tile kernel measured fastest: along M in groups of 4 (docs/lora.md).

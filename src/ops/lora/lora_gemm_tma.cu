@@ -296,15 +296,23 @@ void lora_gemm_tma(const LoraGemmArgs& args, const Stream* stream) {
     a.swizzle = 4;
     a.raster = 1;
   }
-  // Automatic: the rank-r term as a k-tile, but for the backward's layout (rhs [K, N]) at
-  // rb = 16. H100, M = 8192, N = K = 4096 (docs/lora.md): forward 421.2 us at r = 16 and 413.4 at
-  // r = 64 against 425.6 and 512.0 with mma.sync in the epilogue; dx 414.7 and 412.9 against
-  // 405.8 and 468.0.
+  // Automatic above rb = 16 (rb = 16 takes the wgmma epilogue below): the rank-r term as a k-tile.
+  // H100, M = 8192, N = K = 4096 (docs/lora.md): forward 413.4 us at r = 64 against 512.0 with
+  // mma.sync in the epilogue; dx 412.9 against 468.0.
   const bool ktile = a.epilogue == LoraEpilogueKind::tma_ktile ||
                      (a.epilogue == LoraEpilogueKind::automatic && (a.rhs_is_n_by_k || a.lowrank_left.size(1) > 16));
   const bool has_rt = a.lowrank_right_t.data() != nullptr && a.lowrank_right_t.rank() == 2 &&
                       a.lowrank_right_t.size(0) == a.lowrank_left.size(1) &&
                       a.lowrank_right_t.size(1) == a.out.size(1) && aligned16(a.lowrank_right_t.data());
+  // rb = 16: the rank-16 wgmma epilogue, unless asked otherwise (H100, M = 8192, N = K = 4096, one
+  // run: dx 398.5 us against 418.6 with mma.sync and 418.8 as a k-tile; forward with t given 422.8
+  // against 440.7 as a k-tile and 420.5 with no rank-r term at all; docs/lora.md).
+  const bool rs = a.lowrank_left.size(1) == 16 &&
+                  (a.epilogue == LoraEpilogueKind::tma_rs || a.epilogue == LoraEpilogueKind::automatic);
+  if (rs) {
+    lora_gemm_tma_rs(a, stream);
+    return;
+  }
   if (ktile && a.lowrank_left.size(1) > 0 && (a.rhs_is_n_by_k || has_rt)) {
     using cutlass::bfloat16_t, cutlass::half_t;
     const bool bf16 = a.lhs.dtype() == DType::bf16;
