@@ -49,15 +49,22 @@ void LoRALinear::forward(const TensorView& x, const TensorView& y, const Stream*
   checks::tensor(op, "x", x, 2);
   FK_CHECK_ARG(x.size(1) == d_in_, op, "x", fmt::format("[T, {}]", d_in_), x.shape().str());
   saved_t_ = Tensor::empty({x.size(0), rank_}, weight.dtype(), weight.device(), stream);
-  saved_z_ = Tensor::empty({x.size(0), d_out_}, weight.dtype(), weight.device(), stream);
-  lora_forward({x, weight, bias.view(), lora_a, lora_b, y, saved_t_.view(), saved_z_.view()}, params_, stream);
+  if (derivative_from_output(params_.act)) {
+    saved_kind_ = SavedForBackward::output;
+    lora_forward({x, weight, bias.view(), lora_a, lora_b, y, saved_t_.view(), std::nullopt}, params_, stream);
+    saved_ = keep(y, stream);
+  } else {
+    saved_kind_ = SavedForBackward::preactivation;
+    saved_ = Tensor::empty({x.size(0), d_out_}, weight.dtype(), weight.device(), stream);
+    lora_forward({x, weight, bias.view(), lora_a, lora_b, y, saved_t_.view(), saved_.view()}, params_, stream);
+  }
   saved_x_ = keep(x, stream);
 }
 
 void LoRALinear::backward(const TensorView& dy, const std::optional<TensorView>& dx, const Stream* stream) {
   constexpr const char* op = "LoRALinear::backward";
   FK_CHECK_ARG(saved_x_.view().rank() == 2, op, "this", "a forward before the backward", "none");
-  lora_backward({dy, saved_z_, SavedForBackward::preactivation, saved_x_, weight, lora_a, lora_b, saved_t_.view(), dx,
+  lora_backward({dy, saved_, saved_kind_, saved_x_, weight, lora_a, lora_b, saved_t_.view(), dx,
                  lora_a_grad, lora_b_grad, train_bias_ ? std::optional(bias_grad.view()) : std::nullopt},
                 params_, stream);
 }

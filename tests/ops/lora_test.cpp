@@ -406,7 +406,10 @@ TEST(LoRALinear, StartsAsThePlainLinearAndTrainsTheAdapter) {
 TEST(LoRALinear, GpuMatchesCpu) {
   FK_SKIP_WITHOUT_GPU();
   const std::int64_t t = 300, d_in = 256, d_out = 136, r = 16;
-  const LoraParams p{Activation::gelu_tanh, 0.5f};
+  // gelu_tanh keeps z for the backward; relu keeps y (and its forward computes t in the GEMM).
+  for (Activation act : {Activation::gelu_tanh, Activation::relu}) {
+  SCOPED_TRACE(activation_name(act));
+  const LoraParams p{act, 0.5f};
   nn::LoRALinear cpu(d_in, d_out, r, p, true, DType::bf16, kCpu, 7);
   nn::LoRALinear gpu(d_in, d_out, r, p, true, DType::bf16, Device::cuda(0), 7);
   // A non-zero B on both, so that the adapter matters.
@@ -428,6 +431,7 @@ TEST(LoRALinear, GpuMatchesCpu) {
   EXPECT_LE(rel_err(gpu.lora_a_grad, cpu.lora_a_grad), 2e-2);
   EXPECT_LE(rel_err(gpu.lora_b_grad, cpu.lora_b_grad), 2e-2);
   EXPECT_LE(rel_err(gpu.bias_grad, cpu.bias_grad), 2e-2);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -30,14 +30,17 @@ class LoRALinear {
   Tensor lora_a_grad, lora_b_grad;
   Tensor bias_grad;               // [d_out] when train_bias, else empty
 
-  // Bytes kept between forward and backward (x, t and z).
-  std::size_t saved_bytes() const noexcept { return saved_x_.nbytes() + saved_t_.nbytes() + saved_z_.nbytes(); }
+  // Bytes kept between forward and backward: x, t, and y when the activation's derivative comes
+  // from its output (identity, relu, sigmoid, tanh: the forward then needs no z, and at r <= 16 on
+  // sm_90 computes t inside its GEMM), else z.
+  std::size_t saved_bytes() const noexcept { return saved_x_.nbytes() + saved_t_.nbytes() + saved_.nbytes(); }
 
  private:
   std::int64_t d_in_, d_out_, rank_;
   LoraParams params_;
   bool train_bias_;
-  Tensor saved_x_, saved_t_, saved_z_;
+  Tensor saved_x_, saved_t_, saved_;  // saved_: y or z, as saved_kind_ says
+  SavedForBackward saved_kind_ = SavedForBackward::preactivation;
 };
 
 }  // namespace fk::nn

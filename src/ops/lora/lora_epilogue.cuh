@@ -166,6 +166,23 @@ LowRankParams<Element> lowrank_params(const LoraGemmArgs& a) {
           a.act};
 }
 
+// The arguments of an epilogue derived from CUTLASS's TMA epilogue for a plain D = acc:
+// D = out [M, N] row-major, no C, and the rank-r, bias and activation parameters.
+template <class Element, class Epilogue>
+typename Epilogue::Arguments tma_epilogue_args(const LoraGemmArgs& a, std::int64_t m, std::int64_t n) {
+  using StrideD = typename Epilogue::StrideD;
+  const StrideD stride_d = cute::make_stride(n, cute::Int<1>{}, m * n);
+  typename Epilogue::Arguments epi{};
+  epi.thread.alpha = 1.0f;
+  epi.thread.beta = 0.0f;
+  epi.ptr_C = nullptr;
+  epi.dC = stride_d;
+  epi.ptr_D = static_cast<Element*>(a.out.data());
+  epi.dD = stride_d;
+  epi.lowrank = lowrank_params<Element>(a);
+  return epi;
+}
+
 // The mainloop every fused LoRA GEMM uses: CUTLASS's SM90 TMA warp-specialized ping-pong, 128 x 128
 // x 64 tiles (the two warpgroups on alternate tiles), clusters of 2 along N, as many stages as fit
 // beside the epilogue's shared storage. RhsNByK: rhs is [N, Kg] (K-major, the forward); else

@@ -486,16 +486,7 @@ void run_t(const LoraGemmArgs& a, const Stream* stream) {
   ml.ready = static_cast<int*>(ready.data());
   ml.scale = a.lowrank_scale;
 
-  using StrideD = typename Epilogue::StrideD;
-  const StrideD stride_d = cute::make_stride(int64_t{n}, cute::Int<1>{}, int64_t{m} * n);
-  typename Epilogue::Arguments epi{};
-  epi.thread.alpha = 1.0f;
-  epi.thread.beta = 0.0f;
-  epi.ptr_C = nullptr;
-  epi.dC = stride_d;
-  epi.ptr_D = static_cast<Element*>(a.out.data());
-  epi.dD = stride_d;
-  epi.lowrank = lora_detail::lowrank_params<Element>(a);
+  auto epi = lora_detail::tma_epilogue_args<Element, Epilogue>(a, m, n);
   epi.ready = static_cast<const int*>(ready.data());
 
   cutlass::KernelHardwareInfo hw;
@@ -521,17 +512,7 @@ void run_rs(const LoraGemmArgs& a, const Stream* stream) {
   using Mainloop = lora_detail::PingpongMainloop<Element, RhsNByK, Epilogue>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  const std::int64_t m = a.lhs.size(0), n = a.out.size(1);
-  using StrideD = typename Epilogue::StrideD;
-  const StrideD stride_d = cute::make_stride(n, cute::Int<1>{}, m * n);
-  typename Epilogue::Arguments epi{};
-  epi.thread.alpha = 1.0f;
-  epi.thread.beta = 0.0f;
-  epi.ptr_C = nullptr;
-  epi.dC = stride_d;
-  epi.ptr_D = static_cast<Element*>(a.out.data());
-  epi.dD = stride_d;
-  epi.lowrank = lora_detail::lowrank_params<Element>(a);
+  auto epi = lora_detail::tma_epilogue_args<Element, Epilogue>(a, a.lhs.size(0), a.out.size(1));
   epi.ready = nullptr;
   lora_detail::run_plain_mainloop<Gemm, RhsNByK, Element>(a, epi, stream, "lora (fused GEMM, rank-16 wgmma epilogue)");
 }

@@ -223,29 +223,12 @@ struct LoraTmaConfig {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-// The TMA epilogue's arguments: D = out [M, N] row-major, no C, the rank-r, bias and activation
-// parameters for the accumulators.
-template <class Element, class Epilogue>
-typename Epilogue::Arguments tma_epilogue_args(const LoraGemmArgs& a, std::int64_t m, std::int64_t n) {
-  using StrideD = typename Epilogue::StrideD;
-  const StrideD stride_d = cute::make_stride(n, cute::Int<1>{}, m * n);
-  typename Epilogue::Arguments epi{};
-  epi.thread.alpha = 1.0f;
-  epi.thread.beta = 0.0f;
-  epi.ptr_C = nullptr;
-  epi.dC = stride_d;
-  epi.ptr_D = static_cast<Element*>(a.out.data());
-  epi.dD = stride_d;
-  epi.lowrank = lora_detail::lowrank_params<Element>(a);
-  return epi;
-}
-
 template <class Element, bool RhsNByK>
 void run_tma(const LoraGemmArgs& a, const Stream* stream) {
   using Config = LoraTmaConfig<Element, RhsNByK>;
   const std::int64_t m = a.lhs.size(0), n = a.out.size(1);
   lora_detail::run_plain_mainloop<typename Config::Gemm, RhsNByK, Element>(
-      a, tma_epilogue_args<Element, typename Config::Epilogue>(a, m, n), stream, "lora (fused GEMM, TMA epilogue)");
+      a, lora_detail::tma_epilogue_args<Element, typename Config::Epilogue>(a, m, n), stream, "lora (fused GEMM, TMA epilogue)");
 }
 
 // Ping-pong with the rank-r term as the mainloop's last k-tile.
@@ -274,7 +257,7 @@ void run_ktile(const LoraGemmArgs& a, const Stream* stream) {
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {m, n, kp, 1},
                                 ml,
-                                tma_epilogue_args<Element, Epilogue>(a, m, n),
+                                lora_detail::tma_epilogue_args<Element, Epilogue>(a, m, n),
                                 hw,
                                 lora_detail::scheduler_args<typename Gemm::GemmKernel::TileSchedulerArguments>(a)};
   sm90::run_gemm<Gemm>(args, a.out.device(), stream, "lora (fused GEMM, rank-r k-tile)");
