@@ -406,8 +406,10 @@ TEST(LoRALinear, StartsAsThePlainLinearAndTrainsTheAdapter) {
 TEST(LoRALinear, GpuMatchesCpu) {
   FK_SKIP_WITHOUT_GPU();
   const std::int64_t t = 300, d_in = 256, d_out = 136, r = 16;
-  // gelu_tanh keeps z for the backward; relu keeps y (and its forward computes t in the GEMM).
-  for (Activation act : {Activation::gelu_tanh, Activation::relu}) {
+  // gelu_tanh keeps z for the backward; sigmoid keeps y (and its forward computes t in the GEMM).
+  // (Not relu: its derivative jumps at 0, so the two devices' roundings of z near 0 would flip
+  // some of g's entries: 2.8% normwise here.)
+  for (Activation act : {Activation::gelu_tanh, Activation::sigmoid}) {
   SCOPED_TRACE(activation_name(act));
   const LoraParams p{act, 0.5f};
   nn::LoRALinear cpu(d_in, d_out, r, p, true, DType::bf16, kCpu, 7);
