@@ -45,7 +45,7 @@ struct LoraGemmArgs {
   int raster = 0;
   // The forward with t inside the GEMM (lora_gemm_t.cu): when lowrank_a ([16, Kg], A zero-padded
   // to 16 rows) is set, lowrank_left [M, 16] is an output, t = lowrank_scale · lhs · lowrank_aᵀ,
-  // computed by the GEMM and then used as L. Needs rhs [N, Kg], rb = 16, no preact; otherwise
+  // computed by the GEMM and then used as L. Needs rhs [N, Kg], rb = 16, N > 128, no preact; otherwise
   // lora_gemm_fused returns false and the caller computes t itself.
   TensorView lowrank_a{};
   float lowrank_scale = 1.0f;

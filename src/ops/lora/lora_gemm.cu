@@ -170,7 +170,8 @@ bool lora_gemm_fused(const LoraGemmArgs& a, const Stream* stream) {
   if (a.lowrank_left.size(1) % 16 != 0 || a.lowrank_right.size(1) != a.lowrank_left.size(1)) return false;
   if (a.lowrank_left.size(1) > 64) return false;
   const bool in_gemm_t = a.lowrank_a.data() != nullptr;
-  if (in_gemm_t && (!a.rhs_is_n_by_k || a.preact != nullptr || a.lowrank_left.size(1) != 16 ||
+  // t inside the GEMM: its two owners per row block are N-blocks 0 and 1, so N > 128.
+  if (in_gemm_t && (!a.rhs_is_n_by_k || a.preact != nullptr || a.lowrank_left.size(1) != 16 || n <= 128 ||
                     a.lowrank_a.size(0) != 16 || a.lowrank_a.size(1) != kg || !aligned16(a.lowrank_a.data())))
     return false;
   const fk::detail::DeviceScope on_device(a.out.device().index);
