@@ -249,14 +249,15 @@ void backward_case(Context& ctx, const LoraShape& s) {
   const double err = std::max({ctx.rel_err(dx, dx_b), ctx.rel_err(da, da_b), ctx.rel_err(db, db_b)});
   require_close(name, err, 3e-2);
   const auto at = [&](int i) -> const LoraSet& { return sets[static_cast<std::size_t>(i)]; };
-  const std::vector<double> tm_us = ctx.time_us_interleaved(
-      {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); },
-       [&](int i) { grad_pass(at(i)); }, [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::automatic); },
-       [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::registers); },
-       [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma); },
-       [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma_ktile); },
-       [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma_rs); }},
-      rot);
+  std::vector<std::function<void(int)>> runs{
+      [&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); },
+      [&](int i) { grad_pass(at(i)); }, [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::automatic); },
+      [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::registers); },
+      [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma); },
+      [&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma_ktile); }};
+  // The rank-16 wgmma epilogue exists at rb = 16 only.
+  if (s.r == 16) runs.push_back([&](int i) { dx_gemm(at(i), cuda::LoraEpilogueKind::tma_rs); });
+  const std::vector<double> tm_us = ctx.time_us_interleaved(runs, rot);
   // g W, u = g B, dB, dA and u A: the backward's flops.
   const double flops = 2.0 * s.m * s.n * s.k + 2.0 * s.m * s.n * s.r * 2 + 2.0 * s.r * s.m * s.k * 2;
   add_fused_and_baseline(ctx, name, tm_us, flops, err);
@@ -270,7 +271,7 @@ void backward_case(Context& ctx, const LoraShape& s) {
   ctx.add(xr);
   const char* variants[] = {"dx_gemm_pingpong_registers", "dx_gemm_pingpong_tma", "dx_gemm_pingpong_tma_ktile",
                             "dx_gemm_pingpong_tma_rs"};
-  for (int i = 0; i < (s.r == 16 ? 4 : 3); ++i) {
+  for (std::size_t i = 0; i + 5 < tm_us.size(); ++i) {
     Record vr{"lora", name, variants[i], "cublas+act"};
     vr.median_us = tm_us[5 + i];
     vr.tflops = 2.0 * s.m * s.n * s.k / (tm_us[5 + i] * 1e6);
