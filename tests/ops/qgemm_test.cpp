@@ -226,9 +226,12 @@ TEST_P(QgemmGpu, MatchesSpecOnDequantizedWeights) {
 }
 
 // Small M (the weight-streaming kernel: M <= 8 and M <= 16, groups of 32 and of 64+, split-K
-// clusters with uneven last splits), 64 x 256 and 128 x 128 tiles; odd N, N over several tiles,
-// K tails inside a k-tile (K = 200, 96 with one group), K long enough to split. M = 16 with
-// K = 65536 does not fit the small-M kernel's shared memory and takes the 64 x 256 tiles.
+// clusters with uneven last splits); M > 16: on sm_90 the wgmma kernel (x tiles of 64 rows up to
+// M = 64, 128 beyond; several row blocks and an M tail at M = 200 and 300; groups of 32, whose
+// two halves of a k-tile have their own scales), elsewhere (and with FK_QGEMM_WG_OFF=1) the
+// mma.sync tiles; odd N, N over several tiles, K tails inside a k-tile (K = 200, 96 with one
+// group), K long enough to split. M = 16 with K = 65536 does not fit the small-M kernel's shared
+// memory and takes the M > 16 path.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, QgemmGpu,
     ::testing::Values(Shape{1, 97, 256, 32, DType::f16}, Shape{1, 4097, 1024, 128, DType::bf16},
@@ -236,13 +239,15 @@ INSTANTIATE_TEST_SUITE_P(
                       Shape{16, 130, 96, 0, DType::bf16}, Shape{17, 255, 512, 64, DType::bf16},
                       Shape{64, 513, 1024, 128, DType::f16}, Shape{65, 129, 384, 32, DType::bf16},
                       Shape{128, 300, 2048, 128, DType::bf16}, Shape{200, 33, 64, 64, DType::f16},
+                      Shape{300, 515, 384, 0, DType::f16}, Shape{33, 1031, 4160, 64, DType::bf16},
                       Shape{1, 11008, 512, 128, DType::f16}, Shape{9, 1000, 8192, 64, DType::bf16},
                       Shape{12, 384, 1344, 32, DType::f16}, Shape{5, 700, 2880, 64, DType::f16},
                       Shape{8, 2304, 4096, 128, DType::bf16}, Shape{16, 40, 65536, 128, DType::f16}));
 
-// The bench's shapes (bench/qgemm.cu: M 1 and 16, group 128), so that the exact split-K plans the
-// bench takes (clusters of up to 8 CTAs, N = 11008 not a multiple of the 128- or 256-row blocks)
-// are checked against the spec, and then run many times, on two streams at once (clusters of two
+// The bench's shapes (bench/qgemm.cu: group 128) at M 1 and 16 (the small-M kernel) and 17 and
+// 65 (the wgmma kernel takes the plans of M 64 and 128 there: x tiles of 64 and 128 rows), so that
+// the exact split-K plans the bench takes (clusters of up to 8 CTAs, N = 11008 not a multiple of
+// the 128- or 256-row blocks) are checked against the spec, and then run many times, on two streams at once (clusters of two
 // grids side by side, different timing from run to run): every result must be the first one's bytes.
 TEST(QgemmGpu, BenchShapesRepeatedOnTwoStreams) {
   FK_SKIP_WITHOUT_GPU();
@@ -258,10 +263,10 @@ TEST(QgemmGpu, BenchShapesRepeatedOnTwoStreams) {
     const Tensor w = test::random_tensor({c.n, c.k}, c.dt, kCpu, static_cast<std::uint64_t>(c.n + c.k), -1.f, 1.f);
     const QuantizedWeight qw_host = quantize_weights(w, 128);
     const QuantizedWeight qw = qw_host.copy_to(gpu);
-    const Tensor x_host = test::random_tensor({16, c.k}, c.dt, kCpu, static_cast<std::uint64_t>(c.n), -1.f, 1.f);
-    Tensor ref = Tensor::empty({16, c.n}, DType::f32, kCpu);
+    const Tensor x_host = test::random_tensor({65, c.k}, c.dt, kCpu, static_cast<std::uint64_t>(c.n), -1.f, 1.f);
+    Tensor ref = Tensor::empty({65, c.n}, DType::f32, kCpu);
     reference::qgemm(x_host, qw_host, ref);
-    for (std::int64_t m : {1, 16}) {
+    for (std::int64_t m : {1, 16, 17, 65}) {
       const Tensor x = Tensor::empty({m, c.k}, c.dt, gpu);
       copy(x, x_host.view().slice_rows(0, m));
       const Tensor y0 = Tensor::empty({m, c.n}, c.dt, gpu);

@@ -346,6 +346,7 @@ void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, 
     } else {
       const std::int64_t m = x.size(0);
       if (m <= 16 && qgemm_small_m(x, qw, y, stream)) return;  // qgemm_small_m.cu
+      if (qgemm_wgmma(x, qw, y, stream)) return;                // qgemm_wgmma.cu: sm_90
       if (m <= MidM::BM) return launch<T, MidM>(x, qw, y, stream);
       return launch<T, LargeM>(x, qw, y, stream);
     }

@@ -13,4 +13,8 @@ void dequantize_weights(const QuantizedWeight& qw, const TensorView& out, const 
 // x's chunk of K does not fit a CTA's shared memory; the caller then takes the tensor-core tiles.
 bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream);
 
+// qgemm_wgmma.cu: M > 16 on sm_90 (wgmma with the dequantized weights in registers). False
+// (nothing launched) off sm_90.
+bool qgemm_wgmma(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream);
+
 }  // namespace fk::cuda

@@ -112,43 +112,7 @@ struct Batch {
   unsigned short s[H][kNT][2];
 };
 
-// q - z for the 8 values of one word, as the four mma fragment registers (register i: nibbles i and
-// i + 4), exactly: f16 takes nibbles 0-3 / 8-11 as (1024 + q) - (1024 + z) (one LOP3, one HSUB2) and
-// nibbles 4-7 / 12-15 unshifted as (1024 + 16 q) / 16 - (64 + z) (one LOP3, one HFMA2: the product
-// and the sum are exact); bf16 (7 mantissa bits: no room for 16 q) shifts every nibble down and
-// takes (128 + q) - (128 + z). c0 and c1 are the per-row constants of centering_constants.
-// (a & mask) | c in one LOP3 (the compiler splits it in two when both constants are immediates).
-template <std::uint32_t MASK>
-__device__ __forceinline__ std::uint32_t and_or(std::uint32_t a, std::uint32_t c) {
-  std::uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "n"(MASK), "r"(c));
-  return r;
-}
-
-template <class T>
-__device__ __forceinline__ void centering_constants(std::uint32_t z, std::uint32_t& c0, std::uint32_t& c1) {
-  c0 = z * 0x10001u + Half2<T>::magic * 0x10001u;                  // magic + z, both halves
-  c1 = std::is_same_v<T, __half> ? z * 0x100010u + 0xD400D400u : c0;  // f16 -(64 + z): z in the mantissa at 2^-4
-}
-template <class T>
-__device__ __forceinline__ void centered_word(std::uint32_t q, std::uint32_t c0, std::uint32_t c1, std::uint32_t (&out)[4]) {
-  using T2 = typename Half2<T>::type;
-  constexpr std::uint32_t magic = Half2<T>::magic * 0x10001u;
-  const std::uint32_t q8 = q >> 8;
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 sixteenth = bits_as<__half2>(0x2C002C00u);  // 1/16
-    out[0] = bits_as<std::uint32_t>(__hsub2(bits_as<T2>(and_or<0x000F000Fu>(q, magic)), bits_as<T2>(c0)));
-    out[1] = bits_as<std::uint32_t>(__hfma2(bits_as<T2>(and_or<0x00F000F0u>(q, magic)), sixteenth, bits_as<T2>(c1)));
-    out[2] = bits_as<std::uint32_t>(__hsub2(bits_as<T2>(and_or<0x000F000Fu>(q8, magic)), bits_as<T2>(c0)));
-    out[3] = bits_as<std::uint32_t>(__hfma2(bits_as<T2>(and_or<0x00F000F0u>(q8, magic)), sixteenth, bits_as<T2>(c1)));
-  } else {
-    (void)c1;
-    out[0] = bits_as<std::uint32_t>(__hsub2(bits_as<T2>(and_or<0x000F000Fu>(q, magic)), bits_as<T2>(c0)));
-    out[1] = bits_as<std::uint32_t>(__hsub2(bits_as<T2>(and_or<0x000F000Fu>(q >> 4, magic)), bits_as<T2>(c0)));
-    out[2] = bits_as<std::uint32_t>(__hsub2(bits_as<T2>(and_or<0x000F000Fu>(q8, magic)), bits_as<T2>(c0)));
-    out[3] = bits_as<std::uint32_t>(__hsub2(bits_as<T2>(and_or<0x000F000Fu>(q >> 12, magic)), bits_as<T2>(c0)));
-  }
-}
+// centering_constants and centered_word (q - z exactly): qgemm_device.cuh.
 
 template <class T>
 __device__ __forceinline__ float scale_to_float(unsigned short bits) {
