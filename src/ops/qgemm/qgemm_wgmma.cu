@@ -490,12 +490,14 @@ void launch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y,
 }
 
 // The configuration and splits of K: among the plans whose clusters all run in one wave, the least
-// cost rows x k-tiles a CTA + kSplitCost x splits. Fitted to an H100 sweep of every (MW, splits) at
-// M = 64 and 128 for the bench's shapes: the time followed 3.1 ns a row-k-tile of a CTA (either
-// MW, either x tile) and 0.8-1.4 us a split (the cluster reduction, the skew of more CTAs).
-// Nothing fits one wave (large M): 256 rows, no split. FK_QGEMM_WG_MW / FK_QGEMM_WG_SPLITS force
-// either (measurements).
-constexpr long kSplitCost = 400;
+// estimated time, in units of one row-k-tile of a CTA (rows x k-tiles a CTA: the weights it
+// streams) + kTileCost per k-tile a CTA (x's tile, the loop) + kSplitCost per split (the cluster
+// reduction and barrier, the skew of more CTAs). Fitted to H100 sweeps of every (MW, splits) at
+// M = 64 and 128 on the bench's shapes (~1.1 ns a row-k-tile, ~0.12 us a k-tile, ~1.3 us a split
+// over a fixed ~7 us); it picks the fastest measured plan in 5 of the 6 (M, shape) pairs and one
+// 0.6 us slower in the sixth. Nothing fits one wave (large M): 256 rows, no split.
+// FK_QGEMM_WG_MW / FK_QGEMM_WG_SPLITS force either (measurements).
+constexpr long kTileCost = 110, kSplitCost = 1230;
 template <class T, int BMX>
 Plan plan(int device, int n, int m, int k_tiles) {
   static const int force_mw = env_int("FK_QGEMM_WG_MW"),
@@ -513,7 +515,7 @@ Plan plan(int device, int n, int m, int k_tiles) {
       const int resident = mw == 2 ? resident_clusters<T, Cfg<T, 2, BMX>>(device, s)
                                    : resident_clusters<T, Cfg<T, 1, BMX>>(device, s);
       if (tiles > resident && !(force_mw && force_splits)) continue;  // a second wave
-      const long work = static_cast<long>(bn) * per + kSplitCost * s;
+      const long work = (bn + kTileCost) * per + kSplitCost * s;
       if (best_work < 0 || work < best_work) {
         best = {mw, s};
         best_work = work;
