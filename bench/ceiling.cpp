@@ -1,7 +1,9 @@
-// The two ceilings every bench run measures on its device, so that each figure can be read
-// against what the GPU does at best in the same run:
+// The ceilings every bench run measures on its device, so that each figure can be read against
+// what the GPU does at best in the same run:
 //   copy       device-to-device cudaMemcpyAsync of 1 GiB; gbps counts bytes read + written.
 //   gemm_bf16  cuBLAS bf16 GEMM 8192^3 (fp32 accumulation, bf16 out) on random data.
+//   launch     a kernel that does nothing, timed as every case is (events around each call, the
+//              batch enqueued behind a spin): the floor of any one-kernel call's median_us.
 #include "bench/harness.hpp"
 #include "fusekit/core/cuda_check.hpp"
 
@@ -42,8 +44,15 @@ void gemm_ceiling(Context& ctx) {
   ctx.add(r);
 }
 
+void launch_ceiling(Context& ctx) {
+  Record r{"ceiling", "launch", "empty_kernel", "empty_kernel"};
+  r.median_us = ctx.time_us([&](int) { launch_empty(ctx.stream()); }, 1);
+  ctx.add(r);
+}
+
 FK_BENCH_CASE("ceiling", "copy", copy_ceiling);
 FK_BENCH_CASE("ceiling", "gemm_bf16", gemm_ceiling);
+FK_BENCH_CASE("ceiling", "launch", launch_ceiling);
 
 }  // namespace
 }  // namespace fk::bench

@@ -96,6 +96,9 @@ void require_close(const std::string& what, double err, double bound);
 // of runs behind it and the GPU then executes them back to back.
 void hold_stream(cudaStream_t stream, std::uint64_t ns);
 
+// Launches a kernel that does nothing (one CTA of 32 threads): the `launch` ceiling.
+void launch_empty(cudaStream_t stream);
+
 // "65536x1024"
 std::string shape_str(std::int64_t rows, std::int64_t cols);
 

@@ -43,7 +43,9 @@ def table(path):
     any_rec = next(iter(recs), {})
     cc = ceil.get("copy", {}).get("gbps")
     cg = ceil.get("gemm_bf16", {}).get("tflops")
-    foot = (f"\nCeilings of the same run: copy {fmt(cc, '.0f')} GB/s, cuBLAS bf16 GEMM 8192³ {fmt(cg, '.0f')} TFLOP/s; "
+    cl = ceil.get("launch", {}).get("median_us")
+    launch = f", an empty kernel {cl:.1f} µs" if cl else ""
+    foot = (f"\nCeilings of the same run: copy {fmt(cc, '.0f')} GB/s, cuBLAS bf16 GEMM 8192³ {fmt(cg, '.0f')} TFLOP/s{launch}; "
             f"{any_rec.get('device', '?')}, commit `{any_rec.get('commit', '?')}`.\n")
     return head + "\n" + "\n".join(rows) + "\n" + foot
 
