@@ -302,7 +302,11 @@ INSTANTIATE_TEST_SUITE_P(
                       PackGpuCase{1, 256, DType::bf16, DType::bf16, 64, 768}, PackGpuCase{4, 256, DType::f32, DType::f32, 17, 256},
                       PackGpuCase{8, 256, DType::f16, DType::bf16, 33, 777}, PackGpuCase{8, 128, DType::bf16, DType::f32, 9, 130},
                       PackGpuCase{4, 48, DType::bf16, DType::bf16, 5, 100}, PackGpuCase{2, 1024, DType::f32, DType::bf16, 4, 2050},
-                      PackGpuCase{1, 32, DType::bf16, DType::bf16, 100, 33}, PackGpuCase{2, 256, DType::bf16, DType::bf16, 1024, 4096}),
+                      PackGpuCase{1, 32, DType::bf16, DType::bf16, 100, 33}, PackGpuCase{2, 256, DType::bf16, DType::bf16, 1024, 4096},
+                      // Rows without padding (cols a multiple of group) at every width, and groups
+                      // whose words per group are not powers of two.
+                      PackGpuCase{8, 64, DType::f16, DType::bf16, 7, 320}, PackGpuCase{2, 96, DType::bf16, DType::f32, 13, 288},
+                      PackGpuCase{1, 160, DType::bf16, DType::bf16, 5, 480}, PackGpuCase{4, 40, DType::bf16, DType::bf16, 3, 120}),
     [](const auto& info) {
       const PackGpuCase c = info.param;
       return "b" + std::to_string(c.bits) + "_g" + std::to_string(c.group) + "_" + std::string(dtype_name(c.x_dtype)) +

@@ -162,6 +162,8 @@ INSTANTIATE_TEST_SUITE_P(
         WgCase{1, 256, 256, 2, 256, kBf, kF32, 0}, WgCase{5, 100, 100, 4, 32, kF32, kBf, 1},
         WgCase{64, 512, 640, 8, 128, kBf, kF32, 0}, WgCase{65, 512, 640, 2, 128, kBf, kBf, 1},
         WgCase{200, 1024, 1024, 4, 256, kBf, kF32, 1},
+        // More tiles than SMs (135: no split, more than one wave), an odd number of N tiles.
+        WgCase{150, 2304, 1900, 2, 32, kBf, kF32, 0},
         // K = 0: dW = beta * dW.
         WgCase{0, 64, 96, 2, 32, kBf, kF32, 0}, WgCase{0, 64, 96, 2, 32, kBf, kBf, 1},
         // Long K: tiles split over many CTAs, summed by the fix-up kernel (with beta and bf16 dW).
