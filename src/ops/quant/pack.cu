@@ -321,14 +321,14 @@ struct UnpackArgs {
 // loads issued together, by 20%; the loop software-pipelined, the next chunk's loads issued
 // before the current chunk's store, 70.3 -> 76.3 us at 2 bits and 76.1 -> 79.4 us at 4 bits for
 // K = 100864, C = 768.)
-template <class T, class S, int BITS>
-__global__ void __launch_bounds__(kThreads) unpack_kernel(UnpackArgs a) {
+template <class T, class S, int BITS, int NT>
+__global__ void __launch_bounds__(NT) unpack_kernel(UnpackArgs a) {
   constexpr int kVpw = 32 / BITS;
   constexpr std::uint32_t kMask = (1u << BITS) - 1u;
   const std::int64_t total = a.rows * a.chunks_per_row;
   T* out = static_cast<T*>(a.out);
-  for (std::int64_t ch = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x; ch < total;
-       ch += static_cast<std::int64_t>(gridDim.x) * kThreads) {
+  for (std::int64_t ch = static_cast<std::int64_t>(blockIdx.x) * NT + threadIdx.x; ch < total;
+       ch += static_cast<std::int64_t>(gridDim.x) * NT) {
     // 32-bit divisions where the sizes allow: 64-bit ones cost tens of instructions per 8 values.
     const std::int64_t row = total <= 0xffffffffLL ? static_cast<std::uint32_t>(ch) / static_cast<std::uint32_t>(a.chunks_per_row)
                                                    : ch / a.chunks_per_row;
@@ -401,19 +401,20 @@ __global__ void __launch_bounds__(kThreads) relu_backward_packed_kernel(const T*
   }
 }
 
-// A grid-stride launch: enough blocks for `items` threads, at most `per_sm` blocks per SM (8 are
-// resident at once; more make several waves of shorter-lived blocks).
-unsigned grid_for(std::int64_t items, int per_sm = 8) {
+// A grid-stride launch: enough blocks for `items` threads, at most 8 resident blocks per SM.
+unsigned grid_for(std::int64_t items) {
   const std::int64_t want = (items + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(
-      std::clamp<std::int64_t>(want, 1, static_cast<std::int64_t>(multiprocessor_count()) * per_sm));
+  return static_cast<unsigned>(std::clamp<std::int64_t>(want, 1, static_cast<std::int64_t>(multiprocessor_count()) * 8));
 }
-// unpack at K = 100864, C = 768 on the H100 (fusekit bench, same runs), blocks per SM 8 / 32 / 64 /
-// 128: 2 bits 70.2-70.5 / 69.5 / 68.5-68.7 / 69.5 us, 4 bits 75.9-76.2 / 75.3 / 74.1 / 74.1, 8 bits
-// 87.3-87.6 / 87.1 / 85.4-85.6 / 85.6; one chunk a thread and no loop (37,824 blocks) 74.4 / 77.0
-// / 86.3. A warp-cooperative variant (32 whole words a load, values handed to the storing lanes
-// by shuffles, rows without padding) was slower: 2 bits 69.5 at 64 blocks per SM, 83.3 at 8.
-constexpr int kUnpackBlocksPerSm = 64;
+// unpack launches many short-lived blocks instead: at K = 100864, C = 768 on the H100 (fusekit
+// bench, 2 / 4 / 8 bits, us), 256 threads x 8 blocks an SM (one resident wave, ~36 chunks a
+// thread) 70.2-70.5 / 75.9-76.2 / 87.3-87.6; 256 x 64 68.5-68.6 / 74.1 / 85.4-85.6; 512 x 32
+// 70.1-70.2 / 75.1 / 86.1; 1024 x 16 73.1 / 77.4 / 87.8; 128 x 128 68.1-68.3 / 73.8-73.9 /
+// 85.3-85.5; 128 x 256 68.0-68.3 / 73.1-73.3 / 84.9-85.1; 64 x 256 68.5 / 73.7-73.8 / 85.4;
+// one chunk a thread, no loop (37,824 blocks of 256) 74.4 / 77.0 / 86.3. Tried and slower: a
+// warp-cooperative variant (32 whole words a load, values handed to the storing lanes by
+// shuffles, rows without padding): 2 bits 69.5 at 256 x 64, 83.3 at 256 x 8.
+constexpr int kUnpackThreads = 128, kUnpackBlocksPerSm = 256;
 
 template <class F>
 void with_stats_type(DType t, F&& f) {
@@ -486,8 +487,10 @@ void unpack(const PackedView& packed, const TensorView& out, const Stream* strea
     with_stats_type(packed.scale.dtype(), [&](auto st) {
       using S = decltype(st);
       with_bits(packed.bits, [&](auto b) {
-        unpack_kernel<T, S, decltype(b)::value>
-            <<<grid_for(a.rows * a.chunks_per_row, kUnpackBlocksPerSm), kThreads, 0, s>>>(a);
+        const std::int64_t blocks = (a.rows * a.chunks_per_row + kUnpackThreads - 1) / kUnpackThreads;
+        const auto grid = static_cast<unsigned>(
+            std::clamp<std::int64_t>(blocks, 1, static_cast<std::int64_t>(multiprocessor_count()) * kUnpackBlocksPerSm));
+        unpack_kernel<T, S, decltype(b)::value, kUnpackThreads><<<grid, kUnpackThreads, 0, s>>>(a);
         FK_CUDA_CHECK_LAUNCH("unpack_kernel");
       });
     });
