@@ -401,10 +401,12 @@ __global__ void __launch_bounds__(kThreads) relu_backward_packed_kernel(const T*
   }
 }
 
-// A grid-stride launch: enough blocks for `items` threads, at most 8 resident blocks per SM.
-unsigned grid_for(std::int64_t items) {
-  const std::int64_t want = (items + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(std::clamp<std::int64_t>(want, 1, static_cast<std::int64_t>(multiprocessor_count()) * 8));
+// A grid-stride launch: enough blocks of `threads` for `items` threads, at most `per_sm` blocks per
+// SM (8 of kThreads: one resident wave).
+unsigned grid_for(std::int64_t items, int threads = kThreads, int per_sm = 8) {
+  const std::int64_t want = (items + threads - 1) / threads;
+  return static_cast<unsigned>(
+      std::clamp<std::int64_t>(want, 1, static_cast<std::int64_t>(multiprocessor_count()) * per_sm));
 }
 // unpack launches many short-lived blocks instead: at K = 100864, C = 768 on the H100 (fusekit
 // bench, 2 / 4 / 8 bits, us), 256 threads x 8 blocks an SM (one resident wave, ~36 chunks a
@@ -487,9 +489,7 @@ void unpack(const PackedView& packed, const TensorView& out, const Stream* strea
     with_stats_type(packed.scale.dtype(), [&](auto st) {
       using S = decltype(st);
       with_bits(packed.bits, [&](auto b) {
-        const std::int64_t blocks = (a.rows * a.chunks_per_row + kUnpackThreads - 1) / kUnpackThreads;
-        const auto grid = static_cast<unsigned>(
-            std::clamp<std::int64_t>(blocks, 1, static_cast<std::int64_t>(multiprocessor_count()) * kUnpackBlocksPerSm));
+        const unsigned grid = grid_for(a.rows * a.chunks_per_row, kUnpackThreads, kUnpackBlocksPerSm);
         unpack_kernel<T, S, decltype(b)::value, kUnpackThreads><<<grid, kUnpackThreads, 0, s>>>(a);
         FK_CUDA_CHECK_LAUNCH("unpack_kernel");
       });
