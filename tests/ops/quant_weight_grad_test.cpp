@@ -13,6 +13,7 @@
 #include <ostream>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fusekit/fusekit.hpp"
@@ -41,13 +42,14 @@ struct PackedPair {
   PackedTensor cpu, gpu;
 };
 
-// huge_odd_rows: odd rows scaled by 1e22 (their 8-bit scale, about 2^66, is past what the
-// kernel's bf16x2 dequantization takes, so those rows go through its f32 path).
+// Huge rows: odd rows (huge_odd_rows), or rows [64, 128) (huge_second_block: the second 64-row
+// k-block only), scaled by 1e22: their 8-bit scale, about 2^66, is past what the kernel's bf16x2
+// dequantization takes, so those rows (or k-blocks) go through its f32 path.
 PackedPair make_packed(std::int64_t k, std::int64_t cin, int bits, int group, DType stats, std::uint64_t seed,
-                       bool huge_odd_rows = false) {
+                       bool huge_odd_rows = false, bool huge_second_block = false) {
   const Tensor x = test::random_tensor({k, cin}, DType::f32, kCpu, seed, -2.f, 3.f);
-  if (huge_odd_rows)
-    for (std::int64_t r = 1; r < k; r += 2)
+  for (std::int64_t r = 0; r < k; ++r)
+    if ((huge_odd_rows && r % 2 == 1) || (huge_second_block && r >= 64 && r < 128))
       for (std::int64_t c = 0; c < cin; ++c) x.data_as<float>()[r * cin + c] *= 1e22f;
   PackedPair p;
   p.cpu = pack(x, {.bits = bits, .group = group, .stats_dtype = stats});
@@ -156,6 +158,10 @@ INSTANTIATE_TEST_SUITE_P(
         // COUT = 1 and COUT % 8 != 0: dy copied by the producer threads instead of TMA.
         WgCase{333, 1, 200, 4, 32, kBf, kF32, 0}, WgCase{333, 1, 128, 2, 64, kBf, kBf, 1},
         WgCase{500, 12, 300, 8, 32, kF32, kF32, 0}, WgCase{129, 260, 64, 2, 64, kBf, kF32, 0},
+        // ... and with bf16 statistics: the x̂-through-shared-memory path at 8 bits in bf16x2 arithmetic.
+        WgCase{500, 12, 300, 8, 32, kBf, kF32, 0},
+        // Register-sourced x̂ with groups that straddle tiles (group 96: two groups a tile).
+        WgCase{300, 192, 400, 4, 96, kBf, kF32, 0}, WgCase{300, 256, 400, 2, 96, kBf, kBf, 1},
         // COUT = 8: TMA boxes mostly outside dy.
         WgCase{400, 8, 512, 2, 256, kBf, kF32, 0},
         // Tiny K, and K = one k-block plus one row; every tile stored directly by one CTA.
@@ -192,12 +198,16 @@ TEST(WeightGradPackedGpuDeterminism, TwoRunsGiveIdenticalBits) {
   }
 }
 
-// 8 bits with bf16 statistics: rows whose scale 2^67 would overflow bf16 (odd rows, values near
-// 1e22) take the f32 dequantization, the others the bf16x2 one, within the same warps.
-TEST(WeightGradPackedGpuRange, HugeScalesAt8BitsMatchTheSpec) {
+// 8 bits with bf16 statistics: rows whose scale 2^67 would overflow bf16 (values near 1e22) take
+// the f32 dequantization, the others the bf16x2 one: odd rows (every k-block has some), and the
+// second k-block only (register-sourced x̂ switches per k-block; dy copied by threads, COUT = 60,
+// takes x̂ through shared memory, which switches per row).
+class WeightGradPackedGpuRange : public ::testing::TestWithParam<std::tuple<bool, std::int64_t>> {};
+TEST_P(WeightGradPackedGpuRange, HugeScalesAt8BitsMatchTheSpec) {
   FK_SKIP_WITHOUT_GPU();
-  const std::int64_t k = 300, cout = 64, cin = 256;
-  const PackedPair x = make_packed(k, cin, 8, 256, DType::bf16, 11, /*huge_odd_rows=*/true);
+  const auto [odd_rows, cout] = GetParam();
+  const std::int64_t k = 300, cin = 256;
+  const PackedPair x = make_packed(k, cin, 8, 256, DType::bf16, 11, odd_rows, !odd_rows);
   const Tensor dy = test::random_tensor({k, cout}, DType::bf16, kCpu, 12, -1.f, 1.f);
   Tensor dw = Tensor::empty({cout, cin}, DType::f32, kGpu);
   weight_grad_from_packed(dy.copy_to(kGpu), x.gpu.view(), dw);
@@ -210,6 +220,8 @@ TEST(WeightGradPackedGpuRange, HugeScalesAt8BitsMatchTheSpec) {
     if (!(std::fabs(got[i] - want[i]) <= prod[i] / 256 + 1e-6 * std::fabs(want[i]))) ++bad;
   EXPECT_EQ(bad, 0u) << bad << " of " << got.size() << " elements beyond the bound";
 }
+INSTANTIATE_TEST_SUITE_P(Rows, WeightGradPackedGpuRange,
+                         ::testing::Combine(::testing::Bool(), ::testing::Values(std::int64_t{64}, std::int64_t{60})));
 
 // Valid packed formats the GPU kernel does not take (groups below 32 or not a multiple of it) are
 // refused with an error naming x, never computed wrong.

@@ -5,16 +5,27 @@
 // 128-column block of dW (6 times for CIN = 768, mostly from L2), dW written once.
 //
 // The GEMM runs on Hopper tensor cores (wgmma, sm_90a). A CTA computes a 256 (COUT) x 128 (CIN)
-// tile of dW, transposed (dWᵀ = x̂ᵀ dy), in 64-deep k-blocks with three warpgroups:
-//   - the producer warpgroup: thread 0 fills a 4-stage ring by TMA, each stage holding a k-block's
-//     dy (64 k x 256 m, M-major, 128-byte swizzle), packed words (a 2-D box of 128 columns x 64
-//     rows) and statistics rows (two 1-D bulk copies), all on the stage's full barrier;
-//   - two consumer warpgroups, each owning 64 CIN rows of dWᵀ (128 fp32 accumulators a thread).
-//     Each dequantizes its own 64 x̂ columns of the next k-block (a thread: one row, 32 columns,
-//     one group) into a 3-buffer x̂ ring in the swizzled MN-major layout wgmma reads, while its
-//     4 wgmma 64x256x16 on the current k-block run asynchronously; then it waits for the previous
-//     k-block's wgmmas, releases that stage, fences its x̂ stores to the async proxy and syncs its
-//     own 128 threads (a named barrier), and issues the next wgmmas. No barrier spans warpgroups.
+// tile of dW, transposed (dWᵀ = x̂ᵀ dy), in 64-deep k-blocks with three warpgroups: one producer
+// (TMA) and two consumers, each owning 64 CIN rows of dWᵀ (128 fp32 accumulators a thread, wgmma
+// 64x256x16 against all 256 COUT columns of dy). Two ways to feed x̂ to the tensor cores:
+//   - RS (register-sourced A; 2, 4 and 8 bits with bf16 statistics and every operand by TMA: the
+//     common case). The producer's thread 0 fills a 5-stage ring by TMA, each stage holding a
+//     k-block's dy (64 k x 256 m, M-major, 128-byte swizzle), packed words (a 2-D box of 128
+//     columns x 64 rows) and statistics rows (two 1-D bulk copies); producer warps 1-3 rearrange
+//     each stage's statistics into bf16x2 pairs over rows (k, k + 1), the layout the A fragments
+//     want. Each consumer thread loads its warp's words of the k-block with two ldmatrix.trans
+//     (which hand lane quad q a 16-bit half of rows k and k + 1) and dequantizes them straight
+//     into its A fragment registers while the previous k-block's wgmmas run. x̂ never touches
+//     shared memory: per k-block that saves 16 KB of stores and 16 KB of wgmma reads of the
+//     ~140 KB of shared-memory traffic the SS path moves, which is what bounds it.
+//   - SS (both operands from shared memory; 1 bit, f32 statistics, or an operand without TMA).
+//     The producer fills a 4-stage ring; each consumer warpgroup dequantizes its own 64 x̂
+//     columns of the next k-block (a thread: one row, 32 columns, one group) into a 3-buffer x̂
+//     ring in the swizzled MN-major layout wgmma reads, while its 4 wgmmas on the current k-block
+//     run; then it waits for the previous k-block's wgmmas, releases that stage, fences its x̂
+//     stores to the async proxy and syncs its own 128 threads (a named barrier).
+// No barrier spans warpgroups in either.
+//
 // Dequantization: at 2 and 4 bits with bf16 statistics, a pair of levels 16 bits apart in a word
 // becomes bf16x2 with one shift and one LOP3 (1 + q 2^-t in each half), one HFMA2 (q, exact) and
 // one HFMA2 (q scale + min, a single rounding: x̂ is the spec's value correctly rounded to bf16):
@@ -25,7 +36,9 @@
 // each word's columns interleaved; the stores map them back. Otherwise (f32 statistics, or 1
 // bit) each level becomes the float 1 + q 2^-t (shift + LOP3, or one PRMT at 8 bits),
 // x̂ = f S + M with one FFMA (S = scale 2^t, M = min - S; within 2^-24 (|min| + 2^t scale) of
-// the spec's fmaf(q, scale, min)) and pairs are rounded to bf16x2.
+// the spec's fmaf(q, scale, min)) and pairs are rounded to bf16x2. RS pairs are rows (k, k + 1) of
+// one column (the halves of an ldmatrix register) with their own statistics, in the same bf16x2
+// arithmetic; its 8-bit k-blocks with a scale >= 2^61 take fmaf(q, scale, min) in f32.
 //
 // Work split: with T tiles and KB k-blocks, when T is below the SM count K is split S = SMs / T
 // ways (at least 8 k-blocks a CTA): CTA t * S + s takes k-blocks [s KB / S, (s + 1) KB / S) of
@@ -38,14 +51,14 @@
 // directly. The sum order depends only on the shape and the SM count: results are bit-identical
 // from run to run (deterministic = true and false take the same path).
 //
-// Measured on an H100 at 924a7ed (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit
-// bench --filter quant; bench/results/h100/quant.json): K = 100864 takes 183.9 / 188.7 / 195.6 us
-// at 2 / 4 / 8 bits, 1.28x / 1.29x / 1.31x faster than unpack + cuBLAS and 1.12x / 1.13x /
-// 1.16x of the cuBLAS GEMM alone (163.6 / 167.7 / 168.3 us; the issue asks <= 1.15x: 8 bits
-// misses by 2 us); K = 8192 takes 29.8 / 30.2 / 31.1 us, 1.01x / 0.99x / 0.99x of unpack +
-// cuBLAS (the issue asks 1.2x). The floors, the cost model (0.745 us a k-block a CTA plus about
-// 16 us fixed: launch, pipeline fill, partial stores, the fix-up), the ncu figures, what each
-// change brought and what was tried and dropped (stream-K among them) are in docs/quant.md.
+// Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench --filter
+// quant; bench/results/h100/quant.json), RS: K = 100864 takes 177.7 / 180.2 / 187.4 us at 2 / 4 /
+// 8 bits, 1.30x / 1.32x / 1.34x faster than unpack + cuBLAS and 1.08x / 1.08x / 1.12x of the
+// cuBLAS GEMM alone (the SS path in the same build: 183.1 / 187.2 / 194.2 us); K = 8192 takes
+// 30.3 / 30.3 / 30.4 us, 1.01x / 1.01x / 1.02x of unpack + cuBLAS (the issue asks 1.2x: the
+// fixed costs, not the k-loop, dominate there). The floors, the cost model, the ncu figures, what
+// each change brought and what was tried and dropped (stream-K and split-K reduced in L2 among
+// them) are in docs/quant.md.
 //
 // Rows k >= K and columns >= CIN: TMA zero-fills dy rows >= K and the words; the consumers give
 // rows >= K statistics 0 (x̂ = 0 there); columns >= CIN get finite values that only reach dWᵀ
@@ -97,7 +110,11 @@ constexpr const char* kOp = "weight_grad_from_packed";
 
 // CTA tile (M = COUT rows of dW, N = CIN columns, K = reduction), pipeline depths, warp roles.
 constexpr int kBlockM = 256, kBlockN = 128, kBlockK = 64;
-constexpr int kStages = 4;  // ring of dy k-blocks with their packed words and statistics (TMA, producer)
+// Ring of dy k-blocks with their packed words and statistics (TMA, producer): 4 stages when the
+// consumers dequantize into x̂ buffers in shared memory (SS), 5 when they dequantize into registers
+// (RS: no x̂ buffers; see consume_rs).
+template <bool kRs> constexpr int kStagesOf = kRs ? 5 : 4;
+constexpr int kStages = kStagesOf<false>;
 constexpr int kXBufs = 3;   // ring of dequantized x̂ k-blocks (written and read by the consumers)
 // One producer warpgroup (TMA, statistics), two consumer warpgroups (dequantization and MMA): a
 // wgmma 64x256 with its 128 accumulators needs more registers than the 128 a thread of a
@@ -113,6 +130,10 @@ template <int kBits> constexpr int kWordBytes = kBlockK * kBlockN * kBits / 8;  
 // copies into a slot of this many bytes per array: G <= 16 with bf16 statistics, 8 with f32.
 constexpr int kStatsBytes = 2048;
 constexpr int kStatBytes = 2 * kStatsBytes;           // scales, then minimums
+// RS: a stage's statistics rearranged for the A fragments (see transpose_stats): up to 4 groups of
+// the tile x 256 bytes, then the 8-bit path's three flag words.
+constexpr int kTStatGroupBytes = 256, kTStatFlags = 4 * kTStatGroupBytes;
+constexpr int kTStatBytes = kTStatFlags + 16;
 constexpr int kTileElems = kBlockM * kBlockN;
 // Every producer thread arrives on a full barrier once (thread 0 adds the TMA byte count first;
 // the others copy dy or the words when TMA cannot); every consumer thread arrives on an empty one
@@ -127,10 +148,11 @@ constexpr int kConsumerRegs = (kStartRegs * kThreads - kProducerRegs * kProducer
 static_assert(kConsumerRegs == 224);
 // Shared memory: dy stages, x̂ buffers, word slots, statistics slots (each 1024-byte aligned: the
 // swizzled TMA destinations need it), then the mbarriers.
-template <int kBits>
-constexpr int kSmemBytes = kStages * (kStageBytesA + kWordBytes<kBits> + kStatBytes) + kXBufs * kXBufBytes +
-                           2 * kStages * 8 + 1024;  // + slack for the 1024-byte alignment
-static_assert(kSmemBytes<8> <= 227 * 1024);
+template <int kBits, bool kRs = false>
+constexpr int kSmemBytes = kStagesOf<kRs> * (kStageBytesA + kWordBytes<kBits> + kStatBytes + (kRs ? kTStatBytes : 0)) +
+                           (kRs ? 0 : kXBufs * kXBufBytes) + 3 * kStagesOf<kRs> * 8 +
+                           1024;  // + slack for the 1024-byte alignment
+static_assert(kSmemBytes<8> <= 227 * 1024 && kSmemBytes<8, true> <= 227 * 1024);
 static_assert(kWordBytes<1> % 1024 == 0 && kStatBytes % 1024 == 0);
 // Split K no finer than this many k-blocks a CTA: the pipeline fill would cost more than it brings.
 constexpr int kMinKBlocksPerCta = 8;
@@ -140,9 +162,11 @@ using Bf16 = cute::bfloat16_t;
 // atoms of 64 (m or n) x 8 (k), k-atoms adjacent, so that a 64x64 box of A is one contiguous 8 KB
 // TMA destination. Element (mn, k) of stage s sits at byte
 //   s * stage_bytes + (mn / 64) * 8192 + (k / 8) * 1024 + (k % 8) * 128 + (((mn % 64) / 8) ^ (k % 8)) * 16 + (mn % 8) * 2.
-using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{},
-                                           Shape<Int<kBlockM>, Int<kBlockK>, Int<kStages>>{},
-                                           Step<_2, _1, _3>{}));  // (BLK_M,BLK_K,PIPE)
+template <int kPipe>
+using SmemLayoutAOf = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{},
+                                             Shape<Int<kBlockM>, Int<kBlockK>, Int<kPipe>>{},
+                                             Step<_2, _1, _3>{}));  // (BLK_M,BLK_K,PIPE)
+using SmemLayoutA = SmemLayoutAOf<kStages>;
 using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{},
                                            Shape<Int<kBlockN>, Int<kBlockK>, Int<kXBufs>>{},
                                            Step<_2, _1, _3>{}));  // (BLK_N,BLK_K,XBUFS)
@@ -275,6 +299,19 @@ __device__ __forceinline__ int column_of(int m) {
   }
 }
 
+// RS (register-sourced A, 2, 4 and 8 bits): the A fragment of warp w (of its warpgroup) holds
+// rows 16 w + q and 16 w + q + 8 of x̂ᵀ for lane quad q, each as pairs of k rows; ldmatrix.trans
+// hands lane quad q the 16-bit half q of a 16-byte piece of a packed row (16 / kBits columns), of
+// k rows 2 j and 2 j + 1 at once. The warp's piece is the warpgroup's 16-byte unit w / W (W = 8 /
+// kBits warps share one), and its two rows are columns 2 v and 2 v + 1 of the half (v = w % W).
+// Tile column of dWᵀ row m:
+template <int kBits>
+__device__ __forceinline__ int column_of_rs(int m) {
+  constexpr int W = 8 / kBits;
+  const int wg = m / 64, w = m % 64 / 16, q = m % 8, e = m % 16 / 8;
+  return 64 * wg + w / W * (128 / kBits) + q * (16 / kBits) + 2 * (w % W) + e;
+}
+
 // Pair P in f32 arithmetic (f32 statistics, or 1 and 8 bits): two FFMAs, one rounding to bf16x2.
 template <int kBits, int P>
 __device__ __forceinline__ std::uint32_t pair_f32(const std::uint32_t (&w)[kBits], float S, float M) {
@@ -293,13 +330,13 @@ __device__ __forceinline__ std::uint32_t pair_f32(const std::uint32_t (&w)[kBits
 // the low bytes of the two halves, an HMUL2 by 2^66 makes q 2^-67 (exact), and one HFMA2 with
 // scale2 = scale 2^67 (exact; the caller takes the f32 path when that would overflow bf16)
 // computes q scale + min with a single rounding: 3 instructions a pair, against 5 in f32.
-template <int kBits, int P>
-__device__ __forceinline__ std::uint32_t pair_bf16(const std::uint32_t (&w)[kBits], __nv_bfloat162 scale2,
-                                                   __nv_bfloat162 min2) {
-  static_assert(kInterleaved<kBits>);
-  constexpr int E = kPairFirst<kBits, P>, bit = E * kBits % 32;
+// The pair is the levels at bits [kBit, kBit + kBits) and [kBit + 16, kBit + 16 + kBits) of v0
+// (kBit < 16, a multiple of 8 at 8 bits), each with its half of scale2 and min2.
+template <int kBits, int kBit>
+__device__ __forceinline__ std::uint32_t pair_bf16_at(std::uint32_t v0, __nv_bfloat162 scale2, __nv_bfloat162 min2) {
+  constexpr int bit = kBit;
   if constexpr (kBits == 8) {
-    const std::uint32_t d = __byte_perm(w[E / 4], 0u, 0x4240u + (E % 4) * 0x101u);  // bytes (q_e, 0, q_e+2, 0)
+    const std::uint32_t d = __byte_perm(v0, 0u, 0x4240u + (bit / 8) * 0x101u);  // bytes (q_lo, 0, q_hi, 0)
     constexpr std::uint32_t kTwo66 = 0x60806080u;                                 // bf16x2 (2^66, 2^66)
     const __nv_bfloat162 y = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&d),
                                      *reinterpret_cast<const __nv_bfloat162*>(&kTwo66));
@@ -307,7 +344,6 @@ __device__ __forceinline__ std::uint32_t pair_bf16(const std::uint32_t (&w)[kBit
     return *reinterpret_cast<const std::uint32_t*>(&x);
   } else {
     constexpr int d = 7 - kBits - bit;  // where q goes in the low bf16 minus where it is
-    const std::uint32_t v0 = w[E * kBits / 32];
     const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
     constexpr std::uint32_t m = ((1u << kBits) - 1u) << (7 - kBits);
     const std::uint32_t f = and_or(v, m | m << 16, 0x3F803F80u);
@@ -316,6 +352,14 @@ __device__ __forceinline__ std::uint32_t pair_bf16(const std::uint32_t (&w)[kBit
     const __nv_bfloat162 x = __hfma2(q, scale2, min2);
     return *reinterpret_cast<const std::uint32_t*>(&x);
   }
+}
+// Pair P of a chunk: columns e and e + W/2 of one word, 16 bits apart.
+template <int kBits, int P>
+__device__ __forceinline__ std::uint32_t pair_bf16(const std::uint32_t (&w)[kBits], __nv_bfloat162 scale2,
+                                                   __nv_bfloat162 min2) {
+  static_assert(kInterleaved<kBits>);
+  constexpr int E = kPairFirst<kBits, P>;
+  return pair_bf16_at<kBits, E * kBits % 32>(w[E * kBits / 32], scale2, min2);
 }
 
 // Positions 8J..8J+7 of a chunk (pairs 4J..4J+3) as 8 bf16.
@@ -336,22 +380,28 @@ __device__ __forceinline__ uint4 dequant8(const std::uint32_t (&w)[kBits], float
 // Shared-memory carve-up, as shared-window addresses: dy stages (1024-aligned, for the 128-byte
 // swizzle), x̂ buffers, word slots, statistics slots, then the full and empty mbarrier of each
 // stage.
+// RS: no x̂ buffers; after the statistics slots come the rearranged statistics, and a third
+// mbarrier per stage (`ready`: the rearranged statistics are in).
 struct Smem {
-  std::uint32_t a, x, words, stats, bars;
-  int word_bytes;
+  std::uint32_t a, x, words, stats, tstats, bars;
+  int word_bytes, stages;
   __device__ std::uint32_t full(int s) const { return bars + 8 * s; }
-  __device__ std::uint32_t empty(int s) const { return bars + 8 * (kStages + s); }
+  __device__ std::uint32_t empty(int s) const { return bars + 8 * (stages + s); }
+  __device__ std::uint32_t ready(int s) const { return bars + 8 * (2 * stages + s); }
   __device__ std::uint32_t word_slot(int s) const { return words + s * word_bytes; }
   __device__ std::uint32_t stat_slot(int s) const { return stats + s * kStatBytes; }
+  __device__ std::uint32_t tstat_slot(int s) const { return tstats + s * kTStatBytes; }
 };
 
-template <int kBits>
+template <int kBits, bool kRs = false>
 __device__ __forceinline__ Smem carve_smem(const std::uint8_t* raw) {
+  constexpr int S = kStagesOf<kRs>;
   const std::uint32_t a = (smem_addr(raw) + 1023) & ~1023u;
-  const std::uint32_t x = a + kStages * kStageBytesA;
-  const std::uint32_t w = x + kXBufs * kXBufBytes;
-  const std::uint32_t st = w + kStages * kWordBytes<kBits>;
-  return {a, x, w, st, st + kStages * kStatBytes, kWordBytes<kBits>};
+  const std::uint32_t x = a + S * kStageBytesA;
+  const std::uint32_t w = x + (kRs ? 0 : kXBufs * kXBufBytes);
+  const std::uint32_t st = w + S * kWordBytes<kBits>;
+  const std::uint32_t ts = st + S * kStatBytes;
+  return {a, x, w, st, ts, ts + (kRs ? S * kTStatBytes : 0), kWordBytes<kBits>, S};
 }
 
 // The CTA's work: tile `tile`, k-blocks [kb_begin, kb_end).
@@ -547,18 +597,19 @@ __device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
 //   (64 (ct / 128) + 16 w + l / 4 + 8 e1,  2 (l % 4) + 8 j + e0).
 // (Written out rather than taken from an identity tensor, whose 128 coordinate pairs the compiler
 // would otherwise keep live across both store paths.) dWᵀ row m is tile column column_of(m).
-template <int kBits, class Acc>
+template <int kBits, bool kRs = false, class Acc>
 __device__ void store_tile(const Acc& acc, int ct, const Params& p, const Smem& sm, const CtaWork& w) {
   static_assert(decltype(size(acc))::value == 128);
   const int m = 64 * (ct / 128) + 16 * (ct % 128 / 32) + ct % 32 / 4, co = 2 * (ct % 4);
-  const int ci_lo = column_of<kBits>(m), ci_hi = column_of<kBits>(m + 8);
+  auto column = [](int r) { return kRs ? column_of_rs<kBits>(r) : column_of<kBits>(r); };
+  const int ci_lo = column(m), ci_hi = column(m + 8);
   // Tile coordinates (cout, cin) of accumulator i, cout relative to the thread's co.
   auto cout_of = [](int i) { return 8 * (i / 4) + i % 2; };
   auto cin_of = [&](int i) { return i / 2 % 2 ? ci_hi : ci_lo; };
   if (p.splits > 1) {
     constexpr int kHalfCols = kBlockN / 2;  // a warpgroup's 64 columns
     const int wg = ct / 128, t = ct % 128;
-    static_assert(kBlockM * kHalfCols * 4 * 2 == kStages * kStageBytesA);
+    static_assert(kBlockM * kHalfCols * 4 * 2 <= kStages * kStageBytesA);
     const std::uint32_t stage = sm.a + wg * (kBlockM * kHalfCols * 4);
     // Every wgmma of both warpgroups has retired (each waited for its own): the dy ring is free.
     asm volatile("bar.sync 3, %0;" ::"n"(kConsumerThreads) : "memory");
@@ -602,6 +653,233 @@ __device__ void store_tile(const Acc& acc, int ct, const Params& p, const Smem& 
     // Bounds the read-modify-writes the compiler batches (and the registers they hold).
     if (i % 16 == 15) asm volatile("" ::: "memory");
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RS: x̂ dequantized straight into the A fragments of register-sourced wgmma (2, 4 and 8 bits,
+// bf16 statistics, every operand by TMA). Per k-block this drops the x̂ buffers' 16 KB of
+// stores and the wgmmas' 16 KB of x̂ reads from shared memory, which the tensor cores share with
+// the TMA writes and the dy reads (the SS path's bound: see docs/quant.md).
+// ---------------------------------------------------------------------------------------------
+
+// The statistics rearranged for the A fragments. A thread's fragment holds k rows 2 j, 2 j + 1,
+// 2 j + 8 and 2 j + 9 of each 16-row step (j = lane % 4), one group; its pairs are (k, k + 1) of one
+// column, so it wants each statistic as bf16x2 over rows (k, k + 1). Group slot gs (the tile's
+// groups from its first, at most 4 as group >= 32) holds, for step t and lane residue j, 16 bytes:
+// {scale (r, r + 1), scale (r + 8, r + 9), min (r, r + 1), min (r + 8, r + 9)}, r = 16 t + 2 j, at
+// byte gs * 256 + t * 64 + j * 16. At 8 bits, flag word i (i < 3) after the 4 slots is a ballot
+// of transposing warp i: some scale >= 2^61 (its scale 2^67 would overflow bf16).
+constexpr std::uint32_t kHugeScaleBits = (61 + 127) << 7;  // bf16 2^61
+
+// The producer warpgroup of the RS path: thread 0 brings dy, the words and the statistics rows by
+// TMA (as the SS producer); warps 1-3 then rearrange each stage's statistics (transpose_stats) and
+// arrive on its ready barrier; the consumers wait for both.
+template <int kBits>
+struct ProducerRs {
+  const Params& p;
+  const CUtensorMap* tmap_dy;
+  const CUtensorMap* tmap_x;
+  Smem sm;
+  CtaWork w;
+  int pt, g_first, slots;
+
+  __device__ void load() {
+    const int n = w.kb_end - w.kb_begin;
+    for (int it = 0; it < n; ++it) {
+      const int s = it % sm.stages, kb = w.kb_begin + it;
+      const std::int64_t k0 = static_cast<std::int64_t>(kb) * kBlockK;
+      mbar_wait(sm.empty(s), ((it / sm.stages) & 1) ^ 1);
+      const std::uint32_t stats = stats_copy_bytes(p, kb), a_stage = sm.a + s * kStageBytesA, full = sm.full(s);
+      mbar_arrive_expect_tx(full, kStageBytesA + kWordBytes<kBits> + 2 * stats);
+#pragma unroll
+      for (int i = 0; i < kBlockM / 64; ++i)
+        tma_load_2d(tmap_dy, full, a_stage + i * 8192, w.mb * kBlockM + 64 * i, static_cast<int>(k0));
+      tma_load_2d(tmap_x, full, sm.word_slot(s), w.nb * (kBlockN * kBits / 32), static_cast<int>(k0));
+      if (stats > 0) {
+        const std::int64_t first = k0 * p.groups * p.stats_bytes;
+        bulk_copy(sm.stat_slot(s), static_cast<const char*>(p.scale) + first, stats, full);
+        bulk_copy(sm.stat_slot(s) + kStatsBytes, static_cast<const char*>(p.min) + first, stats, full);
+      }
+    }
+  }
+
+  // Warps 1-3 (tt = 0..95): per stage, item (gs, row pair pr, array a) packs rows 2 pr, 2 pr + 1
+  // of group g_first + gs into one bf16x2 (zero past K; rows past the bulk copy's bytes, in a last
+  // partial k-block, from global memory).
+  __device__ void transpose_stats(int tt) {
+    const int n = w.kb_end - w.kb_begin;
+    for (int it = 0; it < n; ++it) {
+      const int s = it % sm.stages, kb = w.kb_begin + it;
+      const std::int64_t k0 = static_cast<std::int64_t>(kb) * kBlockK;
+      mbar_wait(sm.full(s), (it / sm.stages) & 1);
+      const std::uint32_t raw = sm.stat_slot(s), dst = sm.tstat_slot(s), copied = stats_copy_bytes(p, kb);
+      bool huge = false;
+      for (int item = tt; item < slots * 64; item += 96) {
+        const int gs = item / 64, a = item / 32 % 2, pr = item % 32, g = g_first + gs;
+        std::uint32_t v[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = 2 * pr + e;
+          const std::int64_t k = k0 + r;
+          v[e] = 0;
+          if (k < p.k) {
+            const std::uint32_t off = static_cast<std::uint32_t>((r * p.groups + g) * 2);
+            if (off < copied) {
+              unsigned short h;
+              asm volatile("ld.shared.u16 %0, [%1];" : "=h"(h) : "r"(raw + a * kStatsBytes + off) : "memory");
+              v[e] = h;
+            } else {
+              v[e] = __ldg(static_cast<const unsigned short*>(a == 0 ? p.scale : p.min) + k * p.groups + g);
+            }
+          }
+        }
+        if (kBits == 8 && a == 0) huge |= (v[0] & 0x7FFFu) >= kHugeScaleBits || (v[1] & 0x7FFFu) >= kHugeScaleBits;
+        st_shared_u32(dst + gs * kTStatGroupBytes + pr / 8 * 64 + pr % 4 * 16 + a * 8 + pr % 8 / 4 * 4, v[0] | v[1] << 16);
+      }
+      if constexpr (kBits == 8) {
+        const unsigned ballot = __ballot_sync(0xFFFFFFFFu, huge);
+        if (tt % 32 == 0) st_shared_u32(dst + kTStatFlags + 4 * (tt / 32), ballot);
+      }
+      mbar_arrive(sm.ready(s));
+    }
+  }
+};
+
+__device__ __forceinline__ void ldsm_x4_trans(std::uint32_t* r, std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// One pair of a register from ldmatrix (rows k, k + 1 of one 16-bit half), the level at bit kBit,
+// in f32 arithmetic: the 8-bit fallback for scales >= 2^61.
+template <int kBits, int kBit>
+__device__ __forceinline__ std::uint32_t pair_f32_at(std::uint32_t v, std::uint32_t scale2, std::uint32_t min2) {
+  constexpr std::uint32_t mask = (1u << kBits) - 1u;
+  const float q0 = static_cast<float>(v >> kBit & mask), q1 = static_cast<float>(v >> (16 + kBit) & mask);
+  const float s0 = __uint_as_float(scale2 << 16), s1 = __uint_as_float(scale2 & 0xFFFF0000u);
+  const float m0 = __uint_as_float(min2 << 16), m1 = __uint_as_float(min2 & 0xFFFF0000u);
+  const __nv_bfloat162 x = __floats2bfloat162_rn(fmaf(q0, s0, m0), fmaf(q1, s1, m1));
+  return *reinterpret_cast<const std::uint32_t*>(&x);
+}
+
+// Consumer thread ct's A fragments of k-block stage s: a[4 t + i] is register i of k16 step t
+// (i = 0: row 16 w + q, k rows 2 j, 2 j + 1; 1: row + 8; 2: k rows + 8; 3: both). Two
+// ldmatrix.x4.trans bring the warp's 16-byte piece of all 64 packed rows (register i: rows
+// 8 i + 2 j, + 1), four 16-byte loads the statistics.
+template <int kBits>
+__device__ __forceinline__ void dequant_rs(const Smem& sm, int s, int wg, int w, int lane, int gs, std::uint32_t (&a)[16]) {
+  constexpr int W = 8 / kBits;
+  const int unit = wg * (kBits / 2) + w / W, j = lane % 4;
+  const std::uint32_t slot = sm.word_slot(s), stats = sm.tstat_slot(s) + gs * kTStatGroupBytes + j * 16;
+  std::uint32_t m[8];
+  ldsm_x4_trans(m, slot + word_offset<kBits>(lane, 16 * unit));
+  ldsm_x4_trans(m + 4, slot + word_offset<kBits>(32 + lane, 16 * unit));
+  // The warp's two columns to bits [0, kBits) and [kBits, 2 kBits) of each half (the halves'
+  // other columns shift past them: 2 v kBits <= 16 - 2 kBits).
+  if constexpr (W > 1) {
+    const int shift = 2 * (w % W) * kBits;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m[i] >>= shift;
+  }
+  bool huge = false;
+  if constexpr (kBits == 8) {
+    const uint4 f = ld_shared_v4(sm.tstat_slot(s) + kTStatFlags);
+    huge = (f.x | f.y | f.z) != 0;
+  }
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint4 st = ld_shared_v4(stats + t * 64);  // scale (2j), scale (2j + 8), min (2j), min (2j + 8)
+    if (kBits == 8 && huge) {
+      a[4 * t + 0] = pair_f32_at<kBits, 0>(m[2 * t], st.x, st.z);
+      a[4 * t + 1] = pair_f32_at<kBits, kBits>(m[2 * t], st.x, st.z);
+      a[4 * t + 2] = pair_f32_at<kBits, 0>(m[2 * t + 1], st.y, st.w);
+      a[4 * t + 3] = pair_f32_at<kBits, kBits>(m[2 * t + 1], st.y, st.w);
+      continue;
+    }
+    __nv_bfloat162 s_lo = *reinterpret_cast<const __nv_bfloat162*>(&st.x), s_hi = *reinterpret_cast<const __nv_bfloat162*>(&st.y);
+    if constexpr (kBits == 8) {  // scale 2^67, exact (no scale >= 2^61 in this k-block)
+      constexpr std::uint32_t kTwo67 = 0x61006100u;
+      s_lo = __hmul2(s_lo, *reinterpret_cast<const __nv_bfloat162*>(&kTwo67));
+      s_hi = __hmul2(s_hi, *reinterpret_cast<const __nv_bfloat162*>(&kTwo67));
+    }
+    const __nv_bfloat162 m_lo = *reinterpret_cast<const __nv_bfloat162*>(&st.z), m_hi = *reinterpret_cast<const __nv_bfloat162*>(&st.w);
+    a[4 * t + 0] = pair_bf16_at<kBits, 0>(m[2 * t], s_lo, m_lo);
+    a[4 * t + 1] = pair_bf16_at<kBits, kBits>(m[2 * t], s_lo, m_lo);
+    a[4 * t + 2] = pair_bf16_at<kBits, 0>(m[2 * t + 1], s_hi, m_hi);
+    a[4 * t + 3] = pair_bf16_at<kBits, kBits>(m[2 * t + 1], s_hi, m_hi);
+  }
+}
+
+// Keeps A fragment registers alive and in place: wgmma reads them asynchronously, until the
+// wgmma_wait that retires it.
+__device__ __forceinline__ void fence_regs(std::uint32_t (&a)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// wgmma 64x256x16, A from registers (a[0..3], K-major by definition), B = dy from shared memory.
+template <class Acc>
+__device__ __forceinline__ void wgmma_rs(const std::uint32_t* a, std::uint64_t desc_b, Acc& acc, GMMA::ScaleOut scale) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::MN>::fma(a[0], a[1], a[2], a[3], desc_b,
+                                                                                  acc(I)..., scale);
+  }(std::make_integer_sequence<int, 128>{});
+}
+
+// The consumers of the RS path. Per k-block: issue k-block it's 4 wgmmas from its A fragments,
+// wait until k-block it - 1's have retired (release its stage), then dequantize k-block it + 1
+// into the other fragment set while k-block it's run. No barrier between threads: each thread's
+// fragments are its own.
+template <int kBits>
+__device__ void consume_rs(const Params& p, const Smem& sm, const std::uint8_t* smem_raw, const CtaWork& w, int g_first) {
+  constexpr int S = kStagesOf<true>;
+  const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
+  const int wg = ct / 128, warp = ct % 128 / 32, lane = ct % 32;
+  TiledMma mma;
+  auto thr = mma.get_thread_slice(ct);
+  const Bf16* dy = reinterpret_cast<const Bf16*>(smem_raw + (sm.a - smem_addr(smem_raw)));
+  Tensor sDy = make_tensor(make_smem_ptr(dy), SmemLayoutAOf<S>{});  // (BLK_M,BLK_K,PIPE)
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sDy));          // (MMA,1,MMA_K,PIPE) descriptors: dy
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA,1,1) fp32: dWᵀ tile
+  // The group of the thread's two columns (the last one for columns past CIN), as a slot.
+  const int gs = min((w.nb * kBlockN + column_of_rs<kBits>(64 * wg + 16 * warp + lane / 4)) / p.group, p.groups - 1) - g_first;
+
+  const int n = w.kb_end - w.kb_begin;
+  std::uint32_t a0[16], a1[16];
+  mbar_wait(sm.full(0), 0);
+  mbar_wait(sm.ready(0), 0);
+  dequant_rs<kBits>(sm, 0, wg, warp, lane, gs, a0);
+  auto step = [&](int it, std::uint32_t(&cur)[16], std::uint32_t(&nxt)[16]) {
+    const int s = it % S;
+    fence_regs(cur);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kk = 0; kk < kBlockK / 16; ++kk)
+      wgmma_rs(cur + 4 * kk, tCrB(0, 0, kk, s), acc, it == 0 && kk == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // k-block it - 1's wgmmas have retired: its stage and fragments are free
+    warpgroup_fence_operand(acc);
+    fence_regs(nxt);
+    if (it > 0) mbar_arrive(sm.empty((it - 1) % S));
+    if (it + 1 < n) {
+      const int s1 = (it + 1) % S;
+      mbar_wait(sm.full(s1), ((it + 1) / S) & 1);
+      mbar_wait(sm.ready(s1), ((it + 1) / S) & 1);
+      dequant_rs<kBits>(sm, s1, wg, warp, lane, gs, nxt);
+    }
+  };
+  for (int it = 0; it < n; it += 2) {
+    step(it, a0, a1);
+    if (it + 1 < n) step(it + 1, a1, a0);
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  fence_regs(a0);
+  fence_regs(a1);
+  store_tile<kBits, true>(acc, ct, p, sm, w);
 }
 
 // The two consumer warpgroups. Per k-block, warpgroup wg dequantizes its 64 x̂ columns of the
@@ -663,7 +941,7 @@ __device__ void consume(const Params& p, const Smem& sm, const std::uint8_t* sme
 
 #endif  // FK_WGRAD_SM90
 
-template <int kBits>
+template <int kBits, bool kRs>
 __global__ void __launch_bounds__(kThreads, 1)
     weight_grad_packed_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tmap_dy,
                               const __grid_constant__ CUtensorMap tmap_x) {
@@ -671,22 +949,35 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The fix-up kernel may be launched now: it waits for this grid to finish before it reads.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   extern __shared__ std::uint8_t smem_raw[];
-  const Smem sm = carve_smem<kBits>(smem_raw);
+  const Smem sm = carve_smem<kBits, kRs>(smem_raw);
+  constexpr int kTransposers = kProducerThreads - 32;  // RS: producer warps 1-3
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(sm.full(s), kFullArrivals);
+    for (int s = 0; s < sm.stages; ++s) {
+      mbar_init(sm.full(s), kRs ? 1 : kFullArrivals);
       mbar_init(sm.empty(s), kEmptyArrivals);
+      if (kRs) mbar_init(sm.ready(s), kTransposers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   const CtaWork w = cta_work(p);
+  // RS: the groups the tile's columns fall in (the last one for columns past CIN).
+  const int g_first = w.nb * kBlockN / p.group;
+  const int slots = min((w.nb * kBlockN + kBlockN - 1) / p.group, p.groups - 1) - g_first + 1;
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    Producer<kBits>{p, &tmap_dy, &tmap_x, sm, w, static_cast<int>(threadIdx.x)}.run();
+    const int pt = static_cast<int>(threadIdx.x);
+    if constexpr (kRs) {
+      ProducerRs<kBits> producer{p, &tmap_dy, &tmap_x, sm, w, pt, g_first, slots};
+      if (pt == 0) producer.load();
+      else if (pt >= 32) producer.transpose_stats(pt - 32);
+    } else {
+      Producer<kBits>{p, &tmap_dy, &tmap_x, sm, w, pt}.run();
+    }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume<kBits>(p, sm, smem_raw, w);
+    if constexpr (kRs) consume_rs<kBits>(p, sm, smem_raw, w, g_first);
+    else consume<kBits>(p, sm, smem_raw, w);
   }
 #else
   __trap();  // the launcher never starts this kernel off sm_90
@@ -768,11 +1059,12 @@ CUtensorMap tensor_map_2d(const char* what, const void* base, CUtensorMapDataTyp
   return map;
 }
 
-template <int kBits>
+template <int kBits, bool kRs = false>
 void launch_main(const Params& p, unsigned ctas, const CUtensorMap& map_dy, const CUtensorMap& map_x, cudaStream_t s) {
-  auto kernel = weight_grad_packed_kernel<kBits>;
-  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<kBits>));
-  kernel<<<ctas, kThreads, kSmemBytes<kBits>, s>>>(p, map_dy, map_x);
+  auto kernel = weight_grad_packed_kernel<kBits, kRs>;
+  constexpr int smem = kSmemBytes<kBits, kRs>;
+  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<ctas, kThreads, smem, s>>>(p, map_dy, map_x);
   FK_CUDA_CHECK_LAUNCH("weight_grad_packed_kernel");
 }
 
@@ -874,11 +1166,15 @@ void weight_grad_from_packed(const TensorView& dy, const PackedView& x, const Te
   const CUtensorMap map_x = p.tma_x ? tensor_map_2d("x.words", x.words.data(), CU_TENSOR_MAP_DATA_TYPE_UINT32, 4, k,
                                                     p.row_words, kBlockN * x.bits / 32, kBlockK, swizzle_x)
                                     : CUtensorMap{};
+  // Register-sourced A (consume_rs) wherever its inputs allow: 2, 4 and 8 bits with bf16
+  // statistics and every operand by TMA; else x̂ through shared memory (consume).
+  const bool rs = x.bits != 1 && p.stats_bf16 && p.tma_a && p.tma_x && p.tma_stats;
+  const unsigned grid = static_cast<unsigned>(ctas);
   switch (x.bits) {
-    case 1: launch_main<1>(p, static_cast<unsigned>(ctas), map_dy, map_x, s); break;
-    case 2: launch_main<2>(p, static_cast<unsigned>(ctas), map_dy, map_x, s); break;
-    case 4: launch_main<4>(p, static_cast<unsigned>(ctas), map_dy, map_x, s); break;
-    case 8: launch_main<8>(p, static_cast<unsigned>(ctas), map_dy, map_x, s); break;
+    case 1: launch_main<1>(p, grid, map_dy, map_x, s); break;
+    case 2: rs ? launch_main<2, true>(p, grid, map_dy, map_x, s) : launch_main<2>(p, grid, map_dy, map_x, s); break;
+    case 4: rs ? launch_main<4, true>(p, grid, map_dy, map_x, s) : launch_main<4>(p, grid, map_dy, map_x, s); break;
+    case 8: rs ? launch_main<8, true>(p, grid, map_dy, map_x, s) : launch_main<8>(p, grid, map_dy, map_x, s); break;
     default: throw_internal("weight_grad_from_packed: bits not checked by the caller");
   }
   if (splits > 1) launch_fixup(p, static_cast<unsigned>(tiles), s);
