@@ -578,6 +578,24 @@ __device__ __forceinline__ int staging_swizzle(int r) {
   const int q = (r >> 1) & 3;
   return kBits == 2 ? (q & 1) | ((q & 2) << 1) : q << 1;
 }
+// RS's columns (column_of_rs) fall differently: a store's 8 lanes of a row write one word offset
+// (4 bits: 8 consecutive units), two (8 bits: 4 units) or one in units 2 apart (2 bits), so no
+// unit permutation alone spreads 4 rows over 32 banks. There the words of a unit are permuted
+// too: row r's word p sits at p ^ (r / 2 % 4) (the 4 rows of a store, 4 different offsets), and
+// unit u at u ^ (r / 4 % 2) 4 (8 bits: the rows with the same offsets, the other 4 units) or
+// u ^ u / 8 (2 bits: units 8 apart to different banks). The read-out undoes the word permutation
+// in registers.
+template <int kBits, bool kRs>
+__device__ __forceinline__ int staging_unit(int r, int u) {
+  if constexpr (!kRs) return u ^ staging_swizzle<kBits>(r);
+  else if constexpr (kBits == 8) return u ^ ((r >> 2) & 1) << 2;
+  else if constexpr (kBits == 2) return u ^ ((u >> 3) & 1);
+  else return u;
+}
+template <bool kRs>
+__device__ __forceinline__ int staging_word(int r) {
+  return kRs ? (r >> 1) & 3 : 0;
+}
 
 __device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
@@ -614,11 +632,14 @@ __device__ void store_tile(const Acc& acc, int ct, const Params& p, const Smem& 
     // Every wgmma of both warpgroups has retired (each waited for its own): the dy ring is free.
     asm volatile("bar.sync 3, %0;" ::"n"(kConsumerThreads) : "memory");
     {
-      // Row co + cout_of(i) has the swizzle of co (cout_of(i) / 2 % 4 == 0); columns local to the half.
-      const int swz = staging_swizzle<kBits>(co), lo = ci_lo - wg * kHalfCols, hi = ci_hi - wg * kHalfCols;
+      // Row co + cout_of(i) has the swizzle of co (co is even and cout_of(i) is 8 k or 8 k + 1:
+      // r / 2 % 4 and r / 4 % 2 are co's); columns local to the half.
+      const int lo = ci_lo - wg * kHalfCols, hi = ci_hi - wg * kHalfCols;
       const std::uint32_t base = stage + co * (kHalfCols * 4);
-      const std::uint32_t at_lo = base + ((((lo >> 2) ^ swz) << 4) | ((lo & 3) << 2));
-      const std::uint32_t at_hi = base + ((((hi >> 2) ^ swz) << 4) | ((hi & 3) << 2));
+      auto at = [&](int c) {
+        return base + (staging_unit<kBits, kRs>(co, c >> 2) << 4) + (((c & 3) ^ staging_word<kRs>(co)) << 2);
+      };
+      const std::uint32_t at_lo = at(lo), at_hi = at(hi);
       CUTE_UNROLL
       for (int i = 0; i < 128; ++i)
         asm volatile("st.shared.f32 [%0], %1;" ::"r"((i / 2 % 2 ? at_hi : at_lo) + cout_of(i) * (kHalfCols * 4)),
@@ -627,12 +648,18 @@ __device__ void store_tile(const Acc& acc, int ct, const Params& p, const Smem& 
     }
     consumer_barrier(wg);
     // Thread t copies unit t % 16 of rows t / 16 + 8 j: a warp writes two whole 256-byte rows.
-    const int u = t % 16, r0 = t / 16, swz = staging_swizzle<kBits>(r0);  // r0 + 8 j has r0's swizzle
+    // r0 + 8 j has r0's swizzle.
+    const int u = t % 16, r0 = t / 16, unit = staging_unit<kBits, kRs>(r0, u), word = staging_word<kRs>(r0);
     float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + wg * kHalfCols + u * 4;
     CUTE_UNROLL
     for (int j = 0; j < kBlockM / 8; ++j) {
       const int r = r0 + 8 * j;
-      st_global_v4(ws + r * kBlockN, ld_shared_v4(stage + r * (kHalfCols * 4) + ((u ^ swz) << 4)));
+      uint4 v = ld_shared_v4(stage + r * (kHalfCols * 4) + (unit << 4));
+      if (kRs) {  // column 4 u + e is word e ^ word
+        if (word & 1) v = make_uint4(v.y, v.x, v.w, v.z);
+        if (word & 2) v = make_uint4(v.z, v.w, v.x, v.y);
+      }
+      st_global_v4(ws + r * kBlockN, v);
     }
     return;
   }
