@@ -474,6 +474,28 @@ struct Producer {
     }
   }
 
+  // Bytes the TMA copies of k-block kb bring (what its full barrier waits for).
+  __device__ std::uint32_t tma_bytes(int kb) const {
+    const std::uint32_t stats = p.tma_stats ? stats_copy_bytes(p, kb) : 0;
+    return (p.tma_a ? kStageBytesA : 0) + (p.tma_x ? kWordBytes<kBits> : 0) + 2 * stats;
+  }
+  // Thread 0: k-block kb's dy, words and statistics rows into stage s by TMA (those that go so).
+  __device__ void issue_tma(int s, int kb) const {
+    const std::int64_t k0 = static_cast<std::int64_t>(kb) * kBlockK;
+    const std::uint32_t full = sm.full(s), stats = p.tma_stats ? stats_copy_bytes(p, kb) : 0;
+    if (p.tma_a) {
+#pragma unroll
+      for (int i = 0; i < kBlockM / 64; ++i)
+        tma_load_2d(tmap_dy, full, sm.a + s * kStageBytesA + i * 8192, w.mb * kBlockM + 64 * i, static_cast<int>(k0));
+    }
+    if (p.tma_x) tma_load_2d(tmap_x, full, sm.word_slot(s), w.nb * (kBlockN * kBits / 32), static_cast<int>(k0));
+    if (stats > 0) {
+      const std::int64_t first = k0 * p.groups * p.stats_bytes;
+      bulk_copy(sm.stat_slot(s), static_cast<const char*>(p.scale) + first, stats, full);
+      bulk_copy(sm.stat_slot(s) + kStatsBytes, static_cast<const char*>(p.min) + first, stats, full);
+    }
+  }
+
   __device__ void run() {
     const int n = w.kb_end - w.kb_begin;
     for (int it = 0; it < n; ++it) {
@@ -482,20 +504,9 @@ struct Producer {
       mbar_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
       const std::uint32_t a_stage = sm.a + s * kStageBytesA, words = sm.word_slot(s), full = sm.full(s);
       if (pt == 0) {
-        const std::uint32_t stats = p.tma_stats ? stats_copy_bytes(p, kb) : 0;
-        const std::uint32_t bytes = (p.tma_a ? kStageBytesA : 0) + (p.tma_x ? kWordBytes<kBits> : 0) + 2 * stats;
+        const std::uint32_t bytes = tma_bytes(kb);
         if (bytes > 0) mbar_expect_tx(full, bytes);
-        if (p.tma_a) {
-#pragma unroll
-          for (int i = 0; i < kBlockM / 64; ++i)
-            tma_load_2d(tmap_dy, full, a_stage + i * 8192, w.mb * kBlockM + 64 * i, static_cast<int>(k0));
-        }
-        if (p.tma_x) tma_load_2d(tmap_x, full, words, w.nb * (kBlockN * kBits / 32), static_cast<int>(k0));
-        if (stats > 0) {
-          const std::int64_t first = k0 * p.groups * p.stats_bytes;
-          bulk_copy(sm.stat_slot(s), static_cast<const char*>(p.scale) + first, stats, full);
-          bulk_copy(sm.stat_slot(s) + kStatsBytes, static_cast<const char*>(p.min) + first, stats, full);
-        }
+        issue_tma(s, kb);
       }
       if (!p.tma_a) {
         load_a_by_threads(p, a_stage, w.mb * kBlockM, k0, pt);
@@ -699,34 +710,23 @@ __device__ void store_tile(const Acc& acc, int ct, const Params& p, const Smem& 
 constexpr std::uint32_t kHugeScaleBits = (61 + 127) << 7;  // bf16 2^61
 
 // The producer warpgroup of the RS path: thread 0 brings dy, the words and the statistics rows by
-// TMA (as the SS producer); warps 1-3 then rearrange each stage's statistics (transpose_stats) and
-// arrive on its ready barrier; the consumers wait for both.
+// TMA (as the SS producer, all by TMA here, its one arrival on the full barrier); warps 1-3 then
+// rearrange each stage's statistics (transpose_stats) and arrive on its ready barrier; the
+// consumers wait for both.
 template <int kBits>
-struct ProducerRs {
-  const Params& p;
-  const CUtensorMap* tmap_dy;
-  const CUtensorMap* tmap_x;
-  Smem sm;
-  CtaWork w;
-  int pt, g_first, slots;
+struct ProducerRs : Producer<kBits> {
+  int g_first, slots;
+  using Producer<kBits>::p;
+  using Producer<kBits>::sm;
+  using Producer<kBits>::w;
 
   __device__ void load() {
     const int n = w.kb_end - w.kb_begin;
     for (int it = 0; it < n; ++it) {
       const int s = it % sm.stages, kb = w.kb_begin + it;
-      const std::int64_t k0 = static_cast<std::int64_t>(kb) * kBlockK;
       mbar_wait(sm.empty(s), ((it / sm.stages) & 1) ^ 1);
-      const std::uint32_t stats = stats_copy_bytes(p, kb), a_stage = sm.a + s * kStageBytesA, full = sm.full(s);
-      mbar_arrive_expect_tx(full, kStageBytesA + kWordBytes<kBits> + 2 * stats);
-#pragma unroll
-      for (int i = 0; i < kBlockM / 64; ++i)
-        tma_load_2d(tmap_dy, full, a_stage + i * 8192, w.mb * kBlockM + 64 * i, static_cast<int>(k0));
-      tma_load_2d(tmap_x, full, sm.word_slot(s), w.nb * (kBlockN * kBits / 32), static_cast<int>(k0));
-      if (stats > 0) {
-        const std::int64_t first = k0 * p.groups * p.stats_bytes;
-        bulk_copy(sm.stat_slot(s), static_cast<const char*>(p.scale) + first, stats, full);
-        bulk_copy(sm.stat_slot(s) + kStatsBytes, static_cast<const char*>(p.min) + first, stats, full);
-      }
+      mbar_arrive_expect_tx(sm.full(s), this->tma_bytes(kb));
+      this->issue_tma(s, kb);
     }
   }
 
@@ -995,7 +995,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     const int pt = static_cast<int>(threadIdx.x);
     if constexpr (kRs) {
-      ProducerRs<kBits> producer{p, &tmap_dy, &tmap_x, sm, w, pt, g_first, slots};
+      ProducerRs<kBits> producer{{p, &tmap_dy, &tmap_x, sm, w, pt}, g_first, slots};
       if (pt == 0) producer.load();
       else if (pt >= 32) producer.transpose_stats(pt - 32);
     } else {
