@@ -52,11 +52,11 @@
 // from run to run (deterministic = true and false take the same path).
 //
 // Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench --filter
-// quant; bench/results/h100/quant.json), RS: K = 100864 takes 177.7 / 180.2 / 187.4 us at 2 / 4 /
-// 8 bits, 1.30x / 1.32x / 1.34x faster than unpack + cuBLAS and 1.08x / 1.08x / 1.12x of the
-// cuBLAS GEMM alone (the SS path in the same build: 183.1 / 187.2 / 194.2 us); K = 8192 takes
-// 30.3 / 30.3 / 30.4 us, 1.01x / 1.01x / 1.02x of unpack + cuBLAS (the issue asks 1.2x: the
-// fixed costs, not the k-loop, dominate there). The floors, the cost model, the ncu figures, what
+// quant; bench/results/h100/quant.json, 93192f3), RS: K = 100864 takes 168.3 / 170.6 / 185.5 us
+// at 2 / 4 / 8 bits, 1.38x / 1.40x / 1.36x faster than unpack + cuBLAS and 1.03x / 1.02x / 1.10x
+// of the cuBLAS GEMM alone (the SS path took 183.1 / 187.2 / 194.2 us in an earlier A/B); K = 8192
+// takes 27.8 / 28.0 / 29.1 us, 1.10x / 1.09x / 1.06x of unpack + cuBLAS (the issue asks 1.2x: the
+// fixed costs, the split-K round trip above all, dominate there). The floors, the cost model, the ncu figures, what
 // each change brought and what was tried and dropped (stream-K and split-K reduced in L2 among
 // them) are in docs/quant.md.
 //
