@@ -391,7 +391,11 @@ struct GpuDlrm::State {
     const Stream* s = &stream;
     for (Slot& sl : slots) {
       sl.dense = Tensor::empty({cap, ld_dense}, DType::f32, dev, s);
-      FK_CUDA_CHECK(cudaMemsetAsync(sl.dense.data(), 0, sl.dense.nbytes(), cs()));  // padding columns stay 0
+      // Padding columns stay 0. Zeroed on the copy stream, the one that writes the slot: zeroed on
+      // the compute stream, nothing ordered it before the first copy into the slot, and when the
+      // compute stream ran late (under compute-sanitizer, behind other models' work) the memset
+      // wiped the first batch's dense features.
+      FK_CUDA_CHECK(cudaMemsetAsync(sl.dense.data(), 0, sl.dense.nbytes(), static_cast<cudaStream_t>(copy_stream.handle())));
       sl.raw = Tensor::empty({cap * t}, DType::i32, dev, s);
       sl.labels = device_f32(cap, dev, s);
       sl.indices = Tensor::empty({cap_nnz}, DType::i64, dev, s);
