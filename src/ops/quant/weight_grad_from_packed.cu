@@ -232,12 +232,14 @@ __device__ __forceinline__ void consumer_barrier(int wg) {
 }
 
 
+__device__ __forceinline__ std::uint32_t ld_shared_u16(std::uint32_t addr) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ float ld_shared_stat(std::uint32_t addr, bool bf16) {
-  if (bf16) {
-    unsigned short v;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
-    return __uint_as_float(static_cast<std::uint32_t>(v) << 16);
-  }
+  if (bf16) return __uint_as_float(ld_shared_u16(addr) << 16);
   return __uint_as_float(ld_shared_u32(addr));
 }
 
@@ -751,13 +753,8 @@ struct ProducerRs : Producer<kBits> {
           v[e] = 0;
           if (k < p.k) {
             const std::uint32_t off = static_cast<std::uint32_t>((r * p.groups + g) * 2);
-            if (off < copied) {
-              unsigned short h;
-              asm volatile("ld.shared.u16 %0, [%1];" : "=h"(h) : "r"(raw + a * kStatsBytes + off) : "memory");
-              v[e] = h;
-            } else {
-              v[e] = __ldg(static_cast<const unsigned short*>(a == 0 ? p.scale : p.min) + k * p.groups + g);
-            }
+            v[e] = off < copied ? ld_shared_u16(raw + a * kStatsBytes + off)
+                                : __ldg(static_cast<const unsigned short*>(a == 0 ? p.scale : p.min) + k * p.groups + g);
           }
         }
         if (kBits == 8 && a == 0) huge |= (v[0] & 0x7FFFu) >= kHugeScaleBits || (v[1] & 0x7FFFu) >= kHugeScaleBits;
