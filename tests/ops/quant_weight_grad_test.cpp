@@ -1,10 +1,10 @@
 // Tests of weight_grad_from_packed: the CUDA kernel against the spec (fk::reference, fp64
-// accumulation) on random inputs of many shapes, the split-K fix-up's determinism, and the
-// inputs the GPU path rejects. The shapes cover K not a multiple of the 64-deep k-block, COUT and
-// CIN not multiples of the 256x128 tile, CIN not a multiple of the group (a partial last group)
+// accumulation) on random inputs of many shapes, the split-K sums' determinism, and the inputs
+// the GPU path rejects. The shapes cover K not a multiple of the 64-deep k-block, COUT and CIN not
+// multiples of the 256x128 tile, CIN not a multiple of the group (a partial last group)
 // nor of 8, COUT = 1 and COUT % 8 != 0 (dy copied without TMA), K from 0 to 8192, every bit width,
 // bf16 and f32 statistics, f32 and bf16 dW, beta 0 (dW poisoned with NaN first) and 1, tiles
-// stored directly and tiles split over several CTAs.
+// stored directly and tiles split over several CTAs (2 to 78 ways).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -172,9 +172,17 @@ INSTANTIATE_TEST_SUITE_P(
         WgCase{150, 2304, 1900, 2, 32, kBf, kF32, 0},
         // K = 0: dW = beta * dW.
         WgCase{0, 64, 96, 2, 32, kBf, kF32, 0}, WgCase{0, 64, 96, 2, 32, kBf, kBf, 1},
-        // Long K: tiles split over many CTAs, summed by the fix-up kernel (with beta and bf16 dW).
+        // Long K: tiles split S ways (S = min(SMs / tiles, K-blocks / 8)), summed by the fix-up
+        // kernel, with beta and bf16 dW: 8192 x 256 x 512 (S = 16 on an H100), 8000 x 300 x 260 (x̂
+        // through shared memory), 3000 x 768 x 768 and 3000 x 768 x 384 (5 and 5), 2000 x 130 x 200
+        // (a second row tile of 2 rows), 5000 x 300 x 260 (M and N tails, register-sourced x̂).
         WgCase{8192, 256, 512, 2, 256, kBf, kF32, 0}, WgCase{8192, 256, 384, 8, 256, kBf, kBf, 1},
-        WgCase{8000, 300, 260, 4, 64, kF32, kF32, 1}, WgCase{3000, 768, 768, 2, 256, kBf, kBf, 0}),
+        WgCase{8000, 300, 260, 4, 64, kF32, kF32, 1}, WgCase{3000, 768, 768, 2, 256, kBf, kBf, 0},
+        WgCase{3000, 768, 384, 8, 256, kBf, kF32, 1}, WgCase{2000, 130, 200, 2, 32, kBf, kBf, 1},
+        WgCase{5000, 300, 260, 4, 64, kBf, kF32, 1}, WgCase{5000, 300, 260, 8, 64, kBf, kBf, 0},
+        // Longer K over one or two tiles: split 78 or 66 ways (more partials than the fix-up
+        // kernel's 8 loads in flight).
+        WgCase{40000, 256, 128, 2, 256, kBf, kF32, 1}, WgCase{40000, 256, 136, 8, 128, kBf, kBf, 0}),
     [](const ::testing::TestParamInfo<WgCase>& info) {
       std::ostringstream os;
       os << info.param;
@@ -184,17 +192,20 @@ INSTANTIATE_TEST_SUITE_P(
       return s;
     });
 
-// Split-K partials are added in a fixed order: two runs give the same bits.
+// Split-K partials are added in a fixed order: two runs give the same bits (K = 8192, 768 x 768:
+// 18 tiles split 7 ways on an H100; K = 40000, 256 x 128: one tile split 78 ways).
 TEST(WeightGradPackedGpuDeterminism, TwoRunsGiveIdenticalBits) {
   FK_SKIP_WITHOUT_GPU();
-  const PackedPair x = make_packed(8192, 768, 2, 256, DType::bf16, 7);
-  const Tensor dy = test::random_tensor({8192, 768}, DType::bf16, kGpu, 8, -1.f, 1.f);
-  for (DType t : {DType::f32, DType::bf16}) {
-    Tensor a = Tensor::empty({768, 768}, t, kGpu), b = Tensor::empty({768, 768}, t, kGpu);
-    weight_grad_from_packed(dy, x.gpu.view(), a, {.beta = 0.0f, .deterministic = true});
-    weight_grad_from_packed(dy, x.gpu.view(), b, {.beta = 0.0f, .deterministic = true});
-    const Tensor ha = test::to_host(a), hb = test::to_host(b);
-    EXPECT_EQ(std::memcmp(ha.data(), hb.data(), ha.nbytes()), 0) << dtype_name(t);
+  for (const auto [k, cout, cin] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{8192, 768, 768}, {40000, 256, 128}}) {
+    const PackedPair x = make_packed(k, cin, 2, 128, DType::bf16, 7);
+    const Tensor dy = test::random_tensor({k, cout}, DType::bf16, kGpu, 8, -1.f, 1.f);
+    for (DType t : {DType::f32, DType::bf16}) {
+      Tensor a = Tensor::empty({cout, cin}, t, kGpu), b = Tensor::empty({cout, cin}, t, kGpu);
+      weight_grad_from_packed(dy, x.gpu.view(), a, {.beta = 0.0f, .deterministic = true});
+      weight_grad_from_packed(dy, x.gpu.view(), b, {.beta = 0.0f, .deterministic = true});
+      const Tensor ha = test::to_host(a), hb = test::to_host(b);
+      EXPECT_EQ(std::memcmp(ha.data(), hb.data(), ha.nbytes()), 0) << "K " << k << " " << dtype_name(t);
+    }
   }
 }
 
