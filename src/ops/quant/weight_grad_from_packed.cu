@@ -44,11 +44,11 @@
 // ways (at least 8 k-blocks a CTA): CTA t * S + s takes k-blocks [s KB / S, (s + 1) KB / S) of
 // tile t (COUT = CIN = 768: 18 tiles x 7 = 126 CTAs). All CTAs run at once, and those of one
 // k-range read the same dy and packed rows at about the same time, so both come from DRAM about
-// once. Each writes an fp32 partial tile into a workspace (staged through the idle dy ring and
-// written with 16-byte stores, whole sectors at every width); a fix-up kernel, launched as a
-// programmatic dependent launch, adds a tile's S partials in split order (one float4 a thread,
-// all loads in flight), applies beta and rounds to dW's dtype. With S = 1 the CTA stores into dW
-// directly. The sum order depends only on the shape and the SM count: results are bit-identical
+// once. Each writes its fp32 partial tile into a workspace in its accumulators' own order (one
+// 16-byte store per 4 accumulators, 512 contiguous bytes a warp, no staging); a fix-up kernel,
+// launched as a programmatic dependent launch, adds a tile's S partials in split order (one
+// float4 a thread, all loads in flight), puts the sums at their tile coordinates in shared memory,
+// applies beta and writes dW rows. With S = 1 the CTA stores into dW directly. The sum order depends only on the shape and the SM count: results are bit-identical
 // from run to run (deterministic = true and false take the same path).
 //
 // Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench --filter
@@ -579,107 +579,48 @@ __device__ __forceinline__ void dequantize(const Params& p, const Smem& sm, int 
   }
 }
 
-// Split tiles: the 16-byte unit of a 64-float staging row r that holds columns [4u, 4u + 4) is
-// u ^ staging_swizzle(r). In a warp's store of one accumulator, its 4 lane quads write rows
-// r0 + {0, 2, 4, 6} (r0 even) and its 8 lanes of a quad 8 columns in two units: u, u + 1 at 1, 4
-// and 8 bits, u, u + 2 at 2 bits (the interleaved columns {0, 8, 1, 9, 2, 10, 3, 11}). XOR-ing
-// the unit with (r / 2 % 4) * 2, or at 2 bits with r / 2 % 4 spread to bits 0 and 2, puts the
-// 8 units of a store in 8 different bank quads; the row reads that follow (8 lanes, 8 units of
-// one row) stay conflict-free under any XOR.
-template <int kBits>
-__device__ __forceinline__ int staging_swizzle(int r) {
-  const int q = (r >> 1) & 3;
-  return kBits == 2 ? (q & 1) | ((q & 2) << 1) : q << 1;
-}
-// RS's columns (column_of_rs) fall differently: a store's 8 lanes of a row write one word offset
-// (4 bits: 8 consecutive units), two (8 bits: 4 units) or one in units 2 apart (2 bits), so no
-// unit permutation alone spreads 4 rows over 32 banks. There the words of a unit are permuted
-// too: row r's word p sits at p ^ (r / 2 % 4) (the 4 rows of a store, 4 different offsets), and
-// unit u at u ^ (r / 4 % 2) 4 (8 bits: the rows with the same offsets, the other 4 units) or
-// u ^ u / 8 (2 bits: units 8 apart to different banks). The read-out undoes the word permutation
-// in registers.
-template <int kBits, bool kRs>
-__device__ __forceinline__ int staging_unit(int r, int u) {
-  if constexpr (!kRs) return u ^ staging_swizzle<kBits>(r);
-  else if constexpr (kBits == 8) return u ^ ((r >> 2) & 1) << 2;
-  else if constexpr (kBits == 2) return u ^ ((u >> 3) & 1);
-  else return u;
-}
-template <bool kRs>
-__device__ __forceinline__ int staging_word(int r) {
-  return kRs ? (r >> 1) & 3 : 0;
-}
-
-__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
-
-// Stores one consumer thread's accumulators: into dW (tile not split) or the CTA's workspace slot
-// (a [256 COUT, 128 CIN] tile, like dW). A split tile goes through shared memory (the dy ring,
-// idle once every wgmma has retired): each warpgroup writes its 64 columns there as a
-// [256 COUT, 64 CIN] fp32 block (swizzled, conflict-free) with the column permutation undone,
-// then copies it out row by row with 16-byte loads and 16-byte global stores (st.global.v4,
-// written out: the compiler split the C++ uint4 store into four 4-byte ones, 4x the sectors by
-// ncu), so that every global store covers whole 32-byte sectors (scalar stores straight from the
-// accumulators touch 4 rows x 32 bytes a warp instruction, and half sectors at 2 bits).
-// In the SM90 64x256 fp32 accumulator layout, two
-// warpgroups along M = CIN, accumulator i = e0 + 2 e1 + 4 j of consumer thread ct (warp
-// w = ct % 128 / 32, lane l = ct % 32) holds dWᵀ tile element (cin, cout) =
-//   (64 (ct / 128) + 16 w + l / 4 + 8 e1,  2 (l % 4) + 8 j + e0).
+// In the SM90 64x256 fp32 accumulator layout, two warpgroups along M = CIN, accumulator
+// i = e0 + 2 e1 + 4 j of consumer thread ct (warp w = ct % 128 / 32, lane l = ct % 32) holds dWᵀ
+// tile element (cin, cout) =
+//   (64 (ct / 128) + 16 w + l / 4 + 8 e1,  2 (l % 4) + 8 j + e0),
+// dWᵀ row m being tile column column_of(m) (column_of_rs(m) on the RS path). So chunk j of a
+// thread (accumulators 4 j .. 4 j + 3) lies in tile rows (COUT) [8 j, 8 j + 8).
 // (Written out rather than taken from an identity tensor, whose 128 coordinate pairs the compiler
-// would otherwise keep live across both store paths.) dWᵀ row m is tile column column_of(m).
-template <int kBits, bool kRs = false, class Acc>
-__device__ void store_tile(const Acc& acc, int ct, const Params& p, const Smem& sm, const CtaWork& w) {
-  static_assert(decltype(size(acc))::value == 128);
-  const int m = 64 * (ct / 128) + 16 * (ct % 128 / 32) + ct % 32 / 4, co = 2 * (ct % 4);
+// would otherwise keep live across both store paths.)
+struct AccMap {
+  int ci_lo, ci_hi, co;  // the thread's tile columns for e1 = 0 and 1, and its first row
+  __device__ static int cout_of(int i) { return 8 * (i / 4) + i % 2; }  // relative to co
+  __device__ int cin_of(int i) const { return i / 2 % 2 ? ci_hi : ci_lo; }
+};
+template <int kBits, bool kRs>
+__device__ __forceinline__ AccMap acc_map(int ct) {
+  const int m = 64 * (ct / 128) + 16 * (ct % 128 / 32) + ct % 32 / 4;
   auto column = [](int r) { return kRs ? column_of_rs<kBits>(r) : column_of<kBits>(r); };
-  const int ci_lo = column(m), ci_hi = column(m + 8);
-  // Tile coordinates (cout, cin) of accumulator i, cout relative to the thread's co.
-  auto cout_of = [](int i) { return 8 * (i / 4) + i % 2; };
-  auto cin_of = [&](int i) { return i / 2 % 2 ? ci_hi : ci_lo; };
+  return {column(m), column(m + 8), 2 * (ct % 4)};
+}
+
+// Stores one consumer thread's accumulators: into dW (tile not split) or the CTA's slot of the
+// workspace, in the accumulators' own order: chunk j of thread ct at float4 j * 256 + ct, one
+// 16-byte store a chunk (a warp writes 512 contiguous bytes; no staging), the accumulators as the
+// store's asm operands (C++ copies of them let ptxas serialize the k-loop's wgmmas: C7514). The
+// fix-up kernel maps the chunks to dW.
+template <int kBits, bool kRs = false, class Acc>
+__device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWork& w) {
+  static_assert(decltype(size(acc))::value == 128);
   if (p.splits > 1) {
-    constexpr int kHalfCols = kBlockN / 2;  // a warpgroup's 64 columns
-    const int wg = ct / 128, t = ct % 128;
-    static_assert(kBlockM * kHalfCols * 4 * 2 <= kStages * kStageBytesA);
-    const std::uint32_t stage = sm.a + wg * (kBlockM * kHalfCols * 4);
-    // Every wgmma of both warpgroups has retired (each waited for its own): the dy ring is free.
-    asm volatile("bar.sync 3, %0;" ::"n"(kConsumerThreads) : "memory");
-    {
-      // Row co + cout_of(i) has the swizzle of co (co is even and cout_of(i) is 8 k or 8 k + 1:
-      // r / 2 % 4 and r / 4 % 2 are co's); columns local to the half.
-      const int lo = ci_lo - wg * kHalfCols, hi = ci_hi - wg * kHalfCols;
-      const std::uint32_t base = stage + co * (kHalfCols * 4);
-      auto at = [&](int c) {
-        return base + (staging_unit<kBits, kRs>(co, c >> 2) << 4) + (((c & 3) ^ staging_word<kRs>(co)) << 2);
-      };
-      const std::uint32_t at_lo = at(lo), at_hi = at(hi);
-      CUTE_UNROLL
-      for (int i = 0; i < 128; ++i)
-        asm volatile("st.shared.f32 [%0], %1;" ::"r"((i / 2 % 2 ? at_hi : at_lo) + cout_of(i) * (kHalfCols * 4)),
-                     "f"(acc(i))
-                     : "memory");
-    }
-    consumer_barrier(wg);
-    // Thread t copies unit t % 16 of rows t / 16 + 8 j: a warp writes two whole 256-byte rows.
-    // r0 + 8 j has r0's swizzle.
-    const int u = t % 16, r0 = t / 16, unit = staging_unit<kBits, kRs>(r0, u), word = staging_word<kRs>(r0);
-    float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + wg * kHalfCols + u * 4;
+    float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + ct * 4;
     CUTE_UNROLL
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const int r = r0 + 8 * j;
-      uint4 v = ld_shared_v4(stage + r * (kHalfCols * 4) + (unit << 4));
-      if (kRs) {  // column 4 u + e is word e ^ word
-        if (word & 1) v = make_uint4(v.y, v.x, v.w, v.z);
-        if (word & 2) v = make_uint4(v.z, v.w, v.x, v.y);
-      }
-      st_global_v4(ws + r * kBlockN, v);
-    }
+    for (int j = 0; j < 32; ++j)
+      asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ws + j * kConsumerThreads * 4), "f"(acc(4 * j)),
+                   "f"(acc(4 * j + 1)), "f"(acc(4 * j + 2)), "f"(acc(4 * j + 3))
+                   : "memory");
     return;
   }
-  const int co0 = w.mb * kBlockM + co, ci0 = w.nb * kBlockN;
+  const AccMap am = acc_map<kBits, kRs>(ct);
+  const int co0 = w.mb * kBlockM + am.co, ci0 = w.nb * kBlockN;
   CUTE_UNROLL
   for (int i = 0; i < 128; ++i) {
-    const int o = co0 + cout_of(i), c = ci0 + cin_of(i);
+    const int o = co0 + AccMap::cout_of(i), c = ci0 + am.cin_of(i);
     if (o < p.cout && c < p.cin) {
       const std::int64_t at = static_cast<std::int64_t>(o) * p.cin + c;
       if (p.dw_bf16) {
@@ -903,7 +844,7 @@ __device__ void consume_rs(const Params& p, const Smem& sm, const std::uint8_t* 
   warpgroup_fence_operand(acc);
   fence_regs(a0);
   fence_regs(a1);
-  store_tile<kBits, true>(acc, ct, p, sm, w);
+  store_tile<kBits, true>(acc, ct, p, w);
 }
 
 // The two consumer warpgroups. Per k-block, warpgroup wg dequantizes its 64 x̂ columns of the
@@ -960,7 +901,7 @@ __device__ void consume(const Params& p, const Smem& sm, const std::uint8_t* sme
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  store_tile<kBits>(acc, ct, p, sm, w);
+  store_tile<kBits>(acc, ct, p, w);
 }
 
 #endif  // FK_WGRAD_SM90
@@ -1008,37 +949,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// dW for every split tile: the sum of its S partials in split order, plus beta * dW. Thread v of
-// grid row y takes 4 consecutive elements (one float4 of each partial) of tile blockIdx.x, with
-// all its loads in flight at once: the partials are read from L2 at its bandwidth, not latency.
-constexpr int kFixupThreads = 256;
-constexpr int kFixupRows = kTileElems / 4 / kFixupThreads;  // grid.y (32)
-__global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const Params p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
-#endif
-  const int tile = blockIdx.x;
-  const int m0 = tile / p.tiles_n * kBlockM, n0 = tile % p.tiles_n * kBlockN;
-  const int v = blockIdx.y * kFixupThreads + threadIdx.x;
-  const int m = v / (kBlockN / 4), n = v % (kBlockN / 4) * 4;
-  if (m0 + m >= p.cout || n0 + n >= p.cin) return;
-  const float4* part = reinterpret_cast<const float4*>(p.workspace + static_cast<std::int64_t>(tile) * p.splits * kTileElems +
-                                                       m * kBlockN + n);
-  constexpr int kStride = kTileElems / 4;
-  // Up to 8 partials' loads in flight at once (S = 7 for the benchmark's shapes: one round), then
-  // summed in split order.
-  float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int c = 0; c < p.splits; c += 8) {
-    float4 q[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) q[j] = c + j < p.splits ? part[(c + j) * kStride] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (c + j < p.splits) s.x += q[j].x, s.y += q[j].y, s.z += q[j].z, s.w += q[j].w;
-  }
+// dW for every split tile: the sum of its S partials in split order, plus beta * dW. CTA
+// (tile, j) takes chunk j of the tile's partials (store_tile's order: tile rows [8 j, 8 j + 8)):
+// thread ct adds up its float4 of the S partials (up to 8 loads in flight; a warp reads 512
+// contiguous bytes of each), puts the four sums at their tile coordinates in shared memory, and
+// the 256 threads then write the 8 rows into dW, 4 consecutive columns each.
+constexpr int kFixupThreads = kConsumerThreads;  // one per consumer thread of the main kernel
+#if FK_WGRAD_SM90
+// dW (m, n .. n + 3) = the sums s (+ beta dW), those inside [COUT, CIN]: one 8- or 16-byte store
+// when all four are inside, beta = 0 and the address is aligned.
+__device__ __forceinline__ void store_dw4(const Params& p, int m, int n, float4 s) {
+  if (m >= p.cout || n >= p.cin) return;
   const float sum[4] = {s.x, s.y, s.z, s.w};
-  const std::int64_t at = static_cast<std::int64_t>(m0 + m) * p.cin + n0 + n;
-  if (n0 + n + 4 <= p.cin && !p.accumulate) {  // four whole elements: one 8- or 16-byte store when aligned
+  const std::int64_t at = static_cast<std::int64_t>(m) * p.cin + n;
+  if (n + 4 <= p.cin && !p.accumulate) {
     if (p.dw_bf16 && reinterpret_cast<std::uintptr_t>(static_cast<__nv_bfloat16*>(p.dw) + at) % 8 == 0) {
       const __nv_bfloat162 a = __floats2bfloat162_rn(sum[0], sum[1]), b = __floats2bfloat162_rn(sum[2], sum[3]);
       *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.dw) + at) =
@@ -1050,8 +974,7 @@ __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const 
       return;
     }
   }
-  for (int e = 0; e < 4; ++e) {
-    if (n0 + n + e >= p.cin) break;
+  for (int e = 0; e < 4 && n + e < p.cin; ++e) {
     if (p.dw_bf16) {
       auto* dw = static_cast<__nv_bfloat16*>(p.dw) + at + e;
       *dw = __float2bfloat16_rn((p.accumulate ? __bfloat162float(*dw) : 0.0f) + sum[e]);
@@ -1060,6 +983,39 @@ __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const 
       *dw = (p.accumulate ? *dw : 0.0f) + sum[e];
     }
   }
+}
+#endif
+template <int kBits, bool kRs>
+__global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const Params p) {
+#if FK_WGRAD_SM90
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
+  constexpr int kRowPitch = kBlockN + 4;  // floats: rows stay 16-byte aligned
+  __shared__ __align__(16) float rows[8 * kRowPitch];
+  const int tile = blockIdx.x, j = blockIdx.y, ct = static_cast<int>(threadIdx.x);
+  const float4* part = reinterpret_cast<const float4*>(p.workspace) +
+                       static_cast<std::int64_t>(tile) * p.splits * (kTileElems / 4) + j * kFixupThreads + ct;
+  constexpr int kStride = kTileElems / 4;
+  float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int c = 0; c < p.splits; c += 8) {
+    float4 q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = c + i < p.splits ? __ldcg(part + static_cast<std::int64_t>(c + i) * kStride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (c + i < p.splits) s.x += q[i].x, s.y += q[i].y, s.z += q[i].z, s.w += q[i].w;
+  }
+  const AccMap am = acc_map<kBits, kRs>(ct);  // accumulator 4 j + e: row co + e % 2, column e / 2 ? hi : lo
+  rows[am.co * kRowPitch + am.ci_lo] = s.x;
+  rows[(am.co + 1) * kRowPitch + am.ci_lo] = s.y;
+  rows[am.co * kRowPitch + am.ci_hi] = s.z;
+  rows[(am.co + 1) * kRowPitch + am.ci_hi] = s.w;
+  __syncthreads();
+  const int r = ct / 32, c4 = 4 * (ct % 32);
+  store_dw4(p, tile / p.tiles_n * kBlockM + 8 * j + r, tile % p.tiles_n * kBlockN + c4,
+            *reinterpret_cast<const float4*>(rows + r * kRowPitch + c4));
+#else
+  __trap();  // the launcher never starts this kernel off sm_90
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1083,20 +1039,12 @@ CUtensorMap tensor_map_2d(const char* what, const void* base, CUtensorMapDataTyp
   return map;
 }
 
-template <int kBits, bool kRs = false>
-void launch_main(const Params& p, unsigned ctas, const CUtensorMap& map_dy, const CUtensorMap& map_x, cudaStream_t s) {
-  auto kernel = weight_grad_packed_kernel<kBits, kRs>;
-  constexpr int smem = kSmemBytes<kBits, kRs>;
-  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<ctas, kThreads, smem, s>>>(p, map_dy, map_x);
-  FK_CUDA_CHECK_LAUNCH("weight_grad_packed_kernel");
-}
-
 // The fix-up as a programmatic dependent launch: it is scheduled while the main kernel runs and
 // waits for it on the GPU (griddepcontrol.wait), so no launch gap separates the two.
+template <int kBits, bool kRs>
 void launch_fixup(const Params& p, unsigned tiles, cudaStream_t s) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(tiles, kFixupRows);
+  cfg.gridDim = dim3(tiles, kBlockM / 8);  // (tile, chunk)
   cfg.blockDim = dim3(kFixupThreads);
   cfg.stream = s;
   cudaLaunchAttribute attr{};
@@ -1104,8 +1052,19 @@ void launch_fixup(const Params& p, unsigned tiles, cudaStream_t s) {
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  FK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, weight_grad_fixup_kernel, p));
+  FK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, weight_grad_fixup_kernel<kBits, kRs>, p));
 }
+
+template <int kBits, bool kRs = false>
+void launch_main(const Params& p, unsigned ctas, const CUtensorMap& map_dy, const CUtensorMap& map_x, cudaStream_t s) {
+  auto kernel = weight_grad_packed_kernel<kBits, kRs>;
+  constexpr int smem = kSmemBytes<kBits, kRs>;
+  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<ctas, kThreads, smem, s>>>(p, map_dy, map_x);
+  FK_CUDA_CHECK_LAUNCH("weight_grad_packed_kernel");
+  if (p.splits > 1) launch_fixup<kBits, kRs>(p, ctas / static_cast<unsigned>(p.splits), s);
+}
+
 
 bool aligned(const void* ptr, std::uintptr_t a) { return reinterpret_cast<std::uintptr_t>(ptr) % a == 0; }
 
@@ -1201,7 +1160,6 @@ void weight_grad_from_packed(const TensorView& dy, const PackedView& x, const Te
     case 8: rs ? launch_main<8, true>(p, grid, map_dy, map_x, s) : launch_main<8>(p, grid, map_dy, map_x, s); break;
     default: throw_internal("weight_grad_from_packed: bits not checked by the caller");
   }
-  if (splits > 1) launch_fixup(p, static_cast<unsigned>(tiles), s);
 }
 
 }  // namespace fk::cuda
