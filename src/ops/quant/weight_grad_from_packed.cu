@@ -48,8 +48,9 @@
 // 16-byte store per 4 accumulators, 512 contiguous bytes a warp, no staging); a fix-up kernel,
 // launched as a programmatic dependent launch, adds a tile's S partials in split order (one
 // float4 a thread, all loads in flight), puts the sums at their tile coordinates in shared memory,
-// applies beta and writes dW rows. With S = 1 the CTA stores into dW directly. The sum order depends only on the shape and the SM count: results are bit-identical
-// from run to run (deterministic = true and false take the same path).
+// applies beta and writes dW rows. With S = 1 the CTA stores into dW directly. The sum order
+// depends only on the shape and the SM count: results are bit-identical from run to run
+// (deterministic = true and false take the same path).
 //
 // Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench --filter
 // quant; bench/results/h100/quant.json, 93192f3), RS: K = 100864 takes 168.3 / 170.6 / 185.5 us
