@@ -47,7 +47,8 @@ namespace {
 // The epilogue. Arguments: the prepared bias (or null), the output (out [M, N] forward, dC
 // [M, 2N] backward), dy [M, N] (backward only, else null), the kind, and (backward only, or null)
 // db_partial [ceil(M / 16), 2N] fp32: row s gets the sums of dC's rows 16 s .. 16 s + 15.
-template <class Element>
+// kBwdBranchPerStep: where the backward picks its vector or scalar path (see apply).
+template <class Element, bool kBwdBranchPerStep>
 class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
  public:
   using Base = sm90::NoSmemEpilogueBase<Element>;
@@ -303,10 +304,18 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
     // Forward: one branch here, so that each path is one contiguous run of code and the
     // instruction fetch streams only what executes (a cold start after another kernel: 30.3 us
     // against 37.8 us with the branch in every step, M = 1024, N = 2048, K = 2048 bf16). The
-    // backward keeps the branch in every step: hoisted, its recompute GEMM measured 3-4% slower
-    // at M = 4096, N = 8192, K = 8192.
+    // backward does the same in the cooperative configuration (one or two waves of tiles, so the
+    // code runs cold; M = 1024, N = 2048, K = 2048 bf16: the whole backward 113.2-114.0 us with
+    // the branch in every step, 107.4-107.9 hoisted). The ping-pong configuration (many tiles a
+    // CTA, the code stays in the instruction cache) keeps the branch in every step: hoisted, its
+    // recompute GEMM measured 3-4% slower at M = 4096, N = 8192, K = 8192.
     if constexpr (Backward) {
-      steps<K, true, false, true>(acc, t_coords, bias, m_total, n2_total);
+      if constexpr (kBwdBranchPerStep) {
+        steps<K, true, false, true>(acc, t_coords, bias, m_total, n2_total);
+      } else {
+        if (params_.vector_ok) steps<K, true, true>(acc, t_coords, bias, m_total, n2_total);
+        else steps<K, true, false>(acc, t_coords, bias, m_total, n2_total);
+      }
     } else {
       if (params_.vector_ok) steps<K, false, true>(acc, t_coords, bias, m_total, n2_total);
       else steps<K, false, false>(acc, t_coords, bias, m_total, n2_total);
@@ -385,7 +394,7 @@ struct GluGemmConfig<Element, Cfg<TM, TN, CM, CN, PP>> {
   static constexpr int kBlockK = sizeof(Element) == 2 ? 64 : 32;
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<kBlockK>>;
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GluEpilogue<Element>>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GluEpilogue<Element, PP>>;
   static constexpr int kAlignment = 16 / sizeof(Element);
   using KernelSchedule = cute::conditional_t<!PP, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                              cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
