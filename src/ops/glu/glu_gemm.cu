@@ -171,6 +171,7 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
   // stored with one 8- or 16-byte access (a full 32-byte sector per quad) instead of four 2-byte
   // ones. One step handles one group and row half: 8 accumulators, 4 outputs.
   static constexpr int kVals = 128;     // accumulators a thread holds (128 x 256 tile, 2 warpgroups)
+  static constexpr int kItersFwd = 2, kItersBwd = 4;  // cooperative configuration: see apply
   static constexpr int kChunks = kVals / 4;
   using Pair = cutlass::Array<Element, 2>;
 
@@ -295,30 +296,33 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
         bias[c][1] = Element(0);
       }
     }
-    // Fully unrolled: the accumulators are registers, so every index must be a constant. (A loop
-    // over the steps with a jump table picking each step's registers keeps the code small, but
-    // measured 16 us slower: the accumulators left the registers.) The price is straight-line code
-    // executed once per tile, so from a cold instruction cache when another kernel ran before:
-    // 29.3 us after itself, 38 us after a cuBLAS GEMM, 25.9 us without the epilogue (M = 1024,
-    // N = 2048, K = 2048, bf16, H100).
-    // Forward: one branch here, so that each path is one contiguous run of code and the
-    // instruction fetch streams only what executes (a cold start after another kernel: 30.3 us
-    // against 37.8 us with the branch in every step, M = 1024, N = 2048, K = 2048 bf16). The
-    // backward does the same in the cooperative configuration (one or two waves of tiles, so the
-    // code runs cold; M = 1024, N = 2048, K = 2048 bf16: the whole backward 113.2-114.0 us with
-    // the branch in every step, 107.4-107.9 hoisted). The ping-pong configuration (many tiles a
-    // CTA, the code stays in the instruction cache) keeps the branch in every step: hoisted, its
-    // recompute GEMM measured 3-4% slower at M = 4096, N = 8192, K = 8192.
+    // The accumulators are registers, so every index must be a constant: the code is unrolled
+    // over them. (A loop over the steps with a jump table picking each step's registers measured
+    // 16 us slower: the accumulators left the registers.) Straight-line code runs once per tile,
+    // from a cold instruction cache when another kernel ran before, and instruction fetch is then
+    // what the epilogue waits on (ncu, the small backward: "no instruction" was half of the
+    // epilogue's stall samples). So:
+    // - each path is one contiguous run of code: the vector / scalar branch is taken once here,
+    //   not in every step (forward, cold: 30.3 against 37.8 us at M = 1024, N = 2048, K = 2048
+    //   bf16; the whole backward 107.4-107.9 against 113.2-114.0 us);
+    // - in the cooperative configuration (one or two waves of tiles, the code always cold) the
+    //   groups run as a rolled loop of kItersFwd / kItersBwd iterations (see steps): the forward
+    //   28.7-28.9 us with 2 against 30.7-30.8 unrolled, 2 more iterations slower again (29.0-29.2);
+    //   the backward 96.2-97.4 with 4 (102-103 with 2, 96.5-98.0 with 8).
+    // The ping-pong configuration (many tiles a CTA, the code stays in the instruction cache) keeps
+    // the unrolled code and the branch in every step in the backward: hoisted, its recompute GEMM
+    // measured 3-4% slower at M = 4096, N = 8192, K = 8192.
     if constexpr (Backward) {
       if constexpr (kBwdBranchPerStep) {
         steps<K, true, false, true>(acc, t_coords, bias, m_total, n2_total);
       } else {
-        if (params_.vector_ok) steps<K, true, true>(acc, t_coords, bias, m_total, n2_total);
-        else steps<K, true, false>(acc, t_coords, bias, m_total, n2_total);
+        if (params_.vector_ok) steps<K, true, true, false, kItersBwd>(acc, t_coords, bias, m_total, n2_total);
+        else steps<K, true, false, false, kItersBwd>(acc, t_coords, bias, m_total, n2_total);
       }
     } else {
-      if (params_.vector_ok) steps<K, false, true>(acc, t_coords, bias, m_total, n2_total);
-      else steps<K, false, false>(acc, t_coords, bias, m_total, n2_total);
+      constexpr int kIt = kBwdBranchPerStep ? 1 : kItersFwd;
+      if (params_.vector_ok) steps<K, false, true, false, kIt>(acc, t_coords, bias, m_total, n2_total);
+      else steps<K, false, false, false, kIt>(acc, t_coords, bias, m_total, n2_total);
     }
   }
 
@@ -340,33 +344,58 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
   }
 
   // PerStep: choose the vector or scalar path in every step (at run time) instead of once.
-  template <GluKind K, bool Backward, bool Vector, bool PerStep = false, class Acc, class Coords>
-  CUTLASS_DEVICE void steps(Acc const& acc, Coords const& t_coords, Pair const (&bias)[kChunks], int m_total,
+  // kIters > 1: the 8 groups run as a rolled loop of kIters iterations of 8 / kIters groups each,
+  // the accumulators (and bias pairs) shifted down by one iteration's worth at its end, so the code
+  // is 1 / kIters as long (fetched cold once, then run warm) for 16 (8 / kIters) (kIters - 1)
+  // register moves a thread.
+  template <GluKind K, bool Backward, bool Vector, bool PerStep = false, int kIters = 1, class Acc, class Coords>
+  CUTLASS_DEVICE void steps(Acc const& acc, Coords const& t_coords, Pair const (&bias_in)[kChunks], int m_total,
                             int n2_total) {
+    constexpr int kGroups = kChunks / 4, kPer = kGroups / kIters;
+    static_assert(kGroups % kIters == 0, "glu epilogue: iterations must divide the groups");
+    float a[kVals];
+    Pair bias[kChunks];
     CUTLASS_PRAGMA_UNROLL
-    for (int g = 0; g < kChunks / 4; ++g) {
-      float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // backward: this group's (dL, dR) sums
+    for (int i = 0; i < kVals; ++i) a[i] = acc(i);
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kChunks; ++c) bias[c] = bias_in[c];
+    // Iteration it sees group gg + it kPer at accumulators 16 gg ..: 32 kPer it columns right of
+    // where group gg sits. That holds for one 64-row block a warpgroup (the cooperative 128 x 256
+    // tile, the only one that iterates); the ping-pong tile's second 64-row block does not.
+    static_assert(kIters == 1 || !kBwdBranchPerStep, "glu epilogue: iterations need the cooperative tile");
+#pragma unroll 1
+    for (int it = 0; it < kIters; ++it) {
       CUTLASS_PRAGMA_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int i0 = 16 * g + 2 * h;  // chunk 4g, row half h
-        Step s;
+      for (int gg = 0; gg < kPer; ++gg) {
+        const int n = cute::get<1>(t_coords(16 * gg)) + 32 * kPer * it;
+        float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // backward: this group's (dL, dR) sums
         CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < 4; ++c) {
-          s.l[c] = acc(i0 + 4 * c) + static_cast<float>(bias[4 * g + c][0]);
-          s.r[c] = acc(i0 + 4 * c + 1) + static_cast<float>(bias[4 * g + c][1]);
+        for (int h = 0; h < 2; ++h) {
+          const int i0 = 16 * gg + 2 * h;  // chunk 4 gg, row half h
+          Step s;
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < 4; ++c) {
+            s.l[c] = a[i0 + 4 * c] + static_cast<float>(bias[4 * gg + c][0]);
+            s.r[c] = a[i0 + 4 * c + 1] + static_cast<float>(bias[4 * gg + c][1]);
+          }
+          s.m = cute::get<0>(t_coords(i0));
+          s.n = n;
+          if constexpr (PerStep) {
+            if (params_.vector_ok) step<K, Backward, true>(s, m_total, n2_total, sum);
+            else step<K, Backward, false>(s, m_total, n2_total, sum);
+          } else {
+            step<K, Backward, Vector>(s, m_total, n2_total, sum);
+          }
         }
-        s.m = cute::get<0>(t_coords(i0));
-        s.n = cute::get<1>(t_coords(i0));
-        if constexpr (PerStep) {
-          if (params_.vector_ok) step<K, Backward, true>(s, m_total, n2_total, sum);
-          else step<K, Backward, false>(s, m_total, n2_total, sum);
-        } else {
-          step<K, Backward, Vector>(s, m_total, n2_total, sum);
+        if constexpr (Backward) {
+          if (params_.db_partial != nullptr) store_partial(sum, cute::get<0>(t_coords(16 * gg)), n, m_total, n2_total);
         }
       }
-      if constexpr (Backward) {
-        if (params_.db_partial != nullptr)
-          store_partial(sum, cute::get<0>(t_coords(16 * g)), cute::get<1>(t_coords(16 * g)), m_total, n2_total);
+      if constexpr (kIters > 1) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i + 16 * kPer < kVals; ++i) a[i] = a[i + 16 * kPer];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c + 4 * kPer < kChunks; ++c) bias[c] = bias[c + 4 * kPer];
       }
     }
   }
