@@ -307,8 +307,8 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
     //   bf16; the whole backward 107.4-107.9 against 113.2-114.0 us);
     // - in the cooperative configuration (one or two waves of tiles, the code always cold) the
     //   groups run as a rolled loop of kItersFwd / kItersBwd iterations (see steps): the forward
-    //   28.7-28.9 us with 2 against 30.7-30.8 unrolled, 2 more iterations slower again (29.0-29.2);
-    //   the backward 96.2-97.4 with 4 (102-103 with 2, 96.5-98.0 with 8).
+    //   28.7-28.9 us with 2 against 30.7-30.8 unrolled (29.0-29.2 with 4 or 8); the backward
+    //   96.2-97.4 with 4 (102-103 with 2, 96.5-98.0 with 8).
     // The ping-pong configuration (many tiles a CTA, the code stays in the instruction cache) keeps
     // the unrolled code and the branch in every step in the backward: hoisted, its recompute GEMM
     // measured 3-4% slower at M = 4096, N = 8192, K = 8192.
