@@ -246,8 +246,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The bench's shapes (bench/qgemm.cu: group 128) at M 1 and 16 (the small-M kernel) and 17 and
 // 65 (the wgmma kernel takes the plans of M 64 and 128 there: x tiles of 64 and 128 rows), so that
-// the exact split-K plans the bench takes (clusters of up to 8 CTAs, N = 11008 not a multiple of
-// the 128- or 256-row blocks) are checked against the spec, and then run many times, on two streams at once (clusters of two
+// the exact split-K plans the bench takes (clusters of up to 8 CTAs; N = 11008 in row blocks of
+// 192, the last one past the padded rows) are checked against the spec, and then run many times, on two streams at once (clusters of two
 // grids side by side, different timing from run to run): every result must be the first one's bytes.
 TEST(QgemmGpu, BenchShapesRepeatedOnTwoStreams) {
   FK_SKIP_WITHOUT_GPU();

@@ -8,23 +8,24 @@
 // slot of the layout holds. So a thread turns one 16-byte shared-memory load per 16 rows and
 // k-tile into its A fragments for four k16 steps, and x's rows become wgmma's N (64 or 128).
 //
-// A CTA is three warpgroups:
+// A CTA is three or four warpgroups:
 //   - producer: per k-tile of 64, into a ring of stages counted on one mbarrier each: the CTA's
 //     words (BN / 16 tiles of 512 bytes, one contiguous run) by per-thread cp.async from all 128
 //     threads, each thread's completion an arrival on the stage's barrier; from thread 0, x
 //     [BMX rows, 64] by TMA with the 128-byte swizzle wgmma reads (zero-filled past M and K) and
 //     the scales and zero words of the CTA's rows (bulk copies; one entry a k-tile when the group
 //     is a multiple of 64, else one per 32-wide half);
-//   - two consumers, RW = 64 MW rows of N each (MW m64 blocks): per k-tile each thread loads its
-//     words, dequantizes them to s (q - z) in f16/bf16 (exact q - z, one rounding by the scale:
-//     bit-identical to dequantize_weights) and issues MW x 4 wgmmas 64 x BMX x 16 into fp32
+//   - two consumers with RW = 64 MW rows of N each (MW m64 blocks), or three with 64 rows each
+//     (so that N = 11008 makes 58 row blocks of 192 rather than 43 of 256): per k-tile each thread
+//     loads its words, dequantizes them to s (q - z) in f16/bf16 (exact q - z, one rounding by the
+//     scale: bit-identical to dequantize_weights) and issues MW x 4 wgmmas 64 x BMX x 16 into fp32
 //     accumulators. The A registers are double-buffered: the k-tile after the one on the tensor
 //     cores is dequantized while it runs; a stage goes back to the producer once its wgmmas have
 //     retired.
 // The tile of yᵀ is staged in shared memory and stored as rows of y (coalesced). Split-K (grid z)
 // fills the GPU when N / BN blocks are too few: the `splits` CTAs of one output tile are one
 // thread-block cluster and reduce through distributed shared memory in rank order (deterministic,
-// no workspace, no second kernel). The host picks MW and the splits (plan()).
+// no workspace, no second kernel). The host picks the consumers, MW and the splits (plan()).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -66,21 +67,26 @@ using namespace cute;
 using cute::Tensor;  // fk declares Tensor too
 
 constexpr int kBK = 64;  // K per stage
-constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
-// 384 threads start with 168 registers; the producer needs few, the consumers hold MW x BMX / 2
-// accumulators and two buffers of A fragments: 128 x 40 + 256 x 232 <= 65536.
-[[maybe_unused]] constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+constexpr int kProducerThreads = 128;
+constexpr int kProducerRegs = 40;
 constexpr int kMaxSplits = 8;  // splits of K: one cluster, at most the portable cluster size
 
 template <class T> struct CuteType;
 template <> struct CuteType<__half> { using type = cute::half_t; };
 template <> struct CuteType<__nv_bfloat16> { using type = cute::bfloat16_t; };
 
-template <class T, int MW_, int BMX_>
+template <class T, int MW_, int BMX_, int NC_ = 2>
 struct Cfg {
-  static constexpr int MW = MW_, BMX = BMX_;
+  static constexpr int MW = MW_, BMX = BMX_, NC = NC_;  // NC consumer warpgroups
   static constexpr int RW = 64 * MW;  // rows of N a consumer warpgroup owns
-  static constexpr int BN = 2 * RW;   // rows of N a CTA owns
+  static constexpr int BN = NC * RW;  // rows of N a CTA owns
+  static constexpr int kConsumerThreads = 128 * NC, kThreads = kProducerThreads + kConsumerThreads;
+  // The CTA starts with 65536 / kThreads registers a thread; the producer needs few, the consumers
+  // hold MW x BMX / 2 accumulators and two buffers of A fragments: 128 x 40 + 256 x 232 or
+  // 128 x 40 + 384 x 152 <= 65536.
+  static constexpr int kConsumerRegs = NC == 2 ? 232 : 152;
+  static_assert(NC == 2 || (NC == 3 && MW == 1), "three consumer warpgroups hold one m64 block each");
+  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536);
   using CT = typename CuteType<T>::type;
   static constexpr int kX = BMX * kBK * 2;  // bytes of one stage's x tile (a multiple of 1024)
   static constexpr int kW = BN * 32;        // words: BN / 16 tiles of 512 bytes
@@ -92,7 +98,8 @@ struct Cfg {
   static constexpr int kOffBars = kOffZ + kStages * 2 * kZ;
   static constexpr int kSmemBytes = kOffBars + 16 * kStages + 1024;  // + slack for the 1024-byte alignment
   static_assert(kSmemBytes <= 227 * 1024);
-  static_assert(kQgemmRowPad % BN == 0, "a CTA's rows never pass the padded rows");
+  // A CTA's rows may pass the padded rows (BN = 192): the last one loads only those below n_pad.
+  static_assert(BN % 64 == 0 && kQgemmRowPad % 64 == 0);
   using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<CT>{},
                                              Shape<Int<BMX>, Int<kBK>, Int<kStages>>{}));  // (BMX, 64, PIPE)
   // One consumer warpgroup: 64 rows of N x BMX rows of x per wgmma.
@@ -134,25 +141,31 @@ __device__ void produce(const Params& p, const CUtensorMap* tx, std::uint32_t sm
   static_assert(C::kW % (16 * kProducerThreads) == 0);
   const char* wsrc = p.words + (static_cast<std::int64_t>(kt0) * tiles_n + n0 / 16) * 512 + 16 * pt;
   const std::int64_t wstep = static_cast<std::int64_t>(tiles_n) * 512;
+  // Rows of the CTA below n_pad (a multiple of 64): the words, scales and zero words beyond are
+  // not loaded (their consumers compute rows of y that are never stored).
+  const int rows = min(C::BN, p.n_pad - n0);
+  const std::uint32_t s_bytes = 2 * rows, z_bytes = rows / 2;
   int s = 0, parity = 1;
   for (int i = 0; i < nk; ++i) {
     const int kt = kt0 + i;
     mbar_wait(bars.empty(s, C::kStages), parity);
     const std::uint32_t wdst = smem + C::kOffW + s * C::kW + 16 * pt;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) cp_async_16(wdst + c * 16 * kProducerThreads, wsrc + c * 16 * kProducerThreads, 16);
+    for (int c = 0; c < kChunks; ++c)
+      if (kQgemmRowPad % C::BN == 0 || (c * 16 * kProducerThreads + 16 * pt) / 32 < rows)  // 32 bytes a row
+        cp_async_16(wdst + c * 16 * kProducerThreads, wsrc + c * 16 * kProducerThreads, 16);
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bars.full(s)) : "memory");
     wsrc += wstep;
     if (pt == 0) {
-      mbar_arrive_expect_tx(bars.full(s), C::kX + (G64 ? 1 : 2) * (C::kS + C::kZ));
+      mbar_arrive_expect_tx(bars.full(s), C::kX + (G64 ? 1 : 2) * (s_bytes + z_bytes));
       tma_load_2d(tx, bars.full(s), smem + s * C::kX, kt * kBK, m0);
 #pragma unroll
       for (int b = 0; b < (G64 ? 1 : 2); ++b) {  // groups of 64+: one entry for the k-tile
         const int grp = min((kt * kBK + 32 * b) / p.group, p.groups - 1);
         bulk_copy(smem + C::kOffS + (2 * s + b) * C::kS, p.scale + static_cast<std::int64_t>(grp) * p.n_pad + n0,
-                  C::kS, bars.full(s));
+                  s_bytes, bars.full(s));
         bulk_copy(smem + C::kOffZ + (2 * s + b) * C::kZ,
-                  p.zero + static_cast<std::int64_t>(grp) * (p.n_pad / 8) + n0 / 8, C::kZ, bars.full(s));
+                  p.zero + static_cast<std::int64_t>(grp) * (p.n_pad / 8) + n0 / 8, z_bytes, bars.full(s));
       }
     }
     if (++s == C::kStages) {
@@ -165,7 +178,8 @@ __device__ void produce(const Params& p, const CUtensorMap* tx, std::uint32_t sm
 template <class T, class C, bool G64>
 __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, int n0, int m0, int nk, int splits) {
   using CT = typename C::CT;
-  const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
+  constexpr int kConsumerThreads = C::kConsumerThreads;
+  const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..kConsumerThreads - 1
   const int wg = ct / 128, w = (ct % 128) / 32, lane = ct % 32, g = lane / 4;
   typename C::Mma mma;
   auto thr = mma.get_thread_slice(ct % 128);
@@ -371,7 +385,7 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
 #endif  // FK_QGEMM_SM90
 
 template <class T, class C, bool G64>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(C::kThreads, 1)
     qgemm_wgmma_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tx) {
 #if FK_QGEMM_SM90
   extern __shared__ std::uint8_t smem_raw[];
@@ -381,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
       mbar_init(bars.full(s), 1 + kProducerThreads);  // thread 0's expect_tx + every producer thread's cp.async
-      mbar_init(bars.empty(s, C::kStages), kConsumerThreads);
+      mbar_init(bars.empty(s, C::kStages), C::kConsumerThreads);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -393,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     produce<C, G64>(p, &tx, base, bars, n0, m0, kt0, nk);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(C::kConsumerRegs));
     consume<T, C, G64>(p, smem, bars, n0, m0, nk, static_cast<int>(gridDim.z));
   }
 #else
@@ -426,7 +440,7 @@ int env_int(const char* name) {
 
 // A plan: the configuration and the splits of K (one cluster of `splits` CTAs per output tile).
 struct Plan {
-  int mw = 2, splits = 1;
+  int nc = 2, mw = 2, splits = 1;
 };
 
 // Clusters of `splits` CTAs of qgemm_wgmma_kernel<T, C> the device runs at once (a cluster lives
@@ -442,7 +456,7 @@ int resident_clusters(int device, int splits) {
     FK_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(1, 1, static_cast<unsigned>(splits));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(C::kThreads);
   cfg.dynamicSmemBytes = C::kSmemBytes;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeClusterDimension;
@@ -478,7 +492,7 @@ void launch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y,
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>((p.n + C::BN - 1) / C::BN), static_cast<unsigned>((p.m + C::BMX - 1) / C::BMX),
                      static_cast<unsigned>(splits));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(C::kThreads);
   cfg.dynamicSmemBytes = C::kSmemBytes;
   cfg.stream = fk::detail::cuda_stream(stream);
   cudaLaunchAttribute attr{};
@@ -489,40 +503,45 @@ void launch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y,
   FK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tx));
 }
 
-// The configuration and splits of K: among the plans whose clusters all run in one wave, the least
+// The configuration (two consumers of 256 or 128 rows, or three of 192) and the splits of K: among
+// the plans whose clusters all run in one wave, the least
 // estimated time, in units of one row-k-tile of a CTA (rows x k-tiles a CTA: the weights it
 // streams) + kTileCost per k-tile a CTA (x's tile, the loop) + kSplitCost per split (the cluster
 // reduction and barrier, the skew of more CTAs). Fitted to H100 sweeps of every (MW, splits) at
 // M = 64 and 128 on the bench's shapes (~1.1 ns a row-k-tile, ~0.12 us a k-tile, ~1.3 us a split
 // over a fixed ~7 us); it picks the fastest measured plan in 5 of the 6 (M, shape) pairs and one
-// 0.6 us slower in the sixth. Nothing fits one wave (large M): 256 rows, no split.
-// FK_QGEMM_WG_MW / FK_QGEMM_WG_SPLITS force either (measurements).
+// 0.6 us slower in the sixth. The same costs pick three consumers (192 rows, 2 splits: 116 CTAs
+// against 86) for N = 11008, as measured fastest there. Nothing fits one wave (large M): 256 rows,
+// no split. FK_QGEMM_WG_MW / FK_QGEMM_WG_SPLITS force a plan, FK_QGEMM_WG_NC = 3 (with MW 1) the
+// three consumers (measurements, tests).
 constexpr long kTileCost = 110, kSplitCost = 1230;
 template <class T, int BMX>
 Plan plan(int device, int n, int m, int k_tiles) {
-  static const int force_mw = env_int("FK_QGEMM_WG_MW"),
+  static const int force_nc = env_int("FK_QGEMM_WG_NC"), force_mw = env_int("FK_QGEMM_WG_MW"),
                    force_splits = std::clamp(env_int("FK_QGEMM_WG_SPLITS"), 0, kMaxSplits);
+  const bool forced = force_mw && force_splits;  // FK_QGEMM_WG_NC = 3 for three consumers, else two
   const int m_blocks = (m + BMX - 1) / BMX;
-  Plan best{2, 1};
+  Plan best{2, 2, 1};
   long best_work = -1;
-  for (int mw : {2, 1}) {
-    if (force_mw && mw != force_mw) continue;
-    const int bn = 128 * mw, tiles = (n + bn - 1) / bn * m_blocks;
+  for (const auto& [nc, mw] : {std::pair{2, 2}, std::pair{2, 1}, std::pair{3, 1}}) {
+    if ((force_nc && nc != force_nc) || (force_mw && (mw != force_mw || (!force_nc && nc != 2)))) continue;
+    const int bn = 64 * nc * mw, tiles = (n + bn - 1) / bn * m_blocks;
     for (int s = 1; s <= std::min(kMaxSplits, k_tiles); ++s) {
       if (force_splits && s != force_splits) continue;
       const int per = (k_tiles + s - 1) / s, splits = (k_tiles + per - 1) / per;
       if (splits != s) continue;  // the same plan as fewer splits
-      const int resident = mw == 2 ? resident_clusters<T, Cfg<T, 2, BMX>>(device, s)
-                                   : resident_clusters<T, Cfg<T, 1, BMX>>(device, s);
-      if (tiles > resident && !(force_mw && force_splits)) continue;  // a second wave
+      const int resident = nc == 3    ? resident_clusters<T, Cfg<T, 1, BMX, 3>>(device, s)
+                           : mw == 2 ? resident_clusters<T, Cfg<T, 2, BMX>>(device, s)
+                                     : resident_clusters<T, Cfg<T, 1, BMX>>(device, s);
+      if (tiles > resident && !forced) continue;  // a second wave
       const long work = (bn + kTileCost) * per + kSplitCost * s;
       if (best_work < 0 || work < best_work) {
-        best = {mw, s};
+        best = {nc, mw, s};
         best_work = work;
       }
     }
   }
-  if (best_work < 0) best = {force_mw ? force_mw : 2, force_splits ? force_splits : 1};
+  if (best_work < 0) best = {force_nc ? force_nc : 2, force_mw ? force_mw : 2, force_splits ? force_splits : 1};
   return best;
 }
 
@@ -530,7 +549,9 @@ template <class T, int BMX>
 void dispatch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
   const Plan pl = plan<T, BMX>(y.device().index, static_cast<int>(qw.n), static_cast<int>(x.size(0)),
                                static_cast<int>(qw.k_pad() / kBK));
-  if (pl.mw == 2)
+  if (pl.nc == 3)
+    launch<T, Cfg<T, 1, BMX, 3>>(x, qw, y, pl.splits, stream);
+  else if (pl.mw == 2)
     launch<T, Cfg<T, 2, BMX>>(x, qw, y, pl.splits, stream);
   else
     launch<T, Cfg<T, 1, BMX>>(x, qw, y, pl.splits, stream);
