@@ -323,10 +323,12 @@ __device__ __forceinline__ std::uint32_t pair_f32(const std::uint32_t (&w)[kBits
   return *reinterpret_cast<const std::uint32_t*>(&v);
 }
 
-// Pair P in bf16x2 arithmetic (bf16 statistics at 2 and 4 bits): one shift and one LOP3 put the
-// two levels into the top of the mantissas of 1.0 (f = 1 + q 2^-t), an HFMA2 makes q exactly
-// (f 2^t - 2^t), and an HFMA2 computes q scale + min with a single rounding to bf16: x̂ is the
-// spec's value correctly rounded, the same as the f32 path's up to its double rounding.
+// Pair P in bf16x2 arithmetic (bf16 statistics at 2 and 4 bits): one LOP3 puts the two levels
+// into the mantissas of 1.0 at bit p (f = 1 + q 2^(p - 7)): at 2 bits where they already are
+// when they fit below bit 7, else after a shift that brings them to the top (p = 7 - t). An
+// HFMA2 makes q exactly (f 2^(7 - p) - 2^(7 - p)), and an HFMA2 computes q scale + min with a
+// single rounding to bf16: x̂ is the spec's value correctly rounded, the same as the f32 path's
+// up to its double rounding. The RS path's pairs take 3 instructions at 2 bits, 4 at 4 bits.
 // At 8 bits a level has more bits than a bf16 mantissa, so it goes in as a subnormal instead: the
 // bf16 bit pattern q (0..255; q >= 128 spills into the lowest exponent bit, which continues the
 // subnormal scale linearly) is q 2^-133 exactly. One PRMT puts bytes e and e + 2 of the word into
@@ -346,11 +348,15 @@ __device__ __forceinline__ std::uint32_t pair_bf16_at(std::uint32_t v0, __nv_bfl
     const __nv_bfloat162 x = __hfma2(y, scale2, min2);
     return *reinterpret_cast<const std::uint32_t*>(&x);
   } else {
-    constexpr int d = 7 - kBits - bit;  // where q goes in the low bf16 minus where it is
+    // At 2 bits the level stays where it is when it fits in the 7-bit mantissa (no shift: the RS
+    // path's levels at bits 0 and 2), else it goes to the mantissa's top. (At 4 bits, leaving the
+    // level at bit 0 in place measured 2 us slower at K = 100864, so 4 bits always shifts.)
+    constexpr int pos = kBits == 2 && bit + kBits <= 7 ? bit : 7 - kBits;  // its bit in the low bf16
+    constexpr int d = pos - bit;
     const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
-    constexpr std::uint32_t m = ((1u << kBits) - 1u) << (7 - kBits);
-    const std::uint32_t f = and_or(v, m | m << 16, 0x3F803F80u);
-    const __nv_bfloat162 two_t = __float2bfloat162_rn(static_cast<float>(1 << kBits));
+    constexpr std::uint32_t m = ((1u << kBits) - 1u) << pos;
+    const std::uint32_t f = and_or(v, m | m << 16, 0x3F803F80u);  // 1 + q 2^(pos - 7) in each half
+    const __nv_bfloat162 two_t = __float2bfloat162_rn(static_cast<float>(1 << (7 - pos)));
     const __nv_bfloat162 q = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&f), two_t, __hneg2(two_t));
     const __nv_bfloat162 x = __hfma2(q, scale2, min2);
     return *reinterpret_cast<const std::uint32_t*>(&x);
