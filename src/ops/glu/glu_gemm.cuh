@@ -1,0 +1,496 @@
+// The fused GLU GEMM on Hopper: C = x wᵀ (+ b) on the tensor cores, the gated activation applied
+// to the accumulators in registers, C never written.
+//
+// Mainloop: CUTLASS 3's SM90 TMA warp-specialized cooperative GEMM (the collective builder's
+// choice of swizzles, stage count and persistent tile scheduler): x is the K-major A operand
+// [M, K], the prepared w the K-major B operand [2N, K] ("TN", the tensor cores' native layout), a
+// CTA tile of 128 x 256 outputs with two consumer warpgroups, clusters of 2 along M sharing the w
+// tile by TMA multicast.
+//
+// Epilogue (GluEpilogue below, in CUTLASS's no-shared-memory epilogue interface): a wgmma
+// accumulator fragment holds, for every row a thread owns, columns in adjacent pairs (2j, 2j + 1).
+// In the prepared layout those are L[m, j] and R[m, j], so each thread computes glu(l + b, r + b')
+// from two of its own registers and stores one value: no shuffles, no shared memory, no [M, 2N]
+// anything. The backward variant recomputes the same accumulators, reads dy[m, j] and stores the
+// pair (dy dglu/dl, dy dglu/dr) to dC[m, 2j .. 2j + 1] with one 2-element store, and (when asked)
+// the column sums of dC over each 16-row slab into db_partial [ceil(M / 16), 2N] (fp32, one
+// writer per element, so db = its column sums is deterministic and dC is not read again).
+//
+// One kernel per (dtype, tile configuration, kind, direction): the kind and the direction are
+// template arguments, not run-time branches, so each kernel holds only the code it runs (the TF32
+// forward: 2,448 SASS instructions). With all five kinds and both directions in one kernel
+// (20,320 instructions for TF32) the small forwards ran 4-5 us slower whenever cuBLAS's TF32 GEMM
+// had run before them, as the bench's order has it (H100, in the same runs: TF32 52.4-52.9 us
+// against 48.0-49.0 now; see docs/glu.md). Each kind's kernels are compiled in their own
+// translation unit (glu_gemm_<kind>.cu), so the five build in parallel.
+//
+// This header is included only by those units; glu_gemm.cu picks the kernel at run time.
+//
+// f32 operands run as TF32 (the builder maps float to tfloat32_t: wgmma reads the top 19 bits).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/detail.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/kernel_hardware_info.h>
+
+#include "fusekit/core/cuda_check.hpp"
+#include "fusekit/core/error.hpp"
+#include "fusekit/core/tensor.hpp"
+#include "glu_gemm_kinds.hpp"
+#include "glu_math.cuh"
+#include "ops/sm90_epilogue.cuh"
+#include "ops/cuda_common.cuh"
+
+namespace fk::cuda::glu_detail {
+
+// The epilogue of kind Kind, forward or backward (kBackward). Arguments: the prepared bias (or
+// null), the output (out [M, N] forward, dC [M, 2N] backward), dy [M, N] (backward only, else
+// null), and (backward only, or null) db_partial [ceil(M / 16), 2N] fp32: row s gets the sums of
+// dC's rows 16 s .. 16 s + 15. kBwdBranchPerStep: where the backward picks its vector or scalar
+// path (see apply).
+template <class Element, bool kBwdBranchPerStep, GluKind Kind, bool kBackward>
+class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
+ public:
+  using Base = sm90::NoSmemEpilogueBase<Element>;
+  using typename Base::ElementAccumulator;
+  using typename Base::StrideC;
+  using typename Base::StrideD;
+  using typename Base::SharedStorage;
+
+  struct Arguments {
+    const Element* bias = nullptr;
+    Element* out = nullptr;
+    const Element* dy = nullptr;
+    // N % 4 == 0 and out, dy 16-byte aligned: whole groups of 4 outputs per store.
+    bool vector_ok = false;
+    float* db_partial = nullptr;
+    int bias_len = 0;  // 2N
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.out != nullptr && (args.dy != nullptr) == kBackward;
+  }
+
+  CUTLASS_HOST_DEVICE explicit GluEpilogue(Params const& params, SharedStorage const& = SharedStorage())
+      : params_(params) {
+#if defined(__CUDA_ARCH__)
+    // The bias is read only in the epilogue, after the mainloop, where a miss to DRAM would sit
+    // on every tile's critical path (1.2 us of 31 at M = 1024, N = 2048, K = 2048). So the grid
+    // brings it into L2 at the start: one 128-byte line per thread across the grid, once.
+    if (params.bias != nullptr) {
+      const int64_t lines = (static_cast<int64_t>(params.bias_len) * static_cast<int64_t>(sizeof(Element)) + 127) / 128;
+      const int64_t g = (blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z)) * blockDim.x +
+                        threadIdx.x;
+      if (g < lines) asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(params.bias) + 128 * g));
+    }
+#endif
+  }
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    const int m_total = static_cast<int>(get<0>(problem_shape_mnkl));
+    const int n2_total = static_cast<int>(get<1>(problem_shape_mnkl));  // 2N, even
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
+    // The (m, n) coordinate of every accumulator this thread holds.
+    cute::Tensor coords = local_tile(make_identity_tensor(make_shape(m_total, n2_total)), take<0, 2>(blk_shape_mnk),
+                               make_coord(m_coord, n_coord));
+    cute::Tensor t_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
+    static_assert(is_static<FrgLayout>::value, "glu epilogue: the accumulator layout must be static");
+    CUTE_STATIC_ASSERT_V(size(t_coords) == size(acc));
+    apply<Kind, kBackward>(acc, t_coords, m_total, n2_total);
+  }
+
+ private:
+
+  // 4 x 4 transposes within each quad of lanes: afterwards lane q holds, as element p, what lane p
+  // held as element q. 32-bit elements (4 words) or 16-bit ones (2 words, low half first).
+  CUTLASS_DEVICE static void quad_transpose_u32(uint32_t (&w)[4]) {
+    const int lane = threadIdx.x & 3;
+    const bool b1 = (lane & 2) != 0, b0 = (lane & 1) != 0;
+    uint32_t r0 = __shfl_xor_sync(0xffffffffu, b1 ? w[0] : w[2], 2);
+    uint32_t r1 = __shfl_xor_sync(0xffffffffu, b1 ? w[1] : w[3], 2);
+    if (b1) { w[0] = r0; w[1] = r1; } else { w[2] = r0; w[3] = r1; }
+    r0 = __shfl_xor_sync(0xffffffffu, b0 ? w[0] : w[1], 1);
+    r1 = __shfl_xor_sync(0xffffffffu, b0 ? w[2] : w[3], 1);
+    if (b0) { w[0] = r0; w[2] = r1; } else { w[1] = r0; w[3] = r1; }
+  }
+  CUTLASS_DEVICE static void quad_transpose_u16(uint32_t (&w)[2]) {
+    const int lane = threadIdx.x & 3;
+    const bool b1 = (lane & 2) != 0, b0 = (lane & 1) != 0;
+    const uint32_t r = __shfl_xor_sync(0xffffffffu, b1 ? w[0] : w[1], 2);
+    if (b1) w[0] = r; else w[1] = r;
+    // Lanes with b0 = 0 keep the low halves and send the high ones; b0 = 1 the reverse.
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, b0 ? __byte_perm(w[0], w[1], 0x5410)
+                                                         : __byte_perm(w[0], w[1], 0x7632), 1);
+    if (b0) {
+      w[0] = __byte_perm(w[0], got, 0x3254);
+      w[1] = __byte_perm(w[1], got, 0x3276);
+    } else {
+      w[0] = __byte_perm(w[0], got, 0x5410);
+      w[1] = __byte_perm(w[1], got, 0x7610);
+    }
+  }
+  CUTLASS_DEVICE static uint32_t pack2(float a, float b) {  // two 16-bit elements, a in the low half
+    cutlass::Array<Element, 2> p;
+    p[0] = Element(a);
+    p[1] = Element(b);
+    return reinterpret_cast<uint32_t const&>(p);
+  }
+  CUTLASS_DEVICE static float half_of(uint32_t w, int hi) {
+    const uint16_t bits = static_cast<uint16_t>(hi ? w >> 16 : w & 0xffffu);
+    return static_cast<float>(reinterpret_cast<Element const&>(bits));
+  }
+
+  // The accumulator fragment of a wgmma 64 x N tile, per thread: index i = c0 + 2 h + 4 c, where
+  // c0 picks the column of a pair (2q + c0 of the 8-column chunk c, q = lane % 4) and h the row
+  // (r or r + 8); a second 64-row block, if any, follows. So (i, i + 1) for even i is one (L, R)
+  // pair, and chunks come in groups of four whose outputs the quad's lanes hold interleaved: lane q
+  // has output columns 4c + q. A quad transpose turns that into 4 consecutive outputs per lane,
+  // stored with one 8- or 16-byte access (a full 32-byte sector per quad) instead of four 2-byte
+  // ones. One step handles one group and row half: 8 accumulators, 4 outputs.
+  static constexpr int kVals = 128;     // accumulators a thread holds (128 x 256 tile, 2 warpgroups)
+  static constexpr int kItersFwd = 2, kItersBwd = 4;  // cooperative configuration: see apply
+  static constexpr int kChunks = kVals / 4;
+  using Pair = cutlass::Array<Element, 2>;
+
+  struct Step {
+    float l[4], r[4];  // pre-activations of the 4 chunks, bias added
+    int m, n;          // coordinates of the first (L) accumulator
+  };
+
+  // One step: 4 outputs (forward) or 4 (dL, dR) pairs (backward). Chunk c of the step is 8
+  // columns right of chunk 0, in the same rows.
+  // Backward: adds each (dL, dR) it computes to sum[2 c], sum[2 c + 1] (c: the chunk).
+  template <GluKind K, bool Backward, bool Vector>
+  CUTLASS_DEVICE void step(Step const& s, int m_total, int n2_total, float (&sum)[8]) {
+    constexpr bool k16 = sizeof(Element) == 2;
+    const int n_total = n2_total / 2;
+    Element* out = params_.out;
+    const Element* dy = params_.dy;
+    const int m = s.m, n = s.n, q = (n >> 1) & 3;
+    const bool row_ok = m < m_total;
+    if constexpr (!Vector) {  // one element (forward) or pair (backward) at a time
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 4; ++c) {
+        const int nc = n + 8 * c;
+        if (!row_ok || nc >= n2_total) continue;
+        const int64_t j = static_cast<int64_t>(m) * n_total + nc / 2;
+        if constexpr (!Backward) {
+          out[j] = Element(fk::device::glu<K, true>(s.l[c], s.r[c]));
+        } else {
+          float dl, dr;
+          fk::device::glu_grad<K, true>(s.l[c], s.r[c], static_cast<float>(dy[j]), dl, dr);
+          sum[2 * c] += dl;
+          sum[2 * c + 1] += dr;
+          Pair pr;
+          pr[0] = Element(dl);
+          pr[1] = Element(dr);
+          *reinterpret_cast<Pair*>(out + static_cast<int64_t>(m) * n2_total + nc) = pr;
+        }
+      }
+      return;
+    }
+    // After a transpose this lane owns output columns col .. col + 3 (prepared columns
+    // 2 col .. 2 col + 7); rows of 4k outputs keep them in bounds together.
+    const int col = (n >> 1) + 3 * q;
+    const bool store = row_ok && col < n_total;
+    if constexpr (!Backward) {
+      if constexpr (k16) {
+        uint32_t w[2] = {pack2(fk::device::glu<K, true>(s.l[0], s.r[0]), fk::device::glu<K, true>(s.l[1], s.r[1])),
+                         pack2(fk::device::glu<K, true>(s.l[2], s.r[2]), fk::device::glu<K, true>(s.l[3], s.r[3]))};
+        quad_transpose_u16(w);
+        if (store) *reinterpret_cast<uint2*>(out + static_cast<int64_t>(m) * n_total + col) = make_uint2(w[0], w[1]);
+      } else {
+        uint32_t w[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 4; ++c) w[c] = __float_as_uint(fk::device::glu<K, true>(s.l[c], s.r[c]));
+        quad_transpose_u32(w);
+        if (store)
+          *reinterpret_cast<uint4*>(out + static_cast<int64_t>(m) * n_total + col) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    } else {
+      // dy for the four outputs this lane owns after a transpose, transposed back to the lanes
+      // that hold their accumulators.
+      float gv[4];
+      const Element* dyp = dy + static_cast<int64_t>(m) * n_total + col;
+      if constexpr (k16) {
+        const uint2 v = store ? *reinterpret_cast<const uint2*>(dyp) : make_uint2(0u, 0u);
+        uint32_t w[2] = {v.x, v.y};
+        quad_transpose_u16(w);
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 4; ++c) gv[c] = half_of(w[c / 2], c % 2);
+      } else {
+        const uint4 v = store ? *reinterpret_cast<const uint4*>(dyp) : make_uint4(0u, 0u, 0u, 0u);
+        uint32_t w[4] = {v.x, v.y, v.z, v.w};
+        quad_transpose_u32(w);
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 4; ++c) gv[c] = __uint_as_float(w[c]);
+      }
+      float dl[4], dr[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 4; ++c) {
+        // Outputs out of bounds have dy = 0 here (not loaded), so they add nothing.
+        fk::device::glu_grad<K, true>(s.l[c], s.r[c], gv[c], dl[c], dr[c]);
+        sum[2 * c] += dl[c];
+        sum[2 * c + 1] += dr[c];
+      }
+      // Lane q then owns the pairs of chunk q of the step: prepared columns 2 col .. 2 col + 7.
+      Element* dcp = out + static_cast<int64_t>(m) * n2_total + 2 * col;
+      if constexpr (k16) {
+        uint32_t w[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 4; ++c) w[c] = pack2(dl[c], dr[c]);
+        quad_transpose_u32(w);
+        if (store) *reinterpret_cast<uint4*>(dcp) = make_uint4(w[0], w[1], w[2], w[3]);
+      } else {
+        uint32_t wl[4], wr[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 4; ++c) {
+          wl[c] = __float_as_uint(dl[c]);
+          wr[c] = __float_as_uint(dr[c]);
+        }
+        quad_transpose_u32(wl);
+        quad_transpose_u32(wr);
+        if (store) {
+          reinterpret_cast<uint4*>(dcp)[0] = make_uint4(wl[0], wr[0], wl[1], wr[1]);
+          reinterpret_cast<uint4*>(dcp)[1] = make_uint4(wl[2], wr[2], wl[3], wr[3]);
+        }
+      }
+    }
+  }
+
+  template <GluKind K, bool Backward, class Acc, class Coords>
+  CUTLASS_DEVICE void apply(Acc const& acc, Coords const& t_coords, int m_total, int n2_total) {
+    static_assert(decltype(cute::size(acc))::value == kVals, "glu epilogue: unexpected accumulator fragment");
+    // The chunks' bias pairs, shared by both rows: one 2-element load each, all issued up front.
+    Pair bias[kChunks];
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kChunks; ++c) {
+      const int n = cute::get<1>(t_coords(4 * c));
+      if (params_.bias != nullptr && n < n2_total) {
+        bias[c] = *reinterpret_cast<const Pair*>(params_.bias + n);
+      } else {
+        bias[c][0] = Element(0);
+        bias[c][1] = Element(0);
+      }
+    }
+    // The accumulators are registers, so every index must be a constant: the code is unrolled
+    // over them. (A loop over the steps with a jump table picking each step's registers measured
+    // 16 us slower: the accumulators left the registers.) Straight-line code runs once per tile,
+    // from a cold instruction cache when another kernel ran before, and instruction fetch is then
+    // what the epilogue waits on (ncu, the small backward: "no instruction" was half of the
+    // epilogue's stall samples). So:
+    // - each path is one contiguous run of code: the vector / scalar branch is taken once here,
+    //   not in every step (forward, cold: 30.3 against 37.8 us at M = 1024, N = 2048, K = 2048
+    //   bf16; the whole backward 107.4-107.9 against 113.2-114.0 us);
+    // - in the cooperative configuration (one or two waves of tiles, the code always cold) the
+    //   groups run as a rolled loop of kItersFwd / kItersBwd iterations (see steps): the forward
+    //   28.7-28.9 us with 2 against 30.7-30.8 unrolled (29.0-29.2 with 4 or 8); the backward
+    //   96.2-97.4 with 4 (102-103 with 2, 96.5-98.0 with 8).
+    // The ping-pong configuration (many tiles a CTA, the code stays in the instruction cache) keeps
+    // the unrolled code and the branch in every step in the backward: hoisted, its recompute GEMM
+    // measured 3-4% slower at M = 4096, N = 8192, K = 8192.
+    if constexpr (Backward) {
+      if constexpr (kBwdBranchPerStep) {
+        steps<K, true, false, true>(acc, t_coords, bias, m_total, n2_total);
+      } else {
+        if (params_.vector_ok) steps<K, true, true, false, kItersBwd>(acc, t_coords, bias, m_total, n2_total);
+        else steps<K, true, false, false, kItersBwd>(acc, t_coords, bias, m_total, n2_total);
+      }
+    } else {
+      constexpr int kIt = kBwdBranchPerStep ? 1 : kItersFwd;
+      if (params_.vector_ok) steps<K, false, true, false, kIt>(acc, t_coords, bias, m_total, n2_total);
+      else steps<K, false, false, false, kIt>(acc, t_coords, bias, m_total, n2_total);
+    }
+  }
+
+  // The slab sums of one group of 4 chunks: sum holds this thread's two rows (r, r + 8); the 8
+  // lanes with the same lane % 4 hold the 16 rows of the warp's slab, whose first row is m (the
+  // row of lanes 0..3). Lanes 0..3 write the slab's sums of their columns n + 8 c, n + 8 c + 1.
+  CUTLASS_DEVICE void store_partial(float (&sum)[8], int m, int n, int m_total, int n2_total) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 8; ++v) {
+      sum[v] += __shfl_xor_sync(0xffffffffu, sum[v], 4);
+      sum[v] += __shfl_xor_sync(0xffffffffu, sum[v], 8);
+      sum[v] += __shfl_xor_sync(0xffffffffu, sum[v], 16);
+    }
+    if ((threadIdx.x & 31) >= 4 || m >= m_total) return;
+    float* row = params_.db_partial + static_cast<int64_t>(m >> 4) * n2_total;
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < 4; ++c)
+      if (n + 8 * c < n2_total) *reinterpret_cast<float2*>(row + n + 8 * c) = make_float2(sum[2 * c], sum[2 * c + 1]);
+  }
+
+  // PerStep: choose the vector or scalar path in every step (at run time) instead of once.
+  // kIters > 1: the 8 groups run as a rolled loop of kIters iterations of 8 / kIters groups each,
+  // the accumulators (and bias pairs) shifted down by one iteration's worth at its end, so the code
+  // is 1 / kIters as long (fetched cold once, then run warm) for 16 (8 / kIters) (kIters - 1)
+  // register moves a thread.
+  template <GluKind K, bool Backward, bool Vector, bool PerStep = false, int kIters = 1, class Acc, class Coords>
+  CUTLASS_DEVICE void steps(Acc const& acc, Coords const& t_coords, Pair const (&bias_in)[kChunks], int m_total,
+                            int n2_total) {
+    constexpr int kGroups = kChunks / 4, kPer = kGroups / kIters;
+    static_assert(kGroups % kIters == 0, "glu epilogue: iterations must divide the groups");
+    float a[kVals];
+    Pair bias[kChunks];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVals; ++i) a[i] = acc(i);
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kChunks; ++c) bias[c] = bias_in[c];
+    // Iteration it sees group gg + it kPer at accumulators 16 gg ..: 32 kPer it columns right of
+    // where group gg sits. That holds for one 64-row block a warpgroup (the cooperative 128 x 256
+    // tile, the only one that iterates); the ping-pong tile's second 64-row block does not.
+    static_assert(kIters == 1 || !kBwdBranchPerStep, "glu epilogue: iterations need the cooperative tile");
+#pragma unroll 1
+    for (int it = 0; it < kIters; ++it) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int gg = 0; gg < kPer; ++gg) {
+        const int n = cute::get<1>(t_coords(16 * gg)) + 32 * kPer * it;
+        float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // backward: this group's (dL, dR) sums
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const int i0 = 16 * gg + 2 * h;  // chunk 4 gg, row half h
+          Step s;
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < 4; ++c) {
+            s.l[c] = a[i0 + 4 * c] + static_cast<float>(bias[4 * gg + c][0]);
+            s.r[c] = a[i0 + 4 * c + 1] + static_cast<float>(bias[4 * gg + c][1]);
+          }
+          s.m = cute::get<0>(t_coords(i0));
+          s.n = n;
+          if constexpr (PerStep) {
+            if (params_.vector_ok) step<K, Backward, true>(s, m_total, n2_total, sum);
+            else step<K, Backward, false>(s, m_total, n2_total, sum);
+          } else {
+            step<K, Backward, Vector>(s, m_total, n2_total, sum);
+          }
+        }
+        if constexpr (Backward) {
+          if (params_.db_partial != nullptr) store_partial(sum, cute::get<0>(t_coords(16 * gg)), n, m_total, n2_total);
+        }
+      }
+      if constexpr (kIters > 1) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i + 16 * kPer < kVals; ++i) a[i] = a[i + 16 * kPer];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c + 4 * kPer < kChunks; ++c) bias[c] = bias[c + 4 * kPer];
+      }
+    }
+  }
+
+  Params params_;
+};
+
+// Mainloop configurations: (tile M, tile N, cluster M, cluster N, ping-pong schedule).
+template <int TM, int TN, int CM, int CN, bool PP>
+struct Cfg {};
+// One wave or less of 128 x 256 tiles: both consumer warpgroups on one tile (cooperative), the
+// w tile multicast to the 2 CTAs of a cluster along M.
+using Cooperative = Cfg<128, 256, 2, 1, false>;
+// Many tiles: 128 x 128 tiles, the two consumer warpgroups on alternate tiles so that one's
+// epilogue runs under the other's mainloop (ping-pong), x multicast along N. Measured at
+// M = 4096, N = 8192, K = 8192 (bf16, swiglu, interleaved with cuBLAS): 0.97-0.98x the cuBLAS GEMM
+// alone, against 1.02x for the cooperative configuration.
+using PingPong = Cfg<128, 128, 1, 2, true>;
+
+template <class Element, class C, GluKind K, bool kBackward>
+struct GluGemmConfig;
+template <class Element, int TM, int TN, int CM, int CN, bool PP, GluKind K, bool kBackward>
+struct GluGemmConfig<Element, Cfg<TM, TN, CM, CN, PP>, K, kBackward> {
+  // 64-deep k-blocks of 16-bit operands, 32-deep of TF32: 128-byte rows either way.
+  static constexpr int kBlockK = sizeof(Element) == 2 ? 64 : 32;
+  using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<kBlockK>>;
+  using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GluEpilogue<Element, PP, K, kBackward>>;
+  static constexpr int kAlignment = 16 / sizeof(Element);
+  using KernelSchedule = cute::conditional_t<!PP, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                                             cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignment, Element,
+      cutlass::layout::ColumnMajor, kAlignment, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+
+template <class Element, class Schedule, GluKind K, bool kBackward>
+void run_fused(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
+               const TensorView& out, const TensorView* db_partial, const Stream* stream) {
+  using Config = GluGemmConfig<Element, Schedule, K, kBackward>;
+  using Gemm = typename Config::Gemm;
+  const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n2 = static_cast<int>(w.size(0));
+  // Both operands K-major: (row stride, 1, batch stride).
+  using StrideA = typename Gemm::GemmKernel::StrideA;
+  using StrideB = typename Gemm::GemmKernel::StrideB;
+  static_assert(cute::is_same_v<StrideA, cute::Stride<int64_t, cute::Int<1>, int64_t>> &&
+                cute::is_same_v<StrideB, StrideA>, "glu: the fused GEMM expects K-major x and w");
+  const StrideA stride_a = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{m} * k);
+  const StrideB stride_b = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{n2} * k);
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = x.device().index;
+  hw.sm_count = multiprocessor_count();
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n2, k, 1},
+      {static_cast<const Element*>(x.data()), stride_a, static_cast<const Element*>(w.data()), stride_b},
+      {bias ? static_cast<const Element*>(bias->data()) : nullptr, static_cast<Element*>(out.data()),
+       dy ? static_cast<const Element*>(dy->data()) : nullptr,
+       n2 % 8 == 0 && aligned16(out.data()) && (dy == nullptr || aligned16(dy->data())),
+       db_partial ? static_cast<float*>(db_partial->data()) : nullptr, n2},
+      hw};
+  sm90::run_gemm<Gemm>(args, x.device(), stream, "glu_forward (fused GEMM)");
+}
+
+template <class Element, class Schedule, GluKind K>
+void run_direction(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
+                   const TensorView& out, const TensorView* db_partial, const Stream* stream) {
+  if (dy == nullptr) run_fused<Element, Schedule, K, false>(x, w, bias, dy, out, db_partial, stream);
+  else run_fused<Element, Schedule, K, true>(x, w, bias, dy, out, db_partial, stream);
+}
+
+}  // namespace fk::cuda::glu_detail
+
+namespace fk::cuda {
+
+template <GluKind K>
+void glu_gemm_run(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
+                  const TensorView& out, const TensorView* db_partial, bool many_tiles, const Stream* stream) {
+  using namespace glu_detail;
+  switch (x.dtype()) {
+    case DType::bf16:
+      many_tiles ? run_direction<cutlass::bfloat16_t, PingPong, K>(x, w, bias, dy, out, db_partial, stream)
+                 : run_direction<cutlass::bfloat16_t, Cooperative, K>(x, w, bias, dy, out, db_partial, stream);
+      return;
+    case DType::f16:
+      many_tiles ? run_direction<cutlass::half_t, PingPong, K>(x, w, bias, dy, out, db_partial, stream)
+                 : run_direction<cutlass::half_t, Cooperative, K>(x, w, bias, dy, out, db_partial, stream);
+      return;
+    case DType::f32:
+      run_direction<float, Cooperative, K>(x, w, bias, dy, out, db_partial, stream);
+      return;
+    default:
+      throw Error("glu_forward (fused GEMM)", "no kernel for this dtype");  // glu_gemm_fused checked it
+  }
+}
+
+}  // namespace fk::cuda
