@@ -235,21 +235,28 @@ TEST(GluGpu, BackwardMatchesSpec) {
     }
 }
 
-// More than two waves of 128 x 256 tiles on an H100 (> 264): the fused GEMM's ping-pong
-// configuration, whose backward epilogue also writes db's slab sums. M and 2N with tails; 2N % 8
-// != 0 takes the scalar epilogue stores, 2N % 8 == 0 the vector ones.
+// Shapes of many tiles (H100: 132 SMs). 16-bit, more than two waves of 128 x 256 tiles (> 264):
+// the fused GEMM's ping-pong configuration, whose backward epilogue also writes db's slab sums;
+// M and 2N with tails; 2N % 8 != 0 takes the scalar epilogue stores, 2N % 8 == 0 the vector ones.
+// Up to two waves, and TF32 at any size: the cooperative configuration with several tiles a CTA,
+// each of whose accumulators start at the bias of the tile its mainloop works out from the tile
+// scheduler (GluBiasMainloop).
 TEST(GluGpu, ManyTilesMatchSpec) {
   FK_SKIP_WITHOUT_GPU();
   const Device gpu = Device::cuda(0);
   struct Case {
     std::int64_t m, n, k;
     GluKind kind;
+    DType t = DType::bf16;
   };
   int seed = 9000;
-  for (const Case& c : {Case{2176, 2048, 64, GluKind::swiglu}, Case{2100, 2101, 72, GluKind::sigmoid_tanh}}) {
+  for (const Case& c : {Case{2176, 2048, 64, GluKind::swiglu}, Case{2100, 2101, 72, GluKind::sigmoid_tanh},
+                        Case{2048, 2048, 64, GluKind::geglu_tanh}, Case{1000, 2060, 40, GluKind::sigmoid_tanh, DType::f32},
+                        Case{2176, 2052, 40, GluKind::swiglu, DType::f32}}) {
     ++seed;
-    const GluOptions opt{.kind = c.kind};
-    const DType t = DType::bf16;
+    const GluOptions opt{.kind = c.kind, .allow_tf32 = true};
+    const DType t = c.t;
+    const double tol = t == DType::f32 ? 2e-3 : 1e-2;
     const Tensor x = test::random_tensor({c.m, c.k}, t, kCpu, seed, -1.f, 1.f);
     const Tensor w = test::random_tensor({2 * c.n, c.k}, t, kCpu, seed + 1000, -0.5f, 0.5f);
     const Tensor b = test::random_tensor({2 * c.n}, t, kCpu, seed + 2000, -0.5f, 0.5f);
@@ -265,12 +272,12 @@ TEST(GluGpu, ManyTilesMatchSpec) {
     for (const Tensor* p : {&gout, &gdx, &gdw, &gdb}) test::poison(*p);
     glu_forward({xg, wg, bg.view(), gout}, opt);
     glu_backward({dyg, xg, wg, bg.view(), gdx.view(), gdw.view(), gdb.view()}, opt);
-    const std::string what = std::string(glu_kind_name(c.kind)) + " M" + std::to_string(c.m) + " N" +
-                             std::to_string(c.n) + " K" + std::to_string(c.k);
-    EXPECT_LE(rel_err(gout, out), 1e-2) << "out " << what;
-    EXPECT_LE(rel_err(gdx, dx), 2e-2) << "dx " << what;
-    EXPECT_LE(rel_err(glu_unprepare_weight(gdw), dw), 2e-2) << "dw " << what;
-    EXPECT_LE(rel_err(glu_unprepare_weight(gdb), db), 2e-2) << "db " << what;
+    const std::string what = std::string(glu_kind_name(c.kind)) + " " + std::string(dtype_name(t)) + " M" +
+                             std::to_string(c.m) + " N" + std::to_string(c.n) + " K" + std::to_string(c.k);
+    EXPECT_LE(rel_err(gout, out), tol) << "out " << what;
+    EXPECT_LE(rel_err(gdx, dx), 2 * tol) << "dx " << what;
+    EXPECT_LE(rel_err(glu_unprepare_weight(gdw), dw), 2 * tol) << "dw " << what;
+    EXPECT_LE(rel_err(glu_unprepare_weight(gdb), db), 2 * tol) << "db " << what;
   }
 }
 
@@ -282,12 +289,13 @@ TEST(GluGpu, FusedForwardAllocatesNoPreactivations) {
   const Tensor w = test::random_tensor({2 * n, k}, DType::bf16, gpu, 2, -0.1f, 0.1f);
   Tensor out = Tensor::empty({m, n}, DType::bf16, gpu);
   Stream::default_stream().synchronize();
+  allocator::reset_peak(gpu);  // a peak left by an earlier test would hide this call's
   const AllocatorStats before = allocator::stats(gpu);
   glu_forward({x, w, std::nullopt, out}, {.kind = GluKind::swiglu});
   Stream::default_stream().synchronize();
   const AllocatorStats after = allocator::stats(gpu);
   const std::size_t c_bytes = static_cast<std::size_t>(m * 2 * n * 2);
-  EXPECT_LT(after.peak_allocated_bytes, std::max(before.peak_allocated_bytes, before.allocated_bytes + c_bytes / 2))
+  EXPECT_LT(after.peak_allocated_bytes, before.allocated_bytes + c_bytes / 2)
       << "the forward allocated a buffer the size of C [M, 2N] (an unfused path ran?)";
 }
 

@@ -11,7 +11,8 @@
 // accumulator fragment holds, for every row a thread owns, columns in adjacent pairs (2j, 2j + 1).
 // In the prepared layout those are L[m, j] and R[m, j], so each thread computes glu(l + b, r + b')
 // from two of its own registers and stores one value: no shuffles, no shared memory, no [M, 2N]
-// anything. The backward variant recomputes the same accumulators, reads dy[m, j] and stores the
+// anything. (The bias is added by the epilogue in the ping-pong configuration; in the cooperative
+// one the accumulators start at it, see GluBiasMainloop.) The backward variant recomputes the same accumulators, reads dy[m, j] and stores the
 // pair (dy dglu/dl, dy dglu/dr) to dC[m, 2j .. 2j + 1] with one 2-element store, and (when asked)
 // the column sums of dC over each 16-row slab into db_partial [ceil(M / 16), 2N] (fp32, one
 // writer per element, so db = its column sums is deterministic and dC is not read again).
@@ -57,8 +58,10 @@ namespace fk::cuda::glu_detail {
 // null), the output (out [M, N] forward, dC [M, 2N] backward), dy [M, N] (backward only, else
 // null), and (backward only, or null) db_partial [ceil(M / 16), 2N] fp32: row s gets the sums of
 // dC's rows 16 s .. 16 s + 15. kBwdBranchPerStep: where the backward picks its vector or scalar
-// path (see apply).
-template <class Element, bool kBwdBranchPerStep, GluKind Kind, bool kBackward>
+// path (see apply). kBiasHere: the epilogue adds the bias (the ping-pong configuration); the
+// cooperative one's accumulators already start at it (GluBiasMainloop), and its epilogue ignores
+// the bias.
+template <class Element, bool kBwdBranchPerStep, GluKind Kind, bool kBackward, bool kBiasHere>
 class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
  public:
   using Base = sm90::NoSmemEpilogueBase<Element>;
@@ -89,7 +92,7 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
     // The bias is read only in the epilogue, after the mainloop, where a miss to DRAM would sit
     // on every tile's critical path (1.2 us of 31 at M = 1024, N = 2048, K = 2048). So the grid
     // brings it into L2 at the start: one 128-byte line per thread across the grid, once.
-    if (params.bias != nullptr) {
+    if (kBiasHere && params.bias != nullptr) {
       const int64_t lines = (static_cast<int64_t>(params.bias_len) * static_cast<int64_t>(sizeof(Element)) + 127) / 128;
       const int64_t g = (blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z)) * blockDim.x +
                         threadIdx.x;
@@ -285,7 +288,7 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < kChunks; ++c) {
       const int n = cute::get<1>(t_coords(4 * c));
-      if (params_.bias != nullptr && n < n2_total) {
+      if (kBiasHere && params_.bias != nullptr && n < n2_total) {
         bias[c] = *reinterpret_cast<const Pair*>(params_.bias + n);
       } else {
         bias[c][0] = Element(0);
@@ -371,8 +374,12 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
           Step s;
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < 4; ++c) {
-            s.l[c] = a[i0 + 4 * c] + static_cast<float>(bias[4 * gg + c][0]);
-            s.r[c] = a[i0 + 4 * c + 1] + static_cast<float>(bias[4 * gg + c][1]);
+            s.l[c] = a[i0 + 4 * c];
+            s.r[c] = a[i0 + 4 * c + 1];
+            if constexpr (kBiasHere) {
+              s.l[c] += static_cast<float>(bias[4 * gg + c][0]);
+              s.r[c] += static_cast<float>(bias[4 * gg + c][1]);
+            }
           }
           s.m = cute::get<0>(t_coords(i0));
           s.n = n;
@@ -399,6 +406,120 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
   Params params_;
 };
 
+// The cooperative configuration's mainloop: CUTLASS's collective (Base, the builder's choice),
+// except that a tile's accumulators start at the bias rather than at zero, so the epilogue, the
+// tail of every CTA when the tiles are one wave, has no bias to load, convert and add (per thread
+// 128 additions and 64 conversions, a fifth of the forward epilogue's instructions). The consumer
+// loads its 64 bias values when its tile begins, before waiting for the tile's first stage, and
+// writes them into the accumulators while the first stage is in flight; every wgmma then
+// accumulates (scale-d 1), the first included.
+//
+// The consumer needs the tile's N coordinate before the first stage lands, and CUTLASS's kernel
+// passes mma() no coordinates. So it asks the kernel's own tile scheduler (the static persistent
+// one, built from the same problem shape, tile, cluster and hardware info as the kernel's), for
+// the k-th tile of this CTA at its k-th mma() call: the kernel's consumer loop takes tiles in
+// exactly that order, one mma() each.
+template <class Base, class Element>
+struct GluBiasMainloop : Base {
+  using typename Base::TiledMma;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using TileShape = typename Base::TileShape;
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+  using Scheduler = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  using Pair = cutlass::Array<Element, 2>;
+
+  struct Arguments : Base::Arguments {
+    const Element* bias = nullptr;  // [2N] in the prepared layout, or null
+    cutlass::KernelHardwareInfo hw{};  // the kernel's: the scheduler's grid depends on it
+  };
+  struct Params : Base::Params {
+    const Element* bias;
+    int n2;
+    typename Scheduler::Params scheduler;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem_shape, args, workspace);
+    p.bias = args.bias;
+    p.n2 = static_cast<int>(cute::get<1>(problem_shape));
+    // As the kernel computes its own (GemmUniversal::to_underlying_arguments, default scheduler
+    // arguments).
+    p.scheduler = Scheduler::to_underlying_arguments(cute::append<4>(problem_shape, 1), TileShape{}, ClusterShape{},
+                                                     args.hw, typename Scheduler::Arguments{});
+    return p;
+  }
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
+                          int thread_idx, TensorStorage& shared_tensors, Params const& params) {
+    using namespace cute;
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(thread_idx);
+    cute::Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    cute::Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    cute::Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+    cute::Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+
+    // Accumulator i sits at column cols(i) of the tile, (i, i + 1) for even i two adjacent ones
+    // of the same row (the wgmma fragment; the epilogue pairs them the same way).
+    Scheduler scheduler(params.scheduler);
+    scheduler.advance_to_next_work(static_cast<uint32_t>(tiles_++));
+    const int n0 = scheduler.get_current_work().N_idx * static_cast<int>(size<1>(TileShape{}));
+    cute::Tensor cols = thread_mma.partition_C(make_identity_tensor(take<0, 2>(TileShape{})));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); i += 2) {
+      const int n = n0 + get<1>(cols(i));
+      Pair b;
+      if (params.bias != nullptr && n < params.n2) {
+        b = *reinterpret_cast<const Pair*>(params.bias + n);
+      } else {
+        b[0] = Element(0);
+        b[1] = Element(0);
+      }
+      accum(i) = static_cast<float>(b[0]);
+      accum(i + 1) = static_cast<float>(b[1]);
+    }
+
+    // CUTLASS's pipelined loop (one wgmma batch in flight: after issuing k-tile kt, wait for
+    // kt - 1's and release its stage; mma_tail releases the last), every wgmma accumulating.
+    // (Zeroing by the first wgmma when there is no bias, the accumulators then left undefined
+    // before it, made ptxas serialize the wgmmas of the f16 and TF32 kernels: C7515, TF32 54 us on an H200
+    // against 48.)
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    PipelineState smem_pipe_release = smem_pipe_read;
+    warpgroup_fence_operand(accum);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int kt = 0; kt < k_tile_count; ++kt) {
+      auto token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, token);
+      const int stage = smem_pipe_read.index();
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb)
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+      warpgroup_commit_batch();
+      ++smem_pipe_read;
+      if (kt > 0) {
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(accum);
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+      }
+    }
+    warpgroup_fence_operand(accum);
+  }
+
+ private:
+  int tiles_ = 0;  // mma() calls so far: this CTA's tiles
+};
+
 // Mainloop configurations: (tile M, tile N, cluster M, cluster N, ping-pong schedule).
 template <int TM, int TN, int CM, int CN, bool PP>
 struct Cfg {};
@@ -419,17 +540,23 @@ struct GluGemmConfig<Element, Cfg<TM, TN, CM, CN, PP>, K, kBackward> {
   static constexpr int kBlockK = sizeof(Element) == 2 ? 64 : 32;
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<kBlockK>>;
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GluEpilogue<Element, PP, K, kBackward>>;
+  using Epilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GluEpilogue<Element, PP, K, kBackward, PP>>;
   static constexpr int kAlignment = 16 / sizeof(Element);
   using KernelSchedule = cute::conditional_t<!PP, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                              cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignment, Element,
       cutlass::layout::ColumnMajor, kAlignment, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
+  // Cooperative: the bias goes into the accumulators (GluBiasMainloop); ping-pong: into the
+  // epilogue, which runs under the other warpgroup's mainloop there.
+  using Mainloop = cute::conditional_t<PP, BuiltMainloop, GluBiasMainloop<BuiltMainloop, Element>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static_assert(PP || cute::is_same_v<typename Kernel::TileScheduler, typename GluBiasMainloop<BuiltMainloop, Element>::Scheduler>,
+                "glu: GluBiasMainloop follows the static persistent tile scheduler");
 };
 
 
@@ -449,10 +576,17 @@ void run_fused(const TensorView& x, const TensorView& w, const TensorView* bias,
   cutlass::KernelHardwareInfo hw;
   hw.device_id = x.device().index;
   hw.sm_count = multiprocessor_count();
+  typename Config::Mainloop::Arguments mainloop{};
+  static_cast<typename Config::BuiltMainloop::Arguments&>(mainloop) = {
+      static_cast<const Element*>(x.data()), stride_a, static_cast<const Element*>(w.data()), stride_b};
+  if constexpr (requires { mainloop.bias; }) {
+    mainloop.bias = bias ? static_cast<const Element*>(bias->data()) : nullptr;
+    mainloop.hw = hw;
+  }
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n2, k, 1},
-      {static_cast<const Element*>(x.data()), stride_a, static_cast<const Element*>(w.data()), stride_b},
+      mainloop,
       {bias ? static_cast<const Element*>(bias->data()) : nullptr, static_cast<Element*>(out.data()),
        dy ? static_cast<const Element*>(dy->data()) : nullptr,
        n2 % 8 == 0 && aligned16(out.data()) && (dy == nullptr || aligned16(dy->data())),
