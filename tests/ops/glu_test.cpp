@@ -251,7 +251,8 @@ TEST(GluGpu, ManyTilesMatchSpec) {
   };
   int seed = 9000;
   for (const Case& c : {Case{2176, 2048, 64, GluKind::swiglu}, Case{2100, 2101, 72, GluKind::sigmoid_tanh},
-                        Case{2048, 2048, 64, GluKind::geglu_tanh}, Case{1000, 2060, 40, GluKind::sigmoid_tanh, DType::f32},
+                        Case{2048, 2048, 64, GluKind::geglu_tanh},
+                        Case{1000, 2060, 40, GluKind::sigmoid_tanh, DType::f32},
                         Case{2176, 2052, 40, GluKind::swiglu, DType::f32}}) {
     ++seed;
     const GluOptions opt{.kind = c.kind, .allow_tf32 = true};

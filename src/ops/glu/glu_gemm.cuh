@@ -12,10 +12,11 @@
 // In the prepared layout those are L[m, j] and R[m, j], so each thread computes glu(l + b, r + b')
 // from two of its own registers and stores one value: no shuffles, no shared memory, no [M, 2N]
 // anything. (The bias is added by the epilogue in the ping-pong configuration; in the cooperative
-// one the accumulators start at it, see GluBiasMainloop.) The backward variant recomputes the same accumulators, reads dy[m, j] and stores the
-// pair (dy dglu/dl, dy dglu/dr) to dC[m, 2j .. 2j + 1] with one 2-element store, and (when asked)
-// the column sums of dC over each 16-row slab into db_partial [ceil(M / 16), 2N] (fp32, one
-// writer per element, so db = its column sums is deterministic and dC is not read again).
+// one the accumulators start at it, see GluBiasMainloop.) The backward variant recomputes the same
+// accumulators, reads dy[m, j] and stores the pair (dy dglu/dl, dy dglu/dr) to dC[m, 2j .. 2j + 1]
+// with one 2-element store, and (when asked) the column sums of dC over each 16-row slab into
+// db_partial [ceil(M / 16), 2N] (fp32, one writer per element, so db = its column sums is
+// deterministic and dC is not read again).
 //
 // One kernel per (dtype, tile configuration, kind, direction): the kind and the direction are
 // template arguments, not run-time branches, so each kernel holds only the code it runs (the TF32
@@ -489,8 +490,8 @@ struct GluBiasMainloop : Base {
     // CUTLASS's pipelined loop (one wgmma batch in flight: after issuing k-tile kt, wait for
     // kt - 1's and release its stage; mma_tail releases the last), every wgmma accumulating.
     // (Zeroing by the first wgmma when there is no bias, the accumulators then left undefined
-    // before it, made ptxas serialize the wgmmas of the f16 and TF32 kernels: C7515, TF32 54 us on an H200
-    // against 48.)
+    // before it, made ptxas serialize the wgmmas of the f16 and TF32 kernels: C7515, the TF32
+    // forward 54 us against 48 on an H200.)
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     PipelineState smem_pipe_release = smem_pipe_read;
     warpgroup_fence_operand(accum);
@@ -555,7 +556,8 @@ struct GluGemmConfig<Element, Cfg<TM, TN, CM, CN, PP>, K, kBackward> {
   using Mainloop = cute::conditional_t<PP, BuiltMainloop, GluBiasMainloop<BuiltMainloop, Element>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static_assert(PP || cute::is_same_v<typename Kernel::TileScheduler, typename GluBiasMainloop<BuiltMainloop, Element>::Scheduler>,
+  static_assert(PP || cute::is_same_v<typename Kernel::TileScheduler,
+                                      typename GluBiasMainloop<BuiltMainloop, Element>::Scheduler>,
                 "glu: GluBiasMainloop follows the static persistent tile scheduler");
 };
 
