@@ -7,8 +7,10 @@
 // stored directly and tiles split over several CTAs (2 to 78 ways).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <ostream>
 #include <sstream>
@@ -78,6 +80,44 @@ std::vector<double> abs_products(const TensorView& dy, const PackedView& x) {
   return out;
 }
 
+// Elementwise: x̂ is rounded to bf16 for the tensor cores (relative 2^-9 an element, so at most
+// 2^-9 sum|dy x̂| on a dot product; the kernel's x̂ before that rounding is within 2^-24 (|min| +
+// 2^15 scale) of the spec's, a few 2^-24 of the value range, negligible here), fp32 accumulation
+// over K <= 8192 adds well under 2^-10 of the same sum, split-K partials crossing the workspace in
+// fp16 (bf16 dW) 2^-11 of it, and a bf16 dW is rounded once more (2^-8 |ref| with prev). Bound:
+// 2^-8 sum|dy x̂| + 2^-8 |ref| for bf16 dW, + a tiny absolute floor. Elements the spec makes
+// infinite or NaN must be the same (same sign for infinities). Returns the number of elements
+// beyond the bound, reporting the worst.
+std::size_t count_beyond_bound(const std::vector<double>& got, const std::vector<double>& want,
+                               const std::vector<double>& prod, const std::vector<double>& prev, DType dw,
+                               std::int64_t cin) {
+  const double out_rel = dw == DType::bf16 ? 1.0 / 256 : 1e-6;
+  std::size_t bad = 0, worst = 0;
+  double worst_excess = -1;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(want[i])) {
+      const bool same = std::isnan(want[i]) ? std::isnan(got[i]) : got[i] == want[i];
+      if (!same) {
+        ++bad;
+        if (worst_excess < INFINITY) worst_excess = INFINITY, worst = i;
+      }
+      continue;
+    }
+    const double err = std::fabs(got[i] - want[i]);
+    const double bound = (prod[i] + std::fabs(prev[i])) / 256 + out_rel * std::fabs(want[i]) + 1e-30;
+    if (!(err <= bound)) {
+      ++bad;
+      const double excess = std::isnan(err) ? INFINITY : err / bound;
+      if (excess > worst_excess) worst_excess = excess, worst = i;
+    }
+  }
+  if (bad > 0)
+    ADD_FAILURE() << bad << " of " << got.size() << " elements beyond the bound; worst at ("
+                  << worst / static_cast<std::size_t>(cin) << ", " << worst % static_cast<std::size_t>(cin)
+                  << "): got " << got[worst] << ", expected " << want[worst];
+  return bad;
+}
+
 class WeightGradPackedGpu : public ::testing::TestWithParam<WgCase> {};
 
 TEST_P(WeightGradPackedGpu, MatchesTheSpec) {
@@ -104,29 +144,12 @@ TEST_P(WeightGradPackedGpu, MatchesTheSpec) {
   const std::vector<double> got = test::to_doubles(dw), want = test::to_doubles(ref);
   const std::vector<double> prod = abs_products(dy, x.cpu.view());
   const std::vector<double> prev = c.beta != 0.0f ? test::to_doubles(dw0) : std::vector<double>(got.size(), 0.0);
-  // Elementwise: x̂ is rounded to bf16 for the tensor cores (relative 2^-9 an element, so at most
-  // 2^-9 sum|dy x̂| on a dot product; the kernel's x̂ before that rounding is within
-  // 2^-24 (|min| + 2^15 scale) of the spec's, a few 2^-24 of the value range, negligible here),
-  // fp32 accumulation over K <= 8192 adds well under 2^-10 of the same sum, and a bf16 dW is
-  // rounded once more (2^-8 |ref| with prev). Bound: 2^-8 sum|dy x̂| + 2^-8 |ref| for bf16 dW,
-  // + a tiny absolute floor.
-  const double out_rel = c.dw == DType::bf16 ? 1.0 / 256 : 1e-6;
+  count_beyond_bound(got, want, prod, prev, c.dw, c.cin);
   double diff2 = 0, ref2 = 0;
-  std::size_t bad = 0, worst = 0;
-  double worst_excess = -1;
   for (std::size_t i = 0; i < got.size(); ++i) {
-    const double err = std::fabs(got[i] - want[i]);
-    const double bound = (prod[i] + std::fabs(prev[i])) / 256 + out_rel * std::fabs(want[i]) + 1e-30;
-    if (!(err <= bound)) {
-      ++bad;
-      const double excess = std::isnan(err) ? INFINITY : err / bound;
-      if (excess > worst_excess) worst_excess = excess, worst = i;
-    }
     diff2 += (got[i] - want[i]) * (got[i] - want[i]);
     ref2 += want[i] * want[i];
   }
-  EXPECT_EQ(bad, 0u) << bad << " of " << got.size() << " elements beyond the bound; worst at (" << worst / c.cin << ", "
-                     << worst % c.cin << "): got " << got[worst] << ", expected " << want[worst];
   // The bound: ||got - ref|| / ||ref|| <= 1e-2 against the fp64 product.
   if (ref2 > 0) EXPECT_LE(std::sqrt(diff2 / ref2), 1e-2);
   else EXPECT_EQ(diff2, 0.0);
@@ -207,6 +230,108 @@ TEST(WeightGradPackedGpuDeterminism, TwoRunsGiveIdenticalBits) {
       EXPECT_EQ(std::memcmp(ha.data(), hb.data(), ha.nbytes()), 0) << "K " << k << " " << dtype_name(t);
     }
   }
+}
+
+// Split-K partials in fp16 with a power-of-two scale per 8 values (the default with a bf16 dW)
+// against the same kernel with fp32 partials: the two differ by the fp16 roundings, at most 2^-11
+// of each partial's magnitude (so 2^-11 sum|dy x̂| in all), plus one rounding of each to bf16
+// (an ulp of the larger). A rounding to bf16 instead (2^-8) fails this bound. An f32 dW keeps fp32
+// partials whatever the flag: bit-identical. 3000 x 768 x 384: 9 tiles split 5 ways on an H100;
+// 40000 x 256 x 136: 2 tiles split 66 ways.
+TEST(WeightGradPackedGpuPartials, Fp16PartialsStayWithin2ToTheMinus11OfTheFp32Ones) {
+  FK_SKIP_WITHOUT_GPU();
+  for (const auto [k, cout, cin] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{3000, 768, 384}, {40000, 256, 136}}) {
+    const PackedPair x = make_packed(k, cin, 2, 128, DType::bf16, 21);
+    const Tensor dy = test::random_tensor({k, cout}, DType::bf16, kCpu, 22, -1.f, 1.f);
+    const Tensor dy_gpu = dy.copy_to(kGpu);
+    const std::vector<double> prod = abs_products(dy, x.cpu.view());
+    Tensor half = Tensor::empty({cout, cin}, DType::bf16, kGpu), full = Tensor::empty({cout, cin}, DType::bf16, kGpu);
+    weight_grad_from_packed(dy_gpu, x.gpu.view(), half, {});
+    weight_grad_from_packed(dy_gpu, x.gpu.view(), full, {.fp32_partials = true});
+    const std::vector<double> a = test::to_doubles(half), b = test::to_doubles(full);
+    std::size_t bad = 0, differ = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const double ulp = std::ldexp(1.0, std::ilogb(std::max({std::fabs(a[i]), std::fabs(b[i]), 1e-30})) - 7);
+      if (!(std::fabs(a[i] - b[i]) <= prod[i] / 2048 + ulp)) ++bad;
+      differ += a[i] != b[i];
+    }
+    EXPECT_EQ(bad, 0u) << "K " << k << ": " << bad << " of " << a.size() << " beyond 2^-11 sum|dy x̂| + 1 ulp";
+    EXPECT_GT(differ, 0u) << "K " << k << ": the two paths gave identical bits (is the fp16 path taken?)";
+    // Against the exact product (the spec's fp64 sums) both are dominated by dW's own rounding to
+    // bf16: the fp16 partials may add a few percent to the fp32 partials' error, no more.
+    Tensor ref = Tensor::empty({cout, cin}, DType::f32, kCpu);
+    weight_grad_from_packed(dy, x.cpu.view(), ref, {});
+    const std::vector<double> want = test::to_doubles(ref);
+    double da = 0, db = 0, w2 = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      da += (a[i] - want[i]) * (a[i] - want[i]);
+      db += (b[i] - want[i]) * (b[i] - want[i]);
+      w2 += want[i] * want[i];
+    }
+    const double err_half = std::sqrt(da / w2), err_full = std::sqrt(db / w2);
+    std::printf("K %lld: ||dW - exact|| / ||exact||: fp16 partials %.4e, fp32 partials %.4e\n", static_cast<long long>(k),
+                err_half, err_full);
+    EXPECT_LE(err_half, 1.05 * err_full) << "K " << k;
+    for (const bool fp32 : {false, true}) {
+      Tensor f = Tensor::empty({cout, cin}, DType::f32, kGpu), g = Tensor::empty({cout, cin}, DType::f32, kGpu);
+      weight_grad_from_packed(dy_gpu, x.gpu.view(), f, {.fp32_partials = fp32});
+      weight_grad_from_packed(dy_gpu, x.gpu.view(), g, {.fp32_partials = true});
+      const Tensor hf = test::to_host(f), hg = test::to_host(g);
+      EXPECT_EQ(std::memcmp(hf.data(), hg.data(), hf.nbytes()), 0) << "K " << k << ": f32 dW, fp32_partials " << fp32;
+    }
+  }
+}
+
+// The fp16 partials' scale is per 8 values (rows 16 g + {0, 1, 8, 9} + 2 (lane % 4), two columns),
+// not per thread or tile: dy's columns (dW's rows) scaled by 2^-60 .. 2^60, one scale per 16
+// rows, keep every row within the spec's relative bound. A scale shared by a thread's 128 values
+// (64 rows) would flush the small rows to zero. Split 5 ways, bf16 and f32 dW.
+TEST(WeightGradPackedGpuPartials, RowsOfVeryDifferentMagnitudesKeepTheirRelativeError) {
+  FK_SKIP_WITHOUT_GPU();
+  const std::int64_t k = 3000, cout = 768, cin = 384;
+  const PackedPair x = make_packed(k, cin, 4, 256, DType::bf16, 31);
+  const Tensor dy_f = test::random_tensor({k, cout}, DType::f32, kCpu, 32, -1.f, 1.f);
+  std::vector<float> v(dy_f.data_as<float>(), dy_f.data_as<float>() + k * cout);
+  for (std::int64_t r = 0; r < k; ++r)
+    for (std::int64_t o = 0; o < cout; ++o) v[static_cast<std::size_t>(r * cout + o)] *= std::ldexp(1.0f, static_cast<int>(o / 16 * 5 / 2) - 60);
+  const Tensor dy = test::host_tensor({k, cout}, DType::bf16, v);
+  const std::vector<double> prod = abs_products(dy, x.cpu.view());
+  Tensor ref = Tensor::empty({cout, cin}, DType::f32, kCpu);
+  weight_grad_from_packed(dy, x.cpu.view(), ref, {});
+  const std::vector<double> want = test::to_doubles(ref), zeros(want.size(), 0.0);
+  for (const DType t : {DType::bf16, DType::f32}) {
+    Tensor dw = Tensor::empty({cout, cin}, t, kGpu);
+    weight_grad_from_packed(dy.copy_to(kGpu), x.gpu.view(), dw, {});
+    EXPECT_EQ(count_beyond_bound(test::to_doubles(dw), want, prod, zeros, t, cin), 0u) << dtype_name(t);
+  }
+}
+
+// An infinity in dy makes its dW row infinite (or NaN where a product is inf * 0 or inf - inf), as
+// in the spec; the fp16 partials take their scale from the finite values of each 8, so the rows
+// that share scales with it (rows o ^ 1, o +- 8) keep their precision. Split 5 ways, both dW dtypes
+// and both partial formats.
+TEST(WeightGradPackedGpuPartials, AnInfiniteGradientPoisonsItsRowOnly) {
+  FK_SKIP_WITHOUT_GPU();
+  const std::int64_t k = 3000, cout = 768, cin = 384, o_inf = 300;
+  const PackedPair x = make_packed(k, cin, 2, 256, DType::bf16, 41);
+  const Tensor dy_f = test::random_tensor({k, cout}, DType::f32, kCpu, 42, -1.f, 1.f);
+  std::vector<float> v(dy_f.data_as<float>(), dy_f.data_as<float>() + k * cout);
+  v[static_cast<std::size_t>(1234 * cout + o_inf)] = INFINITY;
+  const Tensor dy = test::host_tensor({k, cout}, DType::bf16, v);
+  const std::vector<double> prod = abs_products(dy, x.cpu.view());
+  Tensor ref = Tensor::empty({cout, cin}, DType::f32, kCpu);
+  weight_grad_from_packed(dy, x.cpu.view(), ref, {});
+  const std::vector<double> want = test::to_doubles(ref), zeros(want.size(), 0.0);
+  std::size_t infinite = 0;
+  for (std::int64_t c = 0; c < cin; ++c) infinite += !std::isfinite(want[static_cast<std::size_t>(o_inf * cin + c)]);
+  ASSERT_EQ(infinite, static_cast<std::size_t>(cin)) << "the spec's row " << o_inf << " should be all inf / NaN";
+  for (const DType t : {DType::bf16, DType::f32})
+    for (const bool fp32 : {false, true}) {
+      Tensor dw = Tensor::empty({cout, cin}, t, kGpu);
+      weight_grad_from_packed(dy.copy_to(kGpu), x.gpu.view(), dw, {.fp32_partials = fp32});
+      EXPECT_EQ(count_beyond_bound(test::to_doubles(dw), want, prod, zeros, t, cin), 0u)
+          << dtype_name(t) << ", fp32_partials " << fp32;
+    }
 }
 
 // 8 bits with bf16 statistics: rows whose scale 2^67 would overflow bf16 (values near 1e22) take

@@ -75,6 +75,13 @@ inline std::int64_t relu_mask_words(std::int64_t numel) noexcept { return (numel
 struct WeightGradParams {
   float beta = 0.0f;         // 0: dW is overwritten; 1: dW += the product (gradient accumulation)
   bool deterministic = true; // split-K partial sums added in a fixed order
+  // K split over several CTAs with a bf16 dW: each CTA's fp32 partial tile crosses the workspace
+  // as fp16 with a power-of-two scale per 8 values (relative error 2^-11 for every value within
+  // 2^-28 of the largest of its 8: 8x below dW's own bf16 rounding, below the bf16 inputs'
+  // representation error), and the fix-up adds the partials in fp32. This halves the split-K
+  // round trip, as cuBLAS's default reduced-precision split-K reduction does for low-precision
+  // outputs (in the output type). true keeps the partials fp32; an f32 dW always does.
+  bool fp32_partials = false;
 };
 
 // dW [COUT, CIN] = beta * dW + dyᵀ · unpack(x), dy [K, COUT] (bf16), x packed from [K, CIN];

@@ -48,7 +48,11 @@
 // 16-byte store per 4 accumulators, 512 contiguous bytes a warp, no staging); a fix-up kernel,
 // launched as a programmatic dependent launch, adds a tile's S partials in split order (one
 // float4 a thread, all loads in flight), puts the sums at their tile coordinates in shared memory,
-// applies beta and writes dW rows. With S = 1 the CTA stores into dW directly. The sum order
+// applies beta and writes dW rows. With a bf16 dW (unless WeightGradParams::fp32_partials) the
+// partials cross the workspace as fp16 with a power-of-two scale per 8 values instead
+// (store_partial_f16: 2^-11 relative a value, 8x below dW's own rounding), half the bytes of the
+// round trip, and their fix-up kernel adds them in fp32. With S = 1 the CTA stores into dW
+// directly. The sum order
 // depends only on the shape and the SM count: results are bit-identical from run to run
 // (deterministic = true and false take the same path).
 //
@@ -76,9 +80,11 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -189,12 +195,14 @@ struct Params {
   const void* scale;           // bf16 or f32 [K, G]
   const void* min;             // bf16 or f32 [K, G]
   void* dw;                    // f32 or bf16 [COUT, CIN]
-  float* workspace;            // [T * S, kBlockM, kBlockN]: CTA c's partial tile (S > 1)
+  float* workspace;            // S > 1: CTA c's partial tile, fp32 or fp16 (half_partials; see store_partial_f16)
+  std::uint8_t* partial_exps;  // half_partials: the exponent byte of each 8 values of the fp16 partials
   std::int64_t k;              // K
   int cout, cin, groups, group, row_words;
   int kblocks, tiles_n, splits;  // KB, N tiles, S: CTA t * S + s takes k-blocks [s KB / S, (s + 1) KB / S) of tile t
   int stats_bytes;             // 2 (bf16) or 4 (f32)
   bool stats_bf16, dw_bf16, accumulate;
+  bool half_partials;          // S > 1, bf16 dW and not WeightGradParams::fp32_partials
   bool tma_a;                  // dy by TMA (else copied by the producer threads)
   bool tma_x;                  // packed words by TMA (else copied by the producer threads)
   bool tma_stats;              // statistics rows by bulk copies (else each consumer thread loads its own)
@@ -606,14 +614,57 @@ __device__ __forceinline__ AccMap acc_map(int ct) {
   return {column(m), column(m + 8), 2 * (ct % 4)};
 }
 
-// Stores one consumer thread's accumulators: into dW (tile not split) or the CTA's slot of the
-// workspace, in the accumulators' own order: chunk j of thread ct at float4 j * 256 + ct, one
+// The fp16 partials of a split tile (Params::half_partials): accumulators 8 g .. 8 g + 7 of consumer
+// thread ct (chunks 2 g and 2 g + 1: tile rows 16 g + {0, 1, 8, 9} + its co, its two columns) are
+// scaled by 2^(141 - e), e the biased exponent of their largest finite magnitude (at least 15),
+// which puts that magnitude in [2^14, 2^15), rounded to fp16 (one 16-byte store at uint4
+// g * 256 + ct of the CTA's slot) and e stored as byte g * 256 + ct of the CTA's exponents. Every
+// value at least 2^-28 of the largest keeps 11 significant bits; infinities and NaNs stay what
+// they are (the largest is taken over the finite values).
+template <class Acc>
+__device__ void store_partial_f16(const Acc& acc, int ct, const Params& p) {
+  uint4* vals = reinterpret_cast<uint4*>(p.workspace) + static_cast<std::int64_t>(blockIdx.x) * (kTileElems / 8) + ct;
+  std::uint8_t* exps = p.partial_exps + static_cast<std::int64_t>(blockIdx.x) * (kTileElems / 8) + ct;
+  CUTE_UNROLL
+  for (int g = 0; g < 16; ++g) {
+    float v[8];
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) v[i] = acc(8 * g + i);
+    float amax = 0.0f;  // fmaxf skips NaNs
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    if (amax > FLT_MAX) {  // an infinity: the scale comes from the finite values
+      amax = 0.0f;
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) amax = fabsf(v[i]) <= FLT_MAX ? fmaxf(amax, fabsf(v[i])) : amax;
+    }
+    const std::uint32_t e = max(__float_as_uint(amax) >> 23, 15u);
+    const float f = __uint_as_float((268u - e) << 23);  // 2^(141 - e), in [2^-113, 2^126]
+    std::uint32_t h[4];
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i)
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h[i]) : "f"(v[2 * i + 1] * f), "f"(v[2 * i] * f));
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(vals + g * kConsumerThreads), "r"(h[0]), "r"(h[1]),
+                 "r"(h[2]), "r"(h[3])
+                 : "memory");
+    asm volatile("st.global.u8 [%0], %1;" ::"l"(exps + g * kConsumerThreads), "h"(static_cast<unsigned short>(e))
+                 : "memory");
+  }
+}
+
+// Stores one consumer thread's accumulators: into dW (tile not split), as fp16 partials
+// (half_partials: store_partial_f16) or into the CTA's fp32 slot of the workspace, in the
+// accumulators' own order: chunk j of thread ct at float4 j * 256 + ct, one
 // 16-byte store a chunk (a warp writes 512 contiguous bytes; no staging), the accumulators as the
 // store's asm operands (C++ copies of them let ptxas serialize the k-loop's wgmmas: C7514). The
 // fix-up kernel maps the chunks to dW.
 template <int kBits, bool kRs = false, class Acc>
 __device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWork& w) {
   static_assert(decltype(size(acc))::value == 128);
+  if (p.half_partials) {
+    store_partial_f16(acc, ct, p);
+    return;
+  }
   if (p.splits > 1) {
     float* ws = p.workspace + static_cast<std::int64_t>(blockIdx.x) * kTileElems + ct * 4;
     CUTE_UNROLL
@@ -995,10 +1046,10 @@ __device__ __forceinline__ void store_dw4(const Params& p, int m, int n, float4 
 template <int kBits, bool kRs>
 __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const Params p) {
 #if FK_WGRAD_SM90
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
   constexpr int kRowPitch = kBlockN + 4;  // floats: rows stay 16-byte aligned
   __shared__ __align__(16) float rows[8 * kRowPitch];
   const int tile = blockIdx.x, j = blockIdx.y, ct = static_cast<int>(threadIdx.x);
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
   const float4* part = reinterpret_cast<const float4*>(p.workspace) +
                        static_cast<std::int64_t>(tile) * p.splits * (kTileElems / 4) + j * kFixupThreads + ct;
   constexpr int kStride = kTileElems / 4;
@@ -1020,6 +1071,56 @@ __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const 
   const int r = ct / 32, c4 = 4 * (ct % 32);
   store_dw4(p, tile / p.tiles_n * kBlockM + 8 * j + r, tile % p.tiles_n * kBlockN + c4,
             *reinterpret_cast<const float4*>(rows + r * kRowPitch + c4));
+#else
+  __trap();  // the launcher never starts this kernel off sm_90
+#endif
+}
+
+// The fix-up of fp16 partials (Params::half_partials): CTA (tile, g) takes accumulators 8 g .. 8 g + 7
+// of every consumer thread (tile rows [16 g, 16 g + 16)): thread ct adds up its 8 values of the S
+// partials in split order in fp32, each fp16 value times 2^(e - 141) (exact), puts the sums at
+// their tile coordinates in shared memory, and the 256 threads write the 16 rows.
+template <int kBits, bool kRs>
+__global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_f16_kernel(const Params p) {
+#if FK_WGRAD_SM90
+  constexpr int kRowPitch = kBlockN + 4;
+  __shared__ __align__(16) float rows[16 * kRowPitch];
+  const int tile = blockIdx.x, g = blockIdx.y, ct = static_cast<int>(threadIdx.x);
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
+  constexpr int kSlot = kTileElems / 8;  // uint4s (and exponent bytes) a CTA's partial takes
+  const std::int64_t first = static_cast<std::int64_t>(tile) * p.splits * kSlot + g * kFixupThreads + ct;
+  const uint4* part = reinterpret_cast<const uint4*>(p.workspace) + first;
+  const std::uint8_t* exps = p.partial_exps + first;
+  float s[8] = {};
+  for (int c = 0; c < p.splits; c += 8) {
+    uint4 q[8];
+    std::uint32_t e[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      q[i] = c + i < p.splits ? __ldcg(part + static_cast<std::int64_t>(c + i) * kSlot) : make_uint4(0, 0, 0, 0);
+      e[i] = c + i < p.splits ? __ldcg(exps + static_cast<std::int64_t>(c + i) * kSlot) : 141;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (c + i >= p.splits) break;
+      const float inv = __uint_as_float((e[i] - 14) << 23);  // 2^(e - 141)
+      const std::uint32_t h[4] = {q[i].x, q[i].y, q[i].z, q[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[j]));
+        s[2 * j] += f.x * inv;
+        s[2 * j + 1] += f.y * inv;
+      }
+    }
+  }
+  // Value 4 c + e (chunk 2 g + c): row co + 8 c + e % 2, column e / 2 ? hi : lo.
+  const AccMap am = acc_map<kBits, kRs>(ct);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) rows[(am.co + 8 * (i / 4) + i % 2) * kRowPitch + (i / 2 % 2 ? am.ci_hi : am.ci_lo)] = s[i];
+  __syncthreads();
+  const int r = ct / 32, c4 = 4 * (ct % 32), m0 = tile / p.tiles_n * kBlockM + 16 * g, n = tile % p.tiles_n * kBlockN + c4;
+  store_dw4(p, m0 + r, n, *reinterpret_cast<const float4*>(rows + r * kRowPitch + c4));
+  store_dw4(p, m0 + r + 8, n, *reinterpret_cast<const float4*>(rows + (r + 8) * kRowPitch + c4));
 #else
   __trap();  // the launcher never starts this kernel off sm_90
 #endif
@@ -1051,7 +1152,7 @@ CUtensorMap tensor_map_2d(const char* what, const void* base, CUtensorMapDataTyp
 template <int kBits, bool kRs>
 void launch_fixup(const Params& p, unsigned tiles, cudaStream_t s) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(tiles, kBlockM / 8);  // (tile, chunk)
+  cfg.gridDim = dim3(tiles, p.half_partials ? kBlockM / 16 : kBlockM / 8);  // (tile, rows)
   cfg.blockDim = dim3(kFixupThreads);
   cfg.stream = s;
   cudaLaunchAttribute attr{};
@@ -1059,7 +1160,9 @@ void launch_fixup(const Params& p, unsigned tiles, cudaStream_t s) {
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  FK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, weight_grad_fixup_kernel<kBits, kRs>, p));
+  FK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, p.half_partials ? weight_grad_fixup_f16_kernel<kBits, kRs>
+                                                         : weight_grad_fixup_kernel<kBits, kRs>,
+                                    p));
 }
 
 template <int kBits, bool kRs = false>
@@ -1138,10 +1241,16 @@ void weight_grad_from_packed(const TensorView& dy, const PackedView& x, const Te
   const std::int64_t ctas = tiles * splits;
   FK_CHECK_ARG(ctas <= INT_MAX, kOp, "dw", "fewer than 2^31 tiles of 256x128", dw.shape().str());
 
+  // Split partials: fp32 tiles, or fp16 tiles (half the bytes) followed by one exponent byte
+  // per 8 values (see store_partial_f16).
+  p.half_partials = splits > 1 && p.dw_bf16 && !wp.fp32_partials;
   fk::Tensor workspace;
   if (splits > 1) {
-    workspace = fk::Tensor::empty({ctas, kTileElems}, DType::f32, dy.device(), stream);
+    const std::int64_t bytes = p.half_partials ? ctas * (kTileElems * 2 + kTileElems / 8) : ctas * kTileElems * 4;
+    workspace = fk::Tensor::empty({bytes / 4}, DType::f32, dy.device(), stream);
     p.workspace = workspace.data_as<float>();
+    if (p.half_partials)
+      p.partial_exps = reinterpret_cast<std::uint8_t*>(p.workspace) + ctas * kTileElems * 2;
   }
   // dy: 64 (m) x 64 (k) boxes with the 128-byte swizzle wgmma reads. Packed words: the 128
   // columns (4 * bits words) x 64 rows of a k-block, swizzled so that the dequantizing threads
