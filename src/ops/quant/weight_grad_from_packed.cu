@@ -1160,9 +1160,11 @@ void launch_fixup(const Params& p, unsigned tiles, cudaStream_t s) {
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  FK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, p.half_partials ? weight_grad_fixup_f16_kernel<kBits, kRs>
-                                                         : weight_grad_fixup_kernel<kBits, kRs>,
-                                    p));
+  auto* kernel = p.half_partials ? weight_grad_fixup_f16_kernel<kBits, kRs> : weight_grad_fixup_kernel<kBits, kRs>;
+  // The same shared-memory carveout as the main kernel's, so that an SM going from one kernel to
+  // the other need not reconfigure its L1 / shared memory split.
+  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  FK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 template <int kBits, bool kRs = false>
