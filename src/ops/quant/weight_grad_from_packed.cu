@@ -52,18 +52,17 @@
 // partials cross the workspace as fp16 with a power-of-two scale per 8 values instead
 // (store_partial_f16: 2^-11 relative a value, 8x below dW's own rounding), half the bytes of the
 // round trip, and their fix-up kernel adds them in fp32. With S = 1 the CTA stores into dW
-// directly. The sum order
-// depends only on the shape and the SM count: results are bit-identical from run to run
-// (deterministic = true and false take the same path).
+// directly. The sum order depends only on the shape and the SM count: results are bit-identical
+// from run to run (deterministic = true and false take the same path).
 //
 // Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench --filter
-// quant; bench/results/h100/quant.json, 93192f3), RS: K = 100864 takes 168.3 / 170.6 / 185.5 us
-// at 2 / 4 / 8 bits, 1.38x / 1.40x / 1.36x faster than unpack + cuBLAS and 1.03x / 1.02x / 1.10x
+// quant; bench/results/h100/quant.json, e3534ac), RS: K = 100864 takes 166.5 / 170.5 / 182.6 us
+// at 2 / 4 / 8 bits, 1.39x / 1.41x / 1.38x faster than unpack + cuBLAS and 1.01x / 1.01x / 1.08x
 // of the cuBLAS GEMM alone (the SS path took 183.1 / 187.2 / 194.2 us in an earlier A/B); K = 8192
-// takes 27.8 / 28.0 / 29.1 us, 1.10x / 1.09x / 1.06x of unpack + cuBLAS (the issue asks 1.2x: the
-// fixed costs, the split-K round trip above all, dominate there). The floors, the cost model, the ncu figures, what
-// each change brought and what was tried and dropped (stream-K and split-K reduced in L2 among
-// them) are in docs/quant.md.
+// takes 25.0 / 24.9 / 25.6 us, 1.21x / 1.23x / 1.20x of unpack + cuBLAS (27.9-28.6 us, 1.07-1.09x,
+// with fp32 partials: the fixed costs, the split-K round trip above all, dominate there). The
+// floors, the cost model, the ncu figures, what each change brought and what was tried and
+// dropped (stream-K and split-K reduced in L2 among them) are in docs/quant.md.
 //
 // Rows k >= K and columns >= CIN: TMA zero-fills dy rows >= K and the words; the consumers give
 // rows >= K statistics 0 (x̂ = 0 there); columns >= CIN get finite values that only reach dWᵀ
