@@ -203,6 +203,9 @@ INSTANTIATE_TEST_SUITE_P(
         WgCase{8000, 300, 260, 4, 64, kF32, kF32, 1}, WgCase{3000, 768, 768, 2, 256, kBf, kBf, 0},
         WgCase{3000, 768, 384, 8, 256, kBf, kF32, 1}, WgCase{2000, 130, 200, 2, 32, kBf, kBf, 1},
         WgCase{5000, 300, 260, 4, 64, kBf, kF32, 1}, WgCase{5000, 300, 260, 8, 64, kBf, kBf, 0},
+        // ... split with a bf16 dW (fp16 partials) on the x̂-through-shared-memory path: f32
+        // statistics, and 1 bit.
+        WgCase{8000, 300, 260, 4, 64, kF32, kBf, 1}, WgCase{6000, 256, 256, 1, 256, kBf, kBf, 0},
         // Longer K over one or two tiles: split 78 or 66 ways (more partials than the fix-up
         // kernel's 8 loads in flight).
         WgCase{40000, 256, 128, 2, 256, kBf, kF32, 1}, WgCase{40000, 256, 136, 8, 128, kBf, kBf, 0}),
