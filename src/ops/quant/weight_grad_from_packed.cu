@@ -1045,10 +1045,10 @@ __device__ __forceinline__ void store_dw4(const Params& p, int m, int n, float4 
 template <int kBits, bool kRs>
 __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const Params p) {
 #if FK_WGRAD_SM90
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
   constexpr int kRowPitch = kBlockN + 4;  // floats: rows stay 16-byte aligned
   __shared__ __align__(16) float rows[8 * kRowPitch];
   const int tile = blockIdx.x, j = blockIdx.y, ct = static_cast<int>(threadIdx.x);
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
   const float4* part = reinterpret_cast<const float4*>(p.workspace) +
                        static_cast<std::int64_t>(tile) * p.splits * (kTileElems / 4) + j * kFixupThreads + ct;
   constexpr int kStride = kTileElems / 4;
@@ -1082,10 +1082,10 @@ __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_kernel(const 
 template <int kBits, bool kRs>
 __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_f16_kernel(const Params p) {
 #if FK_WGRAD_SM90
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
   constexpr int kRowPitch = kBlockN + 4;
   __shared__ __align__(16) float rows[16 * kRowPitch];
   const int tile = blockIdx.x, g = blockIdx.y, ct = static_cast<int>(threadIdx.x);
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // launched early (programmatic dependent launch)
   constexpr int kSlot = kTileElems / 8;  // uint4s (and exponent bytes) a CTA's partial takes
   const std::int64_t first = static_cast<std::int64_t>(tile) * p.splits * kSlot + g * kFixupThreads + ct;
   const uint4* part = reinterpret_cast<const uint4*>(p.workspace) + first;
