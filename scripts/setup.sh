@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what fusekit needs (Debian/Ubuntu packages, the CUTLASS/CuTe headers), then configures
-# and builds it in build/. Safe to run again: it installs only what is missing and rebuilds
-# incrementally. CUDA kernels are built when a CUDA toolkit is found (nvcc on PATH or in
-# /usr/local/cuda); otherwise the library is CPU-only.
+# and builds it in build/ (FUSEKIT_BUILD_DIR). Safe to run again: it installs only what is missing
+# and rebuilds incrementally, through ccache. CUDA kernels are built when a CUDA toolkit is found
+# (nvcc on PATH or in /usr/local/cuda) unless FUSEKIT_CMAKE_ARGS holds -DFUSEKIT_CUDA=OFF;
+# otherwise the library is CPU-only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,7 +11,7 @@ CUTLASS_VERSION=4.2.0.0
 BUILD_DIR=${FUSEKIT_BUILD_DIR:-build}
 
 packages=(build-essential cmake ninja-build git libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev
-          libdlpack-dev zlib1g-dev python3-pip unzip)
+          libdlpack-dev zlib1g-dev python3-pip unzip ccache)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -36,13 +37,18 @@ fi
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
-if command -v nvcc >/dev/null; then
+if [[ " ${FUSEKIT_CMAKE_ARGS:-} " == *" -DFUSEKIT_CUDA=OFF "* ]]; then
+  echo "setup: building the CPU-only library in $BUILD_DIR (FUSEKIT_CUDA=OFF)"
+elif command -v nvcc >/dev/null; then
   echo "setup: CUDA toolkit $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'): building the kernels"
 else
   echo "setup: no CUDA toolkit found: building the CPU-only library (the specs are the backend)"
 fi
 
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${FUSEKIT_CMAKE_ARGS:-} >/dev/null
+# ccache keys on paths relative to the checkout, so worktrees and CI's fresh clone share hits.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache ${FUSEKIT_CMAKE_ARGS:-} >/dev/null
 start=$(date +%s)
 cmake --build "$BUILD_DIR" -j "$(nproc)"
 echo "setup: build finished in $(( $(date +%s) - start )) s"

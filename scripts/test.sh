@@ -1,7 +1,21 @@
 #!/usr/bin/env bash
-# The test command: set up and build (scripts/setup.sh), then run every test. GPU tests skip,
+# The test command: every test of both configurations. First the CPU-only library (build-cpu/,
+# FUSEKIT_CUDA=OFF: what a machine without a CUDA toolkit builds), then, where a CUDA toolkit is
+# found, the CUDA one (build/). Each is set up and built by scripts/setup.sh. GPU tests skip,
 # saying why, on a machine without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
-ctest --test-dir "${FUSEKIT_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)"
+
+run_config() {  # NAME BUILD_DIR CMAKE_ARGS
+  local start=$(date +%s)
+  FUSEKIT_BUILD_DIR=$2 FUSEKIT_CMAKE_ARGS=$3 ./scripts/setup.sh
+  ctest --test-dir "$2" --output-on-failure -j "$(nproc)"
+  echo "test: $1 configuration built and tested in $(( $(date +%s) - start )) s"
+}
+
+run_config cpu-only "${FUSEKIT_CPU_BUILD_DIR:-build-cpu}" "-DFUSEKIT_CUDA=OFF ${FUSEKIT_CMAKE_ARGS:-}"
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  run_config cuda "${FUSEKIT_BUILD_DIR:-build}" "${FUSEKIT_CMAKE_ARGS:-}"
+else
+  echo "test: no CUDA toolkit found: the CUDA configuration is not built here"
+fi

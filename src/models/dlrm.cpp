@@ -19,11 +19,6 @@
 #include <cuda_runtime.h>
 
 #include "fusekit/core/cuda_check.hpp"
-#else
-namespace fk::models::gpu {
-struct GpuDlrm::State {};
-GpuDlrm::~GpuDlrm() = default;
-}  // namespace fk::models::gpu
 #endif
 
 namespace fk::models {

@@ -232,6 +232,7 @@ TEST(LoraGpu, BackwardMatchesSpec) {
       }
 }
 
+#if FUSEKIT_WITH_CUDA  // these two call the CUDA kernels directly
 TEST(LoraGpu, BothGemmSchedulesMatchSpec) {
   // The fused GEMM's ways of finishing a tile (no-shared-memory register stores; TMA stores with
   // the rank-r term by mma.sync or as a mainloop k-tile) and a few tile orders of the persistent
@@ -363,6 +364,8 @@ TEST(LoraGpu, TInsideTheGemmOverManyWavesMatchesSpec) {
         EXPECT_LE(rel_err(as_tensor(got_t), as_tensor(want_t)), tolerance(dt)) << "t " << what;
       }
 }
+
+#endif
 
 TEST(LoraGpu, EmptyBatch) {
   FK_SKIP_WITHOUT_GPU();
