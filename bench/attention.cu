@@ -11,6 +11,7 @@
 #include <string>
 
 #include "bench/harness.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/ops/primitives.hpp"
 
@@ -89,21 +90,16 @@ void attention_cases(Context& ctx, std::int64_t d) {
   const Tensor out_ref = ctx.empty({b, h, s, d}, DType::bf16);
 
   auto unfused = [&](bool causal) {
-    const float alpha = scale, one = 1.0f, zero = 0.0f;
-    const int n = static_cast<int>(s), dd = static_cast<int>(d);
-    // Row-major S [s, s] = Q Kᵀ is column-major Sᵀ = K Qᵀ: A = K (column-major [d, s], transposed).
-    FK_CUBLAS_CHECK(cublasGemmStridedBatchedEx(ctx.cublas(), CUBLAS_OP_T, CUBLAS_OP_N, n, n, dd, &alpha, k.data(),
-                                               CUDA_R_16BF, dd, s * d, q.data(), CUDA_R_16BF, dd, s * d, &zero,
-                                               scores.data(), CUDA_R_16BF, n, s * s, static_cast<int>(bh),
-                                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    const int n = static_cast<int>(s);
+    const auto heads = [&](const Tensor& t) { return t.view().reshape({bh, s, d}); };
+    GemmParams qk;
+    qk.trans_b = Trans::t;
+    qk.alpha = scale;
+    gemm({heads(q), heads(k), scores.view().reshape({bh, s, s})}, qk, &ctx.fk_stream());  // S = scale Q Kᵀ
     softmax_rows_kernel<<<static_cast<unsigned>(bh * s), kSoftmaxThreads, 0, ctx.stream()>>>(scores.data_as<T>(), n, n,
                                                                                              causal);
     FK_CUDA_CHECK_LAUNCH("softmax_rows_kernel");
-    // Row-major O [s, d] = P V is column-major Oᵀ = Vᵀ Pᵀ.
-    FK_CUBLAS_CHECK(cublasGemmStridedBatchedEx(ctx.cublas(), CUBLAS_OP_N, CUBLAS_OP_N, dd, n, n, &one, v.data(),
-                                               CUDA_R_16BF, dd, s * d, scores.data(), CUDA_R_16BF, n, s * s, &zero,
-                                               out_ref.data(), CUDA_R_16BF, dd, s * d, static_cast<int>(bh),
-                                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    gemm({scores.view().reshape({bh, s, s}), heads(v), heads(out_ref)}, {}, &ctx.fk_stream());  // O = P V
   };
 
   for (const bool causal : {false, true}) {

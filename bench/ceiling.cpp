@@ -5,6 +5,7 @@
 //   launch     a kernel that does nothing, timed as every case is (events around each call, the
 //              batch enqueued behind a spin): the floor of any one-kernel call's median_us.
 #include "bench/harness.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "fusekit/core/cuda_check.hpp"
 
 namespace fk::bench {
@@ -30,14 +31,7 @@ void gemm_ceiling(Context& ctx) {
   const int n = 8192;
   const Tensor a = ctx.random({n, n}, DType::bf16), b = ctx.random({n, n}, DType::bf16);
   const Tensor c = ctx.empty({n, n}, DType::bf16);
-  const float alpha = 1.0f, beta = 0.0f;
-  const double us = ctx.time_us(
-      [&](int) {
-        FK_CUBLAS_CHECK(cublasGemmEx(ctx.cublas(), CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, b.data(), CUDA_R_16BF,
-                                     n, a.data(), CUDA_R_16BF, n, &beta, c.data(), CUDA_R_16BF, n,
-                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-      },
-      1);
+  const double us = ctx.time_us([&](int) { matmul(a, b, c, Trans::n, Trans::n, &ctx.fk_stream()); }, 1);
   Record r{"ceiling", "gemm_bf16", "cublas", "cublas"};
   r.median_us = us;
   r.tflops = 2.0 * n * static_cast<double>(n) * n / (us * 1e6);

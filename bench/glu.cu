@@ -12,13 +12,11 @@
 
 #include "bench/harness.hpp"
 #include "fusekit/ops/glu.hpp"
-#include "nn/gemm.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "ops/glu/glu_cuda.hpp"
 
 namespace fk::bench {
 namespace {
-
-using nn::detail::Op;
 
 struct GluShape {
   GluKind kind;
@@ -81,7 +79,7 @@ void forward_case(Context& ctx, const GluShape& s) {
   const Tensor c = ctx.empty({s.m, 2 * s.n}, s.dtype);  // the baseline's C, reused like a cached block
   const Stream* st = &ctx.fk_stream();
   auto fused = [&](const GluSet& g) { glu_forward({g.x, g.w, g.b.view(), out}, opt, st); };
-  auto gemm = [&](const GluSet& g) { nn::detail::gemm(Op::n, Op::t, g.x, g.w, c, st, s.tf32); };
+  auto gemm = [&](const GluSet& g) { matmul(g.x, g.w, c, Trans::n, Trans::t, st, s.tf32); };
   auto baseline = [&](const GluSet& g) {
     gemm(g);
     const TensorView b = g.b.view();
@@ -115,16 +113,16 @@ void backward_case(Context& ctx, const GluShape& s) {
     glu_backward({g.dy, g.x, g.w, g.b.view(), dx.view(), dw.view(), db.view()}, opt, st);
   };
   auto gemms = [&](const GluSet& g) {
-    nn::detail::gemm(Op::n, Op::t, g.x, g.w, c, st, s.tf32);
-    nn::detail::gemm(Op::n, Op::n, dc, g.w, dx_b, st, s.tf32);
-    nn::detail::gemm(Op::t, Op::n, dc, g.x, dw_b, st, s.tf32);
+    matmul(g.x, g.w, c, Trans::n, Trans::t, st, s.tf32);
+    matmul(dc, g.w, dx_b, Trans::n, Trans::n, st, s.tf32);
+    matmul(dc, g.x, dw_b, Trans::t, Trans::n, st, s.tf32);
   };
   auto baseline = [&](const GluSet& g) {
-    nn::detail::gemm(Op::n, Op::t, g.x, g.w, c, st, s.tf32);
+    matmul(g.x, g.w, c, Trans::n, Trans::t, st, s.tf32);
     const TensorView b = g.b.view(), dy = g.dy.view();
     cuda::glu_pairs(c, &b, &dy, dc, s.kind, st);
-    nn::detail::gemm(Op::n, Op::n, dc, g.w, dx_b, st, s.tf32);
-    nn::detail::gemm(Op::t, Op::n, dc, g.x, dw_b, st, s.tf32);
+    matmul(dc, g.w, dx_b, Trans::n, Trans::n, st, s.tf32);
+    matmul(dc, g.x, dw_b, Trans::t, Trans::n, st, s.tf32);
     cuda::column_sums(dc, db_b, st);
   };
   fused(sets[0]);

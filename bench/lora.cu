@@ -21,13 +21,11 @@
 #include "bench/harness.hpp"
 #include "fusekit/ops/lora.hpp"
 #include "fusekit/ops/pointwise.hpp"
-#include "nn/gemm.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "ops/lora/lora_cuda.hpp"
 
 namespace fk::bench {
 namespace {
-
-using nn::detail::Op;
 
 struct LoraShape {
   std::int64_t m, n, k, r;
@@ -97,13 +95,13 @@ void forward_case(Context& ctx, const LoraShape& s) {
     lora_forward({g.x, l.w, l.bias.view(), l.a, l.b, y, std::nullopt, std::nullopt}, p, st);
   };
   auto baseline = [&](const LoraSet& g) {
-    nn::detail::gemm(Op::n, Op::t, g.x, l.w, pm, st);
-    nn::detail::gemm(Op::n, Op::t, g.x, l.a, tm, st);
-    nn::detail::gemm(Op::n, Op::t, tm, l.b, qm, st);
+    matmul(g.x, l.w, pm, Trans::n, Trans::t, st);
+    matmul(g.x, l.a, tm, Trans::n, Trans::t, st);
+    matmul(tm, l.b, qm, Trans::n, Trans::t, st);
     bias_act_forward({pm, qm.view(), l.bias.view(), y_base, std::nullopt}, {Activation::relu, kScale}, st);
   };
-  auto gemm = [&](const LoraSet& g) { nn::detail::gemm(Op::n, Op::t, g.x, l.w, pm, st); };
-  auto lowrank_t = [&](const LoraSet& g) { nn::detail::gemm(Op::n, Op::t, g.x, l.a, t_only, st, false, kScale); };
+  auto gemm = [&](const LoraSet& g) { matmul(g.x, l.w, pm, Trans::n, Trans::t, st); };
+  auto lowrank_t = [&](const LoraSet& g) { fk::gemm({g.x, l.a, t_only}, {.trans_a = Trans::n, .trans_b = Trans::t, .alpha = kScale}, st); };
   const TensorView bias = l.bias.view();
   // The one GEMM (ping-pong) with its epilogue, t given, in each epilogue; with rb = 0
   // (no rank-r term: bias, relu and the store only) to separate the epilogue's parts.
@@ -216,7 +214,7 @@ void backward_case(Context& ctx, const LoraShape& s) {
   const Tensor y = ctx.empty({s.m, s.n}, kType), t = ctx.empty({s.m, s.r}, kType), tm = ctx.empty({s.m, s.r}, kType);
   const Stream* st = &ctx.fk_stream();
   lora_forward({sets[0].x, l.w, l.bias.view(), l.a, l.b, y, t.view(), std::nullopt}, p, st);
-  nn::detail::gemm(Op::n, Op::t, sets[0].x, l.a, tm, st);
+  matmul(sets[0].x, l.a, tm, Trans::n, Trans::t, st);
   const Tensor dx = ctx.empty({s.m, s.k}, kType), da = ctx.empty({s.r, s.k}, kType), db = ctx.empty({s.n, s.r}, kType);
   const Tensor dx_b = ctx.empty({s.m, s.k}, kType), da_b = ctx.empty({s.r, s.k}, kType),
                db_b = ctx.empty({s.n, s.r}, kType);
@@ -227,13 +225,13 @@ void backward_case(Context& ctx, const LoraShape& s) {
   };
   auto baseline = [&](const LoraSet& d) {
     bias_act_backward({d.dy, y, SavedForBackward::output, g, std::nullopt, std::nullopt}, {Activation::relu, 1.0f}, st);
-    nn::detail::gemm(Op::n, Op::n, g, l.b, u, st);
-    nn::detail::gemm(Op::t, Op::n, g, tm, db_b, st, false, kScale);
-    nn::detail::gemm(Op::t, Op::n, u, d.x, da_b, st, false, kScale);
-    nn::detail::gemm(Op::n, Op::n, g, l.w, dx_b, st);
-    nn::detail::gemm(Op::n, Op::n, u, l.a, dx_b, st, false, kScale, 1.0f);
+    matmul(g, l.b, u, Trans::n, Trans::n, st);
+    gemm({g, tm, db_b}, {.trans_a = Trans::t, .trans_b = Trans::n, .alpha = kScale}, st);
+    gemm({u, d.x, da_b}, {.trans_a = Trans::t, .trans_b = Trans::n, .alpha = kScale}, st);
+    matmul(g, l.w, dx_b, Trans::n, Trans::n, st);
+    gemm({u, l.a, dx_b}, {.trans_a = Trans::n, .trans_b = Trans::n, .alpha = kScale, .beta = 1.0f}, st);
   };
-  auto gemm = [&](const LoraSet& d) { nn::detail::gemm(Op::n, Op::n, d.dy, l.w, dx_b, st); };
+  auto gemm = [&](const LoraSet& d) { matmul(d.dy, l.w, dx_b, Trans::n, Trans::n, st); };
   // The fused path's parts: the gradient pass (g, s u, dB) and the dx GEMM with (s u) Aᵀ in its
   // epilogue (r is a multiple of 16 here: no padding).
   const Tensor su = ctx.empty({s.m, s.r}, kType), a_t = ctx.empty({s.k, s.r}, kType);

@@ -14,7 +14,7 @@
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/ops/mlp.hpp"
 #include "fusekit/ops/pointwise.hpp"
-#include "nn/gemm.hpp"
+#include "fusekit/ops/gemm.hpp"
 
 namespace fk::bench {
 namespace {
@@ -67,12 +67,11 @@ void forward_case(Context& ctx, std::int64_t batch, std::int64_t in, std::int64_
   const Tensor h[2] = {ctx.empty({batch, hidden}, dt), ctx.empty({batch, hidden}, dt)};
   const Tensor y_base = ctx.empty({batch, out}, dt);
   const Stream* st = &ctx.fk_stream();
-  using nn::detail::Op;
   auto baseline = [&](const MlpSet& s) {
     TensorView cur = s.x;
     for (std::size_t l = 0; l < n_mats; ++l) {
       const TensorView next = l + 1 == n_mats ? y_base.view() : h[l % 2].view();
-      nn::detail::gemm(Op::n, Op::t, cur, w[l], next, st);
+      matmul(cur, w[l], next, Trans::n, Trans::t, st);
       bias_act_forward({next, std::nullopt, b[l].view(), next, std::nullopt}, {layers[l].act, 1.0f}, st);
       cur = next;
     }
@@ -101,7 +100,7 @@ struct TrainSet {
 // forward as in forward_case with every layer's output kept; backward per layer, top down,
 // bias_act_backward (dz = dh ⊙ act'(h) and db in one pass), the dW GEMM dzᵀ h_{l-1} and the dX GEMM
 // dz W_l (each cuBLAS, bf16 in, fp32 compute). Both give dx, every dW and db; dW in fp32 (fused) and
-// bf16 (per layer: nn::detail::gemm writes the operands' dtype), db in fp32 for both.
+// bf16 (per layer: the GEMM writes the operands' dtype), db in fp32 for both.
 void train_case(Context& ctx, std::int64_t batch, std::int64_t in, std::int64_t hidden, int hidden_layers,
                 std::int64_t out) {
   const DType dt = DType::bf16;
@@ -147,12 +146,11 @@ void train_case(Context& ctx, std::int64_t batch, std::int64_t in, std::int64_t 
   const Tensor dh[2] = {ctx.empty({batch, hidden}, dt), ctx.empty({batch, hidden}, dt)};
   const Tensor dx_base = ctx.empty({batch, in}, dt);
   const Stream* st = &ctx.fk_stream();
-  using nn::detail::Op;
   auto baseline_forward = [&](const TrainSet& s) {
     TensorView cur = s.x;
     for (std::size_t l = 0; l < n_mats; ++l) {
       const TensorView next = l + 1 == n_mats ? y_base.view() : h_base[l].view();
-      nn::detail::gemm(Op::n, Op::t, cur, w[l], next, st);
+      matmul(cur, w[l], next, Trans::n, Trans::t, st);
       bias_act_forward({next, std::nullopt, b[l].view(), next, std::nullopt}, {layers[l].act, 1.0f}, st);
       cur = next;
     }
@@ -165,9 +163,9 @@ void train_case(Context& ctx, std::int64_t batch, std::int64_t in, std::int64_t 
       bias_act_backward({grad, out_l, SavedForBackward::output, dz, std::nullopt, db_base[l].view()},
                         {layers[l].act, 1.0f}, st);
       const TensorView below = l == 0 ? s.x : h_base[l - 1].view();
-      nn::detail::gemm(Op::t, Op::n, dz, below, dw_base[l], st);
+      matmul(dz, below, dw_base[l], Trans::t, Trans::n, st);
       const TensorView next = l == 0 ? dx_base.view() : dh[l % 2].view();
-      nn::detail::gemm(Op::n, Op::n, dz, w[l], next, st);
+      matmul(dz, w[l], next, Trans::n, Trans::n, st);
       grad = next;
     }
   };

@@ -1,5 +1,5 @@
 // Bench cases of the qgemm family: y = x · w̃ᵀ from 4-bit weights (group 128) against what a user
-// without the kernel runs, cuBLAS (cublasGemmEx, fp32 accumulation) on the 16-bit weights (here the
+// without the kernel runs, cuBLAS (fusekit's gemm, fp32 accumulation) on the 16-bit weights (here the
 // dequantized ones, so that both compute the same product). Small M is bound by the weight bytes:
 // gbps counts the bytes of the weight each side reads (4-bit words + scales + zero points, or the
 // 16-bit matrix). Each side cycles through enough copies of its weight that L2 holds none of them.
@@ -9,7 +9,7 @@
 #include "bench/harness.hpp"
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/qgemm.hpp"
-#include "nn/gemm.hpp"
+#include "fusekit/ops/gemm.hpp"
 
 namespace fk::bench {
 namespace {
@@ -43,7 +43,7 @@ void qgemm_cases(Context& ctx, DType dt, std::int64_t n, std::int64_t k) {
     const Tensor y = ctx.empty({m, n}, dt), y_base = ctx.empty({m, n}, dt);
     auto fused = [&](int i) { qgemm(x, qws[static_cast<std::size_t>(i)], y, st); };
     auto baseline = [&](int i) {
-      nn::detail::gemm(nn::detail::Op::n, nn::detail::Op::t, x, wts[static_cast<std::size_t>(i)], y_base, st);
+      matmul(x, wts[static_cast<std::size_t>(i)], y_base, Trans::n, Trans::t, st);
     };
     fused(0);
     baseline(0);

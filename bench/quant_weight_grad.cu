@@ -6,12 +6,12 @@
 // beforehand, in the same run, and tflops counts the GEMM's 2 K COUT CIN flops for every impl.
 // fused_fp32_partials is the fused kernel with its split-K partials kept in fp32 instead of the
 // default fp16 with a scale per 8 values (WeightGradParams::fp32_partials).
-#include <cublas_v2.h>
 
 #include <string>
 #include <vector>
 
 #include "bench/harness.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/ops/quant.hpp"
 
@@ -25,14 +25,9 @@ struct WeightGradSet {
   Tensor dw_fused;      // bf16 [COUT, CIN]
 };
 
-// Row-major dW [COUT, CIN] = dyᵀ x̂ is column-major dWᵀ [CIN, COUT] = x̂ᵀ dy: cuBLAS gets x̂ as
-// a column-major [CIN, K] (no transpose) and dy as a column-major [COUT, K], transposed.
+// dW [COUT, CIN] = dyᵀ x̂ (bf16 out, fp32 accumulation): the GEMM a user runs after unpack.
 void gemm_dyt_xhat(Context& ctx, const Tensor& dy, const Tensor& xhat, const Tensor& dw) {
-  const int k = static_cast<int>(dy.size(0)), cout = static_cast<int>(dy.size(1)), cin = static_cast<int>(xhat.size(1));
-  const float alpha = 1.0f, beta = 0.0f;
-  FK_CUBLAS_CHECK(cublasGemmEx(ctx.cublas(), CUBLAS_OP_N, CUBLAS_OP_T, cin, cout, k, &alpha, xhat.data(), CUDA_R_16BF,
-                               cin, dy.data(), CUDA_R_16BF, cout, &beta, dw.data(), CUDA_R_16BF, cin,
-                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  matmul(dy, xhat, dw, Trans::t, Trans::n, &ctx.fk_stream());
 }
 
 void weight_grad_cases(Context& ctx) {

@@ -2,8 +2,6 @@
 // models/dlrm_kernels.cu, for both implementations (contract in dlrm_gpu.hpp).
 #include "models/dlrm_gpu.hpp"
 
-#include <cublasLt.h>
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -18,6 +16,7 @@
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "fusekit/ops/mlp.hpp"
 #include "models/dlrm_kernels.hpp"
 #include "models/layers.hpp"
@@ -28,7 +27,6 @@ namespace {
 
 constexpr const char* kOp = "models::Dlrm";
 constexpr std::int64_t kAlign = 64;  // floats: every parameter starts 256-byte aligned
-constexpr std::size_t kBlasWorkspace = std::size_t{32} << 20;
 
 std::int64_t align_up(std::int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -43,13 +41,6 @@ struct LinearSlot {
   std::int64_t in_ld = 0;
   std::int64_t shadow_w = -1, shadow_dw = -1;
   bool padded() const { return in_ld != in; }
-};
-
-struct LtPlan {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  bool ok = false;
 };
 
 Tensor device_f32(std::int64_t n, Device dev, const Stream* s) {
@@ -77,9 +68,6 @@ struct GpuDlrm::State {
   DlrmImpl impl;
   Device dev;
   Stream stream, copy_stream;
-  cublasHandle_t blas = nullptr;
-  cublasLtHandle_t lt = nullptr;
-  Tensor blas_ws, lt_ws;
 
   // Parameters: MLP layers in one flat buffer (and their gradients / Adagrad state alike).
   std::vector<LinearSlot> linears;
@@ -118,7 +106,6 @@ struct GpuDlrm::State {
   std::int64_t steps = 0;
   std::map<std::tuple<int, std::int64_t, int, float, float>, cudaGraphExec_t> graphs;
   std::map<std::int64_t, bool> warm;  // batch sizes that ran one eager step
-  std::map<std::pair<std::size_t, std::int64_t>, LtPlan> plans;
 
   // Phase timing for --trace: mark(name) starts a phase (ending the previous one); flush() waits
   // for the step and adds the phases to the trace.
@@ -174,77 +161,36 @@ struct GpuDlrm::State {
   ~State() {
     for (cudaEvent_t e : events) cudaEventDestroy(e);
     for (auto& [k, g] : graphs) cudaGraphExecDestroy(g);
-    for (auto& [k, p] : plans) destroy(p);
     for (Slot& s : slots) {
       if (s.copied) cudaEventDestroy(s.copied);
       if (s.free) cudaEventDestroy(s.free);
     }
-    if (blas) cublasDestroy(blas);
-    if (lt) cublasLtDestroy(lt);
   }
 
-  static void destroy(LtPlan& p) {
-    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
-    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
-    if (p.c) cublasLtMatrixLayoutDestroy(p.c);
-    if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+  // A row-major f32 matrix [rows, cols] with row stride ld.
+  TensorView mat(const float* p, std::int64_t rows, std::int64_t cols, std::int64_t ld) const {
+    return TensorView(const_cast<float*>(p), DType::f32, {rows, cols}, {ld, 1}, dev);
   }
-
-  // ---- GEMMs (column-major cuBLAS on row-major data) ---------------------------------------------
-  void gemm(cublasOperation_t ta, cublasOperation_t tb, std::int64_t m, std::int64_t n, std::int64_t k,
-            const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c, std::int64_t ldc,
-            bool tf32) const {
-    const float one = 1.0f, zero = 0.0f;
-    FK_CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &one, a,
-                                 CUDA_R_32F, static_cast<int>(lda), b, CUDA_R_32F, static_cast<int>(ldb), &zero, c,
-                                 CUDA_R_32F, static_cast<int>(ldc),
-                                 tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  }
-
-  LtPlan& plan_for(std::size_t li, std::int64_t batch_rows, std::int64_t ldx, std::int64_t ldy) {
-    auto [it, fresh] = plans.try_emplace({li, batch_rows});
-    LtPlan& p = it->second;
-    if (!fresh) return p;
-    const LinearSlot& l = linears[li];
-    FK_CUBLAS_CHECK(cublasLtMatmulDescCreate(
-        &p.desc, config.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-    const cublasLtEpilogue_t epi = l.relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
-    const float* bias = P(l.b);
-    FK_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
-    FK_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
-    FK_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    FK_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    FK_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_32F, l.in_ld, l.out, l.in_ld));
-    FK_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_32F, l.in_ld, batch_rows, ldx));
-    FK_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, l.out, batch_rows, ldy));
-    cublasLtMatmulPreference_t pref = nullptr;
-    FK_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const std::size_t ws_bytes = lt_ws.nbytes();
-    FK_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                                         sizeof(ws_bytes)));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
-    p.ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
-    if (p.ok) p.algo = result.algo;
-    return p;
+  // A batch of `count` such matrices, `stride` floats apart.
+  TensorView mats(const float* p, std::int64_t count, std::int64_t stride, std::int64_t rows, std::int64_t cols,
+                  std::int64_t ld) const {
+    return TensorView(const_cast<float*>(p), DType::f32, {count, rows, cols}, {stride, ld, 1}, dev);
   }
 
   // y [B, out] (leading dim ldy) = act(x [B, in] (ldx) Wᵀ + b).
   void linear_forward(std::size_t li, const float* x, std::int64_t ldx, float* y, std::int64_t ldy, std::int64_t b) {
     const LinearSlot& l = linears[li];
-    if (impl == DlrmImpl::fused) {
-      LtPlan& p = plan_for(li, b, ldx, ldy);
-      if (p.ok) {
-        const float one = 1.0f, zero = 0.0f;
-        FK_CUBLAS_CHECK(cublasLtMatmul(lt, p.desc, &one, weights_for_gemm(l), p.a, x, p.b, &zero, y, p.c, y, p.c, &p.algo,
-                                       lt_ws.data(), lt_ws.nbytes(), cs()));
-        return;
-      }
+    const TensorView xv = mat(x, b, l.in_ld, ldx), w = mat(weights_for_gemm(l), l.out, l.in_ld, l.in_ld);
+    const TensorView yv = mat(y, b, l.out, ldy);
+    GemmParams p;
+    p.trans_b = Trans::t;
+    p.allow_tf32 = config.allow_tf32;
+    if (impl == DlrmImpl::fused) {  // bias and ReLU in the GEMM's epilogue
+      p.epilogue = l.relu ? GemmEpilogue::relu_bias : GemmEpilogue::bias;
+      gemm({xv, w, yv, TensorView(P(l.b), DType::f32, {l.out}, dev)}, p, &stream);
+      return;
     }
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, l.out, b, l.in_ld, weights_for_gemm(l), l.in_ld, x, ldx, y, ldy, config.allow_tf32);
+    gemm({xv, w, yv}, p, &stream);
     bias_add(y, P(l.b), b, l.out, ldy, cs());
     if (l.relu) relu_inplace(y, b, l.out, ldy, cs());
   }
@@ -262,14 +208,16 @@ struct GpuDlrm::State {
       column_sum(dy, nullptr, G(l.b), b, l.out, lddy, ldy, partial.data_as<float>(), cs());
     }
     float* dw = l.padded() ? S(l.shadow_dw) : G(l.w);
-    gemm(CUBLAS_OP_N, CUBLAS_OP_T, l.in_ld, l.out, b, x, ldx, dy, lddy, dw, l.in_ld, config.allow_tf32);
+    const TensorView dyv = mat(dy, b, l.out, lddy);
+    matmul(dyv, mat(x, b, l.in_ld, ldx), mat(dw, l.out, l.in_ld, l.in_ld), Trans::t, Trans::n, &stream,
+           config.allow_tf32);
     if (l.padded())
       FK_CUDA_CHECK(cudaMemcpy2DAsync(G(l.w), static_cast<std::size_t>(l.in) * 4, dw, static_cast<std::size_t>(l.in_ld) * 4,
                                       static_cast<std::size_t>(l.in) * 4, static_cast<std::size_t>(l.out),
                                       cudaMemcpyDeviceToDevice, cs()));
     if (dx)
-      gemm(CUBLAS_OP_N, CUBLAS_OP_N, l.in_ld, b, l.out, weights_for_gemm(l), l.in_ld, dy, lddy, dx, lddx,
-           config.allow_tf32);
+      matmul(dyv, mat(weights_for_gemm(l), l.out, l.in_ld, l.in_ld), mat(dx, b, l.in_ld, lddx), Trans::n, Trans::n,
+             &stream, config.allow_tf32);
   }
 
   // The padded layers' GEMM copies of W, from the parameters the optimizer updated.
@@ -364,17 +312,6 @@ struct GpuDlrm::State {
     if (dx) from_bf16_rows(static_cast<const std::uint16_t*>(run.dx16.data()), dx, lddx, b, run.in, cs());
   }
 
-  void strided_batched(cublasOperation_t ta, cublasOperation_t tb, std::int64_t m, std::int64_t n, std::int64_t k,
-                       const float* a, std::int64_t lda, std::int64_t sa, const float* b, std::int64_t ldb,
-                       std::int64_t sb, float beta, float* c, std::int64_t ldc, std::int64_t sc,
-                       std::int64_t count) const {
-    const float one = 1.0f;
-    FK_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-        blas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &one, a, CUDA_R_32F,
-        static_cast<int>(lda), sa, b, CUDA_R_32F, static_cast<int>(ldb), sb, &beta, c, CUDA_R_32F,
-        static_cast<int>(ldc), sc, static_cast<int>(count), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  }
-
   // ---- buffers ------------------------------------------------------------------------------------
   void ensure_capacity(std::int64_t b, std::int64_t nnz_needed) {
     if (b <= cap && nnz_needed <= cap_nnz) return;
@@ -383,8 +320,6 @@ struct GpuDlrm::State {
     for (auto& [k, g] : graphs) cudaGraphExecDestroy(g);
     graphs.clear();
     warm.clear();
-    for (auto& [k, p] : plans) destroy(p);
-    plans.clear();
     cap = std::max(cap, b);
     cap_nnz = std::max({cap_nnz, nnz_needed, cap * static_cast<std::int64_t>(base_host.size())});
     const std::int64_t t = static_cast<std::int64_t>(base_host.size());
@@ -549,8 +484,12 @@ struct GpuDlrm::State {
           interaction_dot_forward(z.data_as<float>(), pairs.data_as<std::uint32_t>(), num_pairs,
                                   static_cast<int>(features), static_cast<int>(dim), b, r.data_as<float>(), ldr, cs());
         } else {
-          strided_batched(CUBLAS_OP_T, CUBLAS_OP_N, features, features, dim, z.data_as<float>(), dim, fd,
-                          z.data_as<float>(), dim, fd, 0.0f, zz.data_as<float>(), features, features * features, b);
+          {  // zz[b] = Z[b] Z[b]ᵀ
+            const TensorView zb = mats(z.data_as<float>(), b, fd, features, dim, dim);
+            GemmParams p;
+            p.trans_b = Trans::t;
+            gemm({zb, zb, mats(zz.data_as<float>(), b, features * features, features, features, features)}, p, &stream);
+          }
           interaction_gather(z.data_as<float>(), zz.data_as<float>(), pairs.data_as<std::uint32_t>(), num_pairs,
                              static_cast<int>(features), static_cast<int>(dim), b, r.data_as<float>(), ldr, cs());
         }
@@ -618,8 +557,10 @@ struct GpuDlrm::State {
         } else {
           interaction_scatter(dr.data_as<float>(), ldr, pairs.data_as<std::uint32_t>(), num_pairs,
                               static_cast<int>(features), static_cast<int>(dim), b, sym.data_as<float>(), cs());
-          strided_batched(CUBLAS_OP_N, CUBLAS_OP_N, dim, features, features, z.data_as<float>(), dim, fd,
-                          sym.data_as<float>(), features, features * features, 0.0f, dz.data_as<float>(), dim, fd, b);
+          // dZ[b] = S[b] Z[b]
+          gemm({mats(sym.data_as<float>(), b, features * features, features, features, features),
+                mats(z.data_as<float>(), b, fd, features, dim, dim), mats(dz.data_as<float>(), b, fd, features, dim, dim)},
+               {}, &stream);
           add_dense_grad(dr.data_as<float>(), static_cast<int>(ldr), static_cast<int>(dim), static_cast<int>(fd), b,
                          dz.data_as<float>(), cs());
         }
@@ -630,10 +571,15 @@ struct GpuDlrm::State {
         break;
       case InteractionOp::outer:
         // dc = G c + Gᵀ c per sample (G = dR[b] as [n, n] row-major).
-        strided_batched(CUBLAS_OP_T, CUBLAS_OP_N, fd, 1, fd, dr.data_as<float>(), fd, fd * fd, z.data_as<float>(), fd,
-                        fd, 0.0f, dz.data_as<float>(), fd, fd, b);
-        strided_batched(CUBLAS_OP_N, CUBLAS_OP_N, fd, 1, fd, dr.data_as<float>(), fd, fd * fd, z.data_as<float>(), fd,
-                        fd, 1.0f, dz.data_as<float>(), fd, fd, b);
+        {
+          const TensorView g = mats(dr.data_as<float>(), b, fd * fd, fd, fd, fd);
+          const TensorView c = mats(z.data_as<float>(), b, fd, fd, 1, 1), dc = mats(dz.data_as<float>(), b, fd, fd, 1, 1);
+          gemm({g, c, dc}, {}, &stream);  // G c
+          GemmParams p;
+          p.trans_a = Trans::t;
+          p.beta = 1.0f;
+          gemm({g, c, dc}, p, &stream);  // + Gᵀ c
+        }
         break;
     }
     if (impl == DlrmImpl::reference) {
@@ -725,12 +671,6 @@ GpuDlrm::GpuDlrm(const DlrmConfig& config, DlrmImpl impl, int device) {
   const auto pad4 = [](std::int64_t n) { return (n + 3) / 4 * 4; };
   s.ldr = pad4(s.inter);
   s.ld_dense = pad4(config.bottom_mlp.front());
-  FK_CUBLAS_CHECK(cublasCreate(&s.blas));
-  FK_CUBLAS_CHECK(cublasSetStream(s.blas, s.cs()));
-  s.blas_ws = Tensor::empty({static_cast<std::int64_t>(kBlasWorkspace)}, DType::u8, s.dev, st);
-  FK_CUBLAS_CHECK(cublasSetWorkspace(s.blas, s.blas_ws.data(), kBlasWorkspace));
-  FK_CUBLAS_CHECK(cublasLtCreate(&s.lt));
-  s.lt_ws = Tensor::empty({static_cast<std::int64_t>(kBlasWorkspace)}, DType::u8, s.dev, st);
   for (auto& sl : s.slots) {
     FK_CUDA_CHECK(cudaEventCreateWithFlags(&sl.copied, cudaEventDisableTiming));
     FK_CUDA_CHECK(cudaEventCreateWithFlags(&sl.free, cudaEventDisableTiming));
@@ -866,7 +806,7 @@ void GpuDlrm::enqueue_train_step(const DlrmInput& input, const TensorView& label
     s.step_body(opt);
   };
   // The fused step with one-hot raw input has fixed sizes for a given batch: after one eager
-  // step at that size (which also builds the cuBLASLt plans), capture it once per slot and replay.
+  // step at that size (which also picks the GEMMs' algorithms), capture it once per slot and replay.
   const bool graphable = s.impl == DlrmImpl::fused && s.use_raw && s.config.cuda_graph && s.trace == nullptr;
   if (!graphable || !s.warm[s.batch]) {
     body();

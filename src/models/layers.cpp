@@ -9,7 +9,7 @@
 
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/random.hpp"
-#include "models/cpu_gemm.hpp"
+#include "fusekit/ops/gemm.hpp"
 
 namespace fk::models::cpu {
 
@@ -18,6 +18,10 @@ namespace {
 constexpr std::uint64_t kBiasStream = std::uint64_t{1} << 32;
 
 Tensor host_f32(Dims shape) { return Tensor::empty(shape, DType::f32, Device::cpu()); }
+
+TensorView host_view(const float* p, std::int64_t rows, std::int64_t cols) {
+  return TensorView(const_cast<float*>(p), DType::f32, {rows, cols}, Device::cpu());
+}
 
 }  // namespace
 
@@ -37,7 +41,7 @@ Linear::Linear(std::int64_t in, std::int64_t out, bool relu, std::uint64_t seed,
 
 void Linear::forward(const float* x, std::int64_t batch, float* y) const {
   const std::int64_t n = out(), k = in();
-  sgemm(false, true, batch, n, k, 1.0f, x, k, weight.data_as<float>(), k, 0.0f, y, n);
+  matmul(host_view(x, batch, k), weight, host_view(y, batch, n), Trans::n, Trans::t);
   const float* b = bias.data_as<float>();
   for (std::int64_t i = 0; i < batch; ++i) {
     float* row = y + i * n;
@@ -52,12 +56,12 @@ void Linear::backward(const float* x, const float* y, float* dy, std::int64_t ba
   if (relu_)
     for (std::int64_t i = 0; i < batch * n; ++i)
       if (!(y[i] > 0.0f)) dy[i] = 0.0f;
-  sgemm(true, false, n, k, batch, 1.0f, dy, n, x, k, 0.0f, weight_grad.data_as<float>(), k);
+  matmul(host_view(dy, batch, n), host_view(x, batch, k), weight_grad, Trans::t, Trans::n);
   float* db = bias_grad.data_as<float>();
   std::fill(db, db + n, 0.0f);
   for (std::int64_t i = 0; i < batch; ++i)
     for (std::int64_t j = 0; j < n; ++j) db[j] += dy[i * n + j];
-  if (dx) sgemm(false, false, batch, k, n, 1.0f, dy, n, weight.data_as<float>(), k, 0.0f, dx, k);
+  if (dx) matmul(host_view(dy, batch, n), weight, host_view(dx, batch, k), Trans::n, Trans::n);
 }
 
 // ---------------------------------------------------------------------------------------------

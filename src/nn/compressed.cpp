@@ -5,7 +5,7 @@
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/pointwise.hpp"
-#include "gemm.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "ops/op_checks.hpp"
 
 namespace fk::nn {
@@ -44,7 +44,7 @@ void CompressedLinear::forward(const TensorView& x, const TensorView& y, const S
   FK_CHECK_ARG(x.size(1) == in_, op, "x", fmt::format("[N, {}]", in_), x.shape().str());
   checks::shape_is(op, "y", y, Dims{x.size(0), out_});
   checks::same_dtype(op, "y", y, weight);
-  detail::gemm(detail::Op::n, detail::Op::t, x, weight, y, stream);
+  matmul(x, weight, y, Trans::n, Trans::t, stream);
   bias_act_forward({y, std::nullopt, bias.view(), y, std::nullopt}, {Activation::identity, 1.0f}, stream);
   saved_uncompressed_ = x.nbytes();
   if (compress_) {
@@ -64,11 +64,11 @@ void CompressedLinear::backward(const TensorView& dy, const std::optional<Tensor
   checks::tensor(op, "dy", dy, 2);
   checks::same_dtype(op, "dy", dy, weight);
   checks::shape_is(op, "dy", dy, Dims{n, out_});
-  if (dx) detail::gemm(detail::Op::n, detail::Op::n, dy, weight, *dx, stream);  // [N, out] x [out, in]
+  if (dx) matmul(dy, weight, *dx, Trans::n, Trans::n, stream);  // [N, out] x [out, in]
   if (compress_) {
     weight_grad_from_packed(dy, packed_.view(), weight_grad, {}, stream);
   } else {
-    detail::gemm(detail::Op::t, detail::Op::n, dy, saved_, weight_grad, stream);  // [out, N] x [N, in]
+    matmul(dy, saved_, weight_grad, Trans::t, Trans::n, stream);  // [out, N] x [N, in]
   }
   // db = column sums of dy: the identity's backward, whose dx is a scratch copy.
   Tensor scratch = Tensor::empty(dy.shape(), dy.dtype(), dy.device(), stream);

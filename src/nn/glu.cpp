@@ -5,7 +5,7 @@
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/pointwise.hpp"
-#include "gemm.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "nn/module_util.hpp"
 #include "ops/op_checks.hpp"
 
@@ -39,7 +39,7 @@ void GLUFeedForward::forward(const TensorView& x, const TensorView& y, const Str
   checks::shape_is(op, "y", y, Dims{x.size(0), d_out_});
   saved_h_ = Tensor::empty({x.size(0), hidden_}, weight1.dtype(), weight1.device(), stream);
   glu_forward({x, weight1, bias1.view(), saved_h_}, opt_, stream);  // checks x's dtype and device
-  detail::gemm(detail::Op::n, detail::Op::t, saved_h_, weight2, y, stream, opt_.allow_tf32);
+  matmul(saved_h_, weight2, y, Trans::n, Trans::t, stream, opt_.allow_tf32);
   bias_act_forward({y, std::nullopt, bias2.view(), y, std::nullopt}, {Activation::identity, 1.0f}, stream);
   saved_x_ = keep(x, stream);
 }
@@ -52,13 +52,13 @@ void GLUFeedForward::backward(const TensorView& dy, const std::optional<TensorVi
   checks::same_dtype(op, "dy", dy, weight2);
   checks::shape_is(op, "dy", dy, Dims{saved_h_.size(0), d_out_});
   const std::int64_t t = dy.size(0);
-  detail::gemm(detail::Op::t, detail::Op::n, dy, saved_h_, weight2_grad, stream, opt_.allow_tf32);  // [d_out, H]
+  matmul(dy, saved_h_, weight2_grad, Trans::t, Trans::n, stream, opt_.allow_tf32);  // [d_out, H]
   // db2 = column sums of dy: the identity's backward, whose dx is a scratch copy.
   Tensor scratch = Tensor::empty(dy.shape(), dy.dtype(), dy.device(), stream);
   bias_act_backward({dy, dy, SavedForBackward::output, scratch, std::nullopt, bias2_grad.view()},
                     {Activation::identity, 1.0f}, stream);
   Tensor dh = Tensor::empty({t, hidden_}, dy.dtype(), dy.device(), stream);
-  detail::gemm(detail::Op::n, detail::Op::n, dy, weight2, dh, stream, opt_.allow_tf32);  // [T, H]
+  matmul(dy, weight2, dh, Trans::n, Trans::n, stream, opt_.allow_tf32);  // [T, H]
   glu_backward({dh, saved_x_, weight1, bias1.view(), dx, weight1_grad.view(), bias1_grad.view()}, opt_, stream);
 }
 

@@ -3,10 +3,12 @@
 
 #include <fmt/format.h>
 
+#include <functional>
 #include <initializer_list>
 #include <string>
 
 #include "fusekit/core/error.hpp"
+#include "fusekit/core/stream.hpp"
 #include "fusekit/core/tensor.hpp"
 
 namespace fk::checks {
@@ -53,6 +55,31 @@ inline void companion(const char* op, const char* arg, const TensorView& t, cons
 
 // The floating dtypes of the GEMM-shaped families (f32 through TF32 where they allow it).
 inline constexpr std::initializer_list<DType> kFloatTypes = {DType::f32, DType::bf16, DType::f16};
+
+// Bytes from a view's first element to just past its last (its span in memory; nbytes() for a
+// contiguous view). Strides are non-negative in every view an op accepts.
+inline std::int64_t span_bytes(const TensorView& t) {
+  if (t.numel() == 0) return 0;
+  std::int64_t last = 0;
+  for (int i = 0; i < t.rank(); ++i) last += (t.size(i) - 1) * t.strides()[i];
+  return (last + 1) * static_cast<std::int64_t>(dtype_size(t.dtype()));
+}
+
+// Whether two views' spans share a byte.
+inline bool overlaps(const TensorView& x, const TensorView& y) {
+  if (x.numel() == 0 || y.numel() == 0) return false;
+  const auto* x0 = static_cast<const unsigned char*>(x.data());
+  const auto* y0 = static_cast<const unsigned char*>(y.data());
+  // std::less gives a total order on unrelated pointers, where < would be unspecified.
+  return std::less<>{}(x0, y0 + span_bytes(y)) && std::less<>{}(y0, x0 + span_bytes(x));
+}
+
+// The legacy default stream (null) belongs to whichever device is current; an owned stream to one.
+inline void check_stream(const char* op, const Stream* stream, Device dev) {
+  if (stream && stream->handle() && dev.is_cuda())
+    FK_CHECK_ARG(stream->device() == dev, op, "stream", fmt::format("a stream on {}", dev.str()),
+                 fmt::format("a stream on {}", stream->device().str()));
+}
 
 // Raises a clear error when a CUDA tensor reaches a build without CUDA.
 inline void cuda_available(const char* op, Device device) {

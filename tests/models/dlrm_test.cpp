@@ -15,7 +15,6 @@
 #include "fusekit/data/criteo.hpp"
 #include "fusekit/models/dlrm.hpp"
 #include "fusekit/models/metrics.hpp"
-#include "models/cpu_gemm.hpp"
 #include "models/layers.hpp"
 #include "test_util.hpp"
 
@@ -54,28 +53,6 @@ void expect_grad(float* p, const float* g, std::size_t n, const std::function<do
     }
   }
   EXPECT_EQ(bad, 0) << what;
-}
-
-TEST(CpuGemm, MatchesPlainLoopsForEveryTransposeAndOddSizes) {
-  for (float beta : {2.0f, 0.0f})
-  for (bool ta : {false, true})
-    for (bool tb : {false, true})
-      for (auto [m, n, k] : {std::array<std::int64_t, 3>{1, 1, 1}, {7, 13, 300}, {9, 5, 3}, {33, 17, 513}, {8, 48, 0}}) {
-        const auto a = random_floats(static_cast<std::size_t>(m * k), 1), b = random_floats(static_cast<std::size_t>(k * n), 2);
-        auto c = random_floats(static_cast<std::size_t>(m * n), 3);
-        if (beta == 0.0f) std::fill(c.begin(), c.end(), std::nanf(""));  // beta 0 must not read C
-        std::vector<double> want(c.size());
-        for (std::int64_t i = 0; i < m; ++i)
-          for (std::int64_t j = 0; j < n; ++j) {
-            double s = 0;
-            for (std::int64_t p = 0; p < k; ++p)
-              s += static_cast<double>(ta ? a[p * m + i] : a[i * k + p]) * (tb ? b[j * k + p] : b[p * n + j]);
-            want[i * n + j] = 0.5 * s + (beta == 0.0f ? 0.0 : beta * c[i * n + j]);
-          }
-        cpu::sgemm(ta, tb, m, n, k, 0.5f, a.data(), ta ? m : k, b.data(), tb ? k : n, beta, c.data(), n);
-        for (std::size_t i = 0; i < c.size(); ++i)
-          ASSERT_NEAR(c[i], want[i], 1e-4 * (1 + std::fabs(want[i]))) << ta << tb << " " << m << "x" << n << "x" << k;
-      }
 }
 
 TEST(Layers, LinearReluGradients) {

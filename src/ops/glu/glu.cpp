@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "nn/gemm.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "ops/op_checks.hpp"
 
 #if FUSEKIT_WITH_CUDA
@@ -112,7 +112,7 @@ void glu_forward(const GluForwardArgs& a, const GluOptions& opt, const Stream* s
   const TensorView* bias = a.bias ? &*a.bias : nullptr;
   if (cuda::glu_gemm_fused(a.x, a.w, bias, nullptr, a.out, nullptr, opt, stream)) return;
   const Tensor c = Tensor::empty({a.x.size(0), 2 * n}, a.x.dtype(), a.x.device(), stream);
-  nn::detail::gemm(nn::detail::Op::n, nn::detail::Op::t, a.x, a.w, c.view(), stream, opt.allow_tf32);
+  matmul(a.x, a.w, c.view(), Trans::n, Trans::t, stream, opt.allow_tf32);
   cuda::glu_pairs(c.view(), bias, nullptr, a.out, opt.kind, stream);
 #endif
 }
@@ -148,12 +148,11 @@ void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, const Stream*
   const bool fused = m > 0 && cuda::glu_gemm_fused(a.x, a.w, bias, &a.dy, dc.view(), partial, opt, stream);
   if (m > 0 && !fused) {
     const Tensor c = Tensor::empty({m, 2 * n}, a.x.dtype(), a.x.device(), stream);
-    nn::detail::gemm(nn::detail::Op::n, nn::detail::Op::t, a.x, a.w, c.view(), stream, opt.allow_tf32);
+    matmul(a.x, a.w, c.view(), Trans::n, Trans::t, stream, opt.allow_tf32);
     cuda::glu_pairs(c.view(), bias, &a.dy, dc.view(), opt.kind, stream);
   }
-  using nn::detail::Op;
-  if (a.dx) nn::detail::gemm(Op::n, Op::n, dc.view(), a.w, *a.dx, stream, opt.allow_tf32);
-  if (a.dw) nn::detail::gemm(Op::t, Op::n, dc.view(), a.x, *a.dw, stream, opt.allow_tf32);
+  if (a.dx) matmul(dc.view(), a.w, *a.dx, Trans::n, Trans::n, stream, opt.allow_tf32);
+  if (a.dw) matmul(dc.view(), a.x, *a.dw, Trans::t, Trans::n, stream, opt.allow_tf32);
   if (a.dbias) {
     if (m == 0) fill(*a.dbias, 0.0);
     else cuda::column_sums(fused ? db_partial.view() : dc.view(), *a.dbias, stream);

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "nn/gemm.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "ops/op_checks.hpp"
 
 #if FUSEKIT_WITH_CUDA
@@ -133,7 +133,6 @@ void lora_forward(const LoraForwardArgs& args, const LoraParams& p, const Stream
   if (args.x.device().is_cpu()) return reference::lora_forward(args, p);
   if (s.m == 0) return;
 #if FUSEKIT_WITH_CUDA
-  using nn::detail::Op;
   // t = s x Aᵀ, kept zero-padded to rb columns for the GEMM's epilogue ([M, rb]).
   const std::int64_t rb = padded_rank(s.r);
   std::optional<Tensor> t_own;
@@ -157,14 +156,14 @@ void lora_forward(const LoraForwardArgs& args, const LoraParams& p, const Stream
       return;
     }
   }
-  nn::detail::gemm(Op::n, Op::t, args.x, a_pad.view, t, stream, false, p.scale);
+  gemm({args.x, a_pad.view, t}, {.trans_a = Trans::n, .trans_b = Trans::t, .alpha = p.scale}, stream);
   if (t_user != nullptr) copy_columns(t, *t_user, stream);
   if (cuda::lora_gemm_fused({args.x, args.w, true, t, b_pad.view, bias, p.act, args.y, preact}, stream)) return;
   // Unfused: z = x Wᵀ, z += t Bᵀ, then y = act(z + b) in one pointwise pass.
   const std::optional<Tensor> z_own = scratch_unless(args.preact, {s.m, s.n}, args.x, stream);
   const TensorView z = args.preact ? *args.preact : z_own->view();
-  nn::detail::gemm(Op::n, Op::t, args.x, args.w, z, stream);
-  nn::detail::gemm(Op::n, Op::t, t, b_pad.view, z, stream, false, 1.0f, 1.0f);
+  matmul(args.x, args.w, z, Trans::n, Trans::t, stream);
+  gemm({t, b_pad.view, z}, {.trans_a = Trans::n, .trans_b = Trans::t, .beta = 1.0f}, stream);
   bias_act_forward({z, std::nullopt, args.bias, args.y, args.preact}, {p.act, 1.0f}, stream);
 #endif
 }
@@ -184,11 +183,10 @@ void lora_backward(const LoraBackwardArgs& args, const LoraParams& p, const Stre
   if (args.dbias) checks::companion(op, "dbias", *args.dbias, args.x, Dims{s.n});
   if (args.x.device().is_cpu()) return reference::lora_backward(args, p);
 #if FUSEKIT_WITH_CUDA
-  using nn::detail::Op;
   const std::int64_t rb = padded_rank(s.r);
   const std::optional<Tensor> t_own = scratch_unless(args.t, {s.m, s.r}, args.x, stream);
   const TensorView t = args.t ? *args.t : t_own->view();
-  if (!args.t) nn::detail::gemm(Op::n, Op::t, args.x, args.a, t, stream, false, p.scale);
+  if (!args.t) gemm({args.x, args.a, t}, {.trans_a = Trans::n, .trans_b = Trans::t, .alpha = p.scale}, stream);
   const Tensor g = Tensor::empty({s.m, s.n}, args.x.dtype(), args.x.device(), stream);    // dy ⊙ act'(z)
   const Tensor su = Tensor::empty({s.m, rb}, args.x.dtype(), args.x.device(), stream);   // s g B, zero-padded
   const bool from_output = args.saved_kind == SavedForBackward::output;
@@ -198,15 +196,15 @@ void lora_backward(const LoraBackwardArgs& args, const LoraParams& p, const Stre
     bias_act_backward({args.dy, args.saved, args.saved_kind, g.view(), std::nullopt, args.dbias}, {p.act, 1.0f},
                       stream);
     const Padded b_pad = pad_columns(args.b, rb, stream);
-    nn::detail::gemm(Op::n, Op::n, g.view(), b_pad.view, su.view(), stream, false, p.scale);
-    nn::detail::gemm(Op::t, Op::n, g.view(), t, args.db, stream);  // dB = gᵀ t
+    gemm({g.view(), b_pad.view, su.view()}, {.trans_a = Trans::n, .trans_b = Trans::n, .alpha = p.scale}, stream);
+    matmul(g.view(), t, args.db, Trans::t, Trans::n, stream);  // dB = gᵀ t
   }
   // dA = (s u)ᵀ x: the first r rows of the [rb, K] product.
   if (s.r == rb) {
-    nn::detail::gemm(Op::t, Op::n, su.view(), args.x, args.da, stream);
+    matmul(su.view(), args.x, args.da, Trans::t, Trans::n, stream);
   } else {
     const Tensor da_pad = Tensor::empty({rb, s.k}, args.x.dtype(), args.x.device(), stream);
-    nn::detail::gemm(Op::t, Op::n, su.view(), args.x, da_pad.view(), stream);
+    matmul(su.view(), args.x, da_pad.view(), Trans::t, Trans::n, stream);
     copy_rows(da_pad.view(), args.da, stream);
   }
   if (!args.dx) return;
@@ -218,8 +216,8 @@ void lora_backward(const LoraBackwardArgs& args, const LoraParams& p, const Stre
                              nullptr, a_pad.view},
                             stream))
     return;
-  nn::detail::gemm(Op::n, Op::n, g.view(), args.w, *args.dx, stream);  // dx = g W
-  nn::detail::gemm(Op::n, Op::n, su.view(), a_pad.view, *args.dx, stream, false, 1.0f, 1.0f);  // + (s u) A
+  matmul(g.view(), args.w, *args.dx, Trans::n, Trans::n, stream);  // dx = g W
+  gemm({su.view(), a_pad.view, *args.dx}, {.trans_a = Trans::n, .trans_b = Trans::n, .beta = 1.0f}, stream);  // + (s u) A
 #endif
 }
 

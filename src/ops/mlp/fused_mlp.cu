@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "fusekit/core/cuda_check.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "mlp_cuda.hpp"
 #include "ops/cuda_common.cuh"
 #include "ops/pointwise/activations.cuh"
@@ -865,14 +866,6 @@ int launch_backward(MlpBackwardParams p, std::size_t smem, cudaStream_t stream, 
   return blocks;
 }
 
-// dW [n_out, n_in] (f32, row-major) = gᵀ · h over the batch: g [batch, n_out], h [batch, n_in]
-// (the dtype). Column-major, dWᵀ [n_in, n_out] = h_cm [n_in, batch] · (g_cm [n_out, batch])ᵀ.
-void weight_grad(cublasHandle_t handle, cudaDataType_t t, const void* g, const void* h, float* dw, int batch, int n_out,
-                 int n_in) {
-  const float one = 1.0f, zero = 0.0f;
-  FK_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, n_in, n_out, batch, &one, h, t, n_in, g, t, n_out, &zero,
-                               dw, CUDA_R_32F, n_in, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-}
 
 }  // namespace
 
@@ -1031,18 +1024,17 @@ void fused_mlp_backward(const FusedMlpBackwardArgs& a, const Stream* stream) {
   mlp_bias_grad_kernel<<<(n_bias + 127) / 128, 128, 0, s>>>(db_part, blocks, n_bias, hidden, layers, out, d);
   FK_CUDA_CHECK_LAUNCH("mlp_bias_grad_kernel");
 
-  // dW_l = g_lᵀ · h_{l-1} (h_{-1} = x): cuBLAS, fp32 output.
-  const fk::detail::CublasLease cublas(dev.index, s);
-  const cudaDataType_t t = fk::detail::cuda_data_type(dt);
-  const auto h_slice = [&](int l) { return a.hidden.data_as<const u16>() + static_cast<std::int64_t>(l) * batch * hidden; };
-  const auto g_slice = [&](int l) { return g_hidden.data_as<const u16>() + static_cast<std::int64_t>(l) * batch * hidden; };
-  const int b = static_cast<int>(batch);
-  weight_grad(cublas.get(), t, g_slice(0), a.x.data(), a.dweight[0].data_as<float>(), b, hidden, in);
+  // dW_l = g_lᵀ · h_{l-1} (h_{-1} = x), fp32 output.
+  const auto h_slice = [&](int l, std::int64_t width) {
+    return TensorView(a.hidden.data_as<u16>() + static_cast<std::int64_t>(l) * batch * hidden, dt, {batch, width}, dev);
+  };
+  const auto g_slice = [&](int l) {
+    return TensorView(g_hidden.data_as<u16>() + static_cast<std::int64_t>(l) * batch * hidden, dt, {batch, hidden}, dev);
+  };
+  matmul(g_slice(0), a.x, a.dweight[0], Trans::t, Trans::n, stream);
   for (int l = 1; l < layers - 1; ++l)
-    weight_grad(cublas.get(), t, g_slice(l), h_slice(l - 1), a.dweight[static_cast<std::size_t>(l)].data_as<float>(), b,
-                hidden, hidden);
-  weight_grad(cublas.get(), t, g_out.data(), h_slice(layers - 2),
-              a.dweight[static_cast<std::size_t>(layers - 1)].data_as<float>(), b, out, hidden);
+    matmul(g_slice(l), h_slice(l - 1, hidden), a.dweight[static_cast<std::size_t>(l)], Trans::t, Trans::n, stream);
+  matmul(g_out, h_slice(layers - 2, hidden), a.dweight[static_cast<std::size_t>(layers - 1)], Trans::t, Trans::n, stream);
 }
 
 }  // namespace fk::cuda

@@ -288,32 +288,6 @@ GemmArgs make_args(const TensorView& a, const TensorView& b, const TensorView& c
 
 }  // namespace
 
-void batched_matmul_cublas(const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream) {
-  fk::detail::DeviceScope on_device(a.device().index);
-  const GemmArgs args = make_args(a, b, c);
-  const cudaStream_t s = fk::detail::cuda_stream(stream);
-  if (args.k == 0) {  // cuBLAS wants lda >= 1; the sum over nothing is zero, all bits clear
-    FK_CUDA_CHECK(cudaMemsetAsync(c.data(), 0, c.nbytes(), s));
-    return;
-  }
-  const float alpha = 1.0f, beta = 0.0f;
-  const long long stride_a = static_cast<long long>(args.m) * args.k;
-  const long long stride_b = static_cast<long long>(args.k) * args.n;
-  const long long stride_c = static_cast<long long>(args.m) * args.n;
-
-  const fk::detail::CublasLease cublas(a.device().index, s);
-  const cublasHandle_t handle = cublas.get();
-  // CUBLAS_COMPUTE_32F under the handle's default math mode: fp32 arithmetic, never TF32.
-  // Row-major c = a b is column-major c^T = b^T a^T: cuBLAS gets b first, with the roles of M
-  // and N swapped, and every leading dimension is a row length.
-  FK_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-      handle, CUBLAS_OP_N, CUBLAS_OP_N, args.n, args.m, args.k, &alpha,
-      b.data(), fk::detail::cuda_data_type(b.dtype()), args.n, stride_b,
-      a.data(), fk::detail::cuda_data_type(a.dtype()), args.k, stride_a, &beta,
-      c.data(), fk::detail::cuda_data_type(c.dtype()), args.n, stride_c, args.batch,
-      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-}
-
 void batched_matmul_cute(const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream) {
   const int device = a.device().index;
   fk::detail::DeviceScope on_device(device);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "fusekit/core/stream.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "ops/op_checks.hpp"
 #include "primitives_cuda.hpp"
 
@@ -17,20 +18,8 @@ namespace {
 
 constexpr std::initializer_list<DType> kFloatTypes = {DType::f32, DType::bf16, DType::f16};
 
-bool overlaps(const TensorView& x, const TensorView& y) {
-  if (x.numel() == 0 || y.numel() == 0) return false;
-  const auto* x0 = static_cast<const unsigned char*>(x.data());
-  const auto* y0 = static_cast<const unsigned char*>(y.data());
-  // std::less gives a total order on unrelated pointers, where < would be unspecified.
-  return std::less<>{}(x0, y0 + y.nbytes()) && std::less<>{}(y0, x0 + x.nbytes());
-}
-
-// The legacy default stream (null) belongs to whichever device is current; an owned stream to one.
-void check_stream(const char* op, const Stream* stream, Device dev) {
-  if (stream && stream->handle() && dev.is_cuda())
-    FK_CHECK_ARG(stream->device() == dev, op, "stream", fmt::format("a stream on {}", dev.str()),
-                 fmt::format("a stream on {}", stream->device().str()));
-}
+using checks::check_stream;
+using checks::overlaps;
 
 // A contiguous tensor of any rank up to kMaxRank, non-null unless empty.
 void any_rank_tensor(const char* op, const char* arg, const TensorView& t) {
@@ -263,7 +252,7 @@ void batched_matmul(const TensorView& a, const TensorView& b, const TensorView& 
   if (impl == BatchedMatmulImpl::cute)
     cuda::batched_matmul_cute(a, b, c, stream);
   else
-    cuda::batched_matmul_cublas(a, b, c, stream);
+    gemm({a, b, c}, {}, stream);  // cuBLAS strided-batched, fp32 compute (never TF32)
 #else
   (void)stream;
 #endif

@@ -26,8 +26,6 @@ void conv2d(const TensorView& x, const TensorView& w, const TensorView& y, std::
 
 // batched_matmul_cute.cu: a [B, M, K], b [B, K, N], c [B, M, N], c overlapping neither a nor b.
 
-// cuBLAS strided-batched GEMM, fp32 compute (no TF32); a/b f32, bf16 or f16.
-void batched_matmul_cublas(const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream);
 // fusekit's tensor-core kernels; a/b bf16 or f16: the SM90 GEMM below where it applies, else the
 // SM80 CuTe kernel. Throws fk::Error on GPUs before sm_80.
 void batched_matmul_cute(const TensorView& a, const TensorView& b, const TensorView& c, const Stream* stream);

@@ -1,4 +1,9 @@
-#include "models/cpu_gemm.hpp"
+// The CPU backend of `gemm` for f32 without an epilogue (the CPU trainer's GEMMs). The spec
+// (reference.cpp) reads every element through a dtype switch and accumulates in double: right for
+// checking kernels, but ~50x too slow to train a DLRM on. This runs row-panel axpy loops that the
+// compiler vectorises (an AVX2/FMA build of them is chosen at run time where the CPU has it) and
+// blocks K so that the B panel stays in L2. Float accumulation.
+#include "ops/gemm/gemm_impl.hpp"
 
 #include <algorithm>
 #include <vector>
@@ -10,7 +15,7 @@
 #define FK_CPU_DISPATCH 0
 #endif
 
-namespace fk::models::cpu {
+namespace fk::gemm_detail {
 
 namespace {
 
@@ -116,7 +121,7 @@ const Panel1 panel1 = panel1_base;
 
 }  // namespace
 
-void sgemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+void sgemm_blocked(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
            std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
   if (m == 0 || n == 0) return;
   // B as [K, N] row-major: transpose it once when given as [N, K].
@@ -158,4 +163,4 @@ void sgemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int6
   }
 }
 
-}  // namespace fk::models::cpu
+}  // namespace fk::gemm_detail
