@@ -10,6 +10,7 @@
 #include "fusekit/core/stream.hpp"
 #include "fusekit/core/tensor.hpp"
 #include "fusekit/core/trace.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "fusekit/ops/pointwise.hpp"
 #include "fusekit/ops/glu.hpp"
 #include "fusekit/ops/mlp.hpp"

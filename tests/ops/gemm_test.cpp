@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -207,6 +208,7 @@ TEST(GemmGpu, EveryEpilogueDtypeAndTransposeMatchesSpec) {
       for (Trans ta : {Trans::n, Trans::t})
         for (Trans tb : {Trans::n, Trans::t})
           for (auto [m, n, k] : {std::array<std::int64_t, 3>{136, 264, 72}, {1, 8, 16}, {264, 40, 520}}) {
+            if (e == GemmEpilogue::bgrad_a && ta == Trans::n) continue;  // refused: see GemmErrors
             const std::string what = fmt::format("{}->{}{} {} ta{} tb{} {}x{}x{}", dtype_name(gc.in), dtype_name(gc.out),
                                                  gc.tf32 ? " tf32" : "", gemm_epilogue_name(e), int(ta), int(tb), m, n, k);
             const Tensor a = test::random_tensor(ta == Trans::n ? Dims{m, k} : Dims{k, m}, gc.in, kCpu, 1);
@@ -233,10 +235,21 @@ TEST(GemmGpu, EveryEpilogueDtypeAndTransposeMatchesSpec) {
             test::poison(cg);
             test::poison(bgradg);
             if (!reads_aux) test::poison(auxg);
-            gemm({ag, bg, cg, opt(with_bias, biasg), opt(with_aux, auxg), opt(with_bgrad, bgradg)}, p);
-            EXPECT_LE(rel_err(cg, c), tolerance(gc)) << what;
-            if (e == GemmEpilogue::gelu_aux_bias) EXPECT_LE(rel_err(auxg, aux), tolerance(gc)) << "aux " << what;
-            if (with_bgrad) EXPECT_LE(rel_err(bgradg, bgrad), tolerance(gc)) << "bias_grad " << what;
+            try {
+              gemm({ag, bg, cg, opt(with_bias, biasg), opt(with_aux, auxg), opt(with_bgrad, bgradg)}, p);
+            } catch (const Error& err) {
+              ADD_FAILURE() << what << ": " << err.what();
+              continue;
+            }
+            // cuBLASLt's GELU evaluates tanh with a fast approximation (~1e-5 relative): the f32
+            // bound of the GELU epilogues is that, not fp32 rounding.
+            const bool gelu = e == GemmEpilogue::gelu || e == GemmEpilogue::gelu_bias ||
+                              e == GemmEpilogue::gelu_aux_bias || e == GemmEpilogue::dgelu ||
+                              e == GemmEpilogue::dgelu_bgrad;
+            const double tol = gelu ? std::max(tolerance(gc), 1e-4) : tolerance(gc);
+            EXPECT_LE(rel_err(cg, c), tol) << what;
+            if (e == GemmEpilogue::gelu_aux_bias) EXPECT_LE(rel_err(auxg, aux), tol) << "aux " << what;
+            if (with_bgrad) EXPECT_LE(rel_err(bgradg, bgrad), tol) << "bias_grad " << what;
           }
 }
 
@@ -324,6 +337,9 @@ TEST(GemmErrors, BadArgumentsNameTheArgument) {
   expect_arg_error([&] { gemm({buf.view().reshape({4, 5}), Tensor::empty({5, 5}, DType::f32, kCpu), buf}); }, "gemm", "c");
   const TensorView strided(buf.data(), DType::f32, {4, 2}, {5, 2}, kCpu);
   expect_arg_error([&] { gemm({strided, Tensor::empty({2, 5}, DType::f32, kCpu), c}); }, "gemm", "a");
+  // bgrad_a sums the rows of a stored [K, M] (the weight gradient's dy): trans_a = t only.
+  expect_arg_error([&] { gemm({a, b, c, {}, {}, Tensor::empty({4}, DType::f32, kCpu)},
+                              params(Trans::n, Trans::n, GemmEpilogue::bgrad_a)); }, "gemm", "trans_a");
   // Batched GEMMs take no epilogue; a batch that differs from c's.
   const Tensor a3 = Tensor::empty({2, 4, 3}, DType::f32, kCpu), b3 = Tensor::empty({2, 3, 5}, DType::f32, kCpu);
   const Tensor c3 = Tensor::empty({2, 4, 5}, DType::f32, kCpu), bias3 = Tensor::empty({5}, DType::f32, kCpu);

@@ -119,6 +119,9 @@ void gemm(const GemmArgs& x, const GemmParams& p, const Stream* stream) {
   if (e != GemmEpilogue::none)
     FK_CHECK_ARG(p.beta == 0.0f, kOp, "beta", fmt::format("0 with epilogue {}", gemm_epilogue_name(e)),
                  fmt::format("{}", p.beta));
+  if (e == GemmEpilogue::bgrad_a)  // cuBLASLt's BGRADB reduces a transposed operand only
+    FK_CHECK_ARG(p.trans_a == Trans::t, kOp, "trans_a", "t with epilogue bgrad_a (a = dy [K, M], the weight gradient's dyᵀ)",
+                 "n");
   if (needs_bias_grad(e))
     FK_CHECK_ARG(p.alpha == 1.0f, kOp, "alpha", fmt::format("1 with epilogue {}", gemm_epilogue_name(e)),
                  fmt::format("{}", p.alpha));
