@@ -21,6 +21,7 @@
 #include "fusekit/nn/compressed.hpp"
 #include "fusekit/nn/fused_mlp.hpp"
 #include "fusekit/nn/glu.hpp"
+#include "fusekit/nn/linear.hpp"
 #include "fusekit/nn/lora.hpp"
 
 namespace fk {

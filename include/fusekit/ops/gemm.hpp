@@ -17,8 +17,8 @@
 // column stride and a row stride >= its row length, so a view of columns [0, n) of a wider buffer
 // is fine (DLRM's 16-byte-aligned rows). beta = 0 overwrites c without reading it.
 //
-// Backends: on the CPU, f32 with epilogue `none` runs a blocked, vectorised float kernel (float
-// accumulation, the CPU trainer's GEMM); everything else runs the spec (plain loops, double
+// Backends: on the CPU, f32 runs a blocked, vectorised float kernel (float accumulation, the CPU
+// trainer's GEMM), then the spec's epilogue; bf16 and f16 run the spec (plain loops, double
 // accumulation). On CUDA, `none` is cublasGemmEx (cublasGemmStridedBatchedEx when batched) and
 // the other epilogues are one cublasLtMatmul with the epilogue fused, its algorithm chosen by
 // cuBLASLt's heuristic once per shape and cached. allow_tf32 lets f32 operands run on TF32

@@ -167,12 +167,13 @@ void gemm(const GemmArgs& x, const GemmParams& p, const Stream* stream) {
       if (e == GemmEpilogue::bgrad_a) gemm_detail::gemm_reference(q);  // bias_grad is [M]
       return;
     }
-    if (e == GemmEpilogue::none && q.in_type == DType::f32 && q.out_type == DType::f32) {
+    if (q.in_type == DType::f32 && q.out_type == DType::f32) {
       for (std::int64_t g = 0; g < q.batch; ++g)
         gemm_detail::sgemm_blocked(ta, tb, q.m, q.n, q.k, p.alpha,
                                    static_cast<const float*>(q.a.data) + g * q.a.batch_stride, q.a.ld,
                                    static_cast<const float*>(q.b.data) + g * q.b.batch_stride, q.b.ld, p.beta,
                                    static_cast<float*>(q.c.data) + g * q.c.batch_stride, q.c.ld);
+      if (e != GemmEpilogue::none) gemm_detail::epilogue_in_place(q);  // epilogues: unbatched, checked above
       return;
     }
     gemm_detail::gemm_reference(q);

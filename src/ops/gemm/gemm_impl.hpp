@@ -27,6 +27,8 @@ struct Problem {
 
 // The spec: plain loops, double accumulation, every epilogue.
 void gemm_reference(const Problem& q);
+// The spec's epilogue alone, on a c that already holds z (unbatched f32 c: exact in place).
+void epilogue_in_place(const Problem& q);
 // f32, no epilogue: row-panel loops the compiler vectorises, float accumulation.
 void sgemm_blocked(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                    const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,

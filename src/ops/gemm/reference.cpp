@@ -42,9 +42,49 @@ void store(DType t, void* data, std::int64_t e, double v) {
 
 }  // namespace
 
+namespace {
+
+// The epilogue of element (i, j) from its z = alpha op(a) op(b) + beta c; returns c's value.
+double finish(const Problem& q, std::int64_t i, std::int64_t j, double z, std::vector<double>& col_sum) {
+  const GemmEpilogue epi = q.p.epilogue;
+  if (epi == GemmEpilogue::bias || epi == GemmEpilogue::relu_bias || epi == GemmEpilogue::gelu_bias ||
+      epi == GemmEpilogue::gelu_aux_bias)
+    z += load(q.out_type, q.bias, j);
+  double out = z;
+  switch (epi) {
+    case GemmEpilogue::relu:
+    case GemmEpilogue::relu_bias: out = z > 0.0 ? z : 0.0; break;
+    case GemmEpilogue::gelu:
+    case GemmEpilogue::gelu_bias: out = gelu(z); break;
+    case GemmEpilogue::gelu_aux_bias:
+      store(q.out_type, q.aux.data, i * q.aux.ld + j, z);
+      out = gelu(z);
+      break;
+    case GemmEpilogue::dgelu:
+    case GemmEpilogue::dgelu_bgrad: out = z * gelu_derivative(load(q.out_type, q.aux.data, i * q.aux.ld + j)); break;
+    default: break;
+  }
+  if (epi == GemmEpilogue::dgelu_bgrad) col_sum[static_cast<std::size_t>(j)] += out;
+  return out;
+}
+
+// The bias gradients, once every element is final.
+void finish_bias_grads(const Problem& q, const std::vector<double>& col_sum) {
+  if (q.p.epilogue == GemmEpilogue::dgelu_bgrad)
+    for (std::int64_t j = 0; j < q.n; ++j) store(q.out_type, q.bias_grad, j, col_sum[static_cast<std::size_t>(j)]);
+  if (q.p.epilogue == GemmEpilogue::bgrad_a)
+    for (std::int64_t i = 0; i < q.m; ++i) {
+      double s = 0.0;
+      for (std::int64_t l = 0; l < q.k; ++l)
+        s += load(q.in_type, q.a.data, q.p.trans_a == Trans::n ? i * q.a.ld + l : l * q.a.ld + i);
+      store(q.out_type, q.bias_grad, i, s);
+    }
+}
+
+}  // namespace
+
 void gemm_reference(const Problem& q) {
   const GemmParams& p = q.p;
-  const GemmEpilogue epi = p.epilogue;
   std::vector<double> col_sum(static_cast<std::size_t>(q.n), 0.0);
   for (std::int64_t g = 0; g < q.batch; ++g) {
     const std::int64_t ab = g * q.a.batch_stride, bb = g * q.b.batch_stride, cb = g * q.c.batch_stride;
@@ -59,38 +99,20 @@ void gemm_reference(const Problem& q) {
         const std::int64_t ec = cb + i * q.c.ld + j;
         z *= p.alpha;
         if (p.beta != 0.0f) z += static_cast<double>(p.beta) * load(q.out_type, q.c.data, ec);
-        const bool with_bias = epi == GemmEpilogue::bias || epi == GemmEpilogue::relu_bias ||
-                               epi == GemmEpilogue::gelu_bias || epi == GemmEpilogue::gelu_aux_bias;
-        if (with_bias) z += load(q.out_type, q.bias, j);
-        double out = z;
-        switch (epi) {
-          case GemmEpilogue::relu:
-          case GemmEpilogue::relu_bias: out = z > 0.0 ? z : 0.0; break;
-          case GemmEpilogue::gelu:
-          case GemmEpilogue::gelu_bias: out = gelu(z); break;
-          case GemmEpilogue::gelu_aux_bias:
-            store(q.out_type, q.aux.data, i * q.aux.ld + j, z);
-            out = gelu(z);
-            break;
-          case GemmEpilogue::dgelu:
-          case GemmEpilogue::dgelu_bgrad:
-            out = z * gelu_derivative(load(q.out_type, q.aux.data, i * q.aux.ld + j));
-            break;
-          default: break;
-        }
-        if (epi == GemmEpilogue::dgelu_bgrad) col_sum[static_cast<std::size_t>(j)] += out;
-        store(q.out_type, q.c.data, ec, out);
+        store(q.out_type, q.c.data, ec, finish(q, i, j, z, col_sum));
       }
   }
-  if (epi == GemmEpilogue::dgelu_bgrad)
-    for (std::int64_t j = 0; j < q.n; ++j) store(q.out_type, q.bias_grad, j, col_sum[static_cast<std::size_t>(j)]);
-  if (epi == GemmEpilogue::bgrad_a)
-    for (std::int64_t i = 0; i < q.m; ++i) {
-      double s = 0.0;
-      for (std::int64_t l = 0; l < q.k; ++l)
-        s += load(q.in_type, q.a.data, p.trans_a == Trans::n ? i * q.a.ld + l : l * q.a.ld + i);
-      store(q.out_type, q.bias_grad, i, s);
+  finish_bias_grads(q, col_sum);
+}
+
+void epilogue_in_place(const Problem& q) {
+  std::vector<double> col_sum(static_cast<std::size_t>(q.n), 0.0);
+  for (std::int64_t i = 0; i < q.m; ++i)
+    for (std::int64_t j = 0; j < q.n; ++j) {
+      const std::int64_t ec = i * q.c.ld + j;
+      store(q.out_type, q.c.data, ec, finish(q, i, j, load(q.out_type, q.c.data, ec), col_sum));
     }
+  finish_bias_grads(q, col_sum);
 }
 
 }  // namespace fk::gemm_detail
