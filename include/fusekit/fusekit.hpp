@@ -6,6 +6,7 @@
 #include "fusekit/core/dlpack.hpp"
 #include "fusekit/core/dtype.hpp"
 #include "fusekit/core/error.hpp"
+#include "fusekit/core/event.hpp"
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
 #include "fusekit/core/tensor.hpp"
