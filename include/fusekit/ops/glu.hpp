@@ -25,7 +25,7 @@
 // the operand dtype (no fp32 [M, 2N] buffer); then dx = dC w and dw = dCᵀ x are two cuBLAS GEMMs
 // and db the column sums of dC. Saving C instead would keep M x 2N values per layer alive between
 // forward and backward (128 MiB in bf16 at M = 4096, N = 8192) to save one of three GEMMs;
-// docs/glu.md gives the measured trade-off.
+// docs/glu.md gives the trade-off, docs/notes/glu.md the measurements.
 //
 // Dtypes: x, w, b, out, dy and the gradients share one dtype: bf16, f16 or f32. 16-bit operands
 // run on the tensor cores with fp32 accumulation. f32 operands run through TF32 only when

@@ -69,7 +69,8 @@ QuantizedWeight from_puzzle_layout(const TensorView& weight, const TensorView& s
 // CUDA: M <= 16 streams the weights (the weight as the mma's A operand, split-K over a thread-block
 // cluster, reduced in a fixed order: deterministic); it multiplies by the scale in fp32 once per
 // group and row, so y differs from x · w̃ᵀ by w̃'s rounding to 16 bits (within the 5e-3).
-// Larger M uses 64x256 or 128x128 tiles on the dequantized w̃. All mma.sync m16n8k16.
+// Larger M: on sm_90, wgmma with the dequantized w̃ as the register-sourced operand; elsewhere
+// 64x256 or 128x128 mma.sync m16n8k16 tiles on the dequantized w̃ (docs/qgemm.md).
 void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream = nullptr);
 Tensor qgemm(const TensorView& x, const QuantizedWeight& qw, const Stream* stream = nullptr);
 

@@ -19,12 +19,10 @@
 // deterministic and dC is not read again).
 //
 // One kernel per (dtype, tile configuration, kind, direction): the kind and the direction are
-// template arguments, not run-time branches, so each kernel holds only the code it runs (the TF32
-// forward: 2,448 SASS instructions). With all five kinds and both directions in one kernel
-// (20,320 instructions for TF32) the small forwards ran 4-5 us slower whenever cuBLAS's TF32 GEMM
-// had run before them, as the bench's order has it (H100, in the same runs: TF32 52.4-52.9 us
-// against 48.0-49.0 now; see docs/glu.md). Each kind's kernels are compiled in their own
-// translation unit (glu_gemm_<kind>.cu), so the five build in parallel.
+// template arguments, not run-time branches, so each kernel holds only the code it runs. A kernel
+// holding all five kinds and both directions ran the small forwards slower whenever cuBLAS's TF32
+// GEMM had run before them, from its size alone (docs/notes/glu.md). Each kind's kernels are
+// compiled in their own translation unit (glu_gemm_<kind>.cu), so the five build in parallel.
 //
 // This header is included only by those units; glu_gemm.cu picks the kernel at run time.
 //
@@ -91,7 +89,7 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
       : params_(params) {
 #if defined(__CUDA_ARCH__)
     // The bias is read only in the epilogue, after the mainloop, where a miss to DRAM would sit
-    // on every tile's critical path (1.2 us of 31 at M = 1024, N = 2048, K = 2048). So the grid
+    // on every tile's critical path. So the grid
     // brings it into L2 at the start: one 128-byte line per thread across the grid, once.
     if (kBiasHere && params.bias != nullptr) {
       const int64_t lines = (static_cast<int64_t>(params.bias_len) * static_cast<int64_t>(sizeof(Element)) + 127) / 128;
@@ -297,21 +295,18 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
       }
     }
     // The accumulators are registers, so every index must be a constant: the code is unrolled
-    // over them. (A loop over the steps with a jump table picking each step's registers measured
-    // 16 us slower: the accumulators left the registers.) Straight-line code runs once per tile,
-    // from a cold instruction cache when another kernel ran before, and instruction fetch is then
-    // what the epilogue waits on (ncu, the small backward: "no instruction" was half of the
-    // epilogue's stall samples). So:
+    // over them. (A loop picking each step's registers through a jump table pushed the
+    // accumulators out of registers.) Straight-line code runs once per tile, from a cold
+    // instruction cache when another kernel ran before, and instruction fetch is then what the
+    // epilogue waits on. So:
     // - each path is one contiguous run of code: the vector / scalar branch is taken once here,
-    //   not in every step (forward, cold: 30.3 against 37.8 us at M = 1024, N = 2048, K = 2048
-    //   bf16; the whole backward 107.4-107.9 against 113.2-114.0 us);
+    //   not in every step;
     // - in the cooperative configuration (one or two waves of tiles, the code always cold) the
-    //   groups run as a rolled loop of kItersFwd / kItersBwd iterations (see steps): the forward
-    //   28.7-28.9 us with 2 against 30.7-30.8 unrolled (29.0-29.2 with 4 or 8); the backward
-    //   96.2-97.4 with 4 (102-103 with 2, 96.5-98.0 with 8).
+    //   groups run as a rolled loop of kItersFwd / kItersBwd iterations (see steps), the counts
+    //   measured fastest.
     // The ping-pong configuration (many tiles a CTA, the code stays in the instruction cache) keeps
     // the unrolled code and the branch in every step in the backward: hoisted, its recompute GEMM
-    // measured 3-4% slower at M = 4096, N = 8192, K = 8192.
+    // measured slower. (Measurements: docs/notes/glu.md.)
     if constexpr (Backward) {
       if constexpr (kBwdBranchPerStep) {
         steps<K, true, false, true>(acc, t_coords, bias, m_total, n2_total);
@@ -490,8 +485,7 @@ struct GluBiasMainloop : Base {
     // CUTLASS's pipelined loop (one wgmma batch in flight: after issuing k-tile kt, wait for
     // kt - 1's and release its stage; mma_tail releases the last), every wgmma accumulating.
     // (Zeroing by the first wgmma when there is no bias, the accumulators then left undefined
-    // before it, made ptxas serialize the wgmmas of the f16 and TF32 kernels: C7515, the TF32
-    // forward 54 us against 48 on an H200.)
+    // before it, made ptxas serialize the wgmmas of the f16 and TF32 kernels: C7515.)
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     PipelineState smem_pipe_release = smem_pipe_read;
     warpgroup_fence_operand(accum);
@@ -526,13 +520,12 @@ template <int TM, int TN, int CM, int CN, bool PP>
 struct Cfg {};
 // Up to two waves of 128 x 256 tiles (and TF32): both consumer warpgroups on one tile
 // (cooperative), no clusters: each CTA loads its own w tile. With the bias in the accumulators,
-// clusters of 2 along M sharing w by multicast cost the small forwards 0.7-1.0 us (H100, three
-// A/B rounds: sigmoid·tanh bf16 M = 1024, N = 2048, K = 2048 27.8-28.1 us against 28.8).
+// clusters of 2 along M sharing w by multicast made the small forwards slower (no CTA now waits
+// for a cluster peer's stage releases).
 using Cooperative = Cfg<128, 256, 1, 1, false>;
 // Many tiles: 128 x 128 tiles, the two consumer warpgroups on alternate tiles so that one's
-// epilogue runs under the other's mainloop (ping-pong), x multicast along N. Measured at
-// M = 4096, N = 8192, K = 8192 (bf16, swiglu, interleaved with cuBLAS): 0.97-0.98x the cuBLAS GEMM
-// alone, against 1.02x for the cooperative configuration.
+// epilogue runs under the other's mainloop (ping-pong), x multicast along N: at large shapes it
+// measured faster than the cooperative configuration and at or under the cuBLAS GEMM alone.
 using PingPong = Cfg<128, 128, 1, 2, true>;
 
 template <class Element, class C, GluKind K, bool kBackward>

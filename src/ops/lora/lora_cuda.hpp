@@ -21,7 +21,7 @@ namespace fk::cuda {
 // register-sourced wgmma per 64 rows (L's rows as the register operand, R's 128 x 16 slice in
 // shared memory), then the TMA epilogue (lora_gemm_t.cu). automatic: registers when preact is
 // asked for, else tma_rs at rb = 16 and tma_ktile above, the faster ones on the H100
-// (docs/lora.md).
+// (docs/notes/lora.md).
 enum class LoraEpilogueKind { automatic, registers, tma, tma_ktile, tma_rs };
 
 struct LoraGemmArgs {

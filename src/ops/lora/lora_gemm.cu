@@ -4,8 +4,8 @@
 // [M, N], rhs = W used as [K_g, N_out], L = s u [M, r], R = Aᵀ (A itself for the k-tile path).
 //
 // Mainloop: CUTLASS 3's SM90 TMA warp-specialized ping-pong GEMM, 128 x 128 tiles, clusters of 2
-// along N sharing the lhs tile by multicast (with the TMA epilogue and no rank-r term: 0.99x the
-// cuBLAS GEMM at M = 8192, N = K = 4096; docs/lora.md). Both operands are read once per tile by TMA; L and
+// along N sharing the lhs tile by multicast (with the TMA epilogue and no rank-r term it runs at
+// the cuBLAS GEMM's speed: docs/notes/lora.md). Both operands are read once per tile by TMA; L and
 // R are small (t: 256 KiB at M = 8192, r = 16) and come from L2.
 //
 // Three ways to finish the tile (lora_cuda.hpp, LoraEpilogueKind), all on the same mainloop:
@@ -130,7 +130,7 @@ class LoraEpilogue : public sm90::NoSmemEpilogueBase<Element> {
 
 // The register-store epilogue (LoraEpilogue above) on lora_detail::PingpongMainloop. (The
 // cooperative schedule, 128 x 256 tiles, measured slower in every case on the H100 and was
-// dropped: docs/lora.md.)
+// dropped: docs/notes/lora.md.)
 template <class Element, bool RhsNByK>
 struct LoraGemmConfig {
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<LoraEpilogue<Element>>;

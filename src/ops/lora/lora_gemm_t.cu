@@ -61,8 +61,8 @@ namespace {
 
 constexpr int kRank = 16;  // t's columns: r <= 16, A and B zero-padded to 16
 // Owners per row block: N-blocks 0 and 1 (one cluster), each computing 8 of t's 16 columns, so
-// that each does 1/16 more MMA rather than one 1/8 (H100, M = 8192, N = K = 4096: 408.8 and 415.2
-// us against 413.7-423.9 with one owner).
+// that each does 1/16 more MMA rather than one 1/8, which measured faster than one owner
+// (docs/notes/lora.md).
 constexpr int kOwners = 2;
 constexpr int kOwnerCols = kRank / kOwners;
 constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 64;
@@ -553,7 +553,7 @@ void lora_gemm_tma_rs(const LoraGemmArgs& args, const Stream* stream) {
 }
 
 void lora_gemm_tma_t(const LoraGemmArgs& args, const Stream* stream) {
-  // The tile order the k-tile kernel measured fastest: along M in groups of 4 (docs/lora.md).
+  // The tile order the k-tile kernel measured fastest: along M in groups of 4 (docs/notes/lora.md).
   LoraGemmArgs a = args;
   if (a.swizzle == 0 && a.raster == 0) {
     a.swizzle = 4;

@@ -208,7 +208,7 @@ struct LoraMainloop : Base {
 
 // CUTLASS's TMA epilogue for a plain D = acc (no C), derived as LoraTmaEpilogue, on
 // lora_detail::PingpongMainloop (ping-pong, 128 x 128 tiles, clusters of 2 along N; the
-// cooperative schedule measured slower in every case: docs/lora.md).
+// cooperative schedule measured slower in every case: docs/notes/lora.md).
 template <class Element, bool RhsNByK>
 struct LoraTmaConfig {
   using TileShape = lora_detail::TileShape;
@@ -272,24 +272,22 @@ void run_tma_layout(const LoraGemmArgs& a, const Stream* stream) {
 }  // namespace
 
 void lora_gemm_tma(const LoraGemmArgs& args, const Stream* stream) {
-  // Automatic tile order: along M in groups of 4 (H100, M = 8192, N = K = 4096: ping-pong 426 us
-  // against 437 for CUTLASS's default, swizzle 1 along N; docs/lora.md).
+  // Automatic tile order: along M in groups of 4, measured faster than CUTLASS's default (swizzle
+  // 1 along N) and the other orders tried (docs/notes/lora.md).
   LoraGemmArgs a = args;
   if (a.swizzle == 0 && a.raster == 0) {
     a.swizzle = 4;
     a.raster = 1;
   }
-  // Automatic above rb = 16 (rb = 16 takes the wgmma epilogue below): the rank-r term as a k-tile.
-  // H100, M = 8192, N = K = 4096 (docs/lora.md): forward 413.4 us at r = 64 against 512.0 with
-  // mma.sync in the epilogue; dx 412.9 against 468.0.
+  // Automatic above rb = 16 (rb = 16 takes the wgmma epilogue below): the rank-r term as a k-tile,
+  // whose cost does not grow with r, where mma.sync in the epilogue does (docs/notes/lora.md).
   const bool ktile = a.epilogue == LoraEpilogueKind::tma_ktile ||
                      (a.epilogue == LoraEpilogueKind::automatic && (a.rhs_is_n_by_k || a.lowrank_left.size(1) > 16));
   const bool has_rt = a.lowrank_right_t.data() != nullptr && a.lowrank_right_t.rank() == 2 &&
                       a.lowrank_right_t.size(0) == a.lowrank_left.size(1) &&
                       a.lowrank_right_t.size(1) == a.out.size(1) && aligned16(a.lowrank_right_t.data());
-  // rb = 16: the rank-16 wgmma epilogue, unless asked otherwise (H100, M = 8192, N = K = 4096, one
-  // run: dx 398.5 us against 418.6 with mma.sync and 418.8 as a k-tile; forward with t given 422.8
-  // against 440.7 as a k-tile and 420.5 with no rank-r term at all; docs/lora.md).
+  // rb = 16: the rank-16 wgmma epilogue, unless asked otherwise: it measured faster than mma.sync
+  // and than the k-tile, close to no rank-r term at all (docs/notes/lora.md).
   const bool rs = a.lowrank_left.size(1) == 16 &&
                   (a.epilogue == LoraEpilogueKind::tma_rs || a.epilogue == LoraEpilogueKind::automatic);
   if (rs) {

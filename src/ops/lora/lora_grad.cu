@@ -332,8 +332,8 @@ __device__ __forceinline__ float sum_strided(const float* base, int count, std::
 }
 
 // su = s Σ_strips part_u, dB = Σ_groups part_db, db = Σ_groups part_dbias, in a fixed order.
-// su [M, rb] (the padding columns come out zero: B's were loaded as zeros). (Launched as a
-// programmatic dependent of the pass it measured the same on the H100: 545.7 / 546.3 us backward.)
+// su [M, rb] (the padding columns come out zero: B's were loaded as zeros). (A programmatic
+// dependent launch after the pass measured no faster: docs/notes/lora.md.)
 template <class T>
 __global__ void lora_grad_reduce(const float* part_u, int strips, const float* part_db, const float* part_dbias,
                                  int groups, T* su, T* db, T* dbias, std::int64_t m, std::int64_t n, int r, int rb,

@@ -22,18 +22,16 @@
 //
 // Grid: one CTA per (head, 128-row query block), heads outer, so that the ~132 CTAs resident at
 // a time cover about 4 heads whose K and V (2 MB a head at S = 4096, D = 128) stay in L2; with
-// heads inner (64 heads in flight) K and V came from DRAM again and again (ncu: L2 87%, DRAM
-// 57% busy) and the kernel ran 10-20% slower. Within a head the last query blocks go first: with
+// heads inner (64 heads in flight) K and V came from DRAM again and again and the kernel ran
+// slower. Within a head the last query blocks go first: with
 // causal masking they see the most keys, so the tail of each head is short work. Causal CTAs
 // stop at the diagonal block.
 //
-// Measured on an H100 (b4 h16 s4096 bf16, `fusekit bench --filter attention_fwd`, three runs):
-// D = 128 858-957 us non-causal (574-641 TFLOP/s, 75-85% of the run's cuBLAS gemm_bf16 ceiling),
-// 499-533 us causal (516-551 TFLOP/s); D = 64 359-367 / 316-320 TFLOP/s. Tried and dropped: the
-// schedule without the intra-warpgroup overlap (406 / 446 TFLOP/s with heads inner, against
-// 513 / 478), a ping-pong of the two consumer warpgroups (named-barrier turns for issuing
-// wgmmas, FA3's inter-warpgroup overlap: no gain here), the scale folded into the exp2 FFMA and
-// skipping O's rescale when no row max moved (no gain: the softmax is not the limit).
+// Speed: docs/attention.md. Tried and dropped (docs/notes/primitives.md): the schedule without
+// the intra-warpgroup overlap (slower), a ping-pong of the two consumer warpgroups (named-barrier
+// turns for issuing wgmmas, FA3's inter-warpgroup overlap: no gain here), the scale folded into
+// the exp2 FFMA and skipping O's rescale when no row max moved (no gain: the softmax is not the
+// limit).
 // Not done: a persistent grid that overlaps one tile's epilogue with the next tile's loads, a
 // TMA store of out, larger tiles at D = 64 (FA3 uses 192 x 128).
 //

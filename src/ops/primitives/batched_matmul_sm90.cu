@@ -17,13 +17,11 @@
 // Why this schedule for the issue's case (64 x 512^3, bf16): K = 512 is only 8 k-blocks, so the
 // epilogue is a large share of a tile's time. The ping-pong kernel gives each of its two
 // consumer warpgroups a whole 128x128 tile and lets one run its mainloop while the other stores,
-// which hides the epilogue; 512 tiles over 132 SMs is 3.9 waves. Measured on the H100 (medians
-// of `fusekit bench --filter primitives/batched_matmul`, bf16 c, cuBLAS 42.0-42.4 us in the same
-// runs): ping-pong 128x128, cluster 1x1 40.42 us (425 TFLOP/s); cooperative 128x128 1x1 40.86;
-// cooperative 128x256 1x1 41.54; cooperative 128x256 2x1 42.98; ping-pong 128x128 2x1 44.42.
-// Ping-pong and cooperative 128x128 are within 1% of each other; clusters lost (our reading, not
-// profiled: the operands are L2-resident, so multicast saves only L2 traffic). One schedule for every dtype pair keeps the
-// file at four instantiations (bf16/f16 operands x c in f32 or the operand dtype).
+// which hides the epilogue; 512 tiles over 132 SMs is 3.9 waves. Of the schedules measured on the
+// H100 (docs/notes/primitives.md) it was the fastest, cooperative 128x128 close behind; clusters
+// lost (our reading, not profiled: the operands are L2-resident, so multicast saves only L2
+// traffic). One schedule for every dtype pair keeps the file at four instantiations (bf16/f16
+// operands x c in f32 or the operand dtype).
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -316,11 +316,8 @@ struct UnpackArgs {
 };
 
 // Lane = 8 consecutive values of one row (group % 8 == 0, so they share one group): each store
-// instruction of a warp covers 512 contiguous bytes of bf16. (Measured slower: 16 values a lane,
-// two 16-byte stores 32 bytes apart, by 15-20%; two chunks a grid-stride apart per thread, their
-// loads issued together, by 20%; the loop software-pipelined, the next chunk's loads issued
-// before the current chunk's store, 70.3 -> 76.3 us at 2 bits and 76.1 -> 79.4 us at 4 bits for
-// K = 100864, C = 768.)
+// instruction of a warp covers 512 contiguous bytes of bf16. (Wider lanes, two chunks a thread and
+// a software-pipelined loop were each measured slower: docs/notes/quant.md.)
 template <class T, class S, int BITS, int NT>
 __global__ void __launch_bounds__(NT) unpack_kernel(UnpackArgs a) {
   constexpr int kVpw = 32 / BITS;
@@ -408,14 +405,9 @@ unsigned grid_for(std::int64_t items, int threads = kThreads, int per_sm = 8) {
   return static_cast<unsigned>(
       std::clamp<std::int64_t>(want, 1, static_cast<std::int64_t>(multiprocessor_count()) * per_sm));
 }
-// unpack launches many short-lived blocks instead: at K = 100864, C = 768 on the H100 (fusekit
-// bench, 2 / 4 / 8 bits, us), 256 threads x 8 blocks an SM (one resident wave, ~36 chunks a
-// thread) 70.2-70.5 / 75.9-76.2 / 87.3-87.6; 256 x 64 68.5-68.6 / 74.1 / 85.4-85.6; 512 x 32
-// 70.1-70.2 / 75.1 / 86.1; 1024 x 16 73.1 / 77.4 / 87.8; 128 x 128 68.1-68.3 / 73.8-73.9 /
-// 85.3-85.5; 128 x 256 68.0-68.3 / 73.1-73.3 / 84.9-85.1; 64 x 256 68.5 / 73.7-73.8 / 85.4;
-// one chunk a thread, no loop (37,824 blocks of 256) 74.4 / 77.0 / 86.3. Tried and slower: a
-// warp-cooperative variant (32 whole words a load, values handed to the storing lanes by
-// shuffles, rows without padding): 2 bits 69.5 at 256 x 64, 83.3 at 256 x 8.
+// unpack launches many short-lived blocks instead (128 threads, up to 256 blocks an SM): of the
+// launch shapes measured on the H100 this one was fastest, and one resident wave of long-lived
+// blocks the slowest; the shapes tried are in docs/notes/quant.md.
 constexpr int kUnpackThreads = 128, kUnpackBlocksPerSm = 256;
 
 template <class F>

@@ -55,14 +55,10 @@
 // directly. The sum order depends only on the shape and the SM count: results are bit-identical
 // from run to run (deterministic = true and false take the same path).
 //
-// Measured on an H100 (COUT = CIN = 768, group 256, bf16 statistics and dW; fusekit bench --filter
-// quant; bench/results/h100/quant.json, e3534ac), RS: K = 100864 takes 166.5 / 170.5 / 182.6 us
-// at 2 / 4 / 8 bits, 1.39x / 1.41x / 1.38x faster than unpack + cuBLAS and 1.01x / 1.01x / 1.08x
-// of the cuBLAS GEMM alone (the SS path took 183.1 / 187.2 / 194.2 us in an earlier A/B); K = 8192
-// takes 25.0 / 24.9 / 25.6 us, 1.21x / 1.23x / 1.20x of unpack + cuBLAS (27.9-28.6 us, 1.07-1.09x,
-// with fp32 partials: the fixed costs, the split-K round trip above all, dominate there). The
-// floors, the cost model, the ncu figures, what each change brought and what was tried and
-// dropped (stream-K and split-K reduced in L2 among them) are in docs/quant.md.
+// Speed: docs/quant.md has the current figures and the command that reproduces them. At small K
+// the fixed costs, the split-K round trip above all, dominate, which is why a bf16 dW's partials
+// travel in fp16. The floors, the cost model and what was tried and dropped (stream-K and split-K
+// reduced in L2 among them) are in docs/notes/quant.md.
 //
 // Rows k >= K and columns >= CIN: TMA zero-fills dy rows >= K and the words; the consumers give
 // rows >= K statistics 0 (x̂ = 0 there); columns >= CIN get finite values that only reach dWᵀ
@@ -357,7 +353,7 @@ __device__ __forceinline__ std::uint32_t pair_bf16_at(std::uint32_t v0, __nv_bfl
   } else {
     // At 2 bits the level stays where it is when it fits in the 7-bit mantissa (no shift: the RS
     // path's levels at bits 0 and 2), else it goes to the mantissa's top. (At 4 bits, leaving the
-    // level at bit 0 in place measured 2 us slower at K = 100864, so 4 bits always shifts.)
+    // level at bit 0 in place measured slower, so 4 bits always shifts: docs/notes/quant.md.)
     constexpr int pos = kBits == 2 && bit + kBits <= 7 ? bit : 7 - kBits;  // its bit in the low bf16
     constexpr int d = pos - bit;
     const std::uint32_t v = d >= 0 ? v0 << (d & 31) : v0 >> (-d & 31);
@@ -697,7 +693,7 @@ __device__ void store_tile(const Acc& acc, int ct, const Params& p, const CtaWor
 // RS: x̂ dequantized straight into the A fragments of register-sourced wgmma (2, 4 and 8 bits,
 // bf16 statistics, every operand by TMA). Per k-block this drops the x̂ buffers' 16 KB of
 // stores and the wgmmas' 16 KB of x̂ reads from shared memory, which the tensor cores share with
-// the TMA writes and the dy reads (the SS path's bound: see docs/quant.md).
+// the TMA writes and the dy reads (the SS path's bound: see docs/notes/quant.md).
 // ---------------------------------------------------------------------------------------------
 
 // The statistics rearranged for the A fragments. A thread's fragment holds k rows 2 j, 2 j + 1,
