@@ -26,10 +26,21 @@ Dims::Dims(std::span<const std::int64_t> d) {
   for (int i = 0; i < rank_; ++i) v_[i] = d[i];
 }
 
-std::int64_t Dims::numel() const noexcept {
+std::int64_t Dims::numel() const {
   std::int64_t n = 1;
-  for (int i = 0; i < rank_; ++i) n *= v_[i];
+  for (int i = 0; i < rank_; ++i) {
+    FK_CHECK_ARG(v_[i] >= 0, "Dims::numel", "shape", "non-negative sizes", str());
+    FK_CHECK_ARG(!__builtin_mul_overflow(n, v_[i], &n), "Dims::numel", "shape", "sizes whose product is below 2^63",
+                 str());
+  }
   return n;
+}
+
+std::int64_t checked_bytes(const Dims& shape, DType dtype, const char* op) {
+  std::int64_t bytes = 0;
+  FK_CHECK_ARG(!__builtin_mul_overflow(shape.numel(), static_cast<std::int64_t>(dtype_size(dtype)), &bytes), op,
+               "shape", fmt::format("a {} tensor of fewer than 2^63 bytes", dtype_name(dtype)), shape.str());
+  return bytes;
 }
 
 std::string Dims::str() const { return fmt::format("[{}]", fmt::join(begin(), end(), ", ")); }
@@ -46,7 +57,8 @@ Dims contiguous_strides(const Dims& shape) {
   std::int64_t stride = 1;
   for (int i = shape.size() - 1; i >= 0; --i) {
     s[i] = stride;
-    stride *= shape[i];
+    // Wraps (no undefined behaviour) for a shape too large; the view's constructor refuses it.
+    stride = static_cast<std::int64_t>(static_cast<std::uint64_t>(stride) * static_cast<std::uint64_t>(shape[i]));
   }
   return s;
 }
@@ -60,6 +72,7 @@ TensorView::TensorView(void* data, DType dtype, Dims shape, Dims strides, Device
                fmt::format("{} strides (one per dimension)", shape.size()), strides.str());
   for (int i = 0; i < shape.size(); ++i)
     FK_CHECK_ARG(shape[i] >= 0, "TensorView", "shape", "non-negative sizes", shape.str());
+  checked_bytes(shape, dtype, "TensorView");  // numel() and nbytes() never overflow afterwards
 }
 
 bool TensorView::is_contiguous() const noexcept {
@@ -95,7 +108,7 @@ TensorView TensorView::reshape(Dims shape) const {
 
 Tensor Tensor::empty(Dims shape, DType dtype, Device device, const Stream* stream) {
   Tensor t;
-  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
+  const std::size_t bytes = static_cast<std::size_t>(checked_bytes(shape, dtype, "Tensor::empty"));
   void* p = allocator::allocate(bytes, device, stream);
   t.storage_ = std::shared_ptr<void>(p, [](void* q) { allocator::deallocate(q); });
   t.view_ = TensorView(p, dtype, shape, device);

@@ -55,6 +55,24 @@ TEST(Tensor, FillAndCloneOnHost) {
   EXPECT_EQ(moved.numel(), 9);
 }
 
+TEST(Tensor, SizesWhoseProductOverflowsAreRefusedNamingTheShape) {
+  // 3 x 6148914691236517206 wraps to 2 elements in 64-bit arithmetic; 2^62 f32 elements are
+  // 2^64 bytes. Both used to pass as small tensors.
+  test::expect_arg_error([] { Tensor::empty({3, 6148914691236517206}, DType::f32, Device::cpu()); }, "Dims::numel", "shape");
+  test::expect_arg_error([] { Tensor::empty({std::int64_t{1} << 62}, DType::f32, Device::cpu()); }, "Tensor::empty",
+                         "shape");
+  test::expect_arg_error([] { (void)Dims{1 << 20, 1 << 20, 1 << 20, 1 << 20}.numel(); }, "Dims::numel", "shape");
+  test::expect_arg_error([] { (void)Dims{4, -1}.numel(); }, "Dims::numel", "shape");
+  static float one = 0;
+  test::expect_arg_error([] { TensorView(&one, DType::f32, {std::int64_t{1} << 40, std::int64_t{1} << 30}, Device::cpu()); },
+                         "Dims::numel", "shape");
+  try {
+    Tensor::empty({3, 6148914691236517206}, DType::f32, Device::cpu());
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[3, 6148914691236517206]"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Tensor, CopiesBetweenHostAndDevice) {
   FK_SKIP_WITHOUT_GPU();
   Tensor h = test::random_tensor({129, 33}, DType::bf16, Device::cpu(), 7);

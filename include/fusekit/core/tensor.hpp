@@ -31,7 +31,8 @@ class Dims {
   std::int64_t& operator[](int i) noexcept { return v_[i]; }
   const std::int64_t* begin() const noexcept { return v_.data(); }
   const std::int64_t* end() const noexcept { return v_.data() + rank_; }
-  std::int64_t numel() const noexcept;
+  // The product of the sizes; throws fk::Error for a negative size or a product past 2^63.
+  std::int64_t numel() const;
   std::string str() const;  // "[2, 3]"
   friend bool operator==(const Dims& a, const Dims& b) noexcept;
 
@@ -41,6 +42,8 @@ class Dims {
 };
 
 Dims contiguous_strides(const Dims& shape);
+// numel * dtype_size, checked: throws fk::Error naming `op` and the shape when it would pass 2^63.
+std::int64_t checked_bytes(const Dims& shape, DType dtype, const char* op);
 
 class TensorView {
  public:
@@ -57,6 +60,7 @@ class TensorView {
   std::int64_t size(int dim) const noexcept { return shape_[dim < 0 ? dim + shape_.size() : dim]; }
   int rank() const noexcept { return shape_.size(); }
   Device device() const noexcept { return device_; }
+  // Checked when the view was made: these never overflow.
   std::int64_t numel() const noexcept { return shape_.numel(); }
   std::size_t nbytes() const noexcept { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
   bool is_contiguous() const noexcept;
