@@ -249,7 +249,7 @@ TEST_P(QgemmGpu, MatchesSpecOnDequantizedWeights) {
   EXPECT_TRUE(test::all_close(wt_gpu, dequantize_weights(o.qw_host), {0.0, 0.0}));
 }
 
-#if FUSEKIT_WITH_CUDA  // calls the CUDA launcher directly
+#if FUSEKIT_WITH_CUDA  // these two call the CUDA launchers directly
 // The mma.sync tiles, qgemm's path off sm_90 for M > 16 (and for a small M whose chunk of x does
 // not fit the weight-streaming kernel), on every shape whatever the GPU: on sm_90 qgemm never takes
 // them, the wgmma kernel does.
@@ -263,15 +263,35 @@ TEST_P(QgemmGpu, MmaSyncTilesMatchSpec) {
   // The bound of MatchesSpecOnDequantizedWeights, for the same reason.
   EXPECT_LE(rel_err(test::to_host(y), o.ref), 5e-3) << describe(GetParam());
 }
+
+// Every plan of the wgmma kernel (consumers x MW: 2 x 2, 2 x 1, 3 x 1; 1, 3 and 8 splits of K), not
+// only the one the cost model picks for the shape on this GPU, on the shapes qgemm gives that
+// kernel (M > 16; M = 16 with K = 65536 takes the model's plan in MatchesSpecOnDequantizedWeights).
+TEST_P(QgemmGpu, EveryWgmmaPlanMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto [m, n, k, group_arg, dt] = GetParam();
+  if (m <= 16) GTEST_SKIP() << "M <= 16: the weight-streaming kernel's shape";
+  const GpuOperands o = gpu_operands(GetParam());
+  Tensor y = Tensor::empty({m, n}, dt, Device::cuda());
+  const cuda::QgemmWgmmaPlan configs[] = {{2, 2, 1}, {2, 1, 1}, {3, 1, 1}};
+  for (cuda::QgemmWgmmaPlan plan : configs)
+    for (const int splits : {1, 3, 8}) {
+      plan.splits = splits;
+      test::poison(y);
+      if (!cuda::qgemm_wgmma(o.x, o.qw, y, nullptr, &plan)) GTEST_SKIP() << "the wgmma kernel runs on sm_90 only";
+      EXPECT_LE(rel_err(test::to_host(y), o.ref), 5e-3)
+          << describe(GetParam()) << ", " << plan.nc << " consumers x MW " << plan.mw << ", " << splits << " splits";
+    }
+}
 #endif
 
 // Small M (the weight-streaming kernel: M <= 8 and M <= 16, groups of 32 and of 64+, split-K
 // clusters with uneven last splits); M > 16: on sm_90 the wgmma kernel (x tiles of 64 rows up to
 // M = 64, 128 beyond; several row blocks and an M tail at M = 200 and 300; groups of 32, whose
-// two halves of a k-tile have their own scales), elsewhere the mma.sync tiles (which
-// MmaSyncTilesMatchSpec checks on sm_90 too); odd N, N over several tiles, K tails inside a k-tile
-// (K = 200, 96 with one group), K long enough to split. M = 16 with K = 65536 does not fit the
-// small-M kernel's shared memory and takes the M > 16 path.
+// two halves of a k-tile have their own scales; EveryWgmmaPlanMatchesSpec: every plan), elsewhere
+// the mma.sync tiles (MmaSyncTilesMatchSpec: on sm_90 too); odd N, N over several tiles, K tails
+// inside a k-tile (K = 200, 96 with one group), K long enough to split. M = 16 with K = 65536 does
+// not fit the small-M kernel's shared memory and takes the M > 16 path.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, QgemmGpu,
     ::testing::Values(Shape{1, 97, 256, 32, DType::f16}, Shape{1, 4097, 1024, 128, DType::bf16},

@@ -432,11 +432,6 @@ CUtensorMap x_map(const TensorView& x, int bmx) {
   return map;
 }
 
-// A plan: the configuration and the splits of K (one cluster of `splits` CTAs per output tile).
-struct Plan {
-  int nc = 2, mw = 2, splits = 1;
-};
-
 // Clusters of `splits` CTAs of qgemm_wgmma_kernel<T, C> the device runs at once (a cluster lives
 // in one GPC, so this is less than SMs / splits), per device, cached: decoding calls qgemm often.
 template <class T, class C>
@@ -509,9 +504,9 @@ void launch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y,
 // no split.
 constexpr long kTileCost = 110, kSplitCost = 1230;
 template <class T, int BMX>
-Plan plan(int device, int n, int m, int k_tiles) {
+QgemmWgmmaPlan plan(int device, int n, int m, int k_tiles) {
   const int m_blocks = (m + BMX - 1) / BMX;
-  Plan best{2, 2, 1};
+  QgemmWgmmaPlan best{2, 2, 1};
   long best_work = -1;
   for (const auto& [nc, mw] : {std::pair{2, 2}, std::pair{2, 1}, std::pair{3, 1}}) {
     const int bn = 64 * nc * mw, tiles = (n + bn - 1) / bn * m_blocks;
@@ -533,9 +528,12 @@ Plan plan(int device, int n, int m, int k_tiles) {
 }
 
 template <class T, int BMX>
-void dispatch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
-  const Plan pl = plan<T, BMX>(y.device().index, static_cast<int>(qw.n), static_cast<int>(x.size(0)),
-                               static_cast<int>(qw.k_pad() / kBK));
+void dispatch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
+              const QgemmWgmmaPlan* forced) {
+  const QgemmWgmmaPlan pl =
+      forced != nullptr ? *forced
+                        : plan<T, BMX>(y.device().index, static_cast<int>(qw.n), static_cast<int>(x.size(0)),
+                                       static_cast<int>(qw.k_pad() / kBK));
   if (pl.nc == 3)
     launch<T, Cfg<T, 1, BMX, 3>>(x, qw, y, pl.splits, stream);
   else if (pl.mw == 2)
@@ -546,17 +544,24 @@ void dispatch(const TensorView& x, const QuantizedWeight& qw, const TensorView& 
 
 }  // namespace
 
-bool qgemm_wgmma(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
+bool qgemm_wgmma(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
+                 const QgemmWgmmaPlan* forced) {
+  if (forced != nullptr) {
+    const bool config =
+        (forced->nc == 2 && (forced->mw == 1 || forced->mw == 2)) || (forced->nc == 3 && forced->mw == 1);
+    if (!config || forced->splits < 1 || forced->splits > kMaxSplits)
+      throw_internal("qgemm_wgmma: a forced plan is (2, 2), (2, 1) or (3, 1) with 1 to 8 splits");
+  }
   const int device = y.device().index;
   if (!is_sm90(device)) return false;
   if (x.size(0) > 65535LL * 128) return false;
   const bool small = x.size(0) <= 64;
   if (qw.dtype == DType::bf16) {
-    if (small) dispatch<__nv_bfloat16, 64>(x, qw, y, stream);
-    else dispatch<__nv_bfloat16, 128>(x, qw, y, stream);
+    if (small) dispatch<__nv_bfloat16, 64>(x, qw, y, stream, forced);
+    else dispatch<__nv_bfloat16, 128>(x, qw, y, stream, forced);
   } else {
-    if (small) dispatch<__half, 64>(x, qw, y, stream);
-    else dispatch<__half, 128>(x, qw, y, stream);
+    if (small) dispatch<__half, 64>(x, qw, y, stream, forced);
+    else dispatch<__half, 128>(x, qw, y, stream, forced);
   }
   return true;
 }
