@@ -1,7 +1,7 @@
 // fusekit: the command-line program.
 //   fusekit info                      build configuration and CUDA devices
 //   fusekit check                     the ops against their specs, on every device present
-//   fusekit bench [--filter F] [--json PATH] [--json-dir DIR]
+//   fusekit bench [--filter F] [--json PATH] [--json-dir DIR] [--breakdown]
 //   fusekit train [--config FILE.json] [DLRM flags]   (apps/train.cpp)
 //   fusekit eval --checkpoint PATH                     (apps/train.cpp)
 //   fusekit data synth|convert                         (apps/train.cpp)
@@ -132,10 +132,13 @@ int main(int argc, char** argv) {
   auto* bench_cmd = app.add_subcommand("bench", "Time fused kernels against their unfused baselines (GPU)");
   std::string filter, json, json_dir;
   int min_runs = 50;
+  bool breakdown = false;
   bench_cmd->add_option("--filter", filter, "Only cases whose 'family/case' contains this text");
   bench_cmd->add_option("--json", json, "Write all records as one JSON array to this file");
   bench_cmd->add_option("--json-dir", json_dir, "Write <family>.json per family (with the run's ceilings) here");
   bench_cmd->add_option("--min-runs", min_runs, "Timed runs per measurement, at least")->check(CLI::Range(5, 100000));
+  bench_cmd->add_flag("--breakdown", breakdown,
+                      "Also time where the fused paths' time goes (their parts alone; kernel work)");
   fk::app::TrainFlags train_flags;
   auto* train_cmd = fk::app::add_train_command(app, train_flags);
   fk::app::EvalFlags eval_flags;
@@ -154,6 +157,7 @@ int main(int argc, char** argv) {
       fk::bench::Options opt;
       opt.filter = filter;
       opt.min_runs = min_runs;
+      opt.breakdown = breakdown;
       return fk::bench::run(opt, json, json_dir);
 #else
       std::cerr << "fusekit bench: this build has no CUDA kernels (FUSEKIT_CUDA=OFF or no toolkit); nothing to time\n";

@@ -34,6 +34,10 @@ struct Options {
   std::string filter;     // substring of "family/case"; empty: all
   int min_runs = 50;
   double min_ms = 100.0;  // keep running past min_runs until this much GPU time was measured
+  // Also time where a fused path's time goes (its parts alone, or the fused kernel with a
+  // non-default option): records whose impl is neither the fused path, its baseline nor a
+  // ceiling, for kernel work rather than for the figures a user reads.
+  bool breakdown = false;
 };
 
 class Context {
@@ -57,6 +61,8 @@ class Context {
   const std::string& device_name() const { return device_name_; }
   std::size_t l2_bytes() const { return l2_bytes_; }
   bool selected(const std::string& family, const std::string& name) const;
+  // Options::breakdown: whether a case also times its breakdown and variant records.
+  bool breakdown() const { return opt_.breakdown; }
 
   // How many copies of a working set of `bytes` (inputs and outputs of one run) must be cycled
   // through so that L2 holds none of them when a run starts: together they span 4x L2.

@@ -3,7 +3,8 @@
 // each layer's output stored to memory and read back by the next. Both round every layer's output
 // to bf16, so they compute the same function; the figures come from one interleaved timing.
 // fused_mlp_train: forward + backward of a training step, against the per-layer forward and the
-// per-layer backward (bias_act_backward, dW GEMM, dX GEMM per layer).
+// per-layer backward (bias_act_backward, dW GEMM, dX GEMM per layer); `fusekit bench --breakdown`
+// also prints each half timed alone.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -215,6 +216,7 @@ void train_case(Context& ctx, std::int64_t batch, std::int64_t in, std::int64_t 
   const std::vector<double> t =
       ctx.time_us_interleaved({[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }}, rot);
   add_pair(ctx, name, t, flops, io_bytes, err);
+  if (!ctx.breakdown()) return;
   // Where the time goes (printed, not recorded): each half timed alone.
   const std::vector<double> parts = ctx.time_us_interleaved(
       {[&](int i) { fused_forward(at(i)); }, [&](int i) { fused_backward(at(i)); },

@@ -236,7 +236,8 @@ TEST(LoraGpu, BackwardMatchesSpec) {
 TEST(LoraGpu, BothGemmSchedulesMatchSpec) {
   // The fused GEMM's ways of finishing a tile (no-shared-memory register stores; TMA stores with
   // the rank-r term by mma.sync or as a mainloop k-tile) and a few tile orders of the persistent
-  // scheduler, called directly: the public op picks one, the bench times them all.
+  // scheduler, called directly: the public op picks one by the shape, and these tests reach the
+  // others.
   // Forward (rhs [N, K]) and the backward's layout (rhs [K, N], z = lhs rhs + L Rᵀ, identity),
   // M and N past a tile.
   FK_SKIP_WITHOUT_GPU();

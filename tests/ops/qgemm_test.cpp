@@ -6,11 +6,15 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "fusekit/fusekit.hpp"
 #include "ops/qgemm/qgemm_layout.hpp"
+#if FUSEKIT_WITH_CUDA
+#include "ops/qgemm/qgemm_cuda.hpp"
+#endif
 #include "ops/reference_io.hpp"
 #include "test_util.hpp"
 
@@ -196,42 +200,98 @@ using Shape = std::tuple<std::int64_t, std::int64_t, std::int64_t, int, DType>; 
 
 class QgemmGpu : public ::testing::TestWithParam<Shape> {};
 
+// The operands of one shape on the host and on the GPU, and the spec's y [M, N] (f32, host).
+struct GpuOperands {
+  QuantizedWeight qw_host, qw;
+  Tensor x_host, x, ref;
+};
+
+GpuOperands gpu_operands(const Shape& shape) {
+  const auto [m, n, k, group_arg, dt] = shape;
+  const int group = group_arg == 0 ? static_cast<int>(k) : group_arg;
+  const Device gpu = Device::cuda();
+  GpuOperands o;
+  const Tensor w = test::random_tensor({n, k}, dt, kCpu, static_cast<std::uint64_t>(m * 7 + n * 3 + k), -1.f, 1.f);
+  o.qw_host = quantize_weights(w, group);
+  o.qw = o.qw_host.copy_to(gpu);
+  o.x_host = test::random_tensor({m, k}, dt, kCpu, static_cast<std::uint64_t>(m + 11), -1.f, 1.f);
+  o.x = o.x_host.copy_to(gpu);
+  o.ref = Tensor::empty({m, n}, DType::f32, kCpu);
+  reference::qgemm(o.x_host, o.qw_host, o.ref);
+  return o;
+}
+
+std::string describe(const Shape& shape) {
+  const auto [m, n, k, group, dt] = shape;
+  return std::string(dtype_name(dt)) + " M " + std::to_string(m) + " N " + std::to_string(n) + " K " +
+         std::to_string(k) + " group " + std::to_string(group == 0 ? k : group);
+}
+
 TEST_P(QgemmGpu, MatchesSpecOnDequantizedWeights) {
   FK_SKIP_WITHOUT_GPU();
   const auto [m, n, k, group_arg, dt] = GetParam();
-  const int group = group_arg == 0 ? static_cast<int>(k) : group_arg;
   const Device gpu = Device::cuda();
-  const Tensor w = test::random_tensor({n, k}, dt, kCpu, static_cast<std::uint64_t>(m * 7 + n * 3 + k), -1.f, 1.f);
-  const QuantizedWeight qw_host = quantize_weights(w, group);
-  const QuantizedWeight qw = qw_host.copy_to(gpu);
-  const Tensor x_host = test::random_tensor({m, k}, dt, kCpu, static_cast<std::uint64_t>(m + 11), -1.f, 1.f);
-  const Tensor x = x_host.copy_to(gpu);
+  const GpuOperands o = gpu_operands(GetParam());
   Tensor y = Tensor::empty({m, n}, dt, gpu);
   test::poison(y);
-  qgemm(x, qw, y);
-  Tensor ref = Tensor::empty({m, n}, DType::f32, kCpu);
-  reference::qgemm(x_host, qw_host, ref);
+  qgemm(o.x, o.qw, y);
   const Tensor got = test::to_host(y);
   // fp32 accumulation in another order plus one rounding of y to the dtype: within 5e-3 (the issue's
   // bound; bf16 rounding alone is 2^-9 = 2e-3 relative).
-  EXPECT_LE(rel_err(got, ref), 5e-3) << "M " << m << " N " << n << " K " << k << " group " << group;
+  EXPECT_LE(rel_err(got, o.ref), 5e-3) << describe(GetParam());
   // Split-K is reduced in a fixed order: a second run gives the same bytes.
   Tensor y2 = Tensor::empty({m, n}, dt, gpu);
-  qgemm(x, qw, y2);
+  qgemm(o.x, o.qw, y2);
   const Tensor got2 = test::to_host(y2);
   EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.nbytes()), 0) << "not deterministic";
   // The GPU's dequantization is the spec's, bit for bit.
-  const Tensor wt_gpu = test::to_host(dequantize_weights(qw));
-  EXPECT_TRUE(test::all_close(wt_gpu, dequantize_weights(qw_host), {0.0, 0.0}));
+  const Tensor wt_gpu = test::to_host(dequantize_weights(o.qw));
+  EXPECT_TRUE(test::all_close(wt_gpu, dequantize_weights(o.qw_host), {0.0, 0.0}));
 }
+
+#if FUSEKIT_WITH_CUDA  // these two call the CUDA launchers directly
+// The mma.sync tiles, qgemm's path off sm_90 for M > 16 (and for a small M whose chunk of x does
+// not fit the weight-streaming kernel), on every shape whatever the GPU: on sm_90 qgemm never takes
+// them, the wgmma kernel does.
+TEST_P(QgemmGpu, MmaSyncTilesMatchSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto [m, n, k, group_arg, dt] = GetParam();
+  const GpuOperands o = gpu_operands(GetParam());
+  Tensor y = Tensor::empty({m, n}, dt, Device::cuda());
+  test::poison(y);
+  cuda::qgemm(o.x, o.qw, y, nullptr, cuda::QgemmPath::mma_sync_tiles);
+  // The bound of MatchesSpecOnDequantizedWeights, for the same reason.
+  EXPECT_LE(rel_err(test::to_host(y), o.ref), 5e-3) << describe(GetParam());
+}
+
+// Every plan of the wgmma kernel (consumers x MW: 2 x 2, 2 x 1, 3 x 1; 1, 3 and 8 splits of K), not
+// only the one the cost model picks for the shape on this GPU, on the shapes qgemm gives that
+// kernel (M > 16; M = 16 with K = 65536 takes the model's plan in MatchesSpecOnDequantizedWeights).
+TEST_P(QgemmGpu, EveryWgmmaPlanMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto [m, n, k, group_arg, dt] = GetParam();
+  if (m <= 16) GTEST_SKIP() << "M <= 16: the weight-streaming kernel's shape";
+  const GpuOperands o = gpu_operands(GetParam());
+  Tensor y = Tensor::empty({m, n}, dt, Device::cuda());
+  const cuda::QgemmWgmmaPlan configs[] = {{2, 2, 1}, {2, 1, 1}, {3, 1, 1}};
+  for (cuda::QgemmWgmmaPlan plan : configs)
+    for (const int splits : {1, 3, 8}) {
+      plan.splits = splits;
+      test::poison(y);
+      if (!cuda::qgemm_wgmma(o.x, o.qw, y, nullptr, &plan)) GTEST_SKIP() << "the wgmma kernel runs on sm_90 only";
+      EXPECT_LE(rel_err(test::to_host(y), o.ref), 5e-3)
+          << describe(GetParam()) << ", " << plan.nc << " consumers x MW " << plan.mw << ", " << splits << " splits";
+    }
+}
+#endif
 
 // Small M (the weight-streaming kernel: M <= 8 and M <= 16, groups of 32 and of 64+, split-K
 // clusters with uneven last splits); M > 16: on sm_90 the wgmma kernel (x tiles of 64 rows up to
 // M = 64, 128 beyond; several row blocks and an M tail at M = 200 and 300; groups of 32, whose
-// two halves of a k-tile have their own scales), elsewhere (and with FK_QGEMM_WG_OFF=1) the
-// mma.sync tiles; odd N, N over several tiles, K tails inside a k-tile (K = 200, 96 with one
-// group), K long enough to split. M = 16 with K = 65536 does not fit the small-M kernel's shared
-// memory and takes the M > 16 path.
+// two halves of a k-tile have their own scales; EveryWgmmaPlanMatchesSpec: every plan), elsewhere
+// the mma.sync tiles (MmaSyncTilesMatchSpec: on sm_90 too); odd N, N over several tiles, K tails
+// inside a k-tile (K = 200, 96 with one group), K long enough to split. M = 16 with K = 65536 does
+// not fit the small-M kernel's shared memory and takes the M > 16 path.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, QgemmGpu,
     ::testing::Values(Shape{1, 97, 256, 32, DType::f16}, Shape{1, 4097, 1024, 128, DType::bf16},

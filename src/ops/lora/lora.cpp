@@ -4,7 +4,6 @@
 // (cuBLAS GEMMs and the pointwise family's pass).
 #include "fusekit/ops/lora.hpp"
 
-#include <cstdlib>
 #include <string>
 
 #include "fusekit/ops/gemm.hpp"
@@ -53,15 +52,6 @@ void check_params(const char* op, const LoraParams& p) {
 #if FUSEKIT_WITH_CUDA
 // r rounded up to a multiple of 16: the rank-r operands of the fused kernels come zero-padded to it.
 std::int64_t padded_rank(std::int64_t r) { return (r + 15) / 16 * 16; }
-
-// FK_LORA_T_IN_GEMM=0 keeps t's own cuBLAS pass before the fused GEMM (the bench compares both).
-bool lora_t_in_gemm() {
-  static const bool on = [] {
-    const char* v = std::getenv("FK_LORA_T_IN_GEMM");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on;
-}
 
 // A tensor or a zero-padded copy of it.
 struct Padded {
@@ -147,7 +137,7 @@ void lora_forward(const LoraForwardArgs& args, const LoraParams& p, const Stream
   const TensorView* bias = args.bias ? &*args.bias : nullptr;
   const TensorView* preact = args.preact ? &*args.preact : nullptr;
   // r <= 16 without preact: t computed inside the fused GEMM (lora_gemm_t.cu), no pass of its own.
-  if (rb == 16 && preact == nullptr && lora_t_in_gemm()) {
+  if (rb == 16 && preact == nullptr) {
     cuda::LoraGemmArgs g{args.x, args.w, true, t, b_pad.view, bias, p.act, args.y, nullptr};
     g.lowrank_a = a_pad.view;
     g.lowrank_scale = p.scale;

@@ -205,8 +205,8 @@ void operand_strides(std::int64_t m, std::int64_t n, std::int64_t kg, StrideA& a
   else b = cute::make_stride(cute::Int<1>{}, n, n * kg);
 }
 
-// The persistent tile scheduler's arguments: swizzle and raster order from the args (the bench
-// compares them), else CUTLASS's defaults.
+// The persistent tile scheduler's arguments: swizzle and raster order from the args (lora_test
+// runs a few), else CUTLASS's defaults.
 template <class SchedulerArgs>
 SchedulerArgs scheduler_args(const LoraGemmArgs& a) {
   SchedulerArgs s{};

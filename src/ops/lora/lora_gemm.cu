@@ -166,8 +166,9 @@ bool lora_gemm_fused(const LoraGemmArgs& a, const Stream* stream) {
   // 8-byte fragment loads of L and R; 2-element stores and bias loads; TMA stores of out.
   for (const TensorView* v : {&a.lowrank_left, &a.lowrank_right, &a.out, a.preact, a.bias})
     if (v != nullptr && !aligned16(v->data())) return false;
-  // rb = 0 (no rank-r term) only serves the bench's breakdown.
-  if (a.lowrank_left.size(1) % 16 != 0 || a.lowrank_right.size(1) != a.lowrank_left.size(1)) return false;
+  if (a.lowrank_left.size(1) == 0 || a.lowrank_left.size(1) % 16 != 0 ||
+      a.lowrank_right.size(1) != a.lowrank_left.size(1))
+    return false;
   if (a.lowrank_left.size(1) > 64) return false;
   const bool in_gemm_t = a.lowrank_a.data() != nullptr;
   // t inside the GEMM: its two owners per row block are N-blocks 0 and 1, so N > 128.

@@ -294,7 +294,7 @@ void lora_gemm_tma(const LoraGemmArgs& args, const Stream* stream) {
     lora_gemm_tma_rs(a, stream);
     return;
   }
-  if (ktile && a.lowrank_left.size(1) > 0 && (a.rhs_is_n_by_k || has_rt)) {
+  if (ktile && (a.rhs_is_n_by_k || has_rt)) {
     using cutlass::bfloat16_t, cutlass::half_t;
     const bool bf16 = a.lhs.dtype() == DType::bf16;
     if (a.rhs_is_n_by_k) bf16 ? run_ktile<bfloat16_t, true>(a, stream) : run_ktile<half_t, true>(a, stream);

@@ -337,7 +337,8 @@ __global__ void __launch_bounds__(256) dequantize_kernel(const std::uint32_t* __
 
 }  // namespace
 
-void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
+void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
+           QgemmPath path) {
   const fk::detail::DeviceScope on_device(y.device().index);
   with_float_type(qw.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -345,8 +346,10 @@ void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, 
       throw_internal("qgemm: f32 weights are not packed");
     } else {
       const std::int64_t m = x.size(0);
-      if (m <= 16 && qgemm_small_m(x, qw, y, stream)) return;  // qgemm_small_m.cu
-      if (qgemm_wgmma(x, qw, y, stream)) return;                // qgemm_wgmma.cu: sm_90
+      if (path == QgemmPath::automatic) {
+        if (m <= 16 && qgemm_small_m(x, qw, y, stream)) return;  // qgemm_small_m.cu
+        if (qgemm_wgmma(x, qw, y, stream)) return;                // qgemm_wgmma.cu: sm_90
+      }
       if (m <= MidM::BM) return launch<T, MidM>(x, qw, y, stream);
       return launch<T, LargeM>(x, qw, y, stream);
     }

@@ -32,7 +32,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -497,12 +496,6 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
   const DeviceFacts f = device_facts(device);
   const int by_regs = resident_by_registers(kernel, device, f);
   int most = f.major >= 9 ? std::min(kMaxSplits, std::max(1, k_tiles / (kWarpsK * KU))) : 1;
-  // FK_QGEMM_SPLITS=S: only S splits (for measurements; read once).
-  static const int env_splits = [] {
-    const char* e = std::getenv("FK_QGEMM_SPLITS");
-    return e != nullptr ? std::atoi(e) : 0;
-  }();
-  const int only = f.major >= 9 ? env_splits : 0;
   long best = -1;
   bool one_wave = false;
   for (int s = most; s >= 1; --s) {
@@ -511,7 +504,6 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
     c.tiles_per_warp = (c.tiles_per_warp + KU - 1) / KU * KU;
     c.splits = (k_tiles + kWarpsK * c.tiles_per_warp - 1) / (kWarpsK * c.tiles_per_warp);  // no empty split
     if (c.splits != s) continue;  // the same plan as a larger s
-    if (only > 0 && s != only) continue;
     c.x_stride = kWarpsK * c.tiles_per_warp * 32 + kXPad;
     const std::size_t x_bytes = static_cast<std::size_t>(m + 1) * c.x_stride * 4;
     const std::size_t red_bytes = static_cast<std::size_t>(kWarpsK) * mp * kBN * 4;
@@ -586,11 +578,6 @@ bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorV
   // that is a multiple of 128 (more than one group) one per batch of two k-tiles.
   const bool group64 = qw.groups() == 1 || qw.group % 64 == 0;
   const bool group128 = qw.groups() > 1 && qw.group % 128 == 0;
-  // FK_QGEMM_KU=1: one k-tile a batch everywhere (for measurements; read once).
-  static const int ku = [] {
-    const char* e = std::getenv("FK_QGEMM_KU");
-    return e != nullptr && std::atoi(e) == 1 ? 1 : 2;
-  }();
   bool done = false;
   with_float_type(qw.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -598,12 +585,12 @@ bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorV
       throw_internal("qgemm: f32 weights are not packed");
     } else {
       if (m <= 8) {
-        if (group128 && ku == 2)
+        if (group128)
           done = launch_small_m<T, 1, 2, true>(x, qw, y, stream);
         else
           done = group64 ? launch_small_m<T, 1, 1, true>(x, qw, y, stream) : launch_small_m<T, 1, 1, false>(x, qw, y, stream);
       } else {
-        if (group128 && ku == 2)
+        if (group128)
           done = launch_small_m<T, 2, 2, true>(x, qw, y, stream);
         else
           done = group64 ? launch_small_m<T, 2, 1, true>(x, qw, y, stream) : launch_small_m<T, 2, 1, false>(x, qw, y, stream);

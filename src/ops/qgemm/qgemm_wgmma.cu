@@ -34,7 +34,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -433,16 +432,6 @@ CUtensorMap x_map(const TensorView& x, int bmx) {
   return map;
 }
 
-int env_int(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? std::atoi(v) : 0;
-}
-
-// A plan: the configuration and the splits of K (one cluster of `splits` CTAs per output tile).
-struct Plan {
-  int nc = 2, mw = 2, splits = 1;
-};
-
 // Clusters of `splits` CTAs of qgemm_wgmma_kernel<T, C> the device runs at once (a cluster lives
 // in one GPC, so this is less than SMs / splits), per device, cached: decoding calls qgemm often.
 template <class T, class C>
@@ -512,28 +501,22 @@ void launch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y,
 // over a fixed ~7 us); it picks the fastest measured plan in 5 of the 6 (M, shape) pairs and one
 // 0.6 us slower in the sixth. The same costs pick three consumers (192 rows, 2 splits: 116 CTAs
 // against 86) for N = 11008, as measured fastest there. Nothing fits one wave (large M): 256 rows,
-// no split. FK_QGEMM_WG_MW / FK_QGEMM_WG_SPLITS force a plan, FK_QGEMM_WG_NC = 3 (with MW 1) the
-// three consumers (measurements, tests).
+// no split.
 constexpr long kTileCost = 110, kSplitCost = 1230;
 template <class T, int BMX>
-Plan plan(int device, int n, int m, int k_tiles) {
-  static const int force_nc = env_int("FK_QGEMM_WG_NC"), force_mw = env_int("FK_QGEMM_WG_MW"),
-                   force_splits = std::clamp(env_int("FK_QGEMM_WG_SPLITS"), 0, kMaxSplits);
-  const bool forced = force_mw && force_splits;  // FK_QGEMM_WG_NC = 3 for three consumers, else two
+QgemmWgmmaPlan plan(int device, int n, int m, int k_tiles) {
   const int m_blocks = (m + BMX - 1) / BMX;
-  Plan best{2, 2, 1};
+  QgemmWgmmaPlan best{2, 2, 1};
   long best_work = -1;
   for (const auto& [nc, mw] : {std::pair{2, 2}, std::pair{2, 1}, std::pair{3, 1}}) {
-    if ((force_nc && nc != force_nc) || (force_mw && (mw != force_mw || (!force_nc && nc != 2)))) continue;
     const int bn = 64 * nc * mw, tiles = (n + bn - 1) / bn * m_blocks;
     for (int s = 1; s <= std::min(kMaxSplits, k_tiles); ++s) {
-      if (force_splits && s != force_splits) continue;
       const int per = (k_tiles + s - 1) / s, splits = (k_tiles + per - 1) / per;
       if (splits != s) continue;  // the same plan as fewer splits
       const int resident = nc == 3    ? resident_clusters<T, Cfg<T, 1, BMX, 3>>(device, s)
                            : mw == 2 ? resident_clusters<T, Cfg<T, 2, BMX>>(device, s)
                                      : resident_clusters<T, Cfg<T, 1, BMX>>(device, s);
-      if (tiles > resident && !forced) continue;  // a second wave
+      if (tiles > resident) continue;  // a second wave
       const long work = (bn + kTileCost) * per + kSplitCost * s;
       if (best_work < 0 || work < best_work) {
         best = {nc, mw, s};
@@ -541,14 +524,16 @@ Plan plan(int device, int n, int m, int k_tiles) {
       }
     }
   }
-  if (best_work < 0) best = {force_nc ? force_nc : 2, force_mw ? force_mw : 2, force_splits ? force_splits : 1};
   return best;
 }
 
 template <class T, int BMX>
-void dispatch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
-  const Plan pl = plan<T, BMX>(y.device().index, static_cast<int>(qw.n), static_cast<int>(x.size(0)),
-                               static_cast<int>(qw.k_pad() / kBK));
+void dispatch(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
+              const QgemmWgmmaPlan* forced) {
+  const QgemmWgmmaPlan pl =
+      forced != nullptr ? *forced
+                        : plan<T, BMX>(y.device().index, static_cast<int>(qw.n), static_cast<int>(x.size(0)),
+                                       static_cast<int>(qw.k_pad() / kBK));
   if (pl.nc == 3)
     launch<T, Cfg<T, 1, BMX, 3>>(x, qw, y, pl.splits, stream);
   else if (pl.mw == 2)
@@ -559,17 +544,24 @@ void dispatch(const TensorView& x, const QuantizedWeight& qw, const TensorView& 
 
 }  // namespace
 
-bool qgemm_wgmma(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
+bool qgemm_wgmma(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
+                 const QgemmWgmmaPlan* forced) {
+  if (forced != nullptr) {
+    const bool config =
+        (forced->nc == 2 && (forced->mw == 1 || forced->mw == 2)) || (forced->nc == 3 && forced->mw == 1);
+    if (!config || forced->splits < 1 || forced->splits > kMaxSplits)
+      throw_internal("qgemm_wgmma: a forced plan is (2, 2), (2, 1) or (3, 1) with 1 to 8 splits");
+  }
   const int device = y.device().index;
-  if (!is_sm90(device) || env_int("FK_QGEMM_WG_OFF")) return false;
+  if (!is_sm90(device)) return false;
   if (x.size(0) > 65535LL * 128) return false;
   const bool small = x.size(0) <= 64;
   if (qw.dtype == DType::bf16) {
-    if (small) dispatch<__nv_bfloat16, 64>(x, qw, y, stream);
-    else dispatch<__nv_bfloat16, 128>(x, qw, y, stream);
+    if (small) dispatch<__nv_bfloat16, 64>(x, qw, y, stream, forced);
+    else dispatch<__nv_bfloat16, 128>(x, qw, y, stream, forced);
   } else {
-    if (small) dispatch<__half, 64>(x, qw, y, stream);
-    else dispatch<__half, 128>(x, qw, y, stream);
+    if (small) dispatch<__half, 64>(x, qw, y, stream, forced);
+    else dispatch<__half, 128>(x, qw, y, stream, forced);
   }
   return true;
 }
