@@ -1,5 +1,6 @@
-// The GPU DLRM: buffers, cuBLAS / cuBLASLt calls and the order of the kernels of
-// models/dlrm_kernels.cu, for both implementations (contract in dlrm_gpu.hpp).
+// The GPU DLRM: buffers, cuBLAS / cuBLASLt calls and the order of the kernels of the recsys and
+// pointwise families (ops/recsys/recsys_cuda.hpp, ops/pointwise/rows_cuda.hpp), for both
+// implementations (contract in dlrm_gpu.hpp).
 #include "models/dlrm_gpu.hpp"
 
 #include <cuda_runtime.h>
@@ -18,10 +19,38 @@
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/gemm.hpp"
 #include "fusekit/ops/mlp.hpp"
-#include "models/dlrm_kernels.hpp"
 #include "models/layers.hpp"
+#include "ops/pointwise/rows_cuda.hpp"
+#include "ops/recsys/recsys_cuda.hpp"
 
 namespace fk::models::gpu {
+
+using cuda::add_dense_grad;
+using cuda::bias_add;
+using cuda::column_sum;
+using cuda::column_sum_partial_floats;
+using cuda::embedding_backward_fused;
+using cuda::embedding_forward_fused;
+using cuda::embedding_forward_table;
+using cuda::embedding_keys;
+using cuda::from_bf16_rows;
+using cuda::interaction_dot_backward;
+using cuda::interaction_dot_forward;
+using cuda::interaction_gather;
+using cuda::interaction_outer_forward;
+using cuda::interaction_scatter;
+using cuda::kLossAccDoubles;
+using cuda::optimizer_update;
+using cuda::relu_backward_inplace;
+using cuda::relu_inplace;
+using cuda::sigmoid;
+using cuda::sigmoid_bce_fused;
+using cuda::sigmoid_bce_reference;
+using cuda::sparse_backward_chunks;
+using cuda::sparse_backward_sort_bytes;
+using cuda::SparseBackwardWorkspace;
+using cuda::TableSet;
+using cuda::to_bf16_rows;
 
 namespace {
 
@@ -468,14 +497,15 @@ struct GpuDlrm::State {
     mark("embeddings.fwd");
     if (impl == DlrmImpl::fused) {
       embedding_forward_fused(table_set(), use_raw ? sl.raw.data_as<std::uint32_t>() : nullptr,
-                              config.raw_hash == fk::models::RawHash::seed ? gpu::RawHash::seed : gpu::RawHash::reference,
+                              config.raw_hash == fk::models::RawHash::seed ? RowHash::seed : RowHash::reference,
                               sl.indices.data_as<std::int64_t>(), sl.offsets.data_as<std::int64_t>(), b,
-                              z.data_as<float>(), keys.data_as<std::uint32_t>(), bags.data_as<std::uint32_t>(), cs());
+                              z.data_as<float>() + dim, fd, /*mean=*/false, keys.data_as<std::uint32_t>(),
+                              bags.data_as<std::uint32_t>(), cs());
     } else {
       for (int ti = 0; ti < t; ++ti)
-        embedding_forward_table(table(ti), static_cast<int>(dim), ti, static_cast<int>(t),
-                                sl.indices.data_as<std::int64_t>(), sl.offsets.data_as<std::int64_t>(), b,
-                                z.data_as<float>(), cs());
+        embedding_forward_table(table(ti), static_cast<int>(dim), ti, sl.indices.data_as<std::int64_t>(),
+                                sl.offsets.data_as<std::int64_t>(), b, z.data_as<float>() + dim, fd,
+                                /*mean=*/false, cs());
     }
     mark("interaction.fwd");
     switch (config.interaction) {
@@ -593,7 +623,7 @@ struct GpuDlrm::State {
       embedding_keys(gs, sl.indices.data_as<std::int64_t>(), sl.offsets.data_as<std::int64_t>(), b,
                      keys.data_as<std::uint32_t>(), bags.data_as<std::uint32_t>(), cs());
       embedding_backward_fused(gs, key_bits, keys.data_as<std::uint32_t>(), bags.data_as<std::uint32_t>(), nnz, b,
-                               dz.data_as<float>(), 0.0f, 0.0f, ws, cs());
+                               dz.data_as<float>() + dim, fd, nullptr, 0.0f, 0.0f, ws, cs());
     }
     // Bottom MLP: its output's gradient is dZ[:, 0].
     mark("bottom_mlp.bwd");
@@ -633,7 +663,8 @@ struct GpuDlrm::State {
     mark("optimizer.embeddings");
     if (impl == DlrmImpl::fused) {
       embedding_backward_fused(ts, key_bits, keys.data_as<std::uint32_t>(), bags.data_as<std::uint32_t>(), nnz, batch,
-                               dz.data_as<float>(), opt.learning_rate, opt.eps, ws, cs());
+                               dz.data_as<float>() + dim, features * dim, nullptr, opt.learning_rate, opt.eps, ws,
+                               cs());
       mark("optimizer.mlp");
       optimizer_update(params.data_as<float>(), grads.data_as<float>(), ada ? adagrad.data_as<float>() : nullptr,
                        param_floats, opt.learning_rate, opt.eps, cs());

@@ -1,0 +1,215 @@
+// Family `recsys`: the sparse and interaction ops of DLRM-style recommendation models.
+//
+//   embedding_bag_forward          out[b, t, :] = pool over the bag (t, b) of tables[t][row, :]
+//   embedding_bag_backward_update  the gradient of every touched row, summed in a fixed order and
+//                                  applied at once by SGD / Adagrad / row-wise Adagrad (no dense
+//                                  table gradient), or stored into a dense gradient buffer
+//   interaction_forward/backward   Z [B, F, D] -> R [B, I]: dot (pairwise dot products), cat, outer
+//   sigmoid_bce_forward_backward   mean BCE of sigmoid(logits) and dlogits in one pass
+//
+// Tables: the T tables of one model share the embedding dim D and live in one f32 buffer
+// [total_rows, D], table t at rows [base[t], base[t] + rows[t]); a TableLayout says where (made
+// once, it holds the small device copy of the bases and row counts the kernels read).
+//
+// Input of the embedding bags, bag q = t * B + b (table-major):
+//   CSR (multi-hot)   indices i64 [nnz]: row within table t; offsets i64 [T * B + 1], offsets[0] = 0,
+//                     non-decreasing, offsets[T * B] = nnz; bag q = indices[offsets[q], offsets[q + 1]).
+//                     On the CPU they are validated; on a GPU they are trusted (validate them on the
+//                     host with check_embedding_input before copying them, as a loader does).
+//   raw (one-hot)     i32 [T * B], read as u32: bag q holds the single row hash(raw[q]) of table t,
+//                     the hash computed in the kernel.
+// Pooled output: out [B, T, D] f32, innermost stride 1, stride D between tables and any row stride
+// >= T * D, so that DLRM's bags land straight in Z[:, 1:, :] ([B, F, D] with F = T + 1).
+//
+// Every op is f32 with fp32 arithmetic on the GPU (the losses accumulate in double); the CPU
+// backend is the spec (reference::), written with double accumulation. Accuracy against the spec:
+// pooled sums within 1e-5 relative per term (fp32 summation of at most a bag's rows); updates the
+// same. Every result is deterministic: the same bits on every run of a given input.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "fusekit/core/tensor.hpp"
+
+namespace fk {
+
+class Stream;
+
+// How a raw one-hot value v becomes a row of a table of `rows` rows.
+enum class RowHash {
+  seed,       // (v + 1) % rows: the seed's modulus hash
+  reference,  // v % rows: dlrm_s_pytorch.py's `% max_ind_range`
+};
+
+enum class Pooling { sum, mean };  // mean: the sum over the bag's size; an empty bag gives zeros
+
+// Where T tables of one dim live in the shared [total_rows, D] buffer. Fewer than 2^32 rows in all
+// (the backward sorts 32-bit keys).
+class TableLayout {
+ public:
+  TableLayout() = default;
+  // Copies the bases and row counts to `device` (ordered on `stream`) when it is a GPU.
+  explicit TableLayout(std::vector<std::int64_t> rows, Device device = Device::cpu(), const Stream* stream = nullptr);
+
+  int num_tables() const noexcept { return static_cast<int>(rows_.size()); }
+  std::int64_t rows(int t) const { return rows_.at(static_cast<std::size_t>(t)); }
+  std::int64_t base(int t) const { return base_.at(static_cast<std::size_t>(t)); }
+  std::int64_t total_rows() const noexcept { return total_rows_; }
+  // Bits of the largest global row index: what the backward's radix sort sorts.
+  int key_bits() const noexcept { return key_bits_; }
+  Device device() const noexcept { return device_; }
+  // i64 [2, T] on device(): row 0 the bases, row 1 the row counts (empty on the CPU).
+  const TensorView& device_meta() const noexcept { return meta_.view(); }
+
+ private:
+  std::vector<std::int64_t> rows_, base_;
+  std::int64_t total_rows_ = 0;
+  int key_bits_ = 1;
+  Device device_ = Device::cpu();
+  Tensor meta_;
+};
+
+// Checks host CSR input against `layout` for a batch of B samples: offsets as described above,
+// every index in [0, rows[t]). Throws fk::Error (op `op`, argument "indices" or "offsets").
+void check_embedding_input(const TableLayout& layout, const TensorView& indices, const TensorView& offsets,
+                           std::int64_t batch, const char* op = "check_embedding_input");
+
+struct EmbeddingBagParams {
+  Pooling pooling = Pooling::sum;
+  RowHash hash = RowHash::seed;  // raw input only
+};
+
+struct EmbeddingBagForwardArgs {
+  TensorView weights;                // f32 [total_rows, D]: the tables of the layout, stacked
+  std::optional<TensorView> indices; // i64 [nnz]      CSR input (with offsets)
+  std::optional<TensorView> offsets; // i64 [T*B + 1]
+  std::optional<TensorView> raw;     // i32 [T*B]      or one raw value per bag (instead of CSR)
+  TensorView out;                    // f32 [B, T, D], strides (>= T*D, D, 1): written (=)
+  // When present, the backward's input: i32 [nnz] (nnz = T*B for raw input), read as u32:
+  // keys[k] = global row of entry k (base[t] + row), bags[k] = its bag q.
+  std::optional<TensorView> keys;
+  std::optional<TensorView> bags;
+};
+
+void embedding_bag_forward(const TableLayout& layout, const EmbeddingBagForwardArgs& a, const EmbeddingBagParams& p,
+                           const Stream* stream = nullptr);
+
+enum class EmbeddingUpdate {
+  sgd,              // w -= lr g
+  adagrad,          // state [total_rows, D]: state += g^2; w -= lr g / (sqrt(state) + eps)
+  rowwise_adagrad,  // state [total_rows]: state += mean_d g^2; w -= lr / (sqrt(state) + eps) g
+  store_gradient,   // weights is a dense gradient buffer [total_rows, D]: touched rows = g (others untouched)
+};
+
+struct EmbeddingOptimizerParams {
+  EmbeddingUpdate update = EmbeddingUpdate::sgd;
+  float lr = 0.01f;
+  float eps = 1e-8f;
+  Pooling pooling = Pooling::sum;  // as in the forward; mean needs the forward's offsets
+};
+
+struct EmbeddingBagBackwardArgs {
+  TensorView keys;                   // i32 [nnz]: the forward's keys
+  TensorView bags;                   // i32 [nnz]: the forward's bags
+  TensorView dout;                   // f32 [B, T, D], strides (>= T*D, D, 1): the pooled rows' gradient
+  std::optional<TensorView> offsets; // i64 [T*B + 1]: the forward's CSR offsets (mean pooling only)
+  TensorView weights;                // f32 [total_rows, D]: updated in place (or the dense gradient)
+  std::optional<TensorView> state;   // f32, see EmbeddingUpdate: updated in place
+  // u8 [embedding_bag_backward_workspace_bytes(nnz, D)] on the weights' device (GPU only; the
+  // CPU ignores it). Its contents need no initialisation and are garbage afterwards.
+  std::optional<TensorView> workspace;
+};
+
+// Bytes of workspace the GPU backward needs for nnz entries of dim D (0 for nnz = 0). Call with a
+// CUDA device current; it asks CUB for its sort storage.
+std::size_t embedding_bag_backward_workspace_bytes(std::int64_t nnz, std::int64_t dim);
+
+void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBagBackwardArgs& a,
+                                   const EmbeddingOptimizerParams& p, const Stream* stream = nullptr);
+
+// ---- Interaction ------------------------------------------------------------------------------
+enum class InteractionKind {
+  dot,    // R[b] = [Z[b, 0, :], <Z[b, i], Z[b, j]> for i in [0, F), j in [0, i) (j <= i with self)]
+  cat,    // R[b] = Z[b] flattened (F * D)
+  outer,  // R[b, i * n + j] = c_i c_j, c = Z[b] flattened, n = F * D
+};
+
+struct InteractionParams {
+  InteractionKind kind = InteractionKind::dot;
+  bool self_interaction = false;  // dot: include the pairs (i, i) (DlrmConfig::interaction_itself)
+};
+
+// I: the columns of R. dot: D + F (F - 1) / 2 (+ F with self_interaction); cat: F D; outer: (F D)^2.
+std::int64_t interaction_size(const InteractionParams& p, std::int64_t features, std::int64_t dim);
+
+// The dot interaction's pair order, made once per (F, self, device): k -> (i << 16 | j).
+class DotPairs {
+ public:
+  DotPairs() = default;
+  DotPairs(std::int64_t features, bool self_interaction, Device device = Device::cpu(),
+           const Stream* stream = nullptr);
+  std::int64_t features() const noexcept { return features_; }
+  bool self_interaction() const noexcept { return self_; }
+  const std::vector<std::uint32_t>& host() const noexcept { return host_; }
+  const TensorView& device_pairs() const noexcept { return device_.view(); }  // i32 [P] (empty on the CPU)
+
+ private:
+  std::int64_t features_ = 0;
+  bool self_ = false;
+  std::vector<std::uint32_t> host_;
+  Tensor device_;
+};
+
+struct InteractionForwardArgs {
+  TensorView z;  // f32 [B, F, D], contiguous
+  TensorView r;  // f32 [B, I] with row stride ldr >= I, inner stride 1: written (=), padding columns zeroed
+  const DotPairs* pairs = nullptr;  // dot: required, for z's F and device
+};
+
+struct InteractionBackwardArgs {
+  TensorView z;   // f32 [B, F, D], contiguous: the forward's input
+  TensorView dr;  // f32 [B, I] with row stride ldr >= I
+  TensorView dz;  // f32 [B, F, D], contiguous: written (=)
+  const DotPairs* pairs = nullptr;
+  // dot only: Z[b, 0] is the output of a ReLU (DLRM's bottom MLP): dZ[b, 0] is multiplied by
+  // (Z[b, 0] > 0) in the same pass, the ReLU's backward fused.
+  bool relu_x = false;
+};
+
+void interaction_forward(const InteractionForwardArgs& a, const InteractionParams& p, const Stream* stream = nullptr);
+void interaction_backward(const InteractionBackwardArgs& a, const InteractionParams& p,
+                          const Stream* stream = nullptr);
+
+// ---- Loss -------------------------------------------------------------------------------------
+// Doubles of the accumulator sigmoid_bce_forward_backward adds to: [0] the sum of the mean losses,
+// [1] the number of calls, then scratch (the per-block partials of the fixed-order reduction).
+inline constexpr int kSigmoidBceAccumulatorDoubles = 2 + 64;
+
+struct SigmoidBceArgs {
+  TensorView logits;   // f32 [B], B >= 1
+  TensorView labels;   // f32 [B], 0 or 1 (any value in [0, 1] is accepted)
+  TensorView dlogits;  // f32 [B]: written (=) with (sigmoid(x) - y) / B
+  // u8 [8 * kSigmoidBceAccumulatorDoubles], 8-byte aligned, on the logits' device, read as doubles:
+  // [0] += the mean loss (max(x, 0) - x y + log1p(exp(-|x|)), summed in double in a fixed order),
+  // [1] += 1. Zero it once; read it when the loss is wanted (no host synchronisation per call).
+  TensorView accumulator;
+};
+
+void sigmoid_bce_forward_backward(const SigmoidBceArgs& a, const Stream* stream = nullptr);
+
+// The spec: plain loops over host tensors, double accumulation. Same arguments as above.
+namespace reference {
+void embedding_bag_forward(const TableLayout& layout, const EmbeddingBagForwardArgs& a, const EmbeddingBagParams& p);
+void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBagBackwardArgs& a,
+                                   const EmbeddingOptimizerParams& p);
+void interaction_forward(const InteractionForwardArgs& a, const InteractionParams& p);
+void interaction_backward(const InteractionBackwardArgs& a, const InteractionParams& p);
+void sigmoid_bce_forward_backward(const SigmoidBceArgs& a);
+// The row a raw value selects.
+std::int64_t hash_row(std::uint32_t v, std::int64_t rows, RowHash hash);
+}  // namespace reference
+
+}  // namespace fk

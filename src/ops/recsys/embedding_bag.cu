@@ -1,0 +1,141 @@
+// Table-batched embedding-bag forward (contracts in recsys_cuda.hpp).
+//
+// Fused: every (table, sample) bag of every table in one launch, the raw value's hash computed in
+// the kernel (one-hot input) or the CSR bag walked (multi-hot), sum or mean pooling, the pooled
+// row written straight into its strided destination (DLRM's Z), and the (key, bag) pairs the fused
+// backward sorts written in the same pass: each table row a bag touches is read once, each pooled
+// row written once. Mapping: D / Vec threads per bag (Vec = 4 floats when D, the output stride and
+// the pointers allow 16-byte accesses), consecutive threads on consecutive columns of a bag, so a
+// row read is one coalesced segment. The baseline (`embedding_forward_table`) is the same lookup
+// for one table per launch, one thread per output element, as a per-table EmbeddingBag runs.
+// Assumes rows in range (CSR input is validated on the host by the caller) and < 2^32 rows in all.
+#include <cstdint>
+
+#include "fusekit/core/cuda_check.hpp"
+#include "ops/cuda_common.cuh"
+#include "ops/grid_stride.cuh"
+#include "recsys_cuda.hpp"
+
+namespace fk::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ std::int64_t hash_row(std::uint32_t v, std::int64_t rows, RowHash hash) {
+  const std::uint64_t x = hash == RowHash::seed ? std::uint64_t{v} + 1 : std::uint64_t{v};
+  return static_cast<std::int64_t>(x % static_cast<std::uint64_t>(rows));
+}
+
+template <int Vec>
+__global__ void embedding_fused_kernel(TableSet ts, const std::uint32_t* raw, RowHash hash,
+                                       const std::int64_t* indices, const std::int64_t* offsets, std::int64_t batch,
+                                       float* out, std::int64_t out_stride, bool mean, std::uint32_t* key,
+                                       std::uint32_t* bag) {
+  const int lanes = ts.dim / Vec;
+  const std::int64_t bags = batch * ts.tables;
+  const std::int64_t gid = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  const std::int64_t q = gid / lanes;
+  const int part = static_cast<int>(gid % lanes);
+  if (q >= bags) return;
+  const int t = static_cast<int>(q / batch);
+  const std::int64_t b = q % batch;
+  float* dst = out + b * out_stride + std::int64_t{t} * ts.dim + part * Vec;
+  const std::int64_t base = ts.base[t];
+  if (raw != nullptr) {
+    const std::int64_t row = base + hash_row(raw[q], ts.rows[t], hash);
+    if (part == 0 && key != nullptr) {
+      key[q] = static_cast<std::uint32_t>(row);
+      bag[q] = static_cast<std::uint32_t>(q);
+    }
+    const float* src = ts.weights + row * ts.dim + part * Vec;
+    if constexpr (Vec == 4) {
+      *reinterpret_cast<float4*>(dst) = __ldg(reinterpret_cast<const float4*>(src));
+    } else {
+      *dst = __ldg(src);
+    }
+    return;
+  }
+  float acc[Vec] = {};
+  const std::int64_t begin = offsets[q], end = offsets[q + 1];
+  for (std::int64_t k = begin; k < end; ++k) {
+    const std::int64_t row = base + indices[k];
+    if (part == 0 && key != nullptr) {
+      key[k] = static_cast<std::uint32_t>(row);
+      bag[k] = static_cast<std::uint32_t>(q);
+    }
+    const float* src = ts.weights + row * ts.dim + part * Vec;
+#pragma unroll
+    for (int i = 0; i < Vec; ++i) acc[i] += __ldg(src + i);
+  }
+  if (mean && end > begin) {
+    const float n = static_cast<float>(end - begin);
+#pragma unroll
+    for (int i = 0; i < Vec; ++i) acc[i] /= n;
+  }
+#pragma unroll
+  for (int i = 0; i < Vec; ++i) dst[i] = acc[i];
+}
+
+__global__ void embedding_table_kernel(const float* table, int dim, int t, const std::int64_t* indices,
+                                       const std::int64_t* offsets, std::int64_t batch, float* out,
+                                       std::int64_t out_stride, bool mean) {
+  const std::int64_t gid = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  const std::int64_t b = gid / dim;
+  const int d = static_cast<int>(gid % dim);
+  if (b >= batch) return;
+  const std::int64_t q = t * batch + b;
+  float acc = 0.0f;
+  const std::int64_t begin = offsets[q], end = offsets[q + 1];
+  for (std::int64_t k = begin; k < end; ++k) acc += table[indices[k] * dim + d];
+  if (mean && end > begin) acc /= static_cast<float>(end - begin);
+  out[b * out_stride + std::int64_t{t} * dim + d] = acc;
+}
+
+__global__ void embedding_keys_kernel(TableSet ts, const std::int64_t* indices, const std::int64_t* offsets,
+                                      std::int64_t batch, std::uint32_t* key, std::uint32_t* bag) {
+  const std::int64_t q = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (q >= batch * ts.tables) return;
+  const std::int64_t base = ts.base[q / batch];
+  for (std::int64_t k = offsets[q]; k < offsets[q + 1]; ++k) {
+    key[k] = static_cast<std::uint32_t>(base + indices[k]);
+    bag[k] = static_cast<std::uint32_t>(q);
+  }
+}
+
+}  // namespace
+
+void embedding_forward_fused(const TableSet& tables, const std::uint32_t* raw, RowHash hash,
+                             const std::int64_t* indices, const std::int64_t* offsets, std::int64_t batch, float* out,
+                             std::int64_t out_stride, bool mean, std::uint32_t* key, std::uint32_t* bag,
+                             cudaStream_t s) {
+  const bool vec = tables.dim % 4 == 0 && out_stride % 4 == 0 && aligned16(out) && aligned16(tables.weights);
+  const std::int64_t threads = batch * tables.tables * (vec ? tables.dim / 4 : tables.dim);
+  if (threads == 0) return;
+  if (vec)
+    embedding_fused_kernel<4><<<grid_stride_blocks(threads), kThreads, 0, s>>>(tables, raw, hash, indices, offsets,
+                                                                               batch, out, out_stride, mean, key, bag);
+  else
+    embedding_fused_kernel<1><<<grid_stride_blocks(threads), kThreads, 0, s>>>(tables, raw, hash, indices, offsets,
+                                                                               batch, out, out_stride, mean, key, bag);
+  FK_CUDA_CHECK_LAUNCH("embedding_forward_fused");
+}
+
+void embedding_forward_table(const float* table, int dim, int t, const std::int64_t* indices,
+                             const std::int64_t* offsets, std::int64_t batch, float* out, std::int64_t out_stride,
+                             bool mean, cudaStream_t s) {
+  if (batch * dim == 0) return;
+  embedding_table_kernel<<<grid_stride_blocks(batch * dim), kThreads, 0, s>>>(table, dim, t, indices, offsets, batch,
+                                                                              out, out_stride, mean);
+  FK_CUDA_CHECK_LAUNCH("embedding_forward_table");
+}
+
+void embedding_keys(const TableSet& tables, const std::int64_t* indices, const std::int64_t* offsets,
+                    std::int64_t batch, std::uint32_t* key, std::uint32_t* bag, cudaStream_t s) {
+  if (batch * tables.tables == 0) return;
+  embedding_keys_kernel<<<grid_stride_blocks(batch * tables.tables), kThreads, 0, s>>>(tables, indices, offsets,
+                                                                                       batch, key, bag);
+  FK_CUDA_CHECK_LAUNCH("embedding_keys");
+}
+
+}  // namespace fk::cuda

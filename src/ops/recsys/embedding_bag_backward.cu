@@ -1,0 +1,269 @@
+// The embedding-bag backward fused with the optimizer, and the dense optimizer (contracts in
+// recsys_cuda.hpp).
+//
+// The forward left one (key = global row, bag) pair per looked-up entry. They are sorted by key
+// (CUB radix sort, stable, over the key bits the table rows need), and the sorted array is cut
+// into chunks of 32 entries, one warp each, one entry per lane. A segment (one distinct row) is
+// cut by the chunk borders into pieces. Phase 1 sums each piece with a segmented warp scan (every
+// lane reads its bag's gradient row once) and: applies the update when the segment lies inside
+// the chunk; otherwise stores the piece's sum as the chunk's `tail` (the segment goes on into the
+// next chunk) or `head` (a segment from an earlier chunk ends here), and the chunk where a
+// crossing segment starts registers itself as its owner. Phase 2: one warp per owner adds
+// tail[c0], tail[c0 + 1], ..., head[c1] in a fixed order and applies the update. Dims are handled
+// 16 at a time. Each touched table row (and its optimizer state) is read and written once; no
+// dense or coalesced gradient exists; every sum has a fixed order, so the result is the same bits
+// on every run. Updates: SGD, Adagrad (per element), row-wise Adagrad (one state float per row:
+// the row's sum of g^2 is formed in a first pass over the slices, the update in a second, which
+// re-reads the gradient rows only when D > 16), or, for the unfused reference path, the summed
+// gradient stored (=) into a dense gradient buffer.
+#include <cub/device/device_radix_sort.cuh>
+
+#include <cstdint>
+
+#include "fusekit/core/cuda_check.hpp"
+#include "ops/cuda_common.cuh"
+#include "ops/grid_stride.cuh"
+#include "recsys_cuda.hpp"
+
+namespace fk::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kSlice = 16;
+
+__device__ __forceinline__ void apply_update(float* w, float* state, float g, float lr, float eps) {
+  if (state == nullptr) {
+    *w -= lr * g;
+  } else {
+    const float s = *state + g * g;
+    *state = s;
+    *w -= lr * g / (sqrtf(s) + eps);
+  }
+}
+
+__global__ void optimizer_kernel(float* param, const float* grad, float* state, std::int64_t n, float lr, float eps) {
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * blockDim.x)
+    apply_update(param + i, state ? state + i : nullptr, grad[i], lr, eps);
+}
+
+// The gradient row of bag q = t * B + b.
+__device__ __forceinline__ const float* bag_row(const float* dout, std::uint32_t q, std::int64_t batch,
+                                                std::int64_t out_stride, int dim) {
+  const std::int64_t t = q / batch, b = q % batch;
+  return dout + b * out_stride + t * dim;
+}
+
+// v = the slice [s0, s0 + 16) of this lane's gradient row (scaled by 1 / bag size for mean
+// pooling), then the inclusive segmented scan over the lanes of this lane's piece (from `start`).
+template <bool kMean>
+__device__ __forceinline__ void load_scanned(float (&v)[kSlice], const float* src, bool valid, int s0, int dim,
+                                             float scale, int lane, int start) {
+#pragma unroll
+  for (int i = 0; i < kSlice; ++i) {
+    v[i] = valid && s0 + i < dim ? src[s0 + i] : 0.0f;
+    if constexpr (kMean) v[i] *= scale;
+  }
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+#pragma unroll
+    for (int i = 0; i < kSlice; ++i) {
+      const float u = __shfl_up_sync(0xffffffffu, v[i], off);
+      if (lane - off >= start) v[i] += u;
+    }
+  }
+}
+
+template <bool kMean, bool kRowwise>
+__global__ void sparse_phase1_kernel(TableSet ts, const std::uint32_t* key, const std::uint32_t* bag, std::int64_t nnz,
+                                     std::int64_t chunks, std::int64_t batch, const float* dout,
+                                     std::int64_t out_stride, const std::int64_t* mean_offsets, float lr, float eps,
+                                     float* head, float* tail, std::uint8_t* ends, int* owners) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t c = (blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x) >> 5;
+  if (c >= chunks) return;
+  const std::int64_t e = c * 32 + lane;
+  const bool valid = e < nnz;
+  const std::uint32_t row = valid ? key[e] : 0xffffffffu;
+  const bool is_head = valid && (e == 0 || key[e - 1] != row);
+  const bool next_same = valid && e + 1 < nnz && key[e + 1] == row;
+  const unsigned heads = __ballot_sync(0xffffffffu, is_head);
+  const unsigned upto = lane == 31 ? 0xffffffffu : ((2u << lane) - 1u);
+  const unsigned mine = heads & upto;
+  const int start = mine ? 31 - __clz(mine) : 0;  // first lane of this lane's piece
+  const bool has_head = mine != 0;
+  const bool continues = lane == 31 && next_same;
+  const bool piece_end = valid && (lane == 31 || !next_same);
+  const std::uint32_t q = valid ? bag[e] : 0u;
+  const float* src = valid ? bag_row(dout, q, batch, out_stride, ts.dim) : nullptr;
+  float scale = 1.0f;
+  if constexpr (kMean) {
+    if (valid) scale = 1.0f / static_cast<float>(mean_offsets[q + 1] - mean_offsets[q]);
+  }
+
+  if (lane == 0 && has_head) ends[c] = 0;
+  if (piece_end && !has_head) ends[c] = continues ? 0 : 1;
+  if (continues && has_head) owners[1 + atomicAdd(owners, 1)] = static_cast<int>(c);
+
+  // This lane holds the whole of a segment that lies inside the chunk: it updates the row itself.
+  const bool direct = piece_end && has_head && !continues;
+  float v[kSlice];
+  float sumsq = 0.0f;  // row-wise Adagrad: sum over the row of g^2
+  for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
+    load_scanned<kMean>(v, src, valid, s0, ts.dim, scale, lane, start);
+    if (!piece_end) continue;
+    if (direct) {
+      if constexpr (kRowwise) {
+        for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) sumsq += v[i] * v[i];
+      } else {
+        float* w = ts.weights + std::int64_t{row} * ts.dim + s0;
+        float* st = ts.adagrad_state ? ts.adagrad_state + std::int64_t{row} * ts.dim + s0 : nullptr;
+        for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) {
+          if (ts.store_gradient) w[i] = v[i];
+          else apply_update(w + i, st ? st + i : nullptr, v[i], lr, eps);
+        }
+      }
+    } else {
+      float* dst = (continues ? tail : head) + c * ts.dim + s0;
+      for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) dst[i] = v[i];
+    }
+  }
+  if constexpr (kRowwise) {
+    float step = 0.0f;
+    if (direct) {
+      const float s = ts.adagrad_state[row] + sumsq / static_cast<float>(ts.dim);
+      ts.adagrad_state[row] = s;
+      step = lr / (sqrtf(s) + eps);
+    }
+    for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
+      if (ts.dim > kSlice) load_scanned<kMean>(v, src, valid, s0, ts.dim, scale, lane, start);
+      if (direct) {
+        float* w = ts.weights + std::int64_t{row} * ts.dim + s0;
+        for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) w[i] -= step * v[i];
+      }
+    }
+  }
+}
+
+// One warp per owner: lane l < 16 ends with g = the row's gradient at column s0 + l, summed over
+// the pieces tail[c0], ..., tail[c1 - 1], head[c1] in a fixed order (then a fixed butterfly).
+__device__ __forceinline__ float owner_slice_sum(const float* head, const float* tail, std::int64_t c0,
+                                                 std::int64_t c1, int s0, int dim, int lane) {
+  float acc[kSlice] = {};
+  for (std::int64_t c = c0 + lane; c <= c1; c += 32) {
+    const float* p = (c == c1 ? head : tail) + c * dim + s0;
+#pragma unroll
+    for (int i = 0; i < kSlice; ++i)
+      if (s0 + i < dim) acc[i] += p[i];
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+    for (int i = 0; i < kSlice; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+  float g = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kSlice; ++i)
+    if (i == lane) g = acc[i];
+  return g;
+}
+
+template <bool kRowwise>
+__global__ void sparse_phase2_kernel(TableSet ts, const std::uint32_t* key, std::int64_t chunks, float lr, float eps,
+                                     const float* head, const float* tail, const std::uint8_t* ends,
+                                     const int* owners) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t w = (blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x) >> 5;
+  if (w >= owners[0]) return;
+  const std::int64_t c0 = owners[1 + w];
+  const std::uint32_t row = key[c0 * 32 + 31];
+  std::int64_t c1 = -1;
+  for (std::int64_t base = c0 + 1; c1 < 0; base += 32) {
+    const std::int64_t c = base + lane;
+    const unsigned found = __ballot_sync(0xffffffffu, c < chunks && ends[c] != 0);
+    if (found) c1 = base + __ffs(found) - 1;
+    if (base >= chunks) break;  // unreachable for a consistent phase 1; never loop forever
+  }
+  if (c1 < 0) return;
+  float g = 0.0f, sumsq = 0.0f;
+  for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
+    g = owner_slice_sum(head, tail, c0, c1, s0, ts.dim, lane);
+    if (lane < kSlice && s0 + lane < ts.dim) {
+      if constexpr (kRowwise) {
+        sumsq += g * g;
+      } else {
+        const std::int64_t at = std::int64_t{row} * ts.dim + s0 + lane;
+        if (ts.store_gradient) ts.weights[at] = g;
+        else apply_update(ts.weights + at, ts.adagrad_state ? ts.adagrad_state + at : nullptr, g, lr, eps);
+      }
+    }
+  }
+  if constexpr (kRowwise) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sumsq += __shfl_xor_sync(0xffffffffu, sumsq, off);
+    const float s = ts.adagrad_state[row] + sumsq / static_cast<float>(ts.dim);
+    __syncwarp();  // every lane has read the old state before lane 0 replaces it
+    if (lane == 0) ts.adagrad_state[row] = s;
+    const float step = lr / (sqrtf(s) + eps);
+    for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
+      if (ts.dim > kSlice) g = owner_slice_sum(head, tail, c0, c1, s0, ts.dim, lane);
+      if (lane < kSlice && s0 + lane < ts.dim) ts.weights[std::int64_t{row} * ts.dim + s0 + lane] -= step * g;
+    }
+  }
+}
+
+template <bool kMean, bool kRowwise>
+void launch_sparse_phases(const TableSet& ts, std::int64_t nnz, std::int64_t batch, const float* dout,
+                          std::int64_t out_stride, const std::int64_t* mean_offsets, float lr, float eps,
+                          const SparseBackwardWorkspace& ws, cudaStream_t s) {
+  const std::int64_t chunks = sparse_backward_chunks(nnz);
+  const unsigned grid = static_cast<unsigned>((chunks * 32 + kThreads - 1) / kThreads);
+  sparse_phase1_kernel<kMean, kRowwise><<<grid, kThreads, 0, s>>>(ts, ws.key_sorted, ws.bag_sorted, nnz, chunks, batch,
+                                                                  dout, out_stride, mean_offsets, lr, eps, ws.head,
+                                                                  ws.tail, ws.ends, ws.owners);
+  FK_CUDA_CHECK_LAUNCH("embedding_backward_fused");
+  sparse_phase2_kernel<kRowwise><<<grid, kThreads, 0, s>>>(ts, ws.key_sorted, chunks, lr, eps, ws.head, ws.tail,
+                                                           ws.ends, ws.owners);
+  FK_CUDA_CHECK_LAUNCH("embedding_backward_fused");
+}
+
+}  // namespace
+
+void optimizer_update(float* param, const float* grad, float* state, std::int64_t n, float lr, float eps,
+                      cudaStream_t s) {
+  if (n == 0) return;
+  optimizer_kernel<<<grid_stride_blocks(n), kThreads, 0, s>>>(param, grad, state, n, lr, eps);
+  FK_CUDA_CHECK_LAUNCH("optimizer_update");
+}
+
+std::size_t sparse_backward_sort_bytes(std::int64_t nnz) {
+  std::size_t bytes = 0;
+  FK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const std::uint32_t*>(nullptr),
+                                                static_cast<std::uint32_t*>(nullptr),
+                                                static_cast<const std::uint32_t*>(nullptr),
+                                                static_cast<std::uint32_t*>(nullptr), static_cast<int>(nnz)));
+  return bytes;
+}
+
+std::int64_t sparse_backward_chunks(std::int64_t nnz) { return (nnz + 31) / 32; }
+
+void embedding_backward_fused(const TableSet& tables, int key_bits, const std::uint32_t* key,
+                              const std::uint32_t* bag, std::int64_t nnz, std::int64_t batch, const float* dout,
+                              std::int64_t out_stride, const std::int64_t* mean_offsets, float lr, float eps,
+                              const SparseBackwardWorkspace& ws, cudaStream_t s) {
+  if (nnz == 0) return;
+  std::size_t bytes = ws.sort_temp_bytes;
+  FK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.sort_temp, bytes, key, ws.key_sorted, bag, ws.bag_sorted,
+                                                static_cast<int>(nnz), 0, key_bits, s));
+  FK_CUDA_CHECK(cudaMemsetAsync(ws.owners, 0, sizeof(int), s));
+  const bool mean = mean_offsets != nullptr;
+  if (!mean && !tables.rowwise)
+    launch_sparse_phases<false, false>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
+  else if (!mean)
+    launch_sparse_phases<false, true>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
+  else if (!tables.rowwise)
+    launch_sparse_phases<true, false>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
+  else
+    launch_sparse_phases<true, true>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
+}
+
+}  // namespace fk::cuda

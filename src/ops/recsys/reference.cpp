@@ -1,0 +1,207 @@
+// The spec of the recsys family: plain loops over host tensors, double accumulation, one rounding
+// to f32 at each store. It is also the CPU backend. Arguments were checked by recsys.cpp.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/ops/recsys.hpp"
+
+namespace fk::reference {
+namespace {
+
+// The pooled row of bag (t, b) in an out / dout view [B, T, D] with strides (row, D, 1).
+float* pooled_row(const TensorView& out, std::int64_t t, std::int64_t b) {
+  return out.data_as<float>() + b * out.strides()[0] + t * out.strides()[1];
+}
+
+// The row stride of R / dR [B, L]: L (contiguous).
+std::int64_t row_stride(const TensorView& r) { return r.size(1); }
+
+}  // namespace
+
+std::int64_t hash_row(std::uint32_t v, std::int64_t rows, RowHash hash) {
+  const std::uint64_t x = hash == RowHash::seed ? std::uint64_t{v} + 1 : std::uint64_t{v};
+  return static_cast<std::int64_t>(x % static_cast<std::uint64_t>(rows));
+}
+
+void embedding_bag_forward(const TableLayout& layout, const EmbeddingBagForwardArgs& a, const EmbeddingBagParams& p) {
+  const std::int64_t nt = layout.num_tables(), batch = a.out.size(0), dim = a.weights.size(1);
+  const float* w = a.weights.data_as<float>();
+  std::int32_t* keys = a.keys ? a.keys->data_as<std::int32_t>() : nullptr;
+  std::int32_t* bags = a.bags ? a.bags->data_as<std::int32_t>() : nullptr;
+  std::vector<double> acc(static_cast<std::size_t>(dim));
+  for (std::int64_t t = 0; t < nt; ++t) {
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int64_t q = t * batch + b;
+      // The bag's global rows, in input order.
+      std::vector<std::int64_t> rows;
+      std::int64_t first = q;  // the bag's first entry (raw input: entry q)
+      if (a.raw) {
+        const auto v = static_cast<std::uint32_t>(a.raw->data_as<std::int32_t>()[q]);
+        rows.push_back(layout.base(static_cast<int>(t)) + hash_row(v, layout.rows(static_cast<int>(t)), p.hash));
+      } else {
+        const std::int64_t* off = a.offsets->data_as<std::int64_t>();
+        const std::int64_t* idx = a.indices->data_as<std::int64_t>();
+        first = off[q];
+        for (std::int64_t k = off[q]; k < off[q + 1]; ++k) rows.push_back(layout.base(static_cast<int>(t)) + idx[k]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (std::size_t k = 0; k < rows.size(); ++k) {
+        for (std::int64_t c = 0; c < dim; ++c) acc[static_cast<std::size_t>(c)] += w[rows[k] * dim + c];
+        if (keys) {
+          keys[first + static_cast<std::int64_t>(k)] = static_cast<std::int32_t>(static_cast<std::uint32_t>(rows[k]));
+          bags[first + static_cast<std::int64_t>(k)] = static_cast<std::int32_t>(q);
+        }
+      }
+      const double scale = p.pooling == Pooling::mean && !rows.empty() ? 1.0 / static_cast<double>(rows.size()) : 1.0;
+      float* dst = pooled_row(a.out, t, b);
+      for (std::int64_t c = 0; c < dim; ++c) dst[c] = static_cast<float>(acc[static_cast<std::size_t>(c)] * scale);
+    }
+  }
+}
+
+void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBagBackwardArgs& a,
+                                   const EmbeddingOptimizerParams& p) {
+  const std::int64_t nnz = a.keys.numel(), dim = a.weights.size(1);
+  const std::int64_t batch = a.dout.size(0);
+  (void)layout;
+  const auto* keys = a.keys.data_as<std::int32_t>();
+  const auto* bags = a.bags.data_as<std::int32_t>();
+  // Entries grouped by row, in entry order within a row.
+  std::vector<std::int64_t> order(static_cast<std::size_t>(nnz));
+  for (std::int64_t k = 0; k < nnz; ++k) order[static_cast<std::size_t>(k)] = k;
+  const auto key_of = [&](std::int64_t k) { return static_cast<std::uint32_t>(keys[k]); };
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) { return key_of(x) < key_of(y); });
+
+  float* w = a.weights.data_as<float>();
+  float* state = a.state ? a.state->data_as<float>() : nullptr;
+  std::vector<double> g(static_cast<std::size_t>(dim));
+  for (std::size_t s = 0; s < order.size();) {
+    const std::uint32_t row = key_of(order[s]);
+    std::fill(g.begin(), g.end(), 0.0);
+    for (; s < order.size() && key_of(order[s]) == row; ++s) {
+      const auto q = static_cast<std::int64_t>(static_cast<std::uint32_t>(bags[order[s]]));
+      double scale = 1.0;
+      if (p.pooling == Pooling::mean) {
+        const std::int64_t* off = a.offsets->data_as<std::int64_t>();
+        scale = 1.0 / static_cast<double>(off[q + 1] - off[q]);
+      }
+      const float* src = pooled_row(a.dout, q / batch, q % batch);
+      for (std::int64_t c = 0; c < dim; ++c) g[static_cast<std::size_t>(c)] += src[c] * scale;
+    }
+    float* wr = w + std::int64_t{row} * dim;
+    switch (p.update) {
+      case EmbeddingUpdate::sgd:
+        for (std::int64_t c = 0; c < dim; ++c) wr[c] = static_cast<float>(wr[c] - p.lr * g[static_cast<std::size_t>(c)]);
+        break;
+      case EmbeddingUpdate::adagrad:
+        for (std::int64_t c = 0; c < dim; ++c) {
+          const double gc = g[static_cast<std::size_t>(c)];
+          float& st = state[std::int64_t{row} * dim + c];
+          st = static_cast<float>(st + gc * gc);
+          wr[c] = static_cast<float>(wr[c] - p.lr * gc / (std::sqrt(static_cast<double>(st)) + p.eps));
+        }
+        break;
+      case EmbeddingUpdate::rowwise_adagrad: {
+        double sumsq = 0;
+        for (double gc : g) sumsq += gc * gc;
+        float& st = state[row];
+        st = static_cast<float>(st + sumsq / static_cast<double>(dim));
+        const double step = p.lr / (std::sqrt(static_cast<double>(st)) + p.eps);
+        for (std::int64_t c = 0; c < dim; ++c) wr[c] = static_cast<float>(wr[c] - step * g[static_cast<std::size_t>(c)]);
+        break;
+      }
+      case EmbeddingUpdate::store_gradient:
+        for (std::int64_t c = 0; c < dim; ++c) wr[c] = static_cast<float>(g[static_cast<std::size_t>(c)]);
+        break;
+    }
+  }
+}
+
+void interaction_forward(const InteractionForwardArgs& a, const InteractionParams& p) {
+  const std::int64_t batch = a.z.size(0), nf = a.z.size(1), dim = a.z.size(2), n = nf * dim;
+  const std::int64_t size = interaction_size(p, nf, dim), ldr = row_stride(a.r);
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const float* zb = a.z.data_as<float>() + b * n;
+    float* rb = a.r.data_as<float>() + b * ldr;
+    switch (p.kind) {
+      case InteractionKind::dot: {
+        std::copy(zb, zb + dim, rb);
+        std::int64_t k = dim;
+        for (std::uint32_t pair : a.pairs->host()) {
+          const std::int64_t i = pair >> 16, j = pair & 0xffffu;
+          double s = 0;
+          for (std::int64_t c = 0; c < dim; ++c) s += static_cast<double>(zb[i * dim + c]) * zb[j * dim + c];
+          rb[k++] = static_cast<float>(s);
+        }
+        break;
+      }
+      case InteractionKind::cat: std::copy(zb, zb + n, rb); break;
+      case InteractionKind::outer:
+        for (std::int64_t i = 0; i < n; ++i)
+          for (std::int64_t j = 0; j < n; ++j) rb[i * n + j] = static_cast<float>(static_cast<double>(zb[i]) * zb[j]);
+        break;
+    }
+    std::fill(rb + size, rb + ldr, 0.0f);  // padding columns
+  }
+}
+
+void interaction_backward(const InteractionBackwardArgs& a, const InteractionParams& p) {
+  const std::int64_t batch = a.z.size(0), nf = a.z.size(1), dim = a.z.size(2), n = nf * dim;
+  const std::int64_t ldr = row_stride(a.dr);
+  std::vector<double> acc(static_cast<std::size_t>(n));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const float* zb = a.z.data_as<float>() + b * n;
+    const float* gb = a.dr.data_as<float>() + b * ldr;
+    float* db = a.dz.data_as<float>() + b * n;
+    std::fill(acc.begin(), acc.end(), 0.0);
+    switch (p.kind) {
+      case InteractionKind::dot: {
+        for (std::int64_t c = 0; c < dim; ++c) acc[static_cast<std::size_t>(c)] = gb[c];
+        std::int64_t k = dim;
+        for (std::uint32_t pair : a.pairs->host()) {
+          const std::int64_t i = pair >> 16, j = pair & 0xffffu;
+          const double g = gb[k++];
+          for (std::int64_t c = 0; c < dim; ++c) {
+            acc[static_cast<std::size_t>(i * dim + c)] += g * zb[j * dim + c];
+            acc[static_cast<std::size_t>(j * dim + c)] += g * zb[i * dim + c];
+          }
+        }
+        if (a.relu_x)
+          for (std::int64_t c = 0; c < dim; ++c)
+            if (!(zb[c] > 0.0f)) acc[static_cast<std::size_t>(c)] = 0.0;
+        break;
+      }
+      case InteractionKind::cat:
+        for (std::int64_t i = 0; i < n; ++i) acc[static_cast<std::size_t>(i)] = gb[i];
+        break;
+      case InteractionKind::outer:
+        // r_ij = c_i c_j: dc_i = sum_j (g_ij + g_ji) c_j.
+        for (std::int64_t i = 0; i < n; ++i)
+          for (std::int64_t j = 0; j < n; ++j)
+            acc[static_cast<std::size_t>(i)] += (static_cast<double>(gb[i * n + j]) + gb[j * n + i]) * zb[j];
+        break;
+    }
+    for (std::int64_t i = 0; i < n; ++i) db[i] = static_cast<float>(acc[static_cast<std::size_t>(i)]);
+  }
+}
+
+void sigmoid_bce_forward_backward(const SigmoidBceArgs& a) {
+  const std::int64_t n = a.logits.numel();
+  const float* x = a.logits.data_as<float>();
+  const float* y = a.labels.data_as<float>();
+  float* dx = a.dlogits.data_as<float>();
+  double sum = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double xi = x[i];
+    sum += std::max(xi, 0.0) - xi * y[i] + std::log1p(std::exp(-std::fabs(xi)));
+    dx[i] = static_cast<float>((1.0 / (1.0 + std::exp(-xi)) - y[i]) / static_cast<double>(n));
+  }
+  double* acc = a.accumulator.data_as<double>();
+  acc[0] += sum / static_cast<double>(n);
+  acc[1] += 1.0;
+}
+
+}  // namespace fk::reference

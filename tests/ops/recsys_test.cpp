@@ -1,0 +1,735 @@
+// Tests of the recsys family: the spec against small cases worked by hand (a 2-table, 3-sample
+// batch; the dot interaction's pair order; one optimizer step on repeated rows; BCE), the CUDA
+// kernels against the spec on random inputs of many shapes (odd D, one sample, empty bags,
+// repeated rows, tables of one row, more than 2^16 entries), and every bad input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "fusekit/fusekit.hpp"
+#include "fusekit/ops/recsys.hpp"
+#include "test_util.hpp"
+
+namespace fk {
+namespace {
+
+const Device kCpu = Device::cpu();
+
+Tensor f32(Dims shape, const std::vector<float>& v) { return test::host_tensor(shape, DType::f32, v); }
+
+Tensor i64(const std::vector<std::int64_t>& v) {
+  Tensor t = Tensor::empty({static_cast<std::int64_t>(v.size())}, DType::i64, kCpu);
+  std::copy(v.begin(), v.end(), t.data_as<std::int64_t>());
+  return t;
+}
+
+Tensor i32(const std::vector<std::int32_t>& v) {
+  Tensor t = Tensor::empty({static_cast<std::int64_t>(v.size())}, DType::i32, kCpu);
+  std::copy(v.begin(), v.end(), t.data_as<std::int32_t>());
+  return t;
+}
+
+std::vector<float> floats(const TensorView& t) {
+  const Tensor h = test::to_host(t);
+  return std::vector<float>(h.data_as<float>(), h.data_as<float>() + h.numel());
+}
+
+std::vector<std::int32_t> ints(const TensorView& t) {
+  const Tensor h = test::to_host(t);
+  return std::vector<std::int32_t>(h.data_as<std::int32_t>(), h.data_as<std::int32_t>() + h.numel());
+}
+
+// The pooled bags [B, T, D] inside a DLRM-like Z [B, T + 1, D]: bag (t, b) at Z[b, 1 + t].
+TensorView pooled_in(const Tensor& z) {
+  const std::int64_t b = z.size(0), f = z.size(1), d = z.size(2);
+  return TensorView(z.data_as<float>() + d, DType::f32, {b, f - 1, d}, {f * d, d, 1}, z.device());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The hand-worked case: tables of 4 and 2 rows, D = 2, B = 3.
+//   table 0: r0 [1, 2]   r1 [3, 4]   r2 [5, 6]   r3 [7, 8]    (global rows 0..3)
+//   table 1: r0 [10, 20] r1 [30, 40]                          (global rows 4..5)
+// CSR bags q = t * 3 + b: q0 {0, 2}, q1 {}, q2 {1, 1}, q3 {1}, q4 {0, 1}, q5 {0}.
+// ---------------------------------------------------------------------------------------------
+
+struct HandCase {
+  TableLayout layout{{4, 2}};
+  Tensor weights = f32({6, 2}, {1, 2, 3, 4, 5, 6, 7, 8, 10, 20, 30, 40});
+  Tensor indices = i64({0, 2, 1, 1, 1, 0, 1, 0});
+  Tensor offsets = i64({0, 2, 2, 4, 5, 7, 8});
+  Tensor z = Tensor::empty({3, 3, 2}, DType::f32, kCpu);  // Z[b, 0] stays -7: not the op's
+  Tensor keys = Tensor::empty({8}, DType::i32, kCpu), bags = Tensor::empty({8}, DType::i32, kCpu);
+  HandCase() { fill(z, -7.0); }
+  std::vector<float> pooled() const {  // Z[:, 1:] in order
+    const std::vector<float> all = floats(z);
+    std::vector<float> out;
+    for (int b = 0; b < 3; ++b)
+      for (int i = 2; i < 6; ++i) out.push_back(all[static_cast<std::size_t>(b * 6 + i)]);
+    return out;
+  }
+  std::vector<float> z0() const {
+    std::vector<float> all = floats(z);
+    return {all[0], all[1], all[6], all[7], all[12], all[13]};
+  }
+};
+
+TEST(RecsysSpec, TableLayoutBasesAndKeyBits) {
+  const TableLayout l({4, 2, 1});
+  EXPECT_EQ(l.num_tables(), 3);
+  EXPECT_EQ(l.base(0), 0);
+  EXPECT_EQ(l.base(1), 4);
+  EXPECT_EQ(l.base(2), 6);
+  EXPECT_EQ(l.total_rows(), 7);
+  EXPECT_EQ(l.key_bits(), 3);
+  EXPECT_EQ(TableLayout({1}).key_bits(), 1);
+  EXPECT_EQ(TableLayout({1 << 20, 1}).key_bits(), 21);
+}
+
+TEST(RecsysSpec, ForwardSumByHand) {
+  HandCase h;
+  embedding_bag_forward(h.layout, {h.weights, h.indices.view(), h.offsets.view(), std::nullopt, pooled_in(h.z),
+                                   h.keys.view(), h.bags.view()},
+                        {Pooling::sum});
+  // b0: t0 r0 + r2, t1 r1; b1: t0 empty, t1 r0 + r1; b2: t0 r1 + r1, t1 r0.
+  EXPECT_EQ(h.pooled(), (std::vector<float>{6, 8, 30, 40, 0, 0, 40, 60, 6, 8, 10, 20}));
+  EXPECT_EQ(h.z0(), (std::vector<float>{-7, -7, -7, -7, -7, -7}));
+  EXPECT_EQ(ints(h.keys), (std::vector<std::int32_t>{0, 2, 1, 1, 5, 4, 5, 4}));
+  EXPECT_EQ(ints(h.bags), (std::vector<std::int32_t>{0, 0, 2, 2, 3, 4, 4, 5}));
+}
+
+TEST(RecsysSpec, ForwardMeanByHand) {
+  HandCase h;
+  embedding_bag_forward(h.layout, {h.weights, h.indices.view(), h.offsets.view(), std::nullopt, pooled_in(h.z)},
+                        {Pooling::mean});
+  EXPECT_EQ(h.pooled(), (std::vector<float>{3, 4, 30, 40, 0, 0, 20, 30, 3, 4, 10, 20}));
+}
+
+TEST(RecsysSpec, ForwardRawBothHashesByHand) {
+  // raw t0 = [4, 0, 7] (4 rows), t1 = [1, 2, 5] (2 rows).
+  //   seed (v + 1) % rows:  t0 -> 1, 1, 0; t1 -> 0, 1, 0
+  //   reference v % rows:   t0 -> 0, 0, 3; t1 -> 1, 0, 1
+  EXPECT_EQ(reference::hash_row(4, 4, RowHash::seed), 1);
+  EXPECT_EQ(reference::hash_row(7, 4, RowHash::reference), 3);
+  EXPECT_EQ(reference::hash_row(0xffffffffu, 3, RowHash::seed), 0x100000000ll % 3);  // no 32-bit wrap
+  {
+    HandCase h;
+    embedding_bag_forward(h.layout, {h.weights, std::nullopt, std::nullopt, i32({4, 0, 7, 1, 2, 5}).view(),
+                                     pooled_in(h.z), h.keys.view().slice_rows(0, 6), h.bags.view().slice_rows(0, 6)},
+                          {Pooling::sum, RowHash::seed});
+    EXPECT_EQ(h.pooled(), (std::vector<float>{3, 4, 10, 20, 3, 4, 30, 40, 1, 2, 10, 20}));
+    EXPECT_EQ(ints(h.keys.view().slice_rows(0, 6)), (std::vector<std::int32_t>{1, 1, 0, 4, 5, 4}));
+    EXPECT_EQ(ints(h.bags.view().slice_rows(0, 6)), (std::vector<std::int32_t>{0, 1, 2, 3, 4, 5}));
+  }
+  {
+    HandCase h;
+    embedding_bag_forward(h.layout, {h.weights, std::nullopt, std::nullopt, i32({4, 0, 7, 1, 2, 5}).view(),
+                                     pooled_in(h.z)},
+                          {Pooling::mean, RowHash::reference});  // mean of one row: the row
+    EXPECT_EQ(h.pooled(), (std::vector<float>{1, 2, 30, 40, 1, 2, 10, 20, 7, 8, 30, 40}));
+  }
+}
+
+// dout[b, t] = [1, 2], [7, 8] (b0); [3, 4], [9, 10] (b1); [5, 6], [11, 12] (b2). Each row's gradient,
+// sum pooling: g0 = [1, 2] (q0), g1 = 2 [5, 6] = [10, 12] (q2 twice), g2 = [1, 2] (q0), g3 none,
+// g4 = [9, 10] + [11, 12] = [20, 22] (q4, q5), g5 = [7, 8] + [9, 10] = [16, 18] (q3, q4).
+struct HandBackward : HandCase {
+  Tensor dout = f32({3, 2, 2}, {1, 2, 7, 8, 3, 4, 9, 10, 5, 6, 11, 12});
+  HandBackward() {
+    embedding_bag_forward(layout, {weights, indices.view(), offsets.view(), std::nullopt, pooled_in(z), keys.view(),
+                                   bags.view()},
+                          {});
+  }
+  EmbeddingBagBackwardArgs args(std::optional<TensorView> state = std::nullopt) {
+    return {keys, bags, dout, offsets.view(), weights, state, std::nullopt};
+  }
+};
+
+void expect_rows_near(const TensorView& t, const std::vector<double>& want) {
+  const std::vector<float> got = floats(t);
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-6 * (1 + std::fabs(want[i]))) << "at " << i;
+}
+
+TEST(RecsysSpec, SgdStepOnRepeatedRowsByHand) {
+  HandBackward h;
+  embedding_bag_backward_update(h.layout, h.args(), {EmbeddingUpdate::sgd, 0.1f});
+  expect_rows_near(h.weights, {1 - 0.1, 2 - 0.2, 3 - 1.0, 4 - 1.2, 5 - 0.1, 6 - 0.2, 7, 8,  // row 3 untouched
+                               10 - 2.0, 20 - 2.2, 30 - 1.6, 40 - 1.8});
+}
+
+TEST(RecsysSpec, AdagradStepOnRepeatedRowsByHand) {
+  HandBackward h;
+  Tensor state = Tensor::empty({6, 2}, DType::f32, kCpu);
+  fill(state, 1.0);
+  embedding_bag_backward_update(h.layout, h.args(state.view()), {EmbeddingUpdate::adagrad, 0.1f, 0.0f});
+  // state = 1 + g^2; w -= 0.1 g / sqrt(state).
+  const double g[6][2] = {{1, 2}, {10, 12}, {1, 2}, {0, 0}, {20, 22}, {16, 18}};
+  const double w0[6][2] = {{1, 2}, {3, 4}, {5, 6}, {7, 8}, {10, 20}, {30, 40}};
+  std::vector<double> want_w, want_s;
+  for (int r = 0; r < 6; ++r)
+    for (int c = 0; c < 2; ++c) {
+      const double s = 1 + g[r][c] * g[r][c];
+      want_s.push_back(s);
+      want_w.push_back(r == 3 ? w0[r][c] : w0[r][c] - 0.1 * g[r][c] / std::sqrt(s));
+    }
+  want_s[6] = want_s[7] = 1;  // row 3: not touched, its state neither
+  expect_rows_near(h.weights, want_w);
+  expect_rows_near(state, want_s);
+}
+
+TEST(RecsysSpec, RowwiseAdagradStepOnRepeatedRowsByHand) {
+  HandBackward h;
+  Tensor state = f32({6}, {0, 1, 2, 3, 4, 5});
+  embedding_bag_backward_update(h.layout, h.args(state.view()), {EmbeddingUpdate::rowwise_adagrad, 0.1f, 0.0f});
+  // Row 1: g = [10, 12], state = 1 + (100 + 144) / 2 = 123, w = [3, 4] - 0.1 / sqrt(123) [10, 12].
+  // Row 5: g = [16, 18], state = 5 + (256 + 324) / 2 = 295.
+  const std::vector<float> s = floats(state);
+  EXPECT_FLOAT_EQ(s[0], 0 + 2.5f);
+  EXPECT_FLOAT_EQ(s[1], 123.0f);
+  EXPECT_FLOAT_EQ(s[3], 3.0f);  // untouched
+  EXPECT_FLOAT_EQ(s[5], 295.0f);
+  const double k1 = 0.1 / std::sqrt(123.0), k5 = 0.1 / std::sqrt(295.0), k0 = 0.1 / std::sqrt(2.5);
+  const std::vector<float> w = floats(h.weights);
+  EXPECT_NEAR(w[0], 1 - k0 * 1, 1e-6);
+  EXPECT_NEAR(w[2], 3 - k1 * 10, 1e-6);
+  EXPECT_NEAR(w[3], 4 - k1 * 12, 1e-6);
+  EXPECT_EQ(w[6], 7.0f);
+  EXPECT_NEAR(w[10], 30 - k5 * 16, 1e-5);
+  EXPECT_NEAR(w[11], 40 - k5 * 18, 1e-5);
+}
+
+TEST(RecsysSpec, StoreGradientAndMeanPoolingByHand) {
+  {
+    HandBackward h;
+    Tensor grad = Tensor::empty({6, 2}, DType::f32, kCpu);
+    fill(grad, 0.0);
+    EmbeddingBagBackwardArgs a = h.args();
+    a.weights = grad;
+    embedding_bag_backward_update(h.layout, a, {EmbeddingUpdate::store_gradient});
+    EXPECT_EQ(floats(grad), (std::vector<float>{1, 2, 10, 12, 1, 2, 0, 0, 20, 22, 16, 18}));
+  }
+  {
+    // Mean: bag sizes q0 2, q2 2, q3 1, q4 2, q5 1: g0 = [1, 2] / 2, g1 = 2 [5, 6] / 2,
+    // g4 = [9, 10] / 2 + [11, 12], g5 = [7, 8] + [9, 10] / 2.
+    HandBackward h;
+    Tensor grad = Tensor::empty({6, 2}, DType::f32, kCpu);
+    fill(grad, 0.0);
+    EmbeddingBagBackwardArgs a = h.args();
+    a.weights = grad;
+    embedding_bag_backward_update(h.layout, a, {EmbeddingUpdate::store_gradient, 0, 0, Pooling::mean});
+    EXPECT_EQ(floats(grad), (std::vector<float>{0.5f, 1, 5, 6, 0.5f, 1, 0, 0, 15.5f, 17, 11.5f, 13}));
+  }
+}
+
+// Z [1, 3, 2] = [[1, 2], [3, 4], [5, 6]]: <z1, z0> = 11, <z2, z0> = 17, <z2, z1> = 39; with the
+// diagonal <z0, z0> = 5, <z1, z1> = 25, <z2, z2> = 61, in the order (0,0) (1,0) (1,1) (2,0) (2,1) (2,2).
+TEST(RecsysSpec, DotPairOrderByHand) {
+  const Tensor z = f32({1, 3, 2}, {1, 2, 3, 4, 5, 6});
+  EXPECT_EQ(DotPairs(3, false).host(), (std::vector<std::uint32_t>{1 << 16 | 0, 2 << 16 | 0, 2 << 16 | 1}));
+  {
+    const DotPairs pairs(3, false);
+    const InteractionParams p{InteractionKind::dot, false};
+    EXPECT_EQ(interaction_size(p, 3, 2), 5);
+    Tensor r = Tensor::empty({1, 8}, DType::f32, kCpu);
+    test::poison(r);
+    interaction_forward({z, r, &pairs}, p);
+    EXPECT_EQ(floats(r), (std::vector<float>{1, 2, 11, 17, 39, 0, 0, 0}));  // padding zeroed
+  }
+  {
+    const DotPairs pairs(3, true);
+    const InteractionParams p{InteractionKind::dot, true};
+    EXPECT_EQ(interaction_size(p, 3, 2), 8);
+    Tensor r = Tensor::empty({1, 8}, DType::f32, kCpu);
+    interaction_forward({z, r, &pairs}, p);
+    EXPECT_EQ(floats(r), (std::vector<float>{1, 2, 5, 11, 25, 17, 39, 61}));
+  }
+}
+
+TEST(RecsysSpec, DotBackwardByHand) {
+  // dR = [1, -1 | g10 = 1, g20 = 2, g21 = 3 | padding 9]:
+  //   dz0 = [1, -1] + 1 z1 + 2 z2 = [14, 15]; dz1 = 1 z0 + 3 z2 = [16, 20]; dz2 = 2 z0 + 3 z1 = [11, 16].
+  const Tensor z = f32({1, 3, 2}, {1, 2, 3, 4, 5, 6});
+  const Tensor dr = f32({1, 6}, {1, -1, 1, 2, 3, 9});
+  const DotPairs pairs(3, false);
+  Tensor dz = Tensor::empty({1, 3, 2}, DType::f32, kCpu);
+  interaction_backward({z, dr, dz, &pairs}, {InteractionKind::dot});
+  EXPECT_EQ(floats(dz), (std::vector<float>{14, 15, 16, 20, 11, 16}));
+  // The diagonal pair (i, i) counts twice: z0 = [1, 2], g00 = 1 -> dz0 = 2 z0.
+  const Tensor z1 = f32({1, 1, 2}, {1, 2}), dr1 = f32({1, 3}, {0, 0, 1});
+  const DotPairs self(1, true);
+  Tensor dz1 = Tensor::empty({1, 1, 2}, DType::f32, kCpu);
+  interaction_backward({z1, dr1, dz1, &self}, {InteractionKind::dot, true});
+  EXPECT_EQ(floats(dz1), (std::vector<float>{2, 4}));
+  // relu_x: Z[b, 0] = [1, -2] is a ReLU output... its second column was not positive: masked.
+  const Tensor zm = f32({1, 2, 2}, {1, -2, 3, 4}), drm = f32({1, 3}, {5, 6, 1});
+  const DotPairs p2(2, false);
+  Tensor dzm = Tensor::empty({1, 2, 2}, DType::f32, kCpu);
+  interaction_backward({zm, drm, dzm, &p2, true}, {InteractionKind::dot});
+  EXPECT_EQ(floats(dzm), (std::vector<float>{5 + 3, 0, 1, -2}));
+}
+
+TEST(RecsysSpec, CatAndOuterByHand) {
+  const Tensor z = f32({1, 1, 2}, {1, 2});
+  Tensor r = Tensor::empty({1, 4}, DType::f32, kCpu);
+  interaction_forward({z, r}, {InteractionKind::outer});
+  EXPECT_EQ(floats(r), (std::vector<float>{1, 2, 2, 4}));
+  // dc_i = sum_j (g_ij + g_ji) c_j with g = [[1, 0], [5, 0]]: dc0 = 2 + 5 * 2 = 12, dc1 = 5 * 1 = 5.
+  Tensor dz = Tensor::empty({1, 1, 2}, DType::f32, kCpu);
+  interaction_backward({z, f32({1, 4}, {1, 0, 5, 0}), dz}, {InteractionKind::outer});
+  EXPECT_EQ(floats(dz), (std::vector<float>{12, 5}));
+  Tensor rc = Tensor::empty({1, 3}, DType::f32, kCpu);
+  interaction_forward({z, rc}, {InteractionKind::cat});
+  EXPECT_EQ(floats(rc), (std::vector<float>{1, 2, 0}));
+  interaction_backward({z, f32({1, 3}, {7, 8, 9}), dz}, {InteractionKind::cat});
+  EXPECT_EQ(floats(dz), (std::vector<float>{7, 8}));
+}
+
+TEST(RecsysSpec, SigmoidBceByHand) {
+  // x = [0, 2], y = [1, 0]: losses ln 2 and 2 + log1p(e^-2); dlogits = [(0.5 - 1) / 2, sigmoid(2) / 2].
+  const Tensor x = f32({2}, {0, 2}), y = f32({2}, {1, 0});
+  Tensor dx = Tensor::empty({2}, DType::f32, kCpu);
+  Tensor acc = Tensor::empty({8 * kSigmoidBceAccumulatorDoubles}, DType::u8, kCpu);
+  fill(acc, 0.0);
+  sigmoid_bce_forward_backward({x, y, dx, acc});
+  sigmoid_bce_forward_backward({x, y, dx, acc});
+  const double want = (std::log(2.0) + 2 + std::log1p(std::exp(-2.0))) / 2;
+  EXPECT_NEAR(acc.data_as<double>()[0], 2 * want, 1e-14);
+  EXPECT_EQ(acc.data_as<double>()[1], 2.0);
+  EXPECT_FLOAT_EQ(floats(dx)[0], -0.25f);
+  EXPECT_FLOAT_EQ(floats(dx)[1], static_cast<float>(0.5 / (1 + std::exp(-2.0))));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad inputs
+// ---------------------------------------------------------------------------------------------
+
+TEST(RecsysErrors, TableLayout) {
+  test::expect_arg_error([] { TableLayout(std::vector<std::int64_t>{}); }, "TableLayout", "rows");
+  test::expect_arg_error([] { TableLayout({3, 0}); }, "TableLayout", "rows");
+  test::expect_arg_error([] { TableLayout({std::int64_t{1} << 31, std::int64_t{1} << 31}); }, "TableLayout", "rows");
+}
+
+TEST(RecsysErrors, EmbeddingForward) {
+  constexpr const char* op = "embedding_bag_forward";
+  HandCase h;
+  const auto run = [&](EmbeddingBagForwardArgs a) { embedding_bag_forward(h.layout, a, {}); };
+  const EmbeddingBagForwardArgs good{h.weights, h.indices.view(), h.offsets.view(), std::nullopt, pooled_in(h.z)};
+  run(good);  // the baseline is accepted
+  {
+    Tensor w16 = Tensor::empty({6, 2}, DType::f16, kCpu);
+    auto a = good;
+    a.weights = w16;
+    test::expect_arg_error([&] { run(a); }, op, "weights");
+    Tensor w5 = Tensor::empty({5, 2}, DType::f32, kCpu);
+    a.weights = w5;
+    test::expect_arg_error([&] { run(a); }, op, "weights");
+  }
+  {
+    auto a = good;
+    Tensor narrow = Tensor::empty({3, 2, 3}, DType::f32, kCpu);
+    a.out = narrow;  // D = 3, not 2
+    test::expect_arg_error([&] { run(a); }, op, "out");
+    a.out = TensorView(h.z.data(), DType::f32, {3, 2, 2}, {3, 2, 1}, kCpu);  // rows overlap
+    test::expect_arg_error([&] { run(a); }, op, "out");
+  }
+  {
+    auto a = good;
+    Tensor raw = i32({1, 2, 3, 4, 5, 6});
+    a.raw = raw.view();  // and CSR
+    test::expect_arg_error([&] { run(a); }, op, "raw");
+    a.indices.reset();
+    a.offsets.reset();
+    Tensor raw64 = i64({1, 2, 3, 4, 5, 6});
+    a.raw = raw64.view();
+    test::expect_arg_error([&] { run(a); }, op, "raw");
+    a.raw.reset();
+    test::expect_arg_error([&] { run(a); }, op, "raw");  // neither
+  }
+  {
+    auto a = good;
+    Tensor bad = i64({0, 2, 1, 1, 1, 0, 2, 0});  // table 1 has 2 rows: index 2 is out of range
+    a.indices = bad.view();
+    test::expect_arg_error([&] { run(a); }, op, "indices");
+    Tensor neg = i64({0, -1, 1, 1, 1, 0, 1, 0});
+    a.indices = neg.view();
+    test::expect_arg_error([&] { run(a); }, op, "indices");
+  }
+  {
+    auto a = good;
+    Tensor down = i64({0, 2, 1, 4, 5, 7, 8});  // not monotone
+    a.offsets = down.view();
+    test::expect_arg_error([&] { run(a); }, op, "offsets");
+    Tensor last = i64({0, 2, 2, 4, 5, 7, 7});  // does not end at nnz
+    a.offsets = last.view();
+    test::expect_arg_error([&] { run(a); }, op, "offsets");
+    Tensor shortened = i64({0, 2, 2, 4, 5, 8});
+    a.offsets = shortened.view();
+    test::expect_arg_error([&] { run(a); }, op, "offsets");
+  }
+  {
+    auto a = good;
+    Tensor keys = Tensor::empty({8}, DType::i32, kCpu);
+    a.keys = keys.view();  // without bags
+    test::expect_arg_error([&] { run(a); }, op, "bags");
+    Tensor short_bags = Tensor::empty({7}, DType::i32, kCpu);
+    a.bags = short_bags.view();
+    test::expect_arg_error([&] { run(a); }, op, "bags");
+  }
+  {
+    // A device mix: the output on a GPU, the tables on the host (refused before anything is read).
+    auto a = good;
+    float dummy[12];
+    a.out = TensorView(dummy, DType::f32, {3, 2, 2}, Device::cuda(0));
+    test::expect_arg_error([&] { run(a); }, op, "out");
+  }
+}
+
+TEST(RecsysErrors, EmbeddingBackward) {
+  constexpr const char* op = "embedding_bag_backward_update";
+  HandBackward h;
+  const auto run = [&](const EmbeddingBagBackwardArgs& a, EmbeddingOptimizerParams p) {
+    embedding_bag_backward_update(h.layout, a, p);
+  };
+  Tensor ada = Tensor::empty({6, 2}, DType::f32, kCpu), row = Tensor::empty({6}, DType::f32, kCpu);
+  fill(ada, 0.0);
+  fill(row, 0.0);
+  test::expect_arg_error([&] { run(h.args(), {EmbeddingUpdate::adagrad}); }, op, "state");
+  test::expect_arg_error([&] { run(h.args(ada.view()), {EmbeddingUpdate::rowwise_adagrad}); }, op, "state");
+  test::expect_arg_error([&] { run(h.args(row.view()), {EmbeddingUpdate::adagrad}); }, op, "state");
+  test::expect_arg_error([&] { run(h.args(row.view()), {EmbeddingUpdate::sgd}); }, op, "state");
+  {
+    auto a = h.args();
+    a.offsets.reset();
+    test::expect_arg_error([&] { run(a, {EmbeddingUpdate::sgd, 0.1f, 0, Pooling::mean}); }, op, "offsets");
+  }
+  {
+    auto a = h.args();
+    Tensor keys = i32({0, 2, 1, 1, 6, 4, 5, 4});  // 6 rows in all
+    a.keys = keys;
+    test::expect_arg_error([&] { run(a, {}); }, op, "keys");
+    Tensor bags = i32({0, 0, 2, 2, 3, 4, 4, 6});  // 6 bags
+    a.keys = h.keys;
+    a.bags = bags;
+    test::expect_arg_error([&] { run(a, {}); }, op, "bags");
+    Tensor bags64 = i64({0, 0, 2, 2, 3, 4, 4, 5});
+    a.bags = bags64;
+    test::expect_arg_error([&] { run(a, {}); }, op, "bags");
+  }
+  {
+    auto a = h.args();
+    Tensor d = Tensor::empty({3, 2, 3}, DType::f32, kCpu);
+    a.dout = d;
+    test::expect_arg_error([&] { run(a, {}); }, op, "dout");
+  }
+}
+
+TEST(RecsysErrors, CheckEmbeddingInput) {
+  const TableLayout l({4, 2});
+  const Tensor idx = i64({0, 1}), off = i64({1, 1, 1, 2, 2});  // B = 2: offsets[0] must be 0
+  test::expect_arg_error([&] { check_embedding_input(l, idx, off, 2, "op"); }, "op", "offsets");
+  const Tensor off_ok = i64({0, 1, 1, 2, 2});
+  check_embedding_input(l, idx, off_ok, 2, "op");
+  const Tensor idx_bad = i64({0, 2});  // bag 2 is table 1's: 2 rows
+  test::expect_arg_error([&] { check_embedding_input(l, idx_bad, off_ok, 2, "op"); }, "op", "indices");
+}
+
+TEST(RecsysErrors, Interaction) {
+  const Tensor z = f32({1, 3, 2}, {1, 2, 3, 4, 5, 6});
+  const DotPairs pairs(3, false), pairs4(4, false);
+  Tensor r = Tensor::empty({1, 4}, DType::f32, kCpu), r25 = Tensor::empty({1, 25}, DType::f32, kCpu);
+  Tensor r36 = Tensor::empty({1, 36}, DType::f32, kCpu), r5 = Tensor::empty({1, 5}, DType::f32, kCpu);
+  constexpr const char* fwd = "interaction_forward";
+  constexpr const char* bwd = "interaction_backward";
+  test::expect_arg_error([&] { interaction_forward({z, r, &pairs}, {}); }, fwd, "r");  // needs 5 columns
+  test::expect_arg_error([&] { interaction_forward({z, r5, nullptr}, {}); }, fwd, "pairs");
+  test::expect_arg_error([&] { interaction_forward({z, r5, &pairs4}, {}); }, fwd, "pairs");
+  Tensor r8 = Tensor::empty({1, 8}, DType::f32, kCpu);
+  test::expect_arg_error([&] { interaction_forward({z, r8, &pairs}, {InteractionKind::dot, true}); }, fwd, "pairs");
+  test::expect_arg_error([&] { interaction_forward({z, r25}, {InteractionKind::outer}); }, fwd, "r");
+  interaction_forward({z, r36}, {InteractionKind::outer});
+  Tensor z16 = Tensor::empty({1, 3, 2}, DType::f16, kCpu);
+  test::expect_arg_error([&] { interaction_forward({z16, r5, &pairs}, {}); }, fwd, "z");
+  test::expect_arg_error([&] { interaction_forward({z.view().reshape({3, 2}), r5, &pairs}, {}); }, fwd, "z");
+  Tensor dz = Tensor::empty({1, 3, 2}, DType::f32, kCpu), dz_bad = Tensor::empty({1, 2, 3}, DType::f32, kCpu);
+  Tensor dr6 = Tensor::empty({1, 6}, DType::f32, kCpu);
+  fill(dr6, 0.0);
+  test::expect_arg_error([&] { interaction_backward({z, dr6, dz_bad, &pairs}, {}); }, bwd, "dz");
+  test::expect_arg_error([&] { interaction_backward({z, dr6, dz, nullptr, true}, {InteractionKind::cat}); }, bwd,
+                         "relu_x");
+  test::expect_arg_error([&] { interaction_backward({z, r, dz, &pairs}, {}); }, bwd, "dr");
+}
+
+TEST(RecsysErrors, SigmoidBce) {
+  constexpr const char* op = "sigmoid_bce_forward_backward";
+  const Tensor x = f32({2}, {0, 2}), y = f32({2}, {1, 0}), y3 = f32({3}, {1, 0, 1});
+  Tensor dx = Tensor::empty({2}, DType::f32, kCpu);
+  Tensor acc = Tensor::empty({8 * kSigmoidBceAccumulatorDoubles}, DType::u8, kCpu);
+  Tensor acc_small = Tensor::empty({16}, DType::u8, kCpu);
+  test::expect_arg_error([&] { sigmoid_bce_forward_backward({x, y3, dx, acc}); }, op, "labels");
+  test::expect_arg_error([&] { sigmoid_bce_forward_backward({x, y, dx, acc_small}); }, op, "accumulator");
+  const Tensor empty = Tensor::empty({0}, DType::f32, kCpu);
+  test::expect_arg_error([&] { sigmoid_bce_forward_backward({empty, empty, empty, acc}); }, op, "logits");
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA kernels against the spec
+// ---------------------------------------------------------------------------------------------
+
+// Random CSR input for `rows` tables and B samples: bag sizes in [0, max_bag] (one-row tables and
+// small tables give repeated rows), from a fixed seed.
+struct Csr {
+  std::vector<std::int64_t> indices, offsets{0};
+};
+
+Csr random_csr(const std::vector<std::int64_t>& rows, std::int64_t batch, int max_bag, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Csr c;
+  for (std::size_t t = 0; t < rows.size(); ++t)
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const int n = static_cast<int>(rng() % static_cast<std::uint64_t>(max_bag + 1));
+      for (int k = 0; k < n; ++k) c.indices.push_back(static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(rows[t])));
+      c.offsets.push_back(static_cast<std::int64_t>(c.indices.size()));
+    }
+  return c;
+}
+
+// |got - want| <= atol + rtol |want| elementwise: fp32 sums of a bag's rows (or of a row's
+// gradients) against the spec's double sums: a relative 1e-5 covers sums of thousands of terms.
+::testing::AssertionResult close(const TensorView& got, const TensorView& want, double atol = 1e-5,
+                                 double rtol = 1e-5) {
+  return test::all_close(got, want, {atol, rtol});
+}
+
+struct EmbeddingShape {
+  std::vector<std::int64_t> rows;
+  std::int64_t batch, dim;
+  int max_bag;
+  std::int64_t row_stride_pad;  // extra floats between pooled rows
+};
+
+class RecsysEmbeddingGpu : public ::testing::TestWithParam<std::tuple<EmbeddingShape, Pooling>> {};
+
+TEST_P(RecsysEmbeddingGpu, ForwardAndEveryUpdateMatchSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto& [shape, pooling] = GetParam();
+  const Device gpu = Device::cuda(0);
+  const TableLayout host_layout(shape.rows), layout(shape.rows, gpu);
+  const std::int64_t nt = layout.num_tables(), batch = shape.batch, dim = shape.dim;
+  const Csr csr = random_csr(shape.rows, batch, shape.max_bag, 17 + static_cast<std::uint64_t>(dim));
+  const Tensor indices = i64(csr.indices), offsets = i64(csr.offsets);
+  const Tensor g_indices = indices.copy_to(gpu), g_offsets = offsets.copy_to(gpu);
+  const std::int64_t nnz = indices.numel();
+  Tensor weights = test::random_tensor({layout.total_rows(), dim}, DType::f32, kCpu, 3);
+  Tensor g_weights = weights.copy_to(gpu);
+  const std::int64_t stride = nt * dim + shape.row_stride_pad;
+  const auto pooled = [&](const Tensor& buf) {
+    return TensorView(buf.data(), DType::f32, {batch, nt, dim}, {stride, dim, 1}, buf.device());
+  };
+  Tensor out = Tensor::empty({batch * stride}, DType::f32, kCpu), g_out = Tensor::empty({batch * stride}, DType::f32, gpu);
+  fill(out, 0.0);
+  fill(g_out, 0.0);  // the padding between rows stays 0 on both
+  Tensor keys = Tensor::empty({nnz}, DType::i32, kCpu), bags = Tensor::empty({nnz}, DType::i32, kCpu);
+  Tensor g_keys = Tensor::empty({nnz}, DType::i32, gpu), g_bags = Tensor::empty({nnz}, DType::i32, gpu);
+  embedding_bag_forward(host_layout, {weights, indices.view(), offsets.view(), std::nullopt, pooled(out), keys.view(),
+                                      bags.view()},
+                        {pooling});
+  embedding_bag_forward(layout, {g_weights, g_indices.view(), g_offsets.view(), std::nullopt, pooled(g_out),
+                                 g_keys.view(), g_bags.view()},
+                        {pooling});
+  ASSERT_TRUE(close(g_out, out));
+  EXPECT_EQ(ints(g_keys), ints(keys));
+  EXPECT_EQ(ints(g_bags), ints(bags));
+
+  // One update of each kind from the same gradient, against the spec; twice on the GPU, bitwise equal.
+  const Tensor dout = test::random_tensor({batch * stride}, DType::f32, kCpu, 5);
+  const Tensor g_dout = dout.copy_to(gpu);
+  Tensor ws = Tensor::empty({static_cast<std::int64_t>(embedding_bag_backward_workspace_bytes(nnz, dim)) + 1}, DType::u8, gpu);
+  for (EmbeddingUpdate u : {EmbeddingUpdate::sgd, EmbeddingUpdate::adagrad, EmbeddingUpdate::rowwise_adagrad,
+                            EmbeddingUpdate::store_gradient}) {
+    SCOPED_TRACE(static_cast<int>(u));
+    std::optional<Tensor> state;
+    if (u == EmbeddingUpdate::adagrad) state = test::random_tensor({layout.total_rows(), dim}, DType::f32, kCpu, 7, 0, 1);
+    if (u == EmbeddingUpdate::rowwise_adagrad) state = test::random_tensor({layout.total_rows()}, DType::f32, kCpu, 7, 0, 1);
+    const EmbeddingOptimizerParams p{u, 0.05f, 1e-8f, pooling};
+    Tensor w = weights.clone();
+    if (u == EmbeddingUpdate::store_gradient) fill(w, 0.0);
+    std::optional<Tensor> s = state ? std::optional<Tensor>(state->clone()) : std::nullopt;
+    embedding_bag_backward_update(host_layout, {keys, bags, pooled(dout), offsets.view(), w,
+                                                s ? std::optional<TensorView>(s->view()) : std::nullopt},
+                                  p);
+    Tensor gw[2], gs[2];
+    for (int run = 0; run < 2; ++run) {
+      gw[run] = weights.copy_to(gpu);
+      if (u == EmbeddingUpdate::store_gradient) fill(gw[run], 0.0);
+      std::optional<TensorView> sv;
+      if (state) {
+        gs[run] = state->copy_to(gpu);
+        sv = gs[run].view();
+      }
+      // A misaligned workspace start (offset by one byte): the op aligns its pieces itself.
+      const TensorView wsv(static_cast<unsigned char*>(ws.data()) + 1, DType::u8, {ws.numel() - 1}, gpu);
+      embedding_bag_backward_update(layout, {g_keys, g_bags, pooled(g_dout), g_offsets.view(), gw[run], sv, wsv}, p);
+    }
+    EXPECT_TRUE(close(gw[0], w, 1e-5, 1e-4));
+    if (s) EXPECT_TRUE(close(gs[0], *s, 1e-5, 1e-4));
+    EXPECT_EQ(floats(gw[0]), floats(gw[1])) << "not deterministic";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, RecsysEmbeddingGpu,
+    ::testing::Combine(
+        ::testing::Values(EmbeddingShape{{5, 1, 100}, 7, 16, 3, 0},          // a one-row table
+                          EmbeddingShape{{3, 2}, 1, 3, 4, 5},                // one sample, odd D, padded rows
+                          EmbeddingShape{{1000, 17, 1}, 33, 33, 2, 0},       // D > 16, not a multiple of 16
+                          EmbeddingShape{{50, 7}, 64, 1, 6, 3},              // D = 1
+                          EmbeddingShape{{64, 3, 9}, 4096, 8, 12, 8},        // nnz past 2^16, long segments
+                          EmbeddingShape{{100000, 40}, 512, 4, 0, 0},        // every bag empty
+                          EmbeddingShape{{40, 1000}, 300, 128, 5, 16}),      // wide rows
+        ::testing::Values(Pooling::sum, Pooling::mean)));
+
+TEST(RecsysGpu, RawForwardMatchesSpecForBothHashes) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const std::vector<std::int64_t> rows{1, 7, 1000, 3};
+  const TableLayout host_layout(rows), layout(rows, gpu);
+  for (std::int64_t dim : {1, 4, 6, 16}) {
+    for (std::int64_t batch : {1, 37, 2048}) {
+      const std::int64_t nt = 4;
+      std::mt19937 rng(static_cast<unsigned>(batch * dim));
+      std::vector<std::int32_t> raw(static_cast<std::size_t>(nt * batch));
+      for (auto& v : raw) v = static_cast<std::int32_t>(rng());  // any 32 bits, the high one too
+      const Tensor hraw = i32(raw), graw = hraw.copy_to(gpu);
+      const Tensor weights = test::random_tensor({layout.total_rows(), dim}, DType::f32, kCpu, 9);
+      const Tensor gweights = weights.copy_to(gpu);
+      for (RowHash hash : {RowHash::seed, RowHash::reference}) {
+        Tensor out = Tensor::empty({batch, nt + 1, dim}, DType::f32, kCpu);
+        Tensor gout = Tensor::empty({batch, nt + 1, dim}, DType::f32, gpu);
+        fill(out, 1.0);
+        fill(gout, 1.0);
+        Tensor keys = Tensor::empty({nt * batch}, DType::i32, kCpu), bags = Tensor::empty({nt * batch}, DType::i32, kCpu);
+        Tensor gkeys = Tensor::empty({nt * batch}, DType::i32, gpu), gbags = Tensor::empty({nt * batch}, DType::i32, gpu);
+        embedding_bag_forward(host_layout, {weights, std::nullopt, std::nullopt, hraw.view(), pooled_in(out), keys.view(),
+                                            bags.view()},
+                              {Pooling::sum, hash});
+        embedding_bag_forward(layout, {gweights, std::nullopt, std::nullopt, graw.view(), pooled_in(gout), gkeys.view(),
+                                       gbags.view()},
+                              {Pooling::sum, hash});
+        EXPECT_EQ(floats(gout), floats(out)) << "dim " << dim << " batch " << batch;  // copies: exact
+        EXPECT_EQ(ints(gkeys), ints(keys));
+        EXPECT_EQ(ints(gbags), ints(bags));
+      }
+    }
+  }
+}
+
+class RecsysInteractionGpu
+    : public ::testing::TestWithParam<std::tuple<std::int64_t, std::int64_t, std::int64_t, InteractionKind, bool>> {};
+
+TEST_P(RecsysInteractionGpu, ForwardAndBackwardMatchSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto [batch, nf, dim, kind, self] = GetParam();
+  const Device gpu = Device::cuda(0);
+  const InteractionParams p{kind, self};
+  const std::int64_t size = interaction_size(p, nf, dim);
+  const std::int64_t ld = kind == InteractionKind::outer ? size : (size + 3) / 4 * 4 + 4;
+  const DotPairs hp(nf, self), gp(nf, self, gpu);
+  const Tensor z = test::random_tensor({batch, nf, dim}, DType::f32, kCpu, 21, -1, 1);
+  const Tensor gz = z.copy_to(gpu);
+  Tensor r = Tensor::empty({batch, ld}, DType::f32, kCpu), gr = Tensor::empty({batch, ld}, DType::f32, gpu);
+  test::poison(gr);
+  interaction_forward({z, r, &hp}, p);
+  interaction_forward({gz, gr, &gp}, p);
+  EXPECT_TRUE(close(gr, r));
+  const Tensor dr = test::random_tensor({batch, ld}, DType::f32, kCpu, 22);
+  const Tensor gdr = dr.copy_to(gpu);
+  for (bool relu_x : {false, true}) {
+    if (relu_x && kind != InteractionKind::dot) continue;
+    Tensor dz = Tensor::empty({batch, nf, dim}, DType::f32, kCpu), gdz = Tensor::empty({batch, nf, dim}, DType::f32, gpu);
+    test::poison(gdz);
+    interaction_backward({z, dr, dz, &hp, relu_x}, p);
+    interaction_backward({gz, gdr, gdz, &gp, relu_x}, p);
+    EXPECT_TRUE(close(gdz, dz, 1e-5, 1e-4)) << "relu_x " << relu_x;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Dot, RecsysInteractionGpu,
+    ::testing::Combine(::testing::Values(1, 9, 130), ::testing::Values(1, 2, 27, 30),
+                       ::testing::Values(1, 3, 8, 16, 32), ::testing::Values(InteractionKind::dot),
+                       ::testing::Bool()));
+// More than 32 features: the backward's shared-memory kernel for every D.
+INSTANTIATE_TEST_SUITE_P(
+    DotWide, RecsysInteractionGpu,
+    ::testing::Combine(::testing::Values(9), ::testing::Values(33), ::testing::Values(3, 8),
+                       ::testing::Values(InteractionKind::dot), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(
+    CatOuter, RecsysInteractionGpu,
+    ::testing::Combine(::testing::Values(1, 9), ::testing::Values(1, 3), ::testing::Values(1, 5),
+                       ::testing::Values(InteractionKind::cat, InteractionKind::outer), ::testing::Values(false)));
+
+TEST(RecsysGpu, SigmoidBceMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  for (std::int64_t batch : {1, 1000, 1024, 65536 + 7, 200000}) {
+    const Tensor x = test::random_tensor({batch}, DType::f32, kCpu, 31, -30, 30);
+    Tensor y = test::random_tensor({batch}, DType::f32, kCpu, 32, 0, 1);
+    for (std::int64_t i = 0; i < batch; ++i) y.data_as<float>()[i] = y.data_as<float>()[i] < 0.5f ? 0.0f : 1.0f;
+    Tensor dx = Tensor::empty({batch}, DType::f32, kCpu);
+    Tensor acc = Tensor::empty({8 * kSigmoidBceAccumulatorDoubles}, DType::u8, kCpu);
+    fill(acc, 0.0);
+    sigmoid_bce_forward_backward({x, y, dx, acc});
+    const Tensor gx = x.copy_to(gpu), gy = y.copy_to(gpu);
+    Tensor gdx = Tensor::empty({batch}, DType::f32, gpu);
+    Tensor gacc = Tensor::empty({8 * kSigmoidBceAccumulatorDoubles}, DType::u8, gpu);
+    fill(gacc, 0.0);
+    sigmoid_bce_forward_backward({gx, gy, gdx, gacc});
+    const Tensor hacc = test::to_host(gacc);
+    // Each term is a float expression (about 1e-7 relative), summed in double.
+    EXPECT_NEAR(hacc.data_as<double>()[0], acc.data_as<double>()[0], 1e-6 * acc.data_as<double>()[0]) << batch;
+    EXPECT_EQ(hacc.data_as<double>()[1], 1.0);
+    EXPECT_TRUE(close(gdx, dx, 1e-7 / static_cast<double>(batch), 1e-6)) << batch;
+  }
+}
+
+TEST(RecsysGpu, BadInputs) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const TableLayout host_layout({4, 2}), layout({4, 2}, gpu);
+  Tensor w = Tensor::empty({6, 2}, DType::f32, gpu), out = Tensor::empty({3, 2, 2}, DType::f32, gpu);
+  const Tensor raw = i32({1, 2, 3, 4, 5, 6}).copy_to(gpu);
+  // A layout made for the host, tables on the GPU.
+  test::expect_arg_error([&] { embedding_bag_forward(host_layout, {w, std::nullopt, std::nullopt, raw.view(), out}, {}); },
+                         "embedding_bag_forward", "layout");
+  embedding_bag_forward(layout, {w, std::nullopt, std::nullopt, raw.view(), out}, {});
+  // Host raw values with GPU tables.
+  const Tensor hraw = i32({1, 2, 3, 4, 5, 6});
+  test::expect_arg_error([&] { embedding_bag_forward(layout, {w, std::nullopt, std::nullopt, hraw.view(), out}, {}); },
+                         "embedding_bag_forward", "raw");
+  // The GPU backward needs its workspace.
+  const Tensor keys = i32({0, 1, 2, 3, 4, 5}).copy_to(gpu), bags = i32({0, 1, 2, 3, 4, 5}).copy_to(gpu);
+  test::expect_arg_error([&] { embedding_bag_backward_update(layout, {keys, bags, out, std::nullopt, w}, {}); },
+                         "embedding_bag_backward_update", "workspace");
+  Tensor small = Tensor::empty({16}, DType::u8, gpu);
+  test::expect_arg_error(
+      [&] { embedding_bag_backward_update(layout, {keys, bags, out, std::nullopt, w, std::nullopt, small.view()}, {}); },
+      "embedding_bag_backward_update", "workspace");
+  // Pairs made for the host with a GPU Z.
+  const DotPairs hp(3, false);
+  Tensor z = Tensor::empty({1, 3, 2}, DType::f32, gpu), r = Tensor::empty({1, 8}, DType::f32, gpu);
+  test::expect_arg_error([&] { interaction_forward({z, r, &hp}, {}); }, "interaction_forward", "pairs");
+  // Too many features for the shared-memory dot kernel.
+  const DotPairs big(600, false, gpu);
+  Tensor zb = Tensor::empty({1, 600, 16}, DType::f32, gpu);
+  Tensor rb = Tensor::empty({1, interaction_size({}, 600, 16)}, DType::f32, gpu);
+  test::expect_arg_error([&] { interaction_forward({zb, rb, &big}, {}); }, "interaction_forward", "z");
+}
+
+}  // namespace
+}  // namespace fk
