@@ -115,8 +115,8 @@ void forward_case(Context& ctx, const LoraShape& s) {
   const auto at = [&](int i) -> const LoraSet& { return sets[static_cast<std::size_t>(i)]; };
   // Order: the fused path and the plain GEMM each run right after a GEMM-bound call (the last
   // entry, then the fused path), so that neither starts from the power and clock headroom a
-  // memory-bound kernel leaves behind: on the H100 the same cuBLAS GEMM measured 385.8 us right
-  // after the unfused path's memory-bound last pass and 422.7 us right after a GEMM, in one run.
+  // memory-bound kernel leaves behind (the same GEMM measures ~9% faster after a memory-bound pass
+  // than after a GEMM: docs/notes/lora.md).
   // Without the breakdown, the last entry is the plain GEMM once more, its time not recorded.
   std::vector<std::function<void(int)>> runs{[&](int i) { fused(at(i)); }, [&](int i) { gemm(at(i)); },
                                              [&](int i) { baseline(at(i)); }};

@@ -486,9 +486,8 @@ int active_clusters(Kernel kernel, int device, int splits, std::size_t smem, int
 
 // The split of K (at most kMaxSplits, the portable cluster size; 1 without clusters): the most
 // splits whose clusters all run at once (one wave: a second wave pays every CTA's fixed costs —
-// launch, x staging, the reduction — again, and a partial one leaves SMs idle; the rule of branch
-// qgemm2, measured there on an H100: 11008 x 4096 at M = 1 in 15.6 us with 4 splits in one wave
-// against 18.6 us with 8 in two). When no split fits in one wave, the least time by a simple
+// launch, x staging, the reduction — again, and a partial one leaves SMs idle; measured in
+// docs/notes/qgemm.md). When no split fits in one wave, the least time by a simple
 // model: waves of clusters x k-tiles per CTA; ties go to more splits. A warp's k-tiles are a
 // multiple of KU (the k-tiles of one batch). False when x's chunk never fits a CTA's shared memory.
 template <int kWarpsK, int kBN, int KU, class Kernel>
