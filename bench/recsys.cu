@@ -39,7 +39,7 @@ struct Tables {
 };
 
 Tables make_tables(Context& ctx, std::vector<std::int64_t> rows, std::int64_t dim) {
-  Tables t{rows, dim, TableLayout(rows, ctx.fk_stream().device(), &ctx.fk_stream()), Tensor()};
+  Tables t{rows, dim, TableLayout(rows, ctx.fk_stream().device()), Tensor()};
   t.weights = ctx.random({t.layout.total_rows(), dim}, DType::f32, -0.05f, 0.05f);
   return t;
 }
