@@ -6,11 +6,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <istream>
 #include <ostream>
 
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/trace.hpp"
+#include "fusekit/ops/recsys.hpp"
 #include "models/layers.hpp"
 
 #include "models/dlrm_gpu.hpp"
@@ -447,15 +449,16 @@ double bce_with_logits(const TensorView& logits, const TensorView& labels, const
   check_vector(logits, n, "logits");
   check_vector(labels, n, "labels");
   if (dlogits) check_vector(*dlogits, n, "dlogits");
-  const float* l = logits.data_as<float>();
-  const float* y = labels.data_as<float>();
-  double sum = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const double x = l[i];
-    sum += std::max(x, 0.0) - x * y[i] + std::log1p(std::exp(-std::fabs(x)));
-    if (dlogits) dlogits->data_as<float>()[i] = static_cast<float>((1.0 / (1.0 + std::exp(-x)) - y[i]) / static_cast<double>(n));
-  }
-  return n > 0 ? sum / static_cast<double>(n) : 0.0;
+  if (n == 0) return 0.0;
+  // The recsys family's spec; its accumulator holds the mean loss in [0].
+  Tensor scratch = dlogits ? Tensor() : Tensor::empty({n}, DType::f32, Device::cpu());
+  alignas(8) unsigned char acc[8 * kSigmoidBceAccumulatorDoubles] = {};
+  reference::sigmoid_bce_forward_backward({logits.reshape({n}), labels.reshape({n}),
+                                           dlogits ? dlogits->reshape({n}) : scratch.view(),
+                                           TensorView(acc, DType::u8, {8 * kSigmoidBceAccumulatorDoubles}, Device::cpu())});
+  double loss = 0;
+  std::memcpy(&loss, acc, sizeof loss);
+  return loss;
 }
 
 }  // namespace fk::models

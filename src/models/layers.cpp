@@ -196,75 +196,33 @@ void EmbeddingBagCollection::step(const OptimizerConfig& opt) {
 // Interaction
 // ---------------------------------------------------------------------------------------------
 
-Interaction::Interaction(InteractionOp op, std::int64_t features, std::int64_t dim, bool itself)
-    : op_(op), f_(features), d_(dim), out_(0) {
+namespace {
+
+InteractionKind interaction_kind(InteractionOp op) {
   switch (op) {
-    case InteractionOp::dot:
-      for (std::int32_t i = 0; i < f_; ++i)
-        for (std::int32_t j = 0; j < i + (itself ? 1 : 0); ++j) pairs_.emplace_back(i, j);
-      out_ = d_ + static_cast<std::int64_t>(pairs_.size());
-      break;
-    case InteractionOp::cat: out_ = f_ * d_; break;
-    case InteractionOp::outer: out_ = (f_ * d_) * (f_ * d_); break;
+    case InteractionOp::dot: return InteractionKind::dot;
+    case InteractionOp::cat: return InteractionKind::cat;
+    case InteractionOp::outer: return InteractionKind::outer;
   }
+  throw_internal("interaction_kind: unknown op");
+}
+
+TensorView host_view(const float* p, Dims shape) { return TensorView(const_cast<float*>(p), DType::f32, shape, Device::cpu()); }
+
+}  // namespace
+
+Interaction::Interaction(InteractionOp op, std::int64_t features, std::int64_t dim, bool itself)
+    : params_{interaction_kind(op), itself}, f_(features), d_(dim), out_(interaction_size(params_, features, dim)) {
+  if (op == InteractionOp::dot) pairs_ = DotPairs(features, itself);
 }
 
 void Interaction::forward(const float* z, std::int64_t batch, float* r) const {
-  const std::int64_t n = f_ * d_;
-  for (std::int64_t b = 0; b < batch; ++b) {
-    const float* zb = z + b * n;
-    float* rb = r + b * out_;
-    switch (op_) {
-      case InteractionOp::dot: {
-        std::copy(zb, zb + d_, rb);
-        std::int64_t k = d_;
-        for (const auto& [i, j] : pairs_) {
-          float s = 0;
-          for (std::int64_t c = 0; c < d_; ++c) s += zb[i * d_ + c] * zb[j * d_ + c];
-          rb[k++] = s;
-        }
-        break;
-      }
-      case InteractionOp::cat: std::copy(zb, zb + n, rb); break;
-      case InteractionOp::outer:
-        for (std::int64_t i = 0; i < n; ++i)
-          for (std::int64_t j = 0; j < n; ++j) rb[i * n + j] = zb[i] * zb[j];
-        break;
-    }
-  }
+  reference::interaction_forward({host_view(z, {batch, f_, d_}), host_view(r, {batch, out_}), &pairs_}, params_);
 }
 
 void Interaction::backward(const float* z, const float* dr, std::int64_t batch, float* dz) const {
-  const std::int64_t n = f_ * d_;
-  for (std::int64_t b = 0; b < batch; ++b) {
-    const float* zb = z + b * n;
-    const float* gb = dr + b * out_;
-    float* db = dz + b * n;
-    switch (op_) {
-      case InteractionOp::dot: {
-        std::fill(db, db + n, 0.0f);
-        std::copy(gb, gb + d_, db);
-        std::int64_t k = d_;
-        for (const auto& [i, j] : pairs_) {
-          const float g = gb[k++];
-          for (std::int64_t c = 0; c < d_; ++c) {
-            db[i * d_ + c] += g * zb[j * d_ + c];
-            db[j * d_ + c] += g * zb[i * d_ + c];
-          }
-        }
-        break;
-      }
-      case InteractionOp::cat: std::copy(gb, gb + n, db); break;
-      case InteractionOp::outer:
-        // r_ij = c_i c_j: dc_i = sum_j g_ij c_j + sum_j g_ji c_j.
-        for (std::int64_t i = 0; i < n; ++i) {
-          float s = 0;
-          for (std::int64_t j = 0; j < n; ++j) s += (gb[i * n + j] + gb[j * n + i]) * zb[j];
-          db[i] = s;
-        }
-        break;
-    }
-  }
+  reference::interaction_backward(
+      {host_view(z, {batch, f_, d_}), host_view(dr, {batch, out_}), host_view(dz, {batch, f_, d_}), &pairs_}, params_);
 }
 
 void optimizer_update(const OptimizerConfig& opt, float* param, const float* grad, float* state, std::int64_t n) {

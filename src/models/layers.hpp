@@ -8,6 +8,7 @@
 
 #include "fusekit/core/tensor.hpp"
 #include "fusekit/models/dlrm.hpp"
+#include "fusekit/ops/recsys.hpp"
 
 namespace fk::models::cpu {
 
@@ -75,7 +76,8 @@ class EmbeddingBagCollection {
   std::vector<std::int64_t> indices_, offsets_;
 };
 
-// Z [B, F, D] -> R [B, interaction_size]; backward gives dZ (=).
+// Z [B, F, D] -> R [B, interaction_size]; backward gives dZ (=). The recsys family's spec
+// (ops/recsys.hpp) on host memory.
 class Interaction {
  public:
   Interaction(InteractionOp op, std::int64_t features, std::int64_t dim, bool itself);
@@ -84,9 +86,9 @@ class Interaction {
   void backward(const float* z, const float* dr, std::int64_t batch, float* dz) const;
 
  private:
-  InteractionOp op_;
+  InteractionParams params_;
   std::int64_t f_, d_, out_;
-  std::vector<std::pair<std::int32_t, std::int32_t>> pairs_;  // dot: (i, j) in output order
+  DotPairs pairs_;  // dot: the output order
 };
 
 // PyTorch's update rules on one dense parameter: SGD, or Adagrad with its state tensor.

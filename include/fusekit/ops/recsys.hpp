@@ -21,10 +21,10 @@
 // Pooled output: out [B, T, D] f32, innermost stride 1, stride D between tables and any row stride
 // >= T * D, so that DLRM's bags land straight in Z[:, 1:, :] ([B, F, D] with F = T + 1).
 //
-// Every op is f32 with fp32 arithmetic on the GPU (the losses accumulate in double); the CPU
-// backend is the spec (reference::), written with double accumulation. Accuracy against the spec:
-// pooled sums within 1e-5 relative per term (fp32 summation of at most a bag's rows); updates the
-// same. Every result is deterministic: the same bits on every run of a given input.
+// Every op is f32 with fp32 arithmetic on the GPU (the loss accumulates in double); the CPU
+// backend is the spec (reference::), written with double accumulation. The GPU results are fp32
+// sums of the same terms (bounds held by the tests in docs/recsys.md); every result is
+// deterministic: the same bits on every run of a given input.
 #pragma once
 
 #include <cstddef>
@@ -51,8 +51,9 @@ enum class Pooling { sum, mean };  // mean: the sum over the bag's size; an empt
 class TableLayout {
  public:
   TableLayout() = default;
-  // Copies the bases and row counts to `device` (ordered on `stream`) when it is a GPU.
-  explicit TableLayout(std::vector<std::int64_t> rows, Device device = Device::cpu(), const Stream* stream = nullptr);
+  // When `device` is a GPU, copies the bases and row counts there (synchronously: the layout is
+  // ready for every stream on return).
+  explicit TableLayout(std::vector<std::int64_t> rows, Device device = Device::cpu());
 
   int num_tables() const noexcept { return static_cast<int>(rows_.size()); }
   std::int64_t rows(int t) const { return rows_.at(static_cast<std::size_t>(t)); }
@@ -149,8 +150,8 @@ std::int64_t interaction_size(const InteractionParams& p, std::int64_t features,
 class DotPairs {
  public:
   DotPairs() = default;
-  DotPairs(std::int64_t features, bool self_interaction, Device device = Device::cpu(),
-           const Stream* stream = nullptr);
+  // When `device` is a GPU, copies the pairs there (synchronously).
+  DotPairs(std::int64_t features, bool self_interaction, Device device = Device::cpu());
   std::int64_t features() const noexcept { return features_; }
   bool self_interaction() const noexcept { return self_; }
   const std::vector<std::uint32_t>& host() const noexcept { return host_; }

@@ -27,11 +27,10 @@ __device__ __forceinline__ std::int64_t hash_row(std::uint32_t v, std::int64_t r
   return static_cast<std::int64_t>(x % static_cast<std::uint64_t>(rows));
 }
 
-template <int Vec>
+template <int Vec, bool kMean>
 __global__ void embedding_fused_kernel(TableSet ts, const std::uint32_t* raw, RowHash hash,
                                        const std::int64_t* indices, const std::int64_t* offsets, std::int64_t batch,
-                                       float* out, std::int64_t out_stride, bool mean, std::uint32_t* key,
-                                       std::uint32_t* bag) {
+                                       float* out, std::int64_t out_stride, std::uint32_t* key, std::uint32_t* bag) {
   const int lanes = ts.dim / Vec;
   const std::int64_t bags = batch * ts.tables;
   const std::int64_t gid = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
@@ -57,8 +56,7 @@ __global__ void embedding_fused_kernel(TableSet ts, const std::uint32_t* raw, Ro
     return;
   }
   float acc[Vec] = {};
-  const std::int64_t begin = offsets[q], end = offsets[q + 1];
-  for (std::int64_t k = begin; k < end; ++k) {
+  for (std::int64_t k = offsets[q]; k < offsets[q + 1]; ++k) {
     const std::int64_t row = base + indices[k];
     if (part == 0 && key != nullptr) {
       key[k] = static_cast<std::uint32_t>(row);
@@ -68,10 +66,11 @@ __global__ void embedding_fused_kernel(TableSet ts, const std::uint32_t* raw, Ro
 #pragma unroll
     for (int i = 0; i < Vec; ++i) acc[i] += __ldg(src + i);
   }
-  if (mean && end > begin) {
-    const float n = static_cast<float>(end - begin);
+  if constexpr (kMean) {
+    const std::int64_t n = offsets[q + 1] - offsets[q];
+    if (n > 0)
 #pragma unroll
-    for (int i = 0; i < Vec; ++i) acc[i] /= n;
+      for (int i = 0; i < Vec; ++i) acc[i] /= static_cast<float>(n);
   }
 #pragma unroll
   for (int i = 0; i < Vec; ++i) dst[i] = acc[i];
@@ -112,12 +111,14 @@ void embedding_forward_fused(const TableSet& tables, const std::uint32_t* raw, R
   const bool vec = tables.dim % 4 == 0 && out_stride % 4 == 0 && aligned16(out) && aligned16(tables.weights);
   const std::int64_t threads = batch * tables.tables * (vec ? tables.dim / 4 : tables.dim);
   if (threads == 0) return;
-  if (vec)
-    embedding_fused_kernel<4><<<grid_stride_blocks(threads), kThreads, 0, s>>>(tables, raw, hash, indices, offsets,
-                                                                               batch, out, out_stride, mean, key, bag);
-  else
-    embedding_fused_kernel<1><<<grid_stride_blocks(threads), kThreads, 0, s>>>(tables, raw, hash, indices, offsets,
-                                                                               batch, out, out_stride, mean, key, bag);
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid_stride_blocks(threads), kThreads, 0, s>>>(tables, raw, hash, indices, offsets, batch, out, out_stride,
+                                                            key, bag);
+  };
+  // Mean pooling divides by the bag size, which raw input (one row a bag) never needs.
+  const bool divide = mean && raw == nullptr;
+  if (vec) divide ? launch(embedding_fused_kernel<4, true>) : launch(embedding_fused_kernel<4, false>);
+  else divide ? launch(embedding_fused_kernel<1, true>) : launch(embedding_fused_kernel<1, false>);
   FK_CUDA_CHECK_LAUNCH("embedding_forward_fused");
 }
 

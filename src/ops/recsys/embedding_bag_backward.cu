@@ -14,7 +14,7 @@
 // dense or coalesced gradient exists; every sum has a fixed order, so the result is the same bits
 // on every run. Updates: SGD, Adagrad (per element), row-wise Adagrad (one state float per row:
 // the row's sum of g^2 is formed in a first pass over the slices, the update in a second, which
-// re-reads the gradient rows only when D > 16), or, for the unfused reference path, the summed
+// reads the gradient rows again, L2-hot), or, for the unfused reference path, the summed
 // gradient stored (=) into a dense gradient buffer.
 #include <cub/device/device_radix_sort.cuh>
 
@@ -94,41 +94,53 @@ __global__ void sparse_phase1_kernel(TableSet ts, const std::uint32_t* key, cons
   const bool has_head = mine != 0;
   const bool continues = lane == 31 && next_same;
   const bool piece_end = valid && (lane == 31 || !next_same);
-  const std::uint32_t q = valid ? bag[e] : 0u;
-  const float* src = valid ? bag_row(dout, q, batch, out_stride, ts.dim) : nullptr;
+  const float* src = valid ? bag_row(dout, bag[e], batch, out_stride, ts.dim) : nullptr;
   float scale = 1.0f;
   if constexpr (kMean) {
-    if (valid) scale = 1.0f / static_cast<float>(mean_offsets[q + 1] - mean_offsets[q]);
+    if (valid) {
+      const std::uint32_t q = bag[e];
+      scale = 1.0f / static_cast<float>(mean_offsets[q + 1] - mean_offsets[q]);
+    }
   }
 
   if (lane == 0 && has_head) ends[c] = 0;
   if (piece_end && !has_head) ends[c] = continues ? 0 : 1;
   if (continues && has_head) owners[1 + atomicAdd(owners, 1)] = static_cast<int>(c);
 
-  // This lane holds the whole of a segment that lies inside the chunk: it updates the row itself.
-  const bool direct = piece_end && has_head && !continues;
-  float v[kSlice];
-  float sumsq = 0.0f;  // row-wise Adagrad: sum over the row of g^2
-  for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
-    load_scanned<kMean>(v, src, valid, s0, ts.dim, scale, lane, start);
-    if (!piece_end) continue;
-    if (direct) {
-      if constexpr (kRowwise) {
-        for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) sumsq += v[i] * v[i];
-      } else {
+  // A lane whose piece is a whole segment (it starts and ends inside the chunk) updates the row.
+  if constexpr (!kRowwise) {
+    for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
+      float v[kSlice];
+      load_scanned<kMean>(v, src, valid, s0, ts.dim, scale, lane, start);
+      if (!piece_end) continue;
+      if (has_head && !continues) {
         float* w = ts.weights + std::int64_t{row} * ts.dim + s0;
         float* st = ts.adagrad_state ? ts.adagrad_state + std::int64_t{row} * ts.dim + s0 : nullptr;
         for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) {
           if (ts.store_gradient) w[i] = v[i];
           else apply_update(w + i, st ? st + i : nullptr, v[i], lr, eps);
         }
+      } else {
+        float* dst = (continues ? tail : head) + c * ts.dim + s0;
+        for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) dst[i] = v[i];
       }
-    } else {
-      float* dst = (continues ? tail : head) + c * ts.dim + s0;
-      for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) dst[i] = v[i];
     }
-  }
-  if constexpr (kRowwise) {
+  } else {
+    // Row-wise: the row's sum of g^2 first (the pieces of crossing segments stored on the way),
+    // then the update, from the gradient rows read again (L2-hot: this warp just read them).
+    const bool direct = piece_end && has_head && !continues;
+    float sumsq = 0.0f;
+    for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
+      float v[kSlice];
+      load_scanned<kMean>(v, src, valid, s0, ts.dim, scale, lane, start);
+      if (!piece_end) continue;
+      if (direct) {
+        for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) sumsq += v[i] * v[i];
+      } else {
+        float* dst = (continues ? tail : head) + c * ts.dim + s0;
+        for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) dst[i] = v[i];
+      }
+    }
     float step = 0.0f;
     if (direct) {
       const float s = ts.adagrad_state[row] + sumsq / static_cast<float>(ts.dim);
@@ -136,7 +148,8 @@ __global__ void sparse_phase1_kernel(TableSet ts, const std::uint32_t* key, cons
       step = lr / (sqrtf(s) + eps);
     }
     for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
-      if (ts.dim > kSlice) load_scanned<kMean>(v, src, valid, s0, ts.dim, scale, lane, start);
+      float v[kSlice];
+      load_scanned<kMean>(v, src, valid, s0, ts.dim, scale, lane, start);
       if (direct) {
         float* w = ts.weights + std::int64_t{row} * ts.dim + s0;
         for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) w[i] -= step * v[i];
@@ -184,20 +197,22 @@ __global__ void sparse_phase2_kernel(TableSet ts, const std::uint32_t* key, std:
     if (base >= chunks) break;  // unreachable for a consistent phase 1; never loop forever
   }
   if (c1 < 0) return;
-  float g = 0.0f, sumsq = 0.0f;
-  for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
-    g = owner_slice_sum(head, tail, c0, c1, s0, ts.dim, lane);
-    if (lane < kSlice && s0 + lane < ts.dim) {
-      if constexpr (kRowwise) {
-        sumsq += g * g;
-      } else {
+  if constexpr (!kRowwise) {
+    for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
+      const float g = owner_slice_sum(head, tail, c0, c1, s0, ts.dim, lane);
+      if (lane < kSlice && s0 + lane < ts.dim) {
         const std::int64_t at = std::int64_t{row} * ts.dim + s0 + lane;
         if (ts.store_gradient) ts.weights[at] = g;
         else apply_update(ts.weights + at, ts.adagrad_state ? ts.adagrad_state + at : nullptr, g, lr, eps);
       }
     }
-  }
-  if constexpr (kRowwise) {
+  } else {
+    // Row-wise: the row's sum of g^2 over every slice first, then the update (sums formed again).
+    float sumsq = 0.0f;
+    for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
+      const float g = owner_slice_sum(head, tail, c0, c1, s0, ts.dim, lane);
+      if (lane < kSlice && s0 + lane < ts.dim) sumsq += g * g;
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) sumsq += __shfl_xor_sync(0xffffffffu, sumsq, off);
     const float s = ts.adagrad_state[row] + sumsq / static_cast<float>(ts.dim);
@@ -205,7 +220,7 @@ __global__ void sparse_phase2_kernel(TableSet ts, const std::uint32_t* key, std:
     if (lane == 0) ts.adagrad_state[row] = s;
     const float step = lr / (sqrtf(s) + eps);
     for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
-      if (ts.dim > kSlice) g = owner_slice_sum(head, tail, c0, c1, s0, ts.dim, lane);
+      const float g = owner_slice_sum(head, tail, c0, c1, s0, ts.dim, lane);
       if (lane < kSlice && s0 + lane < ts.dim) ts.weights[std::int64_t{row} * ts.dim + s0 + lane] -= step * g;
     }
   }

@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <limits>
 
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/recsys.hpp"
@@ -66,7 +65,7 @@ cuda::TableSet table_set(const TableLayout& layout, const TensorView& weights, f
 
 // ---- TableLayout ----------------------------------------------------------------------------------
 
-TableLayout::TableLayout(std::vector<std::int64_t> rows, Device device, const Stream* stream)
+TableLayout::TableLayout(std::vector<std::int64_t> rows, Device device)
     : rows_(std::move(rows)), device_(device) {
   constexpr const char* op = "TableLayout";
   FK_CHECK_ARG(!rows_.empty(), op, "rows", "at least one table", "none");
@@ -80,7 +79,6 @@ TableLayout::TableLayout(std::vector<std::int64_t> rows, Device device, const St
   while ((std::int64_t{1} << key_bits_) < total_rows_) ++key_bits_;
   checks::cuda_available(op, device);
   if (device.is_cpu()) return;
-  (void)stream;  // the copy below is synchronous: the layout is ready on every stream on return
   const auto t = static_cast<std::int64_t>(rows_.size());
   Tensor host = Tensor::empty({2, t}, DType::i64, Device::cpu());
   std::copy(base_.begin(), base_.end(), host.data_as<std::int64_t>());
@@ -296,7 +294,7 @@ std::int64_t interaction_size(const InteractionParams& p, std::int64_t features,
   throw_internal("interaction_size: unknown kind");
 }
 
-DotPairs::DotPairs(std::int64_t features, bool self_interaction, Device device, const Stream* stream)
+DotPairs::DotPairs(std::int64_t features, bool self_interaction, Device device)
     : features_(features), self_(self_interaction) {
   FK_CHECK_ARG(features >= 1 && features < (1 << 16), "DotPairs", "features", "in [1, 65536)",
                std::to_string(features));
@@ -304,7 +302,6 @@ DotPairs::DotPairs(std::int64_t features, bool self_interaction, Device device, 
   for (std::uint32_t i = 0; i < static_cast<std::uint32_t>(features); ++i)
     for (std::uint32_t j = 0; j < i + (self_interaction ? 1u : 0u); ++j) host_.push_back(i << 16 | j);
   if (device.is_cpu() || host_.empty()) return;
-  (void)stream;  // synchronous copy: ready on every stream on return
   const auto p = static_cast<std::int64_t>(host_.size());
   device_ = Tensor::empty({p}, DType::i32, device);
   copy(device_, TensorView(host_.data(), DType::i32, {p}, Device::cpu()));

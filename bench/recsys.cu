@@ -1,0 +1,263 @@
+// Bench cases of the recsys family: the table-batched embedding bag and its backward fused with
+// the optimizer, against the unfused path a user runs instead (what models/dlrm_gpu.cpp's
+// reference implementation runs):
+//   forward   one launch per table (an nn.EmbeddingBag per table, indices hashed beforehand),
+//             against all tables in one launch with the raw values' hash computed in the kernel
+//   backward  the dense table gradient (zeroed, each touched row's summed gradient stored, sorted
+//             like PyTorch's deterministic embedding backward) then a dense optimizer pass over
+//             every table, one launch per table; against the sort + segmented sums applying the
+//             update to each touched row (no table gradient)
+// Shapes: DLRM on Criteo Kaggle (26 tables of Kaggle's row counts, 33.8M rows, D = 16, one-hot),
+// batch 2048 and 32768, SGD and Adagrad; one multi-hot case (8 tables of 1M rows, D = 64, bags of
+// 20). gbps counts the bytes of table rows touched: forward, the rows read plus the pooled rows
+// written; backward, each touched row (and its optimizer state) read and written once plus the
+// gradient rows read. The baseline's record carries the same bytes (it moves far more: every row
+// of every table, several times), so the two gbps compare as speed.
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <optional>
+#include <random>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "bench/harness.hpp"
+#include "fusekit/core/cuda_check.hpp"
+#include "fusekit/data/criteo.hpp"
+#include "fusekit/ops/recsys.hpp"
+#include "ops/recsys/recsys_cuda.hpp"
+
+namespace fk::bench {
+namespace {
+
+struct Tables {
+  std::vector<std::int64_t> rows;
+  std::int64_t dim;
+  TableLayout layout;
+  Tensor weights;  // [total_rows, D]
+};
+
+Tables make_tables(Context& ctx, std::vector<std::int64_t> rows, std::int64_t dim) {
+  Tables t{rows, dim, TableLayout(rows, ctx.fk_stream().device()), Tensor()};
+  t.weights = ctx.random({t.layout.total_rows(), dim}, DType::f32, -0.05f, 0.05f);
+  return t;
+}
+
+// One batch of input, in both forms: raw one-hot values (bag = 0) or CSR bags of `bag` rows, and
+// the CSR form of the same rows (the baseline's input), plus the keys / bags of the forward.
+struct InputSet {
+  Tensor raw, indices, offsets, keys, bags, out;
+  std::int64_t nnz = 0;
+  std::vector<std::int32_t> host_keys;
+};
+
+InputSet make_input(Context& ctx, const Tables& tb, std::int64_t batch, int bag, std::uint64_t seed) {
+  const std::int64_t nt = static_cast<std::int64_t>(tb.rows.size());
+  std::mt19937_64 rng(seed);
+  InputSet s;
+  std::vector<std::int64_t> idx, off{0};
+  std::vector<std::int32_t> raw;
+  for (std::int64_t t = 0; t < nt; ++t)
+    for (std::int64_t b = 0; b < batch; ++b) {
+      if (bag == 0) {
+        const auto v = static_cast<std::uint32_t>(rng());
+        raw.push_back(static_cast<std::int32_t>(v));
+        idx.push_back(reference::hash_row(v, tb.rows[static_cast<std::size_t>(t)], RowHash::reference));
+      } else {
+        for (int k = 0; k < bag; ++k)
+          idx.push_back(static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(tb.rows[static_cast<std::size_t>(t)])));
+      }
+      off.push_back(static_cast<std::int64_t>(idx.size()));
+    }
+  s.nnz = static_cast<std::int64_t>(idx.size());
+  const auto upload = [&](const void* p, Dims shape, DType dt) {
+    Tensor d = ctx.empty(shape, dt);
+    FK_CUDA_CHECK(cudaMemcpyAsync(d.data(), p, d.nbytes(), cudaMemcpyHostToDevice, ctx.stream()));
+    return d;
+  };
+  if (bag == 0) s.raw = upload(raw.data(), {nt * batch}, DType::i32);
+  s.indices = upload(idx.data(), {s.nnz}, DType::i64);
+  s.offsets = upload(off.data(), {nt * batch + 1}, DType::i64);
+  s.keys = ctx.empty({s.nnz}, DType::i32);
+  s.bags = ctx.empty({s.nnz}, DType::i32);
+  s.out = ctx.empty({batch, nt, tb.dim}, DType::f32);
+  FK_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));  // the host vectors go out of scope
+  return s;
+}
+
+// The fused forward of one input set: raw values through the hash, or CSR; keys and bags too.
+void fused_forward(Context& ctx, const Tables& tb, const TensorView& weights, const InputSet& s, const TensorView& out) {
+  EmbeddingBagForwardArgs a{weights, std::nullopt, std::nullopt, std::nullopt, out, s.keys.view(), s.bags.view()};
+  if (s.raw.data()) {
+    a.raw = s.raw.view();
+  } else {
+    a.indices = s.indices.view();
+    a.offsets = s.offsets.view();
+  }
+  embedding_bag_forward(tb.layout, a, {Pooling::sum, RowHash::reference}, &ctx.fk_stream());
+}
+
+// One launch per table, CSR input (the rows hashed beforehand), as a per-table EmbeddingBag runs.
+void per_table_forward(Context& ctx, const Tables& tb, const InputSet& s, std::int64_t batch) {
+  const std::int64_t nt = static_cast<std::int64_t>(tb.rows.size());
+  for (int t = 0; t < nt; ++t)
+    cuda::embedding_forward_table(tb.weights.data_as<float>() + tb.layout.base(t) * tb.dim, static_cast<int>(tb.dim), t,
+                                  s.indices.data_as<std::int64_t>(), s.offsets.data_as<std::int64_t>(), batch,
+                                  s.out.data_as<float>(), nt * tb.dim, false, ctx.stream());
+}
+
+std::string case_name(const char* op, const std::string& shape) { return std::string(op) + "/" + shape; }
+
+void forward_case(Context& ctx, Tables& tb, const std::string& shape, std::int64_t batch, int bag) {
+  const std::string name = case_name("embedding_fwd", shape);
+  if (!ctx.selected("recsys", name)) return;
+  const std::int64_t nt = static_cast<std::int64_t>(tb.rows.size());
+  const std::size_t pooled_bytes = static_cast<std::size_t>(batch * nt * tb.dim) * 4;
+  const int rot = ctx.rotations_for(2 * pooled_bytes);
+  std::vector<InputSet> sets;
+  for (int i = 0; i < rot; ++i) sets.push_back(make_input(ctx, tb, batch, bag, 100 + static_cast<std::uint64_t>(i)));
+  Tensor fused_out = ctx.empty({batch, nt, tb.dim}, DType::f32);
+  fused_forward(ctx, tb, tb.weights, sets[0], fused_out);
+  per_table_forward(ctx, tb, sets[0], batch);
+  const double err = ctx.rel_err(fused_out, sets[0].out);
+  require_close(name, err, 1e-6);  // the same rows summed in the same order
+
+  const double bytes = static_cast<double>(sets[0].nnz * tb.dim * 4) + static_cast<double>(pooled_bytes);
+  Record fr{"recsys", name, "fused", "per_table_launches"};
+  fr.median_us = ctx.time_us([&](int i) {
+    const InputSet& s = sets[static_cast<std::size_t>(i)];
+    fused_forward(ctx, tb, tb.weights, s, s.out);
+  }, rot);
+  fr.gbps = bytes / (fr.median_us * 1e3);
+  fr.rel_err = err;
+  fr.extra = {{"nnz", static_cast<double>(sets[0].nnz)}};
+  Record br{"recsys", name, "per_table_launches", "per_table_launches"};
+  br.median_us = ctx.time_us([&](int i) { per_table_forward(ctx, tb, sets[static_cast<std::size_t>(i)], batch); }, rot);
+  br.gbps = bytes / (br.median_us * 1e3);
+  ctx.add(fr);
+  ctx.add(br);
+}
+
+void backward_case(Context& ctx, Tables& tb, const std::string& shape, std::int64_t batch, int bag,
+                   EmbeddingUpdate update) {
+  const bool ada = update == EmbeddingUpdate::adagrad;
+  const std::string name = case_name(ada ? "embedding_bwd_adagrad" : "embedding_bwd_sgd", shape);
+  if (!ctx.selected("recsys", name)) return;
+  const std::int64_t nt = static_cast<std::int64_t>(tb.rows.size()), total = tb.layout.total_rows(), d = tb.dim;
+  const std::size_t pooled_bytes = static_cast<std::size_t>(batch * nt * d) * 4;
+  const int rot = ctx.rotations_for(pooled_bytes);
+  std::vector<InputSet> sets;
+  std::vector<Tensor> douts;
+  for (int i = 0; i < rot; ++i) {
+    sets.push_back(make_input(ctx, tb, batch, bag, 200 + static_cast<std::uint64_t>(i)));
+    fused_forward(ctx, tb, tb.weights, sets.back(), sets.back().out);  // keys and bags
+    douts.push_back(ctx.random({batch, nt, d}, DType::f32, -1e-2f, 1e-2f));
+  }
+  const std::int64_t nnz = sets[0].nnz;
+  Tensor ws = ctx.empty({static_cast<std::int64_t>(embedding_bag_backward_workspace_bytes(nnz, d))}, DType::u8);
+  // Two copies of the tables (and of the Adagrad state) from the same start, one per path.
+  const auto clone = [&](const Tensor& src) {
+    Tensor c = ctx.empty(src.shape(), src.dtype());
+    FK_CUDA_CHECK(cudaMemcpyAsync(c.data(), src.data(), src.nbytes(), cudaMemcpyDeviceToDevice, ctx.stream()));
+    return c;
+  };
+  Tensor w_fused = clone(tb.weights), w_base = clone(tb.weights), grad = ctx.empty({total, d}, DType::f32);
+  Tensor s_fused, s_base;
+  if (ada) {
+    s_fused = ctx.random({total, d}, DType::f32, 0.0f, 0.1f);
+    s_base = clone(s_fused);
+  }
+  const EmbeddingOptimizerParams p{update, 0.01f, 1e-8f, Pooling::sum};
+  auto fused = [&](int i) {
+    const InputSet& s = sets[static_cast<std::size_t>(i)];
+    embedding_bag_backward_update(tb.layout,
+                                  {s.keys, s.bags, douts[static_cast<std::size_t>(i)], std::nullopt, w_fused,
+                                   ada ? std::optional<TensorView>(s_fused.view()) : std::nullopt, ws.view()},
+                                  p, &ctx.fk_stream());
+  };
+  auto baseline = [&](int i) {
+    const InputSet& s = sets[static_cast<std::size_t>(i)];
+    FK_CUDA_CHECK(cudaMemsetAsync(grad.data(), 0, grad.nbytes(), ctx.stream()));
+    embedding_bag_backward_update(tb.layout,
+                                  {s.keys, s.bags, douts[static_cast<std::size_t>(i)], std::nullopt, grad, std::nullopt,
+                                   ws.view()},
+                                  {EmbeddingUpdate::store_gradient}, &ctx.fk_stream());
+    for (int t = 0; t < nt; ++t) {
+      const std::int64_t at = tb.layout.base(t) * d;
+      cuda::optimizer_update(w_base.data_as<float>() + at, grad.data_as<float>() + at,
+                             ada ? s_base.data_as<float>() + at : nullptr, tb.layout.rows(t) * d, p.lr, p.eps,
+                             ctx.stream());
+    }
+  };
+  // The check: one step of each from the same tables; the touched rows' updates must agree (the
+  // pooled rows of set 0 before and after, through the forward).
+  Tensor before = ctx.empty({batch, nt, d}, DType::f32), after_f = ctx.empty({batch, nt, d}, DType::f32);
+  Tensor after_b = ctx.empty({batch, nt, d}, DType::f32);
+  fused_forward(ctx, tb, tb.weights, sets[0], before);
+  fused(0);
+  baseline(0);
+  fused_forward(ctx, tb, w_fused, sets[0], after_f);
+  fused_forward(ctx, tb, w_base, sets[0], after_b);
+  FK_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
+  const auto host = [](const Tensor& t) {
+    std::vector<float> v(static_cast<std::size_t>(t.numel()));
+    FK_CUDA_CHECK(cudaMemcpy(v.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost));
+    return v;
+  };
+  const std::vector<float> b0 = host(before), f1 = host(after_f), g1 = host(after_b);
+  double num = 0, den = 0;
+  for (std::size_t k = 0; k < b0.size(); ++k) {
+    const double df = static_cast<double>(f1[k]) - b0[k], db = static_cast<double>(g1[k]) - b0[k];
+    num += (df - db) * (df - db);
+    den += db * db;
+  }
+  const double err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  require_close(name, err, 1e-4);  // the same sums; the updates differ by float rounding at most
+
+  std::vector<std::int32_t> keys(static_cast<std::size_t>(nnz));
+  FK_CUDA_CHECK(cudaMemcpy(keys.data(), sets[0].keys.data(), sets[0].keys.nbytes(), cudaMemcpyDeviceToHost));
+  const double unique = static_cast<double>(std::unordered_set<std::int32_t>(keys.begin(), keys.end()).size());
+  const double bytes = unique * static_cast<double>(d * 4) * (ada ? 4 : 2) + static_cast<double>(nnz * d * 4);
+  Record fr{"recsys", name, "fused", "dense_grad+dense_optimizer"};
+  fr.median_us = ctx.time_us(fused, rot);
+  fr.gbps = bytes / (fr.median_us * 1e3);
+  fr.rel_err = err;
+  fr.extra = {{"nnz", static_cast<double>(nnz)}, {"unique_rows", unique}};
+  Record br{"recsys", name, "dense_grad+dense_optimizer", "dense_grad+dense_optimizer"};
+  br.median_us = ctx.time_us(baseline, rot);
+  br.gbps = bytes / (br.median_us * 1e3);
+  ctx.add(fr);
+  ctx.add(br);
+}
+
+void recsys_cases(Context& ctx) {
+  const auto any_selected = [&](const std::string& shape, std::initializer_list<const char*> ops) {
+    for (const char* op : ops)
+      if (ctx.selected("recsys", case_name(op, shape))) return true;
+    return false;
+  };
+  const std::vector<std::int64_t> kaggle(data::kKaggleCardinalities.begin(), data::kKaggleCardinalities.end());
+  std::optional<Tables> tb;  // made once, for the first selected case
+  for (std::int64_t batch : {2048, 32768}) {
+    const std::string shape = "kaggle26_d16_b" + std::to_string(batch) + "_onehot";
+    if (!any_selected(shape, {"embedding_fwd", "embedding_bwd_sgd", "embedding_bwd_adagrad"})) continue;
+    if (!tb) tb = make_tables(ctx, kaggle, 16);
+    forward_case(ctx, *tb, shape, batch, 0);
+    backward_case(ctx, *tb, shape, batch, 0, EmbeddingUpdate::sgd);
+    backward_case(ctx, *tb, shape, batch, 0, EmbeddingUpdate::adagrad);
+  }
+  tb.reset();
+  const std::string shape = "t8_r1M_d64_b4096_bag20";
+  if (any_selected(shape, {"embedding_fwd", "embedding_bwd_sgd"})) {
+    tb = make_tables(ctx, std::vector<std::int64_t>(8, 1 << 20), 64);
+    forward_case(ctx, *tb, shape, 4096, 20);
+    backward_case(ctx, *tb, shape, 4096, 20, EmbeddingUpdate::sgd);
+  }
+}
+
+}  // namespace
+
+FK_BENCH_CASE("recsys", "embedding", recsys_cases);
+
+}  // namespace fk::bench
