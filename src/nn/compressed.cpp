@@ -6,6 +6,7 @@
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/pointwise.hpp"
 #include "fusekit/ops/gemm.hpp"
+#include "nn/module_util.hpp"
 #include "ops/op_checks.hpp"
 
 namespace fk::nn {
@@ -38,10 +39,7 @@ CompressedLinear::CompressedLinear(std::int64_t in, std::int64_t out, std::optio
 
 void CompressedLinear::forward(const TensorView& x, const TensorView& y, const Stream* stream) {
   constexpr const char* op = "CompressedLinear::forward";
-  checks::tensor(op, "x", x, 2);
-  checks::same_dtype(op, "x", x, weight);
-  checks::same_device(op, "x", x, weight.device());
-  FK_CHECK_ARG(x.size(1) == in_, op, "x", fmt::format("[N, {}]", in_), x.shape().str());
+  detail::check_layer_input(op, x, weight, in_);
   checks::shape_is(op, "y", y, Dims{x.size(0), out_});
   checks::same_dtype(op, "y", y, weight);
   matmul(x, weight, y, Trans::n, Trans::t, stream);

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "fusekit/ops/gemm.hpp"
+#include "nn/module_util.hpp"
 #include "ops/op_checks.hpp"
 
 namespace fk::nn {
@@ -56,10 +57,7 @@ Linear::Linear(std::int64_t in, std::int64_t out, LinearOptions options, DType d
 
 void Linear::forward(const TensorView& x, const TensorView& y, const Stream* stream) {
   constexpr const char* op = "nn::Linear::forward";
-  checks::tensor(op, "x", x, 2);
-  checks::same_dtype(op, "x", x, weight);
-  checks::same_device(op, "x", x, weight.device());
-  FK_CHECK_ARG(x.size(1) == in(), op, "x", fmt::format("[B, {}]", in()), x.shape().str());
+  detail::check_layer_input(op, x, weight, in());
   checks::companion(op, "y", y, weight, {x.size(0), out()});
   GemmParams p;
   p.trans_b = Trans::t;
@@ -76,10 +74,7 @@ void Linear::forward(const TensorView& x, const TensorView& y, const Stream* str
 void Linear::backward(const TensorView& x, const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx,
                       const Stream* stream) {
   constexpr const char* op = "nn::Linear::backward";
-  checks::tensor(op, "x", x, 2);
-  checks::same_dtype(op, "x", x, weight);
-  checks::same_device(op, "x", x, weight.device());
-  FK_CHECK_ARG(x.size(1) == in(), op, "x", fmt::format("[B, {}]", in()), x.shape().str());
+  detail::check_layer_input(op, x, weight, in());
   const Dims out_shape{x.size(0), out()};
   checks::companion(op, "y", y, weight, out_shape);
   checks::companion(op, "dy", dy, weight, out_shape);

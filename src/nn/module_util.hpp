@@ -4,6 +4,7 @@
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
 #include "fusekit/core/tensor.hpp"
+#include "ops/op_checks.hpp"
 
 namespace fk::nn::detail {
 
@@ -21,6 +22,14 @@ inline Tensor uniform(Dims shape, float bound, DType dtype, Device device, Rando
   Tensor h = Tensor::empty(shape, dtype, Device::cpu());
   fill_uniform(h, -bound, bound, key);
   return h.copy_to(device);
+}
+
+// A layer's input x [rows, in]: rank 2, contiguous, the weight's dtype and device.
+inline void check_layer_input(const char* op, const TensorView& x, const Tensor& weight, std::int64_t in) {
+  checks::tensor(op, "x", x, 2);
+  checks::same_dtype(op, "x", x, weight);
+  checks::same_device(op, "x", x, weight.device());
+  FK_CHECK_ARG(x.size(1) == in, op, "x", fmt::format("[rows, {}]", in), x.shape().str());
 }
 
 }  // namespace fk::nn::detail
