@@ -325,7 +325,7 @@ models::BinaryMetrics evaluate(models::Dlrm& model, const std::shared_ptr<data::
   labels.reserve(static_cast<std::size_t>(test->size()));
   Tensor p;
   while (const data::Batch* b = loader.next()) {
-    if (p.numel() != b->size) p = Tensor::empty({b->size}, DType::f32, Device::cpu());
+    if (p.shape() != Dims{b->size}) p = Tensor::empty({b->size}, DType::f32, Device::cpu());
     model.predict(model_input(*b), p);
     probs.insert(probs.end(), p.data_as<float>(), p.data_as<float>() + b->size);
     labels.insert(labels.end(), b->labels.data_as<float>(), b->labels.data_as<float>() + b->size);

@@ -336,6 +336,12 @@ ReadReport convert_tsv_to_binary(const std::filesystem::path& tsv, const std::fi
                                  const ReadOptions& options) {
   // Streams: records go out in chunks as they are parsed (the Kaggle file is 45M records, 7 GB in
   // this format).
+  // Writing the output would truncate the input before it is read: refuse the same file under any
+  // name (the same path, a link, a hard link).
+  std::error_code ec;
+  const bool same = std::filesystem::equivalent(tsv, bin, ec);
+  FK_CHECK_ARG(!ec ? !same : tsv.lexically_normal() != bin.lexically_normal(), "data::convert_tsv_to_binary", "bin",
+               fmt::format("a file other than the input {}", tsv.string()), bin.string());
   ReadReport report;
   RecordWriter writer(bin, FileFormat::binary);
   std::vector<RawRecord> chunk;

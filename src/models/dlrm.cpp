@@ -138,8 +138,9 @@ struct DlrmState {
 namespace {
 
 void check_vector(const TensorView& t, std::int64_t n, const char* arg) {
-  FK_CHECK_ARG(t.dtype() == DType::f32 && t.numel() == n && t.is_contiguous() && t.device().is_cpu(),
-               "models::Dlrm", arg, fmt::format("host f32 with {} elements", n), t.str());
+  FK_CHECK_ARG(t.dtype() == DType::f32 && t.rank() == 1 && t.numel() == n && t.is_contiguous() &&
+                   t.device().is_cpu() && (t.data() != nullptr || n == 0),
+               "models::Dlrm", arg, fmt::format("host f32 [{}] with data", n), t.str());
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 
 #include "fusekit/data/criteo.hpp"
 #include "fusekit/core/error.hpp"
+#include "test_util.hpp"
 
 namespace fk::data {
 namespace {
@@ -298,6 +299,20 @@ TEST(BatchLoader, SyntheticSourceMatchesTheGeneratorAndDropsTheLastPartialBatch)
     ++batches;
   }
   EXPECT_EQ(batches, 2);
+}
+
+TEST(Convert, RefusesToWriteOverItsInputUnderAnyName) {
+  // `fusekit data convert X X` used to truncate X and exit 0.
+  const fs::path tsv = temp_path("inplace.tsv"), link = temp_path("inplace_link.tsv");
+  fs::copy_file(kFixture, tsv, fs::copy_options::overwrite_existing);
+  const auto size = fs::file_size(tsv);
+  fs::remove(link);
+  fs::create_hard_link(tsv, link);
+  const fs::path same_path_spelled_otherwise = tsv.parent_path() / "." / tsv.filename();
+  for (const fs::path& out : {tsv, link, same_path_spelled_otherwise}) {
+    fk::test::expect_arg_error([&] { convert_tsv_to_binary(tsv, out, {}); }, "data::convert_tsv_to_binary", "bin");
+    EXPECT_EQ(fs::file_size(tsv), size) << out;
+  }
 }
 
 TEST(BatchLoader, SeveralWorkersKeepTheOrder) {
