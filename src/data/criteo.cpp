@@ -6,6 +6,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <bit>
 #include <charconv>
 #include <cmath>
@@ -150,7 +151,7 @@ namespace {
 // Lines of a plain or gzip file (zlib reads plain files transparently).
 class LineReader {
  public:
-  explicit LineReader(const std::filesystem::path& path) : file_(gzopen(path.c_str(), "rb")) {
+  explicit LineReader(const std::filesystem::path& path) : path_(path.string()), file_(gzopen(path.c_str(), "rb")) {
     if (!file_) throw Error("data::read_tsv", "path", "a readable file", path.string());
     gzbuffer(file_, 1 << 20);
   }
@@ -160,12 +161,15 @@ class LineReader {
 
   bool next(std::string_view& line) {
     while (true) {
-      const std::size_t nl = buf_.find('\n', pos_);
+      // Bytes before `searched_` hold no newline: each byte is scanned once (linear time).
+      const std::size_t nl = buf_.find('\n', std::max(pos_, searched_));
       if (nl != std::string::npos) {
         line = std::string_view(buf_).substr(pos_, nl - pos_);
         pos_ = nl + 1;
+        searched_ = pos_;
         return true;
       }
+      searched_ = buf_.size();
       if (eof_) {
         if (pos_ >= buf_.size()) return false;
         line = std::string_view(buf_).substr(pos_);
@@ -173,23 +177,28 @@ class LineReader {
         return true;
       }
       buf_.erase(0, pos_);
+      searched_ -= pos_;
       pos_ = 0;
       const std::size_t old = buf_.size();
       buf_.resize(old + (1 << 20));
       const int got = gzread(file_, buf_.data() + old, 1 << 20);
-      if (got < 0) {
-        int code = 0;
-        throw Error("data::read_tsv", "path", "a readable (gzip) file", gzerror(file_, &code));
-      }
+      int code = Z_OK;
+      const char* message = gzerror(file_, &code);
+      // A truncated or corrupt gzip stream ends reads early with Z_BUF_ERROR or Z_DATA_ERROR:
+      // never a silent end of file.
+      if (got < 0 || (code != Z_OK && code != Z_STREAM_END))
+        throw Error("data::read_tsv", "path", "a complete, uncorrupted (gzip) file",
+                    fmt::format("{}: {}", path_, message));
       buf_.resize(old + static_cast<std::size_t>(got));
       if (got == 0) eof_ = true;
     }
   }
 
  private:
+  std::string path_;
   gzFile file_;
   std::string buf_;
-  std::size_t pos_ = 0;
+  std::size_t pos_ = 0, searched_ = 0;
   bool eof_ = false;
 };
 

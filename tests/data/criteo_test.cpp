@@ -175,6 +175,38 @@ TEST(CriteoReader, GzipInputReadsLikeThePlainFile) {
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_EQ(std::memcmp(&a[i], &b[i], sizeof(RawRecord)), 0);
 }
 
+TEST(CriteoReader, TruncatedOrCorruptGzipIsAnErrorEvenWithoutStrict) {
+  // Used to be read as a short file: "0 malformed", the last field cut short, exit 0.
+  std::ifstream in(kFixture, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const fs::path gz = temp_path("whole.tsv.gz");
+  gzFile f = gzopen(gz.c_str(), "wb");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(gzwrite(f, text.data(), static_cast<unsigned>(text.size())), static_cast<int>(text.size()));
+  gzclose(f);
+  std::ifstream zin(gz, std::ios::binary);
+  std::string zipped((std::istreambuf_iterator<char>(zin)), std::istreambuf_iterator<char>());
+  const auto write = [](const fs::path& p, const std::string& bytes) {
+    std::ofstream out(p, std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  };
+  const fs::path cut = temp_path("cut.tsv.gz"), bad = temp_path("corrupt.tsv.gz");
+  write(cut, zipped.substr(0, zipped.size() / 2));
+  std::string flipped = zipped;
+  flipped[flipped.size() / 2] = static_cast<char>(flipped[flipped.size() / 2] ^ 0x5a);
+  write(bad, flipped);
+  for (const fs::path& p : {cut, bad}) {
+    ReadReport rep;
+    try {
+      (void)read_tsv(p, {}, rep);
+      ADD_FAILURE() << "no error for " << p;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.arg(), "path") << e.what();
+      EXPECT_NE(std::string(e.what()).find(p.string()), std::string::npos) << e.what();
+    }
+  }
+}
+
 SyntheticConfig small_synthetic() {
   SyntheticConfig c;
   c.seed = 11;
