@@ -159,14 +159,19 @@ TEST(CriteoReader, FixtureStrictThrowsAtTheFirstMalformedLine) {
   EXPECT_THROW(read_tsv(temp_path("does_not_exist.tsv"), {}, rep), Error);
 }
 
-TEST(CriteoReader, GzipInputReadsLikeThePlainFile) {
+// The fixture, gzip-compressed, at `gz`.
+void write_fixture_gzip(const fs::path& gz) {
   std::ifstream in(kFixture, std::ios::binary);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const fs::path gz = temp_path("fixture.tsv.gz");
   gzFile f = gzopen(gz.c_str(), "wb");
   ASSERT_NE(f, nullptr);
   ASSERT_EQ(gzwrite(f, text.data(), static_cast<unsigned>(text.size())), static_cast<int>(text.size()));
   gzclose(f);
+}
+
+TEST(CriteoReader, GzipInputReadsLikeThePlainFile) {
+  const fs::path gz = temp_path("fixture.tsv.gz");
+  write_fixture_gzip(gz);
   ReadReport plain, zipped;
   const auto a = read_tsv(kFixture, {}, plain);
   const auto b = read_tsv(gz, {}, zipped);
@@ -177,13 +182,8 @@ TEST(CriteoReader, GzipInputReadsLikeThePlainFile) {
 
 TEST(CriteoReader, TruncatedOrCorruptGzipIsAnErrorEvenWithoutStrict) {
   // Used to be read as a short file: "0 malformed", the last field cut short, exit 0.
-  std::ifstream in(kFixture, std::ios::binary);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const fs::path gz = temp_path("whole.tsv.gz");
-  gzFile f = gzopen(gz.c_str(), "wb");
-  ASSERT_NE(f, nullptr);
-  ASSERT_EQ(gzwrite(f, text.data(), static_cast<unsigned>(text.size())), static_cast<int>(text.size()));
-  gzclose(f);
+  write_fixture_gzip(gz);
   std::ifstream zin(gz, std::ios::binary);
   std::string zipped((std::istreambuf_iterator<char>(zin)), std::istreambuf_iterator<char>());
   const auto write = [](const fs::path& p, const std::string& bytes) {
