@@ -56,6 +56,8 @@ struct TrainConfig {
   std::int64_t trace_steps = 50;     // steps recorded in the trace (the first ones)
   std::string checkpoint;            // saved at the end, at each evaluation and every checkpoint_every steps
   std::int64_t checkpoint_every = 0;
+
+  bool operator==(const TrainConfig&) const = default;
 };
 
 // The member a setting binds to; std::monostate on an alias row.
