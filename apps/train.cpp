@@ -1,5 +1,6 @@
-// `fusekit train`: DLRM trained on synthetic or real Criteo data, with the DLRM reference's flags,
-// a JSON config, progress lines, periodic evaluation and a metrics JSON; `fusekit data`.
+// `fusekit train`: DLRM trained on synthetic or real Criteo data, configured by a JSON file and the
+// DLRM reference's flags (apps/train_config.cpp), with progress lines, periodic evaluation and a
+// metrics JSON; `fusekit eval`; `fusekit data`.
 #include "apps/train.hpp"
 
 #include <fmt/format.h>
@@ -12,7 +13,6 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <set>
 #include <thread>
 
 #include "fusekit/core/error.hpp"
@@ -29,244 +29,15 @@ namespace fk::app {
 
 using nlohmann::json;
 
-namespace {
-
-// "13-512-256-64-16" -> {13, 512, 256, 64, 16}
-std::vector<std::int64_t> parse_sizes(const std::string& s, const char* flag) {
-  std::vector<std::int64_t> v;
-  std::size_t start = 0;
-  while (start <= s.size()) {
-    const std::size_t dash = s.find('-', start);
-    const std::string part = s.substr(start, dash == std::string::npos ? std::string::npos : dash - start);
-    std::size_t used = 0;
-    long long x = 0;
-    try {
-      x = std::stoll(part, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != part.size() || x < 1)
-      throw Error("fusekit train", flag, "layer sizes like 13-512-256-64-16", s);
-    v.push_back(x);
-    if (dash == std::string::npos) break;
-    start = dash + 1;
-  }
-  return v;
-}
-
-template <class T>
-void take(const json& section, const char* key, T& out, std::set<std::string>& seen) {
-  if (!section.contains(key)) return;
-  seen.insert(key);
-  try {
-    out = section.at(key).get<T>();
-  } catch (const json::exception& e) {
-    throw Error("fusekit train --config", key, "a value of the right type", e.what());
-  }
-}
-
-void reject_unknown(const json& section, const std::set<std::string>& seen, const std::string& name) {
-  for (const auto& [key, value] : section.items())
-    if (!seen.contains(key)) throw Error("fusekit train --config", name + "." + key, "a known key (see docs/dlrm.md)", key);
-}
-
-}  // namespace
-
-void from_json(const json& j, TrainConfig& c) {
-  if (!j.is_object()) throw Error("fusekit train --config", "file", "a JSON object", j.type_name());
-  for (const auto& [key, value] : j.items())
-    if (key != "model" && key != "data" && key != "training" && key != "comment")
-      throw Error("fusekit train --config", key, "sections model, data, training (and comment)", key);
-  if (j.contains("model")) {
-    const json& m = j.at("model");
-    std::set<std::string> seen;
-    take(m, "arch_mlp_bot", c.arch_mlp_bot, seen);
-    take(m, "arch_mlp_top", c.arch_mlp_top, seen);
-    take(m, "arch_sparse_feature_size", c.arch_sparse_feature_size, seen);
-    take(m, "arch_interaction_op", c.arch_interaction_op, seen);
-    take(m, "arch_interaction_itself", c.arch_interaction_itself, seen);
-    take(m, "fused_mlp", c.fused_mlp, seen);
-    take(m, "seed", c.model_seed, seen);
-    reject_unknown(m, seen, "model");
-  }
-  if (j.contains("data")) {
-    const json& d = j.at("data");
-    std::set<std::string> seen;
-    take(d, "source", c.data, seen);
-    take(d, "cardinalities", c.cardinalities, seen);
-    take(d, "max_ind_range", c.max_ind_range, seen);
-    take(d, "hash", c.data_hash, seen);
-    take(d, "train_samples", c.train_samples, seen);
-    take(d, "test_samples", c.test_samples, seen);
-    take(d, "seed", c.data_seed, seen);
-    take(d, "zipf_exponent", c.zipf_exponent, seen);
-    take(d, "test_fraction", c.test_fraction, seen);
-    take(d, "strict", c.strict_data, seen);
-    take(d, "workers", c.data_workers, seen);
-    reject_unknown(d, seen, "data");
-  }
-  if (j.contains("training")) {
-    const json& t = j.at("training");
-    std::set<std::string> seen;
-    take(t, "optimizer", c.optimizer, seen);
-    take(t, "learning_rate", c.learning_rate, seen);
-    take(t, "mini_batch_size", c.mini_batch_size, seen);
-    take(t, "test_mini_batch_size", c.test_mini_batch_size, seen);
-    take(t, "epochs", c.epochs, seen);
-    take(t, "steps", c.steps, seen);
-    take(t, "eval_every", c.eval_every, seen);
-    take(t, "print_every", c.print_every, seen);
-    take(t, "device", c.device, seen);
-    take(t, "impl", c.impl, seen);
-    take(t, "metrics_json", c.metrics_json, seen);
-    take(t, "checkpoint", c.checkpoint, seen);
-    take(t, "trace", c.trace, seen);
-    take(t, "trace_steps", c.trace_steps, seen);
-    take(t, "checkpoint_every", c.checkpoint_every, seen);
-    reject_unknown(t, seen, "training");
-  }
-}
-
-json to_json(const TrainConfig& c) {
-  return {{"model",
-           {{"arch_mlp_bot", c.arch_mlp_bot},
-            {"arch_mlp_top", c.arch_mlp_top},
-            {"arch_sparse_feature_size", c.arch_sparse_feature_size},
-            {"arch_interaction_op", c.arch_interaction_op},
-            {"arch_interaction_itself", c.arch_interaction_itself},
-            {"fused_mlp", c.fused_mlp},
-            {"seed", c.model_seed}}},
-          {"data",
-           {{"source", c.data},
-            {"cardinalities", c.cardinalities},
-            {"max_ind_range", c.max_ind_range},
-            {"hash", c.data_hash},
-            {"train_samples", c.train_samples},
-            {"test_samples", c.test_samples},
-            {"seed", c.data_seed},
-            {"zipf_exponent", c.zipf_exponent},
-            {"test_fraction", c.test_fraction},
-            {"strict", c.strict_data},
-            {"workers", c.data_workers}}},
-          {"training",
-           {{"optimizer", c.optimizer},
-            {"learning_rate", c.learning_rate},
-            {"mini_batch_size", c.mini_batch_size},
-            {"test_mini_batch_size", c.test_mini_batch_size},
-            {"epochs", c.epochs},
-            {"steps", c.steps},
-            {"eval_every", c.eval_every},
-            {"print_every", c.print_every},
-            {"device", c.device},
-            {"impl", c.impl},
-            {"metrics_json", c.metrics_json},
-            {"checkpoint", c.checkpoint},
-            {"trace", c.trace},
-            {"trace_steps", c.trace_steps},
-            {"checkpoint_every", c.checkpoint_every}}}};
-}
-
 CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
   CLI::App* cmd = app.add_subcommand("train", "Train DLRM on synthetic or Criteo data (docs/dlrm.md)");
-  cmd->add_option("--config", f.config, "JSON file with the hyperparameters (configs/*.json); flags override it")
-      ->check(CLI::ExistingFile);
-  cmd->add_option("--arch-mlp-bot", f.arch_mlp_bot, "Bottom MLP sizes, input first (default 13-512-256-64-16)");
-  cmd->add_option("--arch-mlp-top", f.arch_mlp_top, "Top MLP sizes after the interaction (default 512-256-1)");
-  cmd->add_option("--arch-sparse-feature-size", f.arch_sparse_feature_size, "Embedding dimension (default 16)");
-  cmd->add_option("--arch-interaction-op", f.arch_interaction_op, "dot | cat | outer (default dot)");
-  cmd->add_flag("--arch-interaction-itself", f.interaction_itself, "dot: include each feature's dot with itself");
-  cmd->add_flag("--fused-mlp", f.fused_mlp,
-                "--impl fused: run every MLP whose widths fit (in/out <= 128, one hidden width of 16/32/64/128) as one "
-                "fused_mlp kernel, in bf16 with fp32 master weights");
-  cmd->add_option("--data", f.data, "synthetic (default), or a Criteo TSV (.gz) / fusekit binary file");
-  cmd->add_option("--data-hash", f.data_hash, "seed: (v + 1) % rows (default); reference: v % rows");
-  cmd->add_option("--max-ind-range", f.max_ind_range, "Cap on rows per table (default 100000; 0: the full Kaggle cardinalities)");
-  cmd->add_option("--train-samples", f.train_samples, "Synthetic data: training samples per epoch");
-  cmd->add_option("--test-samples", f.test_samples, "Synthetic data: test samples");
-  cmd->add_option("--data-seed", f.data_seed, "Synthetic data: seed");
-  cmd->add_option("--test-fraction", f.test_fraction, "File data: the last fraction of the records is the test set (0.1)");
-  cmd->add_option("--data-workers", f.data_workers, "Threads preparing batches (default 1)");
-  cmd->add_flag("--strict-data", f.strict_data, "A malformed TSV line is an error (default: skipped and counted)");
-  cmd->add_option("--optimizer", f.optimizer, "sgd (default) | adagrad");
-  cmd->add_option("--learning-rate", f.learning_rate, "Learning rate (default 0.1)");
-  cmd->add_option("--mini-batch-size", f.mini_batch_size, "Training batch size (default 128)");
-  cmd->add_option("--test-mini-batch-size", f.test_mini_batch_size, "Evaluation batch size (default 4096)");
-  cmd->add_option("--epochs,--nepochs", f.epochs, "Passes over the training data (default 1)");
-  cmd->add_option("--steps,--num-batches", f.steps, "Stop after this many training steps");
-  cmd->add_option("--eval-every,--test-freq", f.eval_every, "Evaluate every this many steps (default: at the end)");
-  cmd->add_option("--print-every,--print-freq", f.print_every, "Progress line every this many steps (default 200)");
-  cmd->add_option("--seed", f.model_seed, "Model initialisation seed (default 1)");
-  cmd->add_option("--device", f.device, "cpu (default) | cuda");
-  cmd->add_option("--impl", f.impl, "reference (default) | fused");
-  cmd->add_option("--metrics-json", f.metrics_json, "Write the run's configuration, evaluations and summary here");
-  cmd->add_option("--trace", f.trace, "Chrome trace-event JSON of the step phases (chrome://tracing, Perfetto)");
-  cmd->add_option("--trace-steps", f.trace_steps, "Steps recorded in the trace (default 50)");
-  cmd->add_option("--checkpoint", f.checkpoint, "Save the training state here (atomically) at the end and at evaluations");
-  cmd->add_option("--checkpoint-every", f.checkpoint_every, "Also save every this many steps");
+  add_config_flags(*cmd, f.config);
   cmd->add_flag("--dry-run", f.dry_run, "Check the configuration, print the model and data it describes, exit");
   cmd->add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
   return cmd;
 }
 
 namespace {
-
-TrainConfig resolve(const TrainFlags& f) {
-  TrainConfig c;
-  if (!f.config.empty()) {
-    std::ifstream in(f.config);
-    json j;
-    try {
-      j = json::parse(in, nullptr, true, /*ignore_comments=*/true);
-    } catch (const json::exception& e) {
-      throw Error("fusekit train", "--config", "a JSON file", fmt::format("{}: {}", f.config, e.what()));
-    }
-    from_json(j, c);
-  }
-  auto over = [](auto& dst, const auto& src) {
-    if (src) dst = *src;
-  };
-  over(c.arch_mlp_bot, f.arch_mlp_bot);
-  over(c.arch_mlp_top, f.arch_mlp_top);
-  over(c.arch_sparse_feature_size, f.arch_sparse_feature_size);
-  over(c.arch_interaction_op, f.arch_interaction_op);
-  if (f.interaction_itself) c.arch_interaction_itself = true;
-  if (f.fused_mlp) c.fused_mlp = true;
-  over(c.data, f.data);
-  over(c.data_hash, f.data_hash);
-  over(c.max_ind_range, f.max_ind_range);
-  over(c.train_samples, f.train_samples);
-  over(c.test_samples, f.test_samples);
-  over(c.data_seed, f.data_seed);
-  if (f.strict_data) c.strict_data = true;
-  over(c.test_fraction, f.test_fraction);
-  over(c.data_workers, f.data_workers);
-  over(c.optimizer, f.optimizer);
-  over(c.learning_rate, f.learning_rate);
-  over(c.mini_batch_size, f.mini_batch_size);
-  over(c.test_mini_batch_size, f.test_mini_batch_size);
-  over(c.epochs, f.epochs);
-  over(c.steps, f.steps);
-  over(c.eval_every, f.eval_every);
-  over(c.print_every, f.print_every);
-  over(c.model_seed, f.model_seed);
-  over(c.device, f.device);
-  over(c.impl, f.impl);
-  over(c.metrics_json, f.metrics_json);
-  over(c.checkpoint, f.checkpoint);
-  over(c.trace, f.trace);
-  over(c.trace_steps, f.trace_steps);
-  over(c.checkpoint_every, f.checkpoint_every);
-  FK_CHECK_ARG(c.mini_batch_size >= 1, "fusekit train", "mini_batch_size", ">= 1", fmt::format("{}", c.mini_batch_size));
-  FK_CHECK_ARG(c.test_mini_batch_size >= 1, "fusekit train", "test_mini_batch_size", ">= 1",
-               fmt::format("{}", c.test_mini_batch_size));
-  FK_CHECK_ARG(c.epochs >= 1 || c.steps > 0, "fusekit train", "epochs", ">= 1 (or steps > 0)", fmt::format("{}", c.epochs));
-  FK_CHECK_ARG(c.test_fraction >= 0 && c.test_fraction < 1, "fusekit train", "test_fraction", "in [0, 1)",
-               fmt::format("{}", c.test_fraction));
-  FK_CHECK_ARG(c.data_workers >= 1 && c.data_workers <= 256, "fusekit train", "data_workers", "in [1, 256]",
-               fmt::format("{}", c.data_workers));
-  FK_CHECK_ARG(c.learning_rate > 0, "fusekit train", "learning_rate", "> 0", fmt::format("{}", c.learning_rate));
-  return c;
-}
 
 struct Split {
   std::shared_ptr<data::RecordSource> train, test;
@@ -280,8 +51,6 @@ Split load_data(const TrainConfig& c) {
     sc.seed = c.data_seed;
     if (!c.cardinalities.empty()) sc.cardinalities = c.cardinalities;
     sc.zipf_exponent = c.zipf_exponent;
-    FK_CHECK_ARG(c.train_samples >= 1 && c.test_samples >= 0, "fusekit train", "train_samples",
-                 ">= 1 training and >= 0 test samples", fmt::format("{} and {}", c.train_samples, c.test_samples));
     auto all = data::synthetic_source(sc, c.train_samples + c.test_samples);
     s.train = data::slice_source(all, 0, c.train_samples);
     s.test = data::slice_source(all, c.train_samples, c.train_samples + c.test_samples);
@@ -404,8 +173,8 @@ data::Featurizer make_featurizer(const TrainConfig& c) {
 
 models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurizer& feat) {
   models::DlrmConfig mc;
-  mc.bottom_mlp = parse_sizes(c.arch_mlp_bot, "--arch-mlp-bot");
-  mc.top_mlp = parse_sizes(c.arch_mlp_top, "--arch-mlp-top");
+  mc.bottom_mlp = parse_layer_sizes(c.arch_mlp_bot, "model.arch_mlp_bot (--arch-mlp-bot)");
+  mc.top_mlp = parse_layer_sizes(c.arch_mlp_top, "model.arch_mlp_top (--arch-mlp-top)");
   mc.embedding_dim = c.arch_sparse_feature_size;
   mc.interaction = models::parse_interaction_op(c.arch_interaction_op);
   mc.interaction_itself = c.arch_interaction_itself;
@@ -466,7 +235,7 @@ CheckpointHeader read_checkpoint_header(std::ifstream& in, const std::string& pa
 
 int run_train(const TrainFlags& flags) {
   using clock = std::chrono::steady_clock;
-  const TrainConfig c = resolve(flags);
+  const TrainConfig c = resolve(flags.config);
   FK_CHECK_ARG(!flags.resume || !c.checkpoint.empty(), "fusekit train", "--resume", "a --checkpoint path", "none");
   const data::Featurizer feat = make_featurizer(c);
   const models::DlrmConfig mc = make_model_config(c, feat);
@@ -669,6 +438,7 @@ int run_eval(const EvalFlags& f) {
   // Evaluation is a forward pass, the same function in both implementations; on CUDA the fused
   // one (it keeps no dense table gradients).
   c.impl = Device::parse(c.device).is_cuda() ? "fused" : "reference";
+  validate(c);
   const auto [device, impl] = pick_device(c, "fusekit eval");
   const data::Featurizer feat = make_featurizer(c);
   models::Dlrm model(make_model_config(c, feat), device, impl);

@@ -1,0 +1,328 @@
+// The table of `fusekit train`'s settings, and the reader, flags, merge, validation and echo that
+// derive from it.
+#include "apps/train_config.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <type_traits>
+
+#include "fusekit/core/device.hpp"
+#include "fusekit/core/error.hpp"
+#include "fusekit/data/criteo.hpp"
+#include "fusekit/models/dlrm.hpp"
+
+namespace fk::app {
+
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kOp = "fusekit train";
+
+// A number as a message shows it: nan and inf, which JSON writes as null, included.
+std::string shown(const json& v) { return v.is_number_float() ? fmt::format("{}", v.get<double>()) : v.dump(); }
+
+// A check from the condition that accepts a number, and what it is called.
+Check number_check(std::function<bool(double)> accepts, std::string expected) {
+  return [accepts = std::move(accepts), expected = std::move(expected)](const json& v, const std::string& name) {
+    FK_CHECK_ARG(v.is_number() && accepts(v.get<double>()), kOp, name, expected, shown(v));
+  };
+}
+
+}  // namespace
+
+Check at_least(double low) {
+  return number_check([low](double x) { return x >= low; }, fmt::format(">= {}", low));
+}
+
+Check in_range(double low, double high) {
+  return number_check([low, high](double x) { return x >= low && x <= high; }, fmt::format("in [{}, {}]", low, high));
+}
+
+Check fraction() {
+  return number_check([](double x) { return x >= 0 && x < 1; }, "in [0, 1)");
+}
+
+Check positive_finite() {
+  return number_check([](double x) { return std::isfinite(x) && x > 0; }, "a finite number > 0");
+}
+
+Check layer_sizes() {
+  return [](const json& v, const std::string& name) { parse_layer_sizes(v.get<std::string>(), name); };
+}
+
+Check parsed_by(std::function<void(std::string_view)> parse) {
+  return [parse = std::move(parse)](const json& v, const std::string& name) {
+    try {
+      parse(v.get<std::string>());
+    } catch (const Error& e) {
+      throw Error(kOp, name, e.expected(), e.got());
+    }
+  };
+}
+
+std::vector<std::int64_t> parse_layer_sizes(const std::string& s, const std::string& name) {
+  std::vector<std::int64_t> v;
+  std::size_t start = 0;
+  while (start <= s.size()) {
+    const std::size_t dash = s.find('-', start);
+    const std::string part = s.substr(start, dash == std::string::npos ? std::string::npos : dash - start);
+    std::size_t used = 0;
+    long long x = 0;
+    try {
+      x = std::stoll(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != part.size() || x < 1) throw Error(kOp, name, "layer sizes like 13-512-256-64-16", s);
+    v.push_back(x);
+    if (dash == std::string::npos) break;
+    start = dash + 1;
+  }
+  return v;
+}
+
+// The settings of `fusekit train`, in the order of the echo's sections. A row's default is its
+// member's initializer in TrainConfig; --help shows it.
+const std::vector<Setting>& train_settings() {
+  using C = TrainConfig;
+  using data::parse_hash_mode, models::parse_impl, models::parse_interaction_op, models::parse_optimizer;
+  static const std::vector<Setting> table = {
+      // key                               member                          check (null: any value)
+      //  flags                           help
+      //                                  note (optional: where a spelling comes from, how it differs)
+      {"model.arch_mlp_bot",               &C::arch_mlp_bot,               layer_sizes(),
+       "--arch-mlp-bot",                  "Bottom MLP sizes, input first"},
+      {"model.arch_mlp_top",               &C::arch_mlp_top,               layer_sizes(),
+       "--arch-mlp-top",                  "Top MLP sizes after the interaction"},
+      {"model.arch_sparse_feature_size",   &C::arch_sparse_feature_size,   at_least(1),
+       "--arch-sparse-feature-size",      "Embedding dimension"},
+      {"model.arch_interaction_op",        &C::arch_interaction_op,        parsed_by(parse_interaction_op),
+       "--arch-interaction-op",           "dot | cat | outer"},
+      {"model.arch_interaction_itself",    &C::arch_interaction_itself,    {},
+       "--arch-interaction-itself",       "dot: include each feature's dot with itself"},
+      {"model.fused_mlp",                  &C::fused_mlp,                  {},
+       "--fused-mlp",                     "--impl fused: run every MLP whose widths fit (in/out <= 128, one hidden "
+                                          "width of 16/32/64/128) as one fused_mlp kernel, in bf16 with fp32 master "
+                                          "weights"},
+      {"model.seed",                       &C::model_seed,                 {},
+       "--seed",                          "Model initialisation seed"},
+      {"data.source",                      &C::data,                       {},
+       "--data",                          "synthetic, or a Criteo TSV (.gz) / fusekit binary file"},
+      {"data.cardinalities",               &C::cardinalities,              {},
+       "",                                "Rows of each table (empty: the Criteo Kaggle ones)"},
+      {"data.max_ind_range",               &C::max_ind_range,              at_least(0),
+       "--max-ind-range",                 "Cap on rows per table (0: the full cardinalities)"},
+      {"data.hash",                        &C::data_hash,                  parsed_by(parse_hash_mode),
+       "--data-hash",                     "seed: (v + 1) % rows; reference: v % rows"},
+      {"data.train_samples",               &C::train_samples,              at_least(1),
+       "--train-samples",                 "Synthetic data: training samples per epoch"},
+      {"data.test_samples",                &C::test_samples,               at_least(0),
+       "--test-samples",                  "Synthetic data: test samples"},
+      {"data.seed",                        &C::data_seed,                  {},
+       "--data-seed",                     "Synthetic data: seed"},
+      {"data.zipf_exponent",               &C::zipf_exponent,              positive_finite(),
+       "",                                "Synthetic data: exponent of the categorical ids' Zipf law"},
+      {"data.test_fraction",               &C::test_fraction,              fraction(),
+       "--test-fraction",                 "File data: the last fraction of the records is the test set"},
+      {"data.strict",                      &C::strict_data,                {},
+       "--strict-data",                   "A malformed TSV line is an error (default: skipped and counted)"},
+      {"data.workers",                     &C::data_workers,               in_range(1, 256),
+       "--data-workers",                  "Threads preparing batches"},
+      {"training.optimizer",               &C::optimizer,                  parsed_by(parse_optimizer),
+       "--optimizer",                     "sgd | adagrad"},
+      {"training.learning_rate",           &C::learning_rate,              positive_finite(),
+       "--learning-rate",                 "Learning rate"},
+      {"training.mini_batch_size",         &C::mini_batch_size,            at_least(1),
+       "--mini-batch-size",               "Training batch size"},
+      {"training.test_mini_batch_size",    &C::test_mini_batch_size,       at_least(1),
+       "--test-mini-batch-size",          "Evaluation batch size"},
+      {"training.epochs",                  &C::epochs,                     at_least(0),
+       "--epochs,--nepochs",              "Passes over the training data"},
+      {"training.steps",                   &C::steps,                      at_least(0),
+       "--steps,--num-batches",           "Stop after this many training steps (0: the epochs decide)",
+                                          "--num-batches counts the batches of each epoch in dlrm_s_pytorch.py, of "
+                                          "the whole run here"},
+      {"training.eval_every",              &C::eval_every,                 at_least(0),
+       "--eval-every,--test-freq",        "Evaluate every this many steps (0: at the end only)"},
+      {"training.print_every",             &C::print_every,                at_least(0),
+       "--print-every,--print-freq",      "Progress line every this many steps (0: none)"},
+      {"training.device",                  &C::device,                     parsed_by(&Device::parse),
+       "--device",                        "cpu | cuda | cuda:N"},
+      {"training.impl",                    &C::impl,                       parsed_by(parse_impl),
+       "--impl",                          "reference | fused (CUDA only)"},
+      {"training.metrics_json",            &C::metrics_json,               {},
+       "--metrics-json",                  "Write the run's configuration, evaluations and summary here"},
+      {"training.checkpoint",              &C::checkpoint,                 {},
+       "--checkpoint",                    "Save the training state here (atomically) at the end and at evaluations"},
+      {"training.trace",                   &C::trace,                      {},
+       "--trace",                         "Chrome trace-event JSON of the step phases (chrome://tracing, Perfetto)"},
+      {"training.trace_steps",             &C::trace_steps,                at_least(0),
+       "--trace-steps",                   "Steps recorded in the trace"},
+      {"training.checkpoint_every",        &C::checkpoint_every,           at_least(0),
+       "--checkpoint-every",              "Also save every this many steps"},
+  };
+  return table;
+}
+
+namespace {
+
+template <class... F>
+struct overloaded : F... {
+  using F::operator()...;
+};
+
+bool has_member(const Setting& s) { return !std::holds_alternative<std::monostate>(s.member); }
+
+std::pair<std::string, std::string> split_key(const std::string& key) {
+  const std::size_t dot = key.find('.');
+  return {key.substr(0, dot), key.substr(dot + 1)};
+}
+
+// The place of `key` ("training.steps") in a sectioned config object.
+json& slot(json& root, const std::string& key) {
+  const auto [section, name] = split_key(key);
+  return root[section][name];
+}
+
+const Setting* find_setting(const std::string& key) {
+  for (const Setting& s : train_settings())
+    if (has_member(s) && s.key == key) return &s;
+  return nullptr;
+}
+
+// "training.steps (--steps)": what an error about the setting names.
+std::string display_name(const Setting& s) {
+  if (s.flags.empty()) return s.key;
+  return fmt::format("{} ({})", s.key, s.flags.substr(0, s.flags.find(',')));
+}
+
+template <class T>
+T read_value(const json& v, const std::string& key, const char* op) {
+  auto require = [&](bool ok, const char* expected) {
+    if (!ok) throw Error(op, key, expected, shown(v));
+  };
+  if constexpr (std::is_same_v<T, std::string>) {
+    require(v.is_string(), "a string");
+  } else if constexpr (std::is_same_v<T, bool>) {
+    require(v.is_boolean(), "true or false");
+  } else if constexpr (std::is_same_v<T, std::uint64_t>) {
+    require(v.is_number_unsigned(), "an integer >= 0");
+  } else if constexpr (std::is_same_v<T, std::int64_t>) {
+    require(v.is_number_integer(), "an integer");
+  } else if constexpr (std::is_same_v<T, double>) {
+    require(v.is_number(), "a number");
+  } else {
+    static_assert(std::is_same_v<T, std::vector<std::int64_t>>);
+    require(v.is_array() && std::all_of(v.begin(), v.end(), [](const json& x) { return x.is_number_integer(); }),
+            "an array of integers");
+  }
+  return v.get<T>();
+}
+
+// Sets the settings present in the sectioned object `j`; `op` names where it came from.
+void apply(const json& j, TrainConfig& c, const char* op) {
+  if (!j.is_object()) throw Error(op, "file", "a JSON object", j.type_name());
+  std::vector<std::string> sections;
+  for (const Setting& s : train_settings())
+    if (const std::string section = split_key(s.key).first;
+        has_member(s) && std::find(sections.begin(), sections.end(), section) == sections.end())
+      sections.push_back(section);
+  for (const auto& [section, entries] : j.items()) {
+    if (section == "comment") continue;
+    if (std::find(sections.begin(), sections.end(), section) == sections.end())
+      throw Error(op, section, fmt::format("a section: {} (and comment)", fmt::join(sections, ", ")), section);
+    if (!entries.is_object()) throw Error(op, section, "an object of settings", entries.type_name());
+    for (const auto& [name, value] : entries.items()) {
+      const std::string key = section + "." + name;
+      const Setting* s = find_setting(key);
+      if (!s) throw Error(op, key, "a known key (see docs/dlrm.md)", name);
+      std::visit(overloaded{[](std::monostate) {},
+                            [&](auto TrainConfig::*m) {
+                              c.*m = read_value<std::remove_cvref_t<decltype(c.*m)>>(value, key, op);
+                            }},
+                 s->member);
+    }
+  }
+}
+
+json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(kOp, "--config", "a readable file", path);
+  try {
+    return json::parse(in, nullptr, true, /*ignore_comments=*/true);
+  } catch (const json::exception& e) {
+    throw Error(kOp, "--config", "a JSON file", fmt::format("{}: {}", path, e.what()));
+  }
+}
+
+// --help's text of a row: its help, its note.
+std::string help_text(const Setting& s) { return s.note.empty() ? s.help : fmt::format("{}. {}", s.help, s.note); }
+
+}  // namespace
+
+void from_json(const json& j, TrainConfig& c) { apply(j, c, "fusekit train --config"); }
+
+json to_json(const TrainConfig& c) {
+  json j = json::object();
+  for (const Setting& s : train_settings())
+    std::visit(overloaded{[](std::monostate) {}, [&](auto TrainConfig::*m) { slot(j, s.key) = c.*m; }}, s.member);
+  return j;
+}
+
+void validate(const TrainConfig& c) {
+  const json j = to_json(c);
+  for (const Setting& s : train_settings()) {
+    if (!has_member(s) || !s.check) continue;
+    const auto [section, name] = split_key(s.key);
+    s.check(j.at(section).at(name), display_name(s));
+  }
+  FK_CHECK_ARG(c.epochs >= 1 || c.steps > 0, kOp, "training.epochs (--epochs)", ">= 1 (or steps > 0)",
+               fmt::format("{}", c.epochs));
+}
+
+void add_config_flags(CLI::App& cmd, ConfigFlags& f, std::span<const Setting> table) {
+  cmd.add_option("--config", f.config, "JSON file with the hyperparameters (configs/*.json); flags override it")
+      ->check(CLI::ExistingFile);
+  const TrainConfig defaults;
+  json& given = f.given;
+  for (const Setting& s : table) {
+    if (s.flags.empty()) continue;
+    std::visit(overloaded{
+                   [&](std::monostate) {
+                     auto set = [&given, key = s.key, translate = s.translate](const std::string& text) {
+                       if (!key.empty()) slot(given, key) = translate ? translate(text) : json(text);
+                     };
+                     if (s.takes_value)
+                       cmd.add_option_function<std::string>(s.flags, set, help_text(s));
+                     else
+                       cmd.add_flag_callback(s.flags, [set] { set(""); }, help_text(s));
+                   },
+                   [&](bool TrainConfig::*) {
+                     auto set = [&given, key = s.key](std::int64_t count) { slot(given, key) = count > 0; };
+                     cmd.add_flag_function(s.flags, set, help_text(s));
+                   },
+                   [&](auto TrainConfig::*m) {
+                     using T = std::remove_cvref_t<decltype(defaults.*m)>;
+                     const json d = defaults.*m;
+                     cmd.add_option_function<T>(
+                            s.flags, [&given, key = s.key](const T& v) { slot(given, key) = v; }, help_text(s))
+                         ->default_str(d.is_string() ? d.get<std::string>() : d.dump());
+                   }},
+               s.member);
+  }
+}
+
+TrainConfig resolve(const ConfigFlags& f) {
+  TrainConfig c;
+  if (!f.config.empty()) from_json(read_json_file(f.config), c);
+  apply(f.given, c, kOp);
+  validate(c);
+  return c;
+}
+
+}  // namespace fk::app

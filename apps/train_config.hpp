@@ -1,0 +1,118 @@
+// The configuration of `fusekit train`: TrainConfig, and the one table of its settings from which
+// everything else derives: the --config JSON reader (unknown keys are an error), the command-line
+// flags (which override the file), their merge, the validation, and the config echo written into
+// --metrics-json, checkpoints and --dry-run's output.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace fk::app {
+
+// Every hyperparameter of a training run. Each member has one row in train_settings(); its type
+// and initializer (the default) are the row's.
+struct TrainConfig {
+  // model (flag names as dlrm_s_pytorch.py's)
+  std::string arch_mlp_bot = "13-512-256-64-16";
+  std::string arch_mlp_top = "512-256-1";
+  std::int64_t arch_sparse_feature_size = 16;
+  std::string arch_interaction_op = "dot";
+  bool arch_interaction_itself = false;
+  bool fused_mlp = false;  // GPU fused: MLPs whose widths fit run through fused_mlp (bf16)
+  std::uint64_t model_seed = 1;
+  // data
+  std::string data = "synthetic";           // "synthetic" or a file: Criteo TSV (.gz too) or fusekit binary
+  std::vector<std::int64_t> cardinalities;  // empty: the Kaggle ones
+  std::int64_t max_ind_range = 100000;      // cap on table rows (0: none). See docs/dlrm.md.
+  std::string data_hash = "seed";           // "seed": (v + 1) % rows, "reference": v % rows
+  std::int64_t train_samples = 1 << 18;     // synthetic data
+  std::int64_t test_samples = 1 << 15;      // synthetic data
+  std::uint64_t data_seed = 2024;           // synthetic data
+  double zipf_exponent = 1.1;               // synthetic data
+  double test_fraction = 0.1;               // file data: the last fraction of the records is the test set
+  bool strict_data = false;                 // file data: a malformed line is an error, not skipped
+  std::int64_t data_workers = 1;            // threads preparing batches
+  // training
+  std::string optimizer = "sgd";
+  double learning_rate = 0.1;
+  std::int64_t mini_batch_size = 128;
+  std::int64_t test_mini_batch_size = 4096;
+  std::int64_t epochs = 1;
+  std::int64_t steps = 0;       // > 0: stop after this many steps (overrides epochs)
+  std::int64_t eval_every = 0;  // > 0: evaluate on the test set every this many steps
+  std::int64_t print_every = 200;
+  std::string device = "cpu";
+  std::string impl = "reference";
+  std::string metrics_json;
+  std::string trace;                 // Chrome trace-event JSON of the step phases
+  std::int64_t trace_steps = 50;     // steps recorded in the trace (the first ones)
+  std::string checkpoint;            // saved at the end, at each evaluation and every checkpoint_every steps
+  std::int64_t checkpoint_every = 0;
+
+  bool operator==(const TrainConfig&) const = default;
+};
+
+// The member a setting binds to; std::monostate on an alias row.
+using Member = std::variant<std::monostate, std::string TrainConfig::*, bool TrainConfig::*, std::int64_t TrainConfig::*,
+                            std::uint64_t TrainConfig::*, double TrainConfig::*, std::vector<std::int64_t> TrainConfig::*>;
+
+// Throws fk::Error naming `name` (and saying what was expected, and what was got) unless `value`,
+// the setting's value as written in the echo, is accepted.
+using Check = std::function<void(const nlohmann::json& value, const std::string& name)>;
+Check at_least(double low);                  // low <= value
+Check in_range(double low, double high);     // low <= value <= high
+Check fraction();                            // 0 <= value < 1
+Check positive_finite();                     // a finite number > 0
+Check layer_sizes();                         // "13-512-256-64-16"
+// What the library's parser (models::parse_optimizer, Device::parse, ...) accepts; its fk::Error
+// says what that is.
+Check parsed_by(std::function<void(std::string_view)> parse);
+
+// One row of the table.
+//
+// A setting row binds `member` and is read from and echoed to `key` in a --config file. An alias
+// row has no member and flags only, for the DLRM reference's flags that mean something else here:
+// given, it sets the setting `key` to translate(the flag's text) (the text itself when translate
+// is null), e.g. {.key = "training.device", .flags = "--use-gpu", .help = ..., .note = ...,
+// .translate = [](const std::string&) { return "cuda"; }, .takes_value = false}; with `key` empty
+// it is accepted and changes nothing, and its note says why.
+struct Setting {
+  std::string key;        // "training.steps": section and name in a --config file and in the echo
+  Member member;          // &TrainConfig::steps
+  Check check;            // the values accepted; null: any value of the member's type
+  std::string flags;      // "--steps,--num-batches": the command-line spellings, all the same; "": file only
+  std::string help;       // --help's text (the default is shown from the member's initializer)
+  std::string note = {};  // where a spelling comes from, how it differs from the DLRM reference; in --help
+  std::function<nlohmann::json(const std::string& text)> translate = nullptr;  // alias rows
+  bool takes_value = true;                                                     // alias rows: false for a bare flag
+};
+
+const std::vector<Setting>& train_settings();
+
+void from_json(const nlohmann::json& j, TrainConfig& c);  // sets the keys present; unknown keys are an error
+nlohmann::json to_json(const TrainConfig& c);              // every setting, sectioned as a config file
+void validate(const TrainConfig& c);                       // every row's check, then those across settings
+
+// "13-512-256-64-16" -> {13, 512, 256, 64, 16}; fk::Error naming `name` otherwise.
+std::vector<std::int64_t> parse_layer_sizes(const std::string& s, const std::string& name);
+
+// The command line's part of the configuration: --config, and the flags given, kept as a config
+// fragment that resolve() applies after the file.
+struct ConfigFlags {
+  std::string config;
+  nlohmann::json given = nlohmann::json::object();
+};
+// --config and a flag for every row of `table` that has flags.
+void add_config_flags(CLI::App& cmd, ConfigFlags& flags, std::span<const Setting> table = train_settings());
+// The defaults, then the --config file, then the flags given; validated.
+TrainConfig resolve(const ConfigFlags& flags);
+
+}  // namespace fk::app

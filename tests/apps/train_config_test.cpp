@@ -1,0 +1,199 @@
+// fusekit train's configuration table (apps/train_config.hpp): the --config reader refuses what it
+// does not know, flags override the file, the echo reads back as the same configuration, the
+// checks refuse what is clearly invalid, alias rows set their setting, and every TrainConfig
+// member has its row.
+#include "apps/train_config.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace fk::app {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+template <class... F>
+struct overloaded : F... {
+  using F::operator()...;
+};
+
+fs::path write_config(const std::string& name, const json& j) {
+  const fs::path dir = fs::temp_directory_path() / "fusekit_train_config_test";
+  fs::create_directories(dir);
+  const fs::path path = dir / name;
+  std::ofstream(path) << j.dump(2);
+  return path;
+}
+
+// `fusekit train ARGS`, through CLI11 as the program parses them, resolved.
+TrainConfig resolve_args(std::vector<std::string> args, std::span<const Setting> table = train_settings()) {
+  CLI::App app;
+  ConfigFlags flags;
+  add_config_flags(app, flags, table);
+  std::reverse(args.begin(), args.end());  // CLI11 takes the arguments last first
+  app.parse(args);
+  return resolve(flags);
+}
+
+const json& at(const json& j, const std::string& key) {
+  const std::size_t dot = key.find('.');
+  return j.at(key.substr(0, dot)).at(key.substr(dot + 1));
+}
+
+TEST(TrainConfigFile, UnknownKeyIsRefusedNamingIt) {
+  TrainConfig c;
+  test::expect_arg_error([&] { from_json({{"training", {{"stpes", 5}}}}, c); }, "fusekit train --config",
+                         "training.stpes");
+  test::expect_arg_error([&] { from_json({{"trainig", {{"steps", 5}}}}, c); }, "fusekit train --config", "trainig");
+  const fs::path path = write_config("unknown_key.json", {{"model", {{"arch_sparse_feature_sise", 8}}}});
+  test::expect_arg_error([&] { resolve_args({"--config", path.string()}); }, "fusekit train --config",
+                         "model.arch_sparse_feature_sise");
+}
+
+TEST(TrainConfigFile, ValueOfTheWrongTypeIsRefusedNamingTheKey) {
+  TrainConfig c;
+  test::expect_arg_error([&] { from_json({{"training", {{"steps", 1.5}}}}, c); }, "fusekit train --config",
+                         "training.steps");
+  test::expect_arg_error([&] { from_json({{"model", {{"seed", -1}}}}, c); }, "fusekit train --config", "model.seed");
+}
+
+TEST(TrainConfigFlags, FlagOverridesTheFile) {
+  const fs::path path = write_config("override.json", {{"training", {{"steps", 7}, {"learning_rate", 0.3}}}});
+  EXPECT_EQ(resolve_args({"--config", path.string()}).steps, 7);
+  const TrainConfig c = resolve_args({"--config", path.string(), "--steps", "9"});
+  EXPECT_EQ(c.steps, 9);
+  EXPECT_EQ(c.learning_rate, 0.3);  // from the file: no flag given
+  EXPECT_EQ(resolve_args({"--num-batches", "11", "--config", path.string()}).steps, 11);  // order does not matter
+}
+
+TEST(TrainConfigFlags, BooleanFlagOverridesTheFileBothWays) {
+  const fs::path path = write_config("bool.json", {{"data", {{"strict", true}}}});
+  EXPECT_TRUE(resolve_args({"--config", path.string()}).strict_data);
+  EXPECT_FALSE(resolve_args({"--config", path.string(), "--strict-data=false"}).strict_data);
+  EXPECT_TRUE(resolve_args({"--strict-data"}).strict_data);
+}
+
+// A configuration with every setting off its default, at a value the setting's check accepts.
+TrainConfig off_defaults() {
+  TrainConfig c;
+  const std::vector<std::string> strings = {"x.tsv", "adagrad", "outer", "reference", "fused", "cuda:1", "13-64-16"};
+  for (const Setting& s : train_settings()) {
+    std::visit(overloaded{[](std::monostate) {},
+                          [&](bool TrainConfig::*m) { c.*m = !(c.*m); },
+                          [&](std::int64_t TrainConfig::*m) { c.*m += 3; },
+                          [&](std::uint64_t TrainConfig::*m) { c.*m += 3; },
+                          [&](double TrainConfig::*m) { c.*m = c.*m / 3 + 1.0 / 7; },  // not a short decimal
+                          [&](std::vector<std::int64_t> TrainConfig::*m) { (c.*m).push_back(7); },
+                          [&](std::string TrainConfig::*m) {
+                            for (const std::string& v : strings) {
+                              if (v == c.*m) continue;
+                              try {
+                                if (s.check) s.check(v, s.key);
+                              } catch (const Error&) {
+                                continue;
+                              }
+                              c.*m = v;
+                              break;
+                            }
+                          }},
+               s.member);
+  }
+  return c;
+}
+
+TEST(TrainConfigEcho, ReadsBackAsTheSameConfiguration) {
+  const TrainConfig c = off_defaults();
+  ASSERT_NO_THROW(validate(c));
+  const json echo = to_json(c), defaults = to_json(TrainConfig{});
+  for (const Setting& s : train_settings())
+    if (!std::holds_alternative<std::monostate>(s.member))
+      EXPECT_NE(at(echo, s.key), at(defaults, s.key)) << s.key << " was not moved off its default";
+  const fs::path path = write_config("echo.json", echo);
+  const TrainConfig back = resolve_args({"--config", path.string()});
+  EXPECT_TRUE(back == c);
+  for (const Setting& s : train_settings())
+    std::visit(overloaded{[](std::monostate) {}, [&](auto TrainConfig::*m) { EXPECT_TRUE(back.*m == c.*m) << s.key; }},
+               s.member);
+}
+
+TEST(TrainConfigChecks, NegativeStepsAreRefused) {
+  test::expect_arg_error([] { resolve_args({"--steps", "-3"}); }, "fusekit train", "training.steps (--steps)");
+  test::expect_arg_error([] { resolve_args({"--steps=-3"}); }, "fusekit train", "training.steps (--steps)");
+  const fs::path path = write_config("negative_steps.json", {{"training", {{"steps", -3}}}});
+  try {
+    resolve_args({"--config", path.string()});
+    ADD_FAILURE() << "steps -3 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.expected(), ">= 0");
+    EXPECT_EQ(e.got(), "-3");
+  }
+}
+
+TEST(TrainConfigChecks, ClearlyInvalidValuesAreRefusedNamingTheSetting) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--epochs", "-1"}, "training.epochs (--epochs)"},
+      {{"--epochs", "0"}, "training.epochs (--epochs)"},  // and no steps either
+      {{"--mini-batch-size", "0"}, "training.mini_batch_size (--mini-batch-size)"},
+      {{"--mini-batch-size", "-128"}, "training.mini_batch_size (--mini-batch-size)"},
+      {{"--test-mini-batch-size", "0"}, "training.test_mini_batch_size (--test-mini-batch-size)"},
+      {{"--learning-rate", "0"}, "training.learning_rate (--learning-rate)"},
+      {{"--learning-rate", "-0.1"}, "training.learning_rate (--learning-rate)"},
+      {{"--learning-rate", "nan"}, "training.learning_rate (--learning-rate)"},
+      {{"--learning-rate", "inf"}, "training.learning_rate (--learning-rate)"},
+      {{"--eval-every", "-1"}, "training.eval_every (--eval-every)"},
+      {{"--optimizer", "adam"}, "training.optimizer (--optimizer)"},
+      {{"--arch-mlp-bot", "13-x-16"}, "model.arch_mlp_bot (--arch-mlp-bot)"},
+  };
+  for (const auto& [args, name] : cases)
+    test::expect_arg_error([&] { resolve_args(args); }, "fusekit train", name);
+  EXPECT_NO_THROW(resolve_args({"--epochs", "0", "--steps", "5"}));
+}
+
+TEST(TrainConfigTable, AliasRowsSetTheirSettingOrNothing) {
+  std::vector<Setting> table = train_settings();
+  table.push_back({.key = "training.device",
+                   .flags = "--use-gpu",
+                   .help = "Run on the GPU",
+                   .note = "dlrm_s_pytorch.py's spelling",
+                   .translate = [](const std::string&) { return json("cuda"); },
+                   .takes_value = false});
+  table.push_back({.key = "", .flags = "--lr-num-warmup-steps", .help = "Warm-up steps", .note = "no warm-up here"});
+  EXPECT_EQ(resolve_args({"--use-gpu", "--lr-num-warmup-steps", "100"}, table).device, "cuda");
+  EXPECT_EQ(to_json(resolve_args({"--lr-num-warmup-steps", "100"}, table)), to_json(TrainConfig{}));
+}
+
+// The number of members of the aggregate T: the most initializers T{...} accepts.
+struct AnyValue {
+  template <class T>
+  operator T() const;
+};
+template <class T, class... Values>
+constexpr std::size_t member_count() {
+  if constexpr (requires { T{Values{}..., AnyValue{}}; })
+    return member_count<T, Values..., AnyValue>();
+  else
+    return sizeof...(Values);
+}
+
+TEST(TrainConfigTable, EveryMemberHasOneRow) {
+  std::vector<const Setting*> rows;
+  for (const Setting& s : train_settings())
+    if (!std::holds_alternative<std::monostate>(s.member)) rows.push_back(&s);
+  EXPECT_EQ(rows.size(), member_count<TrainConfig>()) << "a TrainConfig member without its row, or the reverse";
+  for (std::size_t i = 0; i < rows.size(); ++i)
+    for (std::size_t j = i + 1; j < rows.size(); ++j)
+      EXPECT_FALSE(rows[i]->member == rows[j]->member) << rows[i]->key << " and " << rows[j]->key << " bind one member";
+}
+
+}  // namespace
+}  // namespace fk::app
