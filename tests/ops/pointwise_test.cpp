@@ -3,6 +3,8 @@
 // and every bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -81,6 +83,49 @@ TEST(PointwiseSpec, ForwardWritesPreactivationAndSkipsAbsentOperands) {
   EXPECT_EQ(std::vector<float>(y, y + 3), (std::vector<float>{1.5f, 0.0f, 3.5f}));
 }
 
+// Row-strided tensors: each [rows, cols] operand lives in a buffer of its own row stride; the
+// padding (99) must come back untouched.
+TEST(PointwiseSpec, ForwardRowStridedByHand) {
+  constexpr float P = 99;
+  const float x[] = {1, -2, 3, P, 4, 5, -6, P};            // row stride 4
+  const float r[] = {1, 1, 1, P, P, 2, 2, 2, P, P};        // row stride 5
+  const float b[] = {0.5f, -1, 0};
+  float y[12], z[6];                                       // row strides 6 and 3
+  std::fill(std::begin(y), std::end(y), P);
+  const auto rows = [](const float* p, std::int64_t ld) {
+    return TensorView(const_cast<float*>(p), DType::f32, {2, 3}, {ld, 1}, kCpu);
+  };
+  bias_act_forward({rows(x, 4), rows(r, 5), host_view(b, {3}), rows(y, 6), rows(z, 3)}, {Activation::relu, 0.5f});
+  EXPECT_EQ(std::vector<float>(z, z + 6), (std::vector<float>{2, -2.5f, 3.5f, 5.5f, 5, -5}));
+  EXPECT_EQ(std::vector<float>(y, y + 12), (std::vector<float>{2, 0, 3.5f, P, P, P, 5.5f, 5, 0, P, P, P}));
+}
+
+TEST(PointwiseSpec, BackwardRowStridedByHand) {
+  // y as in ForwardRowStridedByHand; relu, alpha 2: dz = dy * (y > 0).
+  constexpr float P = 99;
+  const float dy[] = {1, 2, 3, P, 4, 5, 6, P};  // row stride 4
+  const float y[] = {2, 0, 3.5f, 5.5f, 5, 0};   // row stride 3
+  float dx[10], dr[8], db[3];                   // row strides 5 and 4
+  std::fill(std::begin(dx), std::end(dx), P);
+  std::fill(std::begin(dr), std::end(dr), P);
+  const auto rows = [](const float* p, std::int64_t ld) {
+    return TensorView(const_cast<float*>(p), DType::f32, {2, 3}, {ld, 1}, kCpu);
+  };
+  bias_act_backward({rows(dy, 4), rows(y, 3), SavedForBackward::output, rows(dx, 5), rows(dr, 4), host_view(db, {3})},
+                    {Activation::relu, 2.0f});
+  EXPECT_EQ(std::vector<float>(dx, dx + 10), (std::vector<float>{1, 0, 3, P, P, 4, 5, 0, P, P}));
+  EXPECT_EQ(std::vector<float>(dr, dr + 8), (std::vector<float>{2, 0, 6, P, 8, 10, 0, P}));
+  EXPECT_EQ(std::vector<float>(db, db + 3), (std::vector<float>{5, 5, 3}));
+}
+
+TEST(PointwiseSpec, RowStridedInPlace) {
+  // y is x itself, a view of columns [0, 2) of a [2, 3] buffer.
+  float x[] = {-1, 2, 7, 3, -4, 7};
+  const TensorView v(x, DType::f32, {2, 2}, {3, 1}, kCpu);
+  bias_act_forward({v, std::nullopt, std::nullopt, v, std::nullopt}, {Activation::relu, 1.0f});
+  EXPECT_EQ(std::vector<float>(x, x + 6), (std::vector<float>{0, 2, 7, 3, 0, 7}));
+}
+
 TEST(PointwiseSpec, EmptyBackwardZeroesDbias) {
   float db[3] = {1, 2, 3};
   const TensorView empty(nullptr, DType::f32, {0, 3}, kCpu);
@@ -114,7 +159,23 @@ TEST(PointwiseErrors, EachBadInputNamesItsArgument) {
   expect_forward_error({x, none, none, y, r5.view()}, "preact");
   expect_forward_error({TensorView(nullptr, DType::f32, {4, 6}, kCpu), none, none, y, none}, "x");  // null data
   const TensorView strided(x.data(), DType::f32, {4, 3}, {6, 2}, kCpu);
-  expect_forward_error({strided, none, none, strided, none}, "x");  // non-contiguous
+  expect_forward_error({strided, none, none, strided, none}, "x");  // inner stride 2
+  const TensorView overlapping_rows(x.data(), DType::f32, {4, 6}, {5, 1}, kCpu);  // row stride < cols
+  expect_forward_error({overlapping_rows, none, none, y, none}, "x");
+  expect_forward_error({x, overlapping_rows, none, y, none}, "r");
+  expect_forward_error({x, none, none, overlapping_rows, none}, "y");
+  expect_forward_error({x, none, none, y, overlapping_rows}, "preact");
+  // y sharing x's data must be x itself: the rows of a different view would race with x's.
+  Tensor wide = Tensor::empty({4, 8}, DType::f32, kCpu);
+  const TensorView x_ld8(wide.data(), DType::f32, {4, 6}, {8, 1}, kCpu);
+  const TensorView y_ld7(wide.data(), DType::f32, {4, 6}, {7, 1}, kCpu);
+  expect_forward_error({x_ld8, none, none, y_ld7, none}, "y");
+  try {
+    bias_act_forward({overlapping_rows, none, none, y, none}, {Activation::relu, 1.0f});
+    ADD_FAILURE() << "no fk::Error for a row stride < cols";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("inner stride 1 and a row stride >= cols"), std::string::npos) << e.what();
+  }
   expect_forward_error({x.view().reshape({2, 2, 6}), none, none, y, none}, "x");  // rank 3
 
   Tensor db16 = Tensor::empty({6}, DType::f16, kCpu);
@@ -123,6 +184,12 @@ TEST(PointwiseErrors, EachBadInputNamesItsArgument) {
   expect_backward_error({x, y, SavedForBackward::output, x, none, b5.view()}, Activation::relu, "dbias");
   expect_backward_error({x, r5, SavedForBackward::output, x, none, none}, Activation::relu, "saved");
   expect_backward_error({x, y, SavedForBackward::output, x, r5.view(), none}, Activation::relu, "dr");
+  expect_backward_error({strided, strided, SavedForBackward::output, strided, none, none}, Activation::relu, "dy");
+  expect_backward_error({overlapping_rows, y, SavedForBackward::output, x, none, none}, Activation::relu, "dy");
+  expect_backward_error({x, overlapping_rows, SavedForBackward::output, y, none, none}, Activation::relu, "saved");
+  expect_backward_error({x, y, SavedForBackward::output, overlapping_rows, none, none}, Activation::relu, "dx");
+  expect_backward_error({x, y, SavedForBackward::output, y, overlapping_rows, none}, Activation::relu, "dr");
+  expect_backward_error({x_ld8, y, SavedForBackward::output, y_ld7, none, none}, Activation::relu, "dx");
   EXPECT_THROW(parse_activation("swish"), Error);
   EXPECT_EQ(parse_activation("gelu_erf"), Activation::gelu_erf);
 }
@@ -294,6 +361,138 @@ TEST(PointwiseGpuBenchShapes, BackwardDbiasIsDeterministic) {
   const Tensor a = test::to_host(db1), b = test::to_host(db2);
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0);
 }
+
+// A [rows, cols] view into a [rows, ld] buffer whose padding holds random values, so that a
+// write past a row's end shows.
+struct Padded {
+  Tensor buffer;   // [rows, ld]
+  TensorView view; // [rows, cols], row stride ld
+
+  Padded(const Tensor& host, std::int64_t ld, Device device, std::uint64_t seed) {
+    const std::int64_t rows = host.size(0), cols = host.size(1);
+    Tensor buf = test::random_tensor({rows, ld}, host.dtype(), kCpu, seed);
+    const std::size_t es = dtype_size(host.dtype());
+    for (std::int64_t i = 0; i < rows; ++i)
+      std::memcpy(static_cast<char*>(buf.data()) + i * ld * es, static_cast<const char*>(host.data()) + i * cols * es,
+                  cols * es);
+    buffer = buf.copy_to(device);
+    view = TensorView(buffer.data(), host.dtype(), {rows, cols}, {ld, 1}, device);
+  }
+  // The rows, contiguous on the host.
+  Tensor rows() const {
+    const Tensor buf = test::to_host(buffer);
+    const std::int64_t rows = view.size(0), cols = view.size(1), ld = buffer.size(1);
+    Tensor out = Tensor::empty({rows, cols}, view.dtype(), kCpu);
+    const std::size_t es = dtype_size(view.dtype());
+    for (std::int64_t i = 0; i < rows; ++i)
+      std::memcpy(static_cast<char*>(out.data()) + i * cols * es, static_cast<const char*>(buf.data()) + i * ld * es,
+                  cols * es);
+    return out;
+  }
+  // Whether the padding columns still hold what `before` (the buffer when made) held.
+  bool padding_equals(const Tensor& before) const {
+    const Tensor buf = test::to_host(buffer);
+    const std::int64_t rows = view.size(0), cols = view.size(1), ld = buffer.size(1);
+    const std::size_t es = dtype_size(view.dtype());
+    for (std::int64_t i = 0; i < rows; ++i)
+      if (std::memcmp(static_cast<const char*>(buf.data()) + (i * ld + cols) * es,
+                      static_cast<const char*>(before.data()) + (i * ld + cols) * es, (ld - cols) * es) != 0)
+        return false;
+    return true;
+  }
+};
+
+// Each of the four [rows, cols] tensors of an op (x, r, y, preact; dy, saved, dx, dr) with its
+// own row stride.
+struct StridedShape {
+  std::int64_t rows, cols;
+  std::array<std::int64_t, 4> ld;
+};
+
+using StridedCase = std::tuple<DType, Activation, StridedShape>;
+
+class PointwiseGpuStrided : public ::testing::TestWithParam<StridedCase> {};
+
+TEST_P(PointwiseGpuStrided, ForwardMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto [dt, act, shape] = GetParam();
+  const Device gpu = Device::cuda(0);
+  const Dims s{shape.rows, shape.cols};
+  for (bool in_place : {false, true}) {
+    Tensor x = test::random_tensor(s, dt, kCpu, 301, -3, 3), r = test::random_tensor(s, dt, kCpu, 302, -3, 3);
+    Tensor b = test::random_tensor({shape.cols}, dt, kCpu, 303);
+    Tensor want_y = Tensor::empty(s, dt, kCpu), want_z = Tensor::empty(s, dt, kCpu);
+    const BiasActParams p{act, 0.75f};
+    reference::bias_act_forward({x, r.view(), b.view(), want_y, want_z.view()}, p);
+
+    Tensor unwritten = Tensor::empty(s, dt, kCpu);
+    test::poison(unwritten);
+    Padded xd(x, shape.ld[0], gpu, 311), rd(r, shape.ld[1], gpu, 312), yd(unwritten, shape.ld[2], gpu, 313),
+        zd(unwritten, shape.ld[3], gpu, 314);
+    const Tensor y_before = test::to_host(in_place ? xd.buffer : yd.buffer), z_before = test::to_host(zd.buffer);
+    const Tensor bd = b.copy_to(gpu);
+    const Padded& y_out = in_place ? xd : yd;
+    bias_act_forward({xd.view, rd.view, bd.view(), y_out.view, zd.view}, p);
+    const auto tol = kernel_tolerance(dt);
+    EXPECT_TRUE(test::all_close(y_out.rows(), want_y, tol)) << "in place " << in_place;
+    EXPECT_TRUE(test::all_close(zd.rows(), want_z, tol)) << "preactivation";
+    EXPECT_TRUE(y_out.padding_equals(y_before)) << "y's padding";
+    EXPECT_TRUE(zd.padding_equals(z_before)) << "preact's padding";
+  }
+}
+
+TEST_P(PointwiseGpuStrided, BackwardMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto [dt, act, shape] = GetParam();
+  const Device gpu = Device::cuda(0);
+  const Dims s{shape.rows, shape.cols};
+  for (bool in_place : {false, true}) {
+    Tensor dy = test::random_tensor(s, dt, kCpu, 321), z = test::random_tensor(s, dt, kCpu, 322, -3, 3);
+    const BiasActParams p{act, -1.25f};
+    Tensor want_dx = Tensor::empty(s, dt, kCpu), want_dr = Tensor::empty(s, dt, kCpu);
+    Tensor want_db = Tensor::empty({shape.cols}, DType::f32, kCpu);
+    reference::bias_act_backward({dy, z, SavedForBackward::preactivation, want_dx, want_dr.view(), want_db.view()}, p);
+
+    Tensor unwritten = Tensor::empty(s, dt, kCpu);
+    test::poison(unwritten);
+    Padded dyd(dy, shape.ld[0], gpu, 331), sd(z, shape.ld[1], gpu, 332), dxd(unwritten, shape.ld[2], gpu, 333),
+        drd(unwritten, shape.ld[3], gpu, 334);
+    const Padded& dx_out = in_place ? dyd : dxd;
+    const Tensor dx_before = test::to_host(dx_out.buffer), dr_before = test::to_host(drd.buffer);
+    Tensor dbd = Tensor::empty({shape.cols}, DType::f32, gpu);
+    test::poison(dbd);
+    bias_act_backward({dyd.view, sd.view, SavedForBackward::preactivation, dx_out.view, drd.view, dbd.view()}, p);
+    const auto tol = kernel_tolerance(dt);
+    EXPECT_TRUE(test::all_close(dx_out.rows(), want_dx, tol)) << "in place " << in_place;
+    EXPECT_TRUE(test::all_close(drd.rows(), want_dr, tol));
+    EXPECT_TRUE(dx_out.padding_equals(dx_before)) << "dx's padding";
+    EXPECT_TRUE(drd.padding_equals(dr_before)) << "dr's padding";
+    const double accum = 8.0 * std::sqrt(static_cast<double>(shape.rows)) * 2.0 * 0x1p-24;  // as in BackwardMatchesSpec
+    EXPECT_TRUE(test::all_close(dbd, want_db, {test::tolerance_for(DType::f32).atol + accum, 1e-5})) << "dbias";
+  }
+}
+
+std::string strided_case_name(const ::testing::TestParamInfo<StridedCase>& info) {
+  const auto [dt, act, shape] = info.param;
+  std::string name = std::string(dtype_name(dt)) + "_" + std::string(activation_name(act)) + "_" +
+                     std::to_string(shape.rows) + "x" + std::to_string(shape.cols) + "_ld";
+  for (std::int64_t ld : shape.ld) name += "_" + std::to_string(ld);
+  return name;
+}
+
+// Odd columns with row strides cols + 1 and cols + 3; columns and row strides that are multiples
+// of 4 (f32's vector width: the vector path) and of 8 (bf16's); one row stride off the vector
+// width among aligned ones (the scalar path).
+INSTANTIATE_TEST_SUITE_P(
+    RowStrides, PointwiseGpuStrided,
+    ::testing::Combine(::testing::Values(DType::f32, DType::bf16), ::testing::Values(Activation::relu, Activation::silu),
+                       ::testing::Values(StridedShape{7, 13, {14, 16, 17, 13}},
+                                         StridedShape{33, 1001, {1002, 1004, 1008, 1001}},
+                                         StridedShape{300, 8, {12, 16, 8, 24}},
+                                         StridedShape{64, 16, {24, 32, 40, 16}},
+                                         StridedShape{50, 64, {64, 72, 68, 80}},
+                                         StridedShape{1, 5, {5, 9, 6, 5}})),
+    strided_case_name);
 
 TEST(PointwiseGpuLayout, MisalignedPointersTakeTheScalarPath) {
   FK_SKIP_WITHOUT_GPU();

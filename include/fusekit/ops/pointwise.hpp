@@ -9,9 +9,12 @@
 // beyond the y it returns (and y may overwrite x, as the seed's in_out_ptr does). gelu and silu
 // need z itself: the forward writes it to `preact` when asked, and the backward reads it.
 //
-// Every tensor is row-major contiguous and of one dtype (f32, bf16 or f16); arithmetic is fp32,
+// Layout: each [rows, cols] tensor (x, r, y, preact; dy, saved, dx, dr) is row-major with inner
+// stride 1 and its own row stride >= cols (rows may be padded, e.g. columns of a wider buffer);
+// b and db are contiguous. Every tensor is of one dtype (f32, bf16 or f16); arithmetic is fp32,
 // rounded once to the dtype at the store. db is accumulated in fp32 in a fixed order
-// (deterministic) and written in f32 or the dtype of dy. y may alias x, dx may alias dy.
+// (deterministic) and written in f32 or the dtype of dy. y may be x itself, dx may be dy itself
+// (the same view: sharing the data pointer requires the same strides).
 #pragma once
 
 #include <optional>

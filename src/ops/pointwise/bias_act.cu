@@ -6,8 +6,9 @@
 // visits, a block folds its rows through shared memory, and a second small kernel adds the
 // per-block partials in a fixed order, so db is the same bits on every run of a given grid.
 //
-// Mapping: a block of 256 threads covers `tpr` consecutive column vectors (16 bytes each when
-// cols and every pointer allow it, else single elements) times 256/tpr rows, and walks down the
+// Every [rows, cols] tensor has unit inner stride and its own row stride (ld). Mapping: a block
+// of 256 threads covers `tpr` consecutive column vectors (16 bytes each when cols, every row
+// stride and every pointer allow it, else single elements) times 256/tpr rows, and walks down the
 // rows with a grid-sized stride, kUnroll rows at a time so that several loads are in flight
 // before the first use. The bias vector of a thread's columns is loaded once. No integer
 // division per element.
@@ -35,23 +36,25 @@ template <int VEC>
 inline constexpr int kUnroll = VEC == 8 ? 2 : 4;
 
 struct ForwardParams {
-  const void* x;  // [rows, cols]
-  const void* r;  // [rows, cols] or null
+  const void* x;  // [rows, cols], row stride ld_x
+  const void* r;  // [rows, cols], row stride ld_r, or null
   const void* b;  // [cols] or null
-  void* y;        // [rows, cols]
-  void* z;        // [rows, cols] or null
+  void* y;        // [rows, cols], row stride ld_y
+  void* z;        // [rows, cols], row stride ld_z, or null
   std::int64_t rows, cols;
+  std::int64_t ld_x, ld_r, ld_y, ld_z;
   float alpha;
   int tpr_log2;   // log2 of the threads per row
 };
 
 struct BackwardParams {
-  const void* dy;     // [rows, cols]
-  const void* saved;  // [rows, cols]: y or z
-  void* dx;           // [rows, cols]
-  void* dr;           // [rows, cols] or null
+  const void* dy;     // [rows, cols], row stride ld_dy
+  const void* saved;  // [rows, cols], row stride ld_saved: y or z
+  void* dx;           // [rows, cols], row stride ld_dx
+  void* dr;           // [rows, cols], row stride ld_dr, or null
   float* partial;     // [gridDim.y, cols] per-block column sums, or null when db is not wanted
   std::int64_t rows, cols;
+  std::int64_t ld_dy, ld_saved, ld_dx, ld_dr;
   float alpha;
   int tpr_log2;
 };
@@ -86,8 +89,8 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_forward_kernel(ForwardPa
     for (int u = 0; u < kUnroll<VEC>; ++u) {
       const std::int64_t row = row0 + u * stride;
       if (row < p.rows) {
-        xv[u] = load_vec<T, VEC>(x + row * p.cols + col);
-        if (r) rv[u] = load_vec<T, VEC>(r + row * p.cols + col);
+        xv[u] = load_vec<T, VEC>(x + row * p.ld_x + col);
+        if (r) rv[u] = load_vec<T, VEC>(r + row * p.ld_r + col);
       }
     }
 #pragma unroll
@@ -103,8 +106,8 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_forward_kernel(ForwardPa
           zv.set(j, v);
           yv.set(j, device::activation<A>(v));
         }
-        store_vec<T, VEC>(y + row * p.cols + col, yv);
-        if (z) store_vec<T, VEC>(z + row * p.cols + col, zv);
+        store_vec<T, VEC>(y + row * p.ld_y + col, yv);
+        if (z) store_vec<T, VEC>(z + row * p.ld_z + col, zv);
       }
     }
   }
@@ -135,8 +138,8 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_backward_kernel(Backward
     for (int u = 0; u < kUnroll<VEC>; ++u) {
       const std::int64_t row = row0 + u * stride;
       if (row < p.rows) {
-        gv[u] = load_vec<T, VEC>(dy + row * p.cols + col);
-        sv[u] = load_vec<T, VEC>(saved + row * p.cols + col);
+        gv[u] = load_vec<T, VEC>(dy + row * p.ld_dy + col);
+        sv[u] = load_vec<T, VEC>(saved + row * p.ld_saved + col);
       }
     }
 #pragma unroll
@@ -153,8 +156,8 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_backward_kernel(Backward
           dxv.set(j, dz);
           drv.set(j, p.alpha * dz);
         }
-        store_vec<T, VEC>(dx + row * p.cols + col, dxv);
-        if (dr) store_vec<T, VEC>(dr + row * p.cols + col, drv);
+        store_vec<T, VEC>(dx + row * p.ld_dx + col, dxv);
+        if (dr) store_vec<T, VEC>(dr + row * p.ld_dr + col, drv);
       }
     }
   }
@@ -233,6 +236,10 @@ Launch plan(std::int64_t rows, std::int64_t cols, int vec, int blocks_per_sm) {
   return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), tpr_log2};
 }
 
+// The row stride of a [rows, cols] operand; a single row's (never used) is taken as cols, and an
+// absent operand's as 0, so that neither keeps the vector path from being taken.
+std::int64_t row_stride(const TensorView& t) { return t.size(0) <= 1 ? t.size(1) : t.strides()[0]; }
+std::int64_t row_stride(const std::optional<TensorView>& t) { return t ? row_stride(*t) : 0; }
 
 template <class T>
 constexpr int vec16() { return 16 / static_cast<int>(sizeof(T)); }
@@ -323,11 +330,16 @@ void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& prm, con
                         a.preact ? a.preact->data() : nullptr,
                         a.x.size(0),
                         a.x.size(1),
+                        row_stride(a.x),
+                        row_stride(a.r),
+                        row_stride(a.y),
+                        row_stride(a.preact),
                         prm.alpha,
                         0};
   const int vec = 16 / static_cast<int>(dtype_size(a.x.dtype()));
-  const bool vectorized = p.cols % vec == 0 && aligned16(p.x) && aligned16(p.r) && aligned16(p.b) &&
-                          aligned16(p.y) && aligned16(p.z);
+  const bool vectorized = p.cols % vec == 0 && p.ld_x % vec == 0 && p.ld_r % vec == 0 && p.ld_y % vec == 0 &&
+                          p.ld_z % vec == 0 && aligned16(p.x) && aligned16(p.r) && aligned16(p.b) && aligned16(p.y) &&
+                          aligned16(p.z);
   const cudaStream_t s = detail::cuda_stream(stream);
   with_float_type(a.x.dtype(), [&](auto t) { with_activation<ForwardLauncher>(prm.act, t, p, vectorized, s); });
 }
@@ -340,10 +352,15 @@ void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& prm, c
                          nullptr,
                          a.dy.size(0),
                          a.dy.size(1),
+                         row_stride(a.dy),
+                         row_stride(a.saved),
+                         row_stride(a.dx),
+                         row_stride(a.dr),
                          prm.alpha,
                          0};
   const int vec = 16 / static_cast<int>(dtype_size(a.dy.dtype()));
-  const bool vectorized = p.cols % vec == 0 && aligned16(p.dy) && aligned16(p.saved) && aligned16(p.dx) &&
+  const bool vectorized = p.cols % vec == 0 && p.ld_dy % vec == 0 && p.ld_saved % vec == 0 && p.ld_dx % vec == 0 &&
+                          p.ld_dr % vec == 0 && aligned16(p.dy) && aligned16(p.saved) && aligned16(p.dx) &&
                           aligned16(p.dr);
   const bool from_output = a.saved_kind == SavedForBackward::output;
   with_float_type(a.dy.dtype(), [&](auto t) {

@@ -1,5 +1,6 @@
 // The spec of the pointwise family: plain loops, double arithmetic, one rounding to the dtype at
-// each store. It is also the CPU backend.
+// each store; every [rows, cols] tensor is addressed through its own row stride. It is also the
+// CPU backend.
 #include <cmath>
 #include <numbers>
 #include <vector>
@@ -26,6 +27,9 @@ double grad_from_output(Activation act, double y) {
     default: throw_internal("grad_from_output: activation needs the pre-activation");
   }
 }
+
+// The flat offset of element (i, j) of a [rows, cols] view with unit inner stride.
+std::int64_t at(const TensorView& t, std::int64_t i, std::int64_t j) { return i * t.strides()[0] + j; }
 
 }  // namespace
 
@@ -65,14 +69,13 @@ void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& p) {
   const std::int64_t rows = a.x.size(0), cols = a.x.size(1);
   for (std::int64_t i = 0; i < rows; ++i) {
     for (std::int64_t j = 0; j < cols; ++j) {
-      const std::int64_t k = i * cols + j;
       // z is rounded to float, as the kernels hold it, before the activation.
-      double z = load(a.x, k);
-      if (a.r) z += static_cast<double>(p.alpha) * load(*a.r, k);
+      double z = load(a.x, at(a.x, i, j));
+      if (a.r) z += static_cast<double>(p.alpha) * load(*a.r, at(*a.r, i, j));
       if (a.bias) z += load(*a.bias, j);
       z = static_cast<float>(z);
-      if (a.preact) store(*a.preact, k, z);
-      store(a.y, k, activation(p.act, z));
+      if (a.preact) store(*a.preact, at(*a.preact, i, j), z);
+      store(a.y, at(a.y, i, j), activation(p.act, z));
     }
   }
 }
@@ -82,14 +85,13 @@ void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& p) {
   std::vector<double> db(a.dbias ? static_cast<std::size_t>(cols) : 0, 0.0);
   for (std::int64_t i = 0; i < rows; ++i) {
     for (std::int64_t j = 0; j < cols; ++j) {
-      const std::int64_t k = i * cols + j;
-      const double s = load(a.saved, k);
+      const double s = load(a.saved, at(a.saved, i, j));
       const double g = a.saved_kind == SavedForBackward::output ? grad_from_output(p.act, s)
                                                                 : activation_grad(p.act, s);
       // dz is rounded to float, as the kernels hold it; dx, dr and db all derive from it.
-      const double dz = static_cast<float>(load(a.dy, k) * g);
-      store(a.dx, k, dz);
-      if (a.dr) store(*a.dr, k, static_cast<double>(p.alpha) * dz);
+      const double dz = static_cast<float>(load(a.dy, at(a.dy, i, j)) * g);
+      store(a.dx, at(a.dx, i, j), dz);
+      if (a.dr) store(*a.dr, at(*a.dr, i, j), static_cast<double>(p.alpha) * dz);
       if (a.dbias) db[static_cast<std::size_t>(j)] += dz;
     }
   }
