@@ -305,6 +305,96 @@ TEST(RecsysSpec, SigmoidBceByHand) {
   EXPECT_FLOAT_EQ(floats(dx)[1], static_cast<float>(0.5 / (1 + std::exp(-2.0))));
 }
 
+TEST(RecsysSpec, PerTableLaunchByHand) {
+  // The same bags as ForwardSumByHand: the per-table baseline computes the same spec.
+  HandCase h;
+  EmbeddingBagParams p;
+  p.per_table_launch = true;
+  embedding_bag_forward(h.layout, {h.weights, h.indices.view(), h.offsets.view(), std::nullopt, pooled_in(h.z),
+                                   h.keys.view(), h.bags.view()},
+                        p);
+  EXPECT_EQ(h.pooled(), (std::vector<float>{6, 8, 30, 40, 0, 0, 40, 60, 6, 8, 10, 20}));
+  EXPECT_EQ(ints(h.keys), (std::vector<std::int32_t>{0, 2, 1, 1, 5, 4, 5, 4}));
+  EXPECT_EQ(ints(h.bags), (std::vector<std::int32_t>{0, 0, 2, 2, 3, 4, 4, 5}));
+}
+
+TEST(RecsysSpec, DenseGradientByHand) {
+  // The buffer starts as garbage: every row is written, row 3 (untouched) with zeros.
+  HandBackward h;
+  Tensor grad = Tensor::empty({6, 2}, DType::f32, kCpu);
+  fill(grad, 5.0);
+  EmbeddingBagBackwardArgs a = h.args();
+  a.weights = grad;
+  embedding_bag_backward_update(h.layout, a, {EmbeddingUpdate::dense_gradient});
+  EXPECT_EQ(floats(grad), (std::vector<float>{1, 2, 10, 12, 1, 2, 0, 0, 20, 22, 16, 18}));
+  // No entries at all: the gradient of every row is zero.
+  fill(grad, 5.0);
+  const Tensor none = Tensor::empty({0}, DType::i32, kCpu);
+  a.keys = none;
+  a.bags = none;
+  embedding_bag_backward_update(h.layout, a, {EmbeddingUpdate::dense_gradient});
+  EXPECT_EQ(floats(grad), std::vector<float>(12, 0.0f));
+}
+
+TEST(RecsysSpec, DenseOptimizerSgdByHand) {
+  // p -= 0.5 g: [1, 2, 3] - 0.5 [0.5, -1, 2] = [0.75, 2.5, 2] (exact in float).
+  Tensor param = f32({3}, {1, 2, 3});
+  const Tensor grad = f32({3}, {0.5f, -1, 2});
+  dense_optimizer_update({param, grad, std::nullopt}, {false, 0.5f});
+  EXPECT_EQ(floats(param), (std::vector<float>{0.75f, 2.5f, 2}));
+}
+
+TEST(RecsysSpec, DenseOptimizerAdagradByHand) {
+  // Any rank. state = [0, 9] + [3^2, 4^2] = [9, 25]; p = [1, 2] - 0.5 [3 / 3, 4 / 5] = [0.5, 1.6].
+  Tensor param = f32({2, 1, 1}, {1, 2}), state = f32({2, 1, 1}, {0, 9});
+  const Tensor grad = f32({2, 1, 1}, {3, 4});
+  dense_optimizer_update({param, grad, state.view()}, {true, 0.5f, 0.0f});
+  EXPECT_EQ(floats(state), (std::vector<float>{9, 25}));
+  EXPECT_EQ(floats(param), (std::vector<float>{0.5f, 2.0f - 0.5f * 4.0f / 5.0f}));
+  EXPECT_FLOAT_EQ(floats(param)[1], 1.6f);
+  // eps is added to sqrt(state): state 0 + 0^2 with g = 0 gives p unchanged (0 / eps).
+  Tensor p0 = f32({1}, {7}), s0 = f32({1}, {0});
+  const Tensor g0 = f32({1}, {0});
+  dense_optimizer_update({p0, g0, s0.view()}, {true, 0.5f, 1e-10f});
+  EXPECT_EQ(floats(p0), (std::vector<float>{7}));
+}
+
+TEST(RecsysSpec, DotImplBmmIsTheSameSpec) {
+  // The CPU has one implementation: impl bmm gives DotPairOrderByHand's values, no workspace needed.
+  const Tensor z = f32({1, 3, 2}, {1, 2, 3, 4, 5, 6});
+  const DotPairs pairs(3, false);
+  InteractionParams p{InteractionKind::dot, false};
+  p.impl = InteractionImpl::bmm;
+  Tensor r = Tensor::empty({1, 6}, DType::f32, kCpu);
+  interaction_forward({z, r, &pairs}, p);
+  EXPECT_EQ(floats(r), (std::vector<float>{1, 2, 11, 17, 39, 0}));
+  Tensor dz = Tensor::empty({1, 3, 2}, DType::f32, kCpu);
+  interaction_backward({z, f32({1, 6}, {1, -1, 1, 2, 3, 9}), dz, &pairs}, p);
+  EXPECT_EQ(floats(dz), (std::vector<float>{14, 15, 16, 20, 11, 16}));  // as in DotBackwardByHand
+}
+
+TEST(RecsysSpec, SigmoidBceUnfusedByHand) {
+  // x = [0, 200, -1], y = [1, 0, 0]: p = [0.5, 1 (rounded), sigmoid(-1)]. Terms: -ln 0.5; the
+  // clamp: -max(ln(1 - 1), -100) = 100 (the fused loss gives 200); -ln(1 - sigmoid(-1)) =
+  // ln(1 + e^-1). dlogits = (p - y) / 3.
+  const Tensor x = f32({3}, {0, 200, -1}), y = f32({3}, {1, 0, 0});
+  Tensor dx = Tensor::empty({3}, DType::f32, kCpu), prob = Tensor::empty({3}, DType::f32, kCpu);
+  Tensor acc = Tensor::empty({8 * kSigmoidBceAccumulatorDoubles}, DType::u8, kCpu);
+  fill(acc, 0.0);
+  SigmoidBceArgs a{x, y, dx, acc};
+  a.probabilities = prob.view();
+  sigmoid_bce_forward_backward(a, SigmoidBceParams{true});
+  const double s1 = 1 / (1 + std::exp(1.0));
+  // ln(1 - p) from the f32 p: about 1e-7 relative to ln(1 + e^-1).
+  EXPECT_NEAR(acc.data_as<double>()[0], (std::log(2.0) + 100 + std::log1p(std::exp(-1.0))) / 3, 1e-7);
+  EXPECT_EQ(acc.data_as<double>()[1], 1.0);
+  EXPECT_EQ(floats(prob), (std::vector<float>{0.5f, 1.0f, static_cast<float>(s1)}));
+  const std::vector<float> g = floats(dx);
+  EXPECT_FLOAT_EQ(g[0], -0.5f / 3);
+  EXPECT_FLOAT_EQ(g[1], 1.0f / 3);
+  EXPECT_FLOAT_EQ(g[2], static_cast<float>(s1 / 3));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad inputs
 // ---------------------------------------------------------------------------------------------
@@ -382,6 +472,17 @@ TEST(RecsysErrors, EmbeddingForward) {
     test::expect_arg_error([&] { run(a); }, op, "bags");
   }
   {
+    // The per-table baseline takes CSR input only.
+    auto a = good;
+    a.indices.reset();
+    a.offsets.reset();
+    Tensor raw = i32({1, 2, 3, 4, 5, 6});
+    a.raw = raw.view();
+    EmbeddingBagParams p;
+    p.per_table_launch = true;
+    test::expect_arg_error([&] { embedding_bag_forward(h.layout, a, p); }, op, "per_table_launch");
+  }
+  {
     // A device mix: the output on a GPU, the tables on the host (refused before anything is read).
     auto a = good;
     float dummy[12];
@@ -403,6 +504,7 @@ TEST(RecsysErrors, EmbeddingBackward) {
   test::expect_arg_error([&] { run(h.args(ada.view()), {EmbeddingUpdate::rowwise_adagrad}); }, op, "state");
   test::expect_arg_error([&] { run(h.args(row.view()), {EmbeddingUpdate::adagrad}); }, op, "state");
   test::expect_arg_error([&] { run(h.args(row.view()), {EmbeddingUpdate::sgd}); }, op, "state");
+  test::expect_arg_error([&] { run(h.args(ada.view()), {EmbeddingUpdate::dense_gradient}); }, op, "state");
   {
     auto a = h.args();
     a.offsets.reset();
@@ -427,6 +529,23 @@ TEST(RecsysErrors, EmbeddingBackward) {
     a.dout = d;
     test::expect_arg_error([&] { run(a, {}); }, op, "dout");
   }
+}
+
+TEST(RecsysErrors, DenseOptimizer) {
+  constexpr const char* op = "dense_optimizer_update";
+  Tensor p = f32({2, 3}, {1, 2, 3, 4, 5, 6}), g = f32({2, 3}, {1, 1, 1, 1, 1, 1}), st = f32({2, 3}, {0, 0, 0, 0, 0, 0});
+  Tensor g6 = f32({6}, {1, 1, 1, 1, 1, 1}), st3 = f32({3}, {0, 0, 0});
+  Tensor p16 = Tensor::empty({2, 3}, DType::f16, kCpu);
+  const auto run = [](const DenseOptimizerArgs& a, DenseOptimizerParams prm) { dense_optimizer_update(a, prm); };
+  test::expect_arg_error([&] { run({p, g, st.view()}, {false}); }, op, "state");  // SGD keeps no state
+  test::expect_arg_error([&] { run({p, g, std::nullopt}, {true}); }, op, "state");  // Adagrad needs it
+  test::expect_arg_error([&] { run({p, g, st3.view()}, {true}); }, op, "state");
+  test::expect_arg_error([&] { run({p, g6, std::nullopt}, {false}); }, op, "grad");  // same numel, other shape
+  test::expect_arg_error([&] { run({p16, g, std::nullopt}, {false}); }, op, "param");
+  const TensorView strided(p.data(), DType::f32, {2, 2}, {3, 1}, kCpu);  // columns [0, 2): not contiguous
+  const Tensor g22 = f32({2, 2}, {1, 1, 1, 1});
+  test::expect_arg_error([&] { run({strided, g22, std::nullopt}, {false}); }, op, "param");
+  run({p, g, st.view()}, {true});  // the good call
 }
 
 TEST(RecsysErrors, CheckEmbeddingInput) {
@@ -463,6 +582,10 @@ TEST(RecsysErrors, Interaction) {
   test::expect_arg_error([&] { interaction_backward({z, dr6, dz, nullptr, true}, {InteractionKind::cat}); }, bwd,
                          "relu_x");
   test::expect_arg_error([&] { interaction_backward({z, r, dz, &pairs}, {}); }, bwd, "dr");
+  // The unfused dot does not fuse the ReLU's backward (refused on every device).
+  InteractionParams bmm{InteractionKind::dot, false};
+  bmm.impl = InteractionImpl::bmm;
+  test::expect_arg_error([&] { interaction_backward({z, dr6, dz, &pairs, true}, bmm); }, bwd, "relu_x");
 }
 
 TEST(RecsysErrors, SigmoidBce) {
@@ -475,6 +598,13 @@ TEST(RecsysErrors, SigmoidBce) {
   test::expect_arg_error([&] { sigmoid_bce_forward_backward({x, y, dx, acc_small}); }, op, "accumulator");
   const Tensor empty = Tensor::empty({0}, DType::f32, kCpu);
   test::expect_arg_error([&] { sigmoid_bce_forward_backward({empty, empty, empty, acc}); }, op, "logits");
+  // The unfused loss writes its probabilities; the fused one has none to write.
+  Tensor prob = Tensor::empty({2}, DType::f32, kCpu), prob3 = Tensor::empty({3}, DType::f32, kCpu);
+  test::expect_arg_error([&] { sigmoid_bce_forward_backward({x, y, dx, acc}, SigmoidBceParams{true}); }, op,
+                         "probabilities");
+  test::expect_arg_error([&] { sigmoid_bce_forward_backward({x, y, dx, acc, prob3.view()}, SigmoidBceParams{true}); },
+                         op, "probabilities");
+  test::expect_arg_error([&] { sigmoid_bce_forward_backward({x, y, dx, acc, prob.view()}); }, op, "probabilities");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -582,6 +712,64 @@ TEST_P(RecsysEmbeddingGpu, ForwardAndEveryUpdateMatchSpec) {
   }
 }
 
+// The unfused baselines: one launch per table (keys and bags by one more launch), and the dense
+// gradient written whole, against the spec.
+TEST_P(RecsysEmbeddingGpu, PerTableLaunchAndDenseGradientMatchSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto& [shape, pooling] = GetParam();
+  const Device gpu = Device::cuda(0);
+  const TableLayout host_layout(shape.rows), layout(shape.rows, gpu);
+  const std::int64_t nt = layout.num_tables(), batch = shape.batch, dim = shape.dim;
+  const Csr csr = random_csr(shape.rows, batch, shape.max_bag, 23 + static_cast<std::uint64_t>(dim));
+  const Tensor indices = i64(csr.indices), offsets = i64(csr.offsets);
+  const Tensor g_indices = indices.copy_to(gpu), g_offsets = offsets.copy_to(gpu);
+  const std::int64_t nnz = indices.numel();
+  const Tensor weights = test::random_tensor({layout.total_rows(), dim}, DType::f32, kCpu, 4);
+  const Tensor g_weights = weights.copy_to(gpu);
+  const std::int64_t stride = nt * dim + shape.row_stride_pad;
+  const auto pooled = [&](const Tensor& buf) {
+    return TensorView(buf.data(), DType::f32, {batch, nt, dim}, {stride, dim, 1}, buf.device());
+  };
+  Tensor out = Tensor::empty({batch * stride}, DType::f32, kCpu), g_out = Tensor::empty({batch * stride}, DType::f32, gpu);
+  fill(out, 0.0);
+  fill(g_out, 0.0);
+  Tensor keys = Tensor::empty({nnz}, DType::i32, kCpu), bags = Tensor::empty({nnz}, DType::i32, kCpu);
+  Tensor g_keys = Tensor::empty({nnz}, DType::i32, gpu), g_bags = Tensor::empty({nnz}, DType::i32, gpu);
+  EmbeddingBagParams fp{pooling};
+  fp.per_table_launch = true;
+  embedding_bag_forward(host_layout, {weights, indices.view(), offsets.view(), std::nullopt, pooled(out), keys.view(),
+                                      bags.view()},
+                        {pooling});
+  embedding_bag_forward(layout, {g_weights, g_indices.view(), g_offsets.view(), std::nullopt, pooled(g_out),
+                                 g_keys.view(), g_bags.view()},
+                        fp);
+  EXPECT_TRUE(close(g_out, out));
+  EXPECT_EQ(ints(g_keys), ints(keys));
+  EXPECT_EQ(ints(g_bags), ints(bags));
+  // Without keys and bags: the lookups alone.
+  fill(g_out, 0.0);
+  embedding_bag_forward(layout, {g_weights, g_indices.view(), g_offsets.view(), std::nullopt, pooled(g_out)}, fp);
+  EXPECT_TRUE(close(g_out, out));
+
+  const Tensor dout = test::random_tensor({batch * stride}, DType::f32, kCpu, 6);
+  const Tensor g_dout = dout.copy_to(gpu);
+  const EmbeddingOptimizerParams p{EmbeddingUpdate::dense_gradient, 0, 0, pooling};
+  Tensor grad = Tensor::empty({layout.total_rows(), dim}, DType::f32, kCpu);
+  test::poison(grad);
+  embedding_bag_backward_update(host_layout, {keys, bags, pooled(dout), offsets.view(), grad}, p);
+  Tensor ws = Tensor::empty({static_cast<std::int64_t>(embedding_bag_backward_workspace_bytes(nnz, dim))}, DType::u8, gpu);
+  Tensor g_grad[2];
+  for (int run = 0; run < 2; ++run) {
+    g_grad[run] = Tensor::empty({layout.total_rows(), dim}, DType::f32, gpu);
+    test::poison(g_grad[run]);  // written whole: no NaN may survive
+    embedding_bag_backward_update(layout, {g_keys, g_bags, pooled(g_dout), g_offsets.view(), g_grad[run], std::nullopt,
+                                           ws.view()},
+                                  p);
+  }
+  EXPECT_TRUE(close(g_grad[0], grad, 1e-5, 1e-4));
+  EXPECT_EQ(floats(g_grad[0]), floats(g_grad[1])) << "not deterministic";
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, RecsysEmbeddingGpu,
     ::testing::Combine(
@@ -629,6 +817,67 @@ TEST(RecsysGpu, RawForwardMatchesSpecForBothHashes) {
   }
 }
 
+TEST(RecsysGpu, DenseOptimizerMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  for (const Dims& shape : {Dims{1}, Dims{7}, Dims{3, 5, 9}, Dims{65536 + 3}, Dims{1000, 333}}) {
+    for (bool adagrad : {false, true}) {
+      SCOPED_TRACE(shape.str() + (adagrad ? " adagrad" : " sgd"));
+      const Tensor param = test::random_tensor(shape, DType::f32, kCpu, 41);
+      const Tensor grad = test::random_tensor(shape, DType::f32, kCpu, 42);
+      const Tensor state = test::random_tensor(shape, DType::f32, kCpu, 43, 0, 1);
+      const DenseOptimizerParams p{adagrad, 0.05f, 1e-10f};
+      Tensor want = param.clone(), want_state = state.clone();
+      reference::dense_optimizer_update(
+          {want, grad, adagrad ? std::optional<TensorView>(want_state.view()) : std::nullopt}, p);
+      Tensor got = param.copy_to(gpu), got_state = state.copy_to(gpu);
+      const Tensor g_grad = grad.copy_to(gpu);
+      dense_optimizer_update({got, g_grad, adagrad ? std::optional<TensorView>(got_state.view()) : std::nullopt}, p);
+      // The same float formula; nvcc contracts a * b + c into one fma where the host rounds the
+      // product first, so each result may differ by an ulp or two of its operands.
+      EXPECT_TRUE(close(got, want, 1e-7, 4e-7));
+      if (adagrad) EXPECT_TRUE(close(got_state, want_state, 1e-7, 4e-7));
+    }
+  }
+}
+
+TEST(RecsysGpu, SigmoidBceUnfusedMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  for (std::int64_t batch : {1, 1000, 65536 + 7}) {
+    // |x| <= 8: 1 - p stays far from f32's rounding of p (an ulp of p there moves ln(1 - p) by
+    // about 2e-4 at most), so the GPU's and the spec's p give the same loss to 1e-5.
+    const Tensor x = test::random_tensor({batch}, DType::f32, kCpu, 51, -8, 8);
+    Tensor y = test::random_tensor({batch}, DType::f32, kCpu, 52, 0, 1);
+    for (std::int64_t i = 0; i < batch; ++i) y.data_as<float>()[i] = y.data_as<float>()[i] < 0.5f ? 0.0f : 1.0f;
+    Tensor dx = Tensor::empty({batch}, DType::f32, kCpu), prob = Tensor::empty({batch}, DType::f32, kCpu);
+    Tensor acc = Tensor::empty({8 * kSigmoidBceAccumulatorDoubles}, DType::u8, kCpu);
+    fill(acc, 0.0);
+    sigmoid_bce_forward_backward({x, y, dx, acc, prob.view()}, SigmoidBceParams{true});
+    const Tensor gx = x.copy_to(gpu), gy = y.copy_to(gpu);
+    Tensor gdx = Tensor::empty({batch}, DType::f32, gpu), gprob = Tensor::empty({batch}, DType::f32, gpu);
+    test::poison(gdx);
+    test::poison(gprob);
+    Tensor gacc = Tensor::empty({8 * kSigmoidBceAccumulatorDoubles}, DType::u8, gpu);
+    fill(gacc, 0.0);
+    sigmoid_bce_forward_backward({gx, gy, gdx, gacc, gprob.view()}, SigmoidBceParams{true});
+    const Tensor hacc = test::to_host(gacc);
+    EXPECT_NEAR(hacc.data_as<double>()[0], acc.data_as<double>()[0], 1e-5 * acc.data_as<double>()[0]) << batch;
+    EXPECT_EQ(hacc.data_as<double>()[1], 1.0);
+    EXPECT_TRUE(close(gprob, prob, 1e-7, 1e-6)) << batch;
+    EXPECT_TRUE(close(gdx, dx, 1e-7 / static_cast<double>(batch), 1e-6)) << batch;
+  }
+  // The clamp: p rounds to 1 and to 0 exactly on both; each mislabelled term is capped at 100.
+  const Tensor x = f32({3}, {200, -200, 0}), y = f32({3}, {0, 1, 1});
+  const Tensor gx = x.copy_to(gpu), gy = y.copy_to(gpu);
+  Tensor gdx = Tensor::empty({3}, DType::f32, gpu), gprob = Tensor::empty({3}, DType::f32, gpu);
+  Tensor gacc = Tensor::empty({8 * kSigmoidBceAccumulatorDoubles}, DType::u8, gpu);
+  fill(gacc, 0.0);
+  sigmoid_bce_forward_backward({gx, gy, gdx, gacc, gprob.view()}, SigmoidBceParams{true});
+  EXPECT_NEAR(test::to_host(gacc).data_as<double>()[0], (200 + std::log(2.0)) / 3, 1e-6);
+  EXPECT_EQ(floats(gprob), (std::vector<float>{1, 0, 0.5f}));
+}
+
 class RecsysInteractionGpu
     : public ::testing::TestWithParam<std::tuple<std::int64_t, std::int64_t, std::int64_t, InteractionKind, bool>> {};
 
@@ -673,6 +922,45 @@ INSTANTIATE_TEST_SUITE_P(
     CatOuter, RecsysInteractionGpu,
     ::testing::Combine(::testing::Values(1, 9), ::testing::Values(1, 3), ::testing::Values(1, 5),
                        ::testing::Values(InteractionKind::cat, InteractionKind::outer), ::testing::Values(false)));
+
+// The unfused dot (batched fp32 GEMM + gather / scatter + dense-row add) against the spec.
+class RecsysInteractionBmmGpu
+    : public ::testing::TestWithParam<std::tuple<std::int64_t, std::int64_t, std::int64_t, bool>> {};
+
+TEST_P(RecsysInteractionBmmGpu, ForwardAndBackwardMatchSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto [batch, nf, dim, self] = GetParam();
+  const Device gpu = Device::cuda(0);
+  InteractionParams p{InteractionKind::dot, self};
+  p.impl = InteractionImpl::bmm;
+  const std::int64_t size = interaction_size(p, nf, dim), ld = size + 3;  // 3 padding columns
+  const DotPairs hp(nf, self), gp(nf, self, gpu);
+  const Tensor z = test::random_tensor({batch, nf, dim}, DType::f32, kCpu, 61, -1, 1);
+  const Tensor gz = z.copy_to(gpu);
+  Tensor ws = Tensor::empty({batch, nf, nf}, DType::f32, gpu);
+  test::poison(ws);
+  Tensor r = Tensor::empty({batch, ld}, DType::f32, kCpu), gr = Tensor::empty({batch, ld}, DType::f32, gpu);
+  test::poison(gr);
+  interaction_forward({z, r, &hp}, p);
+  interaction_forward({gz, gr, &gp, ws.view()}, p);
+  // fp32 GEMM sums of D products of values in [-1, 1] against the spec's double sums.
+  EXPECT_TRUE(close(gr, r));
+  const Tensor dr = test::random_tensor({batch, ld}, DType::f32, kCpu, 62);
+  const Tensor gdr = dr.copy_to(gpu);
+  Tensor dz = Tensor::empty({batch, nf, dim}, DType::f32, kCpu), gdz = Tensor::empty({batch, nf, dim}, DType::f32, gpu);
+  test::poison(ws);
+  test::poison(gdz);
+  interaction_backward({z, dr, dz, &hp}, p);
+  InteractionBackwardArgs ga{gz, gdr, gdz, &gp};
+  ga.workspace = ws.view();
+  interaction_backward(ga, p);
+  EXPECT_TRUE(close(gdz, dz, 1e-5, 1e-4));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Dot, RecsysInteractionBmmGpu,
+    ::testing::Combine(::testing::Values(1, 9, 130), ::testing::Values(1, 2, 27, 33), ::testing::Values(1, 3, 16, 32),
+                       ::testing::Bool()));
 
 TEST(RecsysGpu, SigmoidBceMatchesSpec) {
   FK_SKIP_WITHOUT_GPU();
@@ -729,6 +1017,27 @@ TEST(RecsysGpu, BadInputs) {
   Tensor zb = Tensor::empty({1, 600, 16}, DType::f32, gpu);
   Tensor rb = Tensor::empty({1, interaction_size({}, 600, 16)}, DType::f32, gpu);
   test::expect_arg_error([&] { interaction_forward({zb, rb, &big}, {}); }, "interaction_forward", "z");
+  // The unfused dot needs its [B, F, F] workspace on the GPU.
+  InteractionParams bmm{InteractionKind::dot, false};
+  bmm.impl = InteractionImpl::bmm;
+  const DotPairs gp(3, false, gpu);
+  Tensor dz = Tensor::empty({1, 3, 2}, DType::f32, gpu), dr = Tensor::empty({1, 8}, DType::f32, gpu);
+  Tensor ws = Tensor::empty({1, 3, 3}, DType::f32, gpu), ws_bad = Tensor::empty({1, 3, 2}, DType::f32, gpu);
+  Tensor ws_host = Tensor::empty({1, 3, 3}, DType::f32, kCpu);
+  test::expect_arg_error([&] { interaction_forward({z, r, &gp}, bmm); }, "interaction_forward", "workspace");
+  test::expect_arg_error([&] { interaction_forward({z, r, &gp, ws_bad.view()}, bmm); }, "interaction_forward",
+                         "workspace");
+  test::expect_arg_error([&] { interaction_forward({z, r, &gp, ws_host.view()}, bmm); }, "interaction_forward",
+                         "workspace");
+  test::expect_arg_error([&] { interaction_backward({z, dr, dz, &gp}, bmm); }, "interaction_backward", "workspace");
+  fill(z, 1.0);
+  fill(dr, 1.0);
+  interaction_forward({z, r, &gp, ws.view()}, bmm);
+  InteractionBackwardArgs ba{z, dr, dz, &gp};
+  ba.workspace = ws.view();
+  interaction_backward(ba, bmm);
+  ba.relu_x = true;
+  test::expect_arg_error([&] { interaction_backward(ba, bmm); }, "interaction_backward", "relu_x");
 }
 
 }  // namespace

@@ -4,8 +4,15 @@
 //   embedding_bag_backward_update  the gradient of every touched row, summed in a fixed order and
 //                                  applied at once by SGD / Adagrad / row-wise Adagrad (no dense
 //                                  table gradient), or stored into a dense gradient buffer
+//   dense_optimizer_update         SGD / Adagrad over a whole parameter buffer from its gradient
 //   interaction_forward/backward   Z [B, F, D] -> R [B, I]: dot (pairwise dot products), cat, outer
 //   sigmoid_bce_forward_backward   mean BCE of sigmoid(logits) and dlogits in one pass
+//
+// Each op also offers the unfused path a plain PyTorch port runs (the baseline the fused kernels
+// are measured against): the embedding bag one launch per table, the embedding backward as a
+// dense gradient then dense_optimizer_update, the dot interaction as a batched GEMM between a
+// gather and a scatter, the loss as three kernels. Both paths compute the same spec (the unfused
+// loss clamps its logs as PyTorch's BCELoss does; see SigmoidBceParams).
 //
 // Tables: the T tables of one model share the embedding dim D and live in one f32 buffer
 // [total_rows, D], table t at rows [base[t], base[t] + rows[t]); a TableLayout says where (made
@@ -81,6 +88,10 @@ void check_embedding_input(const TableLayout& layout, const TensorView& indices,
 struct EmbeddingBagParams {
   Pooling pooling = Pooling::sum;
   RowHash hash = RowHash::seed;  // raw input only
+  // The unfused baseline: one launch per table (as one nn.EmbeddingBag per table runs), CSR input
+  // only; keys and bags, when given, are written by one more launch after the lookups. Same
+  // result as the table-batched launch.
+  bool per_table_launch = false;
 };
 
 struct EmbeddingBagForwardArgs {
@@ -103,6 +114,8 @@ enum class EmbeddingUpdate {
   adagrad,          // state [total_rows, D]: state += g^2; w -= lr g / (sqrt(state) + eps)
   rowwise_adagrad,  // state [total_rows]: state += mean_d g^2; w -= lr / (sqrt(state) + eps) g
   store_gradient,   // weights is a dense gradient buffer [total_rows, D]: touched rows = g (others untouched)
+  dense_gradient,   // weights is a dense gradient buffer [total_rows, D], written whole (=): touched rows g,
+                    // every other row 0 (what a dense embedding backward produces)
 };
 
 struct EmbeddingOptimizerParams {
@@ -131,6 +144,25 @@ std::size_t embedding_bag_backward_workspace_bytes(std::int64_t nnz, std::int64_
 void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBagBackwardArgs& a,
                                    const EmbeddingOptimizerParams& p, const Stream* stream = nullptr);
 
+// ---- Dense optimizer ---------------------------------------------------------------------------
+// One optimizer step over a whole parameter buffer, element by element in f32:
+//   SGD      param -= lr * grad
+//   Adagrad  state += grad * grad;  param -= lr * grad / (sqrt(state) + eps)
+struct DenseOptimizerArgs {
+  TensorView param;                 // f32, contiguous, any rank: updated in place
+  TensorView grad;                  // f32, param's shape and device
+  std::optional<TensorView> state;  // f32, param's shape: Adagrad only (required then), updated in place
+};
+
+struct DenseOptimizerParams {
+  bool adagrad = false;  // false: SGD
+  float lr = 0.01f;
+  float eps = 1e-10f;
+};
+
+void dense_optimizer_update(const DenseOptimizerArgs& a, const DenseOptimizerParams& p,
+                            const Stream* stream = nullptr);
+
 // ---- Interaction ------------------------------------------------------------------------------
 enum class InteractionKind {
   dot,    // R[b] = [Z[b, 0, :], <Z[b, i], Z[b, j]> for i in [0, F), j in [0, i) (j <= i with self)]
@@ -138,9 +170,19 @@ enum class InteractionKind {
   outer,  // R[b, i * n + j] = c_i c_j, c = Z[b] flattened, n = F * D
 };
 
+// How the GPU computes the dot interaction (cat and outer have one implementation; the CPU spec
+// has one for every kind).
+enum class InteractionImpl {
+  fused,  // one pass per sample, Z[b] in shared memory, no [F, F] matrix in memory
+  bmm,    // unfused: ZZ[b] = Z[b] Z[b]ᵀ by one batched fp32 GEMM into the workspace, then a gather
+          // into R; backward: a scatter of dR into S [B, F, F] (the workspace), dZ[b] = S[b] Z[b]
+          // by one batched GEMM, then dZ[b, 0] += dR[b, :D]
+};
+
 struct InteractionParams {
   InteractionKind kind = InteractionKind::dot;
   bool self_interaction = false;  // dot: include the pairs (i, i) (DlrmConfig::interaction_itself)
+  InteractionImpl impl = InteractionImpl::fused;
 };
 
 // I: the columns of R. dot: D + F (F - 1) / 2 (+ F with self_interaction); cat: F D; outer: (F D)^2.
@@ -168,6 +210,9 @@ struct InteractionForwardArgs {
   TensorView z;  // f32 [B, F, D], contiguous
   TensorView r;  // f32 [B, I] with row stride ldr >= I, inner stride 1: written (=), padding columns zeroed
   const DotPairs* pairs = nullptr;  // dot: required, for z's F and device
+  // f32 [B, F, F], contiguous, on z's device: ZZ (dot with impl bmm on a GPU: required; its
+  // contents need no initialisation and are overwritten). Ignored otherwise.
+  std::optional<TensorView> workspace = std::nullopt;
 };
 
 struct InteractionBackwardArgs {
@@ -176,8 +221,11 @@ struct InteractionBackwardArgs {
   TensorView dz;  // f32 [B, F, D], contiguous: written (=)
   const DotPairs* pairs = nullptr;
   // dot only: Z[b, 0] is the output of a ReLU (DLRM's bottom MLP): dZ[b, 0] is multiplied by
-  // (Z[b, 0] > 0) in the same pass, the ReLU's backward fused.
+  // (Z[b, 0] > 0) in the same pass, the ReLU's backward fused (impl fused only).
   bool relu_x = false;
+  // f32 [B, F, F], contiguous, on z's device: S (dot with impl bmm on a GPU: required; its
+  // contents need no initialisation and are overwritten). Ignored otherwise.
+  std::optional<TensorView> workspace = std::nullopt;
 };
 
 void interaction_forward(const InteractionForwardArgs& a, const InteractionParams& p, const Stream* stream = nullptr);
@@ -197,9 +245,23 @@ struct SigmoidBceArgs {
   // [0] += the mean loss (max(x, 0) - x y + log1p(exp(-|x|)), summed in double in a fixed order),
   // [1] += 1. Zero it once; read it when the loss is wanted (no host synchronisation per call).
   TensorView accumulator;
+  // f32 [B]: written (=) with p = sigmoid(x) (unfused only: required there, refused by the fused loss).
+  std::optional<TensorView> probabilities = std::nullopt;
 };
 
+struct SigmoidBceParams {
+  // false: the fused loss above (one pass). true: the unfused baseline PyTorch's
+  // BCELoss(sigmoid(x)) runs, three kernels: p = sigmoid(x) (into probabilities); the loss
+  // -mean(y max(log p, -100) + (1 - y) max(log(1 - p), -100)) from the f32 p, added to the
+  // accumulator as above; dlogits = (p - y) / B. It departs from the fused loss by the rounding
+  // of p, which grows as p nears 0 or 1; where p rounds to 1 (x above about 17) or to 0 (x below
+  // about -88), the clamp caps a mislabelled sample's term at 100.
+  bool unfused = false;
+};
+
+// The fused loss.
 void sigmoid_bce_forward_backward(const SigmoidBceArgs& a, const Stream* stream = nullptr);
+void sigmoid_bce_forward_backward(const SigmoidBceArgs& a, const SigmoidBceParams& p, const Stream* stream = nullptr);
 
 // The spec: plain loops over host tensors, double accumulation. Same arguments as above.
 namespace reference {
@@ -208,7 +270,9 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
                                    const EmbeddingOptimizerParams& p);
 void interaction_forward(const InteractionForwardArgs& a, const InteractionParams& p);
 void interaction_backward(const InteractionBackwardArgs& a, const InteractionParams& p);
-void sigmoid_bce_forward_backward(const SigmoidBceArgs& a);
+void dense_optimizer_update(const DenseOptimizerArgs& a, const DenseOptimizerParams& p);
+void sigmoid_bce_forward_backward(const SigmoidBceArgs& a);  // the fused loss
+void sigmoid_bce_forward_backward(const SigmoidBceArgs& a, const SigmoidBceParams& p);
 // The row a raw value selects.
 std::int64_t hash_row(std::uint32_t v, std::int64_t rows, RowHash hash);
 }  // namespace reference

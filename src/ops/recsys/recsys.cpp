@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "fusekit/core/stream.hpp"
+#include "fusekit/ops/gemm.hpp"
 #include "fusekit/ops/recsys.hpp"
 #include "ops/op_checks.hpp"
 #if FUSEKIT_WITH_CUDA
@@ -126,6 +127,8 @@ void embedding_bag_forward(const TableLayout& layout, const EmbeddingBagForwardA
   const bool csr = a.indices.has_value() || a.offsets.has_value();
   FK_CHECK_ARG(csr != a.raw.has_value(), op, "raw", "either raw values or CSR indices and offsets",
                csr ? "both" : "neither");
+  FK_CHECK_ARG(!(p.per_table_launch && a.raw), op, "per_table_launch",
+               "CSR input (the per-table baseline takes rows hashed beforehand)", "raw input");
   std::int64_t nnz = bags;
   if (a.raw) {
     check_vector(op, "raw", *a.raw, DType::i32, bags, dev);
@@ -153,6 +156,19 @@ void embedding_bag_forward(const TableLayout& layout, const EmbeddingBagForwardA
                a.out.shape().str());
   const detail::DeviceScope on(dev.index);
   const cuda::TableSet ts = table_set(layout, a.weights, nullptr, false);
+  if (p.per_table_launch) {
+    const cudaStream_t s = detail::cuda_stream(stream);
+    const auto* indices = a.indices->data_as<std::int64_t>();
+    const auto* offsets = a.offsets->data_as<std::int64_t>();
+    for (int t = 0; t < layout.num_tables(); ++t)
+      cuda::embedding_forward_table(a.weights.data_as<float>() + layout.base(t) * dim, static_cast<int>(dim), t,
+                                    indices, offsets, batch, a.out.data_as<float>(), a.out.strides()[0],
+                                    p.pooling == Pooling::mean, s);
+    if (a.keys)
+      cuda::embedding_keys(ts, indices, offsets, batch, static_cast<std::uint32_t*>(a.keys->data()),
+                           static_cast<std::uint32_t*>(a.bags->data()), s);
+    return;
+  }
   cuda::embedding_forward_fused(
       ts, a.raw ? static_cast<const std::uint32_t*>(a.raw->data()) : nullptr, p.hash,
       a.indices ? a.indices->data_as<std::int64_t>() : nullptr, a.offsets ? a.offsets->data_as<std::int64_t>() : nullptr,
@@ -196,7 +212,9 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
   switch (p.update) {
     case EmbeddingUpdate::sgd:
     case EmbeddingUpdate::store_gradient:
-      FK_CHECK_ARG(!a.state.has_value(), op, "state", "none (SGD and store_gradient keep no state)", a.state->str());
+    case EmbeddingUpdate::dense_gradient:
+      FK_CHECK_ARG(!a.state.has_value(), op, "state", "none (SGD and the gradient stores keep no state)",
+                   a.state->str());
       break;
     case EmbeddingUpdate::adagrad:
       FK_CHECK_ARG(a.state.has_value(), op, "state", fmt::format("f32 [{}, {}] (Adagrad)", layout.total_rows(), dim),
@@ -214,7 +232,16 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
     FK_CHECK_ARG(a.offsets.has_value(), op, "offsets", "the forward's CSR offsets (mean pooling)", "none");
     check_vector(op, "offsets", *a.offsets, DType::i64, bags + 1, dev);
   }
-  if (nnz == 0) return;
+  const bool dense = p.update == EmbeddingUpdate::dense_gradient;
+  if (nnz == 0) {
+    if (!dense) return;
+    if (dev.is_cpu()) return fill(a.weights, 0.0);
+#if FUSEKIT_WITH_CUDA
+    const detail::DeviceScope on(dev.index);
+    FK_CUDA_CHECK(cudaMemsetAsync(a.weights.data(), 0, a.weights.nbytes(), detail::cuda_stream(stream)));
+#endif
+    return;
+  }
   if (dev.is_cpu()) {
     // The spec reads what the keys and bags name: check them (on a GPU they are the forward's own).
     const auto* k = a.keys.data_as<std::int32_t>();
@@ -265,12 +292,40 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
   const detail::DeviceScope on(dev.index);
   const bool rowwise = p.update == EmbeddingUpdate::rowwise_adagrad;
   cuda::TableSet ts = table_set(layout, a.weights, a.state ? a.state->data_as<float>() : nullptr, rowwise);
-  ts.store_gradient = p.update == EmbeddingUpdate::store_gradient;
+  ts.store_gradient = p.update == EmbeddingUpdate::store_gradient || dense;
+  if (dense) FK_CUDA_CHECK(cudaMemsetAsync(a.weights.data(), 0, a.weights.nbytes(), detail::cuda_stream(stream)));
   cuda::embedding_backward_fused(ts, layout.key_bits(), static_cast<const std::uint32_t*>(a.keys.data()),
                                  static_cast<const std::uint32_t*>(a.bags.data()), nnz, batch,
                                  a.dout.data_as<float>(), a.dout.strides()[0],
                                  mean ? a.offsets->data_as<std::int64_t>() : nullptr, p.lr, p.eps, ws,
                                  detail::cuda_stream(stream));
+#else
+  (void)stream;
+#endif
+}
+
+// ---- Dense optimizer ------------------------------------------------------------------------------
+
+void dense_optimizer_update(const DenseOptimizerArgs& a, const DenseOptimizerParams& p, const Stream* stream) {
+  constexpr const char* op = "dense_optimizer_update";
+  checks::tensor(op, "param", a.param, a.param.rank());
+  checks::dtype_in(op, "param", a.param, {DType::f32});
+  const Device dev = a.param.device();
+  checks::cuda_available(op, dev);
+  checks::companion(op, "grad", a.grad, a.param, a.param.shape());
+  if (p.adagrad) {
+    FK_CHECK_ARG(a.state.has_value(), op, "state", fmt::format("f32 {} (Adagrad)", a.param.shape().str()), "none");
+    checks::companion(op, "state", *a.state, a.param, a.param.shape());
+  } else {
+    FK_CHECK_ARG(!a.state.has_value(), op, "state", "none (SGD keeps no state)", a.state->str());
+  }
+  if (a.param.numel() == 0) return;
+  if (dev.is_cpu()) return reference::dense_optimizer_update(a, p);
+#if FUSEKIT_WITH_CUDA
+  const detail::DeviceScope on(dev.index);
+  cuda::optimizer_update(a.param.data_as<float>(), a.grad.data_as<float>(),
+                         p.adagrad ? a.state->data_as<float>() : nullptr, a.param.numel(), p.lr, p.eps,
+                         detail::cuda_stream(stream));
 #else
   (void)stream;
 #endif
@@ -341,6 +396,23 @@ void check_interaction(const char* op, const TensorView& z, const char* r_arg, c
                  pairs->device_pairs().data() ? pairs->device_pairs().device().str() : std::string("cpu"));
 }
 
+// Whether the dot interaction runs unfused (batched GEMM + gather / scatter): on a GPU only.
+bool uses_bmm(const TensorView& z, const InteractionParams& p) {
+  return p.kind == InteractionKind::dot && p.impl == InteractionImpl::bmm && z.device().is_cuda();
+}
+
+// The unfused dot's scratch: f32 [B, F, F] contiguous on z's device; R's row stride and F * D are
+// int in its gather, scatter and add kernels.
+void check_bmm(const char* op, const TensorView& z, const std::optional<TensorView>& workspace, const TensorView& r) {
+  const std::int64_t batch = z.size(0), nf = z.size(1);
+  const Dims want{batch, nf, nf};
+  FK_CHECK_ARG(workspace.has_value(), op, "workspace", fmt::format("f32 {} (dot with impl bmm)", want.str()), "none");
+  checks::companion(op, "workspace", *workspace, z, want);
+  const std::int64_t fd = z.size(1) * z.size(2);
+  FK_CHECK_ARG(r.size(1) < (std::int64_t{1} << 31) && fd < (std::int64_t{1} << 31), op, "z",
+               "F * D and R's row length below 2^31 (impl bmm)", fmt::format("{} and {}", fd, r.size(1)));
+}
+
 // The dot kernels stage a sample's Z (and S) in shared memory: 8 samples a block, 48 KB at most.
 void check_dot_smem(const char* op, std::int64_t floats_per_sample) {
   FK_CHECK_ARG(floats_per_sample * 4 * 8 <= 48 * 1024, op, "z", "F and D small enough for the GPU dot interaction",
@@ -352,6 +424,8 @@ void check_dot_smem(const char* op, std::int64_t floats_per_sample) {
 void interaction_forward(const InteractionForwardArgs& a, const InteractionParams& p, const Stream* stream) {
   constexpr const char* op = "interaction_forward";
   check_interaction(op, a.z, "r", a.r, a.pairs, p);
+  const bool bmm = uses_bmm(a.z, p);
+  if (bmm) check_bmm(op, a.z, a.workspace, a.r);
   if (a.z.numel() == 0) return;
   if (a.z.device().is_cpu()) return reference::interaction_forward(a, p);
 #if FUSEKIT_WITH_CUDA
@@ -361,8 +435,16 @@ void interaction_forward(const InteractionForwardArgs& a, const InteractionParam
   float* r = a.r.data_as<float>();
   switch (p.kind) {
     case InteractionKind::dot: {
-      check_dot_smem(op, nf * (dim % 4 == 0 ? dim + 4 : dim + 1));
       const auto& pairs = a.pairs->host();
+      if (bmm) {
+        matmul(a.z, a.z, *a.workspace, Trans::n, Trans::t, stream);  // ZZ[b] = Z[b] Z[b]ᵀ in fp32
+        cuda::interaction_gather(a.z.data_as<float>(), a.workspace->data_as<float>(),
+                                 static_cast<const std::uint32_t*>(a.pairs->device_pairs().data()),
+                                 static_cast<int>(pairs.size()), static_cast<int>(nf), static_cast<int>(dim), batch, r,
+                                 ldr, s);
+        break;
+      }
+      check_dot_smem(op, nf * (dim % 4 == 0 ? dim + 4 : dim + 1));
       cuda::interaction_dot_forward(a.z.data_as<float>(), static_cast<const std::uint32_t*>(a.pairs->device_pairs().data()),
                                     static_cast<int>(pairs.size()), static_cast<int>(nf), static_cast<int>(dim), batch,
                                     r, ldr, s);
@@ -384,6 +466,10 @@ void interaction_backward(const InteractionBackwardArgs& a, const InteractionPar
   checks::companion(op, "dz", a.dz, a.z, a.z.shape());
   FK_CHECK_ARG(!a.relu_x || p.kind == InteractionKind::dot, op, "relu_x", "false (the mask is fused into dot only)",
                "true");
+  FK_CHECK_ARG(!a.relu_x || p.kind != InteractionKind::dot || p.impl == InteractionImpl::fused, op, "relu_x",
+               "false with impl bmm (the unfused path runs the ReLU's backward on its own)", "true");
+  const bool bmm = uses_bmm(a.z, p);
+  if (bmm) check_bmm(op, a.z, a.workspace, a.dr);
   if (a.z.numel() == 0) return;
   if (a.z.device().is_cpu()) return reference::interaction_backward(a, p);
 #if FUSEKIT_WITH_CUDA
@@ -392,6 +478,17 @@ void interaction_backward(const InteractionBackwardArgs& a, const InteractionPar
   const std::int64_t batch = a.z.size(0), nf = a.z.size(1), dim = a.z.size(2), ldr = a.dr.size(1);
   switch (p.kind) {
     case InteractionKind::dot: {
+      if (bmm) {
+        const auto& pairs = a.pairs->host();
+        cuda::interaction_scatter(a.dr.data_as<float>(), ldr,
+                                  static_cast<const std::uint32_t*>(a.pairs->device_pairs().data()),
+                                  static_cast<int>(pairs.size()), static_cast<int>(nf), static_cast<int>(dim), batch,
+                                  a.workspace->data_as<float>(), s);
+        matmul(*a.workspace, a.z, a.dz, Trans::n, Trans::n, stream);  // dZ[b] = S[b] Z[b] in fp32
+        cuda::add_dense_grad(a.dr.data_as<float>(), static_cast<int>(ldr), static_cast<int>(dim),
+                             static_cast<int>(nf * dim), batch, a.dz.data_as<float>(), s);
+        break;
+      }
       const bool reg = nf <= 32 && (dim == 8 || dim == 16 || dim == 32);
       check_dot_smem(op, reg ? nf * ((nf + 3) / 4 * 4) : nf * dim + nf * nf);
       const auto& pairs = a.pairs->host();
@@ -417,6 +514,10 @@ void interaction_backward(const InteractionBackwardArgs& a, const InteractionPar
 // ---- Loss -----------------------------------------------------------------------------------------
 
 void sigmoid_bce_forward_backward(const SigmoidBceArgs& a, const Stream* stream) {
+  sigmoid_bce_forward_backward(a, SigmoidBceParams{}, stream);
+}
+
+void sigmoid_bce_forward_backward(const SigmoidBceArgs& a, const SigmoidBceParams& p, const Stream* stream) {
   constexpr const char* op = "sigmoid_bce_forward_backward";
   checks::tensor(op, "logits", a.logits, 1);
   checks::dtype_in(op, "logits", a.logits, {DType::f32});
@@ -429,9 +530,21 @@ void sigmoid_bce_forward_backward(const SigmoidBceArgs& a, const Stream* stream)
   check_vector(op, "accumulator", a.accumulator, DType::u8, 8 * kSigmoidBceAccumulatorDoubles, dev);
   FK_CHECK_ARG(reinterpret_cast<std::uintptr_t>(a.accumulator.data()) % 8 == 0, op, "accumulator",
                "8-byte aligned data (it holds doubles)", "a misaligned pointer");
-  if (dev.is_cpu()) return reference::sigmoid_bce_forward_backward(a);
+  if (p.unfused) {
+    FK_CHECK_ARG(a.probabilities.has_value(), op, "probabilities", fmt::format("f32 [{}] (the unfused loss)", batch),
+                 "none");
+    check_vector(op, "probabilities", *a.probabilities, DType::f32, batch, dev);
+  } else {
+    FK_CHECK_ARG(!a.probabilities.has_value(), op, "probabilities", "none (the fused loss writes no probabilities)",
+                 a.probabilities->str());
+  }
+  if (dev.is_cpu()) return reference::sigmoid_bce_forward_backward(a, p);
 #if FUSEKIT_WITH_CUDA
   const detail::DeviceScope on(dev.index);
+  if (p.unfused)
+    return cuda::sigmoid_bce_reference(a.logits.data_as<float>(), a.labels.data_as<float>(), batch,
+                                       a.probabilities->data_as<float>(), a.dlogits.data_as<float>(),
+                                       a.accumulator.data_as<double>(), detail::cuda_stream(stream));
   cuda::sigmoid_bce_fused(a.logits.data_as<float>(), a.labels.data_as<float>(), batch, a.dlogits.data_as<float>(),
                           a.accumulator.data_as<double>(), detail::cuda_stream(stream));
 #else

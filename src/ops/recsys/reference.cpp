@@ -77,6 +77,7 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
 
   float* w = a.weights.data_as<float>();
   float* state = a.state ? a.state->data_as<float>() : nullptr;
+  if (p.update == EmbeddingUpdate::dense_gradient) std::fill(w, w + a.weights.numel(), 0.0f);
   std::vector<double> g(static_cast<std::size_t>(dim));
   for (std::size_t s = 0; s < order.size();) {
     const std::uint32_t row = key_of(order[s]);
@@ -114,9 +115,26 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
         break;
       }
       case EmbeddingUpdate::store_gradient:
+      case EmbeddingUpdate::dense_gradient:
         for (std::int64_t c = 0; c < dim; ++c) wr[c] = static_cast<float>(g[static_cast<std::size_t>(c)]);
         break;
     }
+  }
+}
+
+void dense_optimizer_update(const DenseOptimizerArgs& a, const DenseOptimizerParams& p) {
+  // In float, as the CUDA kernel computes it (not in double: this is what the GPU must match).
+  const std::int64_t n = a.param.numel();
+  float* param = a.param.data_as<float>();
+  const float* grad = a.grad.data_as<float>();
+  if (!p.adagrad) {
+    for (std::int64_t i = 0; i < n; ++i) param[i] -= p.lr * grad[i];
+    return;
+  }
+  float* state = a.state->data_as<float>();
+  for (std::int64_t i = 0; i < n; ++i) {
+    state[i] += grad[i] * grad[i];
+    param[i] -= p.lr * grad[i] / (std::sqrt(state[i]) + p.eps);
   }
 }
 
@@ -186,6 +204,29 @@ void interaction_backward(const InteractionBackwardArgs& a, const InteractionPar
     }
     for (std::int64_t i = 0; i < n; ++i) db[i] = static_cast<float>(acc[static_cast<std::size_t>(i)]);
   }
+}
+
+void sigmoid_bce_forward_backward(const SigmoidBceArgs& a, const SigmoidBceParams& p) {
+  if (!p.unfused) return reference::sigmoid_bce_forward_backward(a);
+  // PyTorch's BCELoss on p = sigmoid(x): p is rounded to f32 (it is a tensor there), each log
+  // clamped at -100.
+  const std::int64_t n = a.logits.numel();
+  const float* x = a.logits.data_as<float>();
+  const float* y = a.labels.data_as<float>();
+  float* prob = a.probabilities->data_as<float>();
+  float* dx = a.dlogits.data_as<float>();
+  double sum = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float pi = static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(x[i]))));
+    prob[i] = pi;
+    const double yi = y[i];
+    sum -= yi * std::max(std::log(static_cast<double>(pi)), -100.0) +
+           (1.0 - yi) * std::max(std::log(1.0 - static_cast<double>(pi)), -100.0);
+    dx[i] = static_cast<float>((static_cast<double>(pi) - yi) / static_cast<double>(n));
+  }
+  double* acc = a.accumulator.data_as<double>();
+  acc[0] += sum / static_cast<double>(n);
+  acc[1] += 1.0;
 }
 
 void sigmoid_bce_forward_backward(const SigmoidBceArgs& a) {
