@@ -26,7 +26,6 @@
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/data/criteo.hpp"
 #include "fusekit/ops/recsys.hpp"
-#include "ops/recsys/recsys_cuda.hpp"
 
 namespace fk::bench {
 namespace {
@@ -99,12 +98,11 @@ void fused_forward(Context& ctx, const Tables& tb, const TensorView& weights, co
 }
 
 // One launch per table, CSR input (the rows hashed beforehand), as a per-table EmbeddingBag runs.
-void per_table_forward(Context& ctx, const Tables& tb, const InputSet& s, std::int64_t batch) {
-  const std::int64_t nt = static_cast<std::int64_t>(tb.rows.size());
-  for (int t = 0; t < nt; ++t)
-    cuda::embedding_forward_table(tb.weights.data_as<float>() + tb.layout.base(t) * tb.dim, static_cast<int>(tb.dim), t,
-                                  s.indices.data_as<std::int64_t>(), s.offsets.data_as<std::int64_t>(), batch,
-                                  s.out.data_as<float>(), nt * tb.dim, false, ctx.stream());
+void per_table_forward(Context& ctx, const Tables& tb, const InputSet& s) {
+  EmbeddingBagParams p{Pooling::sum, RowHash::reference};
+  p.per_table_launch = true;
+  embedding_bag_forward(tb.layout, {tb.weights, s.indices.view(), s.offsets.view(), std::nullopt, s.out}, p,
+                        &ctx.fk_stream());
 }
 
 std::string case_name(const char* op, const std::string& shape) { return std::string(op) + "/" + shape; }
@@ -119,7 +117,7 @@ void forward_case(Context& ctx, Tables& tb, const std::string& shape, std::int64
   for (int i = 0; i < rot; ++i) sets.push_back(make_input(ctx, tb, batch, bag, 100 + static_cast<std::uint64_t>(i)));
   Tensor fused_out = ctx.empty({batch, nt, tb.dim}, DType::f32);
   fused_forward(ctx, tb, tb.weights, sets[0], fused_out);
-  per_table_forward(ctx, tb, sets[0], batch);
+  per_table_forward(ctx, tb, sets[0]);
   const double err = ctx.rel_err(fused_out, sets[0].out);
   require_close(name, err, 1e-6);  // the same rows summed in the same order
 
@@ -133,7 +131,7 @@ void forward_case(Context& ctx, Tables& tb, const std::string& shape, std::int64
   fr.rel_err = err;
   fr.extra = {{"nnz", static_cast<double>(sets[0].nnz)}};
   Record br{"recsys", name, "per_table_launches", "per_table_launches"};
-  br.median_us = ctx.time_us([&](int i) { per_table_forward(ctx, tb, sets[static_cast<std::size_t>(i)], batch); }, rot);
+  br.median_us = ctx.time_us([&](int i) { per_table_forward(ctx, tb, sets[static_cast<std::size_t>(i)]); }, rot);
   br.gbps = bytes / (br.median_us * 1e3);
   ctx.add(fr);
   ctx.add(br);
@@ -176,18 +174,18 @@ void backward_case(Context& ctx, Tables& tb, const std::string& shape, std::int6
                                    ada ? std::optional<TensorView>(s_fused.view()) : std::nullopt, ws.view()},
                                   p, &ctx.fk_stream());
   };
+  const DenseOptimizerParams dp{ada, p.lr, p.eps};
   auto baseline = [&](int i) {
     const InputSet& s = sets[static_cast<std::size_t>(i)];
-    FK_CUDA_CHECK(cudaMemsetAsync(grad.data(), 0, grad.nbytes(), ctx.stream()));
     embedding_bag_backward_update(tb.layout,
                                   {s.keys, s.bags, douts[static_cast<std::size_t>(i)], std::nullopt, grad, std::nullopt,
                                    ws.view()},
-                                  {EmbeddingUpdate::store_gradient}, &ctx.fk_stream());
-    for (int t = 0; t < nt; ++t) {
-      const std::int64_t at = tb.layout.base(t) * d;
-      cuda::optimizer_update(w_base.data_as<float>() + at, grad.data_as<float>() + at,
-                             ada ? s_base.data_as<float>() + at : nullptr, tb.layout.rows(t) * d, p.lr, p.eps,
-                             ctx.stream());
+                                  {EmbeddingUpdate::dense_gradient}, &ctx.fk_stream());
+    for (int t = 0; t < nt; ++t) {  // one optimizer launch per table, as one optimizer per table runs
+      const std::int64_t r0 = tb.layout.base(t), r1 = r0 + tb.layout.rows(t);
+      dense_optimizer_update({w_base.view().slice_rows(r0, r1), grad.view().slice_rows(r0, r1),
+                              ada ? std::optional<TensorView>(s_base.view().slice_rows(r0, r1)) : std::nullopt},
+                             dp, &ctx.fk_stream());
     }
   };
   // The check: one step of each from the same tables; the touched rows' updates must agree (the
