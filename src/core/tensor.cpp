@@ -130,22 +130,72 @@ Tensor Tensor::copy_to(Device device) const {
   return t;
 }
 
-void copy(const TensorView& dst, const TensorView& src) {
+namespace {
+
+// A view copy() can move: contiguous, or rank 2 with unit inner stride and row stride >= cols
+// (rows of a padded matrix). Returns the row stride in elements (cols when contiguous).
+std::int64_t copy_row_stride(const TensorView& t, const char* arg) {
+  if (t.is_contiguous()) return t.rank() == 2 ? t.size(1) : 0;
+  FK_CHECK_ARG(t.rank() == 2 && t.strides()[1] == 1 && t.strides()[0] >= t.size(1), "copy", arg,
+               "a contiguous tensor or rows [rows, cols] with inner stride 1 and a row stride >= cols", t.str());
+  return t.strides()[0];
+}
+
+void copy_impl(const TensorView& dst, const TensorView& src, const Stream* stream) {
   FK_CHECK_ARG(dst.dtype() == src.dtype(), "copy", "dst", fmt::format("dtype {}", dtype_name(src.dtype())),
                std::string(dtype_name(dst.dtype())));
   FK_CHECK_ARG(dst.shape() == src.shape(), "copy", "dst", fmt::format("shape {}", src.shape().str()),
                dst.shape().str());
-  FK_CHECK_ARG(src.is_contiguous(), "copy", "src", "a contiguous tensor", src.str());
-  FK_CHECK_ARG(dst.is_contiguous(), "copy", "dst", "a contiguous tensor", dst.str());
-  if (src.nbytes() == 0) return;
+  const std::int64_t ld_src = copy_row_stride(src, "src"), ld_dst = copy_row_stride(dst, "dst");
+  if (src.numel() == 0) return;
+  const bool rows = !(src.is_contiguous() && dst.is_contiguous());
+  const std::size_t esize = dtype_size(src.dtype());
   if (src.device().is_cpu() && dst.device().is_cpu()) {
-    std::memcpy(dst.data(), src.data(), src.nbytes());
+    if (stream != nullptr) stream->synchronize();
+    if (!rows) {
+      std::memcpy(dst.data(), src.data(), src.nbytes());
+      return;
+    }
+    const std::size_t width = static_cast<std::size_t>(src.size(1)) * esize;
+    for (std::int64_t r = 0; r < src.size(0); ++r)
+      std::memcpy(static_cast<unsigned char*>(dst.data()) + static_cast<std::size_t>(r * ld_dst) * esize,
+                  static_cast<const unsigned char*>(src.data()) + static_cast<std::size_t>(r * ld_src) * esize, width);
     return;
   }
 #if FUSEKIT_WITH_CUDA
-  FK_CUDA_CHECK(cudaMemcpy(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault));
+  const cudaStream_t s = stream != nullptr ? static_cast<cudaStream_t>(stream->handle()) : nullptr;
+  if (!rows) {
+    if (stream != nullptr) FK_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault, s));
+    else FK_CUDA_CHECK(cudaMemcpy(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault));
+    return;
+  }
+  const std::size_t width = static_cast<std::size_t>(src.size(1)) * esize;
+  const std::size_t dpitch = static_cast<std::size_t>(ld_dst) * esize, spitch = static_cast<std::size_t>(ld_src) * esize;
+  const std::size_t height = static_cast<std::size_t>(src.size(0));
+  if (stream != nullptr)
+    FK_CUDA_CHECK(cudaMemcpy2DAsync(dst.data(), dpitch, src.data(), spitch, width, height, cudaMemcpyDefault, s));
+  else FK_CUDA_CHECK(cudaMemcpy2D(dst.data(), dpitch, src.data(), spitch, width, height, cudaMemcpyDefault));
 #else
   throw Error("copy", "src", "host tensors (fusekit was built without CUDA)", src.str());
+#endif
+}
+
+}  // namespace
+
+void copy(const TensorView& dst, const TensorView& src) { copy_impl(dst, src, nullptr); }
+
+void copy_async(const TensorView& dst, const TensorView& src, const Stream& stream) { copy_impl(dst, src, &stream); }
+
+void zero_async(const TensorView& t, const Stream& stream) {
+  FK_CHECK_ARG(t.is_contiguous(), "zero_async", "t", "a contiguous tensor", t.str());
+  if (t.numel() == 0) return;
+  if (t.device().is_cpu()) {
+    stream.synchronize();
+    std::memset(t.data(), 0, t.nbytes());
+    return;
+  }
+#if FUSEKIT_WITH_CUDA
+  FK_CUDA_CHECK(cudaMemsetAsync(t.data(), 0, t.nbytes(), static_cast<cudaStream_t>(stream.handle())));
 #endif
 }
 

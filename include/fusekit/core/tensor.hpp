@@ -117,9 +117,16 @@ class Tensor {
   TensorView view_;
 };
 
-// Synchronous copy between any two devices; same dtype and shape, both contiguous. It is ordered
-// after work on the legacy default stream only: synchronise other streams first.
+// Copy between any two devices; same dtype and shape. Each side is contiguous, or the rows of a
+// padded matrix: rank 2, inner stride 1, row stride >= cols (only the cols are copied).
+// copy is synchronous and ordered after work on the legacy default stream only (synchronise other
+// streams first); copy_async is queued on `stream` (host memory must then be page-locked for the
+// copy to overlap, and must stay valid until the stream has run it).
 void copy(const TensorView& dst, const TensorView& src);
+void copy_async(const TensorView& dst, const TensorView& src, const Stream& stream);
+// Sets every byte of a contiguous tensor to 0, queued on `stream` (host tensors: at once, after
+// synchronising the stream).
+void zero_async(const TensorView& t, const Stream& stream);
 // Fills every element with `value` converted to the tensor's dtype (synchronous).
 void fill(const TensorView& t, double value);
 
