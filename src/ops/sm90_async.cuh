@@ -1,6 +1,6 @@
 // Hopper's asynchronous copies and mbarriers, shared by the hand-written sm_90 kernels
 // (attention_sm90.cu, weight_grad_from_packed.cu, qgemm.cu), and the host-side lookup of the
-// driver's tensor-map encoder. Barriers and shared-memory destinations are addressed by their
+// driver's tensor-map encoder and the one function that builds a tensor map. Barriers and shared-memory destinations are addressed by their
 // 32-bit shared-window address (smem_addr).
 #pragma once
 
@@ -8,6 +8,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <string>
 
@@ -86,6 +87,25 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(const char* op) {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
   }();
   return fn;
+}
+
+// A tiled TMA map of a Rank-dimensional tensor at `base`, sizes `dims` innermost first, the byte
+// strides of dimensions 1.. in `strides`, boxes of `box`, unit element strides, 256-byte L2
+// promotion, zeros outside the tensor. Throws fk::Error naming `op` and `what` when the driver
+// refuses the map.
+template <int Rank>
+inline CUtensorMap tensor_map(const char* op, const char* what, CUtensorMapDataType type, const void* base,
+                              const std::array<cuuint64_t, Rank>& dims, const std::array<cuuint64_t, Rank - 1>& strides,
+                              const std::array<cuuint32_t, Rank>& box, CUtensorMapSwizzle swizzle) {
+  CUtensorMap map{};
+  std::array<cuuint32_t, Rank> elem_strides;
+  elem_strides.fill(1);
+  const CUresult r = tensor_map_encoder(op)(&map, type, Rank, const_cast<void*>(base), dims.data(), strides.data(),
+                                            box.data(), elem_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error(op, std::string("cuTensorMapEncodeTiled failed for ") + what + " (error " + std::to_string(r) + ")");
+  return map;
 }
 
 }  // namespace fk::cuda::sm90

@@ -384,19 +384,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // A (D, S, B*H) map of a [B*H, S, D] tensor, boxes of {64, 128, 1} with the 128-byte swizzle.
 CUtensorMap head_map(const char* what, const TensorView& t) {
   const std::int64_t bh = t.size(0) * t.size(1), s = t.size(2), d = t.size(3);
-  CUtensorMap map{};
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(s), static_cast<cuuint64_t>(bh)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(d) * 2, static_cast<cuuint64_t>(s * d) * 2};
-  const cuuint32_t box[3] = {64, 128, 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUtensorMapDataType type =
       t.dtype() == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult r = sm90::tensor_map_encoder(kOp)(&map, type, 3, t.data(), dims, strides, box, elem_strides,
-                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw Error(kOp, std::string("cuTensorMapEncodeTiled failed for ") + what + " (error " + std::to_string(r) + ")");
-  return map;
+  return sm90::tensor_map<3>(kOp, what, type, t.data(),
+                             {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(s), static_cast<cuuint64_t>(bh)},
+                             {static_cast<cuuint64_t>(d) * 2, static_cast<cuuint64_t>(s * d) * 2}, {64, 128, 1},
+                             CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 template <class T, int D>

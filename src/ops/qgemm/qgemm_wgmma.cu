@@ -417,19 +417,12 @@ __global__ void __launch_bounds__(C::kThreads, 1)
 // x [M, K] as a (K, M) map, boxes of {64, BMX} with the 128-byte swizzle; rows past M and columns
 // past K come back as zeros.
 CUtensorMap x_map(const TensorView& x, int bmx) {
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(x.size(1)), static_cast<cuuint64_t>(x.size(0))};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(x.size(1)) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(bmx)};
-  const cuuint32_t elem_strides[2] = {1, 1};
   const CUtensorMapDataType type =
       x.dtype() == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult r = sm90::tensor_map_encoder("qgemm")(&map, type, 2, x.data(), dims, strides, box, elem_strides,
-                                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) throw Error("qgemm", "cuTensorMapEncodeTiled failed for x (error " + std::to_string(r) + ")");
-  return map;
+  return sm90::tensor_map<2>("qgemm", "x", type, x.data(),
+                             {static_cast<cuuint64_t>(x.size(1)), static_cast<cuuint64_t>(x.size(0))},
+                             {static_cast<cuuint64_t>(x.size(1)) * 2},
+                             {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(bmx)}, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 // Clusters of `splits` CTAs of qgemm_wgmma_kernel<T, C> the device runs at once (a cluster lives

@@ -1129,17 +1129,9 @@ __global__ void __launch_bounds__(kFixupThreads) weight_grad_fixup_f16_kernel(co
 // A row-major [rows, cols] tensor as a TMA source of box_cols x box_rows boxes, zeros outside.
 CUtensorMap tensor_map_2d(const char* what, const void* base, CUtensorMapDataType type, int elem_bytes,
                           std::int64_t rows, std::int64_t cols, int box_cols, int box_rows, CUtensorMapSwizzle swizzle) {
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * elem_bytes};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = sm90::tensor_map_encoder(kOp)(&map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
-                                          CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw Error(kOp, std::string("cuTensorMapEncodeTiled failed for ") + what + " (error " + std::to_string(r) + ")");
-  return map;
+  return sm90::tensor_map<2>(kOp, what, type, base, {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)},
+                             {static_cast<cuuint64_t>(cols) * elem_bytes},
+                             {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)}, swizzle);
 }
 
 // The fix-up as a programmatic dependent launch: it is scheduled while the main kernel runs and
