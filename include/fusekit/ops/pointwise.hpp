@@ -73,4 +73,12 @@ double activation(Activation act, double z);
 double activation_grad(Activation act, double z);
 }  // namespace reference
 
+// dst = src, each element converted to dst's dtype (f32, bf16 or f16; rounded to nearest even).
+// Same shape and device; each side contiguous, or rows [rows, cols] with inner stride 1 and its
+// own row stride >= cols (only the cols are read and written). No overlap unless dst is src.
+void convert(const TensorView& src, const TensorView& dst, const Stream* stream = nullptr);
+namespace reference {
+void convert(const TensorView& src, const TensorView& dst);
+}  // namespace reference
+
 }  // namespace fk

@@ -1,0 +1,48 @@
+// convert: dst = src element by element, from one float dtype to another, over rows with their
+// own row strides. A grid-stride loop of 256 threads, one element each (the floor is the bytes read
+// and written over HBM bandwidth; the callers convert small batches and weight ranges).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "activations.cuh"
+#include "fusekit/core/cuda_check.hpp"
+#include "ops/cuda_common.cuh"
+#include "ops/grid_stride.cuh"
+#include "pointwise_cuda.hpp"
+
+namespace fk::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <class S, class D>
+__global__ void convert_kernel(const S* __restrict__ src, std::int64_t ld_src, D* __restrict__ dst,
+                               std::int64_t ld_dst, std::int64_t rows, std::int64_t cols) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::int64_t{gridDim.x} * blockDim.x) {
+    const std::int64_t r = i / cols, c = i % cols;
+    dst[r * ld_dst + c] = device::from_float<D>(device::to_float(src[r * ld_src + c]));
+  }
+}
+
+}  // namespace
+
+void convert(const TensorView& src, std::int64_t ld_src, const TensorView& dst, std::int64_t ld_dst,
+             std::int64_t rows, std::int64_t cols, const Stream* stream) {
+  if (rows * cols == 0) return;
+  const cudaStream_t s = detail::cuda_stream(stream);
+  with_float_type(src.dtype(), [&](auto si) {
+    with_float_type(dst.dtype(), [&](auto di) {
+      using S = decltype(si);
+      using D = decltype(di);
+      convert_kernel<S, D><<<grid_stride_blocks(rows * cols), kThreads, 0, s>>>(
+          static_cast<const S*>(src.data()), ld_src, static_cast<D*>(dst.data()), ld_dst, rows, cols);
+    });
+  });
+  FK_CUDA_CHECK_LAUNCH("convert");
+}
+
+}  // namespace fk::cuda
