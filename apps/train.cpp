@@ -155,9 +155,6 @@ std::pair<Device, models::DlrmImpl> pick_device(const TrainConfig& c, const char
 #endif
     FK_CHECK_ARG(dev.index < count, command, "--device", "a CUDA device that exists (--device cpu otherwise)",
                  fmt::format("{} ({} CUDA devices)", c.device, count));
-  } else {
-    FK_CHECK_ARG(impl == models::DlrmImpl::reference, command, "--impl",
-                 "reference on the CPU (the fused implementation runs on CUDA)", c.impl);
   }
   return {dev, impl};
 }
@@ -181,7 +178,7 @@ models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurize
   mc.fused_mlp = c.fused_mlp;
   mc.table_rows = feat.table_rows();
   mc.seed = c.model_seed;
-  mc.raw_hash = feat.hash == data::HashMode::seed ? models::RawHash::seed : models::RawHash::reference;
+  mc.raw_hash = feat.hash;
   FK_CHECK_ARG(mc.bottom_mlp.front() == data::kNumDense, "fusekit train", "--arch-mlp-bot",
                "13 inputs (Criteo's integer features)", c.arch_mlp_bot);
   mc.validate();
@@ -435,9 +432,9 @@ int run_eval(const EvalFlags& f) {
   if (f.data) c.data = *f.data;
   if (f.test_mini_batch_size) c.test_mini_batch_size = *f.test_mini_batch_size;
   c.device = f.device;
-  // Evaluation is a forward pass, the same function in both implementations; on CUDA the fused
-  // one (it keeps no dense table gradients).
-  c.impl = Device::parse(c.device).is_cuda() ? "fused" : "reference";
+  // Evaluation is a forward pass, the same function in both implementations: the fused one (it
+  // keeps no dense table gradients).
+  c.impl = "fused";
   validate(c);
   const auto [device, impl] = pick_device(c, "fusekit eval");
   const data::Featurizer feat = make_featurizer(c);

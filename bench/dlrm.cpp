@@ -129,7 +129,7 @@ void train_cases(Context& ctx) {
 
   models::DlrmConfig mc;
   mc.table_rows = feat.table_rows();
-  mc.raw_hash = models::RawHash::reference;
+  mc.raw_hash = RowHash::reference;
   for (std::int64_t b : chosen) {
     const std::string name = "train/kaggle_dot_b" + std::to_string(b);
     const std::vector<data::Batch> train = make_batches(all.first(kTrainSamples), feat, b);

@@ -48,9 +48,7 @@ std::vector<std::int64_t> Featurizer::table_rows() const {
 }
 
 std::int64_t Featurizer::hash_index(int table, std::uint32_t v) const {
-  const std::uint64_t n = static_cast<std::uint64_t>(rows(table));
-  const std::uint64_t x = hash == HashMode::seed ? static_cast<std::uint64_t>(v) + 1 : v;
-  return static_cast<std::int64_t>(x % n);
+  return reference::hash_row(v, rows(table), hash);
 }
 
 float Featurizer::dense_transform(std::int32_t x) { return std::log1p(static_cast<float>(std::max(x, 0))); }

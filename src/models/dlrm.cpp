@@ -1,25 +1,30 @@
-// DLRM on the CPU: the layers of models/layers.hpp wired as dlrm_s_pytorch.py wires them.
+// DLRM: nn layers wired as dlrm_s_pytorch.py wires them, one code path for every device.
 #include "fusekit/models/dlrm.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <istream>
+#include <map>
+#include <optional>
 #include <ostream>
+#include <set>
+#include <tuple>
 
+#include "fusekit/core/allocator.hpp"
 #include "fusekit/core/error.hpp"
+#include "fusekit/core/event.hpp"
+#include "fusekit/core/stream.hpp"
 #include "fusekit/core/trace.hpp"
-#include "fusekit/ops/recsys.hpp"
-#include "models/layers.hpp"
-
-#include "models/dlrm_gpu.hpp"
+#include "fusekit/nn/linear.hpp"
+#include "fusekit/nn/recsys.hpp"
+#include "fusekit/ops/pointwise.hpp"
 
 #if FUSEKIT_WITH_CUDA
-#include <cuda_runtime.h>
-
 #include "fusekit/core/cuda_check.hpp"
 #endif
 
@@ -40,14 +45,6 @@ std::string_view interaction_op_name(InteractionOp op) {
   }
   return "?";
 }
-
-OptimizerKind parse_optimizer(std::string_view name) {
-  if (name == "sgd") return OptimizerKind::sgd;
-  if (name == "adagrad") return OptimizerKind::adagrad;
-  throw Error("models::parse_optimizer", "name", "sgd | adagrad", std::string(name));
-}
-
-std::string_view optimizer_name(OptimizerKind k) { return k == OptimizerKind::sgd ? "sgd" : "adagrad"; }
 
 DlrmImpl parse_impl(std::string_view name) {
   if (name == "reference") return DlrmImpl::reference;
@@ -95,40 +92,365 @@ std::int64_t DlrmConfig::parameter_count() const {
   return n;
 }
 
+namespace {
+constexpr const char* kOp = "models::Dlrm";
+}  // namespace
+
 namespace detail {
+
+namespace {
+
+constexpr std::int64_t kGpuRowAlign = 4;  // floats: 16-byte rows for the TF32 GEMMs
+
+std::int64_t round_up(std::int64_t n, std::int64_t to) { return (n + to - 1) / to * to; }
+
+InteractionKind interaction_kind(InteractionOp op) {
+  switch (op) {
+    case InteractionOp::dot: return InteractionKind::dot;
+    case InteractionOp::cat: return InteractionKind::cat;
+    case InteractionOp::outer: return InteractionKind::outer;
+  }
+  throw_internal("models::Dlrm: unknown interaction");
+}
+
+std::vector<std::int64_t> top_sizes(const DlrmConfig& c) {
+  std::vector<std::int64_t> s{c.interaction_size()};
+  s.insert(s.end(), c.top_mlp.begin(), c.top_mlp.end());
+  return s;
+}
+
+bool kernel(const DlrmConfig& c, const std::vector<std::int64_t>& sizes);
+
+// The top MLP's row padding: the outer interaction's R has exactly I columns (the op writes no
+// padding there), so a top MLP behind one whose I is not a multiple of `pad` is not padded.
+std::int64_t top_pad(const DlrmConfig& c, std::int64_t pad) {
+  return c.interaction == InteractionOp::outer && c.interaction_size() % pad != 0 ? 1 : pad;
+}
+
+std::int64_t arena_floats(const DlrmConfig& c, std::int64_t pad) {
+  return nn::MLP::arena_floats(c.bottom_mlp, kernel(c, c.bottom_mlp) ? 1 : pad) +
+         nn::MLP::arena_floats(top_sizes(c), kernel(c, top_sizes(c)) ? 1 : top_pad(c, pad));
+}
+
+// Whether an MLP of these sizes runs as one fused_mlp kernel (DlrmConfig::fused_mlp).
+bool kernel(const DlrmConfig& c, const std::vector<std::int64_t>& sizes) {
+  return c.fused_mlp && nn::MLP::fits_fused_kernel(sizes);
+}
+
+// Philox subsequences: bottom layers from 0, top layers from 1000, tables from 2^40.
+constexpr std::uint64_t kTopStream = 1000, kTableStream = std::uint64_t{1} << 40;
+
+}  // namespace
 
 struct DlrmState {
   DlrmConfig config;
-  cpu::Mlp bottom, top;
-  cpu::EmbeddingBagCollection embeddings;
-  cpu::Interaction interaction;
-  std::vector<std::vector<float>> adagrad_state;  // per Linear: weight then bias, flattened
-  std::int64_t batch = 0;
-  TraceRecorder* trace = nullptr;
-  // Activations of the last forward and their gradients (F = tables + 1, I = interaction size):
-  std::vector<float> x, dx;         // bottom MLP output   [B, D]
-  std::vector<float> z, dz;         // [x, e_1 .. e_T]     [B, F, D]
-  std::vector<float> r, dr;         // interaction output  [B, I]
-  std::vector<float> logits, dlogits;  // train_step's     [B]
+  DlrmImpl impl;
+  Device dev;
+  bool fused;
+  std::optional<Stream> stream_, copy_stream_;  // GPU: compute and input-copy streams
+  std::int64_t pad, features, dim, inter, ldr, ld_dense;
+  nn::ParameterArena arena;
+  nn::MLP bottom, top;
+  nn::EmbeddingBagCollection embeddings;
+  nn::Interaction interaction;
+  nn::BCEWithLogits loss;
 
-  static std::vector<std::int64_t> top_sizes(const DlrmConfig& c) {
-    std::vector<std::int64_t> s{c.interaction_size()};
-    s.insert(s.end(), c.top_mlp.begin(), c.top_mlp.end());
-    return s;
+  // Batch buffers for the largest batch seen. GPU: the input is copied into one of two slots
+  // (the copy of the next batch overlaps the step of this one).
+  struct Slot {
+    Tensor dense, raw, labels, indices, offsets;
+    Event copied, free;
+  };
+  std::array<Slot, 2> slots;
+  std::int64_t cap = 0, cap_nnz = 0;
+  Tensor z, dz, r, dr, logits, dlogits, prob;
+
+  // The batch of the last forward.
+  std::int64_t batch = 0;
+  int slot = 0;
+  nn::EmbeddingBagInput bags;
+  TensorView dense, labels;
+  std::int64_t steps = 0;
+  std::map<std::tuple<int, std::int64_t, int, float, float>, Graph> graphs;
+  std::set<std::int64_t> warm;  // batch sizes that ran one eager step
+
+  // Phase timing for set_trace: mark(name) starts a phase (ending the previous one); flush_trace()
+  // waits for the step and adds the phases to the trace (GPU: timed by events on the GPU track).
+  TraceRecorder* trace = nullptr;
+  std::vector<Event> events;
+  std::vector<double> host_marks;
+  std::vector<const char*> marks;
+  double step_start_us = 0;
+
+  DlrmState(const DlrmConfig& c, DlrmImpl im, Device d)
+      : config(c),
+        impl(im),
+        dev(d),
+        fused(im == DlrmImpl::fused),
+        stream_(d.is_cuda() ? std::optional<Stream>(Stream::create(d)) : std::nullopt),
+        copy_stream_(d.is_cuda() ? std::optional<Stream>(Stream::create(d)) : std::nullopt),
+        pad(d.is_cuda() ? kGpuRowAlign : 1),
+        features(c.num_features()),
+        dim(c.embedding_dim),
+        inter(c.interaction_size()),
+        ldr(round_up(inter, top_pad(c, pad))),
+        ld_dense(round_up(c.bottom_mlp.front(), pad)),
+        arena(arena_floats(c, pad), d),
+        bottom(c.bottom_mlp, {Activation::relu, true, c.allow_tf32, fused, pad, kernel(c, c.bottom_mlp)}, {c.seed, 0},
+               arena),
+        top(top_sizes(c), {Activation::relu, false, c.allow_tf32, fused, top_pad(c, pad), kernel(c, top_sizes(c))},
+            {c.seed, kTopStream}, arena),
+        embeddings(c.table_rows, c.embedding_dim, {Pooling::sum, c.raw_hash, fused}, d, {c.seed, kTableStream}),
+        interaction(c.num_features(), c.embedding_dim,
+                    {interaction_kind(c.interaction), c.interaction_itself, fused}, d),
+        loss(d, fused) {
+    if (d.is_cuda())
+      for (Slot& sl : slots) {
+        sl.copied = Event::create(d, false);
+        sl.free = Event::create(d, false);
+      }
   }
 
-  explicit DlrmState(DlrmConfig c)
-      : config((c.validate(), std::move(c))),
-        // Philox subsequences: bottom layers from 0, top layers from 1000, tables from 2^40.
-        bottom(config.bottom_mlp, true, config.seed, 0),
-        top(top_sizes(config), false, config.seed, 1000),
-        embeddings(config.table_rows, config.embedding_dim, config.seed, std::uint64_t{1} << 40),
-        interaction(config.interaction, config.num_features(), config.embedding_dim, config.interaction_itself) {}
+  const Stream* s() const { return stream_ ? &*stream_ : nullptr; }
+  int num_tables() const { return static_cast<int>(config.table_rows.size()); }
 
-  std::vector<cpu::Linear*> linears() {
-    std::vector<cpu::Linear*> v;
+  void mark(const char* name) {
+    if (!trace) return;
+    if (!stream_) {
+      host_marks.push_back(trace->now_us());
+      marks.push_back(name);
+      return;
+    }
+    if (marks.empty()) {
+      stream_->synchronize();
+      step_start_us = trace->now_us();
+    }
+    if (events.size() <= marks.size()) events.push_back(Event::create(dev, true));
+    events[marks.size()].record(*stream_);
+    marks.push_back(name);
+  }
+
+  void flush_trace() {
+    if (!trace || marks.empty()) return;
+    mark(nullptr);
+    if (!stream_) {
+      for (std::size_t i = 0; i + 1 < marks.size(); ++i)
+        trace->add(marks[i], "cpu", host_marks[i], host_marks[i + 1] - host_marks[i]);
+      host_marks.clear();
+      marks.clear();
+      return;
+    }
+    events[marks.size() - 1].synchronize();
+    for (std::size_t i = 0; i + 1 < marks.size(); ++i) {
+      const double start = 1e3 * events[i].elapsed_ms_since(events[0]);
+      const double end = 1e3 * events[i + 1].elapsed_ms_since(events[0]);
+      trace->add_on_track(marks[i], "gpu", step_start_us + start, end - start, TraceRecorder::kGpuTrack);
+    }
+    marks.clear();
+  }
+
+  // ---- views of the batch buffers -------------------------------------------------------------
+  TensorView f32(const Tensor& t, Dims shape, Dims strides) const {
+    return TensorView(t.data(), DType::f32, shape, strides, dev);
+  }
+  TensorView z_all(const Tensor& t) const { return f32(t, {batch, features, dim}, {features * dim, dim, 1}); }
+  TensorView z_first(const Tensor& t) const { return f32(t, {batch, dim}, {features * dim, 1}); }
+  TensorView z_tables(const Tensor& t) const {
+    return TensorView(t.data_as<float>() + dim, DType::f32, {batch, num_tables(), dim}, {features * dim, dim, 1}, dev);
+  }
+  TensorView r_rows(const Tensor& t) const { return f32(t, {batch, inter}, {ldr, 1}); }
+  // R as the interaction writes and reads it: [B, ldr], the padding columns [I, ldr) zero.
+  TensorView r_full(const Tensor& t) const { return f32(t, {batch, ldr}, {ldr, 1}); }
+  TensorView column(const Tensor& t) const { return f32(t, {batch, 1}, {1, 1}); }
+  TensorView vec(const Tensor& t) const { return f32(t, {batch}, {1}); }
+
+  // Buffers for batches up to b rows and nnz looked-up rows. Graphs captured with the old buffers
+  // are dropped.
+  void ensure_capacity(std::int64_t b, std::int64_t nnz) {
+    if (b <= cap && nnz <= cap_nnz) return;
+    if (stream_) {
+      stream_->synchronize();
+      copy_stream_->synchronize();
+    }
+    graphs.clear();
+    warm.clear();
+    cap = std::max(cap, b);
+    cap_nnz = std::max({cap_nnz, nnz, cap * num_tables()});
+    const Stream* st = s();
+    auto buf = [&](std::int64_t n, DType dt = DType::f32) {
+      return Tensor::empty({std::max<std::int64_t>(n, 1)}, dt, dev, st);
+    };
+    z = buf(cap * features * dim);
+    dz = buf(cap * features * dim);
+    r = buf(cap * ldr);
+    dr = buf(cap * ldr);
+    logits = buf(cap);
+    dlogits = buf(cap);
+    prob = buf(cap);
+    if (stream_) {
+      for (Slot& sl : slots) {
+        sl.dense = buf(cap * ld_dense);
+        // Zeroed on the copy stream, the one that writes the slot (its padding columns stay 0).
+        zero_async(sl.dense, *copy_stream_);
+        sl.raw = buf(cap * num_tables(), DType::i32);
+        sl.labels = buf(cap);
+        sl.indices = buf(cap_nnz, DType::i64);
+        sl.offsets = buf(cap * num_tables() + 1, DType::i64);
+      }
+      copy_stream_->synchronize();
+    }
+    bottom.reserve(cap, st);
+    top.reserve(cap, st);
+    embeddings.reserve(cap_nnz, st);
+    interaction.reserve(cap, st);
+    loss.reserve(cap, st);
+  }
+
+  // Checks the input and makes it the batch of the next forward. GPU: copies it into slot `si` on
+  // the copy stream (after the slot's last step) and makes the compute stream wait for the copy;
+  // returns once the copy is done (the caller's buffers are then free).
+  void stage(int si, const DlrmInput& in, const TensorView* label) {
+    const std::int64_t t = num_tables(), n_in = config.bottom_mlp.front();
+    FK_CHECK_ARG(in.dense.dtype() == DType::f32 && in.dense.rank() == 2 && in.dense.size(1) == n_in &&
+                     in.dense.is_contiguous() && in.dense.data() != nullptr,
+                 kOp, "dense", fmt::format("f32 [B, {}], contiguous", n_in), in.dense.str());
+    const std::int64_t b = in.dense.size(0);
+    FK_CHECK_ARG(b >= 1, kOp, "dense", "a batch of at least one sample", in.dense.str());
+    if (label)
+      FK_CHECK_ARG(label->dtype() == DType::f32 && label->numel() == b && label->is_contiguous() &&
+                       label->data() != nullptr,
+                   kOp, "labels", fmt::format("f32 with {} elements", b), label->str());
+    if (!stream_) {
+      FK_CHECK_ARG(in.dense.device().is_cpu(), kOp, "dense", "a host tensor (the model is on the CPU)", in.dense.str());
+      if (label) checks_host(*label, "labels");
+    }
+    const bool raw = fused && in.raw_sparse.data() != nullptr;
+    std::int64_t nnz = t * b;
+    if (raw) {
+      FK_CHECK_ARG(in.raw_sparse.dtype() == DType::i32 && in.raw_sparse.numel() == t * b && in.raw_sparse.is_contiguous(),
+                   kOp, "raw_sparse", fmt::format("i32 [{}] (tables * batch)", t * b), in.raw_sparse.str());
+      if (!stream_) checks_host(in.raw_sparse, "raw_sparse");
+    } else {
+      FK_CHECK_ARG(in.offsets.device().is_cpu() && in.indices.device().is_cpu(), kOp, "indices/offsets",
+                   "host tensors (checked before they are used)", in.indices.str() + " " + in.offsets.str());
+      check_embedding_input(embeddings.layout(), in.indices, in.offsets, b, kOp);
+      nnz = in.indices.numel();
+    }
+    ensure_capacity(b, nnz);
+    batch = b;
+    slot = si;
+    if (!stream_) {  // the CPU reads the caller's tensors
+      dense = in.dense;
+      labels = label ? *label : TensorView();
+      bags = raw ? nn::EmbeddingBagInput{std::nullopt, std::nullopt, in.raw_sparse}
+                 : nn::EmbeddingBagInput{in.indices, in.offsets, std::nullopt};
+      return;
+    }
+    Slot& sl = slots[static_cast<std::size_t>(si)];
+    const Stream& copy = *copy_stream_;
+    sl.free.wait_on(copy);
+    dense = TensorView(sl.dense.data(), DType::f32, {b, n_in}, {ld_dense, 1}, dev);
+    copy_async(dense, in.dense, copy);
+    auto head = [&](const Tensor& buf, const TensorView& src) {
+      const TensorView dst(buf.data(), src.dtype(), {src.numel()}, dev);
+      copy_async(dst, src.reshape({src.numel()}), copy);
+      return dst;
+    };
+    labels = label ? head(sl.labels, *label) : TensorView();
+    if (raw) {
+      bags = {std::nullopt, std::nullopt, head(sl.raw, in.raw_sparse)};
+    } else {
+      bags = {head(sl.indices, in.indices), head(sl.offsets, in.offsets), std::nullopt};
+    }
+    sl.copied.record(copy);
+    sl.copied.wait_on(*stream_);
+    sl.copied.synchronize();
+  }
+
+  static void checks_host(const TensorView& t, const char* arg) {
+    FK_CHECK_ARG(t.device().is_cpu(), kOp, arg, "a host tensor (the model is on the CPU)", t.str());
+  }
+
+  // ---- the step's phases ----------------------------------------------------------------------
+  void forward_body() {
+    const Stream* st = s();
+    mark("bottom_mlp.fwd");
+    bottom.forward(dense, z_first(z), st);
+    mark("embeddings.fwd");
+    embeddings.forward(bags, batch, z_tables(z), st);
+    mark("interaction.fwd");
+    interaction.forward(z_all(z), r_full(r), st);
+    mark("top_mlp.fwd");
+    top.forward(r_rows(r), column(logits), st);
+  }
+
+  void loss_body() {
+    mark("bce_loss");
+    loss.forward_backward(vec(logits), labels, vec(dlogits), s());
+  }
+
+  void backward_body() {
+    const Stream* st = s();
+    mark("top_mlp.bwd");
+    top.backward(column(logits), column(dlogits), r_rows(dr), st);
+    mark("interaction.bwd");
+    // Fused dot: the bottom MLP's last ReLU derivative is applied here (again by its backward,
+    // a no-op on an already masked gradient).
+    interaction.backward(z_all(z), r_full(dr), z_all(dz), fused && config.interaction == InteractionOp::dot, st);
+    mark("embeddings.bwd");
+    embeddings.backward(z_tables(dz), st);
+    mark("bottom_mlp.bwd");
+    bottom.backward(z_first(z), z_first(dz), std::nullopt, st);
+  }
+
+  void step_body(const OptimizerConfig& opt) {
+    const Stream* st = s();
+    mark("optimizer.embeddings");
+    embeddings.step(opt, st);
+    mark("optimizer.mlp");
+    arena.step(opt, fused, st);
+  }
+
+  void ensure_optimizer_state(const OptimizerConfig& opt) {
+    if (opt.kind != OptimizerKind::adagrad) return;
+    arena.ensure_state(opt.initial_accumulator, s());
+    embeddings.ensure_state(opt.initial_accumulator, s());
+  }
+
+  void finish_step() {
+    if (stream_) slots[static_cast<std::size_t>(slot)].free.record(*stream_);
+    ++steps;
+    flush_trace();
+  }
+
+  void sync() const {
+    if (stream_) stream_->synchronize();
+  }
+
+  std::vector<nn::Linear*> linears() {
+    std::vector<nn::Linear*> v;
     for (auto& l : bottom.layers) v.push_back(&l);
     for (auto& l : top.layers) v.push_back(&l);
+    return v;
+  }
+
+  // Every array of the training state in the stream's order: linear weights and biases, tables,
+  // then (with Adagrad state) their optimizer states in the same order.
+  std::vector<TensorView> state_arrays(bool with_adagrad) {
+    std::vector<TensorView> v;
+    for (nn::Linear* l : linears()) {
+      v.push_back(l->weight);
+      v.push_back(l->bias);
+    }
+    for (const Tensor& t : embeddings.tables) v.push_back(t);
+    if (with_adagrad) {
+      for (std::size_t i = 0; i < arena.parameters().size(); ++i) v.push_back(*arena.state(i));
+      for (int t = 0; t < num_tables(); ++t) {
+        const TensorView& tv = embeddings.tables[static_cast<std::size_t>(t)].view();
+        v.push_back(TensorView(embeddings.state.data_as<float>() + embeddings.layout().base(t) * dim, DType::f32,
+                               tv.shape(), dev));
+      }
+    }
     return v;
   }
 };
@@ -137,246 +459,60 @@ struct DlrmState {
 
 namespace {
 
-void check_vector(const TensorView& t, std::int64_t n, const char* arg) {
-  FK_CHECK_ARG(t.dtype() == DType::f32 && t.rank() == 1 && t.numel() == n && t.is_contiguous() &&
-                   t.device().is_cpu() && (t.data() != nullptr || n == 0),
-               "models::Dlrm", arg, fmt::format("host f32 [{}] with data", n), t.str());
-}
-
-}  // namespace
-
-Dlrm::Dlrm(DlrmConfig config, Device device, DlrmImpl impl) : device_(device), impl_(impl) {
-  config.validate();
-  if (device.is_cuda()) {
+// Makes a model's GPU current for one call (nothing on the CPU).
+class OnDevice {
+ public:
+  explicit OnDevice(Device d) {
 #if FUSEKIT_WITH_CUDA
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
-    FK_CHECK_ARG(device.index >= 0 && device.index < count, "models::Dlrm", "device", "a CUDA device that exists",
-                 fmt::format("{} ({} CUDA devices usable)", device.str(), count));
-    g_ = std::make_unique<gpu::GpuDlrm>(config, impl, device.index);
-    config_ = std::move(config);
-    return;
+    if (d.is_cuda()) scope_.emplace(d.index);
 #else
-    throw Error("models::Dlrm", "device", "cpu (fusekit was built without CUDA)", device.str());
+    (void)d;
 #endif
   }
-  FK_CHECK_ARG(device.is_cpu(), "models::Dlrm", "device", "cpu | cuda", device.str());
-  FK_CHECK_ARG(impl == DlrmImpl::reference, "models::Dlrm", "impl",
-               "reference on the CPU (the fused implementation is CUDA only)", std::string(impl_name(impl)));
-  config_ = config;
-  s_ = std::make_unique<detail::DlrmState>(std::move(config));
+
+ private:
+#if FUSEKIT_WITH_CUDA
+  std::optional<fk::detail::DeviceScope> scope_;
+#endif
+};
+
+void check_vector(const TensorView& t, std::int64_t n, const char* arg) {
+  FK_CHECK_ARG(t.dtype() == DType::f32 && t.rank() == 1 && t.numel() == n && t.is_contiguous() &&
+                   (t.data() != nullptr || n == 0),
+               "models::Dlrm", arg, fmt::format("f32 [{}] with data", n), t.str());
 }
-
-Dlrm::~Dlrm() = default;
-Dlrm::Dlrm(Dlrm&&) noexcept = default;
-Dlrm& Dlrm::operator=(Dlrm&&) noexcept = default;
-
-const DlrmConfig& Dlrm::config() const noexcept { return config_; }
-Device Dlrm::device() const noexcept { return device_; }
-DlrmImpl Dlrm::impl() const noexcept { return impl_; }
-
-void Dlrm::forward(const DlrmInput& input, const TensorView& logits) {
-  if (g_) return g_->forward(input, logits);
-  detail::DlrmState& s = *s_;
-  const std::int64_t in = s.config.bottom_mlp.front(), d = s.config.embedding_dim, f = s.config.num_features();
-  FK_CHECK_ARG(input.dense.dtype() == DType::f32 && input.dense.rank() == 2 && input.dense.size(1) == in &&
-                   input.dense.is_contiguous() && input.dense.device().is_cpu(),
-               "models::Dlrm::forward", "dense", fmt::format("host f32 [B, {}]", in), input.dense.str());
-  const std::int64_t b = input.dense.size(0);
-  check_vector(logits, b, "logits");
-  s.batch = b;
-  s.x.resize(static_cast<std::size_t>(b * d));
-  s.z.resize(static_cast<std::size_t>(b * f * d));
-  s.r.resize(static_cast<std::size_t>(b * s.interaction.output_size()));
-  {
-    const auto scope = trace_scope(s.trace, "bottom_mlp.fwd");
-    s.bottom.forward(input.dense.data_as<float>(), b, s.x.data());
-    for (std::int64_t i = 0; i < b; ++i) std::copy_n(s.x.data() + i * d, d, s.z.data() + i * f * d);
-  }
-  {
-    const auto scope = trace_scope(s.trace, "embeddings.fwd");
-    s.embeddings.forward(input.indices, input.offsets, b, s.z.data() + d, f * d);
-  }
-  {
-    const auto scope = trace_scope(s.trace, "interaction.fwd");
-    s.interaction.forward(s.z.data(), b, s.r.data());
-  }
-  const auto scope = trace_scope(s.trace, "top_mlp.fwd");
-  s.top.forward(s.r.data(), b, logits.data_as<float>());
-}
-
-void Dlrm::backward(const TensorView& dlogits) {
-  if (g_) return g_->backward(dlogits);
-  detail::DlrmState& s = *s_;
-  check_vector(dlogits, s.batch, "dlogits");
-  const std::int64_t b = s.batch, d = s.config.embedding_dim, f = s.config.num_features();
-  s.dr.resize(s.r.size());
-  s.dz.resize(s.z.size());
-  s.dx.resize(s.x.size());
-  {
-    const auto scope = trace_scope(s.trace, "top_mlp.bwd");
-    s.top.backward(dlogits.data_as<float>(), s.dr.data());
-  }
-  {
-    const auto scope = trace_scope(s.trace, "interaction.bwd");
-    s.interaction.backward(s.z.data(), s.dr.data(), b, s.dz.data());
-  }
-  {
-    const auto scope = trace_scope(s.trace, "embeddings.bwd");
-    s.embeddings.backward(s.dz.data() + d, f * d);
-  }
-  const auto scope = trace_scope(s.trace, "bottom_mlp.bwd");
-  for (std::int64_t i = 0; i < b; ++i) std::copy_n(s.dz.data() + i * f * d, d, s.dx.data() + i * d);
-  s.bottom.backward(s.dx.data(), nullptr);
-}
-
-void Dlrm::step(const OptimizerConfig& opt) {
-  if (g_) return g_->step(opt);
-  detail::DlrmState& s = *s_;
-  const std::vector<cpu::Linear*> layers = s.linears();
-  if (opt.kind == OptimizerKind::adagrad && s.adagrad_state.empty())
-    for (cpu::Linear* l : layers) {
-      s.adagrad_state.emplace_back(static_cast<std::size_t>(l->weight.numel()), opt.initial_accumulator);
-      s.adagrad_state.emplace_back(static_cast<std::size_t>(l->bias.numel()), opt.initial_accumulator);
-    }
-  {
-    const auto scope = trace_scope(s.trace, "optimizer.mlp");
-    for (std::size_t i = 0; i < layers.size(); ++i) {
-      cpu::Linear& l = *layers[i];
-      float* sw = s.adagrad_state.empty() ? nullptr : s.adagrad_state[2 * i].data();
-      float* sb = s.adagrad_state.empty() ? nullptr : s.adagrad_state[2 * i + 1].data();
-      cpu::optimizer_update(opt, l.weight.data_as<float>(), l.weight_grad.data_as<float>(), sw, l.weight.numel());
-      cpu::optimizer_update(opt, l.bias.data_as<float>(), l.bias_grad.data_as<float>(), sb, l.bias.numel());
-    }
-  }
-  const auto scope = trace_scope(s.trace, "optimizer.embeddings");
-  s.embeddings.step(opt);
-}
-
-double Dlrm::train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt) {
-  if (g_) {
-    g_->enqueue_train_step(input, labels, opt);
-    return g_->drain_loss();
-  }
-  detail::DlrmState& s = *s_;
-  const std::int64_t b = input.dense.rank() == 2 ? input.dense.size(0) : 0;
-  s.logits.resize(static_cast<std::size_t>(b));
-  s.dlogits.resize(static_cast<std::size_t>(b));
-  const TensorView logits(s.logits.data(), DType::f32, {b}, Device::cpu());
-  const TensorView dlogits(s.dlogits.data(), DType::f32, {b}, Device::cpu());
-  forward(input, logits);
-  double loss = 0;
-  {
-    const auto scope = trace_scope(s.trace, "bce_loss");
-    loss = bce_with_logits(logits, labels, &dlogits);
-  }
-  backward(dlogits);
-  step(opt);
-  return loss;
-}
-
-void Dlrm::predict(const DlrmInput& input, const TensorView& probabilities) {
-  if (g_) return g_->predict(input, probabilities);
-  forward(input, probabilities);
-  float* p = probabilities.data_as<float>();
-  for (std::int64_t i = 0; i < probabilities.numel(); ++i) p[i] = 1.0f / (1.0f + std::exp(-p[i]));
-}
-
-void Dlrm::set_trace(TraceRecorder* trace) noexcept {
-  if (s_) s_->trace = trace;
-  if (g_) g_->set_trace(trace);
-}
-
-void Dlrm::enqueue_train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt) {
-  if (g_) return g_->enqueue_train_step(input, labels, opt);
-  pending_loss_ += train_step(input, labels, opt);
-  ++pending_steps_;
-}
-
-double Dlrm::drain_loss() {
-  if (g_) return g_->drain_loss();
-  const double mean = pending_steps_ > 0 ? pending_loss_ / static_cast<double>(pending_steps_) : 0.0;
-  pending_loss_ = 0;
-  pending_steps_ = 0;
-  return mean;
-}
-
-std::size_t Dlrm::peak_device_bytes() const { return g_ ? g_->peak_device_bytes() : 0; }
-
-std::vector<Dlrm::LinearParams> Dlrm::linear_layers() {
-  if (g_) return g_->linear_layers();
-  std::vector<LinearParams> v;
-  for (cpu::Linear* l : s_->linears()) v.push_back({&l->weight, &l->bias, &l->weight_grad, &l->bias_grad});
-  return v;
-}
-
-std::vector<Tensor*> Dlrm::tables() {
-  if (g_) return g_->tables();
-  std::vector<Tensor*> v;
-  for (Tensor& t : s_->embeddings.tables) v.push_back(&t);
-  return v;
-}
-
-const std::vector<SparseGrad>& Dlrm::table_grads() const {
-  if (g_) {
-    static const std::vector<SparseGrad> none;
-    return none;
-  } return s_->embeddings.grads; }
-
-namespace {
 
 constexpr char kStateMagic[8] = {'F', 'K', 'D', 'L', 'R', 'M', 'S', '1'};
 constexpr std::int64_t kCopyChunk = std::int64_t{1} << 24;  // floats per host bounce (64 MB)
 
-// Every float array of the CPU training state, in the stream's order: linear weights and biases,
-// tables, then (when Adagrad has run) their optimizer states in the same order.
-std::vector<detail::StateArray> state_arrays(detail::DlrmState& s, bool with_adagrad) {
-  std::vector<detail::StateArray> v;
-  for (cpu::Linear* l : s.linears()) {
-    v.push_back({l->weight.data_as<float>(), l->weight.numel(), false});
-    v.push_back({l->bias.data_as<float>(), l->bias.numel(), false});
-  }
-  for (Tensor& t : s.embeddings.tables) v.push_back({t.data_as<float>(), t.numel(), false});
-  if (with_adagrad) {
-    for (auto& a : s.adagrad_state) v.push_back({a.data(), static_cast<std::int64_t>(a.size()), false});
-    for (Tensor& t : s.embeddings.adagrad_state) v.push_back({t.data_as<float>(), t.numel(), false});
-  }
-  return v;
+// A rank-1 or rank-2 f32 view as rows [rows, cols] (rank 1: [n, 1]).
+TensorView as_rows(const TensorView& v) {
+  if (v.rank() == 2) return v;
+  return TensorView(v.data(), DType::f32, {v.numel(), 1}, {1, 1}, v.device());
 }
 
-void copy_floats(float* dst, const float* src, std::int64_t n, bool to_device) {
-#if FUSEKIT_WITH_CUDA
-  FK_CUDA_CHECK(cudaMemcpy(dst, src, static_cast<std::size_t>(n) * 4,
-                           to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost));
-#else
-  (void)dst, (void)src, (void)n, (void)to_device;
-  throw Error("models::Dlrm", "state", "host arrays (fusekit was built without CUDA)", "a device array");
-#endif
+// Rows [first, first + n) of a rows view.
+TensorView row_range(const TensorView& v, std::int64_t first, std::int64_t n) {
+  return TensorView(static_cast<float*>(v.data()) + first * v.strides()[0], DType::f32, {n, v.size(1)}, v.strides(),
+                    v.device());
 }
 
-}  // namespace
-
-namespace detail {
-
-void write_state(std::ostream& out, bool adagrad, const std::vector<StateArray>& arrays) {
+void write_state(std::ostream& out, bool adagrad, const std::vector<TensorView>& arrays) {
   const std::uint8_t flag = adagrad ? 1 : 0;
   const std::uint64_t count = arrays.size();
   out.write(kStateMagic, 8);
   out.write(reinterpret_cast<const char*>(&flag), 1);
   out.write(reinterpret_cast<const char*>(&count), 8);
-  std::vector<float> bounce;
-  for (const StateArray& a : arrays) {
-    const std::uint64_t len = static_cast<std::uint64_t>(a.size);
+  for (const TensorView& a : arrays) {
+    const std::uint64_t len = static_cast<std::uint64_t>(a.numel());
     out.write(reinterpret_cast<const char*>(&len), 8);
-    for (std::int64_t at = 0; at < a.size; at += kCopyChunk) {
-      const std::int64_t n = std::min(kCopyChunk, a.size - at);
-      const float* src = a.data + at;
-      if (a.on_device) {
-        bounce.resize(static_cast<std::size_t>(n));
-        copy_floats(bounce.data(), src, n, false);
-        src = bounce.data();
-      }
-      out.write(reinterpret_cast<const char*>(src), static_cast<std::streamsize>(n * 4));
+    const TensorView rows = as_rows(a);
+    const std::int64_t per = std::max<std::int64_t>(1, kCopyChunk / std::max<std::int64_t>(rows.size(1), 1));
+    for (std::int64_t at = 0; at < rows.size(0); at += per) {
+      const TensorView part = row_range(rows, at, std::min(per, rows.size(0) - at));
+      Tensor host = Tensor::empty(part.shape(), DType::f32, Device::cpu());
+      copy(host, part);
+      out.write(static_cast<const char*>(host.data()), static_cast<std::streamsize>(host.nbytes()));
     }
   }
   if (!out) throw Error("models::Dlrm::save_state", "out", "a writable stream", "a failed write");
@@ -393,56 +529,188 @@ bool read_state_header(std::istream& in, std::uint64_t& count) {
   return adagrad != 0;
 }
 
-void read_state_arrays(std::istream& in, std::uint64_t count, const std::vector<StateArray>& arrays) {
+void read_state_arrays(std::istream& in, std::uint64_t count, const std::vector<TensorView>& arrays) {
   const char* op = "models::Dlrm::load_state";
   FK_CHECK_ARG(count == arrays.size(), op, "in", fmt::format("{} arrays (this configuration)", arrays.size()),
                fmt::format("{}", count));
-  std::vector<float> bounce;
   for (std::size_t i = 0; i < arrays.size(); ++i) {
     std::uint64_t len = 0;
     in.read(reinterpret_cast<char*>(&len), 8);
-    FK_CHECK_ARG(in && len == static_cast<std::uint64_t>(arrays[i].size), op, "in",
-                 fmt::format("array {} of {} floats (this configuration)", i, arrays[i].size), fmt::format("{}", len));
-    for (std::int64_t at = 0; at < arrays[i].size; at += kCopyChunk) {
-      const std::int64_t n = std::min(kCopyChunk, arrays[i].size - at);
-      float* dst = arrays[i].data + at;
-      if (arrays[i].on_device) {
-        bounce.resize(static_cast<std::size_t>(n));
-        dst = bounce.data();
-      }
-      in.read(reinterpret_cast<char*>(dst), static_cast<std::streamsize>(n * 4));
+    FK_CHECK_ARG(in && len == static_cast<std::uint64_t>(arrays[i].numel()), op, "in",
+                 fmt::format("array {} of {} floats (this configuration)", i, arrays[i].numel()), fmt::format("{}", len));
+    const TensorView rows = as_rows(arrays[i]);
+    const std::int64_t per = std::max<std::int64_t>(1, kCopyChunk / std::max<std::int64_t>(rows.size(1), 1));
+    for (std::int64_t at = 0; at < rows.size(0); at += per) {
+      const TensorView part = row_range(rows, at, std::min(per, rows.size(0) - at));
+      Tensor host = Tensor::empty(part.shape(), DType::f32, Device::cpu());
+      in.read(static_cast<char*>(host.data()), static_cast<std::streamsize>(host.nbytes()));
       FK_CHECK_ARG(static_cast<bool>(in), op, "in", "a complete state", "a truncated stream");
-      if (arrays[i].on_device) copy_floats(arrays[i].data + at, bounce.data(), n, true);
+      copy(part, host);
     }
   }
 }
 
-}  // namespace detail
+}  // namespace
+
+Dlrm::Dlrm(DlrmConfig config, Device device, DlrmImpl impl) {
+  config.validate();
+  if (device.is_cuda()) {
+#if FUSEKIT_WITH_CUDA
+    const int count = cuda_device_count();
+    FK_CHECK_ARG(device.index >= 0 && device.index < count, kOp, "device", "a CUDA device that exists",
+                 fmt::format("{} ({} CUDA devices usable)", device.str(), count));
+#else
+    throw Error(kOp, "device", "cpu (fusekit was built without CUDA)", device.str());
+#endif
+  }
+  FK_CHECK_ARG(device.is_cpu() || device.is_cuda(), kOp, "device", "cpu | cuda", device.str());
+  FK_CHECK_ARG(!config.fused_mlp || impl == DlrmImpl::fused, kOp, "config.fused_mlp", "impl fused",
+               std::string(impl_name(impl)));
+  const OnDevice on(device);
+  s_ = std::make_unique<detail::DlrmState>(config, impl, device);
+  s_->sync();
+}
+
+Dlrm::~Dlrm() = default;
+Dlrm::Dlrm(Dlrm&&) noexcept = default;
+Dlrm& Dlrm::operator=(Dlrm&&) noexcept = default;
+
+const DlrmConfig& Dlrm::config() const noexcept { return s_->config; }
+Device Dlrm::device() const noexcept { return s_->dev; }
+DlrmImpl Dlrm::impl() const noexcept { return s_->impl; }
+
+void Dlrm::forward(const DlrmInput& input, const TensorView& logits) {
+  detail::DlrmState& s = *s_;
+  const OnDevice on(s.dev);
+  s.stage(static_cast<int>(s.steps % 2), input, nullptr);
+  check_vector(logits, s.batch, "logits");
+  s.forward_body();
+  s.sync();
+  copy(logits, s.vec(s.logits));
+}
+
+void Dlrm::backward(const TensorView& dlogits) {
+  detail::DlrmState& s = *s_;
+  const OnDevice on(s.dev);
+  FK_CHECK_ARG(s.batch > 0, kOp, "backward", "a forward() first", "none");
+  check_vector(dlogits, s.batch, "dlogits");
+  copy(s.vec(s.dlogits), dlogits);
+  s.backward_body();
+  s.sync();
+}
+
+void Dlrm::step(const OptimizerConfig& opt) {
+  detail::DlrmState& s = *s_;
+  const OnDevice on(s.dev);
+  FK_CHECK_ARG(s.batch > 0, kOp, "step", "a forward() and backward() first", "none");
+  s.ensure_optimizer_state(opt);
+  s.step_body(opt);
+  s.finish_step();
+  s.sync();
+}
+
+void Dlrm::enqueue_train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt) {
+  detail::DlrmState& s = *s_;
+  const OnDevice on(s.dev);
+  const int si = static_cast<int>(s.steps % 2);
+  s.stage(si, input, &labels);
+  s.ensure_optimizer_state(opt);
+  auto body = [&] {
+    s.forward_body();
+    s.loss_body();
+    s.backward_body();
+    s.step_body(opt);
+  };
+  // The fused step with one-hot raw input has fixed sizes for a given batch: after one eager
+  // step at that size (which also picks the GEMMs' algorithms and fills the allocator's cache),
+  // capture it once per slot and replay.
+  const bool graphable = s.stream_ && s.fused && s.bags.raw.has_value() && s.config.cuda_graph && s.trace == nullptr;
+  if (!graphable || !s.warm.contains(s.batch)) {
+    body();
+    s.warm.insert(s.batch);
+  } else {
+    const auto key = std::make_tuple(si, s.batch, static_cast<int>(opt.kind), opt.learning_rate, opt.eps);
+    auto it = s.graphs.find(key);
+    if (it == s.graphs.end()) it = s.graphs.emplace(key, Graph::capture(*s.stream_, body)).first;
+    it->second.launch(*s.stream_);
+  }
+  s.finish_step();
+}
+
+double Dlrm::train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt) {
+  enqueue_train_step(input, labels, opt);
+  return drain_loss();
+}
+
+double Dlrm::drain_loss() {
+  detail::DlrmState& s = *s_;
+  const OnDevice on(s.dev);
+  return s.loss.drain(s.s());
+}
+
+void Dlrm::predict(const DlrmInput& input, const TensorView& probabilities) {
+  detail::DlrmState& s = *s_;
+  const OnDevice on(s.dev);
+  s.stage(static_cast<int>(s.steps % 2), input, nullptr);
+  check_vector(probabilities, s.batch, "probabilities");
+  TraceRecorder* trace = s.trace;  // evaluation is not traced
+  s.trace = nullptr;
+  s.forward_body();
+  s.trace = trace;
+  bias_act_forward({s.column(s.logits), std::nullopt, std::nullopt, s.column(s.prob), std::nullopt},
+                   {Activation::sigmoid, 1.0f}, s.s());
+  if (s.stream_) s.slots[static_cast<std::size_t>(s.slot)].free.record(*s.stream_);
+  s.sync();
+  copy(probabilities, s.vec(s.prob));
+}
+
+void Dlrm::set_trace(TraceRecorder* trace) noexcept { s_->trace = trace; }
+
+std::size_t Dlrm::peak_device_bytes() const {
+  return s_->dev.is_cuda() ? allocator::stats(s_->dev).peak_allocated_bytes : 0;
+}
+
+std::vector<Dlrm::LinearParams> Dlrm::linear_layers() {
+  std::vector<LinearParams> v;
+  for (nn::Linear* l : s_->linears()) v.push_back({&l->weight, &l->bias, &l->weight_grad, &l->bias_grad});
+  return v;
+}
+
+std::vector<Tensor*> Dlrm::tables() {
+  std::vector<Tensor*> v;
+  for (Tensor& t : s_->embeddings.tables) v.push_back(&t);
+  return v;
+}
+
+Tensor Dlrm::table_gradient() {
+  const OnDevice on(s_->dev);
+  return s_->embeddings.gradient(s_->s());
+}
 
 void Dlrm::save_state(std::ostream& out) const {
-  if (g_) return g_->save_state(out);
   detail::DlrmState& s = *s_;
-  const bool adagrad = !s.adagrad_state.empty();
-  detail::write_state(out, adagrad, state_arrays(s, adagrad));
+  const OnDevice on(s.dev);
+  s.sync();
+  const bool adagrad = s.arena.has_state();
+  write_state(out, adagrad, s.state_arrays(adagrad));
 }
 
 void Dlrm::load_state(std::istream& in) {
-  if (g_) return g_->load_state(in);
   detail::DlrmState& s = *s_;
+  const OnDevice on(s.dev);
+  s.sync();
   std::uint64_t count = 0;
-  const bool adagrad = detail::read_state_header(in, count);
-  s.adagrad_state.clear();
-  s.embeddings.adagrad_state.clear();
-  if (adagrad) {
-    // Allocate the optimizer state the stream holds; its values are read below.
-    for (cpu::Linear* l : s.linears()) {
-      s.adagrad_state.emplace_back(static_cast<std::size_t>(l->weight.numel()), 0.0f);
-      s.adagrad_state.emplace_back(static_cast<std::size_t>(l->bias.numel()), 0.0f);
-    }
-    for (const Tensor& t : s.embeddings.tables)
-      s.embeddings.adagrad_state.push_back(Tensor::empty(t.shape(), DType::f32, Device::cpu()));
+  const bool adagrad = read_state_header(in, count);
+  s.arena.drop_state();
+  s.embeddings.state = Tensor();
+  if (adagrad) {  // allocated here, the values read below
+    s.arena.ensure_state(0.0f, s.s());
+    s.embeddings.ensure_state(0.0f, s.s());
+    s.sync();
   }
-  detail::read_state_arrays(in, count, state_arrays(s, adagrad));
+  read_state_arrays(in, count, s.state_arrays(adagrad));
+  s.graphs.clear();  // they captured the old optimizer state's buffers
+  s.warm.clear();
 }
 
 double bce_with_logits(const TensorView& logits, const TensorView& labels, const TensorView* dlogits) {
@@ -450,6 +718,8 @@ double bce_with_logits(const TensorView& logits, const TensorView& labels, const
   check_vector(logits, n, "logits");
   check_vector(labels, n, "labels");
   if (dlogits) check_vector(*dlogits, n, "dlogits");
+  for (const TensorView* t : {&logits, &labels, dlogits})
+    if (t) FK_CHECK_ARG(t->device().is_cpu(), "models::bce_with_logits", "logits/labels/dlogits", "host tensors", t->str());
   if (n == 0) return 0.0;
   // The recsys family's spec; its accumulator holds the mean loss in [0].
   Tensor scratch = dlogits ? Tensor() : Tensor::empty({n}, DType::f32, Device::cpu());

@@ -1,9 +1,11 @@
 #include "fusekit/nn/linear.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 
+#include "fusekit/nn/parameters.hpp"
 #include "fusekit/ops/gemm.hpp"
 #include "nn/module_util.hpp"
 #include "ops/op_checks.hpp"
@@ -23,22 +25,53 @@ GemmEpilogue forward_epilogue(Activation act) {
   }
 }
 
-}  // namespace
+// A layer's x, y, dy or dx: rows [rows, cols] (rank 2, inner stride 1, row stride >= cols, or
+// >= `k` for x and dx of a padded layer), the weight's dtype and device.
+void check_rows(const char* op, const char* arg, const TensorView& t, const Tensor& weight, std::int64_t rows,
+                std::int64_t cols, std::int64_t k) {
+  FK_CHECK_ARG(t.rank() == 2, op, arg, "a rank-2 tensor", t.str());
+  checks::same_dtype(op, arg, t, weight);
+  checks::same_device(op, arg, t, weight.device());
+  FK_CHECK_ARG((rows < 0 || t.size(0) == rows) && t.size(1) == cols, op, arg,
+               fmt::format("[{}, {}]", rows < 0 ? std::string("rows") : std::to_string(rows), cols), t.shape().str());
+  FK_CHECK_ARG(t.strides()[1] == 1 && (t.size(0) <= 1 || t.strides()[0] >= k), op, arg,
+               fmt::format("rows with inner stride 1 and a row stride >= {}", k), t.str());
+  FK_CHECK_ARG(t.data() != nullptr || t.numel() == 0, op, arg, "non-null data", "a null pointer");
+}
 
-Linear::Linear(std::int64_t in, std::int64_t out, LinearOptions options, DType dtype, Device device,
-               RandomParams init)
-    : options_(options) {
-  constexpr const char* op = "nn::Linear";
-  FK_CHECK_ARG(in >= 1 && out >= 1, op, "in/out", "sizes >= 1", fmt::format("{} -> {}", in, out));
-  FK_CHECK_ARG(options.act == Activation::identity || options.act == Activation::relu ||
-                   options.act == Activation::gelu_tanh,
-               op, "act", "identity, relu or gelu_tanh (the GEMM epilogues)", std::string(activation_name(options.act)));
-  FK_CHECK_ARG(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16, op, "dtype", "f32, bf16 or f16",
-               std::string(dtype_name(dtype)));
+// Rows t [B, cols] seen as [B, k] (k >= cols: the padding columns of a padded layer).
+TensorView widen(const TensorView& t, std::int64_t k) {
+  if (t.size(1) == k) return t;
+  return TensorView(t.data(), t.dtype(), {t.size(0), k}, {std::max(t.strides()[0], k), 1}, t.device());
+}
+
+// The initial W and b (DLRM reference's init) on the host, f32.
+std::pair<Tensor, Tensor> initial_parameters(std::int64_t in, std::int64_t out, RandomParams init) {
   Tensor w = Tensor::empty({out, in}, DType::f32, Device::cpu()), b = Tensor::empty({out}, DType::f32, Device::cpu());
   fill_normal(w, 0.0f, static_cast<float>(std::sqrt(2.0 / static_cast<double>(in + out))), init);
   fill_normal(b, 0.0f, static_cast<float>(std::sqrt(1.0 / static_cast<double>(out))),
               {init.seed, init.subsequence + kBiasStream});
+  return {std::move(w), std::move(b)};
+}
+
+}  // namespace
+
+void Linear::check_options(const char* op, std::int64_t in, std::int64_t out, DType dtype) const {
+  FK_CHECK_ARG(in >= 1 && out >= 1, op, "in/out", "sizes >= 1", fmt::format("{} -> {}", in, out));
+  FK_CHECK_ARG(options_.act == Activation::identity || options_.act == Activation::relu ||
+                   options_.act == Activation::gelu_tanh,
+               op, "act", "identity, relu or gelu_tanh (the GEMM epilogues)", std::string(activation_name(options_.act)));
+  FK_CHECK_ARG(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16, op, "dtype", "f32, bf16 or f16",
+               std::string(dtype_name(dtype)));
+  FK_CHECK_ARG(options_.in_stride == 0 || options_.in_stride >= in, op, "in_stride", fmt::format("0 or >= in ({})", in),
+               fmt::format("{}", options_.in_stride));
+}
+
+Linear::Linear(std::int64_t in, std::int64_t out, LinearOptions options, DType dtype, Device device,
+               RandomParams init)
+    : options_(options) {
+  check_options("nn::Linear", in, out, dtype);
+  auto [w, b] = initial_parameters(in, out, init);
   const auto place = [&](const Tensor& host) {
     if (dtype == DType::f32) return host.copy_to(device);
     Tensor t = Tensor::empty(host.shape(), dtype, Device::cpu());
@@ -49,47 +82,95 @@ Linear::Linear(std::int64_t in, std::int64_t out, LinearOptions options, DType d
     }
     return t.copy_to(device);
   };
-  weight = place(w);
+  const std::int64_t k = options.in_stride == 0 ? in : options.in_stride;
+  auto padded = [&](Tensor t) {  // [out, in] with row stride k, padding zero
+    if (k == in) return t;
+    Tensor full = Tensor::empty({out, k}, dtype, device);
+    fill(full, 0.0);
+    Tensor v = Tensor::adopt(TensorView(full.data(), dtype, {out, in}, {k, 1}, device), [keep = full.storage()] {});
+    copy(v, t);
+    return v;
+  };
+  weight = padded(place(w));
   bias = place(b);
-  weight_grad = Tensor::empty({out, in}, dtype, device);
+  weight_grad = padded(Tensor::empty({out, in}, dtype, device));
   bias_grad = Tensor::empty({out}, dtype, device);
+}
+
+std::int64_t Linear::arena_floats(std::int64_t in, std::int64_t out, std::int64_t in_stride) {
+  return ParameterArena::floats_for({out, in}, in_stride) + ParameterArena::floats_for({out});
+}
+
+Linear::Linear(std::int64_t in, std::int64_t out, LinearOptions options, RandomParams init, ParameterArena& arena)
+    : options_(options) {
+  check_options("nn::Linear", in, out, DType::f32);
+  auto [w, b] = initial_parameters(in, out, init);
+  const auto share = [](const Tensor& t) { return Tensor::adopt(t.view(), [keep = t.storage()] {}); };
+  const ParameterArena::Parameter& pw = arena.add({out, in}, options.in_stride);
+  weight = share(pw.value);
+  weight_grad = share(pw.grad);
+  const ParameterArena::Parameter& pb = arena.add({out});
+  bias = share(pb.value);
+  bias_grad = share(pb.grad);
+  copy(weight, w);
+  copy(bias, b);
 }
 
 void Linear::forward(const TensorView& x, const TensorView& y, const Stream* stream) {
   constexpr const char* op = "nn::Linear::forward";
-  detail::check_layer_input(op, x, weight, in());
-  checks::companion(op, "y", y, weight, {x.size(0), out()});
+  check_rows(op, "x", x, weight, -1, in(), k());
+  check_rows(op, "y", y, weight, x.size(0), out(), out());
+  const TensorView xk = widen(x, k()), wk = widen(weight, k());
   GemmParams p;
   p.trans_b = Trans::t;
-  p.epilogue = forward_epilogue(options_.act);
   p.allow_tf32 = options_.allow_tf32;
+  if (!options_.fused) {  // GEMM, then bias, then the activation
+    gemm({xk, wk, y, std::nullopt, std::nullopt, std::nullopt}, p, stream);
+    bias_act_forward({y, std::nullopt, bias.view(), y, std::nullopt}, {Activation::identity, 1.0f}, stream);
+    if (options_.act == Activation::gelu_tanh) {
+      if (preact_.shape() != y.shape()) preact_ = Tensor::empty(y.shape(), y.dtype(), y.device(), stream);
+      bias_act_forward({y, std::nullopt, std::nullopt, y, preact_.view()}, {options_.act, 1.0f}, stream);
+    } else if (options_.act != Activation::identity) {
+      bias_act_forward({y, std::nullopt, std::nullopt, y, std::nullopt}, {options_.act, 1.0f}, stream);
+    }
+    return;
+  }
+  p.epilogue = forward_epilogue(options_.act);
   std::optional<TensorView> aux;
   if (options_.act == Activation::gelu_tanh) {
     if (preact_.shape() != y.shape()) preact_ = Tensor::empty(y.shape(), y.dtype(), y.device(), stream);
     aux = preact_.view();
   }
-  gemm({x, weight, y, bias.view(), aux, std::nullopt}, p, stream);
+  gemm({xk, wk, y, bias.view(), aux, std::nullopt}, p, stream);
 }
 
 void Linear::backward(const TensorView& x, const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx,
                       const Stream* stream) {
   constexpr const char* op = "nn::Linear::backward";
-  detail::check_layer_input(op, x, weight, in());
-  const Dims out_shape{x.size(0), out()};
-  checks::companion(op, "y", y, weight, out_shape);
-  checks::companion(op, "dy", dy, weight, out_shape);
+  check_rows(op, "x", x, weight, -1, in(), k());
+  const std::int64_t b = x.size(0);
+  check_rows(op, "y", y, weight, b, out(), out());
+  check_rows(op, "dy", dy, weight, b, out(), out());
   if (dx) {
-    checks::companion(op, "dx", *dx, weight, x.shape());
-    FK_CHECK_ARG(!checks::overlaps(*dx, dy), op, "dx", "memory that does not overlap dy", "an overlapping tensor");
+    check_rows(op, "dx", *dx, weight, b, in(), k());
+    FK_CHECK_ARG(!checks::overlaps(widen(*dx, k()), dy), op, "dx", "memory that does not overlap dy",
+                 "an overlapping tensor");
   }
   const bool gelu = options_.act == Activation::gelu_tanh;
-  if (gelu) checks::shape_is(op, "y", preact_, out_shape);  // the forward of this batch kept z
-  // dz = dy ⊙ act'(z) in place, db = column sums of dz: one pass.
-  bias_act_backward({dy, gelu ? preact_.view() : y, gelu ? SavedForBackward::preactivation : SavedForBackward::output,
-                     dy, std::nullopt, bias_grad.view()},
-                    {options_.act, 1.0f}, stream);
-  matmul(dy, x, weight_grad, Trans::t, Trans::n, stream, options_.allow_tf32);  // dW = dzᵀ x
-  if (dx) matmul(dy, weight, *dx, Trans::n, Trans::n, stream, options_.allow_tf32);  // dx = dz W
+  if (gelu) checks::shape_is(op, "y", preact_, Dims{b, out()});  // the forward of this batch kept z
+  const TensorView saved = gelu ? preact_.view() : y;
+  const SavedForBackward kind = gelu ? SavedForBackward::preactivation : SavedForBackward::output;
+  if (options_.fused) {  // dz = dy ⊙ act'(z) in place, db = column sums of dz: one pass
+    bias_act_backward({dy, saved, kind, dy, std::nullopt, bias_grad.view()}, {options_.act, 1.0f}, stream);
+  } else {  // the derivative, then the column sums: two passes
+    if (options_.act != Activation::identity)
+      bias_act_backward({dy, saved, kind, dy, std::nullopt, std::nullopt}, {options_.act, 1.0f}, stream);
+    bias_act_backward({dy, y, SavedForBackward::output, dy, std::nullopt, bias_grad.view()},
+                      {Activation::identity, 1.0f}, stream);
+  }
+  const TensorView xk = widen(x, k());
+  matmul(dy, xk, widen(weight_grad, k()), Trans::t, Trans::n, stream, options_.allow_tf32);  // dW = dzᵀ x
+  if (dx) matmul(dy, widen(weight, k()), widen(*dx, k()), Trans::n, Trans::n, stream, options_.allow_tf32);  // dx = dz W
 }
 
 MLP::MLP(const std::vector<std::int64_t>& sizes, Activation act, bool act_last, bool allow_tf32, DType dtype,
@@ -103,31 +184,160 @@ MLP::MLP(const std::vector<std::int64_t>& sizes, Activation act, bool act_last, 
   }
 }
 
+namespace {
+
+std::int64_t round_up(std::int64_t n, std::int64_t to) { return (n + to - 1) / to * to; }
+
+void check_mlp_sizes(const std::vector<std::int64_t>& sizes, std::int64_t pad_to) {
+  FK_CHECK_ARG(sizes.size() >= 2, "nn::MLP", "sizes", "an input and at least one layer's output size",
+               fmt::format("{} sizes", sizes.size()));
+  FK_CHECK_ARG(pad_to >= 1, "nn::MLP", "pad_to", ">= 1", fmt::format("{}", pad_to));
+}
+
+}  // namespace
+
+std::int64_t MLP::arena_floats(const std::vector<std::int64_t>& sizes, std::int64_t pad_to) {
+  check_mlp_sizes(sizes, pad_to);
+  std::int64_t n = 0;
+  for (std::size_t l = 0; l + 1 < sizes.size(); ++l)
+    n += Linear::arena_floats(sizes[l], sizes[l + 1], round_up(sizes[l], pad_to));
+  return n;
+}
+
+bool MLP::fits_fused_kernel(const std::vector<std::int64_t>& sizes) {
+  if (sizes.size() < 3) return false;
+  const std::int64_t h = sizes[1];
+  if (h != 16 && h != 32 && h != 64 && h != 128) return false;
+  for (std::size_t l = 1; l + 1 < sizes.size(); ++l)
+    if (sizes[l] != h) return false;
+  return sizes.front() <= 128 && sizes.back() <= 128;
+}
+
+MLP::MLP(const std::vector<std::int64_t>& sizes, const ArenaOptions& o, RandomParams init, ParameterArena& arena)
+    : fused_kernel_(o.fused_kernel) {
+  check_mlp_sizes(sizes, o.pad_to);
+  FK_CHECK_ARG(!o.fused_kernel || fits_fused_kernel(sizes), "nn::MLP", "fused_kernel",
+               "sizes fused_mlp takes (in and out <= 128, hidden layers of one width 16, 32, 64 or 128)",
+               fmt::format("{}", fmt::join(sizes, "-")));
+  const std::int64_t pad = o.fused_kernel ? 1 : o.pad_to;
+  for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
+    const bool last = l + 2 == sizes.size();
+    LinearOptions lo{last && !o.act_last ? Activation::identity : o.act, o.allow_tf32, o.fused, round_up(sizes[l], pad)};
+    layers.emplace_back(sizes[l], sizes[l + 1], lo, RandomParams{init.seed, init.subsequence + l}, arena);
+  }
+  if (fused_kernel_) {
+    const Linear& z = layers.back();
+    kernel_floats_ = (z.bias.data_as<float>() + z.out()) - layers.front().weight.data_as<float>();
+    w16_ = Tensor::empty({kernel_floats_}, DType::bf16, arena.device());
+  }
+}
+
+std::vector<MlpLayer> MLP::kernel_layers() const {
+  std::vector<MlpLayer> v;
+  const float* base = layers.front().weight.data_as<float>();
+  auto* w16 = static_cast<std::uint16_t*>(w16_.data());
+  for (const Linear& l : layers)
+    v.push_back({TensorView(w16 + (l.weight.data_as<float>() - base), DType::bf16, {l.out(), l.in()}, w16_.device()),
+                 TensorView(w16 + (l.bias.data_as<float>() - base), DType::bf16, {l.out()}, w16_.device()),
+                 l.options().act});
+  return v;
+}
+
+TensorView MLP::bf16_rows(const Tensor& t, std::int64_t cols) const {
+  return TensorView(t.data(), DType::bf16, {batch_, cols}, t.device());
+}
+
+void MLP::kernel_forward(const TensorView& x, const TensorView& y, const Stream* stream) {
+  const std::int64_t in = layers.front().in(), out = layers.back().out(), h = layers.front().out();
+  const Device dev = w16_.device();
+  convert(TensorView(layers.front().weight.data(), DType::f32, {kernel_floats_}, dev), w16_, stream);
+  convert(x, bf16_rows(x16_, in), stream);
+  fused_mlp_forward_train({bf16_rows(x16_, in), kernel_layers(), bf16_rows(y16_, out),
+                           TensorView(hidden16_.data(), DType::bf16,
+                                      {static_cast<std::int64_t>(layers.size()) - 1, batch_, h}, dev)},
+                          stream);
+  convert(bf16_rows(y16_, out), y, stream);
+}
+
+void MLP::kernel_backward(const TensorView& dy, const std::optional<TensorView>& dx, const Stream* stream) {
+  const std::int64_t in = layers.front().in(), out = layers.back().out(), h = layers.front().out();
+  const Device dev = w16_.device();
+  convert(dy, bf16_rows(dy16_, out), stream);
+  FusedMlpBackwardArgs a{bf16_rows(dy16_, out),
+                         bf16_rows(x16_, in),
+                         TensorView(hidden16_.data(), DType::bf16, {static_cast<std::int64_t>(layers.size()) - 1, batch_, h}, dev),
+                         bf16_rows(y16_, out),
+                         kernel_layers(),
+                         std::nullopt,
+                         {},
+                         {}};
+  if (dx) a.dx = bf16_rows(dx16_, in);
+  for (const Linear& l : layers) {
+    a.dweight.push_back(l.weight_grad.view());
+    a.dbias.push_back(l.bias_grad.view());
+  }
+  fused_mlp_backward(a, stream);
+  if (dx) convert(bf16_rows(dx16_, in), *dx, stream);
+}
+
+void MLP::reserve(std::int64_t batch, const Stream* stream) {
+  if (batch <= capacity_) return;
+  const std::size_t n = layers.size();
+  hidden_.clear();
+  grad_.clear();
+  hidden_.resize(n - 1);
+  grad_.resize(n - 1);
+  for (std::size_t l = 0; l + 1 < n; ++l) {
+    // The row stride is the next layer's K: its padding columns are read by its GEMMs, so zero.
+    const Dims shape{batch, layers[l + 1].k()};
+    const DType dt = layers[l].weight.dtype();
+    const Device dev = layers[l].weight.device();
+    hidden_[l] = Tensor::empty(shape, dt, dev, stream);
+    grad_[l] = Tensor::empty(shape, dt, dev, stream);
+    if (stream != nullptr) {
+      zero_async(hidden_[l], *stream);
+      zero_async(grad_[l], *stream);
+    } else {
+      fill(hidden_[l], 0.0);
+      fill(grad_[l], 0.0);
+    }
+  }
+  if (fused_kernel_) {
+    const std::int64_t in = layers.front().in(), out = layers.back().out(), h = layers.front().out();
+    const Device dev = w16_.device();
+    x16_ = Tensor::empty({batch * in}, DType::bf16, dev, stream);
+    dx16_ = Tensor::empty({batch * in}, DType::bf16, dev, stream);
+    y16_ = Tensor::empty({batch * out}, DType::bf16, dev, stream);
+    dy16_ = Tensor::empty({batch * out}, DType::bf16, dev, stream);
+    hidden16_ = Tensor::empty({static_cast<std::int64_t>(layers.size() - 1) * batch * h}, DType::bf16, dev, stream);
+  }
+  capacity_ = batch;
+}
+
+TensorView MLP::rows(const Tensor& t, std::size_t l) const {
+  return TensorView(t.data(), t.dtype(), {batch_, layers[l].out()}, {t.size(1), 1}, t.device());
+}
+
 void MLP::forward(const TensorView& x, const TensorView& y, const Stream* stream) {
   const std::int64_t b = x.rank() == 2 ? x.size(0) : 0;
   const std::size_t n = layers.size();
-  hidden_.resize(n - 1);
+  reserve(b, stream);
+  batch_ = b;
   input_ = x;
-  for (std::size_t l = 0; l + 1 < n; ++l) {
-    const Dims shape{b, layers[l].out()};
-    if (hidden_[l].shape() != shape) hidden_[l] = Tensor::empty(shape, layers[l].weight.dtype(), layers[l].weight.device(), stream);
-  }
+  if (fused_kernel_) return kernel_forward(x, y, stream);
   for (std::size_t l = 0; l < n; ++l)
-    layers[l].forward(l == 0 ? x : hidden_[l - 1].view(), l + 1 == n ? y : hidden_[l].view(), stream);
+    layers[l].forward(l == 0 ? x : rows(hidden_[l - 1], l - 1), l + 1 == n ? y : rows(hidden_[l], l), stream);
 }
 
 void MLP::backward(const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx, const Stream* stream) {
+  if (fused_kernel_) return kernel_backward(dy, dx, stream);
   const std::size_t n = layers.size();
-  grad_.resize(n - 1);
-  for (std::size_t l = 0; l + 1 < n; ++l)
-    if (grad_[l].shape() != hidden_[l].shape())
-      grad_[l] = Tensor::empty(hidden_[l].shape(), hidden_[l].dtype(), hidden_[l].device(), stream);
   for (std::size_t i = n; i-- > 0;) {
-    const TensorView in = i == 0 ? input_ : hidden_[i - 1].view();
-    const TensorView out = i + 1 == n ? y : hidden_[i].view();
-    const TensorView g = i + 1 == n ? dy : grad_[i].view();
+    const TensorView in = i == 0 ? input_ : rows(hidden_[i - 1], i - 1);
+    const TensorView out = i + 1 == n ? y : rows(hidden_[i], i);
+    const TensorView g = i + 1 == n ? dy : rows(grad_[i], i);
     std::optional<TensorView> gin = dx;
-    if (i > 0) gin = grad_[i - 1].view();
+    if (i > 0) gin = rows(grad_[i - 1], i - 1);
     layers[i].backward(in, out, g, gin, stream);
   }
 }

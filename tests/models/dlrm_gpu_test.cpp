@@ -48,7 +48,7 @@ HostBatch make_batch(const DlrmConfig& c, std::int64_t b, std::uint64_t seed, bo
     const std::uint32_t v = bits(seed + 2, static_cast<std::uint64_t>(q));
     h.raw.data_as<std::uint32_t>()[q] = v;
     if (!multi_hot) {
-      idx.push_back(c.raw_hash == RawHash::seed ? static_cast<std::int64_t>((std::uint64_t{v} + 1) % static_cast<std::uint64_t>(rows))
+      idx.push_back(c.raw_hash == RowHash::seed ? static_cast<std::int64_t>((std::uint64_t{v} + 1) % static_cast<std::uint64_t>(rows))
                                                 : static_cast<std::int64_t>(v % static_cast<std::uint64_t>(rows)));
     } else {
       const int n = static_cast<int>(v % 4);
@@ -299,9 +299,22 @@ TEST(DlrmGpu, BadInputRaises) {
   test::expect_arg_error([&] { ref.forward(ok.input(false), short_logits); }, "models::Dlrm", "logits");
 }
 
-TEST(DlrmGpu, FusedOnTheCpuRaises) {
-  test::expect_arg_error([] { Dlrm m(tiny(InteractionOp::dot), Device::cpu(), DlrmImpl::fused); }, "models::Dlrm",
-                         "impl");
+// The ops dispatch on the device, so both implementations run on the CPU too, and agree.
+TEST(Dlrm, FusedOnTheCpuTracksTheReference) {
+  for (InteractionOp op : {InteractionOp::dot, InteractionOp::cat}) {
+    const DlrmConfig c = tiny(op);
+    Dlrm ref(c, Device::cpu(), DlrmImpl::reference), fused(c, Device::cpu(), DlrmImpl::fused);
+    for (OptimizerKind k : {OptimizerKind::sgd, OptimizerKind::adagrad}) {
+      const OptimizerConfig opt{.kind = k, .learning_rate = 0.05f};
+      for (int i = 0; i < 4; ++i) {
+        const HostBatch h = make_batch(c, 33, 900 + static_cast<std::uint64_t>(i), i % 2 == 1);
+        const double lr = ref.train_step(h.input(false), h.labels, opt);
+        const double lf = fused.train_step(h.input(i % 2 == 0), h.labels, opt);
+        EXPECT_NEAR(lf, lr, 1e-5 * std::fabs(lr)) << interaction_op_name(op) << " step " << i;
+      }
+    }
+    expect_same_params(fused, ref, 1e-5, std::string("cpu fused vs reference, ") + std::string(interaction_op_name(op)));
+  }
 }
 
 }  // namespace

@@ -15,7 +15,6 @@
 #include "fusekit/data/criteo.hpp"
 #include "fusekit/models/dlrm.hpp"
 #include "fusekit/models/metrics.hpp"
-#include "models/layers.hpp"
 #include "test_util.hpp"
 
 namespace fk::models {
@@ -55,122 +54,6 @@ void expect_grad(float* p, const float* g, std::size_t n, const std::function<do
   EXPECT_EQ(bad, 0) << what;
 }
 
-TEST(Layers, LinearReluGradients) {
-  const std::int64_t b = 5, in = 7, out = 6;
-  cpu::Linear layer(in, out, true, 3, 0);
-  auto x = random_floats(static_cast<std::size_t>(b * in), 4);
-  const auto r = random_floats(static_cast<std::size_t>(b * out), 5);
-  std::vector<float> y(r.size()), dx(x.size());
-  auto loss = [&] {
-    layer.forward(x.data(), b, y.data());
-    return dot(r, y);
-  };
-  loss();
-  std::vector<float> dy = r;
-  layer.backward(x.data(), y.data(), dy.data(), b, dx.data());
-  expect_grad(layer.weight.data_as<float>(), layer.weight_grad.data_as<float>(), in * out, loss, "dW");
-  expect_grad(layer.bias.data_as<float>(), layer.bias_grad.data_as<float>(), out, loss, "db");
-  expect_grad(x.data(), dx.data(), x.size(), loss, "dx");
-}
-
-TEST(Layers, MlpGradients) {
-  const std::int64_t b = 4;
-  cpu::Mlp mlp({7, 9, 5, 3}, false, 6, 10);
-  auto x = random_floats(static_cast<std::size_t>(b * 7), 7);
-  const auto r = random_floats(static_cast<std::size_t>(b * 3), 8);
-  std::vector<float> y(r.size()), dx(x.size());
-  auto loss = [&] {
-    mlp.forward(x.data(), b, y.data());
-    return dot(r, y);
-  };
-  loss();
-  mlp.backward(r.data(), dx.data());
-  for (std::size_t l = 0; l < mlp.layers.size(); ++l) {
-    // Copies: the finite differences run forward, which the gradients do not depend on.
-    const Tensor gw = mlp.layers[l].weight_grad.clone(), gb = mlp.layers[l].bias_grad.clone();
-    expect_grad(mlp.layers[l].weight.data_as<float>(), gw.data_as<float>(), static_cast<std::size_t>(gw.numel()), loss,
-                "layer " + std::to_string(l) + " dW");
-    expect_grad(mlp.layers[l].bias.data_as<float>(), gb.data_as<float>(), static_cast<std::size_t>(gb.numel()), loss,
-                "layer " + std::to_string(l) + " db");
-  }
-  expect_grad(x.data(), dx.data(), x.size(), loss, "dx");
-}
-
-struct InteractionCase {
-  InteractionOp op;
-  bool itself;
-  std::int64_t expected_size;  // for F = 4, D = 3
-};
-
-class InteractionGrad : public ::testing::TestWithParam<InteractionCase> {};
-
-TEST_P(InteractionGrad, MatchesFiniteDifferences) {
-  const auto [op, itself, expected] = GetParam();
-  const std::int64_t b = 3, f = 4, d = 3;
-  cpu::Interaction inter(op, f, d, itself);
-  ASSERT_EQ(inter.output_size(), expected);
-  auto z = random_floats(static_cast<std::size_t>(b * f * d), 9);
-  const auto r = random_floats(static_cast<std::size_t>(b * expected), 10);
-  std::vector<float> out(r.size()), dz(z.size());
-  auto loss = [&] {
-    inter.forward(z.data(), b, out.data());
-    return dot(r, out);
-  };
-  inter.backward(z.data(), r.data(), b, dz.data());
-  expect_grad(z.data(), dz.data(), z.size(), loss, std::string(interaction_op_name(op)));
-}
-
-INSTANTIATE_TEST_SUITE_P(Ops, InteractionGrad,
-                         ::testing::Values(InteractionCase{InteractionOp::dot, false, 3 + 6},
-                                           InteractionCase{InteractionOp::dot, true, 3 + 10},
-                                           InteractionCase{InteractionOp::cat, false, 12},
-                                           InteractionCase{InteractionOp::outer, false, 144}),
-                         [](const auto& info) {
-                           return std::string(interaction_op_name(info.param.op)) + (info.param.itself ? "_itself" : "");
-                         });
-
-TEST(Layers, DotInteractionHandWorked) {
-  // F = 3, D = 2: Z = [x; e1; e2] = [[1, 2], [3, 4], [5, 6]] -> [x, <e1,x>, <e2,x>, <e2,e1>].
-  cpu::Interaction inter(InteractionOp::dot, 3, 2, false);
-  const std::vector<float> z = {1, 2, 3, 4, 5, 6};
-  std::vector<float> r(5);
-  inter.forward(z.data(), 1, r.data());
-  EXPECT_EQ(r, (std::vector<float>{1, 2, 11, 17, 39}));
-}
-
-TEST(Layers, EmbeddingBagMultiHotSparseGradients) {
-  // Two tables (6 and 4 rows, D = 3), batch 3, bags with repeats and an empty bag.
-  const std::int64_t b = 3, d = 3;
-  cpu::EmbeddingBagCollection emb({6, 4}, d, 11, 0);
-  const std::vector<std::int64_t> idx = {1, 1, 4, 0, 2, 3, 2, 2};
-  const std::vector<std::int64_t> off = {0, 3, 3, 4, 5, 7, 8};  // t0: [1,1,4] [] [0]; t1: [2] [3,2] [2]
-  const TensorView iv(const_cast<std::int64_t*>(idx.data()), DType::i64, {8}, Device::cpu());
-  const TensorView ov(const_cast<std::int64_t*>(off.data()), DType::i64, {7}, Device::cpu());
-  const std::int64_t stride = 2 * d;
-  const auto r = random_floats(static_cast<std::size_t>(b * stride), 12);
-  std::vector<float> out(r.size());
-  auto loss = [&] {
-    emb.forward(iv, ov, b, out.data(), stride);
-    return dot(r, out);
-  };
-  loss();
-  // Bag (0, 1) is empty: zeros; bag (0, 0) = 2 row1 + row4.
-  for (int c = 0; c < d; ++c) {
-    EXPECT_EQ(out[1 * stride + c], 0.0f);
-    const float* t0 = emb.tables[0].data_as<float>();
-    EXPECT_FLOAT_EQ(out[c], 2 * t0[1 * d + c] + t0[4 * d + c]);
-  }
-  emb.backward(r.data(), stride);
-  EXPECT_EQ(emb.grads[0].rows, (std::vector<std::int64_t>{0, 1, 4}));
-  EXPECT_EQ(emb.grads[1].rows, (std::vector<std::int64_t>{2, 3}));
-  for (int t = 0; t < 2; ++t) {
-    std::vector<float> dense(static_cast<std::size_t>(emb.tables[t].numel()), 0.0f);
-    for (std::size_t k = 0; k < emb.grads[t].rows.size(); ++k)
-      for (int c = 0; c < d; ++c) dense[emb.grads[t].rows[k] * d + c] = emb.grads[t].values[k * d + c];
-    expect_grad(emb.tables[t].data_as<float>(), dense.data(), dense.size(), loss, "table " + std::to_string(t));
-  }
-}
-
 TEST(Layers, BceWithLogitsValueAndGradient) {
   std::vector<float> logits = {0.0f, 2.0f, -3.0f, 40.0f}, labels = {1, 0, 0, 1}, g(4);
   const TensorView lv(logits.data(), DType::f32, {4}, Device::cpu()), yv(labels.data(), DType::f32, {4}, Device::cpu()),
@@ -180,19 +63,6 @@ TEST(Layers, BceWithLogitsValueAndGradient) {
   EXPECT_NEAR(bce_with_logits(lv, yv, &gv), want, 1e-12);
   EXPECT_NEAR(g[0], (0.5 - 1) / 4, 1e-7);
   expect_grad(logits.data(), g.data(), 3, [&] { return bce_with_logits(lv, yv, nullptr); }, "dlogits");
-}
-
-TEST(Optimizers, SgdAndAdagradByHand) {
-  float p = 1.0f, g = 0.5f, state = 0.0f;
-  cpu::optimizer_update({.kind = OptimizerKind::sgd, .learning_rate = 0.1f}, &p, &g, nullptr, 1);
-  EXPECT_FLOAT_EQ(p, 0.95f);
-  p = 1.0f;
-  const OptimizerConfig ada{.kind = OptimizerKind::adagrad, .learning_rate = 0.1f};
-  cpu::optimizer_update(ada, &p, &g, &state, 1);  // state 0.25, step 0.1 * 0.5 / 0.5
-  EXPECT_FLOAT_EQ(state, 0.25f);
-  EXPECT_FLOAT_EQ(p, 0.9f);
-  cpu::optimizer_update(ada, &p, &g, &state, 1);  // state 0.5, step 0.05 / sqrt(0.5)
-  EXPECT_NEAR(p, 0.9f - 0.05f / std::sqrt(0.5f), 1e-6);
 }
 
 DlrmConfig tiny_config(InteractionOp op) {
@@ -241,13 +111,15 @@ TEST_P(DlrmGrad, WholeModelMatchesFiniteDifferences) {
                 "linear " + std::to_string(l) + " b");
     ++l;
   }
-  const std::vector<SparseGrad> grads = model.table_grads();
-  for (std::size_t t = 0; t < grads.size(); ++t) {
+  // The tables' gradient [total_rows, D], against differences in each table's rows.
+  const Tensor grad = model.table_gradient();
+  const std::vector<double> g = test::to_doubles(grad);
+  std::int64_t row = 0;
+  for (std::size_t t = 0; t < model.tables().size(); ++t) {
     Tensor* table = model.tables()[t];
-    std::vector<float> full(static_cast<std::size_t>(table->numel()), 0.0f);
-    for (std::size_t k = 0; k < grads[t].rows.size(); ++k)
-      for (int c = 0; c < 4; ++c) full[grads[t].rows[k] * 4 + c] = grads[t].values[k * 4 + c];
-    expect_grad(table->data_as<float>(), full.data(), full.size(), loss, "table " + std::to_string(t));
+    expect_grad(table->data_as<float>(), std::vector<float>(g.begin() + row * 4, g.begin() + (row + table->size(0)) * 4).data(),
+                static_cast<std::size_t>(table->numel()), loss, "table " + std::to_string(t));
+    row += table->size(0);
   }
 }
 
@@ -288,13 +160,13 @@ TEST(Dlrm, BadConfigurationAndInputRaiseErrors) {
                TensorView(idx.data(), DType::i64, {6}, Device::cpu()),
                TensorView(off.data(), DType::i64, {7}, Device::cpu())};
   const TensorView lv(logits.data(), DType::f32, {2}, Device::cpu());
-  test::expect_arg_error([&] { model.forward(in, lv); }, "models::Dlrm::forward", "indices");
+  test::expect_arg_error([&] { model.forward(in, lv); }, "models::Dlrm", "indices");
   idx[5] = 1;
   off[3] = 5;  // decreasing
-  test::expect_arg_error([&] { model.forward(in, lv); }, "models::Dlrm::forward", "offsets");
+  test::expect_arg_error([&] { model.forward(in, lv); }, "models::Dlrm", "offsets");
   off[3] = 3;
   in.offsets = TensorView(off.data(), DType::i64, {6}, Device::cpu());
-  test::expect_arg_error([&] { model.forward(in, lv); }, "models::Dlrm::forward", "offsets");
+  test::expect_arg_error([&] { model.forward(in, lv); }, "models::Dlrm", "offsets");
 }
 
 TEST(Dlrm, ResumedFromSavedStateGivesBitIdenticalLosses) {

@@ -14,12 +14,6 @@ namespace {
 
 const Device kCpu = Device::cpu();
 
-std::vector<float> values(const TensorView& t) {
-  std::vector<float> v;
-  for (double d : test::to_doubles(t)) v.push_back(static_cast<float>(d));
-  return v;
-}
-
 void set(const Tensor& t, const std::vector<float>& v) { copy(t, test::host_tensor(t.shape(), t.dtype(), v)); }
 
 TEST(Linear, ReluLayerByHand) {
@@ -29,13 +23,13 @@ TEST(Linear, ReluLayerByHand) {
   const Tensor x = test::host_tensor({2, 2}, DType::f32, {2, 1, 0, 3});
   Tensor y = Tensor::empty({2, 1}, DType::f32, kCpu);
   l.forward(x, y);
-  EXPECT_EQ(values(y), (std::vector<float>{1.5f, 0.0f}));  // relu(2 - 1 + 0.5), relu(0 - 3 + 0.5)
+  EXPECT_EQ(test::to_floats(y), (std::vector<float>{1.5f, 0.0f}));  // relu(2 - 1 + 0.5), relu(0 - 3 + 0.5)
   Tensor dy = test::host_tensor({2, 1}, DType::f32, {1, 1}), dx = Tensor::empty({2, 2}, DType::f32, kCpu);
   l.backward(x, y, dy, dx.view());
-  EXPECT_EQ(values(dy), (std::vector<float>{1, 0}));  // dz: the second sample is past the ReLU's knee
-  EXPECT_EQ(values(l.bias_grad), (std::vector<float>{1}));
-  EXPECT_EQ(values(l.weight_grad), (std::vector<float>{2, 1}));
-  EXPECT_EQ(values(dx), (std::vector<float>{1, -1, 0, 0}));
+  EXPECT_EQ(test::to_floats(dy), (std::vector<float>{1, 0}));  // dz: the second sample is past the ReLU's knee
+  EXPECT_EQ(test::to_floats(l.bias_grad), (std::vector<float>{1}));
+  EXPECT_EQ(test::to_floats(l.weight_grad), (std::vector<float>{2, 1}));
+  EXPECT_EQ(test::to_floats(dx), (std::vector<float>{1, -1, 0, 0}));
 }
 
 // loss = sum(r ⊙ mlp(x)); its gradients against central differences, for each activation.
@@ -87,11 +81,11 @@ TEST(MLP, GpuMatchesCpuFromTheSameInitialisation) {
       nn::MLP gpu_mlp(sizes, act, false, false, dt, gpu, {3, 0});
       // The CPU model runs on the GPU model's (rounded) parameters.
       for (std::size_t l = 0; l < cpu.layers.size(); ++l) {
-        set(cpu.layers[l].weight, values(gpu_mlp.layers[l].weight));
-        set(cpu.layers[l].bias, values(gpu_mlp.layers[l].bias));
+        set(cpu.layers[l].weight, test::to_floats(gpu_mlp.layers[l].weight));
+        set(cpu.layers[l].bias, test::to_floats(gpu_mlp.layers[l].bias));
       }
       const Tensor xh = test::random_tensor({b, 40}, dt, kCpu, 1), rh = test::random_tensor({b, 8}, dt, kCpu, 2);
-      const Tensor x32 = test::host_tensor({b, 40}, DType::f32, values(xh)), r32 = test::host_tensor({b, 8}, DType::f32, values(rh));
+      const Tensor x32 = test::host_tensor({b, 40}, DType::f32, test::to_floats(xh)), r32 = test::host_tensor({b, 8}, DType::f32, test::to_floats(rh));
       Tensor y32 = Tensor::empty({b, 8}, DType::f32, kCpu), dy32 = r32.copy_to(kCpu), dx32 = Tensor::empty({b, 40}, DType::f32, kCpu);
       cpu.forward(x32, y32);
       cpu.backward(y32, dy32, dx32.view());
@@ -104,7 +98,7 @@ TEST(MLP, GpuMatchesCpuFromTheSameInitialisation) {
       // backward; the f32 CPU model does not round (measured on the H100: 3.3e-2 at worst, db1).
       const double tol = dt == DType::f32 ? 1e-4 : 6e-2;
       const auto close = [&](const TensorView& got, const TensorView& want, const std::string& what) {
-        EXPECT_LE(test::rel_err_normwise(test::host_tensor(want.shape(), DType::f32, values(got)), want), tol)
+        EXPECT_LE(test::rel_err_normwise(test::host_tensor(want.shape(), DType::f32, test::to_floats(got)), want), tol)
             << dtype_name(dt) << " " << activation_name(act) << " " << what;
       };
       close(yg, y32, "y");

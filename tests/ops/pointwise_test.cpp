@@ -539,5 +539,52 @@ TEST(PointwiseGpuLayout, LargeTensorNeeds64BitIndexing) {
   }
 }
 
+// ---- convert --------------------------------------------------------------------------------
+
+TEST(ConvertSpec, RoundsToNearestEvenAndKeepsPadding) {
+  // 1 + 2^-8 is halfway between two bf16 values (1 and 1 + 2^-7): it rounds to the even one, 1;
+  // 1 + 3 * 2^-8 rounds up to 1 + 2^-6.
+  const Tensor src = test::host_tensor({2, 2}, DType::f32, {1.0f + 1.0f / 256, 1.0f + 3.0f / 256, -2.5f, 0.0f});
+  Tensor dst = Tensor::empty({2, 3}, DType::bf16, Device::cpu());
+  fill(dst, 7.0);
+  const TensorView rows(dst.data(), DType::bf16, {2, 2}, {3, 1}, Device::cpu());
+  convert(src, rows);
+  EXPECT_EQ(test::to_floats(dst), (std::vector<float>{1.0f, 1.0f + 1.0f / 64, 7.0f, -2.5f, 0.0f, 7.0f}));
+  Tensor back = Tensor::empty({2, 2}, DType::f32, Device::cpu());
+  convert(rows, back);
+  EXPECT_EQ(test::to_floats(back), (std::vector<float>{1.0f, 1.0f + 1.0f / 64, -2.5f, 0.0f}));
+}
+
+TEST(ConvertErrors, EachBadInputNamesItsArgument) {
+  const Tensor a = Tensor::empty({3, 4}, DType::f32, Device::cpu());
+  Tensor b = Tensor::empty({3, 4}, DType::bf16, Device::cpu());
+  test::expect_arg_error([&] { convert(a, Tensor::empty({4, 3}, DType::bf16, Device::cpu())); }, "convert", "dst");
+  test::expect_arg_error([&] { convert(Tensor::empty({3, 4}, DType::i32, Device::cpu()), b); }, "convert", "src");
+  const Tensor wide = Tensor::empty({3, 8}, DType::f32, Device::cpu());
+  Tensor wide16 = Tensor::empty({3, 8}, DType::bf16, Device::cpu());
+  test::expect_arg_error(  // inner stride 2
+      [&] { convert(a, TensorView(wide16.data(), DType::bf16, {3, 4}, {8, 2}, Device::cpu())); }, "convert", "dst");
+  test::expect_arg_error(
+      [&] { convert(TensorView(wide.data(), DType::f32, {3, 4}, {8, 2}, Device::cpu()), b); }, "convert", "src");
+  test::expect_arg_error([&] { convert(a, TensorView(a.data_as<float>() + 1, DType::f32, {3, 4}, Device::cpu())); },
+                         "convert", "dst");
+}
+
+TEST(ConvertGpu, MatchesSpecOnPaddedRows) {
+  FK_SKIP_WITHOUT_GPU();
+  for (DType from : {DType::f32, DType::bf16, DType::f16})
+    for (DType to : {DType::f32, DType::bf16, DType::f16})
+      for (auto [rows, cols, ld] : {std::tuple{1, 1, 1}, std::tuple{37, 13, 16}, std::tuple{300, 367, 368}}) {
+        const Tensor host = test::random_tensor({rows, cols}, from, Device::cpu(), 3, -4.f, 4.f);
+        Tensor want = Tensor::empty({rows, ld}, to, Device::cpu());
+        fill(want, 0.0);
+        reference::convert(host, TensorView(want.data(), to, {rows, cols}, {ld, 1}, Device::cpu()));
+        Tensor got = Tensor::empty({rows, ld}, to, Device::cuda());
+        fill(got, 0.0);
+        convert(host.copy_to(Device::cuda()), TensorView(got.data(), to, {rows, cols}, {ld, 1}, Device::cuda()));
+        EXPECT_EQ(test::to_floats(got), test::to_floats(want)) << dtype_name(from) << " -> " << dtype_name(to);
+      }
+}
+
 }  // namespace
 }  // namespace fk

@@ -17,6 +17,12 @@ Tensor to_host(const TensorView& t) {
   return h;
 }
 
+std::vector<float> to_floats(const TensorView& t) {
+  std::vector<float> out;
+  for (double d : to_doubles(t)) out.push_back(static_cast<float>(d));
+  return out;
+}
+
 std::vector<double> to_doubles(const TensorView& t) {
   const Tensor h = to_host(t);
   std::vector<double> out(static_cast<std::size_t>(h.numel()));

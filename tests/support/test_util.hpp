@@ -27,6 +27,8 @@ Tensor to_host(const TensorView& t);
 Tensor host_tensor(Dims shape, DType dtype, const std::vector<float>& values);
 // Every element as double (host or device tensor).
 std::vector<double> to_doubles(const TensorView& t);
+// Every element as float (host or device tensor).
+std::vector<float> to_floats(const TensorView& t);
 // Fills a tensor with NaN, so that an element a kernel fails to write cannot pass a comparison.
 void poison(const TensorView& t);
 

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "fusekit/core/tensor.hpp"
+#include "fusekit/ops/recsys.hpp"
 
 namespace fk::data {
 
@@ -50,7 +51,8 @@ struct RawRecord {
   std::array<std::uint32_t, kNumSparse> sparse{}; // the hex values
 };
 
-enum class HashMode { seed, reference };
+// The embedding lookup's own hash setting (ops/recsys.hpp): one enum from the data to the kernel.
+using HashMode = RowHash;
 HashMode parse_hash_mode(std::string_view name);  // "seed" | "reference"
 std::string_view hash_mode_name(HashMode m);
 

@@ -20,11 +20,22 @@
 // (PyTorch's update: state += g^2, p -= lr g / (sqrt(state) + eps); rows not touched by the
 // batch are not updated, as with sparse gradients).
 //
-// Backends: on the CPU, `--impl reference` only: plain float32 loops and a blocked CPU GEMM (the
-// spec the GPU implementations are tested against). On CUDA, `reference` (unfused kernels, dense
-// table gradients) and `fused` (fused kernels, sparse in-place table updates, CUDA graph); see
-// src/models/dlrm_gpu.hpp and docs/dlrm.md. All take the same config and the same Batch layout
-// (see data/criteo.hpp).
+// One code path for every device: the model wires nn layers (nn::MLP, nn::EmbeddingBagCollection,
+// nn::Interaction, nn::BCEWithLogits, one nn::ParameterArena for the MLP parameters) and the ops
+// under them dispatch on the device (the CPU running their specs). The implementation is a choice
+// of ops, not a second model:
+//   fused      GEMMs with the bias + ReLU epilogue, the ReLU derivative and the bias gradient in one
+//              pass; all tables in one embedding launch with the hash fused in; the embedding
+//              backward fused with the optimizer (no table gradient exists); the one-kernel dot
+//              interaction (its backward applying the bottom MLP's last ReLU derivative); sigmoid +
+//              BCE + gradient in one kernel; one optimizer launch for every MLP parameter; on a GPU
+//              the whole training step replayed as a CUDA graph.
+//   reference  what a plain framework port runs: GEMM, then bias and ReLU as separate passes; one
+//              embedding launch per table; a dense table gradient then a dense optimizer pass; the
+//              dot interaction as a batched GEMM + gather; sigmoid, BCE and its gradient as three
+//              kernels; one optimizer launch per parameter; no graph.
+// Both keep fp32 parameters; on a GPU the MLP GEMMs run on TF32 tensor cores when
+// DlrmConfig::allow_tf32, with rows padded to 4 floats (16 bytes). See docs/dlrm.md.
 #pragma once
 
 #include <cstddef>
@@ -36,6 +47,8 @@
 #include <vector>
 
 #include "fusekit/core/tensor.hpp"
+#include "fusekit/nn/parameters.hpp"
+#include "fusekit/ops/recsys.hpp"
 
 namespace fk {
 class TraceRecorder;
@@ -51,20 +64,10 @@ enum class DlrmImpl { reference, fused };
 DlrmImpl parse_impl(std::string_view name);  // "reference" | "fused"
 std::string_view impl_name(DlrmImpl impl);
 
-// How the fused GPU embedding lookup hashes raw categorical values (DlrmInput::raw_sparse):
-// seed: (v + 1) % rows_t, reference: v % rows_t (data::HashMode's two modes).
-enum class RawHash { seed, reference };
-
-enum class OptimizerKind { sgd, adagrad };
-OptimizerKind parse_optimizer(std::string_view name);  // "sgd" | "adagrad"
-std::string_view optimizer_name(OptimizerKind k);
-
-struct OptimizerConfig {
-  OptimizerKind kind = OptimizerKind::sgd;
-  float learning_rate = 0.1f;
-  float eps = 1e-10f;                // Adagrad (PyTorch's default)
-  float initial_accumulator = 0.0f;  // Adagrad
-};
+using nn::OptimizerConfig;
+using nn::OptimizerKind;
+using nn::optimizer_name;
+using nn::parse_optimizer;
 
 struct DlrmConfig {
   std::vector<std::int64_t> bottom_mlp = {13, 512, 256, 64, 16};  // input first, last == embedding_dim
@@ -74,7 +77,7 @@ struct DlrmConfig {
   InteractionOp interaction = InteractionOp::dot;
   bool interaction_itself = false;  // dot: include the diagonal <Z_i, Z_i>
   std::uint64_t seed = 1;
-  RawHash raw_hash = RawHash::seed;  // for DlrmInput::raw_sparse (GPU fused)
+  RowHash raw_hash = RowHash::seed;  // how DlrmInput::raw_sparse becomes rows (fused)
   bool allow_tf32 = true;            // GPU: MLP GEMMs on TF32 tensor cores (CPU: ignored)
   bool cuda_graph = true;            // GPU fused: replay the training step as a CUDA graph
   // GPU fused: an MLP whose widths fit fusekit's fused_mlp (input and output <= 128, every hidden
@@ -93,7 +96,7 @@ struct DlrmConfig {
 //   dense   f32 [B, bottom_mlp[0]]
 //   indices i64 [nnz]        all tables' rows, table-major
 //   offsets i64 [T * B + 1]  bag (t, b) is indices[offsets[t*B + b], offsets[t*B + b + 1])
-//   raw_sparse i32 [T * B]   optional: the unhashed values of one-hot bags, table-major; the GPU
+//   raw_sparse i32 [T * B]   optional: the unhashed values of one-hot bags, table-major; the
 //                            fused implementation then hashes them in its lookup (config
 //                            raw_hash) and ignores indices/offsets
 // On CUDA the tensors may be host (page-locked for asynchronous copies) or device tensors.
@@ -104,22 +107,13 @@ struct DlrmInput {
   TensorView raw_sparse;
 };
 
-// Sparse gradient of one table: `rows` distinct (ascending), `values` [rows.size(), D].
-struct SparseGrad {
-  std::vector<std::int64_t> rows;
-  std::vector<float> values;
-};
-
 namespace detail {
 struct DlrmState;
-}
-namespace gpu {
-class GpuDlrm;
 }
 
 class Dlrm {
  public:
-  // Throws fk::Error for an inconsistent config, and for impl fused on the CPU.
+  // Throws fk::Error for an inconsistent config or a device that does not exist.
   Dlrm(DlrmConfig config, Device device, DlrmImpl impl = DlrmImpl::reference);
   ~Dlrm();
   Dlrm(Dlrm&&) noexcept;
@@ -151,7 +145,8 @@ class Dlrm {
   void set_trace(TraceRecorder* trace) noexcept;
 
   // Parameters and gradients, for tests and checkpoints: the MLP layers in order (bottom, then
-  // top), each weight [out, in] and bias [out]; the tables [rows_t, D].
+  // top), each weight [out, in] (on a GPU its rows may be padded: row stride >= in) and bias
+  // [out]; the tables [rows_t, D].
   struct LinearParams {
     Tensor* weight;
     Tensor* bias;
@@ -160,9 +155,9 @@ class Dlrm {
   };
   std::vector<LinearParams> linear_layers();
   std::vector<Tensor*> tables();
-  // CPU only: the sparse gradients of the last backward (CUDA: empty; the fused implementation
-  // never forms them, the reference one keeps dense table gradients).
-  const std::vector<SparseGrad>& table_grads() const;
+  // The tables' gradients of the last backward, [total_rows, D] on the model's device (zero for
+  // untouched rows), formed on demand (the fused implementation never needs them).
+  Tensor table_gradient();
   // Peak bytes of device memory allocated through fusekit's allocator (0 on the CPU).
   std::size_t peak_device_bytes() const;
 
@@ -173,31 +168,12 @@ class Dlrm {
   void load_state(std::istream& in);
 
  private:
-  std::unique_ptr<detail::DlrmState> s_;  // the CPU backend
-  std::unique_ptr<gpu::GpuDlrm> g_;       // or the CUDA one
-  DlrmConfig config_;
-  Device device_;
-  DlrmImpl impl_;
-  double pending_loss_ = 0;  // CPU enqueue_train_step
-  std::int64_t pending_steps_ = 0;
+  std::unique_ptr<detail::DlrmState> s_;
 };
 
 // Mean binary cross-entropy of sigmoid(logits) against labels (0/1), computed stably from the
 // logits; writes dL/dlogit = (sigmoid(logit) - label) / B when dlogits is given.
 double bce_with_logits(const TensorView& logits, const TensorView& labels, const TensorView* dlogits);
 
-namespace detail {
-// The state stream shared by both backends: magic, Adagrad flag, then (length, floats) per array
-// in the order of the backend's state arrays. `on_device` arrays are copied through host memory.
-struct StateArray {
-  float* data;
-  std::int64_t size;
-  bool on_device;
-};
-void write_state(std::ostream& out, bool adagrad, const std::vector<StateArray>& arrays);
-// Reads the header; returns the Adagrad flag (the caller then allocates the optimizer state).
-bool read_state_header(std::istream& in, std::uint64_t& count);
-void read_state_arrays(std::istream& in, std::uint64_t count, const std::vector<StateArray>& arrays);
-}  // namespace detail
 
 }  // namespace fk::models

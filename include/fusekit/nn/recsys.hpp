@@ -1,0 +1,143 @@
+// The layers of DLRM-style recommendation models, over the recsys family (ops/recsys.hpp):
+//
+//   EmbeddingBagCollection  T tables of one dim in one buffer; pooled bags of all tables in one
+//                           launch, the hash of raw one-hot values fused in; the backward fused
+//                           with SGD / Adagrad (no table gradient ever stored)
+//   Interaction             Z [B, F, D] -> R [B, I]: dot, cat or outer
+//   BCEWithLogits           sigmoid + binary cross-entropy + its gradient in one pass, the loss
+//                           summed on the device (read once per many steps)
+//
+// Each takes `fused = false` for the unfused baseline a plain framework port runs: one embedding
+// launch per table, a dense [total_rows, D] table gradient then a dense optimizer pass; the dot
+// interaction as a batched GEMM + gather (its backward: scatter + GEMM + add); sigmoid, BCE and
+// its gradient as three kernels. Both give the same results up to fp32 rounding.
+//
+// All f32, on one device, on the caller's stream; nothing synchronises unless it says so.
+// Buffers that depend on the batch are allocated for the largest batch seen (reserve() does it up
+// front), so that a later step allocates nothing and a CUDA graph can capture it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "fusekit/core/random.hpp"
+#include "fusekit/core/tensor.hpp"
+#include "fusekit/nn/parameters.hpp"
+#include "fusekit/ops/recsys.hpp"
+
+namespace fk::nn {
+
+struct EmbeddingBagCollectionOptions {
+  Pooling pooling = Pooling::sum;
+  RowHash hash = RowHash::seed;  // raw one-hot input
+  bool fused = true;
+};
+
+// A batch of bags on the tables' device (the GPU trusts CSR input: check it on the host first with
+// check_embedding_input, as a loader does). Either CSR (indices + offsets) or raw.
+struct EmbeddingBagInput {
+  std::optional<TensorView> indices;  // i64 [nnz]
+  std::optional<TensorView> offsets;  // i64 [T * B + 1]
+  std::optional<TensorView> raw;      // i32 [T * B]: one raw value per bag, hashed in the lookup
+};
+
+class EmbeddingBagCollection {
+ public:
+  // Table t [rows[t], dim] ~ U(-sqrt(1 / rows[t]), sqrt(1 / rows[t])) from Philox
+  // (init.seed, init.subsequence + t): the same values on every device.
+  EmbeddingBagCollection(std::vector<std::int64_t> rows, std::int64_t dim, EmbeddingBagCollectionOptions options,
+                         Device device, RandomParams init);
+
+  int num_tables() const noexcept { return layout_.num_tables(); }
+  std::int64_t dim() const noexcept { return dim_; }
+  const TableLayout& layout() const noexcept { return layout_; }
+  const EmbeddingBagCollectionOptions& options() const noexcept { return options_; }
+
+  // Buffers for up to `nnz` looked-up rows per batch.
+  void reserve(std::int64_t nnz, const Stream* stream = nullptr);
+  // out [B, T, D] (strides (>= T * D, D, 1)) = the pooled bags. Keeps what backward needs.
+  void forward(const EmbeddingBagInput& in, std::int64_t batch, const TensorView& out, const Stream* stream = nullptr);
+  // dout: the gradient of the last forward's out, same layout. Fused: kept by reference, and used
+  // by step() (it must stay unchanged until then); unfused: the dense table gradient is formed now.
+  void backward(const TensorView& dout, const Stream* stream = nullptr);
+  // Applies the optimizer to the rows the last backward touched (fused: straight from dout).
+  void step(const OptimizerConfig& opt, const Stream* stream = nullptr);
+
+  // The last backward's table gradient [total_rows, D] (zero for untouched rows), formed on demand
+  // (for tests and inspection; the fused path never needs it). Synchronous.
+  Tensor gradient(const Stream* stream = nullptr);
+
+  Tensor weights;              // [total_rows, D]: the tables, stacked
+  std::vector<Tensor> tables;  // views [rows[t], D] of weights
+  Tensor state;                // Adagrad [total_rows, D], allocated by the first Adagrad step
+  // Allocates the Adagrad state at `initial_accumulator` when there is none.
+  void ensure_state(float initial_accumulator, const Stream* stream = nullptr);
+
+ private:
+  std::int64_t nnz_of(const EmbeddingBagInput& in, std::int64_t batch) const;
+  // The recsys backward of the last forward's bags from dout_, into `target` (weights or a gradient).
+  void backward_update(const TensorView& target, const std::optional<TensorView>& state_view, EmbeddingUpdate update,
+                       float lr, float eps, const Stream* stream);
+  TableLayout layout_;
+  std::vector<TableLayout> single_;  // unfused: one layout per table
+  std::int64_t dim_;
+  EmbeddingBagCollectionOptions options_;
+  std::int64_t capacity_ = 0, batch_ = 0, nnz_ = 0;
+  std::optional<TensorView> offsets_;  // the last forward's (mean pooling)
+  TensorView dout_;
+  Tensor keys_, bags_, workspace_, dense_grad_;
+};
+
+struct InteractionOptions {
+  InteractionKind kind = InteractionKind::dot;
+  bool self_interaction = false;  // dot: include <Z_i, Z_i>
+  bool fused = true;              // dot only: false runs the batched GEMM + gather baseline
+};
+
+class Interaction {
+ public:
+  Interaction(std::int64_t features, std::int64_t dim, InteractionOptions options, Device device);
+  std::int64_t features() const noexcept { return features_; }
+  std::int64_t dim() const noexcept { return dim_; }
+  std::int64_t output_size() const noexcept { return size_; }  // I
+  const InteractionOptions& options() const noexcept { return options_; }
+
+  void reserve(std::int64_t batch, const Stream* stream = nullptr);
+  // r [B, L] contiguous, L >= I (L == I for outer): written, its padding columns [I, L) zeroed;
+  // backward reads dr [B, L] likewise (its padding columns ignored).
+  void forward(const TensorView& z, const TensorView& r, const Stream* stream = nullptr);
+  // dz [B, F, D] (=) from dr. relu_x (fused dot only): Z[:, 0] is a ReLU output and dZ[:, 0] comes
+  // out multiplied by its derivative (the ReLU's backward fused).
+  void backward(const TensorView& z, const TensorView& dr, const TensorView& dz, bool relu_x = false,
+                const Stream* stream = nullptr);
+
+ private:
+  std::int64_t features_, dim_, size_;
+  InteractionOptions options_;
+  DotPairs pairs_;
+  Device device_;
+  std::int64_t capacity_ = 0;
+  Tensor workspace_;  // unfused dot: [capacity, F, F]
+};
+
+class BCEWithLogits {
+ public:
+  explicit BCEWithLogits(Device device, bool fused = true);
+  void reserve(std::int64_t batch, const Stream* stream = nullptr);
+  // dlogits [B] (=) = (sigmoid(logits) - labels) / B; the batch's mean loss is added to the
+  // device-side sum.
+  void forward_backward(const TensorView& logits, const TensorView& labels, const TensorView& dlogits,
+                        const Stream* stream = nullptr);
+  // The mean of the batch losses added since the last drain (0 when none), and a new sum. Waits
+  // for `stream`.
+  double drain(const Stream* stream = nullptr);
+
+ private:
+  Device device_;
+  bool fused_;
+  Tensor accumulator_, probabilities_;
+  std::int64_t capacity_ = 0;
+};
+
+}  // namespace fk::nn
