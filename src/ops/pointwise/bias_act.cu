@@ -59,8 +59,12 @@ struct BackwardParams {
   int tpr_log2;
 };
 
-template <class T, int VEC, Activation A>
+// kRows: the tensors have row strides of their own; otherwise every row stride is cols (one
+// product per row for all tensors: the contiguous case keeps the index arithmetic it had).
+template <class T, int VEC, Activation A, bool kRows>
 __global__ void __launch_bounds__(kThreads, 3) bias_act_forward_kernel(ForwardParams p) {
+  const std::int64_t ld_x = kRows ? p.ld_x : p.cols, ld_r = kRows ? p.ld_r : p.cols;
+  const std::int64_t ld_y = kRows ? p.ld_y : p.cols, ld_z = kRows ? p.ld_z : p.cols;
   const int tx = threadIdx.x & ((1 << p.tpr_log2) - 1);
   const int ty = threadIdx.x >> p.tpr_log2;
   const int rows_per_iter = kThreads >> p.tpr_log2;
@@ -89,8 +93,8 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_forward_kernel(ForwardPa
     for (int u = 0; u < kUnroll<VEC>; ++u) {
       const std::int64_t row = row0 + u * stride;
       if (row < p.rows) {
-        xv[u] = load_vec<T, VEC>(x + row * p.ld_x + col);
-        if (r) rv[u] = load_vec<T, VEC>(r + row * p.ld_r + col);
+        xv[u] = load_vec<T, VEC>(x + row * ld_x + col);
+        if (r) rv[u] = load_vec<T, VEC>(r + row * ld_r + col);
       }
     }
 #pragma unroll
@@ -106,15 +110,17 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_forward_kernel(ForwardPa
           zv.set(j, v);
           yv.set(j, device::activation<A>(v));
         }
-        store_vec<T, VEC>(y + row * p.ld_y + col, yv);
-        if (z) store_vec<T, VEC>(z + row * p.ld_z + col, zv);
+        store_vec<T, VEC>(y + row * ld_y + col, yv);
+        if (z) store_vec<T, VEC>(z + row * ld_z + col, zv);
       }
     }
   }
 }
 
-template <class T, int VEC, Activation A, bool kFromOutput>
+template <class T, int VEC, Activation A, bool kFromOutput, bool kRows>
 __global__ void __launch_bounds__(kThreads, 3) bias_act_backward_kernel(BackwardParams p) {
+  const std::int64_t ld_dy = kRows ? p.ld_dy : p.cols, ld_saved = kRows ? p.ld_saved : p.cols;
+  const std::int64_t ld_dx = kRows ? p.ld_dx : p.cols, ld_dr = kRows ? p.ld_dr : p.cols;
   __shared__ float fold[kThreads * VEC];  // [rows_per_iter][tpr * VEC] column sums of each row group
   const int tx = threadIdx.x & ((1 << p.tpr_log2) - 1);
   const int ty = threadIdx.x >> p.tpr_log2;
@@ -138,8 +144,8 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_backward_kernel(Backward
     for (int u = 0; u < kUnroll<VEC>; ++u) {
       const std::int64_t row = row0 + u * stride;
       if (row < p.rows) {
-        gv[u] = load_vec<T, VEC>(dy + row * p.ld_dy + col);
-        sv[u] = load_vec<T, VEC>(saved + row * p.ld_saved + col);
+        gv[u] = load_vec<T, VEC>(dy + row * ld_dy + col);
+        sv[u] = load_vec<T, VEC>(saved + row * ld_saved + col);
       }
     }
 #pragma unroll
@@ -156,8 +162,8 @@ __global__ void __launch_bounds__(kThreads, 3) bias_act_backward_kernel(Backward
           dxv.set(j, dz);
           drv.set(j, p.alpha * dz);
         }
-        store_vec<T, VEC>(dx + row * p.ld_dx + col, dxv);
-        if (dr) store_vec<T, VEC>(dr + row * p.ld_dr + col, drv);
+        store_vec<T, VEC>(dx + row * ld_dx + col, dxv);
+        if (dr) store_vec<T, VEC>(dr + row * ld_dr + col, drv);
       }
     }
   }
@@ -257,9 +263,9 @@ void with_activation(Activation a, Args&&... args) {
   }
 }
 
-template <class T, int VEC, Activation A>
+template <class T, int VEC, Activation A, bool kRows>
 void launch_forward(ForwardParams p, cudaStream_t s) {
-  constexpr auto kernel = bias_act_forward_kernel<T, VEC, A>;
+  constexpr auto kernel = bias_act_forward_kernel<T, VEC, A, kRows>;
   const Launch l = plan(p.rows, p.cols, VEC, resident_blocks<kernel>());
   p.tpr_log2 = l.tpr_log2;
   kernel<<<l.grid, kThreads, 0, s>>>(p);
@@ -269,16 +275,21 @@ void launch_forward(ForwardParams p, cudaStream_t s) {
 template <Activation A>
 struct ForwardLauncher {
   template <class T>
-  static void run(T, const ForwardParams& p, bool vectorized, cudaStream_t s) {
-    if (vectorized) launch_forward<T, vec16<T>(), A>(p, s);
-    else launch_forward<T, 1, A>(p, s);
+  static void run(T, const ForwardParams& p, bool vectorized, bool rows, cudaStream_t s) {
+    if (rows) {
+      if (vectorized) launch_forward<T, vec16<T>(), A, true>(p, s);
+      else launch_forward<T, 1, A, true>(p, s);
+    } else {
+      if (vectorized) launch_forward<T, vec16<T>(), A, false>(p, s);
+      else launch_forward<T, 1, A, false>(p, s);
+    }
   }
 };
 
 // The backward kernel, then (when db is wanted) the fold of its per-block partial sums.
-template <class T, int VEC, Activation A, bool kFromOutput>
+template <class T, int VEC, Activation A, bool kFromOutput, bool kRows>
 void launch_backward(BackwardParams p, const BiasActBackwardArgs& a, const Stream* stream) {
-  constexpr auto kernel = bias_act_backward_kernel<T, VEC, A, kFromOutput>;
+  constexpr auto kernel = bias_act_backward_kernel<T, VEC, A, kFromOutput, kRows>;
   const Launch l = plan(p.rows, p.cols, VEC, resident_blocks<kernel>());
   p.tpr_log2 = l.tpr_log2;
   const cudaStream_t s = detail::cuda_stream(stream);
@@ -303,20 +314,26 @@ void launch_backward(BackwardParams p, const BiasActBackwardArgs& a, const Strea
 template <Activation A>
 struct BackwardLauncher {
   template <class T>
-  static void run(T, const BackwardParams& p, bool vectorized, bool from_output, const BiasActBackwardArgs& a,
-                  const Stream* stream) {
+  static void run(T, const BackwardParams& p, bool vectorized, bool from_output, bool rows,
+                  const BiasActBackwardArgs& a, const Stream* stream) {
+    if (rows) pick<T, true>(p, vectorized, from_output, a, stream);
+    else pick<T, false>(p, vectorized, from_output, a, stream);
+  }
+  template <class T, bool kRows>
+  static void pick(const BackwardParams& p, bool vectorized, bool from_output, const BiasActBackwardArgs& a,
+                   const Stream* stream) {
     // Activations whose derivative needs z never take the from-output path (checked by dispatch).
     constexpr bool kCanUseOutput = A == Activation::identity || A == Activation::relu ||
                                    A == Activation::sigmoid || A == Activation::tanh;
     if constexpr (kCanUseOutput) {
       if (from_output) {
-        if (vectorized) launch_backward<T, vec16<T>(), A, true>(p, a, stream);
-        else launch_backward<T, 1, A, true>(p, a, stream);
+        if (vectorized) launch_backward<T, vec16<T>(), A, true, kRows>(p, a, stream);
+        else launch_backward<T, 1, A, true, kRows>(p, a, stream);
         return;
       }
     }
-    if (vectorized) launch_backward<T, vec16<T>(), A, false>(p, a, stream);
-    else launch_backward<T, 1, A, false>(p, a, stream);
+    if (vectorized) launch_backward<T, vec16<T>(), A, false, kRows>(p, a, stream);
+    else launch_backward<T, 1, A, false, kRows>(p, a, stream);
   }
 };
 
@@ -340,8 +357,11 @@ void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& prm, con
   const bool vectorized = p.cols % vec == 0 && p.ld_x % vec == 0 && p.ld_r % vec == 0 && p.ld_y % vec == 0 &&
                           p.ld_z % vec == 0 && aligned16(p.x) && aligned16(p.r) && aligned16(p.b) && aligned16(p.y) &&
                           aligned16(p.z);
+  // Rows of their own stride, or every row stride the column count (absent operands: 0).
+  const auto own = [&](std::int64_t ld) { return ld != 0 && ld != p.cols; };
+  const bool rows = own(p.ld_x) || own(p.ld_r) || own(p.ld_y) || own(p.ld_z);
   const cudaStream_t s = detail::cuda_stream(stream);
-  with_float_type(a.x.dtype(), [&](auto t) { with_activation<ForwardLauncher>(prm.act, t, p, vectorized, s); });
+  with_float_type(a.x.dtype(), [&](auto t) { with_activation<ForwardLauncher>(prm.act, t, p, vectorized, rows, s); });
 }
 
 void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& prm, const Stream* stream) {
@@ -363,8 +383,10 @@ void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& prm, c
                           p.ld_dr % vec == 0 && aligned16(p.dy) && aligned16(p.saved) && aligned16(p.dx) &&
                           aligned16(p.dr);
   const bool from_output = a.saved_kind == SavedForBackward::output;
+  const auto own = [&](std::int64_t ld) { return ld != 0 && ld != p.cols; };
+  const bool rows = own(p.ld_dy) || own(p.ld_saved) || own(p.ld_dx) || own(p.ld_dr);
   with_float_type(a.dy.dtype(), [&](auto t) {
-    with_activation<BackwardLauncher>(prm.act, t, p, vectorized, from_output, a, stream);
+    with_activation<BackwardLauncher>(prm.act, t, p, vectorized, from_output, rows, a, stream);
   });
 }
 
