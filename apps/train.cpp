@@ -294,6 +294,15 @@ int run_train(const TrainFlags& flags) {
     evals.push_back(r);
     return m;
   };
+  // A non-finite loss stops the run before anything is evaluated or saved: the last checkpoint
+  // written stays the last good state.
+  auto finite_loss = [&](double mean, std::int64_t at) {
+    FK_CHECK_ARG(std::isfinite(mean), "fusekit train", "loss",
+                 "a finite training loss (the run diverged; the last checkpoint, if any, is the last good "
+                 "state; try a lower --learning-rate)",
+                 fmt::format("{} (mean of the steps up to step {})", mean, at));
+    return mean;
+  };
   auto checkpoint = [&] {
     if (c.checkpoint.empty()) return;
     save_checkpoint(c.checkpoint, step, c, model);
@@ -333,7 +342,7 @@ int run_train(const TrainFlags& flags) {
       const bool eval_now = c.eval_every > 0 && step % c.eval_every == 0 && step < total;
       const bool save_now = c.checkpoint_every > 0 && step % c.checkpoint_every == 0 && step < total;
       if (print_now || eval_now || save_now || step == total) {
-        const double mean = model.drain_loss();
+        const double mean = finite_loss(model.drain_loss(), step);
         window_loss += mean * static_cast<double>(window_steps - drained_steps);
         epoch_loss += mean * static_cast<double>(window_steps - drained_steps);
         epoch_steps += window_steps - drained_steps;
@@ -365,7 +374,7 @@ int run_train(const TrainFlags& flags) {
     }
     {
       // The epoch's last steps (the loader ran dry before `total`).
-      const double mean = model.drain_loss();
+      const double mean = finite_loss(model.drain_loss(), step);
       epoch_loss += mean * static_cast<double>(window_steps - drained_steps);
       epoch_steps += window_steps - drained_steps;
       window_loss += mean * static_cast<double>(window_steps - drained_steps);

@@ -20,10 +20,19 @@ void check_sizes(std::size_t a, std::size_t b, const char* op) {
 
 bool positive(float y) { return y > 0.5f; }
 
+// Metrics are defined on finite scores only: a NaN has no rank (and would leave the AUC's sort
+// without an order), an infinite probability no log loss.
+void check_finite(std::span<const float> scores, const char* op) {
+  for (std::size_t i = 0; i < scores.size(); ++i)
+    FK_CHECK_ARG(std::isfinite(scores[i]), op, "scores", "finite scores (a diverged model gives NaN or inf)",
+                 fmt::format("{} at index {}", scores[i], i));
+}
+
 }  // namespace
 
 double roc_auc(std::span<const float> scores, std::span<const float> labels) {
   check_sizes(scores.size(), labels.size(), "models::roc_auc");
+  check_finite(scores, "models::roc_auc");
   const std::size_t n = scores.size();
   std::vector<std::size_t> order(n);
   std::iota(order.begin(), order.end(), std::size_t{0});
@@ -50,6 +59,7 @@ double roc_auc(std::span<const float> scores, std::span<const float> labels) {
 
 double log_loss(std::span<const float> probabilities, std::span<const float> labels) {
   check_sizes(probabilities.size(), labels.size(), "models::log_loss");
+  check_finite(probabilities, "models::log_loss");
   if (probabilities.empty()) return 0;
   constexpr double eps = 1e-7;
   double sum = 0;
@@ -62,6 +72,7 @@ double log_loss(std::span<const float> probabilities, std::span<const float> lab
 
 double accuracy(std::span<const float> probabilities, std::span<const float> labels, float threshold) {
   check_sizes(probabilities.size(), labels.size(), "models::accuracy");
+  check_finite(probabilities, "models::accuracy");
   if (probabilities.empty()) return 0;
   std::int64_t right = 0;
   for (std::size_t i = 0; i < probabilities.size(); ++i) right += (probabilities[i] > threshold) == positive(labels[i]);

@@ -2,10 +2,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "fusekit/core/error.hpp"
 #include "fusekit/models/metrics.hpp"
+#include "test_util.hpp"
 
 namespace fk::models {
 namespace {
@@ -41,6 +43,18 @@ TEST(Metrics, LogLossAndAccuracyHandWorked) {
   // Clamped: a confident wrong answer costs -log(1e-7), not infinity.
   EXPECT_NEAR(log_loss(std::vector<float>{0.0f}, std::vector<float>{1}), -std::log(1e-7), 1e-6);
   EXPECT_THROW(roc_auc(std::vector<float>{0.1f}, std::vector<float>{1, 0}), Error);
+}
+
+// A diverged model's scores: every metric refuses them, naming the first bad one, instead of
+// hanging (the AUC's tie loop never advanced past a NaN) or printing nan.
+TEST(Metrics, NonFiniteScoresAreRefused) {
+  const std::vector<float> y = {1, 0, 0, 1};
+  for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+    const std::vector<float> p = {0.2f, bad, 0.6f, 0.1f};
+    test::expect_arg_error([&] { roc_auc(p, y); }, "models::roc_auc", "scores");
+    test::expect_arg_error([&] { log_loss(p, y); }, "models::log_loss", "scores");
+    test::expect_arg_error([&] { accuracy(p, y); }, "models::accuracy", "scores");
+  }
 }
 
 }  // namespace

@@ -4,7 +4,8 @@
 //             one sort). NaN when the labels are all of one class.
 //   log_loss  mean of -(y log p + (1 - y) log(1 - p)), p clamped to [1e-7, 1 - 1e-7].
 //   accuracy  fraction of samples whose prediction (p > threshold) equals the label.
-// Labels are 0 or 1 (any value > 0.5 counts as 1).
+// Labels are 0 or 1 (any value > 0.5 counts as 1). Scores must be finite: a NaN or infinite score
+// (a diverged model) is an fk::Error naming its index.
 #pragma once
 
 #include <cstdint>
