@@ -52,6 +52,8 @@ Split load_data(const TrainConfig& c) {
     if (!c.cardinalities.empty()) sc.cardinalities = c.cardinalities;
     sc.zipf_exponent = c.zipf_exponent;
     auto all = data::synthetic_source(sc, c.train_samples + c.test_samples);
+    FK_CHECK_ARG(c.train_samples >= 1 && c.test_samples >= 1, "fusekit train", "data.train_samples / data.test_samples",
+                 "at least one sample in each split", fmt::format("{} / {}", c.train_samples, c.test_samples));
     s.train = data::slice_source(all, 0, c.train_samples);
     s.test = data::slice_source(all, c.train_samples, c.train_samples + c.test_samples);
     s.description = fmt::format("synthetic Criteo-like data (seed {}, zipf {}): {} train, {} test samples", sc.seed,
@@ -72,6 +74,8 @@ Split load_data(const TrainConfig& c) {
   const std::int64_t n = all->size();
   const std::int64_t n_test = static_cast<std::int64_t>(std::floor(static_cast<double>(n) * c.test_fraction));
   FK_CHECK_ARG(n - n_test >= 1, "fusekit train", "data", "at least one training record", fmt::format("{} records", n));
+  FK_CHECK_ARG(n_test >= 1, "fusekit train", "training.test_fraction (--test-fraction)",
+               "a test split of at least one record", fmt::format("{} of {} records", n_test, n));
   s.train = data::slice_source(all, 0, n - n_test);
   s.test = data::slice_source(all, n - n_test, n);
   s.description += fmt::format("{} train, {} test records (the last {:.0f}%)", n - n_test, n_test, 100 * c.test_fraction);
@@ -264,8 +268,13 @@ int run_train(const TrainFlags& flags) {
   fmt::print("data: {}\n", split.description);
   fmt::print("init: {:.1f} s\n", std::chrono::duration<double>(clock::now() - t_init).count());
 
-  const std::int64_t per_epoch = (split.train->size() + c.mini_batch_size - 1) / c.mini_batch_size;
-  const std::int64_t total = c.steps > 0 ? c.steps : per_epoch * c.epochs;
+  // Steps per epoch: whole batches plus a partial one (no size + B - 1 that could wrap).
+  const std::int64_t n_train = split.train->size();
+  const std::int64_t per_epoch = n_train / c.mini_batch_size + (n_train % c.mini_batch_size != 0 ? 1 : 0);
+  std::int64_t total = c.steps;
+  FK_CHECK_ARG(c.steps > 0 || !__builtin_mul_overflow(per_epoch, c.epochs, &total), "fusekit train",
+               "training.epochs (--epochs)", fmt::format("at most {} epochs of {} steps (2^63 steps)", INT64_MAX / per_epoch, per_epoch),
+               fmt::format("{}", c.epochs));
   std::int64_t step = 0, samples = 0;
   if (flags.resume && std::filesystem::exists(c.checkpoint)) {
     std::ifstream in(c.checkpoint, std::ios::binary);

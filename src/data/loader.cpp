@@ -111,7 +111,8 @@ BatchLoader::BatchLoader(std::shared_ptr<RecordSource> source, Featurizer featur
   FK_CHECK_ARG(options.workers >= 1, "data::BatchLoader", "workers", ">= 1", fmt::format("{}", options.workers));
   featurizer.validate();
   const std::int64_t n = source->size();
-  num_batches_ = options.drop_last ? n / options.batch_size : (n + options.batch_size - 1) / options.batch_size;
+  // n / B, plus a partial batch: no n + B - 1 that could pass 2^63 for a huge batch size.
+  num_batches_ = n / options.batch_size + (!options.drop_last && n % options.batch_size != 0 ? 1 : 0);
   State& s = *state_;
   s.source = std::move(source);
   s.featurizer = std::move(featurizer);
