@@ -15,6 +15,7 @@
 #include <iostream>
 #include <thread>
 
+#include "apps/output_file.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/data/criteo.hpp"
 #include "fusekit/fusekit.hpp"
@@ -125,17 +126,6 @@ double peak_host_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
 }
 
-void write_json_atomically(const std::string& path, const json& j) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    if (!out) throw Error("fusekit train", "--metrics-json", "a writable path", path);
-    out << j.dump(2) << "\n";
-    if (!out) throw Error("fusekit train", "--metrics-json", "a complete write", path);
-  }
-  std::filesystem::rename(tmp, path);
-}
-
 std::string progress_bar(double fraction, int width = 24) {
   const int filled = static_cast<int>(fraction * width);
   std::string s(static_cast<std::size_t>(width), ' ');
@@ -193,10 +183,7 @@ models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurize
 constexpr char kCheckpointMagic[8] = {'F', 'K', 'C', 'K', 'P', 'T', '0', '1'};
 
 void save_checkpoint(const std::string& path, std::int64_t step, const TrainConfig& c, const models::Dlrm& model) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error("fusekit train", "--checkpoint", "a writable path", path);
+  apps::write_file_atomically(path, "fusekit train", "--checkpoint", [&](std::ostream& out) {
     const std::string cfg = to_json(c).dump();
     const std::uint64_t st = static_cast<std::uint64_t>(step), len = cfg.size();
     out.write(kCheckpointMagic, 8);
@@ -204,10 +191,7 @@ void save_checkpoint(const std::string& path, std::int64_t step, const TrainConf
     out.write(reinterpret_cast<const char*>(&len), 8);
     out.write(cfg.data(), static_cast<std::streamsize>(len));
     model.save_state(out);
-    out.flush();
-    if (!out) throw Error("fusekit train", "--checkpoint", "a complete write", path);
-  }
-  std::filesystem::rename(tmp, path);  // atomic: a crash leaves the previous checkpoint whole
+  });
 }
 
 struct CheckpointHeader {
@@ -238,6 +222,12 @@ int run_train(const TrainFlags& flags) {
   using clock = std::chrono::steady_clock;
   const TrainConfig c = resolve(flags.config);
   FK_CHECK_ARG(!flags.resume || !c.checkpoint.empty(), "fusekit train", "--resume", "a --checkpoint path", "none");
+  // Every output is checked before the run, not found unwritable after it has trained.
+  if (!flags.dry_run) {
+    if (!c.checkpoint.empty()) apps::check_writable(c.checkpoint, "fusekit train", "--checkpoint");
+    if (!c.metrics_json.empty()) apps::check_writable(c.metrics_json, "fusekit train", "--metrics-json");
+    if (!c.trace.empty()) apps::check_writable(c.trace, "fusekit train", "--trace");
+  }
   const data::Featurizer feat = make_featurizer(c);
   const models::DlrmConfig mc = make_model_config(c, feat);
   const models::OptimizerConfig opt{.kind = models::parse_optimizer(c.optimizer),
@@ -423,7 +413,8 @@ int run_train(const TrainFlags& flags) {
                   {"train_seconds", train_seconds},
                   {"peak_host_mb", peak_host_mb()},
                   {"peak_gpu_mb", static_cast<double>(model.peak_device_bytes()) / 1e6}}}};
-    write_json_atomically(c.metrics_json, out);
+    apps::write_file_atomically(c.metrics_json, "fusekit train", "--metrics-json",
+                                [&](std::ostream& f) { f << out.dump(2) << "\n"; });
     fmt::print("metrics: {}\n", c.metrics_json);
   }
   return 0;
