@@ -15,6 +15,7 @@
 #include <iostream>
 #include <thread>
 
+#include "apps/checkpoint.hpp"
 #include "apps/output_file.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/data/criteo.hpp"
@@ -35,6 +36,9 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
   add_config_flags(*cmd, f.config);
   cmd->add_flag("--dry-run", f.dry_run, "Check the configuration, print the model and data it describes, exit");
   cmd->add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
+  cmd->add_flag("--resume-override", f.resume_override,
+                "Resume even when settings differ from those stored in the checkpoint (the run is then not the "
+                "unbroken run's continuation)");
   return cmd;
 }
 
@@ -180,40 +184,8 @@ models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurize
 }
 
 // Checkpoint: "FKCKPT01", u64 step, u64 length + the run's config as JSON, then the model state.
-constexpr char kCheckpointMagic[8] = {'F', 'K', 'C', 'K', 'P', 'T', '0', '1'};
-
 void save_checkpoint(const std::string& path, std::int64_t step, const TrainConfig& c, const models::Dlrm& model) {
-  apps::write_file_atomically(path, "fusekit train", "--checkpoint", [&](std::ostream& out) {
-    const std::string cfg = to_json(c).dump();
-    const std::uint64_t st = static_cast<std::uint64_t>(step), len = cfg.size();
-    out.write(kCheckpointMagic, 8);
-    out.write(reinterpret_cast<const char*>(&st), 8);
-    out.write(reinterpret_cast<const char*>(&len), 8);
-    out.write(cfg.data(), static_cast<std::streamsize>(len));
-    model.save_state(out);
-  });
-}
-
-struct CheckpointHeader {
-  std::int64_t step = 0;
-  json config;
-};
-
-// Reads the header and leaves `in` at the model state.
-CheckpointHeader read_checkpoint_header(std::ifstream& in, const std::string& path) {
-  char magic[8] = {};
-  std::uint64_t step = 0, len = 0;
-  in.read(magic, 8);
-  in.read(reinterpret_cast<char*>(&step), 8);
-  in.read(reinterpret_cast<char*>(&len), 8);
-  if (!in || !std::equal(magic, magic + 8, kCheckpointMagic) || len > (1u << 24))
-    throw Error("fusekit", "--checkpoint", "a fusekit DLRM checkpoint (FKCKPT01)", path);
-  std::string cfg(len, '\0');
-  in.read(cfg.data(), static_cast<std::streamsize>(len));
-  CheckpointHeader h;
-  h.step = static_cast<std::int64_t>(step);
-  h.config = json::parse(cfg);
-  return h;
+  apps::write_checkpoint(path, step, to_json(c), [&](std::ostream& out) { model.save_state(out); });
 }
 
 }  // namespace
@@ -267,8 +239,16 @@ int run_train(const TrainFlags& flags) {
                fmt::format("{}", c.epochs));
   std::int64_t step = 0, samples = 0;
   if (flags.resume && std::filesystem::exists(c.checkpoint)) {
-    std::ifstream in(c.checkpoint, std::ios::binary);
-    step = read_checkpoint_header(in, c.checkpoint).step;
+    std::ifstream in;
+    const apps::CheckpointHeader h = apps::open_checkpoint(c.checkpoint, in, "fusekit train");
+    const std::string diff = apps::config_differences(h.config, to_json(c));
+    FK_CHECK_ARG(diff.empty() || flags.resume_override, "fusekit train", "--resume",
+                 fmt::format("the configuration stored in {} (--resume-override resumes with the new settings)",
+                             c.checkpoint),
+                 diff);
+    step = h.step;
+    FK_CHECK_ARG(step <= total, "fusekit train", "--resume", fmt::format("a checkpoint at most at step {} (the run's end)", total),
+                 fmt::format("{} at step {}", c.checkpoint, step));
     model.load_state(in);
     fmt::print("resumed from {} at step {}\n", c.checkpoint, step);
   }
@@ -434,8 +414,8 @@ CLI::App* add_eval_command(CLI::App& app, EvalFlags& f) {
 }
 
 int run_eval(const EvalFlags& f) {
-  std::ifstream in(f.checkpoint, std::ios::binary);
-  const CheckpointHeader h = read_checkpoint_header(in, f.checkpoint);
+  std::ifstream in;
+  const apps::CheckpointHeader h = apps::open_checkpoint(f.checkpoint, in, "fusekit eval");
   TrainConfig c;
   from_json(h.config, c);
   if (f.data) c.data = *f.data;

@@ -16,7 +16,7 @@ namespace fk::app {
 // is not configuration.
 struct TrainFlags {
   ConfigFlags config;
-  bool resume = false, dry_run = false;
+  bool resume = false, resume_override = false, dry_run = false;
 };
 
 CLI::App* add_train_command(CLI::App& app, TrainFlags& flags);

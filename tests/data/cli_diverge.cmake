@@ -1,6 +1,8 @@
 # fusekit train stops a diverged run: a run resumed from a good checkpoint with a learning rate
 # that blows the model up exits with an error naming the non-finite loss and its step, and the
-# checkpoint on disk is still the good one (a diverged state never overwrites it).
+# checkpoint on disk is still the good one (a diverged state never overwrites it). Before that,
+# a resume whose settings differ from the checkpoint's is refused naming the setting (the
+# learning rate change needs --resume-override).
 # Run with -DFUSEKIT=<binary> -DCONFIG=<configs/tiny.json> -DWORK=<scratch folder>.
 file(MAKE_DIRECTORY ${WORK})
 file(REMOVE ${WORK}/state.ckpt)
@@ -10,7 +12,12 @@ if(NOT rc EQUAL 0)
   message(FATAL_ERROR "the good run failed (${rc}):\n${out}${err}")
 endif()
 file(SHA256 ${WORK}/state.ckpt good)
-execute_process(COMMAND ${FUSEKIT} ${common} --steps 60 --resume --learning-rate 1e30
+execute_process(COMMAND ${FUSEKIT} ${common} --steps 60 --resume --data-seed 99
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "data.seed: stored 3, requested 99")
+  message(FATAL_ERROR "a resume with another data seed was not refused naming data.seed:\n${out}${err}")
+endif()
+execute_process(COMMAND ${FUSEKIT} ${common} --steps 60 --resume --resume-override --learning-rate 1e30
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 message("${out}${err}")
 if(rc EQUAL 0)
