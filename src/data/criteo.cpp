@@ -101,7 +101,11 @@ std::optional<LineIssue> parse_line(std::string_view line, RawRecord& out) {
   std::size_t start = 0;
   while (true) {
     const std::size_t tab = line.find('\t', start);
-    if (n == kFields) return LineIssue{LineError::field_count, n};
+    if (n == kFields)  // one field more, and one more per tab after it
+      return LineIssue{LineError::field_count,
+                       kFields + 1 + static_cast<int>(std::min<std::ptrdiff_t>(
+                                         std::count(line.begin() + static_cast<std::ptrdiff_t>(start), line.end(), '\t'),
+                                         1 << 20))};
     f[n++] = line.substr(start, tab == std::string_view::npos ? std::string_view::npos : tab - start);
     if (tab == std::string_view::npos) break;
     start = tab + 1;
@@ -146,6 +150,10 @@ std::string ReadReport::summary() const {
 
 namespace {
 
+// A line longer than this is refused: Criteo lines are a few hundred bytes, and a file without
+// newlines (or with CR only) would otherwise be read whole into one line.
+constexpr std::size_t kMaxLineBytes = std::size_t{1} << 20;
+
 // Lines of a plain or gzip file (zlib reads plain files transparently).
 class LineReader {
  public:
@@ -165,13 +173,18 @@ class LineReader {
         line = std::string_view(buf_).substr(pos_, nl - pos_);
         pos_ = nl + 1;
         searched_ = pos_;
+        ++lines_;
         return true;
       }
       searched_ = buf_.size();
+      FK_CHECK_ARG(buf_.size() - pos_ <= kMaxLineBytes, "data::read_tsv", "path",
+                   fmt::format("lines of at most {} bytes (a Criteo line is a few hundred)", kMaxLineBytes),
+                   fmt::format("{}: line {} is longer", path_, lines_ + 1));
       if (eof_) {
         if (pos_ >= buf_.size()) return false;
         line = std::string_view(buf_).substr(pos_);
         pos_ = buf_.size();
+        ++lines_;
         return true;
       }
       buf_.erase(0, pos_);
@@ -197,6 +210,7 @@ class LineReader {
   gzFile file_;
   std::string buf_;
   std::size_t pos_ = 0, searched_ = 0;
+  std::int64_t lines_ = 0;
   bool eof_ = false;
 };
 

@@ -58,6 +58,9 @@ TEST(CriteoParse, EachKindOfError) {
   EXPECT_FALSE(parse_line("0" + good_tail + "\r", r).has_value());
   auto error_of = [&](const std::string& line) { return parse_line(line, r).value().error; };
   EXPECT_EQ(error_of("0" + good_tail + "\t1"), LineError::field_count);
+  // The count of a line with too many fields is its own (it was reported as 40).
+  EXPECT_EQ(parse_line("0" + good_tail + "\t1", r).value().field, 41);
+  EXPECT_EQ(parse_line("0" + good_tail + "\t1\t\t", r).value().field, 43);
   EXPECT_EQ(error_of("0"), LineError::field_count);
   EXPECT_EQ(error_of(""), LineError::field_count);
   EXPECT_EQ(error_of("x" + good_tail), LineError::bad_label);
@@ -397,6 +400,25 @@ TEST(BatchLoader, StopsCleanlyWhenDestroyedEarlyAndReportsSourceErrors) {
     EXPECT_EQ(e.op(), "test::FailingSource");
   }
   EXPECT_LE(good, 5);
+}
+
+// A line past the reader's cap (1 MiB) is an error naming the file and the line, not a whole
+// file read into memory as one line (issue 27 item 10).
+TEST(CriteoRead, OverlongLineIsRefused) {
+  const auto path = std::filesystem::temp_directory_path() / "fusekit_overlong.tsv";
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << "0\t1\n";
+    out << std::string((std::size_t{1} << 20) + 10, '\r');  // CR-only "lines": one long line
+  }
+  ReadReport rep;
+  try {
+    read_tsv(path, {}, rep);
+    ADD_FAILURE() << "an overlong line was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("line 2 is longer"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(path.string()), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
