@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <initializer_list>
+#include <iterator>
 #include <string>
 
 #include "fusekit/core/error.hpp"
@@ -72,6 +73,26 @@ inline bool overlaps(const TensorView& x, const TensorView& y) {
   const auto* y0 = static_cast<const unsigned char*>(y.data());
   // std::less gives a total order on unrelated pointers, where < would be unspecified.
   return std::less<>{}(x0, y0 + span_bytes(y)) && std::less<>{}(y0, x0 + span_bytes(x));
+}
+
+// A named tensor for the aliasing checks (absent optionals are skipped).
+struct Named {
+  const char* name;
+  const TensorView* t;
+};
+
+// Each output overlaps no input and no other output; throws naming the output and what it
+// overlaps.
+inline void outputs_disjoint(const char* op, std::initializer_list<Named> outputs, std::initializer_list<Named> inputs) {
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    if (!o->t) continue;
+    auto refuse = [&](const Named& other) {
+      if (other.t && overlaps(*o->t, *other.t))
+        throw Error(op, o->name, fmt::format("memory that does not overlap {}", other.name), "an overlapping tensor");
+    };
+    for (const Named& in : inputs) refuse(in);
+    for (auto p = std::next(o); p != outputs.end(); ++p) refuse(*p);
+  }
 }
 
 // The legacy default stream (null) belongs to whichever device is current; an owned stream to one.

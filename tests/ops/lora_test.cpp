@@ -489,5 +489,28 @@ TEST(LoraErrors, BadArgumentsNameTheArgument) {
   test::expect_arg_error([&] { nn::LoRALinear(8, 6, 65, {}, false, f, kCpu, 1); }, "LoRALinear", "rank");
 }
 
+// Outputs may alias nothing (issue 27 item 11): y over x gave wrong results on the CPU, preact
+// over w overwrote the frozen weight; an infinite scale is refused like NaN.
+TEST(LoraErrors, OutputsMayNotAliasAndScaleMustBeFinite) {
+  const DType f = DType::f32;
+  Tensor x = Tensor::empty({4, 8}, f, kCpu), w = Tensor::empty({8, 8}, f, kCpu);
+  const Tensor a = Tensor::empty({2, 8}, f, kCpu), b = Tensor::empty({8, 2}, f, kCpu);
+  Tensor y = Tensor::empty({4, 8}, f, kCpu);
+  const std::string fwd = "lora_forward", bwd = "lora_backward";
+  const TensorView w_rows(w.data(), f, {4, 8}, kCpu);  // the first rows of w, shaped as preact
+  test::expect_arg_error([&] { lora_forward({x, w, std::nullopt, a, b, x, std::nullopt, std::nullopt}, {}); }, fwd, "y");
+  test::expect_arg_error([&] { lora_forward({x, w, std::nullopt, a, b, y, std::nullopt, w_rows}, {}); }, fwd, "preact");
+  test::expect_arg_error([&] { lora_forward({x, w, std::nullopt, a, b, y, std::nullopt, y.view()}, {}); }, fwd, "y");
+  test::expect_arg_error(
+      [&] { lora_forward({x, w, std::nullopt, a, b, y, std::nullopt, std::nullopt}, {.scale = INFINITY}); }, fwd,
+      "scale");
+  Tensor da = Tensor::empty({2, 8}, f, kCpu), db = Tensor::empty({8, 2}, f, kCpu);
+  test::expect_arg_error(
+      [&] {
+        lora_backward({y, y, SavedForBackward::output, x, w, a, b, std::nullopt, x.view(), da, db, std::nullopt}, {});
+      },
+      bwd, "dx");
+}
+
 }  // namespace
 }  // namespace fk

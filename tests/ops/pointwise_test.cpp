@@ -555,6 +555,16 @@ TEST(ConvertSpec, RoundsToNearestEvenAndKeepsPadding) {
   EXPECT_EQ(test::to_floats(back), (std::vector<float>{1.0f, 1.0f + 1.0f / 64, -2.5f, 0.0f}));
 }
 
+// dbias may not alias the tensors the backward reads or writes (issue 27 item 11).
+TEST(PointwiseErrors, DbiasMayNotAlias) {
+  Tensor dy = Tensor::empty({4, 6}, DType::f32, Device::cpu()), y = Tensor::empty({4, 6}, DType::f32, Device::cpu());
+  fill(dy, 1.0);
+  fill(y, 1.0);
+  const TensorView first_row(dy.data(), DType::f32, {6}, Device::cpu());
+  test::expect_arg_error([&] { bias_act_backward({dy, y, SavedForBackward::output, dy, std::nullopt, first_row}, {}); },
+                         "bias_act_backward", "dbias");
+}
+
 TEST(ConvertErrors, EachBadInputNamesItsArgument) {
   const Tensor a = Tensor::empty({3, 4}, DType::f32, Device::cpu());
   Tensor b = Tensor::empty({3, 4}, DType::bf16, Device::cpu());

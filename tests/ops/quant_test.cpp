@@ -228,6 +228,10 @@ TEST(QuantErrors, EachBadInputNamesItsArgument) {
   test::expect_arg_error([&] { weight_grad_from_packed(dy4, p.view(), dw_i); }, "weight_grad_from_packed", "dw");
   test::expect_arg_error([&] { weight_grad_from_packed(dy4, p.view(), dw, {.beta = 0.5f}); },
                          "weight_grad_from_packed", "beta");
+  // dw may not alias its inputs (issue 27 item 11): here it is laid over dy's bytes.
+  Tensor big = Tensor::empty({16, 64}, DType::f32, kCpu);
+  const TensorView dy_in_big(big.data(), DType::bf16, {4, 16}, kCpu);
+  test::expect_arg_error([&] { weight_grad_from_packed(dy_in_big, p.view(), big); }, "weight_grad_from_packed", "dw");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ struct LoraForwardArgs {
   std::optional<TensorView> t;       // [M, r]: s x Aᵀ written here when present
   std::optional<TensorView> preact;  // [M, N]: z written here when present
 };
+// Outputs (y, t, preact; dx, da, db, dbias) overlap no input and no other output; scale is finite.
 void lora_forward(const LoraForwardArgs& args, const LoraParams& p, const Stream* stream = nullptr);
 
 struct LoraBackwardArgs {

@@ -58,7 +58,8 @@ struct BiasActBackwardArgs {
   SavedForBackward saved_kind = SavedForBackward::output;
   TensorView dx;                    // [rows, cols]; may be dy itself
   std::optional<TensorView> dr;     // [rows, cols]: alpha * dx, when r was given to the forward
-  std::optional<TensorView> dbias;  // [cols], f32 or dy's dtype: overwritten with column sums of dx
+  std::optional<TensorView> dbias;  // [cols], f32 or dy's dtype: overwritten with column sums of dx;
+                                    // overlaps none of dy, saved, dx, dr
 };
 
 void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& p,

@@ -87,6 +87,7 @@ struct WeightGradParams {
 // dW [COUT, CIN] = beta * dW + dyᵀ · unpack(x), dy [K, COUT] (bf16), x packed from [K, CIN];
 // fp32 accumulation; dW is f32 or bf16. K split over several CTAs adds their partial sums in fp32,
 // the partials carried in fp16 with a scale per 8 values for a bf16 dW (see fp32_partials above).
+// dW overlaps neither dy nor any part of x (an error naming dw).
 void weight_grad_from_packed(const TensorView& dy, const PackedView& x, const TensorView& dw,
                              const WeightGradParams& p = {}, const Stream* stream = nullptr);
 

@@ -2,6 +2,7 @@
 // r <= 16 one tensor-core GEMM that also computes t; otherwise a skinny cuBLAS GEMM for t, then
 // one tensor-core GEMM with the rank-r term as a mainloop k-tile), or the same math unfused
 // (cuBLAS GEMMs and the pointwise family's pass).
+#include <cmath>
 #include "fusekit/ops/lora.hpp"
 
 #include <string>
@@ -46,8 +47,10 @@ Sizes check_operands(const char* op, const TensorView& x, const TensorView& w, c
 }
 
 void check_params(const char* op, const LoraParams& p) {
-  FK_CHECK_ARG(p.scale == p.scale, op, "scale", "a number", "NaN");
+  FK_CHECK_ARG(std::isfinite(p.scale), op, "scale", "a finite number", fmt::format("{}", p.scale));
 }
+
+const TensorView* opt(const std::optional<TensorView>& t) { return t ? &*t : nullptr; }
 
 #if FUSEKIT_WITH_CUDA
 // r rounded up to a multiple of 16: the rank-r operands of the fused kernels come zero-padded to it.
@@ -120,6 +123,9 @@ void lora_forward(const LoraForwardArgs& args, const LoraParams& p, const Stream
   checks::companion(op, "y", args.y, args.x, Dims{s.m, s.n});
   if (args.t) checks::companion(op, "t", *args.t, args.x, Dims{s.m, s.r});
   if (args.preact) checks::companion(op, "preact", *args.preact, args.x, Dims{s.m, s.n});
+  // Outputs alias nothing: y over x gave wrong results on the CPU, preact over w corrupted W.
+  checks::outputs_disjoint(op, {{"y", &args.y}, {"t", opt(args.t)}, {"preact", opt(args.preact)}},
+                           {{"x", &args.x}, {"w", &args.w}, {"bias", opt(args.bias)}, {"a", &args.a}, {"b", &args.b}});
   if (args.x.device().is_cpu()) return reference::lora_forward(args, p);
   if (s.m == 0) return;
 #if FUSEKIT_WITH_CUDA
@@ -170,6 +176,9 @@ void lora_backward(const LoraBackwardArgs& args, const LoraParams& p, const Stre
   checks::companion(op, "da", args.da, args.x, Dims{s.r, s.k});
   checks::companion(op, "db", args.db, args.x, Dims{s.n, s.r});
   if (args.dbias) checks::companion(op, "dbias", *args.dbias, args.x, Dims{s.n});
+  checks::outputs_disjoint(op, {{"dx", opt(args.dx)}, {"da", &args.da}, {"db", &args.db}, {"dbias", opt(args.dbias)}},
+                           {{"dy", &args.dy}, {"saved", &args.saved}, {"x", &args.x}, {"w", &args.w}, {"a", &args.a},
+                            {"b", &args.b}, {"t", opt(args.t)}});
   if (args.x.device().is_cpu()) return reference::lora_backward(args, p);
 #if FUSEKIT_WITH_CUDA
   const std::int64_t rb = padded_rank(s.r);

@@ -107,6 +107,8 @@ void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& p, con
     checks::dtype_in(op, "dbias", *a.dbias, {DType::f32, a.dy.dtype()});
     checks::shape_is(op, "dbias", *a.dbias, Dims{a.dy.size(1)});
     checks::same_device(op, "dbias", *a.dbias, dev);
+    checks::outputs_disjoint(op, {{"dbias", &*a.dbias}},
+                             {{"dy", &a.dy}, {"saved", &a.saved}, {"dx", &a.dx}, {"dr", a.dr ? &*a.dr : nullptr}});
   }
   if (a.dy.numel() == 0) {
     if (a.dbias) fill(*a.dbias, 0.0);  // the sum over zero rows

@@ -183,6 +183,8 @@ void weight_grad_from_packed(const TensorView& dy, const PackedView& x, const Te
   checks::same_device(op, "dw", dw, dy.device());
   FK_CHECK_ARG(p.beta == 0.0f || p.beta == 1.0f, op, "beta", "0 (overwrite) or 1 (accumulate)",
                std::to_string(p.beta));
+  checks::outputs_disjoint(op, {{"dw", &dw}},
+                           {{"dy", &dy}, {"x.words", &x.words}, {"x.scale", &x.scale}, {"x.min", &x.min}});
   if (dy.device().is_cpu()) {
     checks::dtype_in(op, "dy", dy, kFloatTypes);
     return reference::weight_grad_from_packed(dy, x, dw, p);
