@@ -72,9 +72,9 @@ struct GemmParams {
 
 struct GemmArgs {
   TensorView a, b, c;
-  std::optional<TensorView> bias;       // bias, relu_bias, gelu_bias, gelu_aux_bias
-  std::optional<TensorView> aux;        // gelu_aux_bias (written), dgelu and dgelu_bgrad (read)
-  std::optional<TensorView> bias_grad;  // dgelu_bgrad [N], bgrad_a [M] (overwritten)
+  std::optional<TensorView> bias = std::nullopt;       // bias, relu_bias, gelu_bias, gelu_aux_bias
+  std::optional<TensorView> aux = std::nullopt;        // gelu_aux_bias (written), dgelu and dgelu_bgrad (read)
+  std::optional<TensorView> bias_grad = std::nullopt;  // dgelu_bgrad [N], bgrad_a [M] (overwritten)
 };
 
 // Validates every argument (fk::Error naming it), then runs on the tensors' device. c may not

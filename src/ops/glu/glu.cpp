@@ -97,7 +97,7 @@ Tensor glu_unprepare_weight(const TensorView& w_prepared, const Stream* stream) 
   return permuted("glu_unprepare_weight", w_prepared, false, stream);
 }
 
-void glu_forward(const GluForwardArgs& a, const GluOptions& opt, const Stream* stream) {
+void glu_forward(const GluForwardArgs& a, const GluOptions& opt, [[maybe_unused]] const Stream* stream) {
   constexpr const char* op = "glu_forward";
   const std::int64_t n = check_operands(op, a.x, a.w, a.bias);
   checks::companion(op, "out", a.out, a.x, Dims{a.x.size(0), n});
@@ -117,7 +117,7 @@ void glu_forward(const GluForwardArgs& a, const GluOptions& opt, const Stream* s
 #endif
 }
 
-void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, const Stream* stream) {
+void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, [[maybe_unused]] const Stream* stream) {
   constexpr const char* op = "glu_backward";
   const std::int64_t n = check_operands(op, a.x, a.w, a.bias);
   const std::int64_t m = a.x.size(0), k = a.x.size(1);

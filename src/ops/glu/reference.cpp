@@ -13,8 +13,6 @@
 namespace fk::reference {
 namespace {
 
-double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
-
 // The gate's activation g and the value's activation v: glu(l, r) = g(l) * v(r).
 struct GateValue {
   Activation gate, value;

@@ -107,7 +107,7 @@ void copy_rows(const TensorView& src, const TensorView& dst, const Stream* strea
 }
 #endif
 
-std::optional<Tensor> scratch_unless(const std::optional<TensorView>& given, Dims shape, const TensorView& like,
+[[maybe_unused]] std::optional<Tensor> scratch_unless(const std::optional<TensorView>& given, Dims shape, const TensorView& like,
                                      const Stream* stream) {
   if (given) return std::nullopt;
   return Tensor::empty(shape, like.dtype(), like.device(), stream);
@@ -115,7 +115,7 @@ std::optional<Tensor> scratch_unless(const std::optional<TensorView>& given, Dim
 
 }  // namespace
 
-void lora_forward(const LoraForwardArgs& args, const LoraParams& p, const Stream* stream) {
+void lora_forward(const LoraForwardArgs& args, const LoraParams& p, [[maybe_unused]] const Stream* stream) {
   constexpr const char* op = "lora_forward";
   const Sizes s = check_operands(op, args.x, args.w, args.a, args.b);
   check_params(op, p);
@@ -163,7 +163,7 @@ void lora_forward(const LoraForwardArgs& args, const LoraParams& p, const Stream
 #endif
 }
 
-void lora_backward(const LoraBackwardArgs& args, const LoraParams& p, const Stream* stream) {
+void lora_backward(const LoraBackwardArgs& args, const LoraParams& p, [[maybe_unused]] const Stream* stream) {
   constexpr const char* op = "lora_backward";
   const Sizes s = check_operands(op, args.x, args.w, args.a, args.b);
   check_params(op, p);

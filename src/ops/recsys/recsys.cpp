@@ -19,7 +19,7 @@ namespace {
 constexpr std::int64_t kMaxPooledElements = std::int64_t{1} << 28;
 constexpr std::size_t kWorkspaceAlign = 256;
 
-std::size_t align_up(std::size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
+[[maybe_unused]] std::size_t align_up(std::size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
 // An f32 [B, T, D] view whose rows may be strided: strides (>= T * D, D, 1).
 void check_pooled(const char* op, const char* arg, const TensorView& t, std::int64_t tables, std::int64_t dim,
@@ -414,7 +414,7 @@ void check_bmm(const char* op, const TensorView& z, const std::optional<TensorVi
 }
 
 // The dot kernels stage a sample's Z (and S) in shared memory: 8 samples a block, 48 KB at most.
-void check_dot_smem(const char* op, std::int64_t floats_per_sample) {
+[[maybe_unused]] void check_dot_smem(const char* op, std::int64_t floats_per_sample) {
   FK_CHECK_ARG(floats_per_sample * 4 * 8 <= 48 * 1024, op, "z", "F and D small enough for the GPU dot interaction",
                fmt::format("{} floats of shared memory per sample", floats_per_sample));
 }
