@@ -257,9 +257,11 @@ int run_train(const TrainFlags& flags) {
     trace = std::make_unique<TraceRecorder>();
     model.set_trace(trace.get());
   }
+  const std::int64_t resumed_at = step;  // 0 unless resumed: an epoch begun before covers only this run's steps
   const std::int64_t trace_until = step + c.trace_steps;
   json evals = json::array();
   double train_seconds = 0, train_cpu_seconds = 0, window_loss = 0, epoch_loss = 0, last_epoch_loss = 0;
+  std::int64_t last_epoch_steps = 0;  // the steps last_epoch_loss covers (after a resume: this run's only)
   std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0, drained_steps = 0;
   auto window_start = clock::now();
   auto run_eval = [&](const char* when) {
@@ -361,7 +363,10 @@ int run_train(const TrainFlags& flags) {
     }
     train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
     train_cpu_seconds += thread_cpu_seconds() - epoch_cpu_start;
-    if (epoch_steps > 0) last_epoch_loss = epoch_loss / static_cast<double>(epoch_steps);
+    if (epoch_steps > 0) {
+      last_epoch_loss = epoch_loss / static_cast<double>(epoch_steps);
+      last_epoch_steps = epoch_steps;
+    }
     if (epoch_steps == 0) break;
   }
   const models::BinaryMetrics final_m = run_eval("final,");
@@ -372,10 +377,12 @@ int run_train(const TrainFlags& flags) {
   }
   const double sps = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0.0;
   const double cpu_sps = train_cpu_seconds > 0 ? static_cast<double>(samples) / train_cpu_seconds : 0.0;
-  fmt::print("summary: train loss {:.5f} (mean over the last epoch), test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f}, "
-             "{:.0f} samples/s ({} steps, {} samples, {:.1f} s training; {:.0f} samples per CPU-second of the "
-             "training thread), peak host memory {:.0f} MB, peak GPU memory {:.0f} MB\n",
-             last_epoch_loss, final_m.log_loss, final_m.auc, final_m.accuracy, sps, step, samples, train_seconds, cpu_sps,
+  fmt::print("summary: train loss {:.5f} (mean over the last epoch's {} steps{}), test logloss {:.5f}, AUC {:.5f}, "
+             "accuracy {:.5f}, {:.0f} samples/s ({} steps, {} samples, {:.1f} s training; {:.0f} samples per "
+             "CPU-second of the training thread), peak host memory {:.0f} MB, peak GPU memory {:.0f} MB\n",
+             last_epoch_loss, last_epoch_steps,
+             resumed_at % per_epoch != 0 && step - last_epoch_steps == resumed_at ? " run since the resume" : "",
+             final_m.log_loss, final_m.auc, final_m.accuracy, sps, step, samples, train_seconds, cpu_sps,
              peak_host_mb(), static_cast<double>(model.peak_device_bytes()) / 1e6);
   if (!c.metrics_json.empty()) {
     json out = {{"config", to_json(c)},
@@ -385,6 +392,7 @@ int run_train(const TrainFlags& flags) {
                 {"evaluations", evals},
                 {"summary",
                  {{"train_loss", last_epoch_loss},
+                  {"train_loss_steps", last_epoch_steps},
                   {"test", metrics_record(final_m)},
                   {"samples_per_s", sps},
                   {"samples_per_cpu_s", cpu_sps},
