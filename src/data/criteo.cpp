@@ -392,10 +392,16 @@ class BinarySource final : public RecordSource {
         h->record_bytes != kRecordBytes)
       throw Error("data::binary_source", "path", fmt::format("version {}, 13 dense, 26 sparse", kVersion),
                   fmt::format("version {}, {} dense, {} sparse", h->version, h->num_dense, h->num_sparse));
-    const auto bytes = std::filesystem::file_size(path);
-    if (bytes < kHeaderBytes + h->count * kRecordBytes)
-      throw Error("data::binary_source", "path", fmt::format("{} records", h->count),
-                  fmt::format("a file of {} bytes (truncated)", bytes));
+    // The file holds exactly the header and `count` records: no product that could wrap (a 4.8 MB
+    // file claimed 1.15e17 records), no count past 2^63, no short or trailing bytes.
+    const std::uint64_t bytes = std::filesystem::file_size(path);
+    const std::uint64_t body = bytes >= kHeaderBytes ? bytes - kHeaderBytes : 0;
+    if (bytes < kHeaderBytes || body % kRecordBytes != 0 || body / kRecordBytes != h->count ||
+        h->count > static_cast<std::uint64_t>(INT64_MAX))
+      throw Error("data::binary_source", "path",
+                  fmt::format("a file of {} header bytes and {} records of {} bytes (the header's count)", kHeaderBytes,
+                              h->count, kRecordBytes),
+                  fmt::format("{}: {} bytes", path.string(), bytes));
     count_ = static_cast<std::int64_t>(h->count);
     fd_ = ::open(path.c_str(), O_RDONLY);
     if (fd_ < 0) throw Error("data::binary_source", "path", "a readable file", path.string());
@@ -415,6 +421,9 @@ class BinarySource final : public RecordSource {
       at += got;
       left -= static_cast<std::size_t>(got);
     }
+    for (std::size_t i = 0; i < out.size(); ++i)  // a damaged record never reaches the model
+      FK_CHECK_ARG(out[i].label == 0 || out[i].label == 1, "data::binary_source", "path", "labels 0 or 1",
+                   fmt::format("{}: label {} in record {}", path_.string(), out[i].label, begin + static_cast<std::int64_t>(i)));
   }
 
  private:

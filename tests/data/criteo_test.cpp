@@ -404,6 +404,48 @@ TEST(BatchLoader, StopsCleanlyWhenDestroyedEarlyAndReportsSourceErrors) {
 
 // A line past the reader's cap (1 MiB) is an error naming the file and the line, not a whole
 // file read into memory as one line (issue 27 item 10).
+// The binary reader trusts nothing in the file (issue 27 item 6): a record count whose byte size
+// wraps or passes 2^63, a short or a long file, a label that is not 0/1 are errors naming the file.
+TEST(BinaryFormat, DamagedFilesAreRefused) {
+  const SyntheticCriteo gen(small_synthetic());
+  std::vector<RawRecord> recs(10);
+  gen.generate(0, recs);
+  const fs::path good = temp_path("ten.bin"), bad = temp_path("damaged.bin");
+  write_binary(good, recs);
+  std::vector<char> bytes(fs::file_size(good));
+  std::ifstream(good, std::ios::binary).read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  auto with = [&](const std::vector<char>& b) {
+    std::ofstream(bad, std::ios::binary | std::ios::trunc).write(b.data(), static_cast<std::streamsize>(b.size()));
+    return bad;
+  };
+  auto set_count = [&](std::uint64_t n) {
+    std::vector<char> b = bytes;
+    std::memcpy(b.data() + 24, &n, 8);  // the header's count
+    return b;
+  };
+  auto refused = [&](const std::vector<char>& b, const char* what) {
+    try {
+      auto src = binary_source(with(b));
+      std::vector<RawRecord> out(static_cast<std::size_t>(std::min<std::int64_t>(src->size(), 10)));
+      src->read(0, out);
+      ADD_FAILURE() << what << ": accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(bad.string()), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  refused(set_count((std::uint64_t{1} << 60) + 10), "a count whose size wraps");
+  refused(set_count(std::uint64_t{1} << 63), "a count past 2^63");
+  refused(set_count(9), "a count short of the records");
+  refused(std::vector<char>(bytes.begin(), bytes.end() - 1), "a truncated record");
+  std::vector<char> longer = bytes;
+  longer.push_back('x');
+  refused(longer, "a trailing byte");
+  std::vector<char> label = bytes;
+  label[64 + 3 * 160] = 7;  // record 3's label
+  refused(label, "a label of 7");
+  EXPECT_EQ(binary_source(with(bytes))->size(), 10);
+}
+
 TEST(CriteoRead, OverlongLineIsRefused) {
   const auto path = std::filesystem::temp_directory_path() / "fusekit_overlong.tsv";
   {
