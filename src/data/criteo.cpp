@@ -7,9 +7,12 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <bit>
 #include <charconv>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -263,9 +266,11 @@ void write_tsv(const std::filesystem::path& path, std::span<const RawRecord> rec
 namespace {
 
 constexpr char kMagic[8] = {'F', 'K', 'C', 'R', 'I', 'T', 'E', 'O'};
-constexpr std::uint32_t kVersion = 1;
+constexpr std::uint32_t kVersion = 2;  // version 1 (no checksums) is still read
 constexpr std::size_t kHeaderBytes = 64;
 constexpr std::size_t kRecordBytes = 4 + 4 * kNumDense + 4 * kNumSparse;
+constexpr std::uint32_t kBlockRecords = 4096;  // records per checksummed block (640 KiB)
+constexpr std::uint32_t kMaxBlockRecords = 1u << 20;
 static_assert(kRecordBytes == 160);
 static_assert(sizeof(RawRecord) == kRecordBytes, "RawRecord is stored as is");
 
@@ -273,9 +278,19 @@ struct Header {
   char magic[8];
   std::uint32_t version, num_dense, num_sparse, record_bytes;
   std::uint64_t count;
-  char pad[kHeaderBytes - 32];
+  std::uint32_t block_records;  // version 2
+  char pad[kHeaderBytes - 40];
+  std::uint32_t header_crc;  // version 2: CRC-32 of the 60 bytes before it
 };
 static_assert(sizeof(Header) == kHeaderBytes);
+static_assert(offsetof(Header, count) == 24 && offsetof(Header, block_records) == 32 &&
+              offsetof(Header, header_crc) == 60);
+
+std::uint32_t crc32_of(std::uint32_t crc, const void* data, std::size_t bytes) {
+  return static_cast<std::uint32_t>(::crc32_z(crc, static_cast<const Bytef*>(data), bytes));
+}
+
+std::uint32_t header_crc(const Header& h) { return crc32_of(0, &h, offsetof(Header, header_crc)); }
 
 Header make_header(std::uint64_t count) {
   Header h{};
@@ -285,7 +300,13 @@ Header make_header(std::uint64_t count) {
   h.num_sparse = kNumSparse;
   h.record_bytes = kRecordBytes;
   h.count = count;
+  h.block_records = kBlockRecords;
+  h.header_crc = header_crc(h);
   return h;
+}
+
+std::uint64_t num_blocks(std::uint64_t count, std::uint32_t block_records) {
+  return count / block_records + (count % block_records != 0);
 }
 
 std::optional<Header> read_header(const std::filesystem::path& path) {
@@ -326,6 +347,17 @@ void RecordWriter::write(std::span<const RawRecord> records) {
   FK_CHECK_ARG(out_ != nullptr, "data::RecordWriter::write", "this", "an open writer", "a closed one");
   if (format_ == FileFormat::binary) {
     out_->write(reinterpret_cast<const char*>(records.data()), static_cast<std::streamsize>(records.size_bytes()));
+    for (std::size_t i = 0; i < records.size();) {
+      const std::size_t n = std::min<std::size_t>(records.size() - i, kBlockRecords - in_block_);
+      block_crc_ = crc32_of(block_crc_, records.data() + i, n * kRecordBytes);
+      in_block_ += static_cast<std::int64_t>(n);
+      i += n;
+      if (in_block_ == kBlockRecords) {
+        block_crcs_.push_back(block_crc_);
+        block_crc_ = 0;
+        in_block_ = 0;
+      }
+    }
   } else {
     for (const RawRecord& r : records) {
       line_.clear();
@@ -343,6 +375,10 @@ void RecordWriter::write(std::span<const RawRecord> records) {
 void RecordWriter::close() {
   FK_CHECK_ARG(out_ != nullptr, "data::RecordWriter::close", "this", "an open writer", "a closed one");
   if (format_ == FileFormat::binary) {
+    if (in_block_ > 0) block_crcs_.push_back(block_crc_);
+    const std::uint32_t table_crc = crc32_of(0, block_crcs_.data(), block_crcs_.size() * 4);
+    out_->write(reinterpret_cast<const char*>(block_crcs_.data()), static_cast<std::streamsize>(block_crcs_.size() * 4));
+    out_->write(reinterpret_cast<const char*>(&table_crc), 4);
     const Header h = make_header(static_cast<std::uint64_t>(count_));
     out_->seekp(0);
     out_->write(reinterpret_cast<const char*>(&h), sizeof h);
@@ -388,47 +424,106 @@ class BinarySource final : public RecordSource {
   explicit BinarySource(const std::filesystem::path& path) : path_(path) {
     const std::optional<Header> h = read_header(path);
     if (!h) throw Error("data::binary_source", "path", "a fusekit Criteo binary file (FKCRITEO header)", path.string());
-    if (h->version != kVersion || h->num_dense != kNumDense || h->num_sparse != kNumSparse ||
+    if (h->version == 2 && h->header_crc != header_crc(*h))
+      throw Error("data::binary_source", "path", "a header matching its CRC-32",
+                  fmt::format("{}: a damaged header", path.string()));
+    if ((h->version != 1 && h->version != 2) || h->num_dense != kNumDense || h->num_sparse != kNumSparse ||
         h->record_bytes != kRecordBytes)
-      throw Error("data::binary_source", "path", fmt::format("version {}, 13 dense, 26 sparse", kVersion),
-                  fmt::format("version {}, {} dense, {} sparse", h->version, h->num_dense, h->num_sparse));
-    // The file holds exactly the header and `count` records: no product that could wrap (a 4.8 MB
-    // file claimed 1.15e17 records), no count past 2^63, no short or trailing bytes.
+      throw Error("data::binary_source", "path", "version 1 or 2, 13 dense, 26 sparse, 160-byte records",
+                  fmt::format("{}: version {}, {} dense, {} sparse, {}-byte records", path.string(), h->version,
+                              h->num_dense, h->num_sparse, h->record_bytes));
+    block_records_ = h->version == 2 ? h->block_records : 0;
+    if (h->version == 2 && (block_records_ == 0 || block_records_ > kMaxBlockRecords))
+      throw Error("data::binary_source", "path", fmt::format("1 to {} records per block", kMaxBlockRecords),
+                  fmt::format("{}: {}", path.string(), block_records_));
+    // The file holds exactly the header, `count` records and (version 2) the checksum table: no
+    // product that could wrap (a 4.8 MB file claimed 1.15e17 records), no count past 2^63, no
+    // short or trailing bytes.
     const std::uint64_t bytes = std::filesystem::file_size(path);
-    const std::uint64_t body = bytes >= kHeaderBytes ? bytes - kHeaderBytes : 0;
-    if (bytes < kHeaderBytes || body % kRecordBytes != 0 || body / kRecordBytes != h->count ||
-        h->count > static_cast<std::uint64_t>(INT64_MAX))
+    const std::uint64_t max_count = static_cast<std::uint64_t>(INT64_MAX) / kRecordBytes;
+    const std::uint64_t blocks = block_records_ ? num_blocks(h->count, block_records_) : 0;
+    const std::uint64_t trailer = block_records_ ? blocks * 4 + 4 : 0;
+    const bool exact = h->count <= max_count && bytes >= kHeaderBytes + trailer &&
+                       (bytes - kHeaderBytes - trailer) % kRecordBytes == 0 &&
+                       (bytes - kHeaderBytes - trailer) / kRecordBytes == h->count;
+    if (!exact)
       throw Error("data::binary_source", "path",
-                  fmt::format("a file of {} header bytes and {} records of {} bytes (the header's count)", kHeaderBytes,
-                              h->count, kRecordBytes),
+                  fmt::format("a file of {} header bytes, {} records of {} bytes (the header's count) and {} "
+                              "checksum bytes",
+                              kHeaderBytes, h->count, kRecordBytes, trailer),
                   fmt::format("{}: {} bytes", path.string(), bytes));
     count_ = static_cast<std::int64_t>(h->count);
     fd_ = ::open(path.c_str(), O_RDONLY);
-    if (fd_ < 0) throw Error("data::binary_source", "path", "a readable file", path.string());
+    if (fd_ < 0)
+      throw Error("data::binary_source", "path", "a readable file",
+                  fmt::format("{}: {}", path.string(), std::strerror(errno)));
+    if (block_records_) {
+      std::vector<std::uint32_t> table(blocks + 1);
+      try {
+        pread_all(table.data(), table.size() * 4, kHeaderBytes + h->count * kRecordBytes);
+        if (table.back() != crc32_of(0, table.data(), blocks * 4))
+          throw Error("data::binary_source", "path", "a block checksum table matching its CRC-32",
+                      fmt::format("{}: a damaged table", path.string()));
+      } catch (...) {
+        ::close(fd_);
+        throw;
+      }
+      table.pop_back();
+      block_crcs_ = std::move(table);
+      verified_ = std::make_unique<std::atomic<bool>[]>(blocks);
+    }
   }
   ~BinarySource() override { ::close(fd_); }
   std::int64_t size() const override { return count_; }
   void read(std::int64_t begin, std::span<RawRecord> out) const override {
-    FK_CHECK_ARG(begin >= 0 && begin + static_cast<std::int64_t>(out.size()) <= count_, "data::binary_source", "begin",
-                 fmt::format("a range inside [0, {})", count_), fmt::format("[{}, {})", begin, begin + out.size()));
-    char* dst = reinterpret_cast<char*>(out.data());
-    std::size_t left = out.size_bytes();
-    off_t at = static_cast<off_t>(kHeaderBytes + static_cast<std::uint64_t>(begin) * kRecordBytes);
-    while (left > 0) {
-      const ssize_t got = ::pread(fd_, dst, left, at);
-      if (got <= 0) throw Error("data::binary_source", "path", "a readable file", path_.string());
-      dst += got;
-      at += got;
-      left -= static_cast<std::size_t>(got);
+    FK_CHECK_ARG(begin >= 0 && begin <= count_ && static_cast<std::int64_t>(out.size()) <= count_ - begin,
+                 "data::binary_source", "begin", fmt::format("a range inside [0, {})", count_),
+                 fmt::format("[{}, {})", begin, begin + static_cast<std::int64_t>(out.size())));
+    if (out.empty()) return;
+    if (block_records_) {
+      const std::uint64_t end = static_cast<std::uint64_t>(begin) + out.size();
+      for (std::uint64_t b = static_cast<std::uint64_t>(begin) / block_records_; b * block_records_ < end; ++b)
+        verify_block(b);
     }
+    pread_all(out.data(), out.size_bytes(), kHeaderBytes + static_cast<std::uint64_t>(begin) * kRecordBytes);
     for (std::size_t i = 0; i < out.size(); ++i)  // a damaged record never reaches the model
       FK_CHECK_ARG(out[i].label == 0 || out[i].label == 1, "data::binary_source", "path", "labels 0 or 1",
                    fmt::format("{}: label {} in record {}", path_.string(), out[i].label, begin + static_cast<std::int64_t>(i)));
   }
 
  private:
+  void pread_all(void* dst_, std::size_t left, std::uint64_t at) const {
+    char* dst = static_cast<char*>(dst_);
+    while (left > 0) {
+      const ssize_t got = ::pread(fd_, dst, left, static_cast<off_t>(at));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0)
+        throw Error("data::binary_source", "path", "a readable file",
+                    fmt::format("{}: {}", path_.string(), got < 0 ? std::strerror(errno) : "ended early"));
+      dst += got;
+      at += static_cast<std::uint64_t>(got);
+      left -= static_cast<std::size_t>(got);
+    }
+  }
+  // Checks a block against its CRC-32 the first time it is read (concurrent first reads may both
+  // check it; the flag is only ever set after a match).
+  void verify_block(std::uint64_t b) const {
+    if (verified_[b].load(std::memory_order_acquire)) return;
+    const std::uint64_t first = b * block_records_;
+    const std::uint64_t n = std::min<std::uint64_t>(block_records_, static_cast<std::uint64_t>(count_) - first);
+    std::vector<char> bytes(n * kRecordBytes);
+    pread_all(bytes.data(), bytes.size(), kHeaderBytes + first * kRecordBytes);
+    if (crc32_of(0, bytes.data(), bytes.size()) != block_crcs_[b])
+      throw Error("data::binary_source", "path", "records matching their block's CRC-32",
+                  fmt::format("{}: records {} to {} are damaged", path_.string(), first, first + n - 1));
+    verified_[b].store(true, std::memory_order_release);
+  }
+
   std::filesystem::path path_;
   std::int64_t count_ = 0;
+  std::uint32_t block_records_ = 0;  // 0: version 1, no checksums
+  std::vector<std::uint32_t> block_crcs_;
+  std::unique_ptr<std::atomic<bool>[]> verified_;
   int fd_ = -1;
 };
 

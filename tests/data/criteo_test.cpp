@@ -290,7 +290,7 @@ TEST(BinaryFormat, TsvToBinaryToBatchesRoundTrip) {
   EXPECT_EQ(rep.malformed, 0);
   EXPECT_TRUE(is_binary_file(bin));
   EXPECT_FALSE(is_binary_file(tsv));
-  EXPECT_EQ(fs::file_size(bin), 64u + 1000u * 160u);
+  EXPECT_EQ(fs::file_size(bin), 64u + 1000u * 160u + 4u + 4u);  // one block's CRC, the table's CRC
 
   Featurizer f;
   f.max_ind_range = 5000;
@@ -436,14 +436,67 @@ TEST(BinaryFormat, DamagedFilesAreRefused) {
   refused(set_count((std::uint64_t{1} << 60) + 10), "a count whose size wraps");
   refused(set_count(std::uint64_t{1} << 63), "a count past 2^63");
   refused(set_count(9), "a count short of the records");
-  refused(std::vector<char>(bytes.begin(), bytes.end() - 1), "a truncated record");
+  refused(std::vector<char>(bytes.begin(), bytes.end() - 1), "a truncated file");
   std::vector<char> longer = bytes;
   longer.push_back('x');
   refused(longer, "a trailing byte");
-  std::vector<char> label = bytes;
-  label[64 + 3 * 160] = 7;  // record 3's label
-  refused(label, "a label of 7");
+  // Version 2 carries checksums: every single flipped bit is refused, wherever it is.
+  ASSERT_EQ(bytes.size(), 64u + 10u * 160u + 8u);
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    std::vector<char> flipped = bytes;
+    flipped[i] = static_cast<char>(flipped[i] ^ (1 << (i % 8)));
+    refused(flipped, "a flipped bit");
+  }
   EXPECT_EQ(binary_source(with(bytes))->size(), 10);
+}
+
+TEST(BinaryFormat, VersionOneFilesAreStillReadAndChecked) {
+  // Version 1: the same header without block size or CRC, the records, nothing after them.
+  const SyntheticCriteo gen(small_synthetic());
+  std::vector<RawRecord> recs(5);
+  gen.generate(0, recs);
+  auto v1 = [&](std::int32_t label3) {
+    std::vector<char> b(64 + 5 * 160, 0);
+    std::memcpy(b.data(), "FKCRITEO", 8);
+    const std::uint32_t fields[4] = {1, 13, 26, 160};
+    std::memcpy(b.data() + 8, fields, 16);
+    const std::uint64_t count = 5;
+    std::memcpy(b.data() + 24, &count, 8);
+    std::memcpy(b.data() + 64, recs.data(), 5 * 160);
+    std::memcpy(b.data() + 64 + 3 * 160, &label3, 4);
+    const fs::path p = temp_path("v1.bin");
+    std::ofstream(p, std::ios::binary | std::ios::trunc).write(b.data(), static_cast<std::streamsize>(b.size()));
+    return p;
+  };
+  std::vector<RawRecord> out(5);
+  binary_source(v1(recs[3].label))->read(0, out);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(std::memcmp(&out[i], &recs[i], sizeof(RawRecord)), 0) << i;
+  EXPECT_THROW(binary_source(v1(7))->read(0, out), Error);  // v1's own check: labels 0 or 1
+}
+
+TEST(BinaryFormat, BlocksAreCheckedWhereverTheReadStarts) {
+  // 10000 records: two full blocks of 4096 and a partial one; damage the last block only.
+  const SyntheticCriteo gen(small_synthetic());
+  std::vector<RawRecord> recs(10000);
+  gen.generate(0, recs);
+  const fs::path p = temp_path("blocks.bin");
+  write_binary(p, recs);
+  EXPECT_EQ(fs::file_size(p), 64u + 10000u * 160u + 3u * 4u + 4u);
+  {
+    std::fstream f(p, std::ios::binary | std::ios::in | std::ios::out);
+    f.seekp(64 + 9000 * 160 + 40);  // a dense value of record 9000
+    f.put('\x55');
+  }
+  auto src = binary_source(p);
+  std::vector<RawRecord> out(100);
+  src->read(4000, out);  // blocks 0 and 1: intact
+  EXPECT_EQ(std::memcmp(out.data(), &recs[4000], 100 * sizeof(RawRecord)), 0);
+  try {
+    src->read(9950, std::span(out).first(10));  // block 2, not the damaged record
+    ADD_FAILURE() << "a damaged block was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("records 8192 to 9999 are damaged"), std::string::npos) << e.what();
+  }
 }
 
 TEST(CriteoRead, OverlongLineIsRefused) {

@@ -154,9 +154,13 @@ class SyntheticCriteo {
 // Binary format
 // ---------------------------------------------------------------------------------------------
 //
-// A 64-byte header ("FKCRITEO", version 1, record count, 13, 26, record size) followed by fixed
-// 160-byte little-endian records: i32 label, i32 dense[13], u32 sparse[26]. Raw values are kept
-// (hashing happens at load time), so one file serves any table size or hash mode.
+// Version 2: a 64-byte header ("FKCRITEO", version, 13, 26, record size, record count, records per
+// block, the header's CRC-32), fixed 160-byte little-endian records (i32 label, i32 dense[13],
+// u32 sparse[26]), then one CRC-32 per block of records and the CRC-32 of that table. Raw values
+// are kept (hashing happens at load time), so one file serves any table size or hash mode.
+// binary_source checks the header, the file's exact size and the table when it opens a file, and
+// each block's checksum the first time a read touches it; version 1 files (no checksums) are
+// read with the same size and label checks.
 void write_binary(const std::filesystem::path& path, std::span<const RawRecord> records);
 
 // Streams records to a Criteo TSV or binary file, in order, through a temporary file that close()
@@ -178,6 +182,9 @@ class RecordWriter {
   std::unique_ptr<std::ofstream> out_;
   std::int64_t count_ = 0;
   std::string line_;
+  std::vector<std::uint32_t> block_crcs_;  // binary: the finished blocks'
+  std::uint32_t block_crc_ = 0;            // binary: the open block's, over its first in_block_ records
+  std::int64_t in_block_ = 0;
 };
 // Converts a TSV (or .gz) file; returns the reader's report. Written atomically (temp + rename).
 ReadReport convert_tsv_to_binary(const std::filesystem::path& tsv, const std::filesystem::path& bin,
