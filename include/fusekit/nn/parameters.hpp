@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -50,10 +51,11 @@ class ParameterArena {
     Tensor value, grad;  // views of the arena: `shape`, strides (row_stride, 1) for a matrix
     std::int64_t offset = 0;  // first float in the arena
   };
-  // The next parameter, zero (value and gradient). Throws fk::Error when the arena is full.
+  // The next parameter, zero (value and gradient). Throws fk::Error when the arena is full. The
+  // reference stays valid for the arena's life (adding more parameters does not move it).
   const Parameter& add(const Dims& shape, std::int64_t row_stride = 0);
 
-  const std::vector<Parameter>& parameters() const noexcept { return params_; }
+  const std::deque<Parameter>& parameters() const noexcept { return params_; }
   Device device() const noexcept { return device_; }
   // The Adagrad state of parameter i (shape and strides of its value); null before the first
   // Adagrad step or ensure_state().
@@ -72,7 +74,7 @@ class ParameterArena {
   Device device_;
   Tensor values_, grads_, state_;
   std::int64_t used_ = 0;
-  std::vector<Parameter> params_;
+  std::deque<Parameter> params_;  // a deque: add() hands out references that must not move
   std::vector<std::int64_t> extent_;  // floats each parameter spans (for the per-parameter launches)
 };
 
