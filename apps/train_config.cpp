@@ -175,6 +175,8 @@ template <class... F>
 struct overloaded : F... {
   using F::operator()...;
 };
+template <class... F>
+overloaded(F...) -> overloaded<F...>;  // for compilers without C++20's aggregate deduction (clang 14)
 
 bool has_member(const Setting& s) { return !std::holds_alternative<std::monostate>(s.member); }
 
@@ -237,7 +239,9 @@ void apply(const json& j, TrainConfig& c, const char* op) {
     if (std::find(sections.begin(), sections.end(), section) == sections.end())
       throw Error(op, section, fmt::format("a section: {} (and comment)", fmt::join(sections, ", ")), section);
     if (!entries.is_object()) throw Error(op, section, "an object of settings", entries.type_name());
-    for (const auto& [name, value] : entries.items()) {
+    for (const auto& item : entries.items()) {
+      const std::string& name = item.key();
+      const nlohmann::json& value = item.value();  // a lambda may capture it (not a structured binding)
       const std::string key = section + "." + name;
       const Setting* s = find_setting(key);
       if (!s) throw Error(op, key, "a known key (see docs/dlrm.md)", name);
@@ -323,6 +327,32 @@ TrainConfig resolve(const ConfigFlags& f) {
   apply(f.given, c, kOp);
   validate(c);
   return c;
+}
+
+data::Featurizer make_featurizer(const TrainConfig& c) {
+  data::Featurizer feat;
+  if (!c.cardinalities.empty()) feat.cardinalities = c.cardinalities;
+  feat.validate();
+  feat.max_ind_range = c.max_ind_range;
+  feat.hash = data::parse_hash_mode(c.data_hash);
+  return feat;
+}
+
+models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurizer& feat) {
+  models::DlrmConfig mc;
+  mc.bottom_mlp = parse_layer_sizes(c.arch_mlp_bot, "model.arch_mlp_bot (--arch-mlp-bot)");
+  mc.top_mlp = parse_layer_sizes(c.arch_mlp_top, "model.arch_mlp_top (--arch-mlp-top)");
+  mc.embedding_dim = c.arch_sparse_feature_size;
+  mc.interaction = models::parse_interaction_op(c.arch_interaction_op);
+  mc.interaction_itself = c.arch_interaction_itself;
+  mc.fused_mlp = c.fused_mlp;
+  mc.table_rows = feat.table_rows();
+  mc.seed = c.model_seed;
+  mc.raw_hash = feat.hash;
+  FK_CHECK_ARG(mc.bottom_mlp.front() == data::kNumDense, "fusekit train", "--arch-mlp-bot",
+               "13 inputs (Criteo's integer features)", c.arch_mlp_bot);
+  mc.validate();
+  return mc;
 }
 
 }  // namespace fk::app

@@ -11,8 +11,8 @@ Error::Error(std::string op, std::string arg, std::string expected, std::string 
 Error::Error(std::string op, std::string what)
     : std::runtime_error(fmt::format("fk::{}: {}", op, what)), op_(std::move(op)) {}
 
-void throw_internal(const char* what, std::source_location where) {
-  throw Error("internal", fmt::format("{} ({}:{})", what, where.file_name(), where.line()));
+void throw_internal(const char* what, const char* file, int line) {
+  throw Error("internal", fmt::format("{} ({}:{})", what, file, line));
 }
 
 }  // namespace fk

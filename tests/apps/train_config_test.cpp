@@ -26,6 +26,8 @@ template <class... F>
 struct overloaded : F... {
   using F::operator()...;
 };
+template <class... F>
+overloaded(F...) -> overloaded<F...>;  // clang 14 (the fuzz build) lacks aggregate deduction
 
 fs::path write_config(const std::string& name, const json& j) {
   const fs::path dir = fs::temp_directory_path() / "fusekit_train_config_test";
@@ -154,8 +156,8 @@ TEST(TrainConfigChecks, ClearlyInvalidValuesAreRefusedNamingTheSetting) {
       {{"--optimizer", "adam"}, "training.optimizer (--optimizer)"},
       {{"--arch-mlp-bot", "13-x-16"}, "model.arch_mlp_bot (--arch-mlp-bot)"},
   };
-  for (const auto& [args, name] : cases)
-    test::expect_arg_error([&] { resolve_args(args); }, "fusekit train", name);
+  for (const auto& c : cases)
+    test::expect_arg_error([&] { resolve_args(c.first); }, "fusekit train", c.second);
   EXPECT_NO_THROW(resolve_args({"--epochs", "0", "--steps", "5"}));
 }
 

@@ -3,7 +3,6 @@
 // expected shape [1024], got [1000]".
 #pragma once
 
-#include <source_location>
 #include <stdexcept>
 #include <string>
 
@@ -30,8 +29,8 @@ class Error : public std::runtime_error {
     if (!(cond)) throw ::fk::Error((op), (arg), (expected), (got)); \
   } while (0)
 
-// Internal invariant that is not the caller's fault; names file and line.
-[[noreturn]] void throw_internal(const char* what,
-                                 std::source_location where = std::source_location::current());
+// Internal invariant that is not the caller's fault; names file and line. (The builtins, not
+// std::source_location, which clang before 15 cannot compile with libstdc++: the fuzz build.)
+[[noreturn]] void throw_internal(const char* what, const char* file = __builtin_FILE(), int line = __builtin_LINE());
 
 }  // namespace fk

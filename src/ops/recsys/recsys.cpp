@@ -15,8 +15,10 @@
 namespace fk {
 namespace {
 
+#if FUSEKIT_WITH_CUDA
 // The GPU embedding kernels run one thread per output element (or 4 of them): at most 2^28.
 constexpr std::int64_t kMaxPooledElements = std::int64_t{1} << 28;
+#endif
 constexpr std::size_t kWorkspaceAlign = 256;
 
 [[maybe_unused]] std::size_t align_up(std::size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
