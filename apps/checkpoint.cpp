@@ -148,7 +148,7 @@ CheckpointHeader open_checkpoint(const std::string& path, std::ifstream& in, con
   if (state_bytes != size - kTrailerBytes - start)
     bad(op, path, fmt::format("a model state of {} bytes where the file holds {}", state_bytes, size - kTrailerBytes - start));
   in.seekg(static_cast<std::streamoff>(start));
-  std::vector<char> buf(std::size_t{1} << 24);
+  std::vector<char> buf(static_cast<std::size_t>(std::min<std::uint64_t>(state_bytes, std::uint64_t{1} << 24)));
   std::uint32_t c = 0;
   for (std::uint64_t left = state_bytes; left > 0;) {
     const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(left, buf.size()));

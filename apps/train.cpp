@@ -157,33 +157,6 @@ std::pair<Device, models::DlrmImpl> pick_device(const TrainConfig& c, const char
   return {dev, impl};
 }
 
-data::Featurizer make_featurizer(const TrainConfig& c) {
-  data::Featurizer feat;
-  if (!c.cardinalities.empty()) feat.cardinalities = c.cardinalities;
-  feat.validate();
-  feat.max_ind_range = c.max_ind_range;
-  feat.hash = data::parse_hash_mode(c.data_hash);
-  return feat;
-}
-
-models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurizer& feat) {
-  models::DlrmConfig mc;
-  mc.bottom_mlp = parse_layer_sizes(c.arch_mlp_bot, "model.arch_mlp_bot (--arch-mlp-bot)");
-  mc.top_mlp = parse_layer_sizes(c.arch_mlp_top, "model.arch_mlp_top (--arch-mlp-top)");
-  mc.embedding_dim = c.arch_sparse_feature_size;
-  mc.interaction = models::parse_interaction_op(c.arch_interaction_op);
-  mc.interaction_itself = c.arch_interaction_itself;
-  mc.fused_mlp = c.fused_mlp;
-  mc.table_rows = feat.table_rows();
-  mc.seed = c.model_seed;
-  mc.raw_hash = feat.hash;
-  FK_CHECK_ARG(mc.bottom_mlp.front() == data::kNumDense, "fusekit train", "--arch-mlp-bot",
-               "13 inputs (Criteo's integer features)", c.arch_mlp_bot);
-  mc.validate();
-  return mc;
-}
-
-// Checkpoint: "FKCKPT01", u64 step, u64 length + the run's config as JSON, then the model state.
 void save_checkpoint(const std::string& path, std::int64_t step, const TrainConfig& c, const models::Dlrm& model) {
   apps::write_checkpoint(path, step, to_json(c), [&](std::ostream& out) { model.save_state(out); });
 }

@@ -15,6 +15,9 @@
 #include <variant>
 #include <vector>
 
+#include "fusekit/data/criteo.hpp"
+#include "fusekit/models/dlrm.hpp"
+
 namespace fk::app {
 
 // Every hyperparameter of a training run. Each member has one row in train_settings(); its type
@@ -100,6 +103,11 @@ const std::vector<Setting>& train_settings();
 void from_json(const nlohmann::json& j, TrainConfig& c);  // sets the keys present; unknown keys are an error
 nlohmann::json to_json(const TrainConfig& c);              // every setting, sectioned as a config file
 void validate(const TrainConfig& c);                       // every row's check, then those across settings
+
+// The featurizer (tables, hash) and the model of a run's settings; fk::Error naming the setting
+// that is inconsistent.
+data::Featurizer make_featurizer(const TrainConfig& c);
+models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurizer& feat);
 
 // "13-512-256-64-16" -> {13, 512, 256, 64, 16}; fk::Error naming `name` otherwise.
 std::vector<std::int64_t> parse_layer_sizes(const std::string& s, const std::string& name);

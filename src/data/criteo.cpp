@@ -156,13 +156,14 @@ namespace {
 // A line longer than this is refused: Criteo lines are a few hundred bytes, and a file without
 // newlines (or with CR only) would otherwise be read whole into one line.
 constexpr std::size_t kMaxLineBytes = std::size_t{1} << 20;
+constexpr unsigned kReadBytes = 1u << 18;  // per read from zlib (and zlib's own buffer)
 
 // Lines of a plain or gzip file (zlib reads plain files transparently).
 class LineReader {
  public:
   explicit LineReader(const std::filesystem::path& path) : path_(path.string()), file_(gzopen(path.c_str(), "rb")) {
     if (!file_) throw Error("data::read_tsv", "path", "a readable file", path.string());
-    gzbuffer(file_, 1 << 20);
+    gzbuffer(file_, kReadBytes);
   }
   ~LineReader() { gzclose(file_); }
   LineReader(const LineReader&) = delete;
@@ -194,8 +195,8 @@ class LineReader {
       searched_ -= pos_;
       pos_ = 0;
       const std::size_t old = buf_.size();
-      buf_.resize(old + (1 << 20));
-      const int got = gzread(file_, buf_.data() + old, 1 << 20);
+      buf_.resize(old + kReadBytes);
+      const int got = gzread(file_, buf_.data() + old, kReadBytes);
       int code = Z_OK;
       const char* message = gzerror(file_, &code);
       // A truncated or corrupt gzip stream ends reads early with Z_BUF_ERROR or Z_DATA_ERROR:
