@@ -12,6 +12,8 @@ BUILD_DIR=${FUSEKIT_BUILD_DIR:-build}
 
 packages=(build-essential cmake ninja-build git libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev
           libdlpack-dev zlib1g-dev python3-pip unzip ccache)
+# The sanitizer / fuzz build (scripts/fuzz.sh --cmake-args) compiles with clang and its libFuzzer.
+[[ " ${FUSEKIT_CMAKE_ARGS:-} " == *"-DCMAKE_CXX_COMPILER=clang++"* ]] && packages+=(clang libclang-rt-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -37,7 +39,9 @@ fi
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
-if [[ " ${FUSEKIT_CMAKE_ARGS:-} " == *" -DFUSEKIT_CUDA=OFF "* ]]; then
+if [[ " ${FUSEKIT_CMAKE_ARGS:-} " == *"-DFUSEKIT_SANITIZE="* ]]; then
+  echo "setup: building the CPU-only library with sanitizers in $BUILD_DIR (${FUSEKIT_CMAKE_ARGS})"
+elif [[ " ${FUSEKIT_CMAKE_ARGS:-} " == *" -DFUSEKIT_CUDA=OFF "* ]]; then
   echo "setup: building the CPU-only library in $BUILD_DIR (FUSEKIT_CUDA=OFF)"
 elif command -v nvcc >/dev/null; then
   echo "setup: CUDA toolkit $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'): building the kernels"

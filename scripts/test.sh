@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The test command: every test of both configurations. First the CPU-only library (build-cpu/,
 # FUSEKIT_CUDA=OFF: what a machine without a CUDA toolkit builds), then, where a CUDA toolkit is
-# found, the CUDA one (build/). Each is set up and built by scripts/setup.sh. GPU tests skip,
-# saying why, on a machine without a GPU.
+# found, the CUDA one (build/); then the CPU suite again under AddressSanitizer and
+# UndefinedBehaviorSanitizer (build-asan/, clang), and each fuzz target for FUSEKIT_FUZZ_SECONDS
+# (60) from its seed corpus (scripts/fuzz.sh). Each configuration is set up and built by
+# scripts/setup.sh. GPU tests skip, saying why, on a machine without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,3 +21,7 @@ if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
 else
   echo "test: no CUDA toolkit found: the CUDA configuration is not built here"
 fi
+start=$(date +%s)
+run_config "sanitizer (address,undefined)" "${FUSEKIT_SANITIZE_BUILD_DIR:-build-asan}" "$(scripts/fuzz.sh --cmake-args)"
+FUSEKIT_SANITIZE_BUILD_DIR=${FUSEKIT_SANITIZE_BUILD_DIR:-build-asan} scripts/fuzz.sh "${FUSEKIT_FUZZ_SECONDS:-60}"
+echo "test: sanitizer build, its tests and the fuzz targets took $(( $(date +%s) - start )) s"

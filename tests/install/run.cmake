@@ -42,7 +42,8 @@ file(WRITE "${WORK}/src/main.cpp" "${main_cpp}")
 file(WRITE "${WORK}/src/CMakeLists.txt" "${lists}")
 
 run(${CMAKE_COMMAND} --install "${BUILD}" --prefix "${WORK}/prefix" --component Unspecified)
+# The build's own compiler: a sanitizer build's library needs that compiler's runtimes.
 run(${CMAKE_COMMAND} -S "${WORK}/src" -B "${WORK}/build" -G "${GENERATOR}" "-DCMAKE_PREFIX_PATH=${WORK}/prefix"
-    -DCMAKE_BUILD_TYPE=Release)
+    -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_COMPILER=${CXX}")
 run(${CMAKE_COMMAND} --build "${WORK}/build")
 run("${WORK}/build/${program}")
