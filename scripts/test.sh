@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: every test of both configurations. First the CPU-only library (build-cpu/,
 # FUSEKIT_CUDA=OFF: what a machine without a CUDA toolkit builds), then, where a CUDA toolkit is
-# found, the CUDA one (build/); then the CPU suite again under AddressSanitizer and
+# found, the CUDA one (build/); the Python package, built against the CPU-only configuration and
+# tested with PyTorch (scripts/test-python.sh); then the CPU suite again under AddressSanitizer and
 # UndefinedBehaviorSanitizer (build-asan/, clang), and each fuzz target for FUSEKIT_FUZZ_SECONDS
 # (60) from its seed corpus (scripts/fuzz.sh). Each configuration is set up and built by
 # scripts/setup.sh. GPU tests skip, saying why, on a machine without a GPU.
@@ -16,6 +17,7 @@ run_config() {  # NAME BUILD_DIR CMAKE_ARGS
 }
 
 run_config cpu-only "${FUSEKIT_CPU_BUILD_DIR:-build-cpu}" "-DFUSEKIT_CUDA=OFF ${FUSEKIT_CMAKE_ARGS:-}"
+scripts/test-python.sh
 if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
   run_config cuda "${FUSEKIT_BUILD_DIR:-build}" "${FUSEKIT_CMAKE_ARGS:-}"
 else

@@ -27,6 +27,11 @@ Stream Stream::create(Device device) {
 #endif
 }
 
+Stream Stream::adopt(void* handle, Device device) {
+  FK_CHECK_ARG(device.is_cuda(), "Stream::adopt", "device", "a CUDA device", device.str());
+  return Stream(handle, device, false);
+}
+
 Stream::Stream(Stream&& o) noexcept
     : handle_(std::exchange(o.handle_, nullptr)), device_(o.device_), owned_(std::exchange(o.owned_, false)) {}
 

@@ -1,4 +1,4 @@
-// Event and Graph: ownership moves, events order and time work, a captured graph replays it.
+// Event, Graph and adopted Streams: ownership moves, events order and time work, a captured graph replays it.
 #include <gtest/gtest.h>
 
 #include "fusekit/core/event.hpp"
@@ -31,6 +31,22 @@ TEST(Event, OrdersAndTimesWorkAcrossStreams) {
   done.synchronize();
   EXPECT_GE(done.elapsed_ms_since(start), 0.0f);
   for (double v : test::to_doubles(y.view().slice_rows(0, 1000))) ASSERT_TRUE(v >= 2.0 && v < 3.0) << v;
+}
+
+TEST(Stream, AdoptedStreamRunsWorkAndIsNotDestroyed) {
+  test::expect_arg_error([] { Stream::adopt(nullptr, Device::cpu()); }, "Stream::adopt", "device");
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const Stream owner = Stream::create(gpu);
+  Tensor x = Tensor::empty({4096}, DType::f32, gpu);
+  {
+    const Stream adopted = Stream::adopt(owner.handle(), gpu);
+    EXPECT_EQ(adopted.handle(), owner.handle());
+    fill_uniform(x, 4.0f, 5.0f, {3, 0}, &adopted);
+  }  // the adopted handle goes; the stream must stay usable
+  fill_uniform(x, 5.0f, 6.0f, {4, 0}, &owner);
+  owner.synchronize();
+  for (double v : test::to_doubles(x)) ASSERT_TRUE(v >= 5.0 && v < 6.0) << v;
 }
 
 TEST(Graph, ReplaysWhatWasCaptured) {

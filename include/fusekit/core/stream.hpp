@@ -13,6 +13,9 @@ class Stream {
   static const Stream& default_stream() noexcept;
   // A new non-blocking stream on `device` (CUDA only).
   static Stream create(Device device);
+  // A caller's stream (a cudaStream_t from PyTorch, CuPy, ...) on `device`, not owned: fusekit
+  // enqueues its work there and never destroys it. Null is the device's legacy default stream.
+  static Stream adopt(void* handle, Device device);
 
   Stream(Stream&& o) noexcept;
   Stream& operator=(Stream&& o) noexcept;

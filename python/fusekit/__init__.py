@@ -1,0 +1,22 @@
+"""fusekit: fused GPU kernels for training and inference, as PyTorch operators and modules.
+
+``fusekit._C`` holds the ops on DLPack arrays (no PyTorch needed); with torch importable,
+``fusekit.ops`` registers each as ``torch.ops.fusekit.*`` (a ``torch.library`` custom op with its
+fake and autograd rules) and this package exposes the plain functions (``fusekit.softmax(x)``,
+``fusekit.glu(x, w, kind="swiglu")``, ...).
+"""
+from . import _C
+from ._C import Error, build_info, cuda_device_count
+
+__version__ = build_info()["version"]
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError:  # the bindings alone: arrays through DLPack
+    _torch = None
+
+if _torch is not None:
+    from . import ops  # noqa: F401  (registers torch.ops.fusekit.*)
+    from .functional import bias_act, glu, pack, unpack, relu_packed, softmax, attention, weight_grad_from_packed  # noqa: F401
+
+__all__ = ["Error", "build_info", "cuda_device_count"]

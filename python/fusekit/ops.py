@@ -1,0 +1,334 @@
+"""torch.ops.fusekit.*: every fusekit op as a torch.library custom op.
+
+Each op allocates its outputs with PyTorch (so the caching allocator and
+``torch.cuda.max_memory_allocated()`` see them), runs on ``torch.cuda.current_stream()`` of its
+inputs' device, has a fake implementation (shapes and dtypes only, for ``torch.compile``) and,
+where fusekit has a backward, an autograd rule. Inputs are taken as they are: a dtype, device or
+layout the kernel cannot take is a ``fusekit.Error`` naming the argument, never a silent copy.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+_LIB = "fusekit"
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _rows(t: Tensor, op: str, arg: str) -> Tensor:
+    """[..., cols] as the [rows, cols] view the kernels take (no copy; an error when there is none)."""
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, t.shape[-1]) if t.dim() > 0 else t.view(1, 1)
+    except RuntimeError:
+        raise _C.Error(f"fk::{op}: argument '{arg}': expected a tensor whose leading dimensions "
+                       f"can be flattened without a copy, got shape {list(t.shape)} strides {list(t.stride())}")
+
+
+def _same_device(op: str, **tensors: Optional[Tensor]) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    first = next(iter(devices.values()))
+    for name, d in devices.items():
+        if d != first:
+            raise _C.Error(f"fk::{op}: argument '{name}': expected a tensor on {first} (as the first "
+                           f"tensor argument), got {d}")
+
+
+def _d(t: Optional[Tensor]) -> Optional[Tensor]:
+    """The tensor as DLPack may export it (autograd-free; the same memory)."""
+    return None if t is None else t.detach()
+
+
+_DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dt, str(dt))
+
+
+def _derivative_from_output(act: str) -> bool:
+    return act in ("identity", "relu", "sigmoid", "tanh")
+
+
+# ---------------------------------------------------------------------------------------------
+# pointwise: y = act(x + alpha * r + b)
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::bias_act", mutates_args=())
+def bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str,
+             alpha: float) -> tuple[Tensor, Tensor]:
+    """(y, z): y = act(x + alpha * residual + bias) over x's last dimension; z, the pre-activation,
+    when act's derivative needs it (gelu, silu), else an empty tensor."""
+    _same_device("bias_act", x=x, bias=bias, residual=residual)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    z = torch.empty_like(y) if not _derivative_from_output(act) else x.new_empty(0)
+    _C.bias_act_forward(_rows(_d(x), "bias_act_forward", "x"),
+                        None if residual is None else _rows(_d(residual), "bias_act_forward", "r"),
+                        _d(bias), _rows(y, "bias_act_forward", "y"),
+                        None if _derivative_from_output(act) else _rows(z, "bias_act_forward", "preact"),
+                        act, alpha, _stream(x))
+    return y, z
+
+
+@bias_act.register_fake
+def _(x, bias, residual, act, alpha):
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, (torch.empty_like(y) if not _derivative_from_output(act) else x.new_empty(0))
+
+
+@torch.library.custom_op(f"{_LIB}::bias_act_backward", mutates_args=())
+def bias_act_backward(dy: Tensor, saved: Tensor, act: str, alpha: float, with_bias: bool,
+                      with_residual: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dbias, dresidual) from dy and what bias_act saved (y, or z for gelu / silu); dbias and
+    dresidual are empty tensors when not asked for."""
+    _same_device("bias_act_backward", dy=dy, saved=saved)
+    dy = dy.contiguous() if dy.stride(-1) != 1 else dy  # autograd hands out expanded gradients
+    dx = torch.empty_like(dy, memory_format=torch.contiguous_format)
+    cols = dy.shape[-1] if dy.dim() else 1
+    db = dy.new_empty(cols) if with_bias else dy.new_empty(0)
+    dr = torch.empty_like(dx) if with_residual else dy.new_empty(0)
+    _C.bias_act_backward(_rows(_d(dy), "bias_act_backward", "dy"), _rows(_d(saved), "bias_act_backward", "saved"),
+                         not _derivative_from_output(act), _rows(dx, "bias_act_backward", "dx"),
+                         _rows(dr, "bias_act_backward", "dr") if with_residual else None,
+                         db if with_bias else None, act, alpha, _stream(dy))
+    return dx, db, dr
+
+
+@bias_act_backward.register_fake
+def _(dy, saved, act, alpha, with_bias, with_residual):
+    dx = torch.empty_like(dy, memory_format=torch.contiguous_format)
+    cols = dy.shape[-1] if dy.dim() else 1
+    return dx, dy.new_empty(cols if with_bias else 0), (torch.empty_like(dx) if with_residual else dy.new_empty(0))
+
+
+def _bias_act_setup(ctx, inputs, output):
+    x, bias, residual, act, alpha = inputs
+    y, z = output
+    ctx.act, ctx.alpha = act, alpha
+    ctx.with_bias, ctx.with_residual = bias is not None, residual is not None
+    ctx.save_for_backward(y if _derivative_from_output(act) else z)
+
+
+def _bias_act_backward(ctx, dy, dz):
+    (saved,) = ctx.saved_tensors
+    dx, db, dr = bias_act_backward(dy, saved, ctx.act, ctx.alpha, ctx.with_bias, ctx.with_residual)
+    return dx, (db if ctx.with_bias else None), (dr if ctx.with_residual else None), None, None
+
+
+bias_act.register_autograd(_bias_act_backward, setup_context=_bias_act_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# primitives: softmax, attention forward
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::softmax", mutates_args=())
+def softmax(x: Tensor) -> Tensor:
+    """softmax over the last dimension (one online pass per row)."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _C.softmax(_rows(_d(x), "softmax", "x"), _rows(y, "softmax", "y"), _stream(x))
+    return y
+
+
+@softmax.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return y * (dy - (dy * y).sum(-1, keepdim=True))
+
+
+softmax.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+
+
+@torch.library.custom_op(f"{_LIB}::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse): softmax(scale q kᵀ) v per (batch, head), q [B, H, Sq, D], k, v [B, H, Sk, D];
+    lse [B, H, Sq] f32, the log-sum-exp of each row. Forward only (fusekit has no backward)."""
+    _same_device("attention_forward", q=q, k=k, v=v)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    _C.attention_forward(_d(q), _d(k), _d(v), out, lse, causal, scale, _stream(q))
+    return out, lse
+
+
+@attention.register_fake
+def _(q, k, v, causal, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# quant: packed activations, 1-bit ReLU masks, the weight gradient from packed bits
+# ---------------------------------------------------------------------------------------------
+
+def _packed_shapes(rows: int, cols: int, bits: int, group: int):
+    groups = (cols + group - 1) // group if group > 0 else 0
+    words = group * bits // 32 if group > 0 else 0
+    return (rows, groups, words), (rows, groups)
+
+
+@torch.library.custom_op(f"{_LIB}::pack", mutates_args=())
+def pack(x: Tensor, bits: int, group: int, stochastic: bool, seed: int, offset: int,
+         stats_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(words i32 [rows, groups, group*bits/32], scale, min [rows, groups]): x [rows, cols]
+    quantized group-wise to `bits` (1, 2, 4, 8) and packed (docs/quant-format.md)."""
+    if x.dim() != 2:
+        raise _C.Error(f"fk::pack: argument 'x': expected a matrix [rows, cols], got shape {list(x.shape)}")
+    wshape, sshape = _packed_shapes(x.shape[0], x.shape[1], bits, group)
+    words = x.new_empty(wshape, dtype=torch.int32)
+    scale = x.new_empty(sshape, dtype=stats_dtype)
+    mn = x.new_empty(sshape, dtype=stats_dtype)
+    _C.pack(_d(x), words, scale, mn, bits, group, stochastic, seed, offset, _stream(x))
+    return words, scale, mn
+
+
+@pack.register_fake
+def _(x, bits, group, stochastic, seed, offset, stats_dtype):
+    wshape, sshape = _packed_shapes(x.shape[0], x.shape[1], bits, group)
+    return (x.new_empty(wshape, dtype=torch.int32), x.new_empty(sshape, dtype=stats_dtype),
+            x.new_empty(sshape, dtype=stats_dtype))
+
+
+@torch.library.custom_op(f"{_LIB}::unpack", mutates_args=())
+def unpack(words: Tensor, scale: Tensor, min: Tensor, cols: int, bits: int, group: int,
+           dtype: torch.dtype) -> Tensor:
+    """x̂ [rows, cols] = q * scale + min, from what pack returned."""
+    out = scale.new_empty((words.shape[0], cols), dtype=dtype)
+    _C.unpack(_d(words), _d(scale), _d(min), words.shape[0], cols, bits, group, out, _stream(words))
+    return out
+
+
+@unpack.register_fake
+def _(words, scale, min, cols, bits, group, dtype):
+    return scale.new_empty((words.shape[0], cols), dtype=dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::relu_packed", mutates_args=())
+def relu_packed(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(y, mask): y = relu(x), mask i32 [ceil(numel / 32)] with bit i set where x_i > 0."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    mask = x.new_empty(((x.numel() + 31) // 32,), dtype=torch.int32)
+    _C.relu_forward_packed(_d(x), y, mask, _stream(x))
+    return y, mask
+
+
+@relu_packed.register_fake
+def _(x):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(((x.numel() + 31) // 32,), dtype=torch.int32))
+
+
+@torch.library.custom_op(f"{_LIB}::relu_packed_backward", mutates_args=())
+def relu_packed_backward(dy: Tensor, mask: Tensor) -> Tensor:
+    dy = dy.contiguous() if not dy.is_contiguous() else dy
+    dx = torch.empty_like(dy)
+    _C.relu_backward_packed(_d(dy), _d(mask), dx, _stream(dy))
+    return dx
+
+
+@relu_packed_backward.register_fake
+def _(dy, mask):
+    return torch.empty_like(dy, memory_format=torch.contiguous_format)
+
+
+def _relu_packed_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+
+
+def _relu_packed_bwd(ctx, dy, dmask):
+    (mask,) = ctx.saved_tensors
+    return relu_packed_backward(dy, mask)
+
+
+relu_packed.register_autograd(_relu_packed_bwd, setup_context=_relu_packed_setup)
+
+
+@torch.library.custom_op(f"{_LIB}::weight_grad_from_packed", mutates_args=())
+def weight_grad_from_packed(dy: Tensor, words: Tensor, scale: Tensor, min: Tensor, cols: int,
+                            x_dtype: torch.dtype, bits: int, group: int, dw_dtype: torch.dtype) -> Tensor:
+    """dW [COUT, CIN] = dyᵀ · unpack(x): dy [K, COUT] bf16, x packed from [K, CIN]."""
+    dw = dy.new_empty((dy.shape[1], cols), dtype=dw_dtype)
+    _C.weight_grad_from_packed(_d(dy), _d(words), _d(scale), _d(min), words.shape[0], cols,
+                               _dtype_name(x_dtype), bits, group, dw, 0.0, _stream(dy))
+    return dw
+
+
+@weight_grad_from_packed.register_fake
+def _(dy, words, scale, min, cols, x_dtype, bits, group, dw_dtype):
+    return dy.new_empty((dy.shape[1], cols), dtype=dw_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# glu: out = glu(x wᵀ + b), w [2N, K] in the prepared (row-interleaved) layout
+# ---------------------------------------------------------------------------------------------
+
+def prepare_glu_weight(w: Tensor) -> Tensor:
+    """PyTorch layout [2N, ...] (gate rows, then up rows) -> fusekit's: row 2n = w[n], 2n + 1 = w[N + n]."""
+    n = w.shape[0] // 2
+    return torch.stack((w[:n], w[n:]), dim=1).reshape(w.shape)
+
+
+def unprepare_glu_weight(w: Tensor) -> Tensor:
+    n = w.shape[0] // 2
+    pairs = w.reshape(n, 2, *w.shape[1:])
+    return torch.cat((pairs[:, 0], pairs[:, 1]), dim=0)
+
+
+@torch.library.custom_op(f"{_LIB}::glu", mutates_args=())
+def glu(x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str, allow_tf32: bool) -> Tensor:
+    """out [M, N] = glu(L, R), [L, R] = x wᵀ + b; w [2N, K] and bias [2N] prepared."""
+    _same_device("glu_forward", x=x, w=w, bias=bias)
+    out = x.new_empty((x.shape[0], w.shape[0] // 2))
+    _C.glu_forward(_d(x), _d(w), _d(bias), out, kind, allow_tf32, _stream(x))
+    return out
+
+
+@glu.register_fake
+def _(x, w, bias, kind, allow_tf32):
+    return x.new_empty((x.shape[0], w.shape[0] // 2))
+
+
+@torch.library.custom_op(f"{_LIB}::glu_backward", mutates_args=())
+def glu_backward(dy: Tensor, x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str,
+                 allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, dbias), dw and dbias prepared; dbias empty without a bias."""
+    dy = dy.contiguous() if not dy.is_contiguous() else dy
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    db = torch.empty_like(bias) if bias is not None else w.new_empty(0)
+    _C.glu_backward(_d(dy), _d(x), _d(w), _d(bias), dx, dw, db if bias is not None else None, kind, allow_tf32,
+                    _stream(dy))
+    return dx, dw, db
+
+
+@glu_backward.register_fake
+def _(dy, x, w, bias, kind, allow_tf32):
+    return torch.empty_like(x), torch.empty_like(w), (torch.empty_like(bias) if bias is not None else w.new_empty(0))
+
+
+def _glu_setup(ctx, inputs, output):
+    x, w, bias, kind, allow_tf32 = inputs
+    ctx.kind, ctx.allow_tf32, ctx.with_bias = kind, allow_tf32, bias is not None
+    ctx.save_for_backward(x, w, bias)
+
+
+def _glu_bwd(ctx, dy):
+    x, w, bias = ctx.saved_tensors
+    dx, dw, db = glu_backward(dy, x, w, bias, ctx.kind, ctx.allow_tf32)
+    return dx, dw, (db if ctx.with_bias else None), None, None
+
+
+glu.register_autograd(_glu_bwd, setup_context=_glu_setup)

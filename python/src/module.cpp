@@ -1,0 +1,198 @@
+// fusekit._C: every op as a function of arrays, outputs passed in (the caller allocates them, so
+// PyTorch's allocator sees every byte), run on the caller's stream. The Python layer
+// (fusekit/ops.py) makes each one a torch.library custom op with its fake and autograd rules.
+//
+// Conventions: arguments in the C++ op's order, outputs last before the options; optional tensors
+// are None; `stream` is a cudaStream_t as an integer (torch.cuda.current_stream().cuda_stream),
+// ignored for host tensors. The GIL is released while an op runs. fk::Error becomes
+// fusekit.Error (a ValueError) with fusekit's message.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "convert.hpp"
+#include "fusekit/fusekit.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace fk::py {
+namespace {
+
+using OptArray = std::optional<Array>;
+constexpr auto kNoGil = nb::call_guard<nb::gil_scoped_release>();
+
+void bind_core(nb::module_& m) {
+  m.def("build_info", [] {
+    const BuildInfo b = build_info();
+    nb::dict d;
+    d["version"] = b.version;
+    d["commit"] = b.commit;
+    d["cuda"] = b.cuda;
+    d["cuda_targets"] = b.cuda_targets;
+    d["cuda_compiler"] = b.cuda_compiler;
+    d["build_type"] = b.build_type;
+    return d;
+  });
+  m.def("cuda_device_count", [] { return cuda_device_count(); });
+}
+
+void bind_pointwise(nb::module_& m) {
+  m.def(
+      "bias_act_forward",
+      [](const Array& x, const OptArray& r, const OptArray& bias, const Array& y, const OptArray& preact,
+         const std::string& act, float alpha, std::uintptr_t stream) {
+        constexpr const char* op = "bias_act_forward";
+        const BiasActForwardArgs a{view(x, op, "x"), view(r, op, "r"), view(bias, op, "bias"), view(y, op, "y"),
+                                   view(preact, op, "preact")};
+        bias_act_forward(a, {parse_activation(act), alpha}, StreamArg(stream, a.x).get());
+      },
+      "x"_a, "r"_a.none(), "bias"_a.none(), "y"_a, "preact"_a.none(), "act"_a, "alpha"_a, "stream"_a, kNoGil);
+  m.def(
+      "bias_act_backward",
+      [](const Array& dy, const Array& saved, bool saved_is_preact, const Array& dx, const OptArray& dr,
+         const OptArray& dbias, const std::string& act, float alpha, std::uintptr_t stream) {
+        constexpr const char* op = "bias_act_backward";
+        const BiasActBackwardArgs a{view(dy, op, "dy"), view(saved, op, "saved"),
+                                    saved_is_preact ? SavedForBackward::preactivation : SavedForBackward::output,
+                                    view(dx, op, "dx"), view(dr, op, "dr"), view(dbias, op, "dbias")};
+        bias_act_backward(a, {parse_activation(act), alpha}, StreamArg(stream, a.dy).get());
+      },
+      "dy"_a, "saved"_a, "saved_is_preact"_a, "dx"_a, "dr"_a.none(), "dbias"_a.none(), "act"_a, "alpha"_a,
+      "stream"_a, kNoGil);
+  m.def(
+      "convert",
+      [](const Array& src, const Array& dst, std::uintptr_t stream) {
+        const TensorView s = view(src, "convert", "src");
+        convert(s, view(dst, "convert", "dst"), StreamArg(stream, s).get());
+      },
+      "src"_a, "dst"_a, "stream"_a, kNoGil);
+}
+
+void bind_primitives(nb::module_& m) {
+  m.def(
+      "softmax",
+      [](const Array& x, const Array& y, std::uintptr_t stream) {
+        const TensorView xv = view(x, "softmax", "x");
+        softmax(xv, view(y, "softmax", "y"), StreamArg(stream, xv).get());
+      },
+      "x"_a, "y"_a, "stream"_a, kNoGil);
+  m.def(
+      "row_sum",
+      [](const Array& x, const Array& out, std::uintptr_t stream) {
+        const TensorView xv = view(x, "row_sum", "x");
+        row_sum(xv, view(out, "row_sum", "out"), StreamArg(stream, xv).get());
+      },
+      "x"_a, "out"_a, "stream"_a, kNoGil);
+  m.def(
+      "attention_forward",
+      [](const Array& q, const Array& k, const Array& v, const Array& out, const Array& lse, bool causal, float scale,
+         std::uintptr_t stream) {
+        constexpr const char* op = "attention_forward";
+        const TensorView qv = view(q, op, "q");
+        attention_forward(qv, view(k, op, "k"), view(v, op, "v"), view(out, op, "out"), view(lse, op, "lse"), causal,
+                          scale, StreamArg(stream, qv).get());
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "causal"_a, "scale"_a, "stream"_a, kNoGil);
+}
+
+// A packed tensor crosses as its three arrays and the numbers that describe them.
+PackedView packed_view(const Array& words, const Array& scale, const Array& min, std::int64_t rows, std::int64_t cols,
+                       const std::string& dtype, int bits, int group, const char* op) {
+  return PackedView{view(words, op, "words"), view(scale, op, "scale"), view(min, op, "min"), rows, cols,
+                    parse_dtype(dtype), bits, group};
+}
+
+void bind_quant(nb::module_& m) {
+  m.def(
+      "pack",
+      [](const Array& x, const Array& words, const Array& scale, const Array& min, int bits, int group,
+         bool stochastic, std::uint64_t seed, std::uint64_t offset, std::uintptr_t stream) {
+        constexpr const char* op = "pack";
+        const TensorView xv = view(x, op, "x");
+        FK_CHECK_ARG(xv.rank() == 2, op, "x", "a matrix [rows, cols]", xv.shape().str());
+        const PackedView out = packed_view(words, scale, min, xv.size(0), xv.size(1),
+                                           std::string(dtype_name(xv.dtype())), bits, group, op);
+        const PackParams p{bits, group, stochastic ? Rounding::stochastic : Rounding::nearest, seed, offset,
+                           out.scale.dtype()};
+        pack(xv, out, p, StreamArg(stream, xv).get());
+      },
+      "x"_a, "words"_a, "scale"_a, "min"_a, "bits"_a, "group"_a, "stochastic"_a, "seed"_a, "offset"_a, "stream"_a,
+      kNoGil);
+  m.def(
+      "unpack",
+      [](const Array& words, const Array& scale, const Array& min, std::int64_t rows, std::int64_t cols, int bits,
+         int group, const Array& out, std::uintptr_t stream) {
+        const TensorView o = view(out, "unpack", "out");
+        const PackedView pv =
+            packed_view(words, scale, min, rows, cols, std::string(dtype_name(o.dtype())), bits, group, "unpack");
+        unpack(pv, o, StreamArg(stream, o).get());
+      },
+      "words"_a, "scale"_a, "min"_a, "rows"_a, "cols"_a, "bits"_a, "group"_a, "out"_a, "stream"_a, kNoGil);
+  m.def(
+      "relu_forward_packed",
+      [](const Array& x, const Array& y, const Array& mask, std::uintptr_t stream) {
+        constexpr const char* op = "relu_forward_packed";
+        const TensorView xv = view(x, op, "x");
+        relu_forward_packed(xv, view(y, op, "y"), view(mask, op, "mask"), StreamArg(stream, xv).get());
+      },
+      "x"_a, "y"_a, "mask"_a, "stream"_a, kNoGil);
+  m.def(
+      "relu_backward_packed",
+      [](const Array& dy, const Array& mask, const Array& dx, std::uintptr_t stream) {
+        constexpr const char* op = "relu_backward_packed";
+        const TensorView d = view(dy, op, "dy");
+        relu_backward_packed(d, view(mask, op, "mask"), view(dx, op, "dx"), StreamArg(stream, d).get());
+      },
+      "dy"_a, "mask"_a, "dx"_a, "stream"_a, kNoGil);
+  m.def(
+      "weight_grad_from_packed",
+      [](const Array& dy, const Array& words, const Array& scale, const Array& min, std::int64_t rows,
+         std::int64_t cols, const std::string& x_dtype, int bits, int group, const Array& dw, float beta,
+         std::uintptr_t stream) {
+        constexpr const char* op = "weight_grad_from_packed";
+        const TensorView d = view(dy, op, "dy");
+        const PackedView x = packed_view(words, scale, min, rows, cols, x_dtype, bits, group, op);
+        weight_grad_from_packed(d, x, view(dw, op, "dw"), {.beta = beta}, StreamArg(stream, d).get());
+      },
+      "dy"_a, "words"_a, "scale"_a, "min"_a, "rows"_a, "cols"_a, "x_dtype"_a, "bits"_a, "group"_a, "dw"_a, "beta"_a,
+      "stream"_a, kNoGil);
+}
+
+void bind_glu(nb::module_& m) {
+  m.def(
+      "glu_forward",
+      [](const Array& x, const Array& w, const OptArray& bias, const Array& out, const std::string& kind,
+         bool allow_tf32, std::uintptr_t stream) {
+        constexpr const char* op = "glu_forward";
+        const GluForwardArgs a{view(x, op, "x"), view(w, op, "w"), view(bias, op, "bias"), view(out, op, "out")};
+        glu_forward(a, {parse_glu_kind(kind), allow_tf32}, StreamArg(stream, a.x).get());
+      },
+      "x"_a, "w"_a, "bias"_a.none(), "out"_a, "kind"_a, "allow_tf32"_a, "stream"_a, kNoGil);
+  m.def(
+      "glu_backward",
+      [](const Array& dy, const Array& x, const Array& w, const OptArray& bias, const OptArray& dx,
+         const OptArray& dw, const OptArray& dbias, const std::string& kind, bool allow_tf32, std::uintptr_t stream) {
+        constexpr const char* op = "glu_backward";
+        const GluBackwardArgs a{view(dy, op, "dy"), view(x, op, "x"),   view(w, op, "w"),
+                                view(bias, op, "bias"), view(dx, op, "dx"), view(dw, op, "dw"),
+                                view(dbias, op, "dbias")};
+        glu_backward(a, {parse_glu_kind(kind), allow_tf32}, StreamArg(stream, a.dy).get());
+      },
+      "dy"_a, "x"_a, "w"_a, "bias"_a.none(), "dx"_a.none(), "dw"_a.none(), "dbias"_a.none(), "kind"_a,
+      "allow_tf32"_a, "stream"_a, kNoGil);
+}
+
+}  // namespace
+}  // namespace fk::py
+
+NB_MODULE(_C, m) {
+  m.doc() = "fusekit's ops on DLPack arrays (see fusekit.ops for the PyTorch operators)";
+  static nb::exception<fk::Error> error(m, "Error", PyExc_ValueError);
+  fk::py::bind_core(m);
+  fk::py::bind_pointwise(m);
+  fk::py::bind_primitives(m);
+  fk::py::bind_quant(m);
+  fk::py::bind_glu(m);
+}

@@ -1,0 +1,13 @@
+import pytest
+
+try:
+    import torch
+except ImportError:  # test_bindings.py runs without PyTorch; test_ops.py skips itself
+    torch = None
+
+DEVICES = ["cpu"] + (["cuda"] if torch is not None and torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
