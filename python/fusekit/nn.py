@@ -1,0 +1,161 @@
+"""Drop-in modules: each built from the torch module it replaces, computing the same function.
+
+- ``CompressedLinear`` / ``CompressedReLU``: keep their activations for the backward pass packed
+  (x at 1, 2, 4 or 8 bits; the ReLU mask at one bit per element); the weight gradient is computed
+  from the packed bits. ``compress(model, bits=2)`` swaps a model's ``nn.Linear`` and ``nn.ReLU``
+  in place, sharing their parameters.
+- ``GLUFeedForward``: a LLaMA-style MLP (``down_proj(act(gate_proj(x)) * up_proj(x))``) whose gate
+  and up projections run as one fused GEMM + gated activation.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import functional as Fk
+from . import ops
+
+
+class _PackedLinearFn(torch.autograd.Function):
+    """y = x Wᵀ + b keeping x packed; dW from the packed bits, dx = dy W, db = column sums of dy."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], bits: int, group: int):
+        y = torch.nn.functional.linear(x, weight, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        packed = Fk.pack(x2, bits=bits, group=group, stats_dtype=torch.float32)
+        ctx.save_for_backward(weight, packed.words, packed.scale, packed.min)
+        ctx.meta = (packed.cols, packed.dtype, bits, group, bias is not None, x.shape)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        weight, words, scale, mn = ctx.saved_tensors
+        cols, x_dtype, bits, group, has_bias, x_shape = ctx.meta
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = (dy2 @ weight.to(dy2.dtype)).reshape(x_shape) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            # The GPU kernel reads bf16 dy (the spec on the CPU takes any float dtype).
+            dyw = dy2.to(torch.bfloat16) if dy2.is_cuda else dy2
+            dw = ops.weight_grad_from_packed(dyw, words, scale, mn, cols, x_dtype, bits, group, weight.dtype)
+        db = dy2.sum(0).to(weight.dtype) if has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None
+
+
+class CompressedLinear(nn.Linear):
+    """nn.Linear whose saved input is packed to `bits` (1, 2, 4, 8) in groups of `group` values.
+
+    The forward is nn.Linear's; the weight gradient is computed from the quantized input (group-wise
+    min/max, round to nearest), so it differs from nn.Linear's by that quantization. On a GPU the
+    weight gradient reads dy in bf16."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 2,
+                 group: int = 256, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.bits, self.group = bits, group
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 2, group: int = 256) -> "CompressedLinear":
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.in_features, m.out_features = linear.in_features, linear.out_features
+        m.weight, m.bias = linear.weight, linear.bias  # shared, not copied
+        m.bits, m.group = bits, group
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return _PackedLinearFn.apply(x, self.weight, self.bias, self.bits, self.group)
+
+    def saved_bytes(self, x_shape, x_dtype=torch.float32) -> tuple[int, int]:
+        """(bytes kept for the backward of an input of this shape, bytes nn.Linear keeps)."""
+        rows = 1
+        for s in x_shape[:-1]:
+            rows *= s
+        groups = -(-self.in_features // self.group)
+        packed = rows * groups * (self.group * self.bits // 32) * 4 + 2 * rows * groups * 4
+        return packed, rows * self.in_features * torch.empty(0, dtype=x_dtype).element_size()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", bits={self.bits}, group={self.group}"
+
+
+class CompressedReLU(nn.Module):
+    """nn.ReLU keeping one bit per element for its backward (exact gradient)."""
+
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.relu_packed(x)[0]
+
+
+def compress(model: nn.Module, bits: int = 2, group: int = 256) -> nn.Module:
+    """Swaps every nn.Linear for a CompressedLinear and every nn.ReLU for a CompressedReLU, in
+    place (parameters shared); returns the model."""
+    for name, child in list(model.named_children()):
+        if type(child) is nn.Linear:
+            setattr(model, name, CompressedLinear.from_linear(child, bits, group))
+        elif type(child) is nn.ReLU:
+            setattr(model, name, CompressedReLU())
+        else:
+            compress(child, bits, group)
+    return model
+
+
+class GLUFeedForward(nn.Module):
+    """down_proj(glu(gate_proj(x), up_proj(x))), the gate and up projections fused with the gated
+    activation into one kernel. `w_gate_up` [2N, K] holds the two projections in fusekit's
+    prepared (row-interleaved) layout; `to_linears()` gives them back as nn.Linear."""
+
+    def __init__(self, hidden: int, intermediate: int, kind: str = "swiglu", bias: bool = False, *,
+                 device=None, dtype=None):
+        super().__init__()
+        f = dict(device=device, dtype=dtype)
+        gate, up = nn.Linear(hidden, intermediate, bias, **f), nn.Linear(hidden, intermediate, bias, **f)
+        self.kind = kind
+        self.w_gate_up = nn.Parameter(ops.prepare_glu_weight(torch.cat((gate.weight, up.weight)).detach()))
+        self.b_gate_up = nn.Parameter(ops.prepare_glu_weight(torch.cat((gate.bias, up.bias)).detach())) if bias else None
+        self.down_proj = nn.Linear(intermediate, hidden, bias, **f)
+
+    @classmethod
+    def from_linears(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
+                     kind: str = "swiglu") -> "GLUFeedForward":
+        """From a Hugging Face LLaMA MLP's gate_proj, up_proj and down_proj (weights copied into the
+        prepared layout; down_proj shared)."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.kind = kind
+        with torch.no_grad():
+            m.w_gate_up = nn.Parameter(ops.prepare_glu_weight(torch.cat((gate_proj.weight, up_proj.weight))))
+            m.b_gate_up = (nn.Parameter(ops.prepare_glu_weight(torch.cat((gate_proj.bias, up_proj.bias))))
+                           if gate_proj.bias is not None else None)
+        m.down_proj = down_proj
+        return m
+
+    def to_linears(self) -> tuple[nn.Linear, nn.Linear]:
+        w = ops.unprepare_glu_weight(self.w_gate_up.detach())
+        n = w.shape[0] // 2
+        gate = nn.Linear(w.shape[1], n, self.b_gate_up is not None, device=w.device, dtype=w.dtype)
+        up = nn.Linear(w.shape[1], n, self.b_gate_up is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            gate.weight.copy_(w[:n])
+            up.weight.copy_(w[n:])
+            if self.b_gate_up is not None:
+                b = ops.unprepare_glu_weight(self.b_gate_up.detach())
+                gate.bias.copy_(b[:n])
+                up.bias.copy_(b[n:])
+        return gate, up
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        h = ops.glu(x.reshape(-1, x.shape[-1]), self.w_gate_up, self.b_gate_up, self.kind,
+                    torch.backends.cuda.matmul.allow_tf32)
+        return self.down_proj(h.reshape(*lead, h.shape[-1]))
+
+
+SwiGLU = GLUFeedForward

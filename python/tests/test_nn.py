@@ -1,0 +1,104 @@
+"""fusekit.nn: the drop-in modules against the torch modules they replace."""
+import pytest
+
+torch = pytest.importorskip("torch", reason="the module tests need PyTorch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import fusekit  # noqa: E402
+import fusekit.nn as fnn  # noqa: E402
+
+
+def _mlp(device):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).to(device)
+
+
+def _saved_activation_bytes(model, x):
+    """Bytes autograd keeps for the backward of model(x), parameters excluded."""
+    params = {p.data_ptr() for p in model.parameters()}
+    total = 0
+
+    def pack_hook(t):
+        nonlocal total
+        if t.data_ptr() not in params:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        model(x).sum()
+    return total
+
+
+def test_compress_swaps_layers_shares_parameters_and_keeps_the_forward(device):
+    model = _mlp(device)
+    x = torch.randn(32, 64, device=device)
+    want = model(x)
+    weights = [p.data_ptr() for p in model.parameters()]
+    fnn.compress(model, bits=2)
+    assert isinstance(model[0], fnn.CompressedLinear) and isinstance(model[1], fnn.CompressedReLU)
+    assert [p.data_ptr() for p in model.parameters()] == weights
+    torch.testing.assert_close(model(x), want)
+
+
+def test_compressed_model_trains_and_saves_less(device):
+    torch.manual_seed(1)
+    x = torch.randn(512, 64, device=device)
+    y = (x[:, :8].sum(1, keepdim=True) > 0).float()
+    plain, small = _mlp(device), fnn.compress(_mlp(device), bits=2)
+    full, packed = _saved_activation_bytes(plain, x), _saved_activation_bytes(small, x)
+    # Linear inputs at 2 bits (+ f32 min/scale per 256) and ReLU masks at 1 bit, against f32.
+    assert packed * 8 < full, (packed, full)
+    opt = torch.optim.SGD(small.parameters(), lr=0.1)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(small(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+def test_compressed_linear_gradients_approach_linear(bits, device):
+    torch.manual_seed(2)
+    lin = nn.Linear(96, 48).to(device)
+    comp = fnn.CompressedLinear.from_linear(lin, bits=bits, group=32)
+    x = torch.randn(40, 96, device=device, requires_grad=True)
+    dy = torch.randn(40, 48, device=device)
+    g_ref = torch.autograd.grad(lin(x), (x, lin.weight, lin.bias), dy)
+    g = torch.autograd.grad(comp(x), (x, comp.weight, comp.bias), dy)
+    torch.testing.assert_close(g[0], g_ref[0])  # dx = dy W: exact
+    torch.testing.assert_close(g[2], g_ref[2])
+    # dW is the gradient of the quantized input: dyᵀ x̂, x̂ = unpack(pack(x)) (exact on the CPU; on a
+    # GPU dy is read in bf16).
+    xq = fusekit.unpack(fusekit.pack(x.detach(), bits=bits, group=32, stats_dtype=torch.float32))
+    tol = dict(rtol=1e-4, atol=1e-4) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(g[1], dy.t() @ xq, **tol)
+    rel = (g[1] - g_ref[1]).norm() / g_ref[1].norm()  # and the quantization error itself is bounded
+    assert rel < (0.02 if bits == 8 else 0.5), rel
+
+
+def test_glu_feed_forward_from_llama_projections(device):
+    torch.manual_seed(3)
+    gate, up, down = nn.Linear(32, 48, bias=False), nn.Linear(32, 48, bias=False), nn.Linear(48, 32, bias=False)
+    gate, up, down = gate.to(device), up.to(device), down.to(device)
+    ff = fnn.GLUFeedForward.from_linears(gate, up, down)
+    x = torch.randn(2, 5, 32, device=device)
+    want = down(F.silu(gate(x)) * up(x))
+    torch.testing.assert_close(ff(x), want, rtol=1e-4, atol=1e-4)
+    g2, u2 = ff.to_linears()
+    torch.testing.assert_close(g2.weight, gate.weight)
+    torch.testing.assert_close(u2.weight, up.weight)
+    ff(x).sum().backward()
+    assert ff.w_gate_up.grad is not None and ff.w_gate_up.grad.shape == ff.w_gate_up.shape
+
+
+def test_compiled_model_of_fusekit_modules_has_no_graph_break(device):
+    torch.manual_seed(4)
+    model = nn.Sequential(fnn.GLUFeedForward(16, 24), nn.Linear(16, 16), fnn.CompressedReLU()).to(device)
+    x = torch.randn(6, 16, device=device)
+    eager = model(x)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), eager)
