@@ -17,6 +17,7 @@ except ImportError:  # the bindings alone: arrays through DLPack
 
 if _torch is not None:
     from . import ops  # noqa: F401  (registers torch.ops.fusekit.*)
-    from .functional import bias_act, glu, pack, unpack, relu_packed, softmax, attention, weight_grad_from_packed  # noqa: F401
+    from .functional import (attention, bias_act, glu, lora, pack, relu_packed, softmax, unpack,  # noqa: F401
+                             weight_grad_from_packed)
 
 __all__ = ["Error", "build_info", "cuda_device_count"]

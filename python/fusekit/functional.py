@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import ops
+from . import _C, ops
 
 
 def bias_act(x: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None, *,
@@ -76,3 +76,14 @@ def glu(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, *, kind: str = "swi
     out = ops.glu(x.reshape(-1, x.shape[-1]), ops.prepare_glu_weight(w),
                   None if bias is None else ops.prepare_glu_weight(bias), kind, allow_tf32)
     return out.reshape(*lead, out.shape[-1])
+
+
+def lora(x: Tensor, w: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, scale: float = 1.0,
+         act: str = "identity") -> Tensor:
+    """act(x Wᵀ + bias + scale (x Aᵀ) Bᵀ) with W frozen (PEFT's layout: A [r, K], B [N, r])."""
+    if w.requires_grad and torch.is_grad_enabled():
+        raise _C.Error("fk::lora_forward: argument 'w': expected a frozen weight (requires_grad=False): "
+                         "fusekit's LoRA computes no gradient for W")
+    lead = x.shape[:-1]
+    y = ops.lora(x.reshape(-1, x.shape[-1]), w, bias, a, b, act, scale)[0]
+    return y.reshape(*lead, y.shape[-1])

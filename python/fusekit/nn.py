@@ -159,3 +159,61 @@ class GLUFeedForward(nn.Module):
 
 
 SwiGLU = GLUFeedForward
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank adapter, in PEFT's layout: lora_A [r, in],
+    lora_B [out, r], scaling alpha / r; y = base(x) + scaling (x Aᵀ) Bᵀ in one fused GEMM."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float):
+        super().__init__()
+        self.base = base
+        base.weight.requires_grad_(False)
+        self.r, self.scaling = r, alpha / r
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=w.device, dtype=w.dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=5 ** 0.5)  # PEFT's initialisation: B = 0, so y = base(x)
+
+    @classmethod
+    def from_linear(cls, base: nn.Linear, r: int, alpha: float) -> "LoRALinear":
+        return cls(base, r, alpha)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return Fk.lora(x, self.base.weight, self.lora_A, self.lora_B, self.base.bias, scale=self.scaling)
+
+
+class W4Linear(nn.Module):
+    """An nn.Linear for inference with its weight quantized to 4 bits per value (group-wise scale
+    and zero point, docs/qgemm.md); y = x w̃ᵀ + b computed from the 4-bit words. f16 / bf16."""
+
+    def __init__(self, packed: Tensor, scale: Tensor, zero: Tensor, out_features: int, in_features: int,
+                 group: int, bias: Optional[Tensor]):
+        super().__init__()
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> "W4Linear":
+        w = linear.weight.detach()
+        packed, scale, zero = ops.quantize_weights(w, group_size)
+        b = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(packed, scale, zero, linear.out_features, linear.in_features, group_size, b)
+
+    def dequantized_weight(self) -> Tensor:
+        return ops.dequantize_weights(self.packed, self.scale, self.zero, self.out_features, self.in_features,
+                                      self.group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        y = ops.qgemm(x.reshape(-1, x.shape[-1]), self.packed, self.scale, self.zero, self.out_features,
+                      self.in_features, self.group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"

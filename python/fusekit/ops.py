@@ -332,3 +332,93 @@ def _glu_bwd(ctx, dy):
 
 
 glu.register_autograd(_glu_bwd, setup_context=_glu_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# lora: y = act(x Wᵀ + b + s (x Aᵀ) Bᵀ), W frozen
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::lora", mutates_args=())
+def lora(x: Tensor, w: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, act: str,
+         scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, t, z): y = act(x Wᵀ + bias + t Bᵀ), t = scale x Aᵀ [M, r] (kept for the backward), z the
+    pre-activation for gelu / silu (else empty)."""
+    _same_device("lora_forward", x=x, w=w, bias=bias, a=a, b=b)
+    y = x.new_empty((x.shape[0], w.shape[0]))
+    t = x.new_empty((x.shape[0], a.shape[0]))
+    z = torch.empty_like(y) if not _derivative_from_output(act) else x.new_empty(0)
+    _C.lora_forward(_d(x), _d(w), _d(bias), _d(a), _d(b), y, t, None if _derivative_from_output(act) else z,
+                    act, scale, _stream(x))
+    return y, t, z
+
+
+@lora.register_fake
+def _(x, w, bias, a, b, act, scale):
+    y = x.new_empty((x.shape[0], w.shape[0]))
+    return y, x.new_empty((x.shape[0], a.shape[0])), (torch.empty_like(y) if not _derivative_from_output(act)
+                                                       else x.new_empty(0))
+
+
+@torch.library.custom_op(f"{_LIB}::lora_backward", mutates_args=())
+def lora_backward(dy: Tensor, saved: Tensor, x: Tensor, w: Tensor, a: Tensor, b: Tensor, t: Tensor, act: str,
+                  scale: float, with_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, da, db, dbias); dbias empty without a bias. W is frozen: no dW."""
+    dy = dy.contiguous() if not dy.is_contiguous() else dy
+    dx, da, db = torch.empty_like(x), torch.empty_like(a), torch.empty_like(b)
+    dbias = dy.new_empty(w.shape[0]) if with_bias else dy.new_empty(0)
+    _C.lora_backward(_d(dy), _d(saved), not _derivative_from_output(act), _d(x), _d(w), _d(a), _d(b), _d(t), dx, da,
+                     db, dbias if with_bias else None, act, scale, _stream(dy))
+    return dx, da, db, dbias
+
+
+@lora_backward.register_fake
+def _(dy, saved, x, w, a, b, t, act, scale, with_bias):
+    return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b),
+            dy.new_empty(w.shape[0] if with_bias else 0))
+
+
+def _lora_setup(ctx, inputs, output):
+    x, w, bias, a, b, act, scale = inputs
+    y, t, z = output
+    ctx.act, ctx.scale, ctx.with_bias = act, scale, bias is not None
+    ctx.save_for_backward(y if _derivative_from_output(act) else z, x, w, a, b, t)
+
+
+def _lora_bwd(ctx, dy, dt, dz):
+    saved, x, w, a, b, t = ctx.saved_tensors
+    dx, da, db, dbias = lora_backward(dy, saved, x, w, a, b, t, ctx.act, ctx.scale, ctx.with_bias)
+    return dx, None, (dbias if ctx.with_bias else None), da, db, None, None
+
+
+lora.register_autograd(_lora_bwd, setup_context=_lora_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# qgemm: y = x w̃ᵀ from 4-bit weights (W4A16)
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::qgemm", mutates_args=())
+def qgemm(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, n: int, k: int, group: int) -> Tensor:
+    """y [M, n] = x [M, k] · w̃ᵀ, w̃ the 4-bit weight quantize_weights made (docs/qgemm.md)."""
+    _same_device("qgemm", x=x, packed=packed, scale=scale, zero=zero)
+    y = x.new_empty((x.shape[0], n))
+    _C.qgemm(_d(x), packed, scale, zero, n, k, group, y, _stream(x))
+    return y
+
+
+@qgemm.register_fake
+def _(x, packed, scale, zero, n, k, group):
+    return x.new_empty((x.shape[0], n))
+
+
+def quantize_weights(w: Tensor, group: int = 128) -> tuple[Tensor, Tensor, Tensor]:
+    """(packed, scale, zero) of w [N, K] (f16 / bf16) in qgemm's layout, on w's device. The
+    quantization runs on the host (once, at model load); the results are copied by PyTorch."""
+    packed, scale, zero = _C.quantize_weights(w.detach().cpu(), group)
+    return tuple(torch.from_dlpack(t).to(w.device) for t in (packed, scale, zero))
+
+
+def dequantize_weights(packed: Tensor, scale: Tensor, zero: Tensor, n: int, k: int, group: int) -> Tensor:
+    out = scale.new_empty((n, k))
+    _C.dequantize_weights(packed, scale, zero, n, k, group, out, _stream(packed))
+    return out

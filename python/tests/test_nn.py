@@ -102,3 +102,37 @@ def test_compiled_model_of_fusekit_modules_has_no_graph_break(device):
     eager = model(x)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), eager)
+
+
+@pytest.mark.parametrize("act", ["identity"])
+def test_lora_linear_matches_peft_math_and_trains_only_the_adapter(act, device):
+    torch.manual_seed(5)
+    base = nn.Linear(24, 40).to(device)
+    m = fnn.LoRALinear.from_linear(base, r=4, alpha=8)
+    with torch.no_grad():
+        m.lora_B.normal_()
+    x = torch.randn(3, 7, 24, device=device, requires_grad=True)
+    y = m(x)
+    want = base(x) + (x @ m.lora_A.t() @ m.lora_B.t()) * 2.0
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, m.lora_A, m.lora_B, base.bias), dy)
+    exp = torch.autograd.grad(want, (x, m.lora_A, m.lora_B, base.bias), dy)
+    for g, e in zip(got, exp):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert not base.weight.requires_grad
+
+
+def test_w4_linear_is_within_the_quantization_of_the_weight(device):
+    torch.manual_seed(6)
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    lin = nn.Linear(256, 64).to(device=device, dtype=torch.float16)
+    w4 = fnn.W4Linear.from_linear(lin, group_size=128)
+    assert w4.packed.device.type == device
+    x = torch.randn(5, 256, device=device, dtype=torch.float16)
+    wt = w4.dequantized_weight()
+    # Every weight within half a step of its 4-bit value; y is x w̃ᵀ + b.
+    assert (wt.float() - lin.weight.float()).abs().max() <= lin.weight.float().abs().max() * 2 / 15 / 2 * 1.01
+    want = x.float() @ wt.float().t() + lin.bias.float()
+    torch.testing.assert_close(w4(x).float(), want, rtol=5e-3, atol=5e-3)
+    del dtype

@@ -137,6 +137,10 @@ def _opcheck_cases(device):
         (ops.relu_packed, (x,)),
         (ops.glu, (x, w, b[:8].detach().clone().requires_grad_(), "swiglu", False)),
         (ops.pack, (x.detach(), 2, 32, False, 0, 0, torch.bfloat16)),
+        (ops.lora, (x, w.detach(), rand((8,), torch.float32, device, 26, True), rand((3, 12), torch.float32, device, 27,
+                    True), rand((8, 3), torch.float32, device, 28, True), "gelu_tanh", 0.5)),
+        (ops.qgemm, (rand((3, 64), torch.float16, device, 29),
+                     *ops.quantize_weights(rand((16, 64), torch.float16, device, 30), 32), 16, 64, 32)),
         (ops.attention, (rand((1, 2, 5, 8), torch.float32, device, 23), rand((1, 2, 6, 8), torch.float32, device, 24),
                          rand((1, 2, 6, 8), torch.float32, device, 25), False, 0.3)),
     ]
