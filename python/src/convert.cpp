@@ -1,8 +1,7 @@
 #include "convert.hpp"
 
-#include <fmt/format.h>
-
 #include <span>
+#include <string>
 
 namespace fk::py {
 
@@ -21,7 +20,8 @@ DType to_dtype(nb::dlpack::dtype t, const char* op, const char* arg) {
     if (code == Code::Int && t.bits == 64) return DType::i64;
   }
   throw Error(op, arg, "float32, float16, bfloat16, int8, uint8, int32 or int64",
-              fmt::format("DLPack type code {}, {} bits, {} lanes", t.code, t.bits, t.lanes));
+              "DLPack type code " + std::to_string(t.code) + ", " + std::to_string(t.bits) + " bits, " +
+                  std::to_string(t.lanes) + " lanes");
 }
 
 }  // namespace
@@ -34,10 +34,10 @@ TensorView view(const Array& a, const char* op, const char* arg) {
   } else if (a.device_type() == nb::device::cuda::value) {
     device = Device::cuda(a.device_id());
   } else {
-    throw Error(op, arg, "a CPU or CUDA tensor", fmt::format("DLPack device type {}", a.device_type()));
+    throw Error(op, arg, "a CPU or CUDA tensor", "DLPack device type " + std::to_string(a.device_type()));
   }
-  FK_CHECK_ARG(a.ndim() <= static_cast<std::size_t>(kMaxRank), op, arg, fmt::format("at most {} dimensions", kMaxRank),
-               fmt::format("{}", a.ndim()));
+  FK_CHECK_ARG(a.ndim() <= static_cast<std::size_t>(kMaxRank), op, arg,
+               "at most " + std::to_string(kMaxRank) + " dimensions", std::to_string(a.ndim()));
   const Dims shape(std::span<const std::int64_t>(a.shape_ptr(), a.ndim()));
   const Dims strides = a.stride_ptr() ? Dims(std::span<const std::int64_t>(a.stride_ptr(), a.ndim()))
                                       : contiguous_strides(shape);
