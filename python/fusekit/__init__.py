@@ -5,15 +5,18 @@
 fake and autograd rules) and this package exposes the plain functions (``fusekit.softmax(x)``,
 ``fusekit.glu(x, w, kind="swiglu")``, ...).
 """
-from . import _C
-from ._C import Error, build_info, cuda_device_count
-
-__version__ = build_info()["version"]
-
+# PyTorch first, when it is there: the extension links libcublas by its soname, and the copy
+# torch loads (its own wheel's) must be the one the process holds, not the system toolkit's
+# loaded ahead of it (torch then crashes inside its own cuBLAS calls).
 try:
     import torch as _torch  # noqa: F401
 except ImportError:  # the bindings alone: arrays through DLPack
     _torch = None
+
+from . import _C  # noqa: E402
+from ._C import Error, build_info, cuda_device_count  # noqa: E402
+
+__version__ = build_info()["version"]
 
 if _torch is not None:
     from . import ops  # noqa: F401  (registers torch.ops.fusekit.*)

@@ -14,19 +14,19 @@ def bias_act(x: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor
              act: str = "relu", alpha: float = 1.0) -> Tensor:
     """act(x + alpha * residual + bias) over x's last dimension, in one pass (and one back).
     act: identity, relu, sigmoid, tanh, gelu_tanh, gelu_erf, silu."""
-    return ops.bias_act(x, bias, residual, act, alpha)[0]
+    return ops.call("bias_act", x, bias, residual, act, alpha)[0]
 
 
 def softmax(x: Tensor) -> Tensor:
     """softmax over the last dimension."""
-    return ops.softmax(x)
+    return ops.call("softmax", x)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
               return_lse: bool = False):
     """softmax(scale q kᵀ) v, q [B, H, Sq, D], k, v [B, H, Sk, D] (scale defaults to 1/sqrt(D)),
     as F.scaled_dot_product_attention computes it; forward only."""
-    out, lse = ops.attention(q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    out, lse = ops.call("attention", q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     return (out, lse) if return_lse else out
 
 
@@ -47,22 +47,22 @@ class Packed(NamedTuple):
 def pack(x: Tensor, bits: int = 2, group: int = 256, *, stochastic: bool = False, seed: int = 0,
          offset: int = 0, stats_dtype: torch.dtype = torch.bfloat16) -> Packed:
     """x [rows, cols] quantized group-wise (min/max) to 1, 2, 4 or 8 bits and packed."""
-    words, scale, mn = ops.pack(x, bits, group, stochastic, seed, offset, stats_dtype)
+    words, scale, mn = ops.call("pack", x, bits, group, stochastic, seed, offset, stats_dtype)
     return Packed(words, scale, mn, x.shape[1], x.dtype, bits, group)
 
 
 def unpack(p: Packed, dtype: Optional[torch.dtype] = None) -> Tensor:
-    return ops.unpack(p.words, p.scale, p.min, p.cols, p.bits, p.group, p.dtype if dtype is None else dtype)
+    return ops.call("unpack", p.words, p.scale, p.min, p.cols, p.bits, p.group, p.dtype if dtype is None else dtype)
 
 
 def relu_packed(x: Tensor) -> tuple[Tensor, Tensor]:
     """(relu(x), its 1-bit mask); the backward reads only the mask."""
-    return ops.relu_packed(x)
+    return ops.call("relu_packed", x)
 
 
 def weight_grad_from_packed(dy: Tensor, x: Packed, dw_dtype: torch.dtype = torch.float32) -> Tensor:
     """dW = dyᵀ · unpack(x) from the packed bits: dy [K, COUT] bf16, x packed from [K, CIN]."""
-    return ops.weight_grad_from_packed(dy, x.words, x.scale, x.min, x.cols, x.dtype, x.bits, x.group, dw_dtype)
+    return ops.call("weight_grad_from_packed", dy, x.words, x.scale, x.min, x.cols, x.dtype, x.bits, x.group, dw_dtype)
 
 
 def glu(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, *, kind: str = "swiglu",
@@ -73,7 +73,7 @@ def glu(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, *, kind: str = "swi
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     lead = x.shape[:-1]
-    out = ops.glu(x.reshape(-1, x.shape[-1]), ops.prepare_glu_weight(w),
+    out = ops.call("glu", x.reshape(-1, x.shape[-1]), ops.prepare_glu_weight(w),
                   None if bias is None else ops.prepare_glu_weight(bias), kind, allow_tf32)
     return out.reshape(*lead, out.shape[-1])
 
@@ -85,5 +85,5 @@ def lora(x: Tensor, w: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor] = No
         raise _C.Error("fk::lora_forward: argument 'w': expected a frozen weight (requires_grad=False): "
                          "fusekit's LoRA computes no gradient for W")
     lead = x.shape[:-1]
-    y = ops.lora(x.reshape(-1, x.shape[-1]), w, bias, a, b, act, scale)[0]
+    y = ops.call("lora", x.reshape(-1, x.shape[-1]), w, bias, a, b, act, scale)[0]
     return y.reshape(*lead, y.shape[-1])

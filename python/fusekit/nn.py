@@ -40,7 +40,7 @@ class _PackedLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # The GPU kernel reads bf16 dy (the spec on the CPU takes any float dtype).
             dyw = dy2.to(torch.bfloat16) if dy2.is_cuda else dy2
-            dw = ops.weight_grad_from_packed(dyw, words, scale, mn, cols, x_dtype, bits, group, weight.dtype)
+            dw = ops.call("weight_grad_from_packed", dyw, words, scale, mn, cols, x_dtype, bits, group, weight.dtype)
         db = dy2.sum(0).to(weight.dtype) if has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
 
@@ -91,7 +91,7 @@ class CompressedReLU(nn.Module):
         super().__init__()
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.relu_packed(x)[0]
+        return ops.call("relu_packed", x)[0]
 
 
 def compress(model: nn.Module, bits: int = 2, group: int = 256) -> nn.Module:
@@ -153,7 +153,7 @@ class GLUFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        h = ops.glu(x.reshape(-1, x.shape[-1]), self.w_gate_up, self.b_gate_up, self.kind,
+        h = ops.call("glu", x.reshape(-1, x.shape[-1]), self.w_gate_up, self.b_gate_up, self.kind,
                     torch.backends.cuda.matmul.allow_tf32)
         return self.down_proj(h.reshape(*lead, h.shape[-1]))
 
@@ -209,7 +209,7 @@ class W4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        y = ops.qgemm(x.reshape(-1, x.shape[-1]), self.packed, self.scale, self.zero, self.out_features,
+        y = ops.call("qgemm", x.reshape(-1, x.shape[-1]), self.packed, self.scale, self.zero, self.out_features,
                       self.in_features, self.group)
         if self.bias is not None:
             y = y + self.bias

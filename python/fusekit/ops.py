@@ -19,7 +19,72 @@ _LIB = "fusekit"
 
 
 def _stream(t: Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    """The raw cudaStream_t of torch's current stream on t's device (0 for host tensors)."""
+    return torch._C._cuda_getCurrentRawStream(t.get_device()) if t.is_cuda else 0
+
+
+_RAW = {}
+_OPS = {}
+
+
+def _custom_op(name: str):
+    """Registers `fn` as torch.ops.fusekit.<name> and keeps the plain function for call()."""
+    def wrap(fn):
+        _RAW[name] = fn
+        _OPS[name] = torch.library.custom_op(f"{_LIB}::{name}", mutates_args=())(fn)
+        return _OPS[name]
+    return wrap
+
+
+_AUTOGRAD = {}
+
+
+def _autograd(name: str, backward, setup_context):
+    """The op's autograd rule, for torch.ops.fusekit.<name> and for call()'s eager path alike."""
+    _AUTOGRAD[name] = (setup_context, backward)
+    _OPS[name].register_autograd(backward, setup_context=setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """An op with an autograd rule, in eager mode: its implementation and the same rule, without
+    the dispatcher's round trips through Python."""
+
+    @staticmethod
+    def forward(ctx, name, *args):
+        out = _RAW[name](*args)
+        ctx.fusekit_op, ctx.fusekit_eager = name, True
+        _AUTOGRAD[name][0](ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g = _AUTOGRAD[ctx.fusekit_op][1](ctx, *grads)
+        return (None, *((g,) if isinstance(g, Tensor) else g))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _bwd(ctx, name: str, *args):
+    """A backward op from an autograd rule: the implementation itself under _Eager, the registered
+    op when torch (compile, AOT autograd, opcheck) traces the rule."""
+    if getattr(ctx, "fusekit_eager", False):
+        return _RAW[name](*args)
+    return getattr(torch.ops.fusekit, name).default(*args)
+
+
+def call(name: str, *args):
+    """Runs op `name` as torch.ops.fusekit.<name> would, by the cheapest way that records what is
+    needed: under torch.compile, the registered op (traced with its fake); in eager mode, the
+    implementation itself, inside an autograd.Function when a gradient is to be recorded (the
+    dispatcher's round trips through Python cost more than a small kernel runs)."""
+    if torch.compiler.is_compiling() or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args):
+        return getattr(torch.ops.fusekit, name).default(*args)  # traced, or a tensor subclass
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        if name in _AUTOGRAD:
+            return _Eager.apply(name, *args)
+        return getattr(torch.ops.fusekit, name).default(*args)  # no rule: torch says so at backward
+    return _RAW[name](*args)
 
 
 def _rows(t: Tensor, op: str, arg: str) -> Tensor:
@@ -34,17 +99,26 @@ def _rows(t: Tensor, op: str, arg: str) -> Tensor:
 
 
 def _same_device(op: str, **tensors: Optional[Tensor]) -> None:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    first = next(iter(devices.values()))
-    for name, d in devices.items():
-        if d != first:
+    first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first = t.device
+        elif t.device != first:
             raise _C.Error(f"fk::{op}: argument '{name}': expected a tensor on {first} (as the first "
-                           f"tensor argument), got {d}")
+                           f"tensor argument), got {t.device}")
 
 
-def _d(t: Optional[Tensor]) -> Optional[Tensor]:
-    """The tensor as DLPack may export it (autograd-free; the same memory)."""
-    return None if t is None else t.detach()
+_to_dlpack = getattr(torch._C, "_to_dlpack", None)
+
+
+def _d(t: Optional[Tensor]):
+    """t as fusekit._C takes it: a DLPack capsule of the same memory (torch's C exporter: about a
+    microsecond, where Tensor.__dlpack__ costs several)."""
+    if t is None:
+        return None
+    return _to_dlpack(t) if _to_dlpack is not None else t.detach()
 
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -62,7 +136,7 @@ def _derivative_from_output(act: str) -> bool:
 # pointwise: y = act(x + alpha * r + b)
 # ---------------------------------------------------------------------------------------------
 
-@torch.library.custom_op(f"{_LIB}::bias_act", mutates_args=())
+@_custom_op("bias_act")
 def bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str,
              alpha: float) -> tuple[Tensor, Tensor]:
     """(y, z): y = act(x + alpha * residual + bias) over x's last dimension; z, the pre-activation,
@@ -70,10 +144,10 @@ def bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act:
     _same_device("bias_act", x=x, bias=bias, residual=residual)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     z = torch.empty_like(y) if not _derivative_from_output(act) else x.new_empty(0)
-    _C.bias_act_forward(_rows(_d(x), "bias_act_forward", "x"),
-                        None if residual is None else _rows(_d(residual), "bias_act_forward", "r"),
-                        _d(bias), _rows(y, "bias_act_forward", "y"),
-                        None if _derivative_from_output(act) else _rows(z, "bias_act_forward", "preact"),
+    _C.bias_act_forward(_d(_rows(x, "bias_act_forward", "x")),
+                        None if residual is None else _d(_rows(residual, "bias_act_forward", "r")),
+                        _d(bias), _d(_rows(y, "bias_act_forward", "y")),
+                        None if _derivative_from_output(act) else _d(_rows(z, "bias_act_forward", "preact")),
                         act, alpha, _stream(x))
     return y, z
 
@@ -84,7 +158,7 @@ def _(x, bias, residual, act, alpha):
     return y, (torch.empty_like(y) if not _derivative_from_output(act) else x.new_empty(0))
 
 
-@torch.library.custom_op(f"{_LIB}::bias_act_backward", mutates_args=())
+@_custom_op("bias_act_backward")
 def bias_act_backward(dy: Tensor, saved: Tensor, act: str, alpha: float, with_bias: bool,
                       with_residual: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dbias, dresidual) from dy and what bias_act saved (y, or z for gelu / silu); dbias and
@@ -95,10 +169,10 @@ def bias_act_backward(dy: Tensor, saved: Tensor, act: str, alpha: float, with_bi
     cols = dy.shape[-1] if dy.dim() else 1
     db = dy.new_empty(cols) if with_bias else dy.new_empty(0)
     dr = torch.empty_like(dx) if with_residual else dy.new_empty(0)
-    _C.bias_act_backward(_rows(_d(dy), "bias_act_backward", "dy"), _rows(_d(saved), "bias_act_backward", "saved"),
-                         not _derivative_from_output(act), _rows(dx, "bias_act_backward", "dx"),
-                         _rows(dr, "bias_act_backward", "dr") if with_residual else None,
-                         db if with_bias else None, act, alpha, _stream(dy))
+    _C.bias_act_backward(_d(_rows(dy, "bias_act_backward", "dy")), _d(_rows(saved, "bias_act_backward", "saved")),
+                         not _derivative_from_output(act), _d(_rows(dx, "bias_act_backward", "dx")),
+                         _d(_rows(dr, "bias_act_backward", "dr")) if with_residual else None,
+                         _d(db) if with_bias else None, act, alpha, _stream(dy))
     return dx, db, dr
 
 
@@ -119,22 +193,22 @@ def _bias_act_setup(ctx, inputs, output):
 
 def _bias_act_backward(ctx, dy, dz):
     (saved,) = ctx.saved_tensors
-    dx, db, dr = bias_act_backward(dy, saved, ctx.act, ctx.alpha, ctx.with_bias, ctx.with_residual)
+    dx, db, dr = _bwd(ctx, "bias_act_backward", dy, saved, ctx.act, ctx.alpha, ctx.with_bias, ctx.with_residual)
     return dx, (db if ctx.with_bias else None), (dr if ctx.with_residual else None), None, None
 
 
-bias_act.register_autograd(_bias_act_backward, setup_context=_bias_act_setup)
+_autograd("bias_act", _bias_act_backward, _bias_act_setup)
 
 
 # ---------------------------------------------------------------------------------------------
 # primitives: softmax, attention forward
 # ---------------------------------------------------------------------------------------------
 
-@torch.library.custom_op(f"{_LIB}::softmax", mutates_args=())
+@_custom_op("softmax")
 def softmax(x: Tensor) -> Tensor:
     """softmax over the last dimension (one online pass per row)."""
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _C.softmax(_rows(_d(x), "softmax", "x"), _rows(y, "softmax", "y"), _stream(x))
+    _C.softmax(_d(_rows(x, "softmax", "x")), _d(_rows(y, "softmax", "y")), _stream(x))
     return y
 
 
@@ -152,17 +226,17 @@ def _softmax_backward(ctx, dy):
     return y * (dy - (dy * y).sum(-1, keepdim=True))
 
 
-softmax.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+_autograd("softmax", _softmax_backward, _softmax_setup)
 
 
-@torch.library.custom_op(f"{_LIB}::attention", mutates_args=())
+@_custom_op("attention")
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """(out, lse): softmax(scale q kᵀ) v per (batch, head), q [B, H, Sq, D], k, v [B, H, Sk, D];
     lse [B, H, Sq] f32, the log-sum-exp of each row. Forward only (fusekit has no backward)."""
     _same_device("attention_forward", q=q, k=k, v=v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    _C.attention_forward(_d(q), _d(k), _d(v), out, lse, causal, scale, _stream(q))
+    _C.attention_forward(_d(q), _d(k), _d(v), _d(out), _d(lse), causal, scale, _stream(q))
     return out, lse
 
 
@@ -181,7 +255,7 @@ def _packed_shapes(rows: int, cols: int, bits: int, group: int):
     return (rows, groups, words), (rows, groups)
 
 
-@torch.library.custom_op(f"{_LIB}::pack", mutates_args=())
+@_custom_op("pack")
 def pack(x: Tensor, bits: int, group: int, stochastic: bool, seed: int, offset: int,
          stats_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """(words i32 [rows, groups, group*bits/32], scale, min [rows, groups]): x [rows, cols]
@@ -192,7 +266,7 @@ def pack(x: Tensor, bits: int, group: int, stochastic: bool, seed: int, offset: 
     words = x.new_empty(wshape, dtype=torch.int32)
     scale = x.new_empty(sshape, dtype=stats_dtype)
     mn = x.new_empty(sshape, dtype=stats_dtype)
-    _C.pack(_d(x), words, scale, mn, bits, group, stochastic, seed, offset, _stream(x))
+    _C.pack(_d(x), _d(words), _d(scale), _d(mn), bits, group, stochastic, seed, offset, _stream(x))
     return words, scale, mn
 
 
@@ -203,12 +277,12 @@ def _(x, bits, group, stochastic, seed, offset, stats_dtype):
             x.new_empty(sshape, dtype=stats_dtype))
 
 
-@torch.library.custom_op(f"{_LIB}::unpack", mutates_args=())
+@_custom_op("unpack")
 def unpack(words: Tensor, scale: Tensor, min: Tensor, cols: int, bits: int, group: int,
            dtype: torch.dtype) -> Tensor:
     """x̂ [rows, cols] = q * scale + min, from what pack returned."""
     out = scale.new_empty((words.shape[0], cols), dtype=dtype)
-    _C.unpack(_d(words), _d(scale), _d(min), words.shape[0], cols, bits, group, out, _stream(words))
+    _C.unpack(_d(words), _d(scale), _d(min), words.shape[0], cols, bits, group, _d(out), _stream(words))
     return out
 
 
@@ -217,12 +291,12 @@ def _(words, scale, min, cols, bits, group, dtype):
     return scale.new_empty((words.shape[0], cols), dtype=dtype)
 
 
-@torch.library.custom_op(f"{_LIB}::relu_packed", mutates_args=())
+@_custom_op("relu_packed")
 def relu_packed(x: Tensor) -> tuple[Tensor, Tensor]:
     """(y, mask): y = relu(x), mask i32 [ceil(numel / 32)] with bit i set where x_i > 0."""
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     mask = x.new_empty(((x.numel() + 31) // 32,), dtype=torch.int32)
-    _C.relu_forward_packed(_d(x), y, mask, _stream(x))
+    _C.relu_forward_packed(_d(x), _d(y), _d(mask), _stream(x))
     return y, mask
 
 
@@ -232,11 +306,11 @@ def _(x):
             x.new_empty(((x.numel() + 31) // 32,), dtype=torch.int32))
 
 
-@torch.library.custom_op(f"{_LIB}::relu_packed_backward", mutates_args=())
+@_custom_op("relu_packed_backward")
 def relu_packed_backward(dy: Tensor, mask: Tensor) -> Tensor:
     dy = dy.contiguous() if not dy.is_contiguous() else dy
     dx = torch.empty_like(dy)
-    _C.relu_backward_packed(_d(dy), _d(mask), dx, _stream(dy))
+    _C.relu_backward_packed(_d(dy), _d(mask), _d(dx), _stream(dy))
     return dx
 
 
@@ -251,19 +325,19 @@ def _relu_packed_setup(ctx, inputs, output):
 
 def _relu_packed_bwd(ctx, dy, dmask):
     (mask,) = ctx.saved_tensors
-    return relu_packed_backward(dy, mask)
+    return _bwd(ctx, "relu_packed_backward", dy, mask)
 
 
-relu_packed.register_autograd(_relu_packed_bwd, setup_context=_relu_packed_setup)
+_autograd("relu_packed", _relu_packed_bwd, _relu_packed_setup)
 
 
-@torch.library.custom_op(f"{_LIB}::weight_grad_from_packed", mutates_args=())
+@_custom_op("weight_grad_from_packed")
 def weight_grad_from_packed(dy: Tensor, words: Tensor, scale: Tensor, min: Tensor, cols: int,
                             x_dtype: torch.dtype, bits: int, group: int, dw_dtype: torch.dtype) -> Tensor:
     """dW [COUT, CIN] = dyᵀ · unpack(x): dy [K, COUT] bf16, x packed from [K, CIN]."""
     dw = dy.new_empty((dy.shape[1], cols), dtype=dw_dtype)
     _C.weight_grad_from_packed(_d(dy), _d(words), _d(scale), _d(min), words.shape[0], cols,
-                               _dtype_name(x_dtype), bits, group, dw, 0.0, _stream(dy))
+                               _dtype_name(x_dtype), bits, group, _d(dw), 0.0, _stream(dy))
     return dw
 
 
@@ -288,12 +362,12 @@ def unprepare_glu_weight(w: Tensor) -> Tensor:
     return torch.cat((pairs[:, 0], pairs[:, 1]), dim=0)
 
 
-@torch.library.custom_op(f"{_LIB}::glu", mutates_args=())
+@_custom_op("glu")
 def glu(x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str, allow_tf32: bool) -> Tensor:
     """out [M, N] = glu(L, R), [L, R] = x wᵀ + b; w [2N, K] and bias [2N] prepared."""
     _same_device("glu_forward", x=x, w=w, bias=bias)
     out = x.new_empty((x.shape[0], w.shape[0] // 2))
-    _C.glu_forward(_d(x), _d(w), _d(bias), out, kind, allow_tf32, _stream(x))
+    _C.glu_forward(_d(x), _d(w), _d(bias), _d(out), kind, allow_tf32, _stream(x))
     return out
 
 
@@ -302,14 +376,14 @@ def _(x, w, bias, kind, allow_tf32):
     return x.new_empty((x.shape[0], w.shape[0] // 2))
 
 
-@torch.library.custom_op(f"{_LIB}::glu_backward", mutates_args=())
+@_custom_op("glu_backward")
 def glu_backward(dy: Tensor, x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str,
                  allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, dbias), dw and dbias prepared; dbias empty without a bias."""
     dy = dy.contiguous() if not dy.is_contiguous() else dy
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     db = torch.empty_like(bias) if bias is not None else w.new_empty(0)
-    _C.glu_backward(_d(dy), _d(x), _d(w), _d(bias), dx, dw, db if bias is not None else None, kind, allow_tf32,
+    _C.glu_backward(_d(dy), _d(x), _d(w), _d(bias), _d(dx), _d(dw), _d(db) if bias is not None else None, kind, allow_tf32,
                     _stream(dy))
     return dx, dw, db
 
@@ -327,18 +401,18 @@ def _glu_setup(ctx, inputs, output):
 
 def _glu_bwd(ctx, dy):
     x, w, bias = ctx.saved_tensors
-    dx, dw, db = glu_backward(dy, x, w, bias, ctx.kind, ctx.allow_tf32)
+    dx, dw, db = _bwd(ctx, "glu_backward", dy, x, w, bias, ctx.kind, ctx.allow_tf32)
     return dx, dw, (db if ctx.with_bias else None), None, None
 
 
-glu.register_autograd(_glu_bwd, setup_context=_glu_setup)
+_autograd("glu", _glu_bwd, _glu_setup)
 
 
 # ---------------------------------------------------------------------------------------------
 # lora: y = act(x Wᵀ + b + s (x Aᵀ) Bᵀ), W frozen
 # ---------------------------------------------------------------------------------------------
 
-@torch.library.custom_op(f"{_LIB}::lora", mutates_args=())
+@_custom_op("lora")
 def lora(x: Tensor, w: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, act: str,
          scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(y, t, z): y = act(x Wᵀ + bias + t Bᵀ), t = scale x Aᵀ [M, r] (kept for the backward), z the
@@ -347,7 +421,7 @@ def lora(x: Tensor, w: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, act
     y = x.new_empty((x.shape[0], w.shape[0]))
     t = x.new_empty((x.shape[0], a.shape[0]))
     z = torch.empty_like(y) if not _derivative_from_output(act) else x.new_empty(0)
-    _C.lora_forward(_d(x), _d(w), _d(bias), _d(a), _d(b), y, t, None if _derivative_from_output(act) else z,
+    _C.lora_forward(_d(x), _d(w), _d(bias), _d(a), _d(b), _d(y), _d(t), None if _derivative_from_output(act) else _d(z),
                     act, scale, _stream(x))
     return y, t, z
 
@@ -359,15 +433,15 @@ def _(x, w, bias, a, b, act, scale):
                                                        else x.new_empty(0))
 
 
-@torch.library.custom_op(f"{_LIB}::lora_backward", mutates_args=())
+@_custom_op("lora_backward")
 def lora_backward(dy: Tensor, saved: Tensor, x: Tensor, w: Tensor, a: Tensor, b: Tensor, t: Tensor, act: str,
                   scale: float, with_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, da, db, dbias); dbias empty without a bias. W is frozen: no dW."""
     dy = dy.contiguous() if not dy.is_contiguous() else dy
     dx, da, db = torch.empty_like(x), torch.empty_like(a), torch.empty_like(b)
     dbias = dy.new_empty(w.shape[0]) if with_bias else dy.new_empty(0)
-    _C.lora_backward(_d(dy), _d(saved), not _derivative_from_output(act), _d(x), _d(w), _d(a), _d(b), _d(t), dx, da,
-                     db, dbias if with_bias else None, act, scale, _stream(dy))
+    _C.lora_backward(_d(dy), _d(saved), not _derivative_from_output(act), _d(x), _d(w), _d(a), _d(b), _d(t), _d(dx), _d(da),
+                     _d(db), _d(dbias) if with_bias else None, act, scale, _stream(dy))
     return dx, da, db, dbias
 
 
@@ -386,23 +460,23 @@ def _lora_setup(ctx, inputs, output):
 
 def _lora_bwd(ctx, dy, dt, dz):
     saved, x, w, a, b, t = ctx.saved_tensors
-    dx, da, db, dbias = lora_backward(dy, saved, x, w, a, b, t, ctx.act, ctx.scale, ctx.with_bias)
+    dx, da, db, dbias = _bwd(ctx, "lora_backward", dy, saved, x, w, a, b, t, ctx.act, ctx.scale, ctx.with_bias)
     return dx, None, (dbias if ctx.with_bias else None), da, db, None, None
 
 
-lora.register_autograd(_lora_bwd, setup_context=_lora_setup)
+_autograd("lora", _lora_bwd, _lora_setup)
 
 
 # ---------------------------------------------------------------------------------------------
 # qgemm: y = x w̃ᵀ from 4-bit weights (W4A16)
 # ---------------------------------------------------------------------------------------------
 
-@torch.library.custom_op(f"{_LIB}::qgemm", mutates_args=())
+@_custom_op("qgemm")
 def qgemm(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, n: int, k: int, group: int) -> Tensor:
     """y [M, n] = x [M, k] · w̃ᵀ, w̃ the 4-bit weight quantize_weights made (docs/qgemm.md)."""
     _same_device("qgemm", x=x, packed=packed, scale=scale, zero=zero)
     y = x.new_empty((x.shape[0], n))
-    _C.qgemm(_d(x), packed, scale, zero, n, k, group, y, _stream(x))
+    _C.qgemm(_d(x), _d(packed), _d(scale), _d(zero), n, k, group, _d(y), _stream(x))
     return y
 
 
@@ -420,5 +494,5 @@ def quantize_weights(w: Tensor, group: int = 128) -> tuple[Tensor, Tensor, Tenso
 
 def dequantize_weights(packed: Tensor, scale: Tensor, zero: Tensor, n: int, k: int, group: int) -> Tensor:
     out = scale.new_empty((n, k))
-    _C.dequantize_weights(packed, scale, zero, n, k, group, out, _stream(packed))
+    _C.dequantize_weights(_d(packed), _d(scale), _d(zero), n, k, group, _d(out), _stream(packed))
     return out

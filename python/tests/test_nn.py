@@ -7,6 +7,7 @@ from torch import nn  # noqa: E402
 
 import fusekit  # noqa: E402
 import fusekit.nn as fnn  # noqa: E402
+from helpers import assert_weight_grad_close  # noqa: E402
 
 
 def _mlp(device):
@@ -49,33 +50,41 @@ def test_compressed_model_trains_and_saves_less(device):
     full, packed = _saved_activation_bytes(plain, x), _saved_activation_bytes(small, x)
     # Linear inputs at 2 bits (+ f32 min/scale per 256) and ReLU masks at 1 bit, against f32.
     assert packed * 8 < full, (packed, full)
-    opt = torch.optim.SGD(small.parameters(), lr=0.1)
-    losses = []
-    for _ in range(60):
-        opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(small(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.6 * losses[0], losses
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(60):
+            opt.zero_grad()
+            loss = F.binary_cross_entropy_with_logits(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    base, comp = train(plain), train(small)  # the same initial weights (seed 0)
+    print("loss first -> last: uncompressed", base[0], "->", base[-1], "; 2 bits", comp[0], "->", comp[-1])
+    assert comp[-1] < 0.75 * comp[0], comp
+    assert comp[-1] < base[-1] + 0.05, (comp[-1], base[-1])
 
 
-@pytest.mark.parametrize("bits", [8, 2])
-def test_compressed_linear_gradients_approach_linear(bits, device):
+@pytest.mark.parametrize("bits,group,cin", [(8, 32, 96), (2, 32, 96), (2, 256, 64), (4, 64, 100)])
+def test_compressed_linear_gradients_approach_linear(bits, group, cin, device):
     torch.manual_seed(2)
-    lin = nn.Linear(96, 48).to(device)
-    comp = fnn.CompressedLinear.from_linear(lin, bits=bits, group=32)
-    x = torch.randn(40, 96, device=device, requires_grad=True)
+    lin = nn.Linear(cin, 48).to(device)
+    comp = fnn.CompressedLinear.from_linear(lin, bits=bits, group=group)
+    x = torch.randn(40, cin, device=device, requires_grad=True)
     dy = torch.randn(40, 48, device=device)
     g_ref = torch.autograd.grad(lin(x), (x, lin.weight, lin.bias), dy)
     g = torch.autograd.grad(comp(x), (x, comp.weight, comp.bias), dy)
     torch.testing.assert_close(g[0], g_ref[0])  # dx = dy W: exact
     torch.testing.assert_close(g[2], g_ref[2])
-    # dW is the gradient of the quantized input: dyᵀ x̂, x̂ = unpack(pack(x)) (exact on the CPU; on a
-    # GPU dy is read in bf16).
-    xq = fusekit.unpack(fusekit.pack(x.detach(), bits=bits, group=32, stats_dtype=torch.float32))
-    tol = dict(rtol=1e-4, atol=1e-4) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(g[1], dy.t() @ xq, **tol)
+    # dW is the gradient of the quantized input: dyᵀ x̂, x̂ = unpack(pack(x)); on a GPU the kernel
+    # reads dy and x̂ rounded to bf16 (fp32 accumulation).
+    xq = fusekit.unpack(fusekit.pack(x.detach(), bits=bits, group=group, stats_dtype=torch.float32))
+    d = dy
+    if device == "cuda":
+        xq, d = xq.bfloat16().float(), dy.bfloat16().float()
+    assert_weight_grad_close(g[1], d, xq, device)
     rel = (g[1] - g_ref[1]).norm() / g_ref[1].norm()  # and the quantization error itself is bounded
     assert rel < (0.02 if bits == 8 else 0.5), rel
 

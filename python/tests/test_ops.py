@@ -8,6 +8,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fusekit
 from fusekit import ops
+from helpers import assert_weight_grad_close
 
 # Tolerances per dtype, for one rounding of an fp32 result (bf16 8 bits, f16 11 bits of mantissa).
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
@@ -101,8 +102,10 @@ def test_weight_grad_from_packed_matches_the_unpacked_product(device):
     dy = rand((k, cout), torch.bfloat16, device, 14)
     p = fusekit.pack(x, bits=8, group=32, stats_dtype=torch.float32)
     dw = fusekit.weight_grad_from_packed(dy, p)
-    want = dy.float().t() @ fusekit.unpack(p, torch.float32)
-    torch.testing.assert_close(dw, want, rtol=1e-3, atol=1e-2)
+    xq = fusekit.unpack(p, torch.float32)
+    if device == "cuda":  # the kernel feeds x̂ to the tensor cores rounded to bf16 (docs/quant.md)
+        xq = xq.bfloat16().float()
+    assert_weight_grad_close(dw, dy.float(), xq, device)
 
 
 @pytest.mark.parametrize("kind", ["sigmoid_tanh", "swiglu", "geglu_tanh", "geglu_erf", "reglu"])

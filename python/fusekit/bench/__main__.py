@@ -82,7 +82,7 @@ def cases():
         wp = ops.prepare_glu_weight(torch.cat((wg, wu)))
         peer = lambda x, wg, wu: F.silu(x @ wg.t()) * (x @ wu.t())  # noqa: E731
         yield dict(name=f"swiglu/M{m}_K{k}_N{n}/bf16", flops=2 * m * k * 2 * n,
-                   fusekit=lambda x=x, wp=wp: ops.glu(x, wp, None, "swiglu", False),
+                   fusekit=lambda x=x, wp=wp: ops.call("glu", x, wp, None, "swiglu", False),
                    peers={"eager": lambda x=x, wg=wg, wu=wu: peer(x, wg, wu),
                           "compile": (compiled(peer), (x, wg, wu))})
     # attention forward
@@ -122,7 +122,7 @@ def cases():
         s = 2.0
         peer = lambda x, w, a, b: x @ w.t() + s * ((x @ a.t()) @ b.t())  # noqa: E731
         yield dict(name=f"lora_fwd/M{m}_K{k}_N{n}_r{r}/bf16", flops=2 * m * k * n + 2 * m * r * (k + n),
-                   fusekit=lambda x=x, w=w, a=a, b=b: ops.lora(x, w, None, a, b, "identity", s)[0],
+                   fusekit=lambda x=x, w=w, a=a, b=b: ops.call("lora", x, w, None, a, b, "identity", s)[0],
                    peers={"eager": lambda x=x, w=w, a=a, b=b: peer(x, w, a, b),
                           "compile": (compiled(peer), (x, w, a, b))})
 
