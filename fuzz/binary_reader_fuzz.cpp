@@ -56,9 +56,5 @@ void read_all(const std::vector<std::uint8_t>& bytes) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  std::vector<std::uint8_t> bytes(data, data + size);
-  read_all(bytes);
-  fuzz::repair_binary(bytes);
-  read_all(bytes);
-  return 0;
+  return fuzz::run_raw_then_repaired(data, size, read_all, fuzz::repair_binary);
 }

@@ -38,9 +38,5 @@ void load(const std::vector<std::uint8_t>& bytes) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  std::vector<std::uint8_t> bytes(data, data + size);
-  load(bytes);
-  fuzz::repair_checkpoint(bytes);
-  load(bytes);
-  return 0;
+  return fuzz::run_raw_then_repaired(data, size, load, fuzz::repair_checkpoint);
 }

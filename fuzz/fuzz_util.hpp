@@ -104,4 +104,15 @@ inline void repair_checkpoint(std::vector<std::uint8_t>& b) {
   std::memcpy(b.data() + b.size() - 8, "FKCKEND2", 8);
 }
 
+// A target's whole run: `run` on the input as it is (mostly refused by its checksums, which tests
+// that nothing damaged gets through), then on a copy whose checksums `repair` recomputed.
+template <class Run, class Repair>
+int run_raw_then_repaired(const std::uint8_t* data, std::size_t size, Run run, Repair repair) {
+  std::vector<std::uint8_t> bytes(data, data + size);
+  run(bytes);
+  repair(bytes);
+  run(bytes);
+  return 0;
+}
+
 }  // namespace fk::fuzz

@@ -51,6 +51,9 @@ fi
 
 # ccache keys on paths relative to the checkout, so worktrees and CI's fresh clone share hits.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+# The sanitizer build compiles with -g, whose debug info names the build folder: without this a
+# checkout elsewhere (CI's clone) would miss the cache on every file.
+export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-true}
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache ${FUSEKIT_CMAKE_ARGS:-} >/dev/null
 start=$(date +%s)
