@@ -217,3 +217,51 @@ class W4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
+
+
+class FusedMLP(nn.Module):
+    """A narrow MLP (nn.Linear layers with ReLU / sigmoid / identity between) as one kernel:
+    every weight in shared memory, the hidden activations in registers (docs/mlp.md). bf16 or f16;
+    input and output widths up to 128, every hidden layer one width of 16, 32, 64 or 128.
+    Gradients: dW and db are computed in f32 and handed to autograd in the parameters' dtype."""
+
+    _ACTS = {nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.Identity: "identity"}
+
+    def __init__(self, linears: list, acts: list):
+        super().__init__()
+        self.linears = nn.ModuleList(linears)
+        self.acts = ",".join(acts)
+
+    @classmethod
+    def from_sequential(cls, seq: nn.Sequential) -> "FusedMLP":
+        """From nn.Sequential(Linear, act, Linear, act, ..., Linear[, act]) (parameters shared)."""
+        linears, acts = [], []
+        for m in seq:
+            if isinstance(m, nn.Linear):
+                if len(acts) < len(linears):
+                    acts.append("identity")
+                linears.append(m)
+            elif type(m) in cls._ACTS and len(acts) < len(linears):
+                acts.append(cls._ACTS[type(m)])
+            else:
+                raise fusekit_error("FusedMLP.from_sequential", "seq",
+                                    "Linear layers each followed by at most one ReLU, Sigmoid or Identity", repr(m))
+        if len(acts) < len(linears):
+            acts.append("identity")
+        return cls(linears, acts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        ws = [lin.weight for lin in self.linears]
+        bs = [lin.bias for lin in self.linears]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)):
+            y = ops.call("fused_mlp_train", x2, ws, bs, self.acts)[0]
+        else:
+            y = ops.call("fused_mlp", x2, ws, bs, self.acts)
+        return y.reshape(*lead, y.shape[-1])
+
+
+def fusekit_error(op: str, arg: str, expected: str, got: str):
+    from . import _C
+    return _C.Error(f"fk::{op}: argument '{arg}': expected {expected}, got {got}")

@@ -219,3 +219,26 @@ def test_compress_lowers_peak_gpu_memory_by_the_saved_activation_bytes():
         assert saved <= held <= saved + (1 << 20), (held, saved)
     assert full > 8 * packed
     assert p_small < p_plain
+
+
+@pytest.mark.parametrize("widths,acts", [((13, 64, 64, 16), ("relu", "relu", "identity")),
+                                         ((32, 128, 1), ("relu", "sigmoid")), ((7, 16, 16, 16, 5), ("relu",) * 4)])
+def test_fused_mlp_matches_the_sequential_it_replaces(widths, acts, device):
+    torch.manual_seed(9)
+    layers = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers += [nn.Linear(a, b), {"relu": nn.ReLU(), "sigmoid": nn.Sigmoid(), "identity": nn.Identity()}[acts[i]]]
+    seq = nn.Sequential(*layers).to(device, torch.bfloat16)
+    fused = fnn.FusedMLP.from_sequential(seq)
+    x = torch.randn(37, widths[0], device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = fused(x)
+    # The spec rounds each layer's output to bf16 where the per-layer run stores it: so does seq.
+    want = seq(x)
+    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, fused.linears[0].weight, fused.linears[-1].bias), dy)
+    exp = torch.autograd.grad(want, (x, seq[0].weight, seq[-2].bias), dy)  # seq[-2]: the last Linear
+    for g, e in zip(got, exp):
+        torch.testing.assert_close(g.float(), e.float(), rtol=5e-2, atol=5e-2 * 37 ** 0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x).float(), y.float())
