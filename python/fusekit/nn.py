@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from . import _C
 from . import functional as Fk
 from . import ops
 
@@ -244,8 +245,8 @@ class FusedMLP(nn.Module):
             elif type(m) in cls._ACTS and len(acts) < len(linears):
                 acts.append(cls._ACTS[type(m)])
             else:
-                raise fusekit_error("FusedMLP.from_sequential", "seq",
-                                    "Linear layers each followed by at most one ReLU, Sigmoid or Identity", repr(m))
+                raise _C.Error("fk::FusedMLP.from_sequential: argument 'seq': expected Linear layers each followed "
+                               f"by at most one ReLU, Sigmoid or Identity, got {m!r}")
         if len(acts) < len(linears):
             acts.append("identity")
         return cls(linears, acts)
@@ -260,8 +261,3 @@ class FusedMLP(nn.Module):
         else:
             y = ops.call("fused_mlp", x2, ws, bs, self.acts)
         return y.reshape(*lead, y.shape[-1])
-
-
-def fusekit_error(op: str, arg: str, expected: str, got: str):
-    from . import _C
-    return _C.Error(f"fk::{op}: argument '{arg}': expected {expected}, got {got}")
