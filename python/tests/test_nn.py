@@ -242,3 +242,8 @@ def test_fused_mlp_matches_the_sequential_it_replaces(widths, acts, device):
         torch.testing.assert_close(g.float(), e.float(), rtol=5e-2, atol=5e-2 * 37 ** 0.5)
     with torch.no_grad():
         torch.testing.assert_close(fused(x).float(), y.float())
+
+
+def test_fused_mlp_refuses_what_it_cannot_fuse():
+    with pytest.raises(fusekit.Error, match=r"argument 'seq'.*Tanh"):
+        fnn.FusedMLP.from_sequential(nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)))
