@@ -216,6 +216,13 @@ SyntheticConfig small_synthetic() {
   return c;
 }
 
+// The first n records of the small synthetic data set.
+std::vector<RawRecord> synthetic_records(std::size_t n) {
+  std::vector<RawRecord> recs(n);
+  SyntheticCriteo(small_synthetic()).generate(0, recs);
+  return recs;
+}
+
 TEST(Synthetic, DeterministicFromTheSeedAndRandomAccess) {
   const SyntheticCriteo a(small_synthetic()), b(small_synthetic());
   SyntheticConfig other = small_synthetic();
@@ -280,9 +287,7 @@ TEST(Synthetic, CriteoLikeStatisticsAndALearnableLabel) {
 }
 
 TEST(BinaryFormat, TsvToBinaryToBatchesRoundTrip) {
-  const SyntheticCriteo gen(small_synthetic());
-  std::vector<RawRecord> recs(1000);
-  gen.generate(0, recs);
+  const std::vector<RawRecord> recs = synthetic_records(1000);
   const fs::path tsv = temp_path("synthetic.tsv"), bin = temp_path("synthetic.bin");
   write_tsv(tsv, recs);
   const ReadReport rep = convert_tsv_to_binary(tsv, bin, {.strict = true});
@@ -407,9 +412,7 @@ TEST(BatchLoader, StopsCleanlyWhenDestroyedEarlyAndReportsSourceErrors) {
 // The binary reader trusts nothing in the file (issue 27 item 6): a record count whose byte size
 // wraps or passes 2^63, a short or a long file, a label that is not 0/1 are errors naming the file.
 TEST(BinaryFormat, DamagedFilesAreRefused) {
-  const SyntheticCriteo gen(small_synthetic());
-  std::vector<RawRecord> recs(10);
-  gen.generate(0, recs);
+  const std::vector<RawRecord> recs = synthetic_records(10);
   const fs::path good = temp_path("ten.bin"), bad = temp_path("damaged.bin");
   write_binary(good, recs);
   std::vector<char> bytes(fs::file_size(good));
@@ -452,9 +455,7 @@ TEST(BinaryFormat, DamagedFilesAreRefused) {
 
 TEST(BinaryFormat, VersionOneFilesAreStillReadAndChecked) {
   // Version 1: the same header without block size or CRC, the records, nothing after them.
-  const SyntheticCriteo gen(small_synthetic());
-  std::vector<RawRecord> recs(5);
-  gen.generate(0, recs);
+  const std::vector<RawRecord> recs = synthetic_records(5);
   auto v1 = [&](std::int32_t label3) {
     std::vector<char> b(64 + 5 * 160, 0);
     std::memcpy(b.data(), "FKCRITEO", 8);
@@ -476,9 +477,7 @@ TEST(BinaryFormat, VersionOneFilesAreStillReadAndChecked) {
 
 TEST(BinaryFormat, BlocksAreCheckedWhereverTheReadStarts) {
   // 10000 records: two full blocks of 4096 and a partial one; damage the last block only.
-  const SyntheticCriteo gen(small_synthetic());
-  std::vector<RawRecord> recs(10000);
-  gen.generate(0, recs);
+  const std::vector<RawRecord> recs = synthetic_records(10000);
   const fs::path p = temp_path("blocks.bin");
   write_binary(p, recs);
   EXPECT_EQ(fs::file_size(p), 64u + 10000u * 160u + 3u * 4u + 4u);
