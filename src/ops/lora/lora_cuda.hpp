@@ -64,8 +64,8 @@ void lora_gemm_tma_t(const LoraGemmArgs& args, const Stream* stream);
 
 // The backward's first pass (lora_grad.cu): g = dy ⊙ act'(saved), su = scale g B, db = gᵀ t and
 // dbias = Σ_m g from one read of dy and saved. Shapes: dy, saved, g [M, N]; b, db [N, r]; t
-// [M, r]; su [M, rb] (zero-padded to rb = 16 ceil(r / 16)); dbias [N] or null. Returns false, having done nothing,
-// unless bf16 / f16, N % 8 == 0 and dy, saved, g 16-byte aligned.
+// [M, r]; su [M, 16] (zero-padded); dbias [N] or null. Returns false, having done nothing, unless
+// r <= 16, bf16 / f16, N % 8 == 0 and dy, saved, g 16-byte aligned.
 struct LoraGradArgs {
   TensorView dy, saved, b, t, g, su, db;
   const TensorView* dbias = nullptr;

@@ -1,6 +1,6 @@
 // The first pass of the fused LoRA backward: one read of dy and of the saved y or z, producing
 //   g  = dy ⊙ act'(z)          [M, N], in the operand dtype (the dx GEMM's left operand)
-//   su = s g B                 [M, rb]  (zero-padded to rb = 16 ceil(r / 16) columns)
+//   su = s g B                 [M, 16]  (r <= 16, zero-padded to 16 columns)
 //   dB = gᵀ t                  [N, r]
 //   db = Σ_m g                 [N]     (when asked)
 // so that no later kernel reads g except the dx GEMM. The two skinny products run on the tensor
@@ -400,30 +400,21 @@ void launch(const LoraGradArgs& a, float scale, const Stream* stream) {
   FK_CUDA_CHECK_LAUNCH("lora_backward (gradient reduction)");
 }
 
-template <class T>
-void launch_rank(const LoraGradArgs& a, float scale, const Stream* stream) {
-  switch (a.su.size(1)) {  // RB = 16 ceil(r / 16), the width of su
-    case 16: return launch<T, 16>(a, scale, stream);
-    case 32: return launch<T, 32>(a, scale, stream);
-    case 48: return launch<T, 48>(a, scale, stream);
-    default: return launch<T, 64>(a, scale, stream);
-  }
-}
-
 }  // namespace
 
 bool lora_grad_fused(const LoraGradArgs& a, float scale, const Stream* stream) {
   const DType t = a.dy.dtype();
   if (t != DType::bf16 && t != DType::f16) return false;
   const std::int64_t m = a.dy.size(0), n = a.dy.size(1);
-  if (m == 0 || n == 0 || n % 8 != 0 || a.b.size(1) > 64) return false;
-  const std::int64_t r = a.b.size(1), rb = (r + 15) / 16 * 16;
-  if (a.su.size(1) != rb) throw_internal("lora_grad_fused: su must be [M, 16 ceil(r / 16)]");
+  // r <= 16 only: above it the pass's registers hold one CTA an SM and it runs at a quarter to a
+  // half of the copy rate, slower than the unfused gradient (docs/lora.md, "Dispatch").
+  if (m == 0 || n == 0 || n % 8 != 0 || a.b.size(1) > 16) return false;
+  if (a.su.size(1) != 16) throw_internal("lora_grad_fused: su must be [M, 16]");
   for (const TensorView* v : {&a.dy, &a.saved, &a.g})
     if (!aligned16(v->data())) return false;
   const fk::detail::DeviceScope on_device(a.dy.device().index);
-  if (t == DType::bf16) launch_rank<__nv_bfloat16>(a, scale, stream);
-  else launch_rank<__half>(a, scale, stream);
+  if (t == DType::bf16) launch<__nv_bfloat16, 16>(a, scale, stream);
+  else launch<__half, 16>(a, scale, stream);
   return true;
 }
 
