@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <unordered_map>
 
 #include "fusekit/core/error.hpp"
@@ -23,6 +24,7 @@ struct Block {
   std::size_t size;  // rounded
   Device device;
   void* stream;      // the stream the block is ordered on
+  std::optional<DeviceMemorySource> source;  // where it came from, when not fusekit's cache
 };
 
 struct FreeKey {
@@ -37,6 +39,7 @@ struct State {
   std::unordered_map<void*, Block> live;     // every block handed out, host ones included
   std::multimap<FreeKey, void*> free_blocks; // cached device blocks
   std::unordered_map<int, AllocatorStats> stats;
+  std::optional<DeviceMemorySource> source;
 };
 
 State& state() {
@@ -77,11 +80,27 @@ void* allocate(std::size_t bytes, Device device, const Stream* stream) {
     void* p = std::aligned_alloc(64, size);
     if (!p) throw Error("allocate", fmt::format("out of host memory allocating {} bytes", bytes));
     std::lock_guard lock(s.mu);
-    s.live.emplace(p, Block{size, device, nullptr});
+    s.live.emplace(p, Block{size, device, nullptr, std::nullopt});
     return p;
   }
 #if FUSEKIT_WITH_CUDA
   void* st = (stream ? *stream : Stream::default_stream()).handle();
+  std::optional<DeviceMemorySource> source;
+  {
+    std::lock_guard lock(s.mu);
+    source = s.source;
+  }
+  if (source) {
+    void* p = nullptr;
+    {
+      const detail::DeviceScope on_device(device.index);
+      p = source->allocate(source->context, size, device.index, st);
+    }
+    if (!p) throw Error("allocate", fmt::format("the device memory source returned no memory for {} bytes", bytes));
+    std::lock_guard lock(s.mu);
+    s.live.emplace(p, Block{size, device, st, source});
+    return p;
+  }
   std::lock_guard lock(s.mu);
   AllocatorStats& stats = s.stats[device.index];
   const auto it = s.free_blocks.find(FreeKey{device.index, st, size});
@@ -112,7 +131,7 @@ void* allocate(std::size_t bytes, Device device, const Stream* stream) {
   }
   stats.allocated_bytes += size;
   if (stats.allocated_bytes > stats.peak_allocated_bytes) stats.peak_allocated_bytes = stats.allocated_bytes;
-  s.live.emplace(p, Block{size, device, st});
+  s.live.emplace(p, Block{size, device, st, std::nullopt});
   return p;
 #else
   (void)stream;
@@ -123,11 +142,22 @@ void* allocate(std::size_t bytes, Device device, const Stream* stream) {
 void deallocate(void* ptr) noexcept {
   if (!ptr) return;
   State& s = state();
-  std::lock_guard lock(s.mu);
+  std::unique_lock lock(s.mu);
   const auto it = s.live.find(ptr);
   if (it == s.live.end()) return;  // not ours: nothing to do (never happens through Tensor)
   const Block b = it->second;
   s.live.erase(it);
+  if (b.source) {
+    lock.unlock();
+#if FUSEKIT_WITH_CUDA
+    int previous = 0;
+    const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != b.device.index &&
+                          cudaSetDevice(b.device.index) == cudaSuccess;
+    b.source->deallocate(b.source->context, ptr, b.device.index, b.stream);
+    if (switched) cudaSetDevice(previous);
+#endif
+    return;
+  }
   if (b.device.is_cpu()) {
     std::free(ptr);
     return;
@@ -136,6 +166,13 @@ void deallocate(void* ptr) noexcept {
   stats.allocated_bytes -= b.size;
   stats.cached_bytes += b.size;
   s.free_blocks.emplace(FreeKey{b.device.index, b.stream, b.size}, ptr);
+}
+
+void set_device_memory_source(const DeviceMemorySource* source) {
+  State& s = state();
+  std::lock_guard lock(s.mu);
+  if (source) s.source = *source;
+  else s.source.reset();
 }
 
 void release_cached(Device device) {

@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <tuple>
+#include <vector>
+
 #include "fusekit/fusekit.hpp"
 #include "test_util.hpp"
 
@@ -38,6 +41,65 @@ TEST(Allocator, DeviceBlocksAreCachedAndReused) {
   EXPECT_EQ(allocator::stats(gpu).cached_bytes, before.cached_bytes + 3072);
   allocator::release_cached(gpu);
   EXPECT_EQ(allocator::stats(gpu).cached_bytes, 0u);
+}
+
+TEST(Allocator, AnInstalledSourceServesEveryDeviceBlock) {
+  FK_SKIP_WITHOUT_GPU();
+  // A source that logs every call and hands out addresses in a host arena (nothing here reads or
+  // writes the blocks).
+  struct Log {
+    std::vector<char> arena = std::vector<char>(1 << 20);
+    std::size_t used = 0;
+    std::vector<std::tuple<std::size_t, int, void*>> allocs;
+    std::vector<std::tuple<void*, int, void*>> frees;
+  } log;
+  DeviceMemorySource source;
+  source.context = &log;
+  source.allocate = [](void* ctx, std::size_t bytes, int device, void* stream) -> void* {
+    auto& l = *static_cast<Log*>(ctx);
+    l.allocs.emplace_back(bytes, device, stream);
+    void* p = l.arena.data() + l.used;
+    l.used += bytes;
+    return p;
+  };
+  source.deallocate = [](void* ctx, void* ptr, int device, void* stream) noexcept {
+    static_cast<Log*>(ctx)->frees.emplace_back(ptr, device, stream);
+  };
+  const Device gpu = Device::cuda(0);
+  const AllocatorStats before = allocator::stats(gpu);
+  const Stream stream = Stream::create(gpu);
+  allocator::set_device_memory_source(&source);
+  void* p = nullptr;
+  {
+    const Tensor t = Tensor::empty({1000}, DType::f32, gpu, &stream);
+    p = t.data();
+    EXPECT_EQ(p, log.arena.data());
+    ASSERT_EQ(log.allocs.size(), 1u);
+    EXPECT_EQ(std::get<0>(log.allocs[0]), allocator::round_size(4000));
+    EXPECT_EQ(std::get<1>(log.allocs[0]), 0);
+    EXPECT_EQ(std::get<2>(log.allocs[0]), stream.handle());
+    EXPECT_TRUE(log.frees.empty());
+  }
+  ASSERT_EQ(log.frees.size(), 1u);
+  EXPECT_EQ(std::get<0>(log.frees[0]), p);
+  EXPECT_EQ(std::get<2>(log.frees[0]), stream.handle());
+  // Host memory never goes to the source, and fusekit's cache counted nothing.
+  allocator::deallocate(allocator::allocate(100, Device::cpu()));
+  EXPECT_EQ(log.allocs.size(), 1u);
+  const AllocatorStats after = allocator::stats(gpu);
+  EXPECT_EQ(after.device_allocations, before.device_allocations);
+  EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
+  // A block from the source outlives the source's removal and still goes back to it.
+  void* q = allocator::allocate(512, gpu, &stream);
+  allocator::set_device_memory_source(nullptr);
+  void* r = allocator::allocate(512, gpu, &stream);  // fusekit's cache again
+  EXPECT_EQ(log.allocs.size(), 2u);
+  EXPECT_EQ(allocator::stats(gpu).allocated_bytes, before.allocated_bytes + 512);
+  allocator::deallocate(q);
+  EXPECT_EQ(log.frees.size(), 2u);
+  allocator::deallocate(r);
+  EXPECT_EQ(log.frees.size(), 2u);
+  EXPECT_EQ(allocator::stats(gpu).allocated_bytes, before.allocated_bytes);
 }
 
 TEST(Allocator, OutOfMemoryIsAnErrorNotACrash) {
