@@ -19,8 +19,15 @@ from ._C import Error, build_info, cuda_device_count  # noqa: E402
 __version__ = build_info()["version"]
 
 if _torch is not None:
+    # Every device buffer fusekit allocates (scratch included) comes from PyTorch's caching
+    # allocator: torch.cuda.max_memory_allocated() counts it, CUDA graph capture pools it, and a
+    # block goes back ordered on the stream it was allocated on, as torch's own tensors do.
+    if build_info()["cuda"] and hasattr(_torch._C, "_cuda_cudaCachingAllocator_raw_alloc"):
+        _C.set_memory_source(_torch._C._cuda_cudaCachingAllocator_raw_alloc,
+                             _torch._C._cuda_cudaCachingAllocator_raw_delete)
     from . import ops  # noqa: F401  (registers torch.ops.fusekit.*)
-    from .functional import (attention, bias_act, glu, lora, pack, relu_packed, softmax, unpack,  # noqa: F401
+    from .functional import (attention, bias_act, check_bags, dense_optimizer_update_, embedding_bags,  # noqa: F401
+                             glu, interaction, lora, pack, relu_packed, sigmoid_bce, softmax, unpack,
                              weight_grad_from_packed)
 
 __all__ = ["Error", "build_info", "cuda_device_count"]

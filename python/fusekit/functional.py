@@ -14,7 +14,7 @@ def bias_act(x: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor
              act: str = "relu", alpha: float = 1.0) -> Tensor:
     """act(x + alpha * residual + bias) over x's last dimension, in one pass (and one back).
     act: identity, relu, sigmoid, tanh, gelu_tanh, gelu_erf, silu."""
-    return ops.call("bias_act", x, bias, residual, act, alpha)[0]
+    return ops.call_first("bias_act", x, bias, residual, act, alpha)
 
 
 def softmax(x: Tensor) -> Tensor:
@@ -85,5 +85,65 @@ def lora(x: Tensor, w: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor] = No
         raise _C.Error("fk::lora_forward: argument 'w': expected a frozen weight (requires_grad=False): "
                          "fusekit's LoRA computes no gradient for W")
     lead = x.shape[:-1]
-    y = ops.call("lora", x.reshape(-1, x.shape[-1]), w, bias, a, b, act, scale)[0]
+    y = ops.call_first("lora", x.reshape(-1, x.shape[-1]), w, bias, a, b, act, scale)
     return y.reshape(*lead, y.shape[-1])
+
+
+def embedding_bags(weights: Tensor, indices: Tensor, offsets: Tensor, table_rows: list, *,
+                   pooling: str = "sum") -> Tensor:
+    """out [B, T, D]: out[b, t] = the sum (or mean) of the rows of table t in bag t * B + b, the T
+    tables stacked in weights [sum(table_rows), D] f32; indices (i64, the row within its table)
+    and offsets (i64 [T * B + 1]) table-major CSR, as FBGEMM's TBE takes them. The gradient is a
+    dense [sum(table_rows), D] tensor (fusekit.nn.EmbeddingBagCollection fuses an optimizer
+    instead). Indices on a GPU are not checked here: check_bags or the module does that."""
+    return ops.call_first("embedding_bag", weights, indices, offsets, None, list(table_rows), pooling, "seed",
+                          "dense_gradient", 0.0, 0.0, None)
+
+
+def check_bags(indices: Tensor, offsets: Tensor, table_rows: list, *, op: str = "embedding_bags") -> None:
+    """Raises fusekit.Error unless offsets is i64 [T * B + 1], starts at 0, never decreases and
+    ends at len(indices), and every index of table t lies in [0, table_rows[t]). On a GPU this
+    reads two flags back (two synchronisations); on the CPU the op itself checks."""
+    tables = len(table_rows)
+    for name, t in (("indices", indices), ("offsets", offsets)):
+        if t.dtype != torch.int64 or t.dim() != 1:
+            raise _C.Error(f"fk::{op}: argument '{name}': expected a 1-D int64 tensor, got {t.dtype} "
+                           f"of shape {list(t.shape)}")
+    if offsets.numel() < 1 or (offsets.numel() - 1) % tables:
+        raise _C.Error(f"fk::{op}: argument 'offsets': expected T * B + 1 values for T = {tables} tables, "
+                       f"got {offsets.numel()}")
+    nnz = indices.numel()
+    if bool(((offsets[0] != 0) | (offsets[-1] != nnz) | (offsets[1:] < offsets[:-1]).any()).item()):
+        raise _C.Error(f"fk::{op}: argument 'offsets': expected offsets[0] = 0, non-decreasing, "
+                       f"offsets[-1] = len(indices) = {nnz}; got {offsets[0].item()} .. {offsets[-1].item()}"
+                       f"{' (decreasing somewhere)' if bool((offsets[1:] < offsets[:-1]).any()) else ''}")
+    if nnz == 0:
+        return
+    batch = (offsets.numel() - 1) // tables
+    counts = offsets[::batch].diff() if batch > 0 else offsets.new_zeros(tables)
+    rows = torch.tensor(list(table_rows), dtype=torch.int64, device=indices.device)
+    limit = torch.repeat_interleave(rows, counts, output_size=nnz)
+    bad = (indices < 0) | (indices >= limit)
+    if bool(bad.any().item()):
+        k = int(bad.nonzero()[0].item())
+        t = int(torch.searchsorted(offsets[::batch].cpu(), k, right=True).item()) - 1
+        raise _C.Error(f"fk::{op}: argument 'indices': expected rows within their table, got index "
+                       f"{int(indices[k].item())} at entry {k}, in table {t} of {table_rows[t]} rows")
+
+
+def interaction(z: Tensor, kind: str = "dot", self_interaction: bool = False) -> Tensor:
+    """r [B, I] from z [B, F, D] f32 (see fusekit.ops.interaction); kind dot, cat or outer."""
+    return ops.call("interaction", z, kind, self_interaction)
+
+
+def sigmoid_bce(logits: Tensor, labels: Tensor) -> Tensor:
+    """The mean binary cross-entropy of sigmoid(logits) against labels (f32 [B]), as
+    F.binary_cross_entropy_with_logits; one pass computes the loss and its gradient."""
+    return ops.call_first("sigmoid_bce", logits, labels)
+
+
+def dense_optimizer_update_(param: Tensor, grad: Tensor, state: Optional[Tensor] = None, *, lr: float,
+                            eps: float = 1e-10) -> None:
+    """One step in place over a whole f32 parameter: SGD, or Adagrad when state (the running sum
+    of squared gradients, param's shape) is given."""
+    ops.call("dense_optimizer_update_", param, grad, state, state is not None, lr, eps)

@@ -6,6 +6,10 @@
   in place, sharing their parameters.
 - ``GLUFeedForward``: a LLaMA-style MLP (``down_proj(act(gate_proj(x)) * up_proj(x))``) whose gate
   and up projections run as one fused GEMM + gated activation.
+- ``LoRALinear``, ``W4Linear``, ``FusedMLP``: a LoRA adapter on a frozen linear layer, a 4-bit
+  weight for inference, a narrow MLP as one kernel.
+- ``EmbeddingBagCollection`` (the optimizer fused into the backward, as FBGEMM's TBE) and
+  ``Interaction``: DLRM's sparse side.
 """
 from __future__ import annotations
 
@@ -92,7 +96,7 @@ class CompressedReLU(nn.Module):
         super().__init__()
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.call("relu_packed", x)[0]
+        return ops.call_first("relu_packed", x)
 
 
 def compress(model: nn.Module, bits: int = 2, group: int = 256) -> nn.Module:
@@ -261,3 +265,107 @@ class FusedMLP(nn.Module):
         else:
             y = ops.call("fused_mlp", x2, ws, bs, self.acts)
         return y.reshape(*lead, y.shape[-1])
+
+
+class EmbeddingBagCollection(nn.Module):
+    """T embedding tables of one dim D, looked up as bags in one launch: forward(indices, offsets)
+    -> [B, T, D] f32, out[b, t] the sum (or mean) of table t's rows in bag t * B + b. indices and
+    offsets are table-major CSR (offsets [T * B + 1]), as FBGEMM's TBE takes them;
+    ``collate(per_table)`` builds them from nn.EmbeddingBag-style (indices, offsets) pairs.
+
+    optimizer=None: the weight gets a dense gradient like any parameter (nn.EmbeddingBag with
+    sparse=False). optimizer="sgd" / "adagrad" / "rowwise_adagrad": the update is applied in the
+    backward to the rows the batch touched, as FBGEMM's TBE does; ``weight.grad`` stays None, so a
+    dense optimizer over ``model.parameters()`` leaves the tables alone. ``lr`` may be changed
+    between steps. Tables are stacked in ``weight`` [sum(num_embeddings), D] (``table(t)`` is a
+    view of one). With validate_indices, GPU input is checked before every lookup (two host
+    synchronisations); CPU input always is."""
+
+    def __init__(self, num_embeddings, embedding_dim: int, *, pooling: str = "sum", optimizer: Optional[str] = None,
+                 lr: float = 0.01, eps: float = 1e-8, validate_indices: bool = True, device=None):
+        super().__init__()
+        if optimizer not in (None, "sgd", "adagrad", "rowwise_adagrad"):
+            raise _C.Error("fk::EmbeddingBagCollection: argument 'optimizer': expected None, sgd, adagrad or "
+                           f"rowwise_adagrad, got {optimizer}")
+        self.table_rows = [int(n) for n in num_embeddings]
+        self.embedding_dim, self.pooling, self.optimizer = embedding_dim, pooling, optimizer
+        self.lr, self.eps, self.validate_indices = lr, eps, validate_indices
+        total = sum(self.table_rows)
+        self.weight = nn.Parameter(torch.empty(total, embedding_dim, device=device, dtype=torch.float32))
+        state = None
+        if optimizer == "adagrad":
+            state = torch.zeros(total, embedding_dim, device=device)
+        elif optimizer == "rowwise_adagrad":
+            state = torch.zeros(total, device=device)
+        self.register_buffer("optimizer_state", state)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each table uniform in ±sqrt(1 / rows), as the DLRM reference initialises its tables."""
+        with torch.no_grad():
+            for t, rows in enumerate(self.table_rows):
+                self.table(t).uniform_(-(1.0 / rows) ** 0.5, (1.0 / rows) ** 0.5)
+
+    def table(self, t: int) -> Tensor:
+        base = sum(self.table_rows[:t])
+        return self.weight[base:base + self.table_rows[t]]
+
+    @classmethod
+    def from_embedding_bags(cls, bags, **kwargs) -> "EmbeddingBagCollection":
+        """From nn.EmbeddingBag modules of one dim and one mode (sum or mean); weights copied."""
+        bags = list(bags)
+        dims, modes = {b.embedding_dim for b in bags}, {b.mode for b in bags}
+        if len(dims) != 1 or len(modes) != 1 or modes - {"sum", "mean"}:
+            raise _C.Error("fk::EmbeddingBagCollection.from_embedding_bags: argument 'bags': expected tables of one "
+                           f"dim and one mode (sum or mean), got dims {sorted(dims)} and modes {sorted(modes)}")
+        w = bags[0].weight
+        ebc = cls([b.num_embeddings for b in bags], dims.pop(), pooling=modes.pop(), device=w.device, **kwargs)
+        with torch.no_grad():
+            for t, b in enumerate(bags):
+                ebc.table(t).copy_(b.weight)
+        return ebc
+
+    @staticmethod
+    def collate(per_table) -> tuple[Tensor, Tensor]:
+        """(indices, offsets) for forward from one (indices, offsets) pair per table, each as
+        nn.EmbeddingBag takes them (offsets: the B start positions) and the same B for every table."""
+        per_table = list(per_table)
+        batch = {o.numel() for _, o in per_table}
+        if len(batch) != 1:
+            raise _C.Error("fk::EmbeddingBagCollection.collate: argument 'per_table': expected the same batch "
+                           f"(number of offsets) for every table, got {sorted(batch)}")
+        starts, base = [], 0
+        for idx, off in per_table:
+            starts.append(off + base)
+            base += idx.numel()
+        first = per_table[0][1]
+        offsets = torch.cat(starts + [first.new_full((1,), base)])
+        return torch.cat([idx for idx, _ in per_table]), offsets
+
+    def forward(self, indices: Tensor, offsets: Tensor) -> Tensor:
+        if self.validate_indices and indices.is_cuda and not torch.compiler.is_compiling():
+            Fk.check_bags(indices, offsets, self.table_rows, op="EmbeddingBagCollection")
+        update = self.optimizer or "dense_gradient"
+        return ops.call_first("embedding_bag", self.weight, indices, offsets, None, self.table_rows, self.pooling,
+                              "seed", update, float(self.lr), float(self.eps), self.optimizer_state)
+
+    def extra_repr(self) -> str:
+        return (f"tables={len(self.table_rows)}, rows={sum(self.table_rows)}, dim={self.embedding_dim}, "
+                f"pooling={self.pooling}, optimizer={self.optimizer}")
+
+
+class Interaction(nn.Module):
+    """DLRM's feature interaction: forward(dense [B, D], sparse [B, T, D]) -> [B, I]. kind "dot":
+    the dense features, then the dot product of every pair of the F = T + 1 feature vectors (j < i,
+    or j <= i with self_interaction), in the DLRM reference's order; "cat": all F D features."""
+
+    def __init__(self, kind: str = "dot", self_interaction: bool = False):
+        super().__init__()
+        self.kind, self.self_interaction = kind, self_interaction
+
+    def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
+        z = torch.cat((dense.unsqueeze(1), sparse), dim=1)
+        return ops.call("interaction", z, self.kind, self.self_interaction)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, self_interaction={self.self_interaction}"

@@ -27,11 +27,11 @@ _RAW = {}
 _OPS = {}
 
 
-def _custom_op(name: str):
+def _custom_op(name: str, mutates_args: tuple = ()):
     """Registers `fn` as torch.ops.fusekit.<name> and keeps the plain function for call()."""
     def wrap(fn):
         _RAW[name] = fn
-        _OPS[name] = torch.library.custom_op(f"{_LIB}::{name}", mutates_args=())(fn)
+        _OPS[name] = torch.library.custom_op(f"{_LIB}::{name}", mutates_args=mutates_args)(fn)
         return _OPS[name]
     return wrap
 
@@ -65,7 +65,25 @@ class _Eager(torch.autograd.Function):
         return (None, *((g,) if isinstance(g, Tensor) else g))
 
 
+class _EagerFirst(torch.autograd.Function):
+    """_Eager for a caller that keeps only the op's first output (the others, kept for the
+    backward, are not handed to autograd: one output fewer to track)."""
+
+    @staticmethod
+    def forward(ctx, name, *args):
+        out = _RAW[name](*args)
+        ctx.fusekit_op, ctx.fusekit_eager, ctx.fusekit_outputs = name, True, len(out)
+        _AUTOGRAD[name][0](ctx, args, out)
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = _AUTOGRAD[ctx.fusekit_op][1](ctx, grad, *((None,) * (ctx.fusekit_outputs - 1)))
+        return (None, *((g,) if isinstance(g, Tensor) else g))
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 
 
 def _bwd(ctx, name: str, *args):
@@ -81,13 +99,38 @@ def call(name: str, *args):
     needed: under torch.compile, the registered op (traced with its fake); in eager mode, the
     implementation itself, inside an autograd.Function when a gradient is to be recorded (the
     dispatcher's round trips through Python cost more than a small kernel runs)."""
-    if torch.compiler.is_compiling() or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args):
-        return getattr(torch.ops.fusekit, name).default(*args)  # traced, or a tensor subclass
-    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+    grad = False
+    for a in args:  # a plain loop: this runs on every call, and generator expressions cost microseconds
+        if isinstance(a, Tensor):
+            if type(a) not in _PLAIN:
+                return getattr(torch.ops.fusekit, name).default(*args)  # a tensor subclass
+            if a.requires_grad:
+                grad = True
+    if _is_compiling():
+        return getattr(torch.ops.fusekit, name).default(*args)  # traced with its fake
+    if grad and _grad_enabled():
         if name in _AUTOGRAD:
             return _Eager.apply(name, *args)
         return getattr(torch.ops.fusekit, name).default(*args)  # no rule: torch says so at backward
     return _RAW[name](*args)
+
+
+def call_first(name: str, *args):
+    """call(name, *args)[0], for an op with several outputs of which the caller keeps the first."""
+    grad = False
+    for a in args:
+        if isinstance(a, Tensor):
+            if type(a) not in _PLAIN:
+                return getattr(torch.ops.fusekit, name).default(*args)[0]
+            if a.requires_grad:
+                grad = True
+    if _is_compiling():
+        return getattr(torch.ops.fusekit, name).default(*args)[0]
+    if grad and _grad_enabled():
+        if name in _AUTOGRAD:
+            return _EagerFirst.apply(name, *args)
+        return getattr(torch.ops.fusekit, name).default(*args)[0]
+    return _RAW[name](*args)[0]
 
 
 def _rows(t: Tensor, op: str, arg: str) -> Tensor:
@@ -131,8 +174,11 @@ def _dtype_name(dt: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dt, str(dt))
 
 
+_FROM_OUTPUT = frozenset(("identity", "relu", "sigmoid", "tanh"))
+
+
 def _derivative_from_output(act: str) -> bool:
-    return act in ("identity", "relu", "sigmoid", "tanh")
+    return act in _FROM_OUTPUT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,13 +190,14 @@ def bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act:
              alpha: float) -> tuple[Tensor, Tensor]:
     """(y, z): y = act(x + alpha * residual + bias) over x's last dimension; z, the pre-activation,
     when act's derivative needs it (gelu, silu), else an empty tensor."""
-    _same_device("bias_act", x=x, bias=bias, residual=residual)
+    # (devices are checked by the op: y and z are allocated on x's)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    z = torch.empty_like(y) if not _derivative_from_output(act) else x.new_empty(0)
+    from_output = act in _FROM_OUTPUT
+    z = x.new_empty(0) if from_output else torch.empty_like(y)
     _C.bias_act_forward(_d(_rows(x, "bias_act_forward", "x")),
                         None if residual is None else _d(_rows(residual, "bias_act_forward", "r")),
                         _d(bias), _d(_rows(y, "bias_act_forward", "y")),
-                        None if _derivative_from_output(act) else _d(_rows(z, "bias_act_forward", "preact")),
+                        None if from_output else _d(_rows(z, "bias_act_forward", "preact")),
                         act, alpha, _stream(x))
     return y, z
 
@@ -187,11 +234,9 @@ def _(dy, saved, act, alpha, with_bias, with_residual):
 
 
 def _bias_act_setup(ctx, inputs, output):
-    x, bias, residual, act, alpha = inputs
-    y, z = output
-    ctx.act, ctx.alpha = act, alpha
-    ctx.with_bias, ctx.with_residual = bias is not None, residual is not None
-    ctx.save_for_backward(y if _derivative_from_output(act) else z)
+    _, bias, residual, act, alpha = inputs
+    ctx.act, ctx.alpha, ctx.with_bias, ctx.with_residual = act, alpha, bias is not None, residual is not None
+    ctx.save_for_backward(output[0] if act in _FROM_OUTPUT else output[1])
 
 
 def _bias_act_backward(ctx, dy, dz):
@@ -577,3 +622,208 @@ def _fused_mlp_bwd(ctx, dy, dhidden):
 
 
 _autograd("fused_mlp_train", _fused_mlp_bwd, _fused_mlp_setup, eager=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# recsys: embedding bags (the optimizer fused into the backward), interaction, loss
+# ---------------------------------------------------------------------------------------------
+
+# The embedding bags' backward: "dense_gradient" hands autograd a dense [total_rows, D] gradient
+# (nn.EmbeddingBag's sparse=False); the others apply the update to the table rows the batch
+# touched, inside the backward, and hand autograd no gradient for the weights (FBGEMM's TBE).
+EMBEDDING_UPDATES = ("dense_gradient", "sgd", "adagrad", "rowwise_adagrad")
+
+
+def _bags_batch(indices: Optional[Tensor], offsets: Optional[Tensor], raw: Optional[Tensor], tables: int) -> int:
+    if raw is not None:
+        return raw.shape[0] // tables
+    if offsets is None:
+        raise _C.Error("fk::embedding_bag_forward: argument 'offsets': expected i64 [T * B + 1] with indices, "
+                       "or raw values instead of both, got neither")
+    return (offsets.shape[0] - 1) // tables
+
+
+def _bags_nnz(indices: Optional[Tensor], raw: Optional[Tensor]) -> int:
+    return raw.shape[0] if raw is not None else (indices.shape[0] if indices is not None else 0)
+
+
+@_custom_op("embedding_bag")
+def embedding_bag(weights: Tensor, indices: Optional[Tensor], offsets: Optional[Tensor], raw: Optional[Tensor],
+                  table_rows: list[int], pooling: str, hash: str, update: str, lr: float, eps: float,
+                  state: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [B, T, D] f32, keys, bags i32 [nnz]): out[b, t] = the sum (or mean) over bag t * B + b
+    of rows of table t, the T tables stacked in weights [sum(table_rows), D]. Input: CSR indices
+    (row within the table) and offsets [T * B + 1], table-major; or raw i32 [T * B], one value per
+    bag hashed to a row (hash "seed" or "reference"). keys / bags are what the backward reads.
+    update, lr, eps and state say what the backward does (EMBEDDING_UPDATES)."""
+    _same_device("embedding_bag_forward", weights=weights, indices=indices, offsets=offsets, raw=raw, state=state)
+    tables = len(table_rows)
+    nnz = _bags_nnz(indices, raw)
+    out = weights.new_empty((_bags_batch(indices, offsets, raw, tables), tables, weights.shape[-1]))
+    keys = weights.new_empty((nnz,), dtype=torch.int32)
+    bags = torch.empty_like(keys)
+    _C.embedding_bag_forward(_d(weights), _d(indices), _d(offsets), _d(raw), table_rows, _d(out), _d(keys), _d(bags),
+                             pooling, hash, False, _stream(weights))
+    return out, keys, bags
+
+
+@embedding_bag.register_fake
+def _(weights, indices, offsets, raw, table_rows, pooling, hash, update, lr, eps, state):
+    tables = len(table_rows)
+    keys = weights.new_empty((_bags_nnz(indices, raw),), dtype=torch.int32)
+    return (weights.new_empty((_bags_batch(indices, offsets, raw, tables), tables, weights.shape[-1])), keys,
+            torch.empty_like(keys))
+
+
+def _embedding_workspace(keys: Tensor, dim: int) -> Optional[Tensor]:
+    if not keys.is_cuda:
+        return None
+    return keys.new_empty((_C.embedding_bag_backward_workspace_bytes(keys.shape[0], dim),), dtype=torch.uint8)
+
+
+@_custom_op("embedding_bag_backward")
+def embedding_bag_backward(dout: Tensor, keys: Tensor, bags: Tensor, offsets: Optional[Tensor], table_rows: list[int],
+                           pooling: str) -> Tensor:
+    """The dense gradient of the stacked tables [sum(table_rows), D]: each touched row the sum of
+    its bags' dout (over the bag size for mean pooling), summed in a fixed order; every other row 0."""
+    dout = dout.contiguous() if not dout.is_contiguous() else dout
+    dw = dout.new_empty((sum(table_rows), dout.shape[-1]))
+    _C.embedding_bag_backward_update(_d(keys), _d(bags), _d(dout), _d(offsets if pooling == "mean" else None), _d(dw),
+                                     None, _d(_embedding_workspace(keys, dout.shape[-1])), table_rows, "dense_gradient",
+                                     0.0, 0.0, pooling, _stream(dout))
+    return dw
+
+
+@embedding_bag_backward.register_fake
+def _(dout, keys, bags, offsets, table_rows, pooling):
+    return dout.new_empty((sum(table_rows), dout.shape[-1]))
+
+
+@_custom_op("embedding_bag_update_", mutates_args=("weights", "state"))
+def embedding_bag_update_(weights: Tensor, state: Optional[Tensor], dout: Tensor, keys: Tensor, bags: Tensor,
+                          offsets: Optional[Tensor], table_rows: list[int], update: str, lr: float, eps: float,
+                          pooling: str) -> None:
+    """The optimizer step on the rows the batch touched, in place: sgd, adagrad (state [rows, D])
+    or rowwise_adagrad (state [rows]); each row's gradient summed in a fixed order first."""
+    dout = dout.contiguous() if not dout.is_contiguous() else dout
+    _C.embedding_bag_backward_update(_d(keys), _d(bags), _d(dout), _d(offsets if pooling == "mean" else None),
+                                     _d(weights), _d(state), _d(_embedding_workspace(keys, dout.shape[-1])), table_rows,
+                                     update, lr, eps, pooling, _stream(dout))
+    for t in (weights, state):  # as a torch in-place op would: a tensor saved before this is stale
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
+
+
+def _embedding_bag_setup(ctx, inputs, output):
+    weights, indices, offsets, raw, table_rows, pooling, hash, update, lr, eps, state = inputs
+    _, keys, bags = output
+    ctx.table_rows, ctx.pooling, ctx.update, ctx.lr, ctx.eps = table_rows, pooling, update, lr, eps
+    ctx.save_for_backward(keys, bags, offsets)
+    if update != "dense_gradient":  # what the backward updates in place (not saved: no version check)
+        ctx.weights, ctx.state = weights, state
+
+
+def _embedding_bag_bwd(ctx, dout, dkeys, dbags):
+    keys, bags, offsets = ctx.saved_tensors
+    if ctx.update == "dense_gradient":
+        dw = _bwd(ctx, "embedding_bag_backward", dout, keys, bags, offsets, ctx.table_rows, ctx.pooling)
+    else:
+        _bwd(ctx, "embedding_bag_update_", ctx.weights, ctx.state, dout, keys, bags, offsets, ctx.table_rows,
+             ctx.update, ctx.lr, ctx.eps, ctx.pooling)
+        dw = None
+    return dw, None, None, None, None, None, None, None, None, None, None
+
+
+_autograd("embedding_bag", _embedding_bag_bwd, _embedding_bag_setup)
+
+
+@_custom_op("dense_optimizer_update_", mutates_args=("param", "state"))
+def dense_optimizer_update_(param: Tensor, grad: Tensor, state: Optional[Tensor], adagrad: bool, lr: float,
+                            eps: float) -> None:
+    """One SGD or Adagrad step over a whole f32 parameter, in place (state: Adagrad's sum of squares)."""
+    _C.dense_optimizer_update(_d(param), _d(grad), _d(state), adagrad, lr, eps, _stream(param))
+    for t in (param, state):
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
+
+
+def interaction_size(kind: str, self_interaction: bool, features: int, dim: int):
+    """Columns of the interaction's output (works on symbolic sizes too)."""
+    if kind == "dot":
+        return dim + features * (features - 1) // 2 + (features if self_interaction else 0)
+    if kind == "cat":
+        return features * dim
+    if kind == "outer":
+        return (features * dim) ** 2
+    raise _C.Error(f"fk::interaction_forward: argument 'kind': expected dot, cat or outer, got {kind}")
+
+
+@_custom_op("interaction")
+def interaction(z: Tensor, kind: str, self_interaction: bool) -> Tensor:
+    """r [B, I] from z [B, F, D] f32: dot (z[:, 0] then the dot products of the pairs (i, j), j < i
+    (j <= i with self_interaction), in the DLRM reference's order), cat or outer."""
+    if z.dim() != 3:
+        raise _C.Error(f"fk::interaction_forward: argument 'z': expected [B, F, D], got shape {list(z.shape)}")
+    r = z.new_empty((z.shape[0], interaction_size(kind, self_interaction, z.shape[1], z.shape[2])))
+    _C.interaction_forward(_d(z), _d(r), kind, self_interaction, None, _stream(z))
+    return r
+
+
+@interaction.register_fake
+def _(z, kind, self_interaction):
+    return z.new_empty((z.shape[0], interaction_size(kind, self_interaction, z.shape[1], z.shape[2])))
+
+
+@_custom_op("interaction_backward")
+def interaction_backward(z: Tensor, dr: Tensor, kind: str, self_interaction: bool) -> Tensor:
+    dr = dr.contiguous() if dr.stride(-1) != 1 else dr
+    dz = torch.empty_like(z)
+    _C.interaction_backward(_d(z), _d(dr), _d(dz), kind, self_interaction, False, None, _stream(z))
+    return dz
+
+
+@interaction_backward.register_fake
+def _(z, dr, kind, self_interaction):
+    return torch.empty_like(z)
+
+
+def _interaction_setup(ctx, inputs, output):
+    z, kind, self_interaction = inputs
+    ctx.kind, ctx.self_interaction = kind, self_interaction
+    ctx.save_for_backward(z)
+
+
+def _interaction_bwd(ctx, dr):
+    (z,) = ctx.saved_tensors
+    return _bwd(ctx, "interaction_backward", z, dr, ctx.kind, ctx.self_interaction), None, None
+
+
+_autograd("interaction", _interaction_bwd, _interaction_setup)
+
+
+@_custom_op("sigmoid_bce")
+def sigmoid_bce(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(loss, dlogits): loss = mean BCE of sigmoid(logits) against labels (f32 [B]), summed in
+    double in a fixed order; dlogits = (sigmoid(logits) - labels) / B, from the same pass."""
+    _same_device("sigmoid_bce_forward_backward", logits=logits, labels=labels)
+    acc = torch.zeros((_C.sigmoid_bce_accumulator_bytes,), dtype=torch.uint8, device=logits.device)
+    dlogits = torch.empty_like(logits)
+    _C.sigmoid_bce_forward_backward(_d(logits), _d(labels), _d(dlogits), _d(acc), None, _stream(logits))
+    return acc[:8].view(torch.float64)[0].to(torch.float32), dlogits
+
+
+@sigmoid_bce.register_fake
+def _(logits, labels):
+    return logits.new_empty(()), torch.empty_like(logits)
+
+
+def _sigmoid_bce_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+
+
+def _sigmoid_bce_bwd(ctx, dloss, ddlogits):
+    (dlogits,) = ctx.saved_tensors
+    return dlogits * dloss, None
+
+
+_autograd("sigmoid_bce", _sigmoid_bce_bwd, _sigmoid_bce_setup)
