@@ -1,9 +1,11 @@
 """python -m fusekit.bench: each fusekit op through PyTorch against what a PyTorch user runs
 instead, in the same process on the same GPU: eager PyTorch, torch.compile, and PyTorch's own
-kernels (SDPA for attention, _weight_int4pack_mm for W4A16).
+kernels (SDPA for attention, _weight_int4pack_mm for W4A16, nn.EmbeddingBag with torch.optim for
+the embedding tables).
 
 Timing: CUDA events around 20 back-to-back calls, the best of 7 such runs, after warm-up; each
-call as a user makes it (eager dispatch included). Memory-bound cases also report the fraction
+call as a user makes it (eager dispatch included). Cases named *_graphed capture the 20 calls in a
+CUDA graph and time its replay (the device time, as a decode loop runs small GEMMs). Memory-bound cases also report the fraction
 of the copy ceiling (a device-to-device copy measured the same way). Writes JSON in the bench
 schema (bench/README or docs/bench.md) and PNG charts.
 
@@ -41,6 +43,22 @@ def timeit(fn, calls: int = 20, repeats: int = 7) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3 / calls)
     return best
+
+
+def timeit_graphed(fn, calls: int = 20, repeats: int = 7) -> float:
+    """Seconds per call of `calls` calls captured in one CUDA graph and replayed: the device time,
+    without the host's per-call cost (how a decode loop runs a small GEMM)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return timeit(g.replay, calls=1, repeats=repeats) / calls
 
 
 def compiled(fn):
@@ -116,6 +134,9 @@ def cases():
             peers["torch_int4pack_mm"] = f"unavailable: {type(e).__name__}: {e}"[:200]
         yield dict(name=f"w4a16/M{m}_N{n}_K{k}/f16", bytes=n * k // 2 + m * k * 2 + m * n * 2,
                    fusekit=lambda w4=w4, x=x: w4(x), peers=peers)
+        if m <= 16:  # decode: also as a decode loop runs it, every call in a CUDA graph
+            yield dict(name=f"w4a16_graphed/M{m}_N{n}_K{k}/f16", bytes=n * k // 2 + m * k * 2 + m * n * 2,
+                       graphed=True, fusekit=lambda w4=w4, x=x: w4(x), peers=dict(peers))
     # LoRA forward, r = 16 and 64
     for m, k, n, r in ((4096, 4096, 4096, 16), (4096, 4096, 4096, 64), (2048, 4096, 4096, 16)):
         x, w, a, b = randn(m, k), randn(n, k, scale=k ** -0.5), randn(r, k, scale=k ** -0.5), randn(n, r)
@@ -127,14 +148,119 @@ def cases():
                           "compile": (compiled(peer), (x, w, a, b))})
 
 
+# Criteo Kaggle's 26 categorical cardinalities (fusekit::data::kKaggleCardinalities).
+KAGGLE_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+               5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+
+
+def training_cases(randn):
+    """A forward and backward as a training step runs them (gradients of every trainable input)."""
+    # LoRA: W frozen; dispatch picks the unfused gradient pass where the fused one loses (r > 16).
+    for m, k, n, r in ((8192, 4096, 4096, 16), (8192, 4096, 4096, 64), (2048, 4096, 4096, 64)):
+        x, w = randn(m, k).requires_grad_(), randn(n, k, scale=k ** -0.5)
+        a, b = randn(r, k, scale=k ** -0.5).requires_grad_(), randn(n, r).requires_grad_()
+        dy, s = randn(m, n), 2.0
+
+        def peer(x, w, a, b, dy):
+            torch.autograd.backward(torch.relu(x @ w.t() + s * ((x @ a.t()) @ b.t())), dy)
+
+        def fk(x=x, w=w, a=a, b=b, dy=dy):
+            torch.autograd.backward(fusekit.lora(x, w, a, b, scale=s, act="relu"), dy)
+        yield dict(name=f"lora_train/M{m}_K{k}_N{n}_r{r}/bf16", flops=3 * 2 * m * k * n, fusekit=fk,
+                   peers={"eager": lambda x=x, w=w, a=a, b=b, dy=dy: peer(x, w, a, b, dy),
+                          "compile": (compiled(peer), (x, w, a, b, dy))})
+    # SwiGLU up-projection, forward and backward
+    for m, k, n in ((4096, 4096, 11008),):
+        x = randn(m, k).requires_grad_()
+        wg, wu = randn(n, k, scale=k ** -0.5).requires_grad_(), randn(n, k, scale=k ** -0.5).requires_grad_()
+        wp = ops.prepare_glu_weight(torch.cat((wg, wu))).detach().requires_grad_()
+        dy = randn(m, n)
+
+        def peer(x, wg, wu, dy):
+            torch.autograd.backward(F.silu(x @ wg.t()) * (x @ wu.t()), dy)
+        yield dict(name=f"swiglu_train/M{m}_K{k}_N{n}/bf16", flops=3 * 2 * m * k * 2 * n,
+                   fusekit=lambda x=x, wp=wp, dy=dy: torch.autograd.backward(fusekit.glu(x, wp, kind="swiglu"), dy),
+                   peers={"eager": lambda x=x, wg=wg, wu=wu, dy=dy: peer(x, wg, wu, dy),
+                          "compile": (compiled(peer), (x, wg, wu, dy))})
+
+
+def recsys_cases(randn):
+    """Embedding bags against nn.EmbeddingBag (one per table, as a PyTorch DLRM holds them), the
+    interaction against bmm + gather, the loss against binary_cross_entropy_with_logits."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(1)
+    for label, rows, dim, batch, bag in (("kaggle26_d16_b32768_onehot", KAGGLE_ROWS, 16, 32768, 1),
+                                         ("t8_r1M_d64_b4096_bag20", [1 << 20] * 8, 64, 4096, 20)):
+        tables = len(rows)
+        ebc = fnn.EmbeddingBagCollection(rows, dim, optimizer="sgd", lr=0.01, validate_indices=False, device=dev)
+        nn_bags = [torch.nn.EmbeddingBag(r, dim, mode="sum", sparse=True, device=dev) for r in rows]
+        opt = torch.optim.SGD([b.weight for b in nn_bags], lr=0.01)
+        per_table = [(torch.randint(0, r, (batch * bag,), device=dev, generator=g),
+                      torch.arange(0, batch * bag, bag, device=dev)) for r in rows]
+        idx, off = fnn.EmbeddingBagCollection.collate(per_table)
+        dy = torch.randn(batch, tables, dim, device=dev, generator=g)
+        # rows gathered, indices read, bags written
+        bytes_fwd = batch * bag * tables * (dim * 4 + 8) + batch * tables * dim * 4
+
+        def peer_fwd():
+            return torch.stack([b(i, o) for b, (i, o) in zip(nn_bags, per_table)], dim=1)
+
+        def no_grad(f):
+            def run():
+                with torch.no_grad():
+                    return f()
+            return run
+
+        def peer_step():
+            opt.zero_grad(set_to_none=True)
+            torch.autograd.backward(peer_fwd(), dy)
+            opt.step()
+
+        def fk_step():
+            torch.autograd.backward(ebc(idx, off), dy)
+        yield dict(name=f"embedding_fwd/{label}", bytes=bytes_fwd, fusekit=no_grad(lambda: ebc(idx, off)),
+                   peers={"eager": no_grad(peer_fwd)})
+        yield dict(name=f"embedding_train_sgd/{label}", fusekit=fk_step, peers={"eager": peer_step})
+    for batch, feats, dim in ((32768, 27, 16), (4096, 27, 128)):
+        z = torch.randn(batch, feats, dim, device=dev, generator=g, requires_grad=True)
+        li = torch.tensor([i for i in range(feats) for j in range(i)], device=dev)
+        lj = torch.tensor([j for i in range(feats) for j in range(i)], device=dev)
+
+        def peer(z, li=li, lj=lj):
+            return torch.cat([z[:, 0], torch.bmm(z, z.transpose(1, 2))[:, li, lj]], dim=1)
+        dr = torch.randn(batch, dim + feats * (feats - 1) // 2, device=dev, generator=g)
+        yield dict(name=f"interaction_dot_train/B{batch}_F{feats}_D{dim}", bytes=3 * z.numel() * 4 + 2 * dr.numel() * 4,
+                   fusekit=lambda z=z, dr=dr: torch.autograd.backward(fusekit.interaction(z), dr),
+                   peers={"eager": lambda z=z, dr=dr: torch.autograd.backward(peer(z), dr),
+                          "compile": (compiled(lambda z, dr: torch.autograd.backward(peer(z), dr)), (z, dr))})
+    logits = torch.randn(32768, device=dev, generator=g, requires_grad=True)
+    labels = torch.randint(0, 2, (32768,), device=dev, generator=g).float()
+    yield dict(name="sigmoid_bce_train/B32768",
+               fusekit=lambda: fusekit.sigmoid_bce(logits, labels).backward(),
+               peers={"eager": lambda: F.binary_cross_entropy_with_logits(logits, labels).backward(),
+                      "compile": (compiled(lambda x, y: F.binary_cross_entropy_with_logits(x, y).backward()),
+                                  (logits, labels))})
+
+
+def all_cases():
+    yield from cases()
+    g = torch.Generator(device="cuda").manual_seed(2)
+
+    def randn(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32) * scale).to(dtype)
+    yield from training_cases(randn)
+    yield from recsys_cases(randn)
+
+
 def run(filter_: str):
     ceiling = copy_ceiling()
     results = []
-    for c in cases():
+    for c in all_cases():
         if filter_ and filter_ not in c["name"]:
             continue
         row = {"name": c["name"]}
-        t = timeit(c["fusekit"])
+        time_ = timeit_graphed if c.get("graphed") else timeit
+        t = time_(c["fusekit"])
         row["fusekit_us"] = t * 1e6
         if "bytes" in c:
             row["copy_ceiling_fraction"] = c["bytes"] / t / ceiling
@@ -147,9 +273,9 @@ def run(filter_: str):
             try:
                 if isinstance(fn, tuple):
                     f, args = fn
-                    tp = timeit(lambda f=f, args=args: f(*args))
+                    tp = time_(lambda f=f, args=args: f(*args))
                 else:
-                    tp = timeit(fn)
+                    tp = time_(fn)
                 row[f"{peer}_us"] = tp * 1e6
                 row[f"speedup_vs_{peer}"] = tp / t
             except Exception as e:  # noqa: BLE001
