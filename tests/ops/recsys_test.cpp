@@ -558,6 +558,17 @@ TEST(RecsysErrors, CheckEmbeddingInput) {
   test::expect_arg_error([&] { check_embedding_input(l, idx_bad, off_ok, 2, "op"); }, "op", "indices");
 }
 
+TEST(RecsysInteraction, FusedDotFitsItsSharedMemory) {
+  // 48 KB for 8 samples: 1536 floats a sample. Forward F (D + 4) for D % 4 == 0; backward
+  // F ceil4(F) in registers (F <= 32, D in {8, 16, 32}), else F D + F^2.
+  EXPECT_TRUE(interaction_dot_fused_fits(27, 16));   // DLRM Kaggle: 27 * 20 and 27 * 28
+  EXPECT_TRUE(interaction_dot_fused_fits(27, 32));   // 27 * 36 = 972
+  EXPECT_FALSE(interaction_dot_fused_fits(27, 128)); // forward 27 * 132 = 3564
+  EXPECT_FALSE(interaction_dot_fused_fits(24, 60));  // forward 24 * 64 = 1536 fits; backward 1440 + 576 does not
+  EXPECT_TRUE(interaction_dot_fused_fits(24, 32));   // backward in registers: 24 * 24
+  EXPECT_FALSE(interaction_dot_fused_fits(33, 16));  // forward 660, backward 528 + 1089 = 1617
+}
+
 TEST(RecsysErrors, Interaction) {
   const Tensor z = f32({1, 3, 2}, {1, 2, 3, 4, 5, 6});
   const DotPairs pairs(3, false), pairs4(4, false);

@@ -185,6 +185,10 @@ struct InteractionParams {
   InteractionImpl impl = InteractionImpl::fused;
 };
 
+// Whether the GPU's fused dot interaction takes Z [B, F, D] both ways (each stages a sample in
+// shared memory, 8 samples a block); otherwise impl bmm, with its workspace, runs it.
+bool interaction_dot_fused_fits(std::int64_t features, std::int64_t dim) noexcept;
+
 // I: the columns of R. dot: D + F (F - 1) / 2 (+ F with self_interaction); cat: F D; outer: (F D)^2.
 std::int64_t interaction_size(const InteractionParams& p, std::int64_t features, std::int64_t dim);
 

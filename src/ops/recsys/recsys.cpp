@@ -416,12 +416,26 @@ void check_bmm(const char* op, const TensorView& z, const std::optional<TensorVi
 }
 
 // The dot kernels stage a sample's Z (and S) in shared memory: 8 samples a block, 48 KB at most.
+constexpr std::int64_t kDotSmemFloats = 48 * 1024 / 4 / 8;
+std::int64_t dot_forward_floats(std::int64_t nf, std::int64_t dim) { return nf * (dim % 4 == 0 ? dim + 4 : dim + 1); }
+bool dot_backward_in_registers(std::int64_t nf, std::int64_t dim) {
+  return nf <= 32 && (dim == 8 || dim == 16 || dim == 32);
+}
+std::int64_t dot_backward_floats(std::int64_t nf, std::int64_t dim) {
+  return dot_backward_in_registers(nf, dim) ? nf * ((nf + 3) / 4 * 4) : nf * dim + nf * nf;
+}
+
 [[maybe_unused]] void check_dot_smem(const char* op, std::int64_t floats_per_sample) {
-  FK_CHECK_ARG(floats_per_sample * 4 * 8 <= 48 * 1024, op, "z", "F and D small enough for the GPU dot interaction",
+  FK_CHECK_ARG(floats_per_sample <= kDotSmemFloats, op, "z",
+               "F and D small enough for the GPU dot interaction (interaction_dot_fused_fits; impl bmm otherwise)",
                fmt::format("{} floats of shared memory per sample", floats_per_sample));
 }
 
 }  // namespace
+
+bool interaction_dot_fused_fits(std::int64_t features, std::int64_t dim) noexcept {
+  return dot_forward_floats(features, dim) <= kDotSmemFloats && dot_backward_floats(features, dim) <= kDotSmemFloats;
+}
 
 void interaction_forward(const InteractionForwardArgs& a, const InteractionParams& p, const Stream* stream) {
   constexpr const char* op = "interaction_forward";
@@ -446,7 +460,7 @@ void interaction_forward(const InteractionForwardArgs& a, const InteractionParam
                                  ldr, s);
         break;
       }
-      check_dot_smem(op, nf * (dim % 4 == 0 ? dim + 4 : dim + 1));
+      check_dot_smem(op, dot_forward_floats(nf, dim));
       cuda::interaction_dot_forward(a.z.data_as<float>(), static_cast<const std::uint32_t*>(a.pairs->device_pairs().data()),
                                     static_cast<int>(pairs.size()), static_cast<int>(nf), static_cast<int>(dim), batch,
                                     r, ldr, s);
@@ -491,8 +505,8 @@ void interaction_backward(const InteractionBackwardArgs& a, const InteractionPar
                              static_cast<int>(nf * dim), batch, a.dz.data_as<float>(), s);
         break;
       }
-      const bool reg = nf <= 32 && (dim == 8 || dim == 16 || dim == 32);
-      check_dot_smem(op, reg ? nf * ((nf + 3) / 4 * 4) : nf * dim + nf * nf);
+      const bool reg = dot_backward_in_registers(nf, dim);
+      check_dot_smem(op, dot_backward_floats(nf, dim));
       const auto& pairs = a.pairs->host();
       cuda::interaction_dot_backward(a.z.data_as<float>(), a.dr.data_as<float>(), ldr,
                                      static_cast<const std::uint32_t*>(a.pairs->device_pairs().data()),
