@@ -14,7 +14,7 @@ def bias_act(x: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor
              act: str = "relu", alpha: float = 1.0) -> Tensor:
     """act(x + alpha * residual + bias) over x's last dimension, in one pass (and one back).
     act: identity, relu, sigmoid, tanh, gelu_tanh, gelu_erf, silu."""
-    return ops.call_first("bias_act", x, bias, residual, act, alpha)
+    return ops.call_first("bias_act", x, bias, residual, act, alpha, ops.needs_grad(x, bias, residual))
 
 
 def softmax(x: Tensor) -> Tensor:
@@ -85,7 +85,7 @@ def lora(x: Tensor, w: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor] = No
         raise _C.Error("fk::lora_forward: argument 'w': expected a frozen weight (requires_grad=False): "
                          "fusekit's LoRA computes no gradient for W")
     lead = x.shape[:-1]
-    y = ops.call_first("lora", x.reshape(-1, x.shape[-1]), w, bias, a, b, act, scale)
+    y = ops.call_first("lora", x.reshape(-1, x.shape[-1]), w, bias, a, b, act, scale, ops.needs_grad(x, bias, a, b))
     return y.reshape(*lead, y.shape[-1])
 
 

@@ -185,14 +185,29 @@ def _derivative_from_output(act: str) -> bool:
 # pointwise: y = act(x + alpha * r + b)
 # ---------------------------------------------------------------------------------------------
 
+def needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records a gradient of an op taking these tensors."""
+    if not _grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+def _not_kept(op: str):
+    return _C.Error(f"fk::{op}: argument 'for_backward': expected True when a gradient is recorded "
+                    "(the backward needs what the forward keeps), got False")
+
+
 @_custom_op("bias_act")
-def bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str,
-             alpha: float) -> tuple[Tensor, Tensor]:
+def bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str, alpha: float,
+             for_backward: bool) -> tuple[Tensor, Tensor]:
     """(y, z): y = act(x + alpha * residual + bias) over x's last dimension; z, the pre-activation,
-    when act's derivative needs it (gelu, silu), else an empty tensor."""
+    when for_backward and act's derivative needs it (gelu, silu), else an empty tensor."""
     # (devices are checked by the op: y and z are allocated on x's)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    from_output = act in _FROM_OUTPUT
+    from_output = act in _FROM_OUTPUT or not for_backward
     z = x.new_empty(0) if from_output else torch.empty_like(y)
     _C.bias_act_forward(_d(_rows(x, "bias_act_forward", "x")),
                         None if residual is None else _d(_rows(residual, "bias_act_forward", "r")),
@@ -203,9 +218,9 @@ def bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act:
 
 
 @bias_act.register_fake
-def _(x, bias, residual, act, alpha):
+def _(x, bias, residual, act, alpha, for_backward):
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return y, (torch.empty_like(y) if not _derivative_from_output(act) else x.new_empty(0))
+    return y, (torch.empty_like(y) if for_backward and not _derivative_from_output(act) else x.new_empty(0))
 
 
 @_custom_op("bias_act_backward")
@@ -234,7 +249,9 @@ def _(dy, saved, act, alpha, with_bias, with_residual):
 
 
 def _bias_act_setup(ctx, inputs, output):
-    _, bias, residual, act, alpha = inputs
+    _, bias, residual, act, alpha, for_backward = inputs
+    if not for_backward:
+        raise _not_kept("bias_act_forward")
     ctx.act, ctx.alpha, ctx.with_bias, ctx.with_residual = act, alpha, bias is not None, residual is not None
     ctx.save_for_backward(output[0] if act in _FROM_OUTPUT else output[1])
 
@@ -242,7 +259,7 @@ def _bias_act_setup(ctx, inputs, output):
 def _bias_act_backward(ctx, dy, dz):
     (saved,) = ctx.saved_tensors
     dx, db, dr = _bwd(ctx, "bias_act_backward", dy, saved, ctx.act, ctx.alpha, ctx.with_bias, ctx.with_residual)
-    return dx, (db if ctx.with_bias else None), (dr if ctx.with_residual else None), None, None
+    return dx, (db if ctx.with_bias else None), (dr if ctx.with_residual else None), None, None, None
 
 
 _autograd("bias_act", _bias_act_backward, _bias_act_setup)
@@ -460,25 +477,31 @@ _autograd("glu", _glu_bwd, _glu_setup)
 # lora: y = act(x Wᵀ + b + s (x Aᵀ) Bᵀ), W frozen
 # ---------------------------------------------------------------------------------------------
 
+def _lora_kept(x: Tensor, a: Tensor, act: str, for_backward: bool):
+    """The shapes of (t, z) lora keeps: t [M, r] and, for gelu / silu, z [M, N]; none unless for_backward."""
+    return ((x.shape[0], a.shape[0]) if for_backward else (0,)), for_backward and not _derivative_from_output(act)
+
+
 @_custom_op("lora")
-def lora(x: Tensor, w: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, act: str,
-         scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(y, t, z): y = act(x Wᵀ + bias + t Bᵀ), t = scale x Aᵀ [M, r] (kept for the backward), z the
-    pre-activation for gelu / silu (else empty)."""
+def lora(x: Tensor, w: Tensor, bias: Optional[Tensor], a: Tensor, b: Tensor, act: str, scale: float,
+         for_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, t, z): y = act(x Wᵀ + bias + t Bᵀ); when for_backward, t = scale x Aᵀ [M, r] and, for
+    gelu / silu, z the pre-activation, kept for the backward (else empty tensors)."""
     _same_device("lora_forward", x=x, w=w, bias=bias, a=a, b=b)
     y = x.new_empty((x.shape[0], w.shape[0]))
-    t = x.new_empty((x.shape[0], a.shape[0]))
-    z = torch.empty_like(y) if not _derivative_from_output(act) else x.new_empty(0)
-    _C.lora_forward(_d(x), _d(w), _d(bias), _d(a), _d(b), _d(y), _d(t), None if _derivative_from_output(act) else _d(z),
-                    act, scale, _stream(x))
+    t_shape, with_z = _lora_kept(x, a, act, for_backward)
+    t = x.new_empty(t_shape)
+    z = torch.empty_like(y) if with_z else x.new_empty(0)
+    _C.lora_forward(_d(x), _d(w), _d(bias), _d(a), _d(b), _d(y), _d(t) if for_backward else None,
+                    _d(z) if with_z else None, act, scale, _stream(x))
     return y, t, z
 
 
 @lora.register_fake
-def _(x, w, bias, a, b, act, scale):
+def _(x, w, bias, a, b, act, scale, for_backward):
     y = x.new_empty((x.shape[0], w.shape[0]))
-    return y, x.new_empty((x.shape[0], a.shape[0])), (torch.empty_like(y) if not _derivative_from_output(act)
-                                                       else x.new_empty(0))
+    t_shape, with_z = _lora_kept(x, a, act, for_backward)
+    return y, x.new_empty(t_shape), (torch.empty_like(y) if with_z else x.new_empty(0))
 
 
 @_custom_op("lora_backward")
@@ -500,7 +523,9 @@ def _(dy, saved, x, w, a, b, t, act, scale, with_bias):
 
 
 def _lora_setup(ctx, inputs, output):
-    x, w, bias, a, b, act, scale = inputs
+    x, w, bias, a, b, act, scale, for_backward = inputs
+    if not for_backward:
+        raise _not_kept("lora_forward")
     y, t, z = output
     ctx.act, ctx.scale, ctx.with_bias = act, scale, bias is not None
     ctx.save_for_backward(y if _derivative_from_output(act) else z, x, w, a, b, t)
@@ -509,7 +534,7 @@ def _lora_setup(ctx, inputs, output):
 def _lora_bwd(ctx, dy, dt, dz):
     saved, x, w, a, b, t = ctx.saved_tensors
     dx, da, db, dbias = _bwd(ctx, "lora_backward", dy, saved, x, w, a, b, t, ctx.act, ctx.scale, ctx.with_bias)
-    return dx, None, (dbias if ctx.with_bias else None), da, db, None, None
+    return dx, None, (dbias if ctx.with_bias else None), da, db, None, None, None
 
 
 _autograd("lora", _lora_bwd, _lora_setup)
@@ -758,6 +783,14 @@ def interaction_size(kind: str, self_interaction: bool, features: int, dim: int)
     raise _C.Error(f"fk::interaction_forward: argument 'kind': expected dot, cat or outer, got {kind}")
 
 
+def _interaction_workspace(z: Tensor, kind: str) -> Optional[Tensor]:
+    """[B, F, F] f32 for the batched-GEMM dot interaction, where the fused one's shared memory
+    cannot hold a sample (large F D); None otherwise."""
+    if not z.is_cuda or kind != "dot" or _C.interaction_dot_fused_fits(z.shape[1], z.shape[2]):
+        return None
+    return z.new_empty((z.shape[0], z.shape[1], z.shape[1]))
+
+
 @_custom_op("interaction")
 def interaction(z: Tensor, kind: str, self_interaction: bool) -> Tensor:
     """r [B, I] from z [B, F, D] f32: dot (z[:, 0] then the dot products of the pairs (i, j), j < i
@@ -765,7 +798,7 @@ def interaction(z: Tensor, kind: str, self_interaction: bool) -> Tensor:
     if z.dim() != 3:
         raise _C.Error(f"fk::interaction_forward: argument 'z': expected [B, F, D], got shape {list(z.shape)}")
     r = z.new_empty((z.shape[0], interaction_size(kind, self_interaction, z.shape[1], z.shape[2])))
-    _C.interaction_forward(_d(z), _d(r), kind, self_interaction, None, _stream(z))
+    _C.interaction_forward(_d(z), _d(r), kind, self_interaction, _d(_interaction_workspace(z, kind)), _stream(z))
     return r
 
 
@@ -778,7 +811,8 @@ def _(z, kind, self_interaction):
 def interaction_backward(z: Tensor, dr: Tensor, kind: str, self_interaction: bool) -> Tensor:
     dr = dr.contiguous() if dr.stride(-1) != 1 else dr
     dz = torch.empty_like(z)
-    _C.interaction_backward(_d(z), _d(dr), _d(dz), kind, self_interaction, False, None, _stream(z))
+    _C.interaction_backward(_d(z), _d(dr), _d(dz), kind, self_interaction, False, _d(_interaction_workspace(z, kind)),
+                            _stream(z))
     return dz
 
 

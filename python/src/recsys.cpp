@@ -128,6 +128,7 @@ void bind_recsys(nb::module_& m) {
         return interaction_size(interaction_params(kind, self, false, "interaction_size"), features, dim);
       },
       "kind"_a, "self_interaction"_a, "features"_a, "dim"_a);
+  m.def("interaction_dot_fused_fits", &interaction_dot_fused_fits, "features"_a, "dim"_a);
   m.def(
       "interaction_forward",
       [](const Array& z, const Array& r, const std::string& kind, bool self, const OptArray& workspace,

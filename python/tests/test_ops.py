@@ -134,14 +134,15 @@ def _opcheck_cases(device):
     b = rand((12,), torch.float32, device, 21, True)
     w = rand((8, 12), torch.float32, device, 22, True)
     return [
-        (ops.bias_act, (x, b, None, "relu", 1.0)),
-        (ops.bias_act, (x, b, x.detach().clone().requires_grad_(), "silu", 0.5)),
+        (ops.bias_act, (x, b, None, "relu", 1.0, True)),
+        (ops.bias_act, (x, b, x.detach().clone().requires_grad_(), "silu", 0.5, True)),
+        (ops.bias_act, (x.detach(), b.detach(), None, "gelu_tanh", 1.0, False)),
         (ops.softmax, (x,)),
         (ops.relu_packed, (x,)),
         (ops.glu, (x, w, b[:8].detach().clone().requires_grad_(), "swiglu", False)),
         (ops.pack, (x.detach(), 2, 32, False, 0, 0, torch.bfloat16)),
         (ops.lora, (x, w.detach(), rand((8,), torch.float32, device, 26, True), rand((3, 12), torch.float32, device, 27,
-                    True), rand((8, 3), torch.float32, device, 28, True), "gelu_tanh", 0.5)),
+                    True), rand((8, 3), torch.float32, device, 28, True), "gelu_tanh", 0.5, True)),
         (ops.qgemm, (rand((3, 64), torch.float16, device, 29),
                      *ops.quantize_weights(rand((16, 64), torch.float16, device, 30), 32), 16, 64, 32)),
         (ops.fused_mlp, (rand((9, 12), torch.bfloat16, device, 31), [rand((16, 12), torch.bfloat16, device, 32),
@@ -197,3 +198,23 @@ def test_torch_compile_fullgraph_matches_eager(device):
     eager = m(x)
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(compiled, eager)
+
+
+def test_inference_keeps_nothing_for_a_backward(device):
+    """Without a gradient recorded, bias_act writes no pre-activation and lora no t or z (the
+    device work of the C++ op asked for y alone); asking for less while recording is an error."""
+    x, b = rand((4, 16), torch.float32, device, 50), rand((16,), torch.float32, device, 51)
+    y, z = ops.bias_act(x, b, None, "gelu_tanh", 1.0, False)
+    assert z.numel() == 0
+    torch.testing.assert_close(y, F.gelu(x + b, approximate="tanh"))
+    w, a, bb = (rand((8, 16), torch.float32, device, 52), rand((2, 16), torch.float32, device, 53),
+                rand((8, 2), torch.float32, device, 54))
+    y, t, z = ops.lora(x, w, None, a, bb, "silu", 0.5, False)
+    assert t.numel() == 0 and z.numel() == 0
+    torch.testing.assert_close(y, F.silu(x @ w.t() + 0.5 * (x @ a.t()) @ bb.t()), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert fusekit.bias_act(x.requires_grad_(), b, act="gelu_tanh").requires_grad is False
+    with pytest.raises(fusekit.Error, match="argument 'for_backward'"):
+        ops.bias_act(x, b, None, "gelu_tanh", 1.0, False)
+    with pytest.raises(fusekit.Error, match="argument 'for_backward'"):
+        ops.lora(x, w, None, a.requires_grad_(), bb, "relu", 0.5, False)

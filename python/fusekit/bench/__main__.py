@@ -143,7 +143,7 @@ def cases():
         s = 2.0
         peer = lambda x, w, a, b: x @ w.t() + s * ((x @ a.t()) @ b.t())  # noqa: E731
         yield dict(name=f"lora_fwd/M{m}_K{k}_N{n}_r{r}/bf16", flops=2 * m * k * n + 2 * m * r * (k + n),
-                   fusekit=lambda x=x, w=w, a=a, b=b: ops.call("lora", x, w, None, a, b, "identity", s)[0],
+                   fusekit=lambda x=x, w=w, a=a, b=b: fusekit.lora(x, w, a, b, scale=s),
                    peers={"eager": lambda x=x, w=w, a=a, b=b: peer(x, w, a, b),
                           "compile": (compiled(peer), (x, w, a, b))})
 
