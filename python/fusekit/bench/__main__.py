@@ -154,7 +154,9 @@ KAGGLE_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683
 
 
 def training_cases(randn):
-    """A forward and backward as a training step runs them (gradients of every trainable input)."""
+    """A forward and backward as a training step runs them (gradients of every trainable input).
+    flops: the GEMMs' (LoRA: x Wᵀ and dy W, W frozen; SwiGLU: forward, dx and dW, not the
+    backward's recompute of x Wᵀ)."""
     # LoRA: W frozen; dispatch picks the unfused gradient pass where the fused one loses (r > 16).
     for m, k, n, r in ((8192, 4096, 4096, 16), (8192, 4096, 4096, 64), (2048, 4096, 4096, 64)):
         x, w = randn(m, k).requires_grad_(), randn(n, k, scale=k ** -0.5)
@@ -166,7 +168,7 @@ def training_cases(randn):
 
         def fk(x=x, w=w, a=a, b=b, dy=dy):
             torch.autograd.backward(fusekit.lora(x, w, a, b, scale=s, act="relu"), dy)
-        yield dict(name=f"lora_train/M{m}_K{k}_N{n}_r{r}/bf16", flops=3 * 2 * m * k * n, fusekit=fk,
+        yield dict(name=f"lora_train/M{m}_K{k}_N{n}_r{r}/bf16", flops=2 * 2 * m * k * n, fusekit=fk,
                    peers={"eager": lambda x=x, w=w, a=a, b=b, dy=dy: peer(x, w, a, b, dy),
                           "compile": (compiled(peer), (x, w, a, b, dy))})
     # SwiGLU up-projection, forward and backward
