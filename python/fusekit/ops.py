@@ -94,43 +94,45 @@ def _bwd(ctx, name: str, *args):
     return getattr(torch.ops.fusekit, name).default(*args)
 
 
+_REGISTERED, _WITH_GRAD, _PLAIN_CALL = 0, 1, 2
+
+
+def _route(args) -> int:
+    """How call() runs an op on these arguments (a plain loop: this runs on every call, and
+    generator expressions cost microseconds)."""
+    grad = False
+    for a in args:
+        if isinstance(a, Tensor):
+            if type(a) not in _PLAIN:
+                return _REGISTERED  # a tensor subclass
+            if a.requires_grad:
+                grad = True
+    if _is_compiling():
+        return _REGISTERED  # traced with its fake
+    return _WITH_GRAD if grad and _grad_enabled() else _PLAIN_CALL
+
+
 def call(name: str, *args):
     """Runs op `name` as torch.ops.fusekit.<name> would, by the cheapest way that records what is
     needed: under torch.compile, the registered op (traced with its fake); in eager mode, the
     implementation itself, inside an autograd.Function when a gradient is to be recorded (the
     dispatcher's round trips through Python cost more than a small kernel runs)."""
-    grad = False
-    for a in args:  # a plain loop: this runs on every call, and generator expressions cost microseconds
-        if isinstance(a, Tensor):
-            if type(a) not in _PLAIN:
-                return getattr(torch.ops.fusekit, name).default(*args)  # a tensor subclass
-            if a.requires_grad:
-                grad = True
-    if _is_compiling():
-        return getattr(torch.ops.fusekit, name).default(*args)  # traced with its fake
-    if grad and _grad_enabled():
-        if name in _AUTOGRAD:
-            return _Eager.apply(name, *args)
-        return getattr(torch.ops.fusekit, name).default(*args)  # no rule: torch says so at backward
-    return _RAW[name](*args)
+    route = _route(args)
+    if route == _PLAIN_CALL:
+        return _RAW[name](*args)
+    if route == _WITH_GRAD and name in _AUTOGRAD:
+        return _Eager.apply(name, *args)
+    return getattr(torch.ops.fusekit, name).default(*args)  # without a rule: torch says so at backward
 
 
 def call_first(name: str, *args):
     """call(name, *args)[0], for an op with several outputs of which the caller keeps the first."""
-    grad = False
-    for a in args:
-        if isinstance(a, Tensor):
-            if type(a) not in _PLAIN:
-                return getattr(torch.ops.fusekit, name).default(*args)[0]
-            if a.requires_grad:
-                grad = True
-    if _is_compiling():
-        return getattr(torch.ops.fusekit, name).default(*args)[0]
-    if grad and _grad_enabled():
-        if name in _AUTOGRAD:
-            return _EagerFirst.apply(name, *args)
-        return getattr(torch.ops.fusekit, name).default(*args)[0]
-    return _RAW[name](*args)[0]
+    route = _route(args)
+    if route == _PLAIN_CALL:
+        return _RAW[name](*args)[0]
+    if route == _WITH_GRAD and name in _AUTOGRAD:
+        return _EagerFirst.apply(name, *args)
+    return getattr(torch.ops.fusekit, name).default(*args)[0]
 
 
 def _rows(t: Tensor, op: str, arg: str) -> Tensor:
