@@ -109,6 +109,9 @@ def check_bags(indices: Tensor, offsets: Tensor, table_rows: list, *, op: str = 
         if t.dtype != torch.int64 or t.dim() != 1:
             raise _C.Error(f"fk::{op}: argument '{name}': expected a 1-D int64 tensor, got {t.dtype} "
                            f"of shape {list(t.shape)}")
+    if offsets.device != indices.device:
+        raise _C.Error(f"fk::{op}: argument 'offsets': expected a tensor on {indices.device} (as indices), "
+                       f"got {offsets.device}")
     if offsets.numel() < 1 or (offsets.numel() - 1) % tables:
         raise _C.Error(f"fk::{op}: argument 'offsets': expected T * B + 1 values for T = {tables} tables, "
                        f"got {offsets.numel()}")

@@ -768,6 +768,7 @@ _autograd("embedding_bag", _embedding_bag_bwd, _embedding_bag_setup)
 def dense_optimizer_update_(param: Tensor, grad: Tensor, state: Optional[Tensor], adagrad: bool, lr: float,
                             eps: float) -> None:
     """One SGD or Adagrad step over a whole f32 parameter, in place (state: Adagrad's sum of squares)."""
+    _same_device("dense_optimizer_update", param=param, grad=grad, state=state)
     _C.dense_optimizer_update(_d(param), _d(grad), _d(state), adagrad, lr, eps, _stream(param))
     for t in (param, state):
         if t is not None:

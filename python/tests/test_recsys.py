@@ -268,3 +268,17 @@ def test_compiled_fused_optimizer_steps_as_eager_does(device):
 
     for have, want in zip(train(True), train(False)):
         assert torch.equal(have, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_host_tensor_with_device_tables_is_an_error_naming_it():
+    ebc = fnn.EmbeddingBagCollection([4, 6], 4, device="cuda")
+    idx, off = torch.tensor([0, 1, 1, 2]), torch.tensor([0, 1, 2, 3, 4])
+    with pytest.raises(fusekit.Error, match="argument 'indices'"):
+        ebc(idx, off.cuda())
+    with pytest.raises(fusekit.Error, match="argument 'offsets'"):
+        ebc(idx.cuda(), off)
+    with pytest.raises(fusekit.Error, match="argument 'labels'"):
+        fusekit.sigmoid_bce(torch.zeros(3, device="cuda"), torch.zeros(3))
+    with pytest.raises(fusekit.Error, match="argument 'grad'"):
+        fusekit.dense_optimizer_update_(torch.zeros(3, device="cuda"), torch.zeros(3), lr=0.1)

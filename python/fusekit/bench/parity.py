@@ -13,7 +13,9 @@ GPU, a CUDA event pair around each call; call k takes input set k mod rot, rot b
 Context::rotations_for (the sets span 4x L2: inputs come from HBM). The figure is the median
 per-call time. A batch whose spin ended before it was all enqueued (the GPU may have waited on the
 host) is redone with a longer spin, counted in late_batches. Before timing, each case's call is
-checked once: outputs shaped right and finite, and close to a float64 PyTorch reference.
+checked once: outputs shaped right and finite, and close to a float64 PyTorch reference; and one
+call runs under torch.profiler, which lists its device activities: any that is PyTorch's own (an
+ATen kernel or a copy) is device work the door added, reported as torch_device_work.
 
     fusekit bench --json-dir DIR
     python -m fusekit.bench.parity --cpp-json DIR --out DIR [--filter SUBSTRING]
@@ -495,12 +497,32 @@ def load_cpp(path: str) -> dict:
     return recs
 
 
+# Device work that is PyTorch's, not a fusekit op's: an ATen kernel or a copy. (Memsets are not
+# counted: fusekit's ops issue their own, e.g. LoRA's tile counters and the embedding backward's.)
+_FOREIGN = ("at::", "Memcpy", "memcpy")
+
+
+def device_work(run) -> tuple[list, list]:
+    """(every device activity of one call, those that are PyTorch's own), by torch.profiler: the
+    Python door adds no device work when the second list is empty."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(0)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return names, sorted({n for n in names if any(f in n for f in _FOREIGN)})
+
+
 def measure(spec: Spec, timer: Timer, cpp: dict, device: str, cpp_dir: str) -> dict:
     """One case: build, check, time, and set against the C++ record."""
     row = {"family": spec.family, "cpp_case": spec.case, "cpp_impl": spec.impl, "python_call": spec.call}
     built = spec.build()
     row["check"] = {k: {"rel_err": e, "bound": b} for k, (e, b) in built.check().items()}
     row["check_ok"] = all(c["rel_err"] <= c["bound"] for c in row["check"].values())
+    names, foreign = device_work(built.run)
+    row["device_activities"], row["torch_device_work"] = len(names), [n[:160] for n in foreign]
     row["torch_median_us"], info = timer.median_us(built.run, built.rot)
     row.update(info)
     notes, rec = [built.note] if built.note else [], cpp.get((spec.family, spec.case, spec.impl))
@@ -561,6 +583,8 @@ def main(argv=None) -> int:
                 line = f"cpp {cpp_us} us  torch {row['torch_median_us']:10.2f} us"
                 if "ratio" in row:
                     line += f"  ratio {row['ratio']:.3f}  {'ok' if row['within_3pct'] else 'OUTSIDE 3%'}"
+                line += f"  kernels {row['device_activities']}"
+                line += f"  TORCH WORK {row['torch_device_work']}" if row["torch_device_work"] else ""
                 line += "" if row["check_ok"] else "  CHECK FAILED " + json.dumps(row["check"])
             print(f"{key:<56} {line}", flush=True)
             doc["results"].append(row)
