@@ -76,6 +76,9 @@ TensorView::TensorView(void* data, DType dtype, Dims shape, Dims strides, Device
 }
 
 bool TensorView::is_contiguous() const noexcept {
+  // An empty tensor's strides address nothing (PyTorch hands out [4, 0] with strides [1, 1]).
+  for (int i = 0; i < rank(); ++i)
+    if (shape_[i] == 0) return true;
   std::int64_t expected = 1;
   for (int i = rank() - 1; i >= 0; --i) {
     if (shape_[i] != 1 && strides_[i] != expected) return false;

@@ -15,6 +15,9 @@ TEST(Tensor, ShapeStridesAndContiguity) {
   EXPECT_EQ(t.view().str(), "bf16[2, 3, 4] on cpu");
   const TensorView transposed(t.data(), DType::bf16, {3, 2}, {1, 3}, Device::cpu());
   EXPECT_FALSE(transposed.is_contiguous());
+  // Empty: any strides (as PyTorch's [4, 0] with strides [1, 1]); size-1 dims: any stride.
+  EXPECT_TRUE(TensorView(nullptr, DType::f32, {4, 0}, {1, 1}, Device::cpu()).is_contiguous());
+  EXPECT_TRUE(TensorView(t.data(), DType::bf16, {1, 3}, {7, 1}, Device::cpu()).is_contiguous());
   EXPECT_EQ(t.size(-1), 4);
 }
 
