@@ -26,8 +26,9 @@ if _torch is not None:
         _C.set_memory_source(_torch._C._cuda_cudaCachingAllocator_raw_alloc,
                              _torch._C._cuda_cudaCachingAllocator_raw_delete)
     from . import ops  # noqa: F401  (registers torch.ops.fusekit.*)
-    from .functional import (attention, bias_act, check_bags, dense_optimizer_update_, embedding_bags,  # noqa: F401
-                             glu, interaction, lora, pack, relu_packed, sigmoid_bce, softmax, unpack,
+    from .functional import (attention, batched_matmul, bias_act, broadcast_binary, check_bags,  # noqa: F401
+                             conv2d, convert, dense_optimizer_update_, embedding_bags, glu, interaction, lora,
+                             outer, pack, relu_packed, row_sum, sigmoid_bce, softmax, unpack,
                              weight_grad_from_packed)
 
 __all__ = ["Error", "build_info", "cuda_device_count"]

@@ -22,6 +22,39 @@ def softmax(x: Tensor) -> Tensor:
     return ops.call("softmax", x)
 
 
+def broadcast_binary(x: Tensor, y: Tensor, op: str = "add") -> Tensor:
+    """f(x, y) with NumPy broadcasting: op add, mul or mul_relu (relu(x * y) in one pass)."""
+    return ops.call("broadcast_binary", x, y, op)
+
+
+def outer(x: Tensor, y: Tensor, op: str = "add") -> Tensor:
+    """z [N1, N0], z[i, j] = f(x[j], y[i]) for x [N0], y [N1] (the puzzles' outer ops)."""
+    return ops.call("broadcast_binary", x.view(1, -1), y.view(-1, 1), op)
+
+
+def row_sum(x: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """The sum over the last dimension, accumulated in fp32 in a fixed order; dtype f32 or x's
+    (the default)."""
+    return ops.call("row_sum", x, x.dtype if dtype is None else dtype)
+
+
+def conv2d(x: Tensor, w: Tensor, padding: str = "valid") -> Tensor:
+    """F.conv2d(x, w) with stride 1 and no bias, NCHW; padding valid, same, or same_end (all the
+    padding after: the puzzle's). Forward only."""
+    return ops.call("conv2d", x, w, padding)
+
+
+def batched_matmul(a: Tensor, b: Tensor, *, impl: str = "cublas", out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """torch.bmm(a, b) with fp32 accumulation; impl cublas or cute (fusekit's tensor-core kernel).
+    Forward only."""
+    return ops.call("batched_matmul", a, b, impl, a.dtype if out_dtype is None else out_dtype)
+
+
+def convert(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x.to(dtype) between f32, bf16 and f16 (round to nearest even), x contiguous."""
+    return ops.call("convert", x, dtype)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
               return_lse: bool = False):
     """softmax(scale q kᵀ) v, q [B, H, Sq, D], k, v [B, H, Sk, D] (scale defaults to 1/sqrt(D)),

@@ -128,7 +128,57 @@ void bind_pointwise(nb::module_& m) {
       "src"_a, "dst"_a, "stream"_a, kNoGil);
 }
 
+BinaryOp parse_binary_op(const std::string& s, const char* op) {
+  for (const BinaryOp b : {BinaryOp::add, BinaryOp::mul, BinaryOp::mul_relu})
+    if (s == binary_op_name(b)) return b;
+  throw Error(op, "op", "add, mul or mul_relu", s);
+}
+
+Conv2dPadding parse_padding(const std::string& s) {
+  for (const Conv2dPadding p : {Conv2dPadding::valid, Conv2dPadding::same, Conv2dPadding::same_end})
+    if (s == conv2d_padding_name(p)) return p;
+  throw Error("conv2d", "padding", "valid, same or same_end", s);
+}
+
 void bind_primitives(nb::module_& m) {
+  m.def(
+      "broadcast_binary",
+      [](const std::string& op, const Array& x, const Array& y, const Array& z, std::uintptr_t stream) {
+        constexpr const char* name = "broadcast_binary";
+        const TensorView xv = view(x, name, "x");
+        broadcast_binary(parse_binary_op(op, name), xv, view(y, name, "y"), view(z, name, "z"),
+                         StreamArg(stream, xv).get());
+      },
+      "op"_a, "x"_a, "y"_a, "z"_a, "stream"_a, kNoGil);
+  m.def(
+      "broadcast_binary_backward",
+      [](const std::string& op, const Array& x, const Array& y, const Array& dz, const OptArray& dx,
+         const OptArray& dy, std::uintptr_t stream) {
+        constexpr const char* name = "broadcast_binary_backward";
+        const TensorView xv = view(x, name, "x");
+        broadcast_binary_backward(parse_binary_op(op, name), xv, view(y, name, "y"), view(dz, name, "dz"),
+                                  view(dx, name, "dx"), view(dy, name, "dy"), StreamArg(stream, xv).get());
+      },
+      "op"_a, "x"_a, "y"_a, "dz"_a, "dx"_a.none(), "dy"_a.none(), "stream"_a, kNoGil);
+  m.def(
+      "conv2d",
+      [](const Array& x, const Array& w, const Array& y, const std::string& padding, std::uintptr_t stream) {
+        const TensorView xv = view(x, "conv2d", "x");
+        conv2d(xv, view(w, "conv2d", "w"), view(y, "conv2d", "y"), parse_padding(padding),
+               StreamArg(stream, xv).get());
+      },
+      "x"_a, "w"_a, "y"_a, "padding"_a, "stream"_a, kNoGil);
+  m.def(
+      "batched_matmul",
+      [](const Array& a, const Array& b, const Array& c, const std::string& impl, std::uintptr_t stream) {
+        constexpr const char* name = "batched_matmul";
+        const TensorView av = view(a, name, "a");
+        BatchedMatmulImpl i = BatchedMatmulImpl::cublas;
+        if (impl == "cute") i = BatchedMatmulImpl::cute;
+        else if (impl != "cublas") throw Error(name, "impl", "cublas or cute", impl);
+        batched_matmul(av, view(b, name, "b"), view(c, name, "c"), i, StreamArg(stream, av).get());
+      },
+      "a"_a, "b"_a, "c"_a, "impl"_a, "stream"_a, kNoGil);
   m.def(
       "softmax",
       [](const Array& x, const Array& y, std::uintptr_t stream) {
