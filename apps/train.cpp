@@ -19,6 +19,7 @@
 #include "apps/output_file.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/data/criteo.hpp"
+#include "fusekit/data/vocabulary.hpp"
 #include "fusekit/fusekit.hpp"
 #include "fusekit/models/dlrm.hpp"
 #include "fusekit/models/metrics.hpp"
@@ -49,6 +50,24 @@ struct Split {
   std::string description;
 };
 
+// The records of a Criteo TSV (.gz) or fusekit binary file, and what they are.
+std::shared_ptr<data::RecordSource> open_file(const std::string& path, bool strict, std::string& description) {
+  if (data::is_binary_file(path)) {
+    description = fmt::format("{} (fusekit binary): ", path);
+    return data::binary_source(path);
+  }
+  data::ReadReport report;
+  std::vector<data::RawRecord> records = data::read_tsv(path, {.strict = strict}, report);
+  fmt::print("data: {}: {}\n", path, report.summary());
+  description = fmt::format("{} (Criteo TSV): ", path);
+  return data::memory_source(std::move(records));
+}
+
+// Records [0, n - test) train and the last `test` records test: test = floor(n * fraction).
+std::int64_t test_records(std::int64_t n, double fraction) {
+  return static_cast<std::int64_t>(std::floor(static_cast<double>(n) * fraction));
+}
+
 Split load_data(const TrainConfig& c) {
   Split s;
   if (c.data == "synthetic") {
@@ -65,19 +84,9 @@ Split load_data(const TrainConfig& c) {
                                 sc.zipf_exponent, c.train_samples, c.test_samples);
     return s;
   }
-  std::shared_ptr<data::RecordSource> all;
-  if (data::is_binary_file(c.data)) {
-    all = data::binary_source(c.data);
-    s.description = fmt::format("{} (fusekit binary): ", c.data);
-  } else {
-    data::ReadReport report;
-    std::vector<data::RawRecord> records = data::read_tsv(c.data, {.strict = c.strict_data}, report);
-    fmt::print("data: {}: {}\n", c.data, report.summary());
-    all = data::memory_source(std::move(records));
-    s.description = fmt::format("{} (Criteo TSV): ", c.data);
-  }
+  const std::shared_ptr<data::RecordSource> all = open_file(c.data, c.strict_data, s.description);
   const std::int64_t n = all->size();
-  const std::int64_t n_test = static_cast<std::int64_t>(std::floor(static_cast<double>(n) * c.test_fraction));
+  const std::int64_t n_test = test_records(n, c.test_fraction);
   FK_CHECK_ARG(n - n_test >= 1, "fusekit train", "data", "at least one training record", fmt::format("{} records", n));
   FK_CHECK_ARG(n_test >= 1, "fusekit train", "training.test_fraction (--test-fraction)",
                "a test split of at least one record", fmt::format("{} of {} records", n_test, n));
@@ -194,10 +203,19 @@ int run_train(const TrainFlags& flags) {
   const Split split = load_data(c);
   const auto t_init = clock::now();
   models::Dlrm model(mc, device, impl);
-  fmt::print("fusekit train: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows, hash {}, max_ind_range {}), "
+  const std::string ids =
+      feat.vocabulary ? fmt::format("vocabulary {} (max_ind_range {}, min_count {}, fingerprint {:08x})", c.vocabulary,
+                                    feat.vocabulary->options().max_ind_range, feat.vocabulary->options().min_count,
+                                    feat.vocabulary->fingerprint())
+                      : fmt::format("hash {}, max_ind_range {}", c.data_hash, c.max_ind_range);
+  if (feat.vocabulary && (c.data_hash != "seed" || c.max_ind_range != TrainConfig{}.max_ind_range))
+    fmt::print("fusekit train: warning: with --vocabulary, --data-hash {} and --max-ind-range {} have no effect (the "
+               "vocabulary's ids and max_ind_range apply)\n",
+               c.data_hash, c.max_ind_range);
+  fmt::print("fusekit train: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows, {}), "
              "{:.1f}M parameters ({:.0f} MB), {} lr {} batch {}, device {}, impl {}{}\n",
              c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,
-             mc.table_rows.size(), rows, c.data_hash, c.max_ind_range, static_cast<double>(mc.parameter_count()) / 1e6,
+             mc.table_rows.size(), rows, ids, static_cast<double>(mc.parameter_count()) / 1e6,
              static_cast<double>(mc.parameter_count()) * 4 / 1e6, c.optimizer, c.learning_rate, c.mini_batch_size,
              device.str(), models::impl_name(impl), device.is_cuda() ? " (fp32 parameters, TF32 MLP GEMMs)" : "");
   fmt::print("data: {}\n", split.description);
@@ -434,6 +452,18 @@ CLI::App* add_data_command(CLI::App& app, DataFlags& f) {
   convert->add_option("in", f.in, "Criteo TSV file, plain or gzip")->required()->check(CLI::ExistingFile);
   convert->add_option("out", f.out, "Binary output file")->required();
   convert->add_flag("--strict", f.strict, "Stop at the first malformed line");
+  CLI::App* vocab = cmd->add_subcommand(
+      "vocab", "Build the categorical features' vocabulary (raw value -> dense id) from a file's training records");
+  vocab->add_option("in", f.in, "Criteo TSV (.gz) or fusekit binary file")->required()->check(CLI::ExistingFile);
+  vocab->add_option("--out", f.out, "Vocabulary file to write (for fusekit train --vocabulary)")->required();
+  vocab->add_option("--test-fraction", f.test_fraction,
+                    "The last fraction of the records is the test set, left out of the counts (as fusekit train)")
+      ->check(CLI::Range(0.0, 1.0));
+  vocab->add_option("--max-ind-range", f.max_ind_range, "> 0: raw values modulo this before the vocabulary")
+      ->check(CLI::NonNegativeNumber);
+  vocab->add_option("--min-count", f.min_count, "Values seen fewer times share the unknown id 0")
+      ->check(CLI::PositiveNumber);
+  vocab->add_flag("--strict", f.strict, "Stop at the first malformed line");
   return cmd;
 }
 
@@ -463,6 +493,29 @@ int run_data(CLI::App& data_cmd, const DataFlags& f) {
     writer.close();
     fmt::print("data: wrote {} synthetic samples (seed {}) to {} ({})\n", f.rows, f.seed, f.out,
                binary ? "fusekit binary" : "Criteo TSV");
+    return 0;
+  }
+  if (*data_cmd.get_subcommand("vocab")) {
+    std::string description;
+    const std::shared_ptr<data::RecordSource> all = open_file(f.in, f.strict, description);
+    const std::int64_t n_train = all->size() - test_records(all->size(), f.test_fraction);
+    const data::VocabularyOptions options{.max_ind_range = f.max_ind_range, .min_count = f.min_count};
+    // Chunks of 1M records, each counted with the features split among every core.
+    const int threads = static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 26));
+    data::VocabularyCounter counter(options);
+    std::vector<data::RawRecord> chunk(std::size_t{1} << 20);
+    for (std::int64_t b = 0; b < n_train; b += std::ssize(chunk)) {
+      const auto part = std::span(chunk).first(static_cast<std::size_t>(std::min(std::ssize(chunk), n_train - b)));
+      all->read(b, part);
+      counter.add(part, threads);
+    }
+    const data::Vocabulary v = data::Vocabulary::build(counter);
+    v.save(f.out);
+    std::int64_t rows = 0;
+    for (const std::int64_t r : v.table_rows()) rows += r;
+    fmt::print("data: {}{} training records counted (max_ind_range {}, min_count {}): {} table rows in all, "
+               "fingerprint {:08x}; wrote {}\n",
+               description, n_train, f.max_ind_range, f.min_count, rows, v.fingerprint(), f.out);
     return 0;
   }
   const data::ReadReport report = data::convert_tsv_to_binary(f.in, f.out, {.strict = f.strict});

@@ -38,8 +38,12 @@ struct DataFlags {
   std::int64_t rows = 100000;
   std::uint64_t seed = 2024;
   bool strict = false;
+  double test_fraction = 0.1;       // vocab: as fusekit train's
+  std::int64_t max_ind_range = 0;   // vocab
+  std::int64_t min_count = 1;       // vocab
 };
-// `fusekit data synth --rows N --out FILE.tsv` and `fusekit data convert IN.tsv[.gz] OUT.bin`.
+// `fusekit data synth --rows N --out FILE.tsv`, `fusekit data convert IN.tsv[.gz] OUT.bin` and
+// `fusekit data vocab IN --out VOCAB [--max-ind-range R] [--min-count T]`.
 CLI::App* add_data_command(CLI::App& app, DataFlags& flags);
 int run_data(CLI::App& data_cmd, const DataFlags& flags);
 

@@ -13,6 +13,7 @@
 #include "fusekit/core/device.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/data/criteo.hpp"
+#include "fusekit/data/vocabulary.hpp"
 #include "fusekit/models/dlrm.hpp"
 
 namespace fk::app {
@@ -119,6 +120,10 @@ const std::vector<Setting>& train_settings() {
        "--max-ind-range",                 "Cap on rows per table (0: the full cardinalities)"},
       {"data.hash",                        &C::data_hash,                  parsed_by(parse_hash_mode),
        "--data-hash",                     "seed: (v + 1) % rows; reference: v % rows"},
+      {"data.vocabulary",                  &C::vocabulary,                 {},
+       "--vocabulary",                    "A vocabulary file (fusekit data vocab): each categorical value becomes "
+                                          "its dense id, the tables sized by it (data.max_ind_range and data.hash "
+                                          "then have no effect)"},
       {"data.train_samples",               &C::train_samples,              at_least(1),
        "--train-samples",                 "Synthetic data: training samples per epoch"},
       {"data.test_samples",                &C::test_samples,               at_least(0),
@@ -335,6 +340,12 @@ data::Featurizer make_featurizer(const TrainConfig& c) {
   feat.validate();
   feat.max_ind_range = c.max_ind_range;
   feat.hash = data::parse_hash_mode(c.data_hash);
+  if (!c.vocabulary.empty()) {
+    feat.vocabulary = std::make_shared<const data::Vocabulary>(data::Vocabulary::load(c.vocabulary));
+    feat.hash = data::HashMode::reference;  // the identity on ids
+    feat.max_ind_range = feat.vocabulary->options().max_ind_range;
+  }
+  feat.validate();
   return feat;
 }
 

@@ -36,6 +36,7 @@ struct TrainConfig {
   std::vector<std::int64_t> cardinalities;  // empty: the Kaggle ones
   std::int64_t max_ind_range = 100000;      // cap on table rows (0: none). See docs/dlrm.md.
   std::string data_hash = "seed";           // "seed": (v + 1) % rows, "reference": v % rows
+  std::string vocabulary;                   // a vocabulary file: dense ids, tables sized by it
   std::int64_t train_samples = 1 << 18;     // synthetic data
   std::int64_t test_samples = 1 << 15;      // synthetic data
   std::uint64_t data_seed = 2024;           // synthetic data

@@ -1,7 +1,7 @@
-// Writes the fuzz targets' generated seed corpus into OUT/{tsv,binary,checkpoint}: files made by
-// fusekit's own writers (synthetic TSV records plain and gzip-compressed, binary files of both
-// versions and several block sizes, checkpoints of both formats of the checkpoint target's
-// model). The hand-written edge cases are committed under fuzz/corpus/.
+// Writes the fuzz targets' generated seed corpus into OUT/{tsv,binary,checkpoint,vocabulary}:
+// files made by fusekit's own writers (synthetic TSV records plain and gzip-compressed, binary
+// files of both versions and several block sizes, checkpoints of both formats of the checkpoint
+// target's model, vocabularies of the synthetic records). The hand-written edge cases are committed under fuzz/corpus/.
 //
 //   fuzz_make_seeds OUT criteo_malformed.tsv
 #include <zlib.h>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "apps/checkpoint.hpp"
+#include "fusekit/data/vocabulary.hpp"
 #include "fusekit/data/criteo.hpp"
 #include "fuzz_util.hpp"
 
@@ -51,7 +52,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path out = argv[1];
-  for (const char* d : {"tsv", "binary", "checkpoint"}) fs::create_directories(out / d);
+  for (const char* d : {"tsv", "binary", "checkpoint", "vocabulary"}) fs::create_directories(out / d);
 
   data::SyntheticConfig sc;
   sc.seed = 7;
@@ -64,6 +65,15 @@ int main(int argc, char** argv) {
   gzip(out / "tsv/malformed.tsv", out / "tsv/malformed.tsv.gz");
   gzip(out / "tsv/synthetic.tsv", out / "tsv/synthetic.tsv.gz");
   gzip(out / "tsv/synthetic.tsv", out / "tsv/synthetic_cut.tsv.gz", 300);
+
+  // Vocabularies of the records: every value, a threshold of 2, values folded by a range of 100.
+  for (const data::VocabularyOptions o : {data::VocabularyOptions{0, 1}, data::VocabularyOptions{0, 2},
+                                          data::VocabularyOptions{100, 1}}) {
+    data::VocabularyCounter c(o);
+    c.add(recs);
+    data::Vocabulary::build(c).save(out / "vocabulary" /
+                                    ("r" + std::to_string(o.max_ind_range) + "_t" + std::to_string(o.min_count) + ".fkv"));
+  }
 
   // Binary: version 2 as written, with 5-record and 1-record blocks, and version 1.
   data::write_binary(out / "binary/v2.bin", std::span(recs).first(10));

@@ -1,5 +1,6 @@
 // Criteo TSV reading and writing, the featurizer (hash and dense transform), the binary format.
 #include "fusekit/data/criteo.hpp"
+#include "fusekit/data/vocabulary.hpp"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -37,9 +38,12 @@ void Featurizer::validate() const {
   for (std::size_t t = 0; t < cardinalities.size(); ++t)
     FK_CHECK_ARG(cardinalities[t] >= 1, "data::Featurizer", "cardinalities", "sizes >= 1",
                  fmt::format("{} for table {}", cardinalities[t], t));
+  FK_CHECK_ARG(!vocabulary || hash == HashMode::reference, "data::Featurizer", "hash",
+               "reference with a vocabulary (ids pass through v % rows unchanged)", std::string(hash_mode_name(hash)));
 }
 
 std::int64_t Featurizer::rows(int table) const {
+  if (vocabulary) return vocabulary->rows(table);
   const std::int64_t c = cardinalities.at(static_cast<std::size_t>(table));
   return max_ind_range > 0 ? std::min(c, max_ind_range) : c;
 }
@@ -51,6 +55,7 @@ std::vector<std::int64_t> Featurizer::table_rows() const {
 }
 
 std::int64_t Featurizer::hash_index(int table, std::uint32_t v) const {
+  if (vocabulary) return vocabulary->id(table, v);
   return reference::hash_row(v, rows(table), hash);
 }
 

@@ -49,8 +49,9 @@ void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer
     labels[i] = static_cast<float>(r.label);
     for (int j = 0; j < kNumDense; ++j) dense[i * kNumDense + j] = Featurizer::dense_transform(r.dense[j]);
     for (int t = 0; t < kNumSparse; ++t) {
-      raw[t * b + i] = r.sparse[t];
       idx[t * b + i] = featurizer.hash_index(t, r.sparse[t]);
+      // With a vocabulary the id itself, which the reference hash v % rows leaves unchanged.
+      raw[t * b + i] = featurizer.vocabulary ? static_cast<std::uint32_t>(idx[t * b + i]) : r.sparse[t];
     }
   }
   for (std::int64_t k = 0; k <= kNumSparse * b; ++k) off[k] = k;

@@ -56,15 +56,22 @@ using HashMode = RowHash;
 HashMode parse_hash_mode(std::string_view name);  // "seed" | "reference"
 std::string_view hash_mode_name(HashMode m);
 
-// How raw values become model input (see the file comment).
+class Vocabulary;  // vocabulary.hpp
+
+// How raw values become model input (see the file comment). With a vocabulary, sparse[t] is the
+// value's id in it instead (vocabulary.hpp) and the tables have its sizes; the hash must then be
+// reference, under which the raw path's in-kernel v % rows passes the ids (written to
+// raw_sparse too) through unchanged.
 struct Featurizer {
   std::vector<std::int64_t> cardinalities = {kKaggleCardinalities.begin(), kKaggleCardinalities.end()};
   std::int64_t max_ind_range = 0;  // <= 0: tables as large as the cardinalities
   HashMode hash = HashMode::seed;
+  std::shared_ptr<const Vocabulary> vocabulary;  // when set: ids and table sizes from it
 
-  // Throws fk::Error unless there are 26 cardinalities, all >= 1.
+  // Throws fk::Error unless there are 26 cardinalities, all >= 1 (and, with a vocabulary, the
+  // hash is reference).
   void validate() const;
-  std::int64_t rows(int table) const;      // min(cardinality, max_ind_range)
+  std::int64_t rows(int table) const;      // min(cardinality, max_ind_range), or the vocabulary's
   std::vector<std::int64_t> table_rows() const;
   std::int64_t hash_index(int table, std::uint32_t v) const;
   static float dense_transform(std::int32_t x);  // log(1 + max(x, 0))
