@@ -86,13 +86,28 @@ Split load_data(const TrainConfig& c) {
   }
   const std::shared_ptr<data::RecordSource> all = open_file(c.data, c.strict_data, s.description);
   const std::int64_t n = all->size();
+  if (c.data_set == "kaggle") {
+    const data::ReferenceSplit sp = data::kaggle_split(n);
+    FK_CHECK_ARG(sp.train_end >= 1 && sp.test_end > sp.test_begin, "fusekit train", "data.set (--data-set kaggle)",
+                 "a file of at least 7 records (6 training days and a test half-day)", fmt::format("{} records", n));
+    const std::vector<std::int64_t> days(sp.day_begin.begin(), sp.day_begin.end() - 1);  // the 6 training days
+    s.train = data::ordered_source(all, data::training_order(days, c.data_randomize, c.shuffle_seed));
+    s.test = data::slice_source(all, sp.test_begin, sp.test_end);
+    s.description += fmt::format("the reference's Kaggle split: days 0-5 train ({} records, order {}, seed {}), day 6's "
+                                 "first half test ({}), its second half validation ({}, not used)",
+                                 sp.train_end, c.data_randomize, c.shuffle_seed, sp.test_end - sp.test_begin,
+                                 sp.val_end - sp.val_begin);
+    return s;
+  }
   const std::int64_t n_test = test_records(n, c.test_fraction);
   FK_CHECK_ARG(n - n_test >= 1, "fusekit train", "data", "at least one training record", fmt::format("{} records", n));
   FK_CHECK_ARG(n_test >= 1, "fusekit train", "training.test_fraction (--test-fraction)",
                "a test split of at least one record", fmt::format("{} of {} records", n_test, n));
-  s.train = data::slice_source(all, 0, n - n_test);
+  const std::vector<std::int64_t> days{0, n - n_test};
+  s.train = data::ordered_source(all, data::training_order(days, c.data_randomize, c.shuffle_seed));
   s.test = data::slice_source(all, n - n_test, n);
-  s.description += fmt::format("{} train, {} test records (the last {:.0f}%)", n - n_test, n_test, 100 * c.test_fraction);
+  s.description += fmt::format("{} train (order {}, seed {}), {} test records (the last {:.0f}%)", n - n_test,
+                               c.data_randomize, c.shuffle_seed, n_test, 100 * c.test_fraction);
   return s;
 }
 
@@ -459,6 +474,9 @@ CLI::App* add_data_command(CLI::App& app, DataFlags& f) {
   vocab->add_option("--test-fraction", f.test_fraction,
                     "The last fraction of the records is the test set, left out of the counts (as fusekit train)")
       ->check(CLI::Range(0.0, 1.0));
+  vocab->add_option("--data-set", f.data_set, "kaggle: count the reference's training days 0-5 (as fusekit train "
+                                              "--data-set kaggle) instead of all but --test-fraction")
+      ->check(CLI::IsMember({"kaggle"}));
   vocab->add_option("--max-ind-range", f.max_ind_range, "> 0: raw values modulo this before the vocabulary")
       ->check(CLI::NonNegativeNumber);
   vocab->add_option("--min-count", f.min_count, "Values seen fewer times share the unknown id 0")
@@ -498,7 +516,8 @@ int run_data(CLI::App& data_cmd, const DataFlags& f) {
   if (*data_cmd.get_subcommand("vocab")) {
     std::string description;
     const std::shared_ptr<data::RecordSource> all = open_file(f.in, f.strict, description);
-    const std::int64_t n_train = all->size() - test_records(all->size(), f.test_fraction);
+    const std::int64_t n_train = f.data_set == "kaggle" ? data::kaggle_split(all->size()).train_end
+                                                        : all->size() - test_records(all->size(), f.test_fraction);
     const data::VocabularyOptions options{.max_ind_range = f.max_ind_range, .min_count = f.min_count};
     // Chunks of 1M records, each counted with the features split among every core.
     const int threads = static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 26));

@@ -39,6 +39,7 @@ struct DataFlags {
   std::uint64_t seed = 2024;
   bool strict = false;
   double test_fraction = 0.1;       // vocab: as fusekit train's
+  std::string data_set;             // vocab: "kaggle": the reference's training days
   std::int64_t max_ind_range = 0;   // vocab
   std::int64_t min_count = 1;       // vocab
 };

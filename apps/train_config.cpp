@@ -48,6 +48,16 @@ Check fraction() {
   return number_check([](double x) { return x >= 0 && x < 1; }, "in [0, 1)");
 }
 
+Check one_of(std::vector<std::string> values) {
+  return [values = std::move(values)](const json& v, const std::string& name) {
+    const std::string got = v.get<std::string>();
+    if (std::find(values.begin(), values.end(), got) != values.end()) return;
+    std::string expected;
+    for (const std::string& x : values) expected += (expected.empty() ? "" : ", ") + (x.empty() ? "\"\"" : x);
+    throw Error(kOp, name, "one of " + expected, got);
+  };
+}
+
 Check positive_finite() {
   return number_check([](double x) { return std::isfinite(x) && x > 0; }, "a finite number > 0");
 }
@@ -134,6 +144,15 @@ const std::vector<Setting>& train_settings() {
        "",                                "Synthetic data: exponent of the categorical ids' Zipf law"},
       {"data.test_fraction",               &C::test_fraction,              fraction(),
        "--test-fraction",                 "File data: the last fraction of the records is the test set"},
+      {"data.set",                         &C::data_set,                   one_of({"", "kaggle"}),
+       "--data-set",                      "File data: kaggle splits the file as the DLRM reference does (7 days: "
+                                          "0-5 train, day 6's first half test, second half validation) instead of "
+                                          "--test-fraction"},
+      {"data.randomize",                   &C::data_randomize,             one_of({"total", "day", "none"}),
+       "--data-randomize",                "File data: the training order: total (all training records permuted "
+                                          "once), day (within each day), none (file order)"},
+      {"data.shuffle_seed",                &C::shuffle_seed,               {},
+       "--numpy-rand-seed",               "File data: the seed of the training order's permutation"},
       {"data.strict",                      &C::strict_data,                {},
        "--strict-data",                   "A malformed TSV line is an error (default: skipped and counted)"},
       {"data.workers",                     &C::data_workers,               in_range(1, 256),

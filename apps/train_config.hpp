@@ -42,6 +42,9 @@ struct TrainConfig {
   std::uint64_t data_seed = 2024;           // synthetic data
   double zipf_exponent = 1.1;               // synthetic data
   double test_fraction = 0.1;               // file data: the last fraction of the records is the test set
+  std::string data_set;                     // file data: "kaggle": the DLRM reference's 7-day split instead
+  std::string data_randomize = "total";     // file data: training order: total | day | none (as the reference)
+  std::uint64_t shuffle_seed = 123;         // file data: the training order's seed
   bool strict_data = false;                 // file data: a malformed line is an error, not skipped
   std::int64_t data_workers = 1;            // threads preparing batches
   // training

@@ -8,6 +8,8 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <limits>
+#include <random>
 #include <atomic>
 #include <cerrno>
 #include <bit>
@@ -555,11 +557,47 @@ class SliceSource final : public RecordSource {
                  fmt::format("0 <= begin <= end <= {}", source_->size()), fmt::format("[{}, {})", begin, end));
   }
   std::int64_t size() const override { return end_ - begin_; }
-  void read(std::int64_t begin, std::span<RawRecord> out) const override { source_->read(begin_ + begin, out); }
+  void read(std::int64_t begin, std::span<RawRecord> out) const override {
+    // Inside the slice: a read past its end must not reach the records after it (the test set).
+    FK_CHECK_ARG(begin >= 0 && begin <= size() && static_cast<std::int64_t>(out.size()) <= size() - begin,
+                 "data::slice_source", "begin", fmt::format("a range inside [0, {})", size()),
+                 fmt::format("{} records at {}", out.size(), begin));
+    source_->read(begin_ + begin, out);
+  }
 
  private:
   std::shared_ptr<RecordSource> source_;
   std::int64_t begin_, end_;
+};
+
+class OrderedSource final : public RecordSource {
+ public:
+  OrderedSource(std::shared_ptr<RecordSource> s, std::vector<std::int64_t> order)
+      : source_(std::move(s)), order_(std::move(order)) {
+    const std::int64_t n = source_->size();
+    for (std::size_t i = 0; i < order_.size(); ++i)
+      FK_CHECK_ARG(order_[i] >= 0 && order_[i] < n, "data::ordered_source", "order",
+                   fmt::format("indices in [0, {})", n), fmt::format("{} at position {}", order_[i], i));
+  }
+  std::int64_t size() const override { return static_cast<std::int64_t>(order_.size()); }
+  void read(std::int64_t begin, std::span<RawRecord> out) const override {
+    FK_CHECK_ARG(begin >= 0 && begin <= size() && static_cast<std::int64_t>(out.size()) <= size() - begin,
+                 "data::ordered_source", "begin", fmt::format("a range inside [0, {})", size()),
+                 fmt::format("{} records at {}", out.size(), begin));
+    // Runs of consecutive indices (the file order, or a day's) are read at once.
+    for (std::size_t i = 0; i < out.size();) {
+      const std::int64_t first = order_[static_cast<std::size_t>(begin) + i];
+      std::size_t run = 1;
+      while (i + run < out.size() && order_[static_cast<std::size_t>(begin) + i + run] == first + static_cast<std::int64_t>(run))
+        ++run;
+      source_->read(first, out.subspan(i, run));
+      i += run;
+    }
+  }
+
+ private:
+  std::shared_ptr<RecordSource> source_;
+  std::vector<std::int64_t> order_;
 };
 
 }  // namespace
@@ -572,6 +610,56 @@ std::shared_ptr<RecordSource> binary_source(const std::filesystem::path& path) {
 }
 std::shared_ptr<RecordSource> slice_source(std::shared_ptr<RecordSource> source, std::int64_t begin, std::int64_t end) {
   return std::make_shared<SliceSource>(std::move(source), begin, end);
+}
+std::shared_ptr<RecordSource> ordered_source(std::shared_ptr<RecordSource> source, std::vector<std::int64_t> order) {
+  return std::make_shared<OrderedSource>(std::move(source), std::move(order));
+}
+
+ReferenceSplit kaggle_split(std::int64_t records) {
+  FK_CHECK_ARG(records >= 0, "data::kaggle_split", "records", ">= 0", std::to_string(records));
+  constexpr std::int64_t kDays = 7;
+  ReferenceSplit s;
+  s.day_begin.assign(kDays + 1, 0);
+  for (std::int64_t d = 0; d < kDays; ++d)
+    s.day_begin[static_cast<std::size_t>(d + 1)] = s.day_begin[static_cast<std::size_t>(d)] + records / kDays +
+                                                   (d < records % kDays ? 1 : 0);
+  s.train_end = s.day_begin[kDays - 1];
+  const std::int64_t last = records - s.train_end;
+  s.test_begin = s.train_end;
+  s.test_end = s.test_begin + (last + 1) / 2;  // np.array_split: the first part takes the extra record
+  s.val_begin = s.test_end;
+  s.val_end = records;
+  return s;
+}
+
+std::vector<std::int64_t> training_order(std::span<const std::int64_t> day_begin, std::string_view randomize,
+                                         std::uint64_t seed) {
+  FK_CHECK_ARG(!day_begin.empty() && day_begin.front() == 0, "data::training_order", "day_begin",
+               "day boundaries starting at 0", fmt::format("{} entries", day_begin.size()));
+  for (std::size_t d = 1; d < day_begin.size(); ++d)
+    FK_CHECK_ARG(day_begin[d] >= day_begin[d - 1], "data::training_order", "day_begin", "non-decreasing boundaries",
+                 fmt::format("{} after {}", day_begin[d], day_begin[d - 1]));
+  std::vector<std::int64_t> order(static_cast<std::size_t>(day_begin.back()));
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
+  std::mt19937_64 engine(seed);
+  // Fisher-Yates over [first, last) with unbiased bounded draws (rejection).
+  const auto shuffle = [&](std::int64_t first, std::int64_t last) {
+    for (std::int64_t i = last - first - 1; i > 0; --i) {
+      const std::uint64_t bound = static_cast<std::uint64_t>(i) + 1;
+      const std::uint64_t limit = std::numeric_limits<std::uint64_t>::max() - std::numeric_limits<std::uint64_t>::max() % bound;
+      std::uint64_t x;
+      do x = engine(); while (x >= limit);
+      std::swap(order[static_cast<std::size_t>(first + i)], order[static_cast<std::size_t>(first) + x % bound]);
+    }
+  };
+  if (randomize == "total") {
+    shuffle(0, day_begin.back());
+  } else if (randomize == "day") {
+    for (std::size_t d = 0; d + 1 < day_begin.size(); ++d) shuffle(day_begin[d], day_begin[d + 1]);
+  } else if (randomize != "none") {
+    throw Error("data::training_order", "randomize", "total, day or none", std::string(randomize));
+  }
+  return order;
 }
 
 }  // namespace fk::data

@@ -88,7 +88,8 @@ TEST(TrainConfigFlags, BooleanFlagOverridesTheFileBothWays) {
 // A configuration with every setting off its default, at a value the setting's check accepts.
 TrainConfig off_defaults() {
   TrainConfig c;
-  const std::vector<std::string> strings = {"x.tsv", "adagrad", "outer", "reference", "fused", "cuda:1", "13-64-16"};
+  const std::vector<std::string> strings = {"x.tsv", "adagrad", "outer", "reference", "fused", "cuda:1", "13-64-16",
+                                            "kaggle", "day"};
   for (const Setting& s : train_settings()) {
     std::visit(overloaded{[](std::monostate) {},
                           [&](bool TrainConfig::*m) { c.*m = !(c.*m); },

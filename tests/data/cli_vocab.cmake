@@ -1,5 +1,5 @@
-# fusekit data synth -> fusekit data vocab -> fusekit train --vocabulary; a damaged vocabulary is
-# refused. Run with -DFUSEKIT=<binary> -DCONFIG=<configs/tiny.json> -DWORK=<scratch folder>.
+# fusekit data synth -> fusekit data vocab -> fusekit train --vocabulary on the reference's Kaggle
+# split; a damaged vocabulary is refused. Run with -DFUSEKIT=<binary> -DCONFIG=<configs/tiny.json> -DWORK=<scratch folder>.
 file(MAKE_DIRECTORY ${WORK})
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -9,9 +9,9 @@ function(run)
   endif()
 endfunction()
 run(${FUSEKIT} data synth --rows 30000 --seed 6 --out ${WORK}/synthetic.bin)
-run(${FUSEKIT} data vocab ${WORK}/synthetic.bin --out ${WORK}/synthetic.fkv --min-count 2)
+run(${FUSEKIT} data vocab ${WORK}/synthetic.bin --out ${WORK}/synthetic.fkv --min-count 2 --data-set kaggle)
 run(${FUSEKIT} train --config ${CONFIG} --data ${WORK}/synthetic.bin --vocabulary ${WORK}/synthetic.fkv
-    --print-every 0)
+    --data-set kaggle --data-randomize day --print-every 0)
 # A truncated vocabulary: training refuses it, naming the file.
 execute_process(COMMAND head -c 150 ${WORK}/synthetic.fkv OUTPUT_FILE ${WORK}/truncated.fkv)
 execute_process(COMMAND ${FUSEKIT} train --config ${CONFIG} --data ${WORK}/synthetic.bin

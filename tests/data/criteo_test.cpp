@@ -517,3 +517,75 @@ TEST(CriteoRead, OverlongLineIsRefused) {
 
 }  // namespace
 }  // namespace fk::data
+
+namespace fk::data {
+namespace {
+
+// The reference's Kaggle split by hand: divmod(n, 7) records a day, the first n % 7 days one
+// more; days 0-5 train; day 6 halved by np.array_split (the first half takes the odd record).
+TEST(ReferenceSplit, KaggleDaysByHand) {
+  const ReferenceSplit a = kaggle_split(20);  // 20 = 7 * 2 + 6: days of 3, 3, 3, 3, 3, 3, 2
+  EXPECT_EQ(a.day_begin, (std::vector<std::int64_t>{0, 3, 6, 9, 12, 15, 18, 20}));
+  EXPECT_EQ(a.train_end, 18);
+  EXPECT_EQ(a.test_begin, 18);
+  EXPECT_EQ(a.test_end, 19);
+  EXPECT_EQ(a.val_begin, 19);
+  EXPECT_EQ(a.val_end, 20);
+  const ReferenceSplit b = kaggle_split(21);  // 3 a day; day 6 = [18, 21): test [18, 20), validation [20, 21)
+  EXPECT_EQ(b.train_end, 18);
+  EXPECT_EQ(b.test_end, 20);
+  EXPECT_EQ(b.val_begin, 20);
+  const ReferenceSplit c = kaggle_split(10);  // 10 = 7 + 3: days of 2, 2, 2, 1, 1, 1, 1
+  EXPECT_EQ(c.day_begin, (std::vector<std::int64_t>{0, 2, 4, 6, 7, 8, 9, 10}));
+  EXPECT_EQ(c.test_end - c.test_begin, 1);
+  EXPECT_EQ(c.val_end - c.val_begin, 0);
+  EXPECT_EQ(kaggle_split(0).train_end, 0);
+  EXPECT_THROW(kaggle_split(-1), Error);
+}
+
+TEST(ReferenceSplit, TrainingOrders) {
+  const std::vector<std::int64_t> days{0, 30, 31, 100};
+  const std::vector<std::int64_t> none = training_order(days, "none", 1);
+  for (std::size_t i = 0; i < none.size(); ++i) EXPECT_EQ(none[i], static_cast<std::int64_t>(i));
+  const std::vector<std::int64_t> total = training_order(days, "total", 1);
+  std::vector<std::int64_t> sorted = total;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, none);  // a permutation
+  EXPECT_NE(total, none);
+  EXPECT_EQ(training_order(days, "total", 1), total);  // deterministic in the seed
+  EXPECT_NE(training_order(days, "total", 2), total);
+  bool crossed = false;  // total mixes the days
+  for (std::size_t i = 0; i < 30; ++i) crossed |= total[i] >= 30;
+  EXPECT_TRUE(crossed);
+  const std::vector<std::int64_t> day = training_order(days, "day", 1);
+  for (std::size_t d = 0; d + 1 < days.size(); ++d) {  // each day's records stay in the day, all of them
+    std::vector<std::int64_t> part(day.begin() + days[d], day.begin() + days[d + 1]);
+    std::sort(part.begin(), part.end());
+    for (std::size_t i = 0; i < part.size(); ++i) EXPECT_EQ(part[i], days[d] + static_cast<std::int64_t>(i));
+  }
+  EXPECT_NE(day, none);
+  EXPECT_THROW(training_order(days, "week", 1), Error);
+  EXPECT_THROW(training_order(std::vector<std::int64_t>{0, 5, 3}, "none", 1), Error);
+}
+
+TEST(ReferenceSplit, OrderedAndSlicedSourcesReadWhatTheySayAndNothingElse) {
+  const std::vector<RawRecord> recs = synthetic_records(12);
+  const auto all = memory_source(recs);
+  const auto ordered = ordered_source(all, {5, 6, 7, 0, 11});
+  ASSERT_EQ(ordered->size(), 5);
+  std::vector<RawRecord> out(5);
+  ordered->read(0, out);
+  for (std::size_t i = 0; i < out.size(); ++i)
+    EXPECT_EQ(std::memcmp(&out[i], &recs[std::vector<std::size_t>{5, 6, 7, 0, 11}[i]], sizeof(RawRecord)), 0);
+  EXPECT_THROW(ordered->read(1, out), Error);  // past the end
+  EXPECT_THROW(ordered_source(all, {3, 12}), Error);
+  EXPECT_THROW(ordered_source(all, {-1}), Error);
+  // A slice refuses a read past its end even where its source has records (the test set).
+  const auto train = slice_source(all, 0, 8);
+  std::vector<RawRecord> two(2);
+  EXPECT_NO_THROW(train->read(6, two));
+  EXPECT_THROW(train->read(7, two), Error);
+}
+
+}  // namespace
+}  // namespace fk::data

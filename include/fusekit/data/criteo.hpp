@@ -216,6 +216,29 @@ std::shared_ptr<RecordSource> binary_source(const std::filesystem::path& path); 
 // Records [begin, end) of another source.
 std::shared_ptr<RecordSource> slice_source(std::shared_ptr<RecordSource> source, std::int64_t begin, std::int64_t end);
 
+// The source's records in the order `order` gives (a permutation of a subset of its indices,
+// each checked to be in range): record i is source record order[i].
+std::shared_ptr<RecordSource> ordered_source(std::shared_ptr<RecordSource> source, std::vector<std::int64_t> order);
+
+// The DLRM reference's split of one Criteo Kaggle file (data_utils.py, --data-set kaggle): the
+// records as 7 "days" of n / 7 records, the first n % 7 days one record more; days 0-5 train;
+// day 6 halved as np.array_split does (the first half one record more when odd), test first,
+// then validation.
+struct ReferenceSplit {
+  std::vector<std::int64_t> day_begin;  // 8 entries: day d is [day_begin[d], day_begin[d + 1])
+  std::int64_t train_end = 0;           // train [0, train_end)
+  std::int64_t test_begin = 0, test_end = 0, val_begin = 0, val_end = 0;
+};
+ReferenceSplit kaggle_split(std::int64_t records);
+
+// The order training reads records [0, day_begin.back()) in, as the reference's --data-randomize:
+// "none" the file order; "day" each day's records permuted within the day; "total" all of them
+// permuted. Permutations are Fisher-Yates over a 64-bit Mersenne Twister seeded with `seed`
+// (deterministic on every platform; not the reference's NumPy stream). Throws fk::Error naming
+// `randomize` for another value.
+std::vector<std::int64_t> training_order(std::span<const std::int64_t> day_begin, std::string_view randomize,
+                                         std::uint64_t seed);
+
 // One batch, in the layout of the file comment. The tensors are allocated once per loader slot
 // and reused; they are host tensors today and pinned host memory once the GPU path needs it.
 struct Batch {
