@@ -10,8 +10,8 @@
 # 32-bit scramble of the rank: the modulus hash makes them collide, as real Criteo hashes do;
 # labels from a hidden model). fusekit runs with a vocabulary counted over every record (the
 # reference builds its dictionaries over all seven days), on the CPU and, when fusekit was built
-# with CUDA and a GPU is present, on the GPU; and once with the modulus hash instead, for
-# contrast. With --reference pointing at a checkout of facebookresearch/dlrm (not part of this
+# with CUDA and a GPU is present, on the GPU; and once with the modulus hash (fusekit's default
+# 100,000-row cap) instead, for contrast. With --reference pointing at a checkout of facebookresearch/dlrm (not part of this
 # repository; its Python needs torch, numpy, scikit-learn, tensorboard, tqdm and mlperf-logging),
 # the reference runs on the same file from a temporary copy: --max-ind-range 2000000000 keeps its
 # int32 parsing of the hex values from overflowing under NumPy 2 (values below 2^31 are unchanged
@@ -36,7 +36,12 @@ fusekit=${FUSEKIT:-build/fusekit}
 mkdir -p "$work"
 work=$(cd "$work" && pwd)
 data="$work/train.txt"
-[[ -f $data ]] || "$fusekit" data synth --rows "$rows" --seed 2024 --out "$data"
+# The file (and the reference's preprocessed days next to it) is reused by later runs in $work.
+if [[ -f $work/rows && $(cat "$work/rows") != "$rows" ]]; then
+  echo "compare-reference: $work holds a file of $(cat "$work/rows") rows; remove it or pick another --work" >&2
+  exit 2
+fi
+[[ -f $data ]] || { "$fusekit" data synth --rows "$rows" --seed 2024 --out "$data" && echo "$rows" > "$work/rows"; }
 "$fusekit" data vocab "$data" --out "$work/all.fkv" --test-fraction 0 --max-ind-range 2000000000
 recipe=(--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1 --arch-sparse-feature-size 16 --learning-rate 0.1
         --mini-batch-size 128 --test-mini-batch-size 16384 --print-every 0 --data "$data" --data-set kaggle)
@@ -63,8 +68,9 @@ for s in $seeds; do
        --processed-data-file="$work/kaggle_processed.npz" --loss-function=bce --round-targets=True \
        --learning-rate=0.1 --mini-batch-size=128 --print-freq=1024 --print-time --max-ind-range=2000000000 \
        --mlperf-logging --test-freq="$steps" --test-mini-batch-size=16384 --numpy-rand-seed="$s" 2>&1) |
-      grep "^recall" | tail -1 | sed "s/.*auc \([0-9.]*\), best auc.*accuracy \([0-9.]*\) %.*/reference seed $s: AUC \1, accuracy \2 %/"
+      grep "^recall" | tail -1 |
+      sed "s/.* auc \([0-9.]*\), best auc [0-9.]*, accuracy \([0-9.]*\) %.*/reference seed $s: AUC \1, accuracy \2 %/"
   fi
 done
-"$fusekit" train "${recipe[@]}" --max-ind-range 0 --data-hash reference --metrics-json "$work/fusekit_hash.json" |
-  sed -n "s/^summary: .*\(test logloss [0-9.]*, AUC [0-9.]*, accuracy [0-9.]*\).*/fusekit cpu, modulus hash (no vocabulary): \1/p"
+"$fusekit" train "${recipe[@]}" --max-ind-range 100000 --data-hash reference --metrics-json "$work/fusekit_hash.json" |
+  sed -n "s/^summary: .*\(test logloss [0-9.]*, AUC [0-9.]*, accuracy [0-9.]*\).*/fusekit cpu, modulus hash (max_ind_range 100000): \1/p"
