@@ -190,6 +190,9 @@ void save_checkpoint(const std::string& path, std::int64_t step, const TrainConf
 int run_train(const TrainFlags& flags) {
   using clock = std::chrono::steady_clock;
   const TrainConfig c = resolve(flags.config);
+  if (!flags.config.no_effect.empty())
+    fmt::print("fusekit train: warning: the DLRM reference's {} {} no effect here (see --help)\n",
+               fmt::join(flags.config.no_effect, " "), flags.config.no_effect.size() == 1 ? "has" : "have");
   FK_CHECK_ARG(!flags.resume || !c.checkpoint.empty(), "fusekit train", "--resume", "a --checkpoint path", "none");
   // Every output is checked before the run, not found unwritable after it has trained.
   if (!flags.dry_run) {
@@ -238,7 +241,10 @@ int run_train(const TrainFlags& flags) {
 
   // Steps per epoch: whole batches plus a partial one (no size + B - 1 that could wrap).
   const std::int64_t n_train = split.train->size();
-  const std::int64_t per_epoch = n_train / c.mini_batch_size + (n_train % c.mini_batch_size != 0 ? 1 : 0);
+  const std::int64_t all_batches = n_train / c.mini_batch_size + (n_train % c.mini_batch_size != 0 ? 1 : 0);
+  // --num-batches caps an epoch at its first batches (every one of them whole), as the reference does.
+  const std::int64_t per_epoch = c.num_batches > 0 ? std::min(c.num_batches, all_batches) : all_batches;
+  const std::int64_t epoch_records = std::min(n_train, per_epoch * c.mini_batch_size);
   std::int64_t total = c.steps;
   FK_CHECK_ARG(c.steps > 0 || !__builtin_mul_overflow(per_epoch, c.epochs, &total), "fusekit train",
                "training.epochs (--epochs)", fmt::format("at most {} epochs of {} steps (2^63 steps)", INT64_MAX / per_epoch, per_epoch),
@@ -299,7 +305,7 @@ int run_train(const TrainFlags& flags) {
     // Batch k of an epoch is records [k B, (k + 1) B): a resumed run starts mid-epoch exactly
     // where the interrupted one stopped.
     const std::int64_t epoch = step / per_epoch, first = step % per_epoch;
-    data::BatchLoader loader(data::slice_source(split.train, first * c.mini_batch_size, split.train->size()), feat,
+    data::BatchLoader loader(data::slice_source(split.train, first * c.mini_batch_size, epoch_records), feat,
                              {.batch_size = c.mini_batch_size, .workers = static_cast<int>(c.data_workers),
                               .allocate = batch_allocator(model)});
     epoch_loss = 0;

@@ -58,6 +58,10 @@ Check one_of(std::vector<std::string> values) {
   };
 }
 
+Check zero_only(std::string what) {
+  return number_check([](double x) { return x == 0; }, "0 (" + what + " of dlrm_s_pytorch.py is not implemented yet)");
+}
+
 Check positive_finite() {
   return number_check([](double x) { return std::isfinite(x) && x > 0; }, "a finite number > 0");
 }
@@ -123,7 +127,7 @@ const std::vector<Setting>& train_settings() {
       {"model.seed",                       &C::model_seed,                 {},
        "--seed",                          "Model initialisation seed"},
       {"data.source",                      &C::data,                       {},
-       "--data",                          "synthetic, or a Criteo TSV (.gz) / fusekit binary file"},
+       "--data,--raw-data-file",          "synthetic, or a Criteo TSV (.gz) / fusekit binary file"},
       {"data.cardinalities",               &C::cardinalities,              {},
        "",                                "Rows of each table (empty: the Criteo Kaggle ones)"},
       {"data.max_ind_range",               &C::max_ind_range,              at_least(0),
@@ -156,7 +160,7 @@ const std::vector<Setting>& train_settings() {
       {"data.strict",                      &C::strict_data,                {},
        "--strict-data",                   "A malformed TSV line is an error (default: skipped and counted)"},
       {"data.workers",                     &C::data_workers,               in_range(1, 256),
-       "--data-workers",                  "Threads preparing batches"},
+       "--data-workers,--num-workers",    "Threads preparing batches"},
       {"training.optimizer",               &C::optimizer,                  parsed_by(parse_optimizer),
        "--optimizer",                     "sgd | adagrad"},
       {"training.learning_rate",           &C::learning_rate,              positive_finite(),
@@ -168,9 +172,31 @@ const std::vector<Setting>& train_settings() {
       {"training.epochs",                  &C::epochs,                     at_least(0),
        "--epochs,--nepochs",              "Passes over the training data"},
       {"training.steps",                   &C::steps,                      at_least(0),
-       "--steps,--num-batches",           "Stop after this many training steps (0: the epochs decide)",
-                                          "--num-batches counts the batches of each epoch in dlrm_s_pytorch.py, of "
-                                          "the whole run here"},
+       "--steps",                         "Stop after this many training steps (0: the epochs decide)"},
+      {"training.num_batches",             &C::num_batches,                at_least(0),
+       "--num-batches",                   "Batches of each epoch (0: all), as dlrm_s_pytorch.py counts them"},
+      {"training.loss_function",           &C::loss_function,              one_of({"bce"}),
+       "--loss-function",                 "The DLRM reference's loss: bce (sigmoid binary cross-entropy) only"},
+      {"data.generation",                  &C::data_generation,            one_of({"", "dataset"}),
+       "--data-generation",               "The DLRM reference's data source: dataset (a Criteo file: --data or "
+                                          "--raw-data-file); fusekit's own synthetic data is --data synthetic"},
+      {"training.lr_num_warmup_steps",     &C::lr_num_warmup_steps,        zero_only("the learning-rate warmup"),
+       "--lr-num-warmup-steps",           "The reference's warmup steps (not implemented here: 0 only)"},
+      {"training.lr_decay_start_step",     &C::lr_decay_start_step,        zero_only("the learning-rate decay"),
+       "--lr-decay-start-step",           "The reference's decay start (not implemented here: 0 only)"},
+      {"training.lr_num_decay_steps",      &C::lr_num_decay_steps,         zero_only("the learning-rate decay"),
+       "--lr-num-decay-steps",            "The reference's decay steps (not implemented here: 0 only)"},
+      {"training.device", {}, {}, "--use-gpu", "The reference's spelling of --device cuda", {},
+       [](const std::string&) { return json("cuda"); }, false},
+      // The DLRM reference's flags that change nothing here: accepted, and named in one warning line.
+      {"", {}, {}, "--processed-data-file", "The reference's preprocessed file (fusekit reads --data itself)"},
+      {"", {}, {}, "--memory-map", "The reference's memory mapping (fusekit reads files with pread)", {}, nullptr, false},
+      {"", {}, {}, "--print-time", "The reference's timing in progress lines (always printed here)", {}, nullptr, false},
+      {"", {}, {}, "--test-num-workers", "The reference's evaluation loader workers (see --data-workers)"},
+      {"", {}, {}, "--round-targets", "The reference's label rounding (Criteo labels are 0 or 1 already)"},
+      {"", {}, {}, "--mlperf-logging", "The reference's MLPerf logging (fusekit always computes the AUC)", {}, nullptr,
+       false},
+      {"", {}, {}, "--dataset-multiprocessing", "The reference's preprocessing processes", {}, nullptr, false},
       {"training.eval_every",              &C::eval_every,                 at_least(0),
        "--eval-every,--test-freq",        "Evaluate every this many steps (0: at the end only)"},
       {"training.print_every",             &C::print_every,                at_least(0),
@@ -182,7 +208,7 @@ const std::vector<Setting>& train_settings() {
       {"training.metrics_json",            &C::metrics_json,               {},
        "--metrics-json",                  "Write the run's configuration, evaluations and summary here"},
       {"training.checkpoint",              &C::checkpoint,                 {},
-       "--checkpoint",                    "Save the training state here (atomically) at the end and at evaluations"},
+       "--checkpoint,--save-model",       "Save the training state here (atomically) at the end and at evaluations"},
       {"training.trace",                   &C::trace,                      {},
        "--trace",                         "Chrome trace-event JSON of the step phases (chrome://tracing, Perfetto)"},
       {"training.trace_steps",             &C::trace_steps,                at_least(0),
@@ -311,6 +337,8 @@ void validate(const TrainConfig& c) {
   }
   FK_CHECK_ARG(c.epochs >= 1 || c.steps > 0, kOp, "training.epochs (--epochs)", ">= 1 (or steps > 0)",
                fmt::format("{}", c.epochs));
+  FK_CHECK_ARG(c.data_generation != "dataset" || c.data != "synthetic", kOp, "data.generation (--data-generation)",
+               "a Criteo file given with --data or --raw-data-file (dataset)", "no file (data.source synthetic)");
 }
 
 void add_config_flags(CLI::App& cmd, ConfigFlags& f, std::span<const Setting> table) {
@@ -322,8 +350,10 @@ void add_config_flags(CLI::App& cmd, ConfigFlags& f, std::span<const Setting> ta
     if (s.flags.empty()) continue;
     std::visit(overloaded{
                    [&](std::monostate) {
-                     auto set = [&given, key = s.key, translate = s.translate](const std::string& text) {
+                     auto set = [&given, &no_effect = f.no_effect, key = s.key, translate = s.translate,
+                                 flag = s.flags.substr(0, s.flags.find(','))](const std::string& text) {
                        if (!key.empty()) slot(given, key) = translate ? translate(text) : json(text);
+                       else no_effect.push_back(text.empty() ? flag : flag + "=" + text);
                      };
                      if (s.takes_value)
                        cmd.add_option_function<std::string>(s.flags, set, help_text(s));

@@ -54,6 +54,12 @@ struct TrainConfig {
   std::int64_t test_mini_batch_size = 4096;
   std::int64_t epochs = 1;
   std::int64_t steps = 0;       // > 0: stop after this many steps (overrides epochs)
+  std::int64_t num_batches = 0; // > 0: batches of each epoch (the reference's --num-batches)
+  std::string loss_function = "bce";     // the reference's --loss-function: bce only
+  std::string data_generation;           // the reference's --data-generation: "" or dataset
+  std::int64_t lr_num_warmup_steps = 0;  // the reference's schedule: not implemented (0 only)
+  std::int64_t lr_decay_start_step = 0;
+  std::int64_t lr_num_decay_steps = 0;
   std::int64_t eval_every = 0;  // > 0: evaluate on the test set every this many steps
   std::int64_t print_every = 200;
   std::string device = "cpu";
@@ -121,6 +127,9 @@ std::vector<std::int64_t> parse_layer_sizes(const std::string& s, const std::str
 struct ConfigFlags {
   std::string config;
   nlohmann::json given = nlohmann::json::object();
+  // The DLRM reference's flags given that have no effect here ("--print-time", ...), in the
+  // settings table's order: fusekit train names them in one warning line.
+  std::vector<std::string> no_effect;
 };
 // --config and a flag for every row of `table` that has flags.
 void add_config_flags(CLI::App& cmd, ConfigFlags& flags, std::span<const Setting> table = train_settings());
