@@ -1,13 +1,8 @@
 # fusekit data synth -> fusekit data vocab -> fusekit train --vocabulary on the reference's Kaggle
-# split; a damaged vocabulary is refused. Run with -DFUSEKIT=<binary> -DCONFIG=<configs/tiny.json> -DWORK=<scratch folder>.
+# split; a damaged vocabulary is refused.
+# Run with -DFUSEKIT=<binary> -DCONFIG=<configs/tiny.json> -DWORK=<scratch folder>.
 file(MAKE_DIRECTORY ${WORK})
-function(run)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  message("${out}${err}")
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "failed (${rc}): ${ARGN}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/run_checked.cmake)
 run(${FUSEKIT} data synth --rows 30000 --seed 6 --out ${WORK}/synthetic.bin)
 run(${FUSEKIT} data vocab ${WORK}/synthetic.bin --out ${WORK}/synthetic.fkv --min-count 2 --data-set kaggle)
 run(${FUSEKIT} train --config ${CONFIG} --data ${WORK}/synthetic.bin --vocabulary ${WORK}/synthetic.fkv
