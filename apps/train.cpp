@@ -202,8 +202,9 @@ int run_train(const TrainFlags& flags) {
   }
   const data::Featurizer feat = make_featurizer(c);
   const models::DlrmConfig mc = make_model_config(c, feat);
-  const models::OptimizerConfig opt{.kind = models::parse_optimizer(c.optimizer),
-                                    .learning_rate = static_cast<float>(c.learning_rate)};
+  models::OptimizerConfig opt{.kind = models::parse_optimizer(c.optimizer),
+                              .learning_rate = static_cast<float>(c.learning_rate)};
+  const bool scheduled = has_learning_rate_schedule(c);
 
   std::int64_t rows = 0;
   for (std::int64_t r : mc.table_rows) rows += r;
@@ -325,6 +326,7 @@ int run_train(const TrainFlags& flags) {
         // On the GPU this returns once the batch is on the device; the loss is read at the
         // next progress line (drain_loss), so the host never waits for a step to finish.
         const auto scope = trace_scope(tr, "train_step", "train");
+        if (scheduled) opt.learning_rate = static_cast<float>(scheduled_learning_rate(c, step));
         model.enqueue_train_step(model_input(*b), b->labels, opt);
       }
       ++step;

@@ -58,10 +58,6 @@ Check one_of(std::vector<std::string> values) {
   };
 }
 
-Check zero_only(std::string what) {
-  return number_check([](double x) { return x == 0; }, "0 (" + what + " of dlrm_s_pytorch.py is not implemented yet)");
-}
-
 Check positive_finite() {
   return number_check([](double x) { return std::isfinite(x) && x > 0; }, "a finite number > 0");
 }
@@ -180,12 +176,12 @@ const std::vector<Setting>& train_settings() {
       {"data.generation",                  &C::data_generation,            one_of({"", "dataset"}),
        "--data-generation",               "The DLRM reference's data source: dataset (a Criteo file: --data or "
                                           "--raw-data-file); fusekit's own synthetic data is --data synthetic"},
-      {"training.lr_num_warmup_steps",     &C::lr_num_warmup_steps,        zero_only("the learning-rate warmup"),
-       "--lr-num-warmup-steps",           "The reference's warmup steps (not implemented here: 0 only)"},
-      {"training.lr_decay_start_step",     &C::lr_decay_start_step,        zero_only("the learning-rate decay"),
-       "--lr-decay-start-step",           "The reference's decay start (not implemented here: 0 only)"},
-      {"training.lr_num_decay_steps",      &C::lr_num_decay_steps,         zero_only("the learning-rate decay"),
-       "--lr-num-decay-steps",            "The reference's decay steps (not implemented here: 0 only)"},
+      {"training.lr_num_warmup_steps",     &C::lr_num_warmup_steps,        at_least(0),
+       "--lr-num-warmup-steps",           "Learning-rate warmup steps (dlrm_s_pytorch.py's schedule)"},
+      {"training.lr_decay_start_step",     &C::lr_decay_start_step,        at_least(0),
+       "--lr-decay-start-step",           "Step the polynomial (power 2) learning-rate decay starts at"},
+      {"training.lr_num_decay_steps",      &C::lr_num_decay_steps,         at_least(0),
+       "--lr-num-decay-steps",            "Steps of the learning-rate decay (0: none)"},
       {"training.device", {}, {}, "--use-gpu", "The reference's spelling of --device cuda", {},
        [](const std::string&) { return json("cuda"); }, false},
       // The DLRM reference's flags that change nothing here: accepted, and named in one warning line.
@@ -337,6 +333,10 @@ void validate(const TrainConfig& c) {
   }
   FK_CHECK_ARG(c.epochs >= 1 || c.steps > 0, kOp, "training.epochs (--epochs)", ">= 1 (or steps > 0)",
                fmt::format("{}", c.epochs));
+  FK_CHECK_ARG(c.lr_decay_start_step >= c.lr_num_warmup_steps, kOp, "training.lr_decay_start_step (--lr-decay-start-step)",
+               fmt::format("at least the warmup's {} steps (the warmup must end before the decay starts)",
+                           c.lr_num_warmup_steps),
+               std::to_string(c.lr_decay_start_step));
   FK_CHECK_ARG(c.data_generation != "dataset" || c.data != "synthetic", kOp, "data.generation (--data-generation)",
                "a Criteo file given with --data or --raw-data-file (dataset)", "no file (data.source synthetic)");
 }
@@ -383,6 +383,24 @@ TrainConfig resolve(const ConfigFlags& f) {
   return c;
 }
 
+bool has_learning_rate_schedule(const TrainConfig& c) { return c.lr_num_warmup_steps > 0 || c.lr_num_decay_steps > 0; }
+
+double scheduled_learning_rate(const TrainConfig& c, std::int64_t step) {
+  const double base = c.learning_rate;
+  const std::int64_t w = c.lr_num_warmup_steps, d = c.lr_decay_start_step, n = c.lr_num_decay_steps;
+  const auto warmup = [&](std::int64_t s) { return base * (1.0 - static_cast<double>(w - s) / static_cast<double>(w)); };
+  const auto decay = [&](std::int64_t s) {
+    const double k = static_cast<double>(n - (s - d)) / static_cast<double>(n);
+    return std::max(1e-7, base * k * k);
+  };
+  const std::int64_t s = step + 1;  // the scheduler's count when step `step` runs
+  if (s < w) return warmup(s);
+  if (d <= s && s < d + n) return decay(s);
+  if (n == 0) return base;
+  if (s >= d + n) return decay(d + n - 1);  // frozen at the decay's last rate
+  return w >= 2 ? warmup(w - 1) : base;     // between the phases: the warmup's last rate, if it gave one
+}
+
 data::Featurizer make_featurizer(const TrainConfig& c) {
   data::Featurizer feat;
   if (!c.cardinalities.empty()) feat.cardinalities = c.cardinalities;
@@ -409,6 +427,8 @@ models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurize
   mc.table_rows = feat.table_rows();
   mc.seed = c.model_seed;
   mc.raw_hash = feat.hash;
+  // The rate changes every step under a schedule; the graph of a step holds its rate.
+  if (has_learning_rate_schedule(c)) mc.cuda_graph = false;
   FK_CHECK_ARG(mc.bottom_mlp.front() == data::kNumDense, "fusekit train", "--arch-mlp-bot",
                "13 inputs (Criteo's integer features)", c.arch_mlp_bot);
   mc.validate();

@@ -57,7 +57,7 @@ struct TrainConfig {
   std::int64_t num_batches = 0; // > 0: batches of each epoch (the reference's --num-batches)
   std::string loss_function = "bce";     // the reference's --loss-function: bce only
   std::string data_generation;           // the reference's --data-generation: "" or dataset
-  std::int64_t lr_num_warmup_steps = 0;  // the reference's schedule: not implemented (0 only)
+  std::int64_t lr_num_warmup_steps = 0;  // the reference's learning-rate schedule (scheduled_learning_rate)
   std::int64_t lr_decay_start_step = 0;
   std::int64_t lr_num_decay_steps = 0;
   std::int64_t eval_every = 0;  // > 0: evaluate on the test set every this many steps
@@ -117,6 +117,15 @@ void validate(const TrainConfig& c);                       // every row's check,
 // The featurizer (tables, hash) and the model of a run's settings; fk::Error naming the setting
 // that is inconsistent.
 data::Featurizer make_featurizer(const TrainConfig& c);
+
+// The learning rate of training step `step` (0-based) under dlrm_s_pytorch.py's LRPolicyScheduler
+// (W warmup steps, decay from step D over N steps; the scheduler's count is step + 1): s / W
+// times the rate while s < W; ((N - (s - D)) / N)^2 times it, at least 1e-7, while D <= s < D + N;
+// otherwise, when N > 0, the last rate either phase gave (between them the warmup's last one,
+// after the decay its last one), and the rate itself when no phase has given one yet (where the
+// reference fails); when N = 0, the rate itself.
+double scheduled_learning_rate(const TrainConfig& c, std::int64_t step);
+bool has_learning_rate_schedule(const TrainConfig& c);
 models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurizer& feat);
 
 // "13-512-256-64-16" -> {13, 512, 256, 64, 16}; fk::Error naming `name` otherwise.

@@ -100,7 +100,7 @@ TrainConfig off_defaults() {
     std::visit(overloaded{[](std::monostate) {},
                           [&](bool TrainConfig::*m) { c.*m = !(c.*m); },
                           [&](std::int64_t TrainConfig::*m) {
-                            try {  // settings that take one value only (the reference's schedule) stay
+                            try {  // a setting whose check refuses the moved value stays
                               if (s.check) s.check(c.*m + 3, s.key);
                               c.*m += 3;
                             } catch (const Error&) {
@@ -130,10 +130,8 @@ TEST(TrainConfigEcho, ReadsBackAsTheSameConfiguration) {
   const TrainConfig c = off_defaults();
   ASSERT_NO_THROW(validate(c));
   const json echo = to_json(c), defaults = to_json(TrainConfig{});
-  // Settings that accept their default alone: the reference's learning-rate schedule (not
-  // implemented) and its loss function (bce only).
-  const std::set<std::string> single = {"training.lr_num_warmup_steps", "training.lr_decay_start_step",
-                                        "training.lr_num_decay_steps", "training.loss_function"};
+  // A setting that accepts its default alone: the reference's loss function (bce only).
+  const std::set<std::string> single = {"training.loss_function"};
   for (const Setting& s : train_settings())
     if (!std::holds_alternative<std::monostate>(s.member) && !single.contains(s.key))
       EXPECT_NE(at(echo, s.key), at(defaults, s.key)) << s.key << " was not moved off its default";
@@ -192,9 +190,9 @@ TEST(TrainConfigTable, AliasRowsSetTheirSettingOrNothing) {
   EXPECT_EQ(to_json(resolve(flags)), to_json(TrainConfig{}));
   EXPECT_EQ(flags.no_effect,
             (std::vector<std::string>{"--processed-data-file=p.npz", "--print-time", "--round-targets=True"}));  // table order
-  // The schedule, not implemented, is refused rather than ignored; so is another loss.
-  test::expect_arg_error([] { resolve_args({"--lr-num-warmup-steps", "100"}); }, "fusekit train",
-                         "training.lr_num_warmup_steps (--lr-num-warmup-steps)");
+  // A decay starting inside the warmup is refused, as the reference refuses it; so is another loss.
+  test::expect_arg_error([] { resolve_args({"--lr-num-warmup-steps", "100", "--lr-decay-start-step", "50"}); },
+                         "fusekit train", "training.lr_decay_start_step (--lr-decay-start-step)");
   test::expect_arg_error([] { resolve_args({"--loss-function", "mse"}); }, "fusekit train",
                          "training.loss_function (--loss-function)");
   test::expect_arg_error([] { resolve_args({"--data-generation", "dataset"}); }, "fusekit train",
@@ -222,6 +220,42 @@ TEST(TrainConfigTable, EveryMemberHasOneRow) {
   for (std::size_t i = 0; i < rows.size(); ++i)
     for (std::size_t j = i + 1; j < rows.size(); ++j)
       EXPECT_FALSE(rows[i]->member == rows[j]->member) << rows[i]->key << " and " << rows[j]->key << " bind one member";
+}
+
+}  // namespace
+}  // namespace fk::app
+
+namespace fk::app {
+namespace {
+
+// dlrm_s_pytorch.py's LRPolicyScheduler by hand: W = 4 warmup steps, decay from its count 6 over
+// 4; the scheduler's count is the step + 1.
+TEST(LearningRateSchedule, TheReferencesPolicyByHand) {
+  TrainConfig c;
+  c.learning_rate = 1.0;
+  EXPECT_FALSE(has_learning_rate_schedule(c));
+  EXPECT_EQ(scheduled_learning_rate(c, 5), 1.0);
+  c.lr_num_warmup_steps = 4;
+  c.lr_decay_start_step = 6;
+  c.lr_num_decay_steps = 4;
+  EXPECT_TRUE(has_learning_rate_schedule(c));
+  const std::vector<double> want = {0.25, 0.5, 0.75,             // warmup: count / 4
+                                    0.75, 0.75,                  // between: the warmup's last rate
+                                    1.0, 0.5625, 0.25, 0.0625,   // decay: ((4 - k) / 4)^2
+                                    0.0625, 0.0625};             // after: the decay's last rate
+  for (std::size_t j = 0; j < want.size(); ++j)
+    EXPECT_DOUBLE_EQ(scheduled_learning_rate(c, static_cast<std::int64_t>(j)), want[j]) << "step " << j;
+  c.lr_num_decay_steps = 0;  // warmup alone: the rate itself afterwards
+  c.lr_num_warmup_steps = 3;
+  EXPECT_DOUBLE_EQ(scheduled_learning_rate(c, 0), 1.0 / 3);
+  EXPECT_DOUBLE_EQ(scheduled_learning_rate(c, 2), 1.0);
+  c.lr_num_warmup_steps = 0;  // decay alone, with its floor
+  c.lr_decay_start_step = 1;
+  c.lr_num_decay_steps = 1000;
+  c.learning_rate = 1e-6;
+  EXPECT_DOUBLE_EQ(scheduled_learning_rate(c, 0), 1e-6);
+  EXPECT_DOUBLE_EQ(scheduled_learning_rate(c, 998), 1e-7);
+  EXPECT_DOUBLE_EQ(scheduled_learning_rate(c, 5000), 1e-7);
 }
 
 }  // namespace
