@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <sys/resource.h>
+#include <unistd.h>
 #include <time.h>
 
 #include <chrono>
@@ -19,6 +20,7 @@
 #include "apps/output_file.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/data/criteo.hpp"
+#include "fusekit/data/preprocess.hpp"
 #include "fusekit/data/vocabulary.hpp"
 #include "fusekit/fusekit.hpp"
 #include "fusekit/models/dlrm.hpp"
@@ -68,7 +70,7 @@ std::int64_t test_records(std::int64_t n, double fraction) {
   return static_cast<std::int64_t>(std::floor(static_cast<double>(n) * fraction));
 }
 
-Split load_data(const TrainConfig& c) {
+Split load_data(const TrainConfig& c, const data::Featurizer& feat) {
   Split s;
   if (c.data == "synthetic") {
     data::SyntheticConfig sc;
@@ -84,6 +86,25 @@ Split load_data(const TrainConfig& c) {
                                 sc.zipf_exponent, c.train_samples, c.test_samples);
     return s;
   }
+  if (data::is_shard_directory(c.data)) {
+    const data::ShardSet set = data::open_shards(c.data, feat.vocabulary);
+    FK_CHECK_ARG(c.data_set.empty() || c.data_set == set.data_set, "fusekit train", "data.set (--data-set)",
+                 fmt::format("the data set {} holds ({})", c.data, set.data_set), c.data_set);
+    const std::shared_ptr<data::RecordSource> all = set.all();
+    const std::vector<std::int64_t> days(set.day_begin.begin(), set.day_begin.end() - 1);  // the training days
+    FK_CHECK_ARG(set.train_end() >= 1 && set.test_end() > set.test_begin(), "fusekit train", "data",
+                 "preprocessed data with training records and a test half-day", c.data);
+    s.train = data::ordered_source(all, data::training_order(days, c.data_randomize, c.shuffle_seed));
+    s.test = data::slice_source(all, set.test_begin(), set.test_end());
+    s.description = fmt::format("{} (fusekit data preprocess, {}, {} days): days 0-{} train ({} records, order {}, "
+                                "seed {}), day {}'s first half test ({}), its second half validation ({}, not used)",
+                                c.data, set.data_set, set.days.size(), set.days.size() - 2, set.train_end(),
+                                c.data_randomize, c.shuffle_seed, set.days.size() - 1,
+                                set.test_end() - set.test_begin(), set.val_end() - set.test_end());
+    return s;
+  }
+  FK_CHECK_ARG(c.data_set != "terabyte", "fusekit train", "data.set (--data-set terabyte)",
+               "a directory of fusekit data preprocess (the Terabyte day files preprocessed)", c.data);
   const std::shared_ptr<data::RecordSource> all = open_file(c.data, c.strict_data, s.description);
   const std::int64_t n = all->size();
   if (c.data_set == "kaggle") {
@@ -219,7 +240,7 @@ int run_train(const TrainFlags& flags) {
     return 0;
   }
   const auto [device, impl] = pick_device(c, "fusekit train");
-  const Split split = load_data(c);
+  const Split split = load_data(c, feat);
   const auto t_init = clock::now();
   models::Dlrm model(mc, device, impl);
   const std::string ids =
@@ -308,7 +329,7 @@ int run_train(const TrainFlags& flags) {
     const std::int64_t epoch = step / per_epoch, first = step % per_epoch;
     data::BatchLoader loader(data::slice_source(split.train, first * c.mini_batch_size, epoch_records), feat,
                              {.batch_size = c.mini_batch_size, .workers = static_cast<int>(c.data_workers),
-                              .allocate = batch_allocator(model)});
+                              .allocate = batch_allocator(model), .bags = impl != models::DlrmImpl::fused});
     epoch_loss = 0;
     epoch_steps = 0;
     auto epoch_start = clock::now();
@@ -451,7 +472,7 @@ int run_eval(const EvalFlags& f) {
   const data::Featurizer feat = make_featurizer(c);
   models::Dlrm model(make_model_config(c, feat), device, impl);
   model.load_state(in);
-  const Split split = load_data(c);
+  const Split split = load_data(c, feat);
   fmt::print("fusekit eval: {} (step {}), {}, device {}\n", f.checkpoint, h.step, split.description, device.str());
   const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
   fmt::print("eval: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples, {:.1f}% positive)\n", m.log_loss, m.auc,
@@ -490,6 +511,23 @@ CLI::App* add_data_command(CLI::App& app, DataFlags& f) {
   vocab->add_option("--min-count", f.min_count, "Values seen fewer times share the unknown id 0")
       ->check(CLI::PositiveNumber);
   vocab->add_flag("--strict", f.strict, "Stop at the first malformed line");
+  CLI::App* pre = cmd->add_subcommand(
+      "preprocess", "Criteo TSV (.gz) files -> a directory of shards of vocabulary ids for fusekit train --data DIR");
+  pre->add_option("in", f.inputs, "One Criteo file (kaggle) or the day files in order (terabyte: day_0 ... day_23)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  pre->add_option("--out", f.out, "Output directory (created; a data set already there is replaced)")->required();
+  pre->add_option("--data-set", f.preprocess_set, "kaggle: one file cut into 7 days; terabyte: a file per day; the "
+                                                  "last day is the test day")
+      ->check(CLI::IsMember({"kaggle", "terabyte"}));
+  pre->add_option("--max-ind-range", f.max_ind_range, "> 0: raw values modulo this before the vocabulary")
+      ->check(CLI::NonNegativeNumber);
+  pre->add_option("--min-count", f.min_count, "Values seen fewer times in the training days share the unknown id 0")
+      ->check(CLI::PositiveNumber);
+  pre->add_flag("--vocabulary-all-days", f.all_days,
+                "Count the test day's values too, as the DLRM reference's dictionaries do (default: training days)");
+  pre->add_option("--threads", f.threads, "Worker threads (0: every core)")->check(CLI::NonNegativeNumber);
+  pre->add_flag("--strict", f.strict, "Stop at the first malformed line");
   return cmd;
 }
 
@@ -519,6 +557,44 @@ int run_data(CLI::App& data_cmd, const DataFlags& f) {
     writer.close();
     fmt::print("data: wrote {} synthetic samples (seed {}) to {} ({})\n", f.rows, f.seed, f.out,
                binary ? "fusekit binary" : "Criteo TSV");
+    return 0;
+  }
+  if (*data_cmd.get_subcommand("preprocess")) {
+    data::PreprocessOptions o;
+    for (const std::string& in : f.inputs) o.inputs.emplace_back(in);
+    o.out = f.out;
+    o.data_set = f.preprocess_set;
+    o.vocabulary = {.max_ind_range = f.max_ind_range, .min_count = f.min_count};
+    o.vocabulary_all_days = f.all_days;
+    o.threads = f.threads;
+    o.strict = f.strict;
+    const bool tty = isatty(fileno(stdout)) != 0;
+    auto last = std::chrono::steady_clock::now() - std::chrono::hours(1);
+    o.progress = [&](const data::PreprocessProgress& p) {
+      const bool final = p.bytes >= p.total_bytes;
+      const auto now = std::chrono::steady_clock::now();
+      if (!final && now - last < std::chrono::seconds(tty ? 0 : 5)) return;
+      last = now;
+      const double secs = std::max(p.seconds, 1e-9);
+      const double frac = p.total_bytes > 0 ? static_cast<double>(p.bytes) / static_cast<double>(p.total_bytes) : 1.0;
+      fmt::print("{}preprocess: pass {}/{} {:<10} {} {:5.1f}%  {:.2f} of {:.2f} GB, {} records, {:.2f}M rows/s, "
+                 "{:.0f} MB/s{}",
+                 tty ? "\r" : "", p.pass, p.passes, p.what, progress_bar(frac), 100 * frac, p.bytes / 1e9,
+                 p.total_bytes / 1e9, p.records, static_cast<double>(p.records) / secs / 1e6, p.bytes / secs / 1e6,
+                 tty && !final ? "" : "\n");
+      std::fflush(stdout);
+    };
+    const data::PreprocessReport r = data::preprocess(o);
+    for (std::size_t i = 0; i < o.inputs.size(); ++i) fmt::print("data: {}: {}\n", f.inputs[i], r.inputs[i].summary());
+    std::int64_t records = 0;
+    for (const std::int64_t n : r.day_records) records += n;
+    fmt::print("data: wrote {} ({} days, {} records: {}), vocabulary of {} table rows (max_ind_range {}, min_count {}, "
+               "counted over {} days, fingerprint {:08x}) in {:.1f} s: {:.2f}M rows/s, {:.0f} MB/s of input; peak host "
+               "memory {:.0f} MB\n",
+               f.out, r.day_records.size(), records, fmt::join(r.day_records, " "), r.table_rows, f.max_ind_range,
+               f.min_count, f.all_days ? "all" : "the training", r.fingerprint, r.seconds,
+               static_cast<double>(records) / r.seconds / 1e6, static_cast<double>(r.input_bytes) / r.seconds / 1e6,
+               peak_host_mb());
     return 0;
   }
   if (*data_cmd.get_subcommand("vocab")) {

@@ -41,10 +41,15 @@ struct DataFlags {
   double test_fraction = 0.1;       // vocab: as fusekit train's
   std::string data_set;             // vocab: "kaggle": the reference's training days
   std::int64_t max_ind_range = 0;   // vocab
-  std::int64_t min_count = 1;       // vocab
+  std::int64_t min_count = 1;       // vocab, preprocess
+  std::vector<std::string> inputs;  // preprocess
+  std::string preprocess_set = "kaggle";
+  bool all_days = false;            // preprocess: the vocabulary counts the test day too
+  int threads = 0;                  // preprocess: 0, every core
 };
-// `fusekit data synth --rows N --out FILE.tsv`, `fusekit data convert IN.tsv[.gz] OUT.bin` and
-// `fusekit data vocab IN --out VOCAB [--max-ind-range R] [--min-count T]`.
+// `fusekit data synth --rows N --out FILE.tsv`, `fusekit data convert IN.tsv[.gz] OUT.bin`,
+// `fusekit data vocab IN --out VOCAB [--max-ind-range R] [--min-count T]` and
+// `fusekit data preprocess IN... --out DIR [--data-set kaggle|terabyte] ...`.
 CLI::App* add_data_command(CLI::App& app, DataFlags& flags);
 int run_data(CLI::App& data_cmd, const DataFlags& flags);
 

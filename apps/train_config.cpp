@@ -13,6 +13,7 @@
 #include "fusekit/core/device.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/data/criteo.hpp"
+#include "fusekit/data/preprocess.hpp"
 #include "fusekit/data/vocabulary.hpp"
 #include "fusekit/models/dlrm.hpp"
 
@@ -123,7 +124,8 @@ const std::vector<Setting>& train_settings() {
       {"model.seed",                       &C::model_seed,                 {},
        "--seed",                          "Model initialisation seed"},
       {"data.source",                      &C::data,                       {},
-       "--data,--raw-data-file",          "synthetic, or a Criteo TSV (.gz) / fusekit binary file"},
+       "--data,--raw-data-file",          "synthetic, a directory written by fusekit data preprocess, or a Criteo "
+                                          "TSV (.gz) / fusekit binary file"},
       {"data.cardinalities",               &C::cardinalities,              {},
        "",                                "Rows of each table (empty: the Criteo Kaggle ones)"},
       {"data.max_ind_range",               &C::max_ind_range,              at_least(0),
@@ -144,10 +146,10 @@ const std::vector<Setting>& train_settings() {
        "",                                "Synthetic data: exponent of the categorical ids' Zipf law"},
       {"data.test_fraction",               &C::test_fraction,              fraction(),
        "--test-fraction",                 "File data: the last fraction of the records is the test set"},
-      {"data.set",                         &C::data_set,                   one_of({"", "kaggle"}),
+      {"data.set",                         &C::data_set,                   one_of({"", "kaggle", "terabyte"}),
        "--data-set",                      "File data: kaggle splits the file as the DLRM reference does (7 days: "
                                           "0-5 train, day 6's first half test, second half validation) instead of "
-                                          "--test-fraction"},
+                                          "--test-fraction; preprocessed data: the set it holds (checked)"},
       {"data.randomize",                   &C::data_randomize,             one_of({"total", "day", "none"}),
        "--data-randomize",                "File data: the training order: total (all training records permuted "
                                           "once), day (within each day), none (file order)"},
@@ -407,8 +409,13 @@ data::Featurizer make_featurizer(const TrainConfig& c) {
   feat.validate();
   feat.max_ind_range = c.max_ind_range;
   feat.hash = data::parse_hash_mode(c.data_hash);
-  if (!c.vocabulary.empty()) {
+  if (!c.vocabulary.empty())
     feat.vocabulary = std::make_shared<const data::Vocabulary>(data::Vocabulary::load(c.vocabulary));
+  if (data::is_shard_directory(c.data)) {  // checked against --vocabulary when both are given
+    feat.vocabulary = data::open_shards(c.data, feat.vocabulary).vocabulary;
+    feat.premapped = true;
+  }
+  if (feat.vocabulary) {
     feat.hash = data::HashMode::reference;  // the identity on ids
     feat.max_ind_range = feat.vocabulary->options().max_ind_range;
   }

@@ -19,6 +19,9 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <thread>
+#include <sys/mman.h>
+#include <sys/stat.h>
 
 #include "fusekit/core/error.hpp"
 
@@ -42,6 +45,8 @@ void Featurizer::validate() const {
                  fmt::format("{} for table {}", cardinalities[t], t));
   FK_CHECK_ARG(!vocabulary || hash == HashMode::reference, "data::Featurizer", "hash",
                "reference with a vocabulary (ids pass through v % rows unchanged)", std::string(hash_mode_name(hash)));
+  FK_CHECK_ARG(!premapped || vocabulary, "data::Featurizer", "premapped", "a vocabulary (the ids' tables)",
+               "none");
 }
 
 std::int64_t Featurizer::rows(int table) const {
@@ -57,6 +62,12 @@ std::vector<std::int64_t> Featurizer::table_rows() const {
 }
 
 std::int64_t Featurizer::hash_index(int table, std::uint32_t v) const {
+  if (premapped) {
+    FK_CHECK_ARG(static_cast<std::int64_t>(v) < vocabulary->rows(table), "data::Featurizer", "ids",
+                 fmt::format("ids below the vocabulary's {} rows of table {}", vocabulary->rows(table), table),
+                 std::to_string(v));
+    return v;
+  }
   if (vocabulary) return vocabulary->id(table, v);
   return reference::hash_row(v, rows(table), hash);
 }
@@ -274,7 +285,8 @@ void write_tsv(const std::filesystem::path& path, std::span<const RawRecord> rec
 namespace {
 
 constexpr char kMagic[8] = {'F', 'K', 'C', 'R', 'I', 'T', 'E', 'O'};
-constexpr std::uint32_t kVersion = 2;  // version 1 (no checksums) is still read
+constexpr std::uint32_t kVersion = 2;      // raw values; version 1 (no checksums) is still read
+constexpr std::uint32_t kIdsVersion = 3;   // vocabulary ids
 constexpr std::size_t kHeaderBytes = 64;
 constexpr std::size_t kRecordBytes = 4 + 4 * kNumDense + 4 * kNumSparse;
 constexpr std::uint32_t kBlockRecords = 4096;  // records per checksummed block (640 KiB)
@@ -286,12 +298,15 @@ struct Header {
   char magic[8];
   std::uint32_t version, num_dense, num_sparse, record_bytes;
   std::uint64_t count;
-  std::uint32_t block_records;  // version 2
-  char pad[kHeaderBytes - 40];
-  std::uint32_t header_crc;  // version 2: CRC-32 of the 60 bytes before it
+  std::uint32_t block_records;  // version 2 and 3
+  std::uint32_t content;        // version 3: 1, vocabulary ids
+  std::uint32_t vocabulary;     // version 3: the vocabulary's fingerprint
+  char pad[kHeaderBytes - 48];
+  std::uint32_t header_crc;  // version 2 and 3: CRC-32 of the 60 bytes before it
 };
 static_assert(sizeof(Header) == kHeaderBytes);
 static_assert(offsetof(Header, count) == 24 && offsetof(Header, block_records) == 32 &&
+              offsetof(Header, content) == 36 && offsetof(Header, vocabulary) == 40 &&
               offsetof(Header, header_crc) == 60);
 
 std::uint32_t crc32_of(std::uint32_t crc, const void* data, std::size_t bytes) {
@@ -300,10 +315,12 @@ std::uint32_t crc32_of(std::uint32_t crc, const void* data, std::size_t bytes) {
 
 std::uint32_t header_crc(const Header& h) { return crc32_of(0, &h, offsetof(Header, header_crc)); }
 
-Header make_header(std::uint64_t count) {
+Header make_header(std::uint64_t count, const BinaryContent& content) {
   Header h{};
   std::memcpy(h.magic, kMagic, 8);
-  h.version = kVersion;
+  h.version = content.ids ? kIdsVersion : kVersion;
+  h.content = content.ids ? 1 : 0;
+  h.vocabulary = content.ids ? content.vocabulary : 0;
   h.num_dense = kNumDense;
   h.num_sparse = kNumSparse;
   h.record_bytes = kRecordBytes;
@@ -327,18 +344,20 @@ std::optional<Header> read_header(const std::filesystem::path& path) {
 
 }  // namespace
 
-void write_binary(const std::filesystem::path& path, std::span<const RawRecord> records) {
-  RecordWriter w(path, FileFormat::binary);
+void write_binary(const std::filesystem::path& path, std::span<const RawRecord> records, BinaryContent content) {
+  RecordWriter w(path, FileFormat::binary, content);
   w.write(records);
   w.close();
 }
 
-RecordWriter::RecordWriter(std::filesystem::path path, FileFormat format)
-    : path_(std::move(path)), tmp_(path_.string() + ".tmp"), format_(format) {
+RecordWriter::RecordWriter(std::filesystem::path path, FileFormat format, BinaryContent content)
+    : path_(std::move(path)), tmp_(path_.string() + ".tmp"), format_(format), content_(content) {
+  FK_CHECK_ARG(format == FileFormat::binary || !content.ids, "data::RecordWriter", "content",
+               "raw values in a TSV file", "vocabulary ids");
   out_ = std::make_unique<std::ofstream>(tmp_, std::ios::binary | std::ios::trunc);
   if (!*out_) throw Error("data::RecordWriter", "path", "a writable file", tmp_.string());
   if (format_ == FileFormat::binary) {
-    const Header h = make_header(0);  // the count is written at close()
+    const Header h = make_header(0, content_);  // the count is written at close()
     out_->write(reinterpret_cast<const char*>(&h), sizeof h);
   }
 }
@@ -351,7 +370,20 @@ RecordWriter::~RecordWriter() {
   }
 }
 
-void RecordWriter::write(std::span<const RawRecord> records) {
+namespace {
+
+void append_tsv(std::span<const RawRecord> records, std::string& out) {
+  for (const RawRecord& r : records) {
+    out += static_cast<char>('0' + r.label);
+    for (std::int32_t x : r.dense) fmt::format_to(std::back_inserter(out), "\t{}", x);
+    for (std::uint32_t v : r.sparse) fmt::format_to(std::back_inserter(out), "\t{:08x}", v);
+    out += '\n';
+  }
+}
+
+}  // namespace
+
+void RecordWriter::write(std::span<const RawRecord> records, int threads) {
   FK_CHECK_ARG(out_ != nullptr, "data::RecordWriter::write", "this", "an open writer", "a closed one");
   if (format_ == FileFormat::binary) {
     out_->write(reinterpret_cast<const char*>(records.data()), static_cast<std::streamsize>(records.size_bytes()));
@@ -367,14 +399,23 @@ void RecordWriter::write(std::span<const RawRecord> records) {
       }
     }
   } else {
-    for (const RawRecord& r : records) {
-      line_.clear();
-      line_ += static_cast<char>('0' + r.label);
-      for (std::int32_t x : r.dense) fmt::format_to(std::back_inserter(line_), "\t{}", x);
-      for (std::uint32_t v : r.sparse) fmt::format_to(std::back_inserter(line_), "\t{:08x}", v);
-      line_ += '\n';
-      out_->write(line_.data(), static_cast<std::streamsize>(line_.size()));
+    // Each thread formats a contiguous part; the parts are written in order.
+    const std::size_t parts = std::clamp<std::size_t>(static_cast<std::size_t>(std::max(threads, 1)), 1,
+                                                      std::max<std::size_t>(records.size() / 1024, 1));
+    std::vector<std::string> text(parts);
+    const std::size_t per = (records.size() + parts - 1) / parts;
+    auto format = [&](std::size_t p) {
+      const std::size_t b = std::min(records.size(), p * per);
+      append_tsv(records.subspan(b, std::min(per, records.size() - b)), text[p]);
+    };
+    if (parts == 1) {
+      format(0);
+    } else {
+      std::vector<std::thread> pool;
+      for (std::size_t p = 0; p < parts; ++p) pool.emplace_back(format, p);
+      for (std::thread& t : pool) t.join();
     }
+    for (const std::string& t : text) out_->write(t.data(), static_cast<std::streamsize>(t.size()));
   }
   count_ += static_cast<std::int64_t>(records.size());
   if (!*out_) throw Error("data::RecordWriter::write", "path", "a complete write", tmp_.string());
@@ -387,7 +428,7 @@ void RecordWriter::close() {
     const std::uint32_t table_crc = crc32_of(0, block_crcs_.data(), block_crcs_.size() * 4);
     out_->write(reinterpret_cast<const char*>(block_crcs_.data()), static_cast<std::streamsize>(block_crcs_.size() * 4));
     out_->write(reinterpret_cast<const char*>(&table_crc), 4);
-    const Header h = make_header(static_cast<std::uint64_t>(count_));
+    const Header h = make_header(static_cast<std::uint64_t>(count_), content_);
     out_->seekp(0);
     out_->write(reinterpret_cast<const char*>(&h), sizeof h);
   }
@@ -427,61 +468,81 @@ bool is_binary_file(const std::filesystem::path& path) { return read_header(path
 
 namespace {
 
+// Opens and checks a binary file's header: the header and its CRC, the counts, the file's exact
+// size. Returns the header; `bytes` gets the file's size.
+Header checked_header(const std::filesystem::path& path, std::uint64_t& bytes) {
+  const std::optional<Header> h = read_header(path);
+  if (!h) throw Error("data::binary_source", "path", "a fusekit Criteo binary file (FKCRITEO header)", path.string());
+  if (h->version >= 2 && h->header_crc != header_crc(*h))
+    throw Error("data::binary_source", "path", "a header matching its CRC-32",
+                fmt::format("{}: a damaged header", path.string()));
+  if (h->version < 1 || h->version > kIdsVersion || h->num_dense != kNumDense || h->num_sparse != kNumSparse ||
+      h->record_bytes != kRecordBytes)
+    throw Error("data::binary_source", "path", "version 1, 2 or 3, 13 dense, 26 sparse, 160-byte records",
+                fmt::format("{}: version {}, {} dense, {} sparse, {}-byte records", path.string(), h->version,
+                            h->num_dense, h->num_sparse, h->record_bytes));
+  if (h->version == kIdsVersion && h->content != 1)
+    throw Error("data::binary_source", "path", "content 1 (vocabulary ids) in a version 3 file",
+                fmt::format("{}: content {}", path.string(), h->content));
+  const std::uint32_t block_records = h->version >= 2 ? h->block_records : 0;
+  if (h->version >= 2 && (block_records == 0 || block_records > kMaxBlockRecords))
+    throw Error("data::binary_source", "path", fmt::format("1 to {} records per block", kMaxBlockRecords),
+                fmt::format("{}: {}", path.string(), block_records));
+  // The file holds exactly the header, `count` records and (version 2, 3) the checksum table: no
+  // product that could wrap (a 4.8 MB file claimed 1.15e17 records), no count past 2^63, no
+  // short or trailing bytes.
+  bytes = std::filesystem::file_size(path);
+  const std::uint64_t max_count = static_cast<std::uint64_t>(INT64_MAX) / kRecordBytes;
+  const std::uint64_t blocks = block_records ? num_blocks(h->count, block_records) : 0;
+  const std::uint64_t trailer = block_records ? blocks * 4 + 4 : 0;
+  const bool exact = h->count <= max_count && bytes >= kHeaderBytes + trailer &&
+                     (bytes - kHeaderBytes - trailer) % kRecordBytes == 0 &&
+                     (bytes - kHeaderBytes - trailer) / kRecordBytes == h->count;
+  if (!exact)
+    throw Error("data::binary_source", "path",
+                fmt::format("a file of {} header bytes, {} records of {} bytes (the header's count) and {} "
+                            "checksum bytes",
+                            kHeaderBytes, h->count, kRecordBytes, trailer),
+                fmt::format("{}: {} bytes", path.string(), bytes));
+  return *h;
+}
+
+// A binary file mapped into memory (read-only, shared: the page cache is the only copy). A file
+// truncated by another process while it is mapped ends the process with SIGBUS; files are
+// written through a temporary file renamed into place, so fusekit's own writers never do that.
 class BinarySource final : public RecordSource {
  public:
   explicit BinarySource(const std::filesystem::path& path) : path_(path) {
-    const std::optional<Header> h = read_header(path);
-    if (!h) throw Error("data::binary_source", "path", "a fusekit Criteo binary file (FKCRITEO header)", path.string());
-    if (h->version == 2 && h->header_crc != header_crc(*h))
-      throw Error("data::binary_source", "path", "a header matching its CRC-32",
-                  fmt::format("{}: a damaged header", path.string()));
-    if ((h->version != 1 && h->version != 2) || h->num_dense != kNumDense || h->num_sparse != kNumSparse ||
-        h->record_bytes != kRecordBytes)
-      throw Error("data::binary_source", "path", "version 1 or 2, 13 dense, 26 sparse, 160-byte records",
-                  fmt::format("{}: version {}, {} dense, {} sparse, {}-byte records", path.string(), h->version,
-                              h->num_dense, h->num_sparse, h->record_bytes));
-    block_records_ = h->version == 2 ? h->block_records : 0;
-    if (h->version == 2 && (block_records_ == 0 || block_records_ > kMaxBlockRecords))
-      throw Error("data::binary_source", "path", fmt::format("1 to {} records per block", kMaxBlockRecords),
-                  fmt::format("{}: {}", path.string(), block_records_));
-    // The file holds exactly the header, `count` records and (version 2) the checksum table: no
-    // product that could wrap (a 4.8 MB file claimed 1.15e17 records), no count past 2^63, no
-    // short or trailing bytes.
-    const std::uint64_t bytes = std::filesystem::file_size(path);
-    const std::uint64_t max_count = static_cast<std::uint64_t>(INT64_MAX) / kRecordBytes;
-    const std::uint64_t blocks = block_records_ ? num_blocks(h->count, block_records_) : 0;
-    const std::uint64_t trailer = block_records_ ? blocks * 4 + 4 : 0;
-    const bool exact = h->count <= max_count && bytes >= kHeaderBytes + trailer &&
-                       (bytes - kHeaderBytes - trailer) % kRecordBytes == 0 &&
-                       (bytes - kHeaderBytes - trailer) / kRecordBytes == h->count;
-    if (!exact)
-      throw Error("data::binary_source", "path",
-                  fmt::format("a file of {} header bytes, {} records of {} bytes (the header's count) and {} "
-                              "checksum bytes",
-                              kHeaderBytes, h->count, kRecordBytes, trailer),
-                  fmt::format("{}: {} bytes", path.string(), bytes));
-    count_ = static_cast<std::int64_t>(h->count);
-    fd_ = ::open(path.c_str(), O_RDONLY);
-    if (fd_ < 0)
+    std::uint64_t bytes = 0;
+    const Header h = checked_header(path, bytes);
+    block_records_ = h.version >= 2 ? h.block_records : 0;
+    count_ = static_cast<std::int64_t>(h.count);
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    if (fd < 0)
       throw Error("data::binary_source", "path", "a readable file",
                   fmt::format("{}: {}", path.string(), std::strerror(errno)));
+    map_bytes_ = static_cast<std::size_t>(bytes);
+    void* m = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_SHARED, fd, 0);
+    const int map_errno = errno;
+    ::close(fd);
+    if (m == MAP_FAILED)
+      throw Error("data::binary_source", "path", "a file that can be mapped into memory",
+                  fmt::format("{}: {}", path.string(), std::strerror(map_errno)));
+    map_ = static_cast<const char*>(m);
     if (block_records_) {
-      std::vector<std::uint32_t> table(blocks + 1);
-      try {
-        pread_all(table.data(), table.size() * 4, kHeaderBytes + h->count * kRecordBytes);
-        if (table.back() != crc32_of(0, table.data(), blocks * 4))
-          throw Error("data::binary_source", "path", "a block checksum table matching its CRC-32",
-                      fmt::format("{}: a damaged table", path.string()));
-      } catch (...) {
-        ::close(fd_);
-        throw;
+      const std::uint64_t blocks = num_blocks(h.count, block_records_);
+      block_crcs_.resize(blocks + 1);
+      std::memcpy(block_crcs_.data(), map_ + kHeaderBytes + h.count * kRecordBytes, (blocks + 1) * 4);
+      if (block_crcs_.back() != crc32_of(0, block_crcs_.data(), blocks * 4)) {
+        ::munmap(const_cast<char*>(map_), map_bytes_);
+        throw Error("data::binary_source", "path", "a block checksum table matching its CRC-32",
+                    fmt::format("{}: a damaged table", path.string()));
       }
-      table.pop_back();
-      block_crcs_ = std::move(table);
+      block_crcs_.pop_back();
       verified_ = std::make_unique<std::atomic<bool>[]>(blocks);
     }
   }
-  ~BinarySource() override { ::close(fd_); }
+  ~BinarySource() override { ::munmap(const_cast<char*>(map_), map_bytes_); }
   std::int64_t size() const override { return count_; }
   void read(std::int64_t begin, std::span<RawRecord> out) const override {
     FK_CHECK_ARG(begin >= 0 && begin <= count_ && static_cast<std::int64_t>(out.size()) <= count_ - begin,
@@ -493,35 +554,20 @@ class BinarySource final : public RecordSource {
       for (std::uint64_t b = static_cast<std::uint64_t>(begin) / block_records_; b * block_records_ < end; ++b)
         verify_block(b);
     }
-    pread_all(out.data(), out.size_bytes(), kHeaderBytes + static_cast<std::uint64_t>(begin) * kRecordBytes);
+    std::memcpy(out.data(), map_ + kHeaderBytes + static_cast<std::uint64_t>(begin) * kRecordBytes, out.size_bytes());
     for (std::size_t i = 0; i < out.size(); ++i)  // a damaged record never reaches the model
       FK_CHECK_ARG(out[i].label == 0 || out[i].label == 1, "data::binary_source", "path", "labels 0 or 1",
                    fmt::format("{}: label {} in record {}", path_.string(), out[i].label, begin + static_cast<std::int64_t>(i)));
   }
 
  private:
-  void pread_all(void* dst_, std::size_t left, std::uint64_t at) const {
-    char* dst = static_cast<char*>(dst_);
-    while (left > 0) {
-      const ssize_t got = ::pread(fd_, dst, left, static_cast<off_t>(at));
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0)
-        throw Error("data::binary_source", "path", "a readable file",
-                    fmt::format("{}: {}", path_.string(), got < 0 ? std::strerror(errno) : "ended early"));
-      dst += got;
-      at += static_cast<std::uint64_t>(got);
-      left -= static_cast<std::size_t>(got);
-    }
-  }
   // Checks a block against its CRC-32 the first time it is read (concurrent first reads may both
   // check it; the flag is only ever set after a match).
   void verify_block(std::uint64_t b) const {
     if (verified_[b].load(std::memory_order_acquire)) return;
     const std::uint64_t first = b * block_records_;
     const std::uint64_t n = std::min<std::uint64_t>(block_records_, static_cast<std::uint64_t>(count_) - first);
-    std::vector<char> bytes(n * kRecordBytes);
-    pread_all(bytes.data(), bytes.size(), kHeaderBytes + first * kRecordBytes);
-    if (crc32_of(0, bytes.data(), bytes.size()) != block_crcs_[b])
+    if (crc32_of(0, map_ + kHeaderBytes + first * kRecordBytes, n * kRecordBytes) != block_crcs_[b])
       throw Error("data::binary_source", "path", "records matching their block's CRC-32",
                   fmt::format("{}: records {} to {} are damaged", path_.string(), first, first + n - 1));
     verified_[b].store(true, std::memory_order_release);
@@ -532,7 +578,8 @@ class BinarySource final : public RecordSource {
   std::uint32_t block_records_ = 0;  // 0: version 1, no checksums
   std::vector<std::uint32_t> block_crcs_;
   std::unique_ptr<std::atomic<bool>[]> verified_;
-  int fd_ = -1;
+  const char* map_ = nullptr;
+  std::size_t map_bytes_ = 0;
 };
 
 class MemorySource final : public RecordSource {
@@ -600,6 +647,37 @@ class OrderedSource final : public RecordSource {
   std::vector<std::int64_t> order_;
 };
 
+class ConcatSource final : public RecordSource {
+ public:
+  explicit ConcatSource(std::vector<std::shared_ptr<RecordSource>> s) : sources_(std::move(s)) {
+    begin_.push_back(0);
+    for (std::size_t i = 0; i < sources_.size(); ++i) {
+      FK_CHECK_ARG(sources_[i] != nullptr, "data::concat_source", "sources", "non-null sources",
+                   fmt::format("null at {}", i));
+      begin_.push_back(begin_.back() + sources_[i]->size());
+    }
+  }
+  std::int64_t size() const override { return begin_.back(); }
+  void read(std::int64_t begin, std::span<RawRecord> out) const override {
+    FK_CHECK_ARG(begin >= 0 && begin <= size() && static_cast<std::int64_t>(out.size()) <= size() - begin,
+                 "data::concat_source", "begin", fmt::format("a range inside [0, {})", size()),
+                 fmt::format("{} records at {}", out.size(), begin));
+    // The source holding `begin`: the last one starting at or before it (empty ones skipped).
+    std::size_t s = static_cast<std::size_t>(std::upper_bound(begin_.begin(), begin_.end(), begin) - begin_.begin()) - 1;
+    for (std::size_t i = 0; i < out.size(); ++s) {
+      const std::int64_t at = begin + static_cast<std::int64_t>(i);
+      const std::size_t n = static_cast<std::size_t>(std::min<std::int64_t>(begin_[s + 1] - at, static_cast<std::int64_t>(out.size() - i)));
+      if (n == 0) continue;
+      sources_[s]->read(at - begin_[s], out.subspan(i, n));
+      i += n;
+    }
+  }
+
+ private:
+  std::vector<std::shared_ptr<RecordSource>> sources_;
+  std::vector<std::int64_t> begin_;  // source i holds records [begin_[i], begin_[i + 1])
+};
+
 }  // namespace
 
 std::shared_ptr<RecordSource> memory_source(std::vector<RawRecord> records) {
@@ -607,6 +685,14 @@ std::shared_ptr<RecordSource> memory_source(std::vector<RawRecord> records) {
 }
 std::shared_ptr<RecordSource> binary_source(const std::filesystem::path& path) {
   return std::make_shared<BinarySource>(path);
+}
+std::shared_ptr<RecordSource> concat_source(std::vector<std::shared_ptr<RecordSource>> sources) {
+  return std::make_shared<ConcatSource>(std::move(sources));
+}
+BinaryContent binary_content(const std::filesystem::path& path) {
+  std::uint64_t bytes = 0;
+  const Header h = checked_header(path, bytes);
+  return h.version == kIdsVersion ? BinaryContent{true, h.vocabulary} : BinaryContent{};
 }
 std::shared_ptr<RecordSource> slice_source(std::shared_ptr<RecordSource> source, std::int64_t begin, std::int64_t end) {
   return std::make_shared<SliceSource>(std::move(source), begin, end);

@@ -30,31 +30,45 @@ void ensure(Tensor& t, Dims shape, DType dtype, const HostAllocator& allocate) {
 }  // namespace
 
 void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch,
-                const HostAllocator& allocate) {
+                const HostAllocator& allocate, bool bags) {
   featurizer.validate();
   const std::int64_t b = static_cast<std::int64_t>(records.size());
   batch.size = b;
   ensure(batch.labels, {b}, DType::f32, allocate);
   ensure(batch.dense, {b, kNumDense}, DType::f32, allocate);
-  ensure(batch.indices, {kNumSparse * b}, DType::i64, allocate);
-  ensure(batch.offsets, {kNumSparse * b + 1}, DType::i64, allocate);
+  if (bags) {
+    ensure(batch.indices, {kNumSparse * b}, DType::i64, allocate);
+    ensure(batch.offsets, {kNumSparse * b + 1}, DType::i64, allocate);
+  } else {
+    batch.indices = Tensor();
+    batch.offsets = Tensor();
+  }
   ensure(batch.raw_sparse, {kNumSparse * b}, DType::i32, allocate);
   float* labels = batch.labels.data_as<float>();
   float* dense = batch.dense.data_as<float>();
-  std::int64_t* idx = batch.indices.data_as<std::int64_t>();
-  std::int64_t* off = batch.offsets.data_as<std::int64_t>();
+  std::int64_t* idx = bags ? batch.indices.data_as<std::int64_t>() : nullptr;
   std::uint32_t* raw = static_cast<std::uint32_t*>(batch.raw_sparse.data());
+  // With a vocabulary, raw_sparse holds the ids, which the reference hash v % rows leaves unchanged.
+  const bool ids = featurizer.vocabulary != nullptr;
   for (std::int64_t i = 0; i < b; ++i) {
     const RawRecord& r = records[static_cast<std::size_t>(i)];
     labels[i] = static_cast<float>(r.label);
     for (int j = 0; j < kNumDense; ++j) dense[i * kNumDense + j] = Featurizer::dense_transform(r.dense[j]);
     for (int t = 0; t < kNumSparse; ++t) {
-      idx[t * b + i] = featurizer.hash_index(t, r.sparse[t]);
-      // With a vocabulary the id itself, which the reference hash v % rows leaves unchanged.
-      raw[t * b + i] = featurizer.vocabulary ? static_cast<std::uint32_t>(idx[t * b + i]) : r.sparse[t];
+      const std::uint32_t v = r.sparse[t];
+      if (!bags && !ids) {
+        raw[t * b + i] = v;
+        continue;
+      }
+      const std::int64_t row = featurizer.hash_index(t, v);
+      if (bags) idx[t * b + i] = row;
+      raw[t * b + i] = ids ? static_cast<std::uint32_t>(row) : v;
     }
   }
-  for (std::int64_t k = 0; k <= kNumSparse * b; ++k) off[k] = k;
+  if (bags) {
+    std::int64_t* off = batch.offsets.data_as<std::int64_t>();
+    for (std::int64_t k = 0; k <= kNumSparse * b; ++k) off[k] = k;
+  }
 }
 
 struct BatchLoader::State {
@@ -90,7 +104,7 @@ struct BatchLoader::State {
         const std::int64_t n = std::min(options.batch_size, source->size() - begin);
         records.resize(static_cast<std::size_t>(n));
         source->read(begin, records);
-        make_batch(records, featurizer, slots[static_cast<std::size_t>(k % num_slots())], options.allocate);
+        make_batch(records, featurizer, slots[static_cast<std::size_t>(k % num_slots())], options.allocate, options.bags);
         {
           std::lock_guard lock(mutex);
           ready[static_cast<std::size_t>(k % num_slots())] = k;

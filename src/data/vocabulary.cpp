@@ -68,10 +68,7 @@ VocabularyCounter::VocabularyCounter(VocabularyOptions options) : options_(optio
 
 void VocabularyCounter::add(std::span<const RawRecord> records, int threads) {
   const auto count = [&](int first, int step) {
-    for (int t = first; t < kNumSparse; t += step) {
-      auto& counts = counts_[static_cast<std::size_t>(t)];
-      for (const RawRecord& r : records) ++counts[options_.key(r.sparse[static_cast<std::size_t>(t)])];
-    }
+    for (int t = first; t < kNumSparse; t += step) add_feature(t, records);
   };
   threads = std::clamp(threads, 1, kNumSparse);
   if (threads == 1) {
@@ -81,7 +78,18 @@ void VocabularyCounter::add(std::span<const RawRecord> records, int threads) {
     for (int i = 0; i < threads; ++i) pool.emplace_back(count, i, threads);
     for (std::thread& th : pool) th.join();
   }
-  records_ += static_cast<std::int64_t>(records.size());
+  add_records(static_cast<std::int64_t>(records.size()));
+}
+
+void VocabularyCounter::add_feature(int feature, std::span<const RawRecord> records) {
+  check_feature(feature, "data::VocabularyCounter::add_feature");
+  auto& counts = counts_[static_cast<std::size_t>(feature)];
+  for (const RawRecord& r : records) ++counts[options_.key(r.sparse[static_cast<std::size_t>(feature)])];
+}
+
+void VocabularyCounter::add_records(std::int64_t n) {
+  FK_CHECK_ARG(n >= 0, "data::VocabularyCounter::add_records", "n", ">= 0", std::to_string(n));
+  records_ += n;
 }
 
 void VocabularyCounter::merge(const VocabularyCounter& other) {

@@ -60,4 +60,15 @@ void expect_arg_error(F&& f, const std::string& op, const std::string& arg) {
   }
 }
 
+// Runs f and checks that it throws fk::Error whose message contains every one of `parts`.
+template <class F>
+void expect_error_mentions(F&& f, std::initializer_list<std::string> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "no fk::Error (expected one mentioning " << *parts.begin() << ")";
+  } catch (const Error& e) {
+    for (const std::string& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << p << " in: " << e.what();
+  }
+}
+
 }  // namespace fk::test

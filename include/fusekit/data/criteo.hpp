@@ -67,12 +67,16 @@ struct Featurizer {
   std::int64_t max_ind_range = 0;  // <= 0: tables as large as the cardinalities
   HashMode hash = HashMode::seed;
   std::shared_ptr<const Vocabulary> vocabulary;  // when set: ids and table sizes from it
+  // The records' categorical values are this vocabulary's ids already (preprocessed shards):
+  // each is checked to be below its table's rows and passed through.
+  bool premapped = false;
 
   // Throws fk::Error unless there are 26 cardinalities, all >= 1 (and, with a vocabulary, the
-  // hash is reference).
+  // hash is reference; premapped needs a vocabulary).
   void validate() const;
   std::int64_t rows(int table) const;      // min(cardinality, max_ind_range), or the vocabulary's
   std::vector<std::int64_t> table_rows() const;
+  // The row of value v; premapped: v itself, or fk::Error when v is not below rows(table).
   std::int64_t hash_index(int table, std::uint32_t v) const;
   static float dense_transform(std::int32_t x);  // log(1 + max(x, 0))
 };
@@ -165,30 +169,40 @@ class SyntheticCriteo {
 // block, the header's CRC-32), fixed 160-byte little-endian records (i32 label, i32 dense[13],
 // u32 sparse[26]), then one CRC-32 per block of records and the CRC-32 of that table. Raw values
 // are kept (hashing happens at load time), so one file serves any table size or hash mode.
-// binary_source checks the header, the file's exact size and the table when it opens a file, and
-// each block's checksum the first time a read touches it; version 1 files (no checksums) are
-// read with the same size and label checks.
-void write_binary(const std::filesystem::path& path, std::span<const RawRecord> records);
+// binary_source maps the file into memory; it checks the header, the file's exact size and the
+// table when it opens a file, and each block's checksum the first time a read touches it;
+// version 1 files (no checksums) are read with the same size and label checks.
+//
+// Version 3 is version 2 whose categorical values are the ids of a vocabulary (the shards of
+// `fusekit data preprocess`): u32 content at byte 36 (1: vocabulary ids) and the vocabulary's
+// fingerprint at byte 40, both under the header's CRC. Files of raw values are written as version 2.
+struct BinaryContent {
+  bool ids = false;                // the sparse values are vocabulary ids
+  std::uint32_t vocabulary = 0;    // that vocabulary's fingerprint (Vocabulary::fingerprint)
+  friend bool operator==(const BinaryContent&, const BinaryContent&) = default;
+};
+void write_binary(const std::filesystem::path& path, std::span<const RawRecord> records, BinaryContent content = {});
 
 // Streams records to a Criteo TSV or binary file, in order, through a temporary file that close()
 // renames into place (an unclosed writer removes it): for data sets larger than memory.
 enum class FileFormat { tsv, binary };
 class RecordWriter {
  public:
-  RecordWriter(std::filesystem::path path, FileFormat format);
+  RecordWriter(std::filesystem::path path, FileFormat format, BinaryContent content = {});
   ~RecordWriter();
   RecordWriter(const RecordWriter&) = delete;
   RecordWriter& operator=(const RecordWriter&) = delete;
-  void write(std::span<const RawRecord> records);
+  // `threads` > 1 formats TSV lines on that many threads (binary records are written as they are).
+  void write(std::span<const RawRecord> records, int threads = 1);
   void close();
   std::int64_t count() const noexcept { return count_; }
 
  private:
   std::filesystem::path path_, tmp_;
   FileFormat format_;
+  BinaryContent content_;
   std::unique_ptr<std::ofstream> out_;
   std::int64_t count_ = 0;
-  std::string line_;
   std::vector<std::uint32_t> block_crcs_;  // binary: the finished blocks'
   std::uint32_t block_crc_ = 0;            // binary: the open block's, over its first in_block_ records
   std::int64_t in_block_ = 0;
@@ -197,6 +211,8 @@ class RecordWriter {
 ReadReport convert_tsv_to_binary(const std::filesystem::path& tsv, const std::filesystem::path& bin,
                                  const ReadOptions& options);
 bool is_binary_file(const std::filesystem::path& path);
+// What a binary file holds (its header, checked as binary_source checks it).
+BinaryContent binary_content(const std::filesystem::path& path);
 
 // ---------------------------------------------------------------------------------------------
 // Record sources and the batch loader
@@ -212,7 +228,9 @@ class RecordSource {
 
 std::shared_ptr<RecordSource> memory_source(std::vector<RawRecord> records);
 std::shared_ptr<RecordSource> synthetic_source(SyntheticConfig config, std::int64_t size);
-std::shared_ptr<RecordSource> binary_source(const std::filesystem::path& path);  // reads with pread
+std::shared_ptr<RecordSource> binary_source(const std::filesystem::path& path);  // memory-mapped
+// The records of several sources one after the other (a data set's day files).
+std::shared_ptr<RecordSource> concat_source(std::vector<std::shared_ptr<RecordSource>> sources);
 // Records [begin, end) of another source.
 std::shared_ptr<RecordSource> slice_source(std::shared_ptr<RecordSource> source, std::int64_t begin, std::int64_t end);
 
@@ -260,9 +278,10 @@ using HostAllocator = std::function<Tensor(Dims shape, DType dtype)>;
 HostAllocator pinned_host_allocator();
 
 // Fills `batch`, (re)allocating its tensors through `allocate` (plain host memory when empty)
-// when their shapes differ from what `records.size()` samples need.
+// when their shapes differ from what `records.size()` samples need. bags = false leaves indices
+// and offsets empty, for a consumer that reads raw_sparse only (the fused lookup).
 void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch,
-                const HostAllocator& allocate = {});
+                const HostAllocator& allocate = {}, bool bags = true);
 
 struct LoaderOptions {
   std::int64_t batch_size = 128;
@@ -270,6 +289,7 @@ struct LoaderOptions {
   int prefetch = 4;  // batches prepared ahead of the consumer
   int workers = 1;   // threads preparing batches (each makes every workers-th batch)
   HostAllocator allocate;  // memory of the batch slots (empty: plain host memory)
+  bool bags = true;        // false: batches without indices and offsets (make_batch)
 };
 
 // Streams the source's records in order as batches, prepared on background threads. next()

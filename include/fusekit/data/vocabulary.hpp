@@ -47,6 +47,10 @@ class VocabularyCounter {
   // Counts the records' values; `threads` > 1 splits the features among that many threads (one
   // counter's memory, whatever the thread count).
   void add(std::span<const RawRecord> records, int threads = 1);
+  // The two halves of add(), for callers that schedule the features themselves: counts one
+  // feature's values (calls for distinct features may run concurrently), and the records count.
+  void add_feature(int feature, std::span<const RawRecord> records);
+  void add_records(std::int64_t n);
   // Throws fk::Error unless `other` has the same options.
   void merge(const VocabularyCounter& other);
   const VocabularyOptions& options() const noexcept { return options_; }
