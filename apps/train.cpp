@@ -175,6 +175,16 @@ double peak_host_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
 }
 
+// The process's resident anonymous memory now, in MB (/proc/self/status RssAnon; 0 where there is
+// none): its own memory, without the mapped data files' pages, which belong to the page cache.
+double anonymous_host_mb() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.starts_with("RssAnon:")) return std::strtod(line.c_str() + 8, nullptr) / 1024.0;
+  return 0.0;
+}
+
 std::string progress_bar(double fraction, int width = 24) {
   const int filled = static_cast<int>(fraction * width);
   std::string s(static_cast<std::size_t>(width), ' ');
@@ -295,6 +305,8 @@ int run_train(const TrainFlags& flags) {
   const std::int64_t trace_until = step + c.trace_steps;
   json evals = json::array();
   double train_seconds = 0, train_cpu_seconds = 0, window_loss = 0, epoch_loss = 0, last_epoch_loss = 0;
+  double data_wait_seconds = 0;  // the training thread waiting for the loader's next batch
+  double peak_anonymous_mb = anonymous_host_mb();  // sampled at each progress line and at the end
   std::int64_t last_epoch_steps = 0;  // the steps last_epoch_loss covers (after a resume: this run's only)
   std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0, drained_steps = 0;
   auto window_start = clock::now();
@@ -340,7 +352,9 @@ int run_train(const TrainFlags& flags) {
       const data::Batch* b = nullptr;
       {
         const auto scope = trace_scope(tr, "data.wait");
+        const auto t_wait = clock::now();
         b = loader.next();
+        data_wait_seconds += std::chrono::duration<double>(clock::now() - t_wait).count();
       }
       if (!b) break;
       {
@@ -365,6 +379,7 @@ int run_train(const TrainFlags& flags) {
         drained_steps = window_steps;
       }
       if (print_now) {
+        peak_anonymous_mb = std::max(peak_anonymous_mb, anonymous_host_mb());
         const double secs = std::chrono::duration<double>(clock::now() - window_start).count();
         fmt::print("epoch {} step {}/{} {} {:5.1f}%  loss {:.5f}  {:.0f} samples/s\n", epoch, step, total,
                    progress_bar(static_cast<double>(step) / static_cast<double>(total)),
@@ -404,7 +419,9 @@ int run_train(const TrainFlags& flags) {
     }
     if (epoch_steps == 0) break;
   }
+  peak_anonymous_mb = std::max(peak_anonymous_mb, anonymous_host_mb());
   const models::BinaryMetrics final_m = run_eval("final,");
+  peak_anonymous_mb = std::max(peak_anonymous_mb, anonymous_host_mb());
   checkpoint();
   if (trace) {
     trace->write(c.trace);
@@ -413,12 +430,13 @@ int run_train(const TrainFlags& flags) {
   const double sps = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0.0;
   const double cpu_sps = train_cpu_seconds > 0 ? static_cast<double>(samples) / train_cpu_seconds : 0.0;
   fmt::print("summary: train loss {:.5f} (mean over the last epoch's {} steps{}), test logloss {:.5f}, AUC {:.5f}, "
-             "accuracy {:.5f}, {:.0f} samples/s ({} steps, {} samples, {:.1f} s training; {:.0f} samples per "
-             "CPU-second of the training thread), peak host memory {:.0f} MB, peak GPU memory {:.0f} MB\n",
+             "accuracy {:.5f}, {:.0f} samples/s ({} steps, {} samples, {:.1f} s training, {:.1f} s of it waiting for "
+             "data; {:.0f} samples per CPU-second of the training thread), peak host memory {:.0f} MB (anonymous at "
+             "most {:.0f} MB, the rest mapped data pages), peak GPU memory {:.0f} MB\n",
              last_epoch_loss, last_epoch_steps,
              resumed_at % per_epoch != 0 && step - last_epoch_steps == resumed_at ? " run since the resume" : "",
-             final_m.log_loss, final_m.auc, final_m.accuracy, sps, step, samples, train_seconds, cpu_sps,
-             peak_host_mb(), static_cast<double>(model.peak_device_bytes()) / 1e6);
+             final_m.log_loss, final_m.auc, final_m.accuracy, sps, step, samples, train_seconds, data_wait_seconds,
+             cpu_sps, peak_host_mb(), peak_anonymous_mb, static_cast<double>(model.peak_device_bytes()) / 1e6);
   if (!c.metrics_json.empty()) {
     json out = {{"config", to_json(c)},
                 {"device", device.str()},
@@ -434,7 +452,9 @@ int run_train(const TrainFlags& flags) {
                   {"steps", step},
                   {"samples", samples},
                   {"train_seconds", train_seconds},
+                  {"data_wait_seconds", data_wait_seconds},
                   {"peak_host_mb", peak_host_mb()},
+                  {"peak_anonymous_host_mb", peak_anonymous_mb},
                   {"peak_gpu_mb", static_cast<double>(model.peak_device_bytes()) / 1e6}}}};
     apps::write_file_atomically(c.metrics_json, "fusekit train", "--metrics-json",
                                 [&](std::ostream& f) { f << out.dump(2) << "\n"; });
@@ -552,7 +572,7 @@ int run_data(CLI::App& data_cmd, const DataFlags& f) {
           gen.generate(begin + b, std::span(records).subspan(static_cast<std::size_t>(b), static_cast<std::size_t>(m)));
         });
       for (std::thread& th : pool) th.join();
-      writer.write(records);
+      writer.write(records, static_cast<int>(threads));
     }
     writer.close();
     fmt::print("data: wrote {} synthetic samples (seed {}) to {} ({})\n", f.rows, f.seed, f.out,

@@ -8,8 +8,9 @@
 #
 # The file comes from `fusekit data synth` (Zipf-distributed categories whose raw values are a
 # 32-bit scramble of the rank: the modulus hash makes them collide, as real Criteo hashes do;
-# labels from a hidden model). fusekit runs with a vocabulary counted over every record (the
-# reference builds its dictionaries over all seven days), on the CPU and, when fusekit was built
+# labels from a hidden model). fusekit preprocesses it (`fusekit data preprocess`, the vocabulary
+# counted over every day, as the reference builds its dictionaries) and trains from the shards, on
+# the CPU and, when fusekit was built
 # with CUDA and a GPU is present, on the GPU; and once with the modulus hash (fusekit's default
 # 100,000-row cap) instead, for contrast. With --reference pointing at a checkout of facebookresearch/dlrm (not part of this
 # repository; its Python needs torch, numpy, scikit-learn, tensorboard, tqdm and mlperf-logging),
@@ -42,9 +43,10 @@ if [[ -f $work/rows && $(cat "$work/rows") != "$rows" ]]; then
   exit 2
 fi
 [[ -f $data ]] || { "$fusekit" data synth --rows "$rows" --seed 2024 --out "$data" && echo "$rows" > "$work/rows"; }
-"$fusekit" data vocab "$data" --out "$work/all.fkv" --test-fraction 0 --max-ind-range 2000000000
+[[ -f $work/shards/manifest.json ]] ||
+  "$fusekit" data preprocess "$data" --out "$work/shards" --vocabulary-all-days --max-ind-range 2000000000
 recipe=(--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1 --arch-sparse-feature-size 16 --learning-rate 0.1
-        --mini-batch-size 128 --test-mini-batch-size 16384 --print-every 0 --data "$data" --data-set kaggle)
+        --mini-batch-size 128 --test-mini-batch-size 16384 --print-every 0 --data-set kaggle)
 devices=(cpu)
 "$fusekit" info 2>/dev/null | grep -q "^cuda:0:" && devices+=(cuda)
 steps=$(( (rows / 7 * 6 + (rows % 7 < 6 ? rows % 7 : 6) + 127) / 128 ))
@@ -52,7 +54,7 @@ for s in $seeds; do
   for d in "${devices[@]}"; do
     impl=reference
     [[ $d == cuda ]] && impl=fused
-    "$fusekit" train "${recipe[@]}" --vocabulary "$work/all.fkv" --max-ind-range 2000000000 --data-hash reference \
+    "$fusekit" train "${recipe[@]}" --data "$work/shards" --data-workers 2 \
       --seed "$s" --numpy-rand-seed "$s" --device "$d" --impl "$impl" --metrics-json "$work/fusekit_${d}_seed$s.json" |
       sed -n "s/^summary: .*\(test logloss [0-9.]*, AUC [0-9.]*, accuracy [0-9.]*\).*/fusekit $d seed $s: \1/p"
   done
@@ -72,5 +74,5 @@ for s in $seeds; do
       sed "s/.* auc \([0-9.]*\), best auc [0-9.]*, accuracy \([0-9.]*\) %.*/reference seed $s: AUC \1, accuracy \2 %/"
   fi
 done
-"$fusekit" train "${recipe[@]}" --max-ind-range 100000 --data-hash reference --metrics-json "$work/fusekit_hash.json" |
+"$fusekit" train "${recipe[@]}" --data "$data" --max-ind-range 100000 --data-hash reference --metrics-json "$work/fusekit_hash.json" |
   sed -n "s/^summary: .*\(test logloss [0-9.]*, AUC [0-9.]*, accuracy [0-9.]*\).*/fusekit cpu, modulus hash (max_ind_range 100000): \1/p"

@@ -124,20 +124,39 @@ Vocabulary Vocabulary::build(const VocabularyCounter& counter) {
   return v;
 }
 
+namespace {
+
+// Open addressing with linear probing: the slot of a key starts at the top bits of its
+// Fibonacci hash.
+std::size_t slot_of(std::uint64_t key, int shift) {
+  return static_cast<std::size_t>((key * 0x9E3779B97F4A7C15ull) >> shift);
+}
+
+}  // namespace
+
 void Vocabulary::index() {
   for (std::size_t t = 0; t < by_id_.size(); ++t) {
-    FK_CHECK_ARG(by_id_[t].size() < (std::size_t{1} << 32) - 1, "data::Vocabulary", "kept",
-                 "fewer than 2^32 - 1 values a feature", std::to_string(by_id_[t].size()));
-    auto& s = sorted_[t];
-    s.resize(by_id_[t].size());
-    for (std::size_t i = 0; i < s.size(); ++i) s[i] = std::uint64_t{by_id_[t][i]} << 32 | (i + 1);
-    std::sort(s.begin(), s.end());
-    for (std::size_t i = 1; i < s.size(); ++i)
-      if (s[i] >> 32 == s[i - 1] >> 32)
-        throw Error("data::Vocabulary", fmt::format("feature {}: value {:#x} appears twice", t, s[i] >> 32));
-    if (options_.max_ind_range > 0 && !s.empty() && static_cast<std::int64_t>(s.back() >> 32) >= options_.max_ind_range)
-      throw Error("data::Vocabulary", fmt::format("feature {}: value {:#x} is not below max_ind_range {}", t,
-                                                  s.back() >> 32, options_.max_ind_range));
+    const std::vector<std::uint32_t>& keys = by_id_[t];
+    FK_CHECK_ARG(keys.size() < (std::size_t{1} << 32) - 1, "data::Vocabulary", "kept",
+                 "fewer than 2^32 - 1 values a feature", std::to_string(keys.size()));
+    // At most 3/4 full; a slot holds key << 32 | id, and 0 (id 0 never stored) is empty.
+    int bits = 1;
+    while ((std::size_t{1} << bits) * 3 < keys.size() * 4) ++bits;
+    shift_[t] = 64 - bits;
+    auto& slots = slots_[t];
+    slots.assign(std::size_t{1} << bits, 0);
+    const std::size_t mask = slots.size() - 1;
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const std::uint64_t key = keys[i];
+      if (options_.max_ind_range > 0 && static_cast<std::int64_t>(key) >= options_.max_ind_range)
+        throw Error("data::Vocabulary", fmt::format("feature {}: value {:#x} is not below max_ind_range {}", t, key,
+                                                    options_.max_ind_range));
+      std::size_t at = slot_of(key, shift_[t]);
+      for (; slots[at] != 0; at = (at + 1) & mask)
+        if (slots[at] >> 32 == key)
+          throw Error("data::Vocabulary", fmt::format("feature {}: value {:#x} appears twice", t, key));
+      slots[at] = key << 32 | (i + 1);
+    }
   }
   const std::vector<std::byte> bytes = serialize();
   std::memcpy(&fingerprint_, bytes.data() + bytes.size() - 4, 4);
@@ -155,10 +174,14 @@ std::vector<std::int64_t> Vocabulary::table_rows() const {
 }
 
 std::uint32_t Vocabulary::id(int feature, std::uint32_t raw) const {
-  const auto& s = sorted_[static_cast<std::size_t>(feature)];
+  const auto& slots = slots_[static_cast<std::size_t>(feature)];
   const std::uint64_t key = options_.key(raw);
-  const auto it = std::lower_bound(s.begin(), s.end(), key << 32);
-  return it != s.end() && (*it >> 32) == key ? static_cast<std::uint32_t>(*it) : 0u;
+  const std::size_t mask = slots.size() - 1;
+  for (std::size_t at = slot_of(key, shift_[static_cast<std::size_t>(feature)]);; at = (at + 1) & mask) {
+    const std::uint64_t v = slots[at];
+    if (v == 0) return 0u;
+    if (v >> 32 == key) return static_cast<std::uint32_t>(v);
+  }
 }
 
 std::uint32_t Vocabulary::key_of(int feature, std::uint32_t id) const {

@@ -93,12 +93,13 @@ class Vocabulary {
   }
 
  private:
-  void index();  // sorted_ from by_id_, and the fingerprint
+  void index();  // slots_ from by_id_ (checked: no value twice, each below max_ind_range), the fingerprint
   std::vector<std::byte> serialize() const;
   VocabularyOptions options_;
   std::int64_t records_ = 0;
   std::array<std::vector<std::uint32_t>, kNumSparse> by_id_;   // key of id i + 1
-  std::array<std::vector<std::uint64_t>, kNumSparse> sorted_;  // key << 32 | id, ascending
+  std::array<std::vector<std::uint64_t>, kNumSparse> slots_;  // hash table: key << 32 | id, 0 empty
+  std::array<int, kNumSparse> shift_{};
   std::uint32_t fingerprint_ = 0;
 };
 
