@@ -250,6 +250,13 @@ int run_train(const TrainFlags& flags) {
   FK_CHECK_ARG(c.steps > 0 || !__builtin_mul_overflow(per_epoch, c.epochs, &total), "fusekit train",
                "training.epochs (--epochs)", fmt::format("at most {} epochs of {} steps (2^63 steps)", INT64_MAX / per_epoch, per_epoch),
                fmt::format("{}", c.epochs));
+  // The training records of the steps before `step` (batch k of an epoch is records [kB, (k+1)B)
+  // of its first epoch_records): the samples a run has seen, whole or resumed.
+  const auto samples_before = [&](std::int64_t s) {
+    return s / per_epoch * epoch_records + std::min(s % per_epoch * c.mini_batch_size, epoch_records);
+  };
+  // The (0-based) epoch of the step before `step`: the one the progress line names.
+  const auto epoch_of_last_step = [&](std::int64_t s) { return s > 0 ? (s - 1) / per_epoch : 0; };
   std::int64_t step = 0, samples = 0;
   if (flags.resume && std::filesystem::exists(c.checkpoint)) {
     std::ifstream in;
@@ -271,8 +278,9 @@ int run_train(const TrainFlags& flags) {
     model.set_trace(trace.get());
   }
   const std::int64_t resumed_at = step;  // 0 unless resumed: an epoch begun before covers only this run's steps
+  std::int64_t samples_seen = samples_before(step);  // since the run's start, a resumed one's too
   const std::int64_t trace_until = step + c.trace_steps;
-  json evals = json::array();
+  json evals = json::array(), windows = json::array();
   double train_seconds = 0, train_cpu_seconds = 0, window_loss = 0, epoch_loss = 0, last_epoch_loss = 0;
   std::int64_t last_epoch_steps = 0;  // the steps last_epoch_loss covers (after a resume: this run's only)
   std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0, drained_steps = 0;
@@ -285,6 +293,8 @@ int run_train(const TrainFlags& flags) {
                when, step, m.log_loss, m.auc, m.accuracy, m.samples, 100 * m.positive_rate, secs);
     json r = metrics_record(m);
     r["step"] = step;
+    r["samples_seen"] = samples_seen;
+    r["epoch"] = epoch_of_last_step(step);
     evals.push_back(r);
     return m;
   };
@@ -331,6 +341,7 @@ int run_train(const TrainFlags& flags) {
       }
       ++step;
       samples += b->size;
+      samples_seen += b->size;
       ++window_steps;
       window_samples += b->size;
       const bool print_now = c.print_every > 0 && (step % c.print_every == 0 || step == total);
@@ -345,10 +356,17 @@ int run_train(const TrainFlags& flags) {
       }
       if (print_now) {
         const double secs = std::chrono::duration<double>(clock::now() - window_start).count();
+        const double loss = window_loss / static_cast<double>(window_steps);
+        const double sps = static_cast<double>(window_samples) / secs;
         fmt::print("epoch {} step {}/{} {} {:5.1f}%  loss {:.5f}  {:.0f} samples/s\n", epoch, step, total,
                    progress_bar(static_cast<double>(step) / static_cast<double>(total)),
-                   100.0 * static_cast<double>(step) / static_cast<double>(total), window_loss / window_steps,
-                   static_cast<double>(window_samples) / secs);
+                   100.0 * static_cast<double>(step) / static_cast<double>(total), loss, sps);
+        windows.push_back({{"step", step},
+                           {"samples_seen", samples_seen},
+                           {"epoch", epoch},
+                           {"loss", loss},
+                           {"samples_per_s", sps},
+                           {"learning_rate", scheduled ? scheduled_learning_rate(c, step - 1) : c.learning_rate}});
         std::fflush(stdout);
         window_loss = 0;
         window_steps = 0;
@@ -403,6 +421,7 @@ int run_train(const TrainFlags& flags) {
                 {"device", device.str()},
                 {"impl", std::string(models::impl_name(impl))},
                 {"commit", fk::build_info().commit},
+                {"train", windows},
                 {"evaluations", evals},
                 {"summary",
                  {{"train_loss", last_epoch_loss},
