@@ -285,6 +285,7 @@ int run_train(const TrainFlags& flags) {
   std::int64_t last_epoch_steps = 0;  // the steps last_epoch_loss covers (after a resume: this run's only)
   std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0, drained_steps = 0;
   auto window_start = clock::now();
+  double window_seconds = 0;  // the window's training time before its last evaluation or checkpoint
   auto run_eval = [&](const char* when) {
     const auto t0 = clock::now();
     const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
@@ -355,7 +356,7 @@ int run_train(const TrainFlags& flags) {
         drained_steps = window_steps;
       }
       if (print_now) {
-        const double secs = std::chrono::duration<double>(clock::now() - window_start).count();
+        const double secs = window_seconds + std::chrono::duration<double>(clock::now() - window_start).count();
         const double loss = window_loss / static_cast<double>(window_steps);
         const double sps = static_cast<double>(window_samples) / secs;
         fmt::print("epoch {} step {}/{} {} {:5.1f}%  loss {:.5f}  {:.0f} samples/s\n", epoch, step, total,
@@ -372,12 +373,14 @@ int run_train(const TrainFlags& flags) {
         window_steps = 0;
         drained_steps = 0;
         window_samples = 0;
+        window_seconds = 0;
         window_start = clock::now();
       }
       if (eval_now || save_now) {
         // Evaluation and checkpoint time is not training time.
         train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
         train_cpu_seconds += thread_cpu_seconds() - epoch_cpu_start;
+        window_seconds += std::chrono::duration<double>(clock::now() - window_start).count();
         if (eval_now) run_eval("at");
         checkpoint();
         epoch_start = clock::now();
