@@ -119,20 +119,31 @@ data::HostAllocator batch_allocator(const models::Dlrm& model) {
 
 models::DlrmInput model_input(const data::Batch& b) { return {b.dense, b.indices, b.offsets, b.raw_sparse}; }
 
-models::BinaryMetrics evaluate(models::Dlrm& model, const std::shared_ptr<data::RecordSource>& test,
-                               const data::Featurizer& feat, std::int64_t batch, int workers) {
-  data::BatchLoader loader(test, feat, {.batch_size = batch, .workers = workers, .allocate = batch_allocator(model)});
+// The model's click probability and the label of every test sample, in test-set order.
+struct Predictions {
   std::vector<float> probs, labels;
-  probs.reserve(static_cast<std::size_t>(test->size()));
-  labels.reserve(static_cast<std::size_t>(test->size()));
+};
+
+Predictions predict(models::Dlrm& model, const std::shared_ptr<data::RecordSource>& test, const data::Featurizer& feat,
+                    std::int64_t batch, int workers) {
+  data::BatchLoader loader(test, feat, {.batch_size = batch, .workers = workers, .allocate = batch_allocator(model)});
+  Predictions out;
+  out.probs.reserve(static_cast<std::size_t>(test->size()));
+  out.labels.reserve(static_cast<std::size_t>(test->size()));
   Tensor p;
   while (const data::Batch* b = loader.next()) {
     if (p.shape() != Dims{b->size}) p = Tensor::empty({b->size}, DType::f32, Device::cpu());
     model.predict(model_input(*b), p);
-    probs.insert(probs.end(), p.data_as<float>(), p.data_as<float>() + b->size);
-    labels.insert(labels.end(), b->labels.data_as<float>(), b->labels.data_as<float>() + b->size);
+    out.probs.insert(out.probs.end(), p.data_as<float>(), p.data_as<float>() + b->size);
+    out.labels.insert(out.labels.end(), b->labels.data_as<float>(), b->labels.data_as<float>() + b->size);
   }
-  return models::evaluate_binary(probs, labels);
+  return out;
+}
+
+models::BinaryMetrics evaluate(models::Dlrm& model, const std::shared_ptr<data::RecordSource>& test,
+                               const data::Featurizer& feat, std::int64_t batch, int workers) {
+  const Predictions p = predict(model, test, feat, batch, workers);
+  return models::evaluate_binary(p.probs, p.labels);
 }
 
 json metrics_record(const models::BinaryMetrics& m) {
@@ -454,10 +465,13 @@ CLI::App* add_eval_command(CLI::App& app, EvalFlags& f) {
   cmd->add_option("--data", f.data, "Evaluate on this data's test split instead of the run's");
   cmd->add_option("--test-mini-batch-size", f.test_mini_batch_size, "Evaluation batch size");
   cmd->add_option("--device", f.device, "cpu (default) | cuda: where the model is evaluated");
+  cmd->add_option("--predictions", f.predictions,
+                  "Write label<TAB>probability for every test sample here, in test-set order (atomically)");
   return cmd;
 }
 
 int run_eval(const EvalFlags& f) {
+  if (!f.predictions.empty()) apps::check_writable(f.predictions, "fusekit eval", "--predictions");
   std::ifstream in;
   const apps::CheckpointHeader h = apps::open_checkpoint(f.checkpoint, in, "fusekit eval");
   TrainConfig c;
@@ -475,7 +489,20 @@ int run_eval(const EvalFlags& f) {
   model.load_state(in);
   const Split split = load_data(c);
   fmt::print("fusekit eval: {} (step {}), {}, device {}\n", f.checkpoint, h.step, split.description, device.str());
-  const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
+  const Predictions p = predict(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
+  const models::BinaryMetrics m = models::evaluate_binary(p.probs, p.labels);
+  if (!f.predictions.empty()) {
+    apps::write_file_atomically(f.predictions, "fusekit eval", "--predictions", [&](std::ostream& out) {
+      // 9 significant digits give back the float exactly.
+      fmt::memory_buffer line;
+      for (std::size_t i = 0; i < p.probs.size(); ++i) {
+        line.clear();
+        fmt::format_to(std::back_inserter(line), "{:g}\t{:.9g}\n", p.labels[i], p.probs[i]);
+        out.write(line.data(), static_cast<std::streamsize>(line.size()));
+      }
+    });
+    fmt::print("predictions: {} lines in {}\n", p.probs.size(), f.predictions);
+  }
   fmt::print("eval: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples, {:.1f}% positive)\n", m.log_loss, m.auc,
              m.accuracy, m.samples, 100 * m.positive_rate);
   return 0;
