@@ -140,20 +140,31 @@ data::HostAllocator batch_allocator(const models::Dlrm& model) {
 
 models::DlrmInput model_input(const data::Batch& b) { return {b.dense, b.indices, b.offsets, b.raw_sparse}; }
 
-models::BinaryMetrics evaluate(models::Dlrm& model, const std::shared_ptr<data::RecordSource>& test,
-                               const data::Featurizer& feat, std::int64_t batch, int workers) {
-  data::BatchLoader loader(test, feat, {.batch_size = batch, .workers = workers, .allocate = batch_allocator(model)});
+// The model's click probability and the label of every test sample, in test-set order.
+struct Predictions {
   std::vector<float> probs, labels;
-  probs.reserve(static_cast<std::size_t>(test->size()));
-  labels.reserve(static_cast<std::size_t>(test->size()));
+};
+
+Predictions predict(models::Dlrm& model, const std::shared_ptr<data::RecordSource>& test, const data::Featurizer& feat,
+                    std::int64_t batch, int workers) {
+  data::BatchLoader loader(test, feat, {.batch_size = batch, .workers = workers, .allocate = batch_allocator(model)});
+  Predictions out;
+  out.probs.reserve(static_cast<std::size_t>(test->size()));
+  out.labels.reserve(static_cast<std::size_t>(test->size()));
   Tensor p;
   while (const data::Batch* b = loader.next()) {
     if (p.shape() != Dims{b->size}) p = Tensor::empty({b->size}, DType::f32, Device::cpu());
     model.predict(model_input(*b), p);
-    probs.insert(probs.end(), p.data_as<float>(), p.data_as<float>() + b->size);
-    labels.insert(labels.end(), b->labels.data_as<float>(), b->labels.data_as<float>() + b->size);
+    out.probs.insert(out.probs.end(), p.data_as<float>(), p.data_as<float>() + b->size);
+    out.labels.insert(out.labels.end(), b->labels.data_as<float>(), b->labels.data_as<float>() + b->size);
   }
-  return models::evaluate_binary(probs, labels);
+  return out;
+}
+
+models::BinaryMetrics evaluate(models::Dlrm& model, const std::shared_ptr<data::RecordSource>& test,
+                               const data::Featurizer& feat, std::int64_t batch, int workers) {
+  const Predictions p = predict(model, test, feat, batch, workers);
+  return models::evaluate_binary(p.probs, p.labels);
 }
 
 json metrics_record(const models::BinaryMetrics& m) {
@@ -281,6 +292,13 @@ int run_train(const TrainFlags& flags) {
   FK_CHECK_ARG(c.steps > 0 || !__builtin_mul_overflow(per_epoch, c.epochs, &total), "fusekit train",
                "training.epochs (--epochs)", fmt::format("at most {} epochs of {} steps (2^63 steps)", INT64_MAX / per_epoch, per_epoch),
                fmt::format("{}", c.epochs));
+  // The training records of the steps before `step` (batch k of an epoch is records [kB, (k+1)B)
+  // of its first epoch_records): the samples a run has seen, whole or resumed.
+  const auto samples_before = [&](std::int64_t s) {
+    return s / per_epoch * epoch_records + std::min(s % per_epoch * c.mini_batch_size, epoch_records);
+  };
+  // The (0-based) epoch of the step before `step`: the one the progress line names.
+  const auto epoch_of_last_step = [&](std::int64_t s) { return s > 0 ? (s - 1) / per_epoch : 0; };
   std::int64_t step = 0, samples = 0;
   if (flags.resume && std::filesystem::exists(c.checkpoint)) {
     std::ifstream in;
@@ -302,14 +320,16 @@ int run_train(const TrainFlags& flags) {
     model.set_trace(trace.get());
   }
   const std::int64_t resumed_at = step;  // 0 unless resumed: an epoch begun before covers only this run's steps
+  std::int64_t samples_seen = samples_before(step);  // since the run's start, a resumed one's too
   const std::int64_t trace_until = step + c.trace_steps;
-  json evals = json::array();
+  json evals = json::array(), windows = json::array();
   double train_seconds = 0, train_cpu_seconds = 0, window_loss = 0, epoch_loss = 0, last_epoch_loss = 0;
   double data_wait_seconds = 0;  // the training thread waiting for the loader's next batch
   double peak_anonymous_mb = anonymous_host_mb();  // sampled at each progress line and at the end
   std::int64_t last_epoch_steps = 0;  // the steps last_epoch_loss covers (after a resume: this run's only)
   std::int64_t window_steps = 0, window_samples = 0, epoch_steps = 0, drained_steps = 0;
   auto window_start = clock::now();
+  double window_seconds = 0;  // the window's training time before its last evaluation or checkpoint
   auto run_eval = [&](const char* when) {
     const auto t0 = clock::now();
     const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
@@ -318,6 +338,8 @@ int run_train(const TrainFlags& flags) {
                when, step, m.log_loss, m.auc, m.accuracy, m.samples, 100 * m.positive_rate, secs);
     json r = metrics_record(m);
     r["step"] = step;
+    r["samples_seen"] = samples_seen;
+    r["epoch"] = epoch_of_last_step(step);
     evals.push_back(r);
     return m;
   };
@@ -366,6 +388,7 @@ int run_train(const TrainFlags& flags) {
       }
       ++step;
       samples += b->size;
+      samples_seen += b->size;
       ++window_steps;
       window_samples += b->size;
       const bool print_now = c.print_every > 0 && (step % c.print_every == 0 || step == total);
@@ -380,22 +403,31 @@ int run_train(const TrainFlags& flags) {
       }
       if (print_now) {
         peak_anonymous_mb = std::max(peak_anonymous_mb, anonymous_host_mb());
-        const double secs = std::chrono::duration<double>(clock::now() - window_start).count();
+        const double secs = window_seconds + std::chrono::duration<double>(clock::now() - window_start).count();
+        const double loss = window_loss / static_cast<double>(window_steps);
+        const double sps = static_cast<double>(window_samples) / secs;
         fmt::print("epoch {} step {}/{} {} {:5.1f}%  loss {:.5f}  {:.0f} samples/s\n", epoch, step, total,
                    progress_bar(static_cast<double>(step) / static_cast<double>(total)),
-                   100.0 * static_cast<double>(step) / static_cast<double>(total), window_loss / window_steps,
-                   static_cast<double>(window_samples) / secs);
+                   100.0 * static_cast<double>(step) / static_cast<double>(total), loss, sps);
+        windows.push_back({{"step", step},
+                           {"samples_seen", samples_seen},
+                           {"epoch", epoch},
+                           {"loss", loss},
+                           {"samples_per_s", sps},
+                           {"learning_rate", scheduled ? scheduled_learning_rate(c, step - 1) : c.learning_rate}});
         std::fflush(stdout);
         window_loss = 0;
         window_steps = 0;
         drained_steps = 0;
         window_samples = 0;
+        window_seconds = 0;
         window_start = clock::now();
       }
       if (eval_now || save_now) {
         // Evaluation and checkpoint time is not training time.
         train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
         train_cpu_seconds += thread_cpu_seconds() - epoch_cpu_start;
+        window_seconds += std::chrono::duration<double>(clock::now() - window_start).count();
         if (eval_now) run_eval("at");
         checkpoint();
         epoch_start = clock::now();
@@ -442,6 +474,7 @@ int run_train(const TrainFlags& flags) {
                 {"device", device.str()},
                 {"impl", std::string(models::impl_name(impl))},
                 {"commit", fk::build_info().commit},
+                {"train", windows},
                 {"evaluations", evals},
                 {"summary",
                  {{"train_loss", last_epoch_loss},
@@ -473,10 +506,13 @@ CLI::App* add_eval_command(CLI::App& app, EvalFlags& f) {
   cmd->add_option("--data", f.data, "Evaluate on this data's test split instead of the run's");
   cmd->add_option("--test-mini-batch-size", f.test_mini_batch_size, "Evaluation batch size");
   cmd->add_option("--device", f.device, "cpu (default) | cuda: where the model is evaluated");
+  cmd->add_option("--predictions", f.predictions,
+                  "Write label<TAB>probability for every test sample here, in test-set order (atomically)");
   return cmd;
 }
 
 int run_eval(const EvalFlags& f) {
+  if (!f.predictions.empty()) apps::check_writable(f.predictions, "fusekit eval", "--predictions");
   std::ifstream in;
   const apps::CheckpointHeader h = apps::open_checkpoint(f.checkpoint, in, "fusekit eval");
   TrainConfig c;
@@ -494,7 +530,20 @@ int run_eval(const EvalFlags& f) {
   model.load_state(in);
   const Split split = load_data(c, feat);
   fmt::print("fusekit eval: {} (step {}), {}, device {}\n", f.checkpoint, h.step, split.description, device.str());
-  const models::BinaryMetrics m = evaluate(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
+  const Predictions p = predict(model, split.test, feat, c.test_mini_batch_size, static_cast<int>(c.data_workers));
+  const models::BinaryMetrics m = models::evaluate_binary(p.probs, p.labels);
+  if (!f.predictions.empty()) {
+    apps::write_file_atomically(f.predictions, "fusekit eval", "--predictions", [&](std::ostream& out) {
+      // 9 significant digits give back the float exactly.
+      fmt::memory_buffer line;
+      for (std::size_t i = 0; i < p.probs.size(); ++i) {
+        line.clear();
+        fmt::format_to(std::back_inserter(line), "{:g}\t{:.9g}\n", p.labels[i], p.probs[i]);
+        out.write(line.data(), static_cast<std::streamsize>(line.size()));
+      }
+    });
+    fmt::print("predictions: {} lines in {}\n", p.probs.size(), f.predictions);
+  }
   fmt::print("eval: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples, {:.1f}% positive)\n", m.log_loss, m.auc,
              m.accuracy, m.samples, 100 * m.positive_rate);
   return 0;

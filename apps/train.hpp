@@ -23,9 +23,10 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags& flags);
 int run_train(const TrainFlags& flags);
 
 // `fusekit eval --checkpoint PATH`: the test metrics of a saved model, on the data of its run or
-// on --data.
+// on --data; --predictions FILE also writes each test sample's label and probability.
 struct EvalFlags {
   std::string checkpoint;
+  std::string predictions;
   std::optional<std::string> data;
   std::optional<std::int64_t> test_mini_batch_size;
   std::string device = "cpu";

@@ -204,7 +204,7 @@ const std::vector<Setting>& train_settings() {
       {"training.impl",                    &C::impl,                       parsed_by(parse_impl),
        "--impl",                          "reference | fused (CUDA only)"},
       {"training.metrics_json",            &C::metrics_json,               {},
-       "--metrics-json",                  "Write the run's configuration, evaluations and summary here"},
+       "--metrics-json",                  "Write the run's configuration, progress windows, evaluations and summary here"},
       {"training.checkpoint",              &C::checkpoint,                 {},
        "--checkpoint,--save-model",       "Save the training state here (atomically) at the end and at evaluations"},
       {"training.trace",                   &C::trace,                      {},
