@@ -37,11 +37,7 @@ using nlohmann::json;
 CLI::App* add_train_command(CLI::App& app, TrainFlags& f) {
   CLI::App* cmd = app.add_subcommand("train", "Train DLRM on synthetic or Criteo data (docs/dlrm.md)");
   add_config_flags(*cmd, f.config);
-  cmd->add_flag("--dry-run", f.dry_run, "Check the configuration, print the model and data it describes, exit");
-  cmd->add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
-  cmd->add_flag("--resume-override", f.resume_override,
-                "Resume even when settings differ from those stored in the checkpoint (the run is then not the "
-                "unbroken run's continuation)");
+  add_run_flags(*cmd, f.run);
   return cmd;
 }
 
@@ -235,12 +231,13 @@ int run_train(const TrainFlags& flags) {
   if (!flags.config.no_effect.empty())
     fmt::print("fusekit train: warning: the DLRM reference's {} {} no effect here (see --help)\n",
                fmt::join(flags.config.no_effect, " "), flags.config.no_effect.size() == 1 ? "has" : "have");
-  FK_CHECK_ARG(!flags.resume || !c.checkpoint.empty(), "fusekit train", "--resume", "a --checkpoint path", "none");
+  const StartState start = start_state(flags.run, c);
+  const bool train = !flags.run.inference_only;  // --inference-only writes no checkpoint and no trace
   // Every output is checked before the run, not found unwritable after it has trained.
-  if (!flags.dry_run) {
-    if (!c.checkpoint.empty()) apps::check_writable(c.checkpoint, "fusekit train", "--checkpoint");
+  if (!flags.run.dry_run) {
+    if (train && !c.checkpoint.empty()) apps::check_writable(c.checkpoint, "fusekit train", "--checkpoint");
     if (!c.metrics_json.empty()) apps::check_writable(c.metrics_json, "fusekit train", "--metrics-json");
-    if (!c.trace.empty()) apps::check_writable(c.trace, "fusekit train", "--trace");
+    if (train && !c.trace.empty()) apps::check_writable(c.trace, "fusekit train", "--trace");
   }
   const data::Featurizer feat = make_featurizer(c);
   const models::DlrmConfig mc = make_model_config(c, feat);
@@ -250,7 +247,7 @@ int run_train(const TrainFlags& flags) {
 
   std::int64_t rows = 0;
   for (std::int64_t r : mc.table_rows) rows += r;
-  if (flags.dry_run) {
+  if (flags.run.dry_run) {
     fmt::print("fusekit train --dry-run: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows), {:.1f}M "
                "parameters ({:.0f} MB), {} lr {} batch {}, data {}, device {}, impl {}\n",
                c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,
@@ -300,22 +297,29 @@ int run_train(const TrainFlags& flags) {
   // The (0-based) epoch of the step before `step`: the one the progress line names.
   const auto epoch_of_last_step = [&](std::int64_t s) { return s > 0 ? (s - 1) / per_epoch : 0; };
   std::int64_t step = 0, samples = 0;
-  if (flags.resume && std::filesystem::exists(c.checkpoint)) {
+  if (!start.path.empty() && (start.must_exist || std::filesystem::exists(start.path))) {
     std::ifstream in;
-    const apps::CheckpointHeader h = apps::open_checkpoint(c.checkpoint, in, "fusekit train");
+    apps::CheckpointHeader h;
+    try {
+      h = apps::open_checkpoint(start.path, in, "fusekit train");
+    } catch (const Error& e) {
+      if (!start.must_exist) throw;
+      throw Error(e.op(), start.flag, e.expected(), e.got());  // the file is --load-model's, not --checkpoint's
+    }
     const std::string diff = apps::config_differences(h.config, to_json(c));
-    FK_CHECK_ARG(diff.empty() || flags.resume_override, "fusekit train", "--resume",
+    FK_CHECK_ARG(diff.empty() || flags.run.resume_override, "fusekit train", start.flag,
                  fmt::format("the configuration stored in {} (--resume-override resumes with the new settings)",
-                             c.checkpoint),
+                             start.path),
                  diff);
     step = h.step;
-    FK_CHECK_ARG(step <= total, "fusekit train", "--resume", fmt::format("a checkpoint at most at step {} (the run's end)", total),
-                 fmt::format("{} at step {}", c.checkpoint, step));
+    FK_CHECK_ARG(!train || step <= total, "fusekit train", start.flag,
+                 fmt::format("a checkpoint at most at step {} (the run's end)", total),
+                 fmt::format("{} at step {}", start.path, step));
     model.load_state(in);
-    fmt::print("resumed from {} at step {}\n", c.checkpoint, step);
+    fmt::print("{} {} at step {}\n", start.must_exist ? "loaded" : "resumed from", start.path, step);
   }
   std::unique_ptr<TraceRecorder> trace;
-  if (!c.trace.empty()) {
+  if (train && !c.trace.empty()) {
     trace = std::make_unique<TraceRecorder>();
     model.set_trace(trace.get());
   }
@@ -357,6 +361,26 @@ int run_train(const TrainFlags& flags) {
     save_checkpoint(c.checkpoint, step, c, model);
     fmt::print("checkpoint: step {} saved to {}\n", step, c.checkpoint);
   };
+  // Copied out of the structured binding: clang before 16 cannot capture one in a lambda.
+  const std::string device_name = device.str(), impl_name(models::impl_name(impl));
+  auto write_metrics = [&](json summary) {
+    if (c.metrics_json.empty()) return;
+    const json out = {{"config", to_json(c)},
+                      {"device", device_name},
+                      {"impl", impl_name},
+                      {"commit", fk::build_info().commit},
+                      {"train", windows},
+                      {"evaluations", evals},
+                      {"summary", std::move(summary)}};
+    apps::write_file_atomically(c.metrics_json, "fusekit train", "--metrics-json",
+                                [&](std::ostream& f) { f << out.dump(2) << "\n"; });
+    fmt::print("metrics: {}\n", c.metrics_json);
+  };
+  if (!train) {
+    const models::BinaryMetrics m = run_eval("inference-only,");
+    write_metrics({{"inference_only", true}, {"test", metrics_record(m)}, {"steps", step}});
+    return 0;
+  }
   while (step < total) {
     // Batch k of an epoch is records [k B, (k + 1) B): a resumed run starts mid-epoch exactly
     // where the interrupted one stopped.
@@ -469,30 +493,18 @@ int run_train(const TrainFlags& flags) {
              resumed_at % per_epoch != 0 && step - last_epoch_steps == resumed_at ? " run since the resume" : "",
              final_m.log_loss, final_m.auc, final_m.accuracy, sps, step, samples, train_seconds, data_wait_seconds,
              cpu_sps, peak_host_mb(), peak_anonymous_mb, static_cast<double>(model.peak_device_bytes()) / 1e6);
-  if (!c.metrics_json.empty()) {
-    json out = {{"config", to_json(c)},
-                {"device", device.str()},
-                {"impl", std::string(models::impl_name(impl))},
-                {"commit", fk::build_info().commit},
-                {"train", windows},
-                {"evaluations", evals},
-                {"summary",
-                 {{"train_loss", last_epoch_loss},
-                  {"train_loss_steps", last_epoch_steps},
-                  {"test", metrics_record(final_m)},
-                  {"samples_per_s", sps},
-                  {"samples_per_cpu_s", cpu_sps},
-                  {"steps", step},
-                  {"samples", samples},
-                  {"train_seconds", train_seconds},
-                  {"data_wait_seconds", data_wait_seconds},
-                  {"peak_host_mb", peak_host_mb()},
-                  {"peak_anonymous_host_mb", peak_anonymous_mb},
-                  {"peak_gpu_mb", static_cast<double>(model.peak_device_bytes()) / 1e6}}}};
-    apps::write_file_atomically(c.metrics_json, "fusekit train", "--metrics-json",
-                                [&](std::ostream& f) { f << out.dump(2) << "\n"; });
-    fmt::print("metrics: {}\n", c.metrics_json);
-  }
+  write_metrics({{"train_loss", last_epoch_loss},
+                 {"train_loss_steps", last_epoch_steps},
+                 {"test", metrics_record(final_m)},
+                 {"samples_per_s", sps},
+                 {"samples_per_cpu_s", cpu_sps},
+                 {"steps", step},
+                 {"samples", samples},
+                 {"train_seconds", train_seconds},
+                 {"data_wait_seconds", data_wait_seconds},
+                 {"peak_host_mb", peak_host_mb()},
+                 {"peak_anonymous_host_mb", peak_anonymous_mb},
+                 {"peak_gpu_mb", static_cast<double>(model.peak_device_bytes()) / 1e6}});
   return 0;
 }
 

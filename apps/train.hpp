@@ -12,11 +12,11 @@
 
 namespace fk::app {
 
-// The command line of `fusekit train`: the configuration's part (apps/train_config.hpp), and what
-// is not configuration.
+// The command line of `fusekit train`: the configuration's part and what is not configuration
+// (apps/train_config.hpp).
 struct TrainFlags {
   ConfigFlags config;
-  bool resume = false, resume_override = false, dry_run = false;
+  RunFlags run;
 };
 
 CLI::App* add_train_command(CLI::App& app, TrainFlags& flags);

@@ -385,6 +385,30 @@ TrainConfig resolve(const ConfigFlags& f) {
   return c;
 }
 
+void add_run_flags(CLI::App& cmd, RunFlags& f) {
+  cmd.add_flag("--dry-run", f.dry_run, "Check the configuration, print the model and data it describes, exit");
+  cmd.add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
+  cmd.add_flag("--resume-override", f.resume_override,
+               "Resume (or --load-model) even when settings differ from those stored in the checkpoint (the run is "
+               "then not the unbroken run's continuation)");
+  cmd.add_option("--load-model", f.load_model,
+                 "Continue from this checkpoint (weights, optimizer state, step), as --resume does from --checkpoint; "
+                 "it is written only when --checkpoint/--save-model names it. The DLRM reference's flag")
+      ->check(CLI::ExistingFile);
+  cmd.add_flag("--inference-only", f.inference_only,
+               "Evaluate on the test set and exit, training nothing: the --load-model model, or the freshly "
+               "initialised one. The DLRM reference's flag; writes --metrics-json, no checkpoint or trace");
+}
+
+StartState start_state(const RunFlags& f, const TrainConfig& c) {
+  FK_CHECK_ARG(!f.resume || f.load_model.empty(), kOp, "--resume",
+               "either --resume (from --checkpoint) or --load-model FILE, not both", "both");
+  FK_CHECK_ARG(!f.resume || !c.checkpoint.empty(), kOp, "--resume", "a --checkpoint path", "none");
+  if (!f.load_model.empty()) return {.path = f.load_model, .must_exist = true, .flag = "--load-model"};
+  if (f.resume) return {.path = c.checkpoint, .must_exist = false, .flag = "--resume"};
+  return {};
+}
+
 bool has_learning_rate_schedule(const TrainConfig& c) { return c.lr_num_warmup_steps > 0 || c.lr_num_decay_steps > 0; }
 
 double scheduled_learning_rate(const TrainConfig& c, std::int64_t step) {

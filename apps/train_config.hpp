@@ -1,7 +1,8 @@
 // The configuration of `fusekit train`: TrainConfig, and the one table of its settings from which
 // everything else derives: the --config JSON reader (unknown keys are an error), the command-line
 // flags (which override the file), their merge, the validation, and the config echo written into
-// --metrics-json, checkpoints and --dry-run's output.
+// --metrics-json, checkpoints and --dry-run's output. Also the flags that are not configuration
+// (RunFlags: --resume, --load-model, --inference-only, ...) and the start they ask for.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -144,5 +145,27 @@ struct ConfigFlags {
 void add_config_flags(CLI::App& cmd, ConfigFlags& flags, std::span<const Setting> table = train_settings());
 // The defaults, then the --config file, then the flags given; validated.
 TrainConfig resolve(const ConfigFlags& flags);
+
+// The command line of `fusekit train` that is not configuration (never in the echo): where the
+// run's state comes from and whether it trains. The DLRM reference's --load-model FILE continues
+// from FILE (its weights, optimizer state and step) and writes it only when --checkpoint
+// (--save-model) names it too; --inference-only evaluates the loaded model, or the freshly
+// initialised one, on the test set and trains nothing.
+struct RunFlags {
+  bool dry_run = false, resume = false, resume_override = false, inference_only = false;
+  std::string load_model;
+};
+void add_run_flags(CLI::App& cmd, RunFlags& flags);
+
+// The checkpoint a run starts from: --load-model's file (which must exist: its flag checks it),
+// or with --resume the configuration's checkpoint when it exists.
+struct StartState {
+  std::string path;            // "": a freshly initialised model
+  bool must_exist = false;     // --load-model
+  std::string flag;            // "--load-model" or "--resume": what errors about it name
+};
+// fk::Error for flags that contradict each other (--resume with --load-model, --resume without a
+// checkpoint).
+StartState start_state(const RunFlags& flags, const TrainConfig& c);
 
 }  // namespace fk::app

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <span>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -197,6 +198,62 @@ TEST(TrainConfigTable, AliasRowsSetTheirSettingOrNothing) {
                          "training.loss_function (--loss-function)");
   test::expect_arg_error([] { resolve_args({"--data-generation", "dataset"}); }, "fusekit train",
                          "data.generation (--data-generation)");
+}
+
+// `fusekit train ARGS` as the program parses them: the configuration and the run flags.
+std::pair<TrainConfig, RunFlags> parse_train(std::vector<std::string> args) {
+  CLI::App app;
+  ConfigFlags config;
+  RunFlags run;
+  add_config_flags(app, config);
+  add_run_flags(app, run);
+  std::reverse(args.begin(), args.end());
+  app.parse(args);
+  return {resolve(config), run};
+}
+
+// The DLRM reference's --load-model FILE continues from FILE and writes it only when --save-model
+// names it; --inference-only trains nothing, from a loaded model or a fresh one.
+TEST(TrainRunFlags, LoadModelAndInferenceOnly) {
+  const std::string model = write_config("model.ckpt", json::object()).string();  // exists: the flag checks that
+  TrainConfig c;
+  RunFlags run;
+  std::tie(c, run) = parse_train({"--load-model", model});
+  StartState s = start_state(run, c);
+  EXPECT_EQ(s.path, model);
+  EXPECT_TRUE(s.must_exist);
+  EXPECT_EQ(s.flag, "--load-model");
+  EXPECT_TRUE(c.checkpoint.empty()) << "--load-model alone must not write its file";
+  EXPECT_FALSE(run.inference_only);
+
+  std::tie(c, run) = parse_train({"--load-model", model, "--save-model", "next.ckpt"});
+  EXPECT_EQ(start_state(run, c).path, model);
+  EXPECT_EQ(c.checkpoint, "next.ckpt");
+
+  std::tie(c, run) = parse_train({"--load-model", model, "--inference-only"});
+  EXPECT_TRUE(run.inference_only);
+  EXPECT_EQ(start_state(run, c).path, model);
+
+  std::tie(c, run) = parse_train({"--inference-only"});  // the freshly initialised model, as the reference
+  EXPECT_TRUE(run.inference_only);
+  EXPECT_TRUE(start_state(run, c).path.empty());
+
+  std::tie(c, run) = parse_train({"--checkpoint", "state.ckpt", "--resume"});
+  s = start_state(run, c);
+  EXPECT_EQ(s.path, "state.ckpt");
+  EXPECT_FALSE(s.must_exist) << "--resume starts fresh when the checkpoint is not there yet";
+  EXPECT_EQ(s.flag, "--resume");
+
+  EXPECT_TRUE(start_state(parse_train({}).second, TrainConfig{}).path.empty());
+  // Neither the run flags nor their values reach the configuration's echo.
+  EXPECT_EQ(to_json(parse_train({"--load-model", model, "--inference-only"}).first), to_json(TrainConfig{}));
+
+  EXPECT_THROW(parse_train({"--load-model", model + ".missing"}), CLI::ValidationError);
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--load-model", model, "--resume", "--checkpoint", "x"},
+                                               std::vector<std::string>{"--resume"}}) {
+    std::tie(c, run) = parse_train(args);
+    test::expect_arg_error([&] { start_state(run, c); }, "fusekit train", "--resume");
+  }
 }
 
 // The number of members of the aggregate T: the most initializers T{...} accepts.
