@@ -3,7 +3,7 @@
 //   fusekit check                     one short case per op family against its spec, on every device (apps/check.cpp)
 //   fusekit bench [--filter F] [--json PATH] [--json-dir DIR] [--breakdown]
 //   fusekit train [--config FILE.json] [DLRM flags]   (apps/train.cpp)
-//   fusekit eval --checkpoint PATH                     (apps/train.cpp)
+//   fusekit eval --checkpoint PATH [--predictions FILE] (apps/train.cpp)
 //   fusekit data synth|convert                         (apps/train.cpp)
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
