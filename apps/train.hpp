@@ -47,6 +47,9 @@ struct DataFlags {
   std::string preprocess_set = "kaggle";
   bool all_days = false;            // preprocess: the vocabulary counts the test day too
   int threads = 0;                  // preprocess: 0, every core
+  std::int64_t batch = 32768;       // loader-rate
+  int workers = 8;                  // loader-rate
+  std::int64_t batches = 0;         // loader-rate: 0, one epoch
 };
 // `fusekit data synth --rows N --out FILE.tsv`, `fusekit data convert IN.tsv[.gz] OUT.bin`,
 // `fusekit data vocab IN --out VOCAB [--max-ind-range R] [--min-count T]` and

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <array>
 #include <fstream>
 #include <thread>
 #include <sys/mman.h>
@@ -72,7 +73,16 @@ std::int64_t Featurizer::hash_index(int table, std::uint32_t v) const {
   return reference::hash_row(v, rows(table), hash);
 }
 
-float Featurizer::dense_transform(std::int32_t x) { return std::log1p(static_cast<float>(std::max(x, 0))); }
+float Featurizer::dense_transform(std::int32_t x) {
+  // Counts are mostly small: those below 4096 come from a table of the same log1p values.
+  static const std::array<float, 4096> table = [] {
+    std::array<float, 4096> t{};
+    for (std::size_t i = 0; i < t.size(); ++i) t[i] = std::log1p(static_cast<float>(i));
+    return t;
+  }();
+  if (x < 4096) return table[static_cast<std::size_t>(std::max(x, 0))];
+  return std::log1p(static_cast<float>(x));
+}
 
 // ---------------------------------------------------------------------------------------------
 // Parsing
@@ -539,11 +549,15 @@ class BinarySource final : public RecordSource {
                     fmt::format("{}: a damaged table", path.string()));
       }
       block_crcs_.pop_back();
-      verified_ = std::make_unique<std::atomic<bool>[]>(blocks);
+      state_ = std::make_unique<std::atomic<std::uint8_t>[]>(blocks);
     }
   }
   ~BinarySource() override { ::munmap(const_cast<char*>(map_), map_bytes_); }
   std::int64_t size() const override { return count_; }
+  const RawRecord* mapped(std::int64_t i) const override {
+    if (block_records_) verify_block(static_cast<std::uint64_t>(i) / block_records_);
+    return reinterpret_cast<const RawRecord*>(map_ + kHeaderBytes + static_cast<std::uint64_t>(i) * kRecordBytes);
+  }
   void read(std::int64_t begin, std::span<RawRecord> out) const override {
     FK_CHECK_ARG(begin >= 0 && begin <= count_ && static_cast<std::int64_t>(out.size()) <= count_ - begin,
                  "data::binary_source", "begin", fmt::format("a range inside [0, {})", count_),
@@ -561,23 +575,37 @@ class BinarySource final : public RecordSource {
   }
 
  private:
-  // Checks a block against its CRC-32 the first time it is read (concurrent first reads may both
-  // check it; the flag is only ever set after a match).
+  // Checks a block against its CRC-32 the first time it is read. One thread checks a block; the
+  // others that need it meanwhile wait for its result instead of checking it again (a random
+  // order touches every block within its first batches).
+  enum : std::uint8_t { kUnverified, kChecking, kVerified };
   void verify_block(std::uint64_t b) const {
-    if (verified_[b].load(std::memory_order_acquire)) return;
-    const std::uint64_t first = b * block_records_;
-    const std::uint64_t n = std::min<std::uint64_t>(block_records_, static_cast<std::uint64_t>(count_) - first);
-    if (crc32_of(0, map_ + kHeaderBytes + first * kRecordBytes, n * kRecordBytes) != block_crcs_[b])
-      throw Error("data::binary_source", "path", "records matching their block's CRC-32",
-                  fmt::format("{}: records {} to {} are damaged", path_.string(), first, first + n - 1));
-    verified_[b].store(true, std::memory_order_release);
+    std::atomic<std::uint8_t>& state = state_[b];
+    while (true) {
+      std::uint8_t s = state.load(std::memory_order_acquire);
+      if (s == kVerified) return;
+      if (s == kChecking) {
+        state.wait(kChecking, std::memory_order_acquire);
+        continue;
+      }
+      if (!state.compare_exchange_strong(s, kChecking, std::memory_order_acq_rel)) continue;
+      const std::uint64_t first = b * block_records_;
+      const std::uint64_t n = std::min<std::uint64_t>(block_records_, static_cast<std::uint64_t>(count_) - first);
+      const bool ok = crc32_of(0, map_ + kHeaderBytes + first * kRecordBytes, n * kRecordBytes) == block_crcs_[b];
+      state.store(ok ? kVerified : kUnverified, std::memory_order_release);  // a waiter rechecks a bad block
+      state.notify_all();
+      if (!ok)
+        throw Error("data::binary_source", "path", "records matching their block's CRC-32",
+                    fmt::format("{}: records {} to {} are damaged", path_.string(), first, first + n - 1));
+      return;
+    }
   }
 
   std::filesystem::path path_;
   std::int64_t count_ = 0;
   std::uint32_t block_records_ = 0;  // 0: version 1, no checksums
   std::vector<std::uint32_t> block_crcs_;
-  std::unique_ptr<std::atomic<bool>[]> verified_;
+  std::unique_ptr<std::atomic<std::uint8_t>[]> state_;  // per block
   const char* map_ = nullptr;
   std::size_t map_bytes_ = 0;
 };
@@ -586,6 +614,7 @@ class MemorySource final : public RecordSource {
  public:
   explicit MemorySource(std::vector<RawRecord> r) : records_(std::move(r)) {}
   std::int64_t size() const override { return static_cast<std::int64_t>(records_.size()); }
+  const RawRecord* mapped(std::int64_t i) const override { return &records_[static_cast<std::size_t>(i)]; }
   void read(std::int64_t begin, std::span<RawRecord> out) const override {
     FK_CHECK_ARG(begin >= 0 && begin + static_cast<std::int64_t>(out.size()) <= size(), "data::memory_source", "begin",
                  fmt::format("a range inside [0, {})", size()), fmt::format("[{}, {})", begin, begin + out.size()));
@@ -604,6 +633,7 @@ class SliceSource final : public RecordSource {
                  fmt::format("0 <= begin <= end <= {}", source_->size()), fmt::format("[{}, {})", begin, end));
   }
   std::int64_t size() const override { return end_ - begin_; }
+  const RawRecord* mapped(std::int64_t i) const override { return source_->mapped(begin_ + i); }
   void read(std::int64_t begin, std::span<RawRecord> out) const override {
     // Inside the slice: a read past its end must not reach the records after it (the test set).
     FK_CHECK_ARG(begin >= 0 && begin <= size() && static_cast<std::int64_t>(out.size()) <= size() - begin,
@@ -631,6 +661,25 @@ class OrderedSource final : public RecordSource {
     FK_CHECK_ARG(begin >= 0 && begin <= size() && static_cast<std::int64_t>(out.size()) <= size() - begin,
                  "data::ordered_source", "begin", fmt::format("a range inside [0, {})", size()),
                  fmt::format("{} records at {}", out.size(), begin));
+    if (out.empty()) return;
+    if (source_->mapped(order_[static_cast<std::size_t>(begin)]) != nullptr) {
+      // Records in memory: their addresses first (verifying their blocks), then copies that
+      // prefetch a few records ahead, so that the random order's cache misses overlap.
+      constexpr std::size_t kAhead = 12;
+      thread_local std::vector<const RawRecord*> at;
+      at.resize(out.size());
+      for (std::size_t i = 0; i < out.size(); ++i) at[i] = source_->mapped(order_[static_cast<std::size_t>(begin) + i]);
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        if (i + kAhead < out.size()) {
+          const char* p = reinterpret_cast<const char*>(at[i + kAhead]);
+          __builtin_prefetch(p);
+          __builtin_prefetch(p + 64);
+          __builtin_prefetch(p + sizeof(RawRecord) - 1);
+        }
+        out[i] = *at[i];
+      }
+      return;
+    }
     // Runs of consecutive indices (the file order, or a day's) are read at once.
     for (std::size_t i = 0; i < out.size();) {
       const std::int64_t first = order_[static_cast<std::size_t>(begin) + i];
@@ -658,6 +707,10 @@ class ConcatSource final : public RecordSource {
     }
   }
   std::int64_t size() const override { return begin_.back(); }
+  const RawRecord* mapped(std::int64_t i) const override {
+    const std::size_t s = static_cast<std::size_t>(std::upper_bound(begin_.begin(), begin_.end(), i) - begin_.begin()) - 1;
+    return sources_[s]->mapped(i - begin_[s]);
+  }
   void read(std::int64_t begin, std::span<RawRecord> out) const override {
     FK_CHECK_ARG(begin >= 0 && begin <= size() && static_cast<std::int64_t>(out.size()) <= size() - begin,
                  "data::concat_source", "begin", fmt::format("a range inside [0, {})", size()),

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -50,9 +51,24 @@ void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer
   std::uint32_t* raw = static_cast<std::uint32_t*>(batch.raw_sparse.data());
   // With a vocabulary, raw_sparse holds the ids, which the reference hash v % rows leaves unchanged.
   const bool ids = featurizer.vocabulary != nullptr;
+  std::array<std::int64_t, kNumSparse> rows{};
+  if (featurizer.premapped)
+    for (int t = 0; t < kNumSparse; ++t) rows[static_cast<std::size_t>(t)] = featurizer.rows(t);
   for (std::int64_t i = 0; i < b; ++i) {
     const RawRecord& r = records[static_cast<std::size_t>(i)];
+    FK_CHECK_ARG(r.label == 0 || r.label == 1, "data::make_batch", "records", "labels 0 or 1",
+                 fmt::format("{} in record {} of the batch", r.label, i));
     labels[i] = static_cast<float>(r.label);
+    if (featurizer.premapped) {  // ids already: checked against their tables, copied
+      for (int j = 0; j < kNumDense; ++j) dense[i * kNumDense + j] = Featurizer::dense_transform(r.dense[j]);
+      for (int t = 0; t < kNumSparse; ++t) {
+        const std::uint32_t v = r.sparse[static_cast<std::size_t>(t)];
+        if (static_cast<std::int64_t>(v) >= rows[static_cast<std::size_t>(t)]) featurizer.hash_index(t, v);  // throws
+        raw[t * b + i] = v;
+        if (bags) idx[t * b + i] = v;
+      }
+      continue;
+    }
     for (int j = 0; j < kNumDense; ++j) dense[i * kNumDense + j] = Featurizer::dense_transform(r.dense[j]);
     for (int t = 0; t < kNumSparse; ++t) {
       const std::uint32_t v = r.sparse[t];

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <zlib.h>
 
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -319,6 +321,32 @@ TEST(ConcatSource, ReadsAcrossSourcesAndRefusesRangesOutside) {
   EXPECT_EQ(r[2].sparse[0], 5u);
   fk::test::expect_error_mentions([&] { all->read(3, r); }, {"concat_source"});
   EXPECT_THROW(concat_source({a, nullptr}), Error);
+}
+
+TEST(OrderedSource, GathersFromMappedRecordsAsFromReadOnes) {
+  // The same records in memory (gathered with prefetching) and generated on demand (read one run
+  // at a time), in one random order.
+  SyntheticConfig sc;
+  sc.seed = 5;
+  std::vector<RawRecord> records(5000);
+  SyntheticCriteo(sc).generate(0, records);
+  const std::vector<std::int64_t> order = training_order(std::vector<std::int64_t>{0, 5000}, "total", 9);
+  const auto mapped = ordered_source(memory_source(records), order);
+  const auto generated = ordered_source(synthetic_source(sc, 5000), order);
+  ASSERT_NE(memory_source(records)->mapped(0), nullptr);
+  ASSERT_EQ(synthetic_source(sc, 5000)->mapped(0), nullptr);
+  std::vector<RawRecord> a(4321), b(4321);
+  mapped->read(77, a);
+  generated->read(77, b);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&a[i], &b[i], sizeof(RawRecord)), 0) << i;
+    ASSERT_EQ(std::memcmp(&a[i], &records[static_cast<std::size_t>(order[77 + i])], sizeof(RawRecord)), 0) << i;
+  }
+}
+
+TEST(Featurizer, DenseTransformIsLog1pOfTheClampedCount) {
+  for (const std::int32_t x : {-5, -1, 0, 1, 2, 7, 4095, 4096, 4097, 123456, 2147483647})
+    EXPECT_EQ(Featurizer::dense_transform(x), std::log1p(static_cast<float>(std::max(x, 0)))) << x;
 }
 
 TEST(Featurizer, PremappedIdsAreCheckedAgainstTheirTables) {

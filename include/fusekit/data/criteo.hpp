@@ -224,6 +224,10 @@ class RecordSource {
   virtual std::int64_t size() const = 0;
   // Records [begin, begin + out.size()); thread-safe.
   virtual void read(std::int64_t begin, std::span<RawRecord> out) const = 0;
+  // Record i where the source holds its records in memory (a mapped file: its checksum block
+  // verified first), so that a reader in another order can gather them with prefetching;
+  // nullptr for sources that make or read records on demand. i must be in [0, size()).
+  virtual const RawRecord* mapped(std::int64_t i) const { (void)i; return nullptr; }
 };
 
 std::shared_ptr<RecordSource> memory_source(std::vector<RawRecord> records);
