@@ -225,9 +225,68 @@ void save_checkpoint(const std::string& path, std::int64_t step, const TrainConf
 
 }  // namespace
 
+namespace {
+
+// Whether `dir` holds `raw` preprocessed as --processed-data-file asks: the same file (path and
+// size), data set and vocabulary options.
+bool holds_preprocessed(const std::filesystem::path& dir, const std::filesystem::path& raw, const std::string& set,
+                        std::int64_t max_ind_range) {
+  if (!data::is_shard_directory(dir)) return false;
+  std::ifstream in(dir / "manifest.json");
+  const json m = json::parse(in, nullptr, false);
+  if (m.is_discarded()) return false;
+  const json want_inputs = json::array({{{"path", std::filesystem::absolute(raw).string()},
+                                         {"bytes", std::filesystem::file_size(raw)}}});
+  json inputs = json::array();
+  for (const json& i : m.value("inputs", json::array()))
+    if (i.is_object()) inputs.push_back({{"path", i.value("path", json())}, {"bytes", i.value("bytes", json())}});
+  const json v = m.value("vocabulary", json::object());
+  return inputs == want_inputs && m.value("data_set", json()) == set && v.value("max_ind_range", json()) == max_ind_range &&
+         v.value("min_count", json()) == 1 && v.value("days", json()) == "all";
+}
+
+// The reference's --processed-data-file: training reads the preprocessed directory, written first
+// from --data (a Criteo TSV file) unless it already holds it. As the reference prepares Kaggle:
+// its split (--data-set, kaggle by default), dictionaries over every day, --max-ind-range when
+// given (fusekit's default cap is for its synthetic data).
+void use_processed_data(TrainConfig& c, const ConfigFlags& flags) {
+  constexpr const char* op = "fusekit train";
+  const std::filesystem::path dir = c.processed_data;
+  if (c.data == "synthetic" || data::is_shard_directory(c.data)) {
+    FK_CHECK_ARG(data::is_shard_directory(c.data) || data::is_shard_directory(dir), op,
+                 "data.processed (--processed-data-file)",
+                 "a preprocessed directory, or a Criteo file to preprocess into it (--raw-data-file)", c.processed_data);
+    if (c.data == "synthetic") c.data = c.processed_data;
+    return;
+  }
+  FK_CHECK_ARG(!data::is_binary_file(c.data), op, "data.source (--raw-data-file)",
+               "a Criteo TSV (.gz) file to preprocess into --processed-data-file", c.data);
+  const std::string set = c.data_set.empty() ? "kaggle" : c.data_set;
+  const std::int64_t range = set_explicitly(flags, "data.max_ind_range") ? c.max_ind_range : 0;
+  if (holds_preprocessed(dir, c.data, set, range)) {
+    fmt::print("data: {} holds {} preprocessed (the manifest's file, size and options)\n", dir.string(), c.data);
+  } else {
+    fmt::print("data: preprocessing {} into {} (--processed-data-file)\n", c.data, dir.string());
+    data::PreprocessOptions o;
+    o.inputs = {c.data};
+    o.out = dir;
+    o.data_set = set;
+    o.vocabulary = {.max_ind_range = range, .min_count = 1};
+    o.vocabulary_all_days = true;
+    o.strict = c.strict_data;
+    const data::PreprocessReport r = data::preprocess(o);
+    fmt::print("data: {}: {}\ndata: preprocessed in {:.1f} s, vocabulary fingerprint {:08x}\n", c.data,
+               r.inputs.at(0).summary(), r.seconds, r.fingerprint);
+  }
+  c.data = c.processed_data;
+}
+
+}  // namespace
+
 int run_train(const TrainFlags& flags) {
   using clock = std::chrono::steady_clock;
-  const TrainConfig c = resolve(flags.config);
+  TrainConfig c = resolve(flags.config);
+  if (!c.processed_data.empty() && !flags.run.dry_run) use_processed_data(c, flags.config);
   if (!flags.config.no_effect.empty())
     fmt::print("fusekit train: warning: the DLRM reference's {} {} no effect here (see --help)\n",
                fmt::join(flags.config.no_effect, " "), flags.config.no_effect.size() == 1 ? "has" : "have");
@@ -261,15 +320,18 @@ int run_train(const TrainFlags& flags) {
   const Split split = load_data(c, feat);
   const auto t_init = clock::now();
   models::Dlrm model(mc, device, impl);
+  const std::string vocabulary_name =
+      feat.premapped ? (std::filesystem::path(c.data) / "vocabulary.fkv").string() : c.vocabulary;
   const std::string ids =
-      feat.vocabulary ? fmt::format("vocabulary {} (max_ind_range {}, min_count {}, fingerprint {:08x})", c.vocabulary,
+      feat.vocabulary ? fmt::format("vocabulary {} (max_ind_range {}, min_count {}, fingerprint {:08x})", vocabulary_name,
                                     feat.vocabulary->options().max_ind_range, feat.vocabulary->options().min_count,
                                     feat.vocabulary->fingerprint())
                       : fmt::format("hash {}, max_ind_range {}", c.data_hash, c.max_ind_range);
-  if (feat.vocabulary && (c.data_hash != "seed" || c.max_ind_range != TrainConfig{}.max_ind_range))
-    fmt::print("fusekit train: warning: with --vocabulary, --data-hash {} and --max-ind-range {} have no effect (the "
-               "vocabulary's ids and max_ind_range apply)\n",
-               c.data_hash, c.max_ind_range);
+  if (feat.vocabulary && (c.data_hash != "seed" || (c.max_ind_range != TrainConfig{}.max_ind_range &&
+                                                    c.max_ind_range != feat.vocabulary->options().max_ind_range)))
+    fmt::print("fusekit train: warning: with the vocabulary {}, --data-hash {} and --max-ind-range {} have no effect "
+               "(its ids and its max_ind_range {} apply)\n",
+               vocabulary_name, c.data_hash, c.max_ind_range, feat.vocabulary->options().max_ind_range);
   fmt::print("fusekit train: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows, {}), "
              "{:.1f}M parameters ({:.0f} MB), {} lr {} batch {}, device {}, impl {}{}\n",
              c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,

@@ -187,7 +187,11 @@ const std::vector<Setting>& train_settings() {
       {"training.device", {}, {}, "--use-gpu", "The reference's spelling of --device cuda", {},
        [](const std::string&) { return json("cuda"); }, false},
       // The DLRM reference's flags that change nothing here: accepted, and named in one warning line.
-      {"", {}, {}, "--processed-data-file", "The reference's preprocessed file (fusekit reads --data itself)"},
+      {"data.processed",                   &C::processed_data,             {},
+       "--processed-data-file",           "The DLRM reference's preprocessed data: a fusekit data preprocess "
+                                          "directory, trained from; written first from --data (a Criteo TSV) "
+                                          "unless it holds that file preprocessed (the reference's split, its "
+                                          "dictionaries over every day, --max-ind-range when given)"},
       {"", {}, {}, "--memory-map", "The reference's memory mapping (fusekit reads files with pread)", {}, nullptr, false},
       {"", {}, {}, "--print-time", "The reference's timing in progress lines (always printed here)", {}, nullptr, false},
       {"", {}, {}, "--test-num-workers", "The reference's evaluation loader workers (see --data-workers)"},
@@ -339,8 +343,10 @@ void validate(const TrainConfig& c) {
                fmt::format("at least the warmup's {} steps (the warmup must end before the decay starts)",
                            c.lr_num_warmup_steps),
                std::to_string(c.lr_decay_start_step));
-  FK_CHECK_ARG(c.data_generation != "dataset" || c.data != "synthetic", kOp, "data.generation (--data-generation)",
-               "a Criteo file given with --data or --raw-data-file (dataset)", "no file (data.source synthetic)");
+  FK_CHECK_ARG(c.data_generation != "dataset" || c.data != "synthetic" || !c.processed_data.empty(), kOp,
+               "data.generation (--data-generation)",
+               "a Criteo file given with --data or --raw-data-file, or --processed-data-file (dataset)",
+               "no file (data.source synthetic)");
 }
 
 void add_config_flags(CLI::App& cmd, ConfigFlags& f, std::span<const Setting> table) {
@@ -375,6 +381,12 @@ void add_config_flags(CLI::App& cmd, ConfigFlags& f, std::span<const Setting> ta
                    }},
                s.member);
   }
+}
+
+bool set_explicitly(const ConfigFlags& f, const std::string& key) {
+  const auto [section, name] = split_key(key);
+  const auto in = [&](const json& j) { return j.contains(section) && j.at(section).contains(name); };
+  return in(f.given) || (!f.config.empty() && in(read_json_file(f.config)));
 }
 
 TrainConfig resolve(const ConfigFlags& f) {

@@ -38,6 +38,7 @@ struct TrainConfig {
   std::int64_t max_ind_range = 100000;      // cap on table rows (0: none). See docs/dlrm.md.
   std::string data_hash = "seed";           // "seed": (v + 1) % rows, "reference": v % rows
   std::string vocabulary;                   // a vocabulary file: dense ids, tables sized by it
+  std::string processed_data;               // the reference's --processed-data-file: a preprocessed directory
   std::int64_t train_samples = 1 << 18;     // synthetic data
   std::int64_t test_samples = 1 << 15;      // synthetic data
   std::uint64_t data_seed = 2024;           // synthetic data
@@ -145,6 +146,8 @@ struct ConfigFlags {
 void add_config_flags(CLI::App& cmd, ConfigFlags& flags, std::span<const Setting> table = train_settings());
 // The defaults, then the --config file, then the flags given; validated.
 TrainConfig resolve(const ConfigFlags& flags);
+// Whether the --config file or a flag set `key` ("data.max_ind_range"), rather than the default.
+bool set_explicitly(const ConfigFlags& flags, const std::string& key);
 
 // The command line of `fusekit train` that is not configuration (never in the echo): where the
 // run's state comes from and whether it trains. The DLRM reference's --load-model FILE continues

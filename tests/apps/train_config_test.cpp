@@ -181,16 +181,23 @@ TEST(TrainConfigTable, AliasRowsSetTheirSettingOrNothing) {
   EXPECT_EQ(resolve_args({"--use-gpu"}).device, "cuda");
   EXPECT_EQ(resolve_args({"--raw-data-file", "x.tsv"}).data, "x.tsv");
   EXPECT_EQ(resolve_args({"--num-workers", "3"}).data_workers, 3);
+  EXPECT_EQ(resolve_args({"--processed-data-file", "p.npz"}).processed_data, "p.npz");
   // Rows without a setting change nothing and are named for the warning line.
   CLI::App app;
   ConfigFlags flags;
   add_config_flags(app, flags);
-  std::vector<std::string> args = {"--print-time", "--processed-data-file", "p.npz", "--round-targets=True"};
+  std::vector<std::string> args = {"--print-time", "--test-num-workers", "16", "--round-targets=True"};
   std::reverse(args.begin(), args.end());
   app.parse(args);
   EXPECT_EQ(to_json(resolve(flags)), to_json(TrainConfig{}));
   EXPECT_EQ(flags.no_effect,
-            (std::vector<std::string>{"--processed-data-file=p.npz", "--print-time", "--round-targets=True"}));  // table order
+            (std::vector<std::string>{"--print-time", "--test-num-workers=16", "--round-targets=True"}));  // table order
+  EXPECT_FALSE(set_explicitly(flags, "data.max_ind_range"));  // the default, not given
+  CLI::App app2;
+  ConfigFlags given;
+  add_config_flags(app2, given);
+  app2.parse(std::vector<std::string>{"5", "--max-ind-range"});
+  EXPECT_TRUE(set_explicitly(given, "data.max_ind_range"));
   // A decay starting inside the warmup is refused, as the reference refuses it; so is another loss.
   test::expect_arg_error([] { resolve_args({"--lr-num-warmup-steps", "100", "--lr-decay-start-step", "50"}); },
                          "fusekit train", "training.lr_decay_start_step (--lr-decay-start-step)");
