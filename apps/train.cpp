@@ -229,14 +229,15 @@ namespace {
 
 // Whether `dir` holds `raw` preprocessed as --processed-data-file asks: the same file (path and
 // size), data set and vocabulary options.
-bool holds_preprocessed(const std::filesystem::path& dir, const std::filesystem::path& raw, const std::string& set,
-                        std::int64_t max_ind_range) {
+bool holds_preprocessed(const std::filesystem::path& dir, const std::vector<std::filesystem::path>& raw,
+                        const std::string& set, std::int64_t max_ind_range) {
   if (!data::is_shard_directory(dir)) return false;
   std::ifstream in(dir / "manifest.json");
   const json m = json::parse(in, nullptr, false);
   if (m.is_discarded()) return false;
-  const json want_inputs = json::array({{{"path", std::filesystem::absolute(raw).string()},
-                                         {"bytes", std::filesystem::file_size(raw)}}});
+  json want_inputs = json::array();
+  for (const std::filesystem::path& r : raw)
+    want_inputs.push_back({{"path", std::filesystem::absolute(r).string()}, {"bytes", std::filesystem::file_size(r)}});
   json inputs = json::array();
   for (const json& i : m.value("inputs", json::array()))
     if (i.is_object()) inputs.push_back({{"path", i.value("path", json())}, {"bytes", i.value("bytes", json())}});
@@ -259,24 +260,42 @@ void use_processed_data(TrainConfig& c, const ConfigFlags& flags) {
     if (c.data == "synthetic") c.data = c.processed_data;
     return;
   }
-  FK_CHECK_ARG(!data::is_binary_file(c.data), op, "data.source (--raw-data-file)",
-               "a Criteo TSV (.gz) file to preprocess into --processed-data-file", c.data);
   const std::string set = c.data_set.empty() ? "kaggle" : c.data_set;
-  const std::int64_t range = set_explicitly(flags, "data.max_ind_range") ? c.max_ind_range : 0;
-  if (holds_preprocessed(dir, c.data, set, range)) {
-    fmt::print("data: {} holds {} preprocessed (the manifest's file, size and options)\n", dir.string(), c.data);
+  // Terabyte's days are the files DATA_0, DATA_1, ... (the reference's naming; .gz too).
+  std::vector<std::filesystem::path> inputs;
+  if (set == "terabyte" && !std::filesystem::is_regular_file(c.data)) {
+    for (int d = 0;; ++d) {
+      const std::string day = fmt::format("{}_{}", c.data, d);
+      if (std::filesystem::is_regular_file(day)) inputs.emplace_back(day);
+      else if (std::filesystem::is_regular_file(day + ".gz")) inputs.emplace_back(day + ".gz");
+      else break;
+    }
+    FK_CHECK_ARG(inputs.size() >= 2, op, "data.source (--raw-data-file)",
+                 "the Terabyte day files PATH_0, PATH_1, ... (at least 2; .gz too)",
+                 fmt::format("{} ({} day files)", c.data, inputs.size()));
   } else {
-    fmt::print("data: preprocessing {} into {} (--processed-data-file)\n", c.data, dir.string());
+    inputs = {c.data};
+  }
+  for (const std::filesystem::path& in : inputs)
+    FK_CHECK_ARG(!data::is_binary_file(in), op, "data.source (--raw-data-file)",
+                 "Criteo TSV (.gz) files to preprocess into --processed-data-file", in.string());
+  const std::int64_t range = set_explicitly(flags, "data.max_ind_range") ? c.max_ind_range : 0;
+  if (holds_preprocessed(dir, inputs, set, range)) {
+    fmt::print("data: {} holds {} preprocessed (the manifest's files, sizes and options)\n", dir.string(), c.data);
+  } else {
+    fmt::print("data: preprocessing {} into {} (--processed-data-file; {} input {})\n", c.data, dir.string(),
+               inputs.size(), inputs.size() == 1 ? "file" : "files");
     data::PreprocessOptions o;
-    o.inputs = {c.data};
+    o.inputs = inputs;
     o.out = dir;
     o.data_set = set;
     o.vocabulary = {.max_ind_range = range, .min_count = 1};
     o.vocabulary_all_days = true;
     o.strict = c.strict_data;
     const data::PreprocessReport r = data::preprocess(o);
-    fmt::print("data: {}: {}\ndata: preprocessed in {:.1f} s, vocabulary fingerprint {:08x}\n", c.data,
-               r.inputs.at(0).summary(), r.seconds, r.fingerprint);
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      fmt::print("data: {}: {}\n", inputs[i].string(), r.inputs.at(i).summary());
+    fmt::print("data: preprocessed in {:.1f} s, vocabulary fingerprint {:08x}\n", r.seconds, r.fingerprint);
   }
   c.data = c.processed_data;
 }
@@ -514,7 +533,15 @@ int run_train(const TrainFlags& flags) {
         train_seconds += std::chrono::duration<double>(clock::now() - epoch_start).count();
         train_cpu_seconds += thread_cpu_seconds() - epoch_cpu_start;
         window_seconds += std::chrono::duration<double>(clock::now() - window_start).count();
-        if (eval_now) run_eval("at");
+        if (eval_now) {
+          const models::BinaryMetrics m = run_eval("at");
+          const bool auc = c.auc_threshold > 0 && m.auc >= c.auc_threshold;
+          if (auc || (c.accuracy_threshold > 0 && m.accuracy >= c.accuracy_threshold)) {
+            fmt::print("stop: the test {} reached {} at step {}\n", auc ? "AUC" : "accuracy",
+                       auc ? c.auc_threshold : c.accuracy_threshold, step);
+            total = step;  // the final evaluation and checkpoint follow, as at the run's end
+          }
+        }
         checkpoint();
         epoch_start = clock::now();
         epoch_cpu_start = thread_cpu_seconds();

@@ -63,6 +63,8 @@ struct TrainConfig {
   std::int64_t lr_decay_start_step = 0;
   std::int64_t lr_num_decay_steps = 0;
   std::int64_t eval_every = 0;  // > 0: evaluate on the test set every this many steps
+  double auc_threshold = 0;       // > 0: stop at the first evaluation whose test AUC reaches it (the reference's)
+  double accuracy_threshold = 0;  // > 0: the same for the test accuracy
   std::int64_t print_every = 200;
   std::string device = "cpu";
   std::string impl = "reference";
