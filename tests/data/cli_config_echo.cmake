@@ -3,20 +3,13 @@
 # Run with -DFUSEKIT=<binary> -DCONFIG=<configs/tiny.json> -DWORK=<scratch folder>.
 file(MAKE_DIRECTORY ${WORK})
 file(REMOVE ${WORK}/metrics.json)
-function(run out_var)
-  execute_process(COMMAND ${FUSEKIT} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  message("${out}${err}")
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "failed (${rc}): ${ARGN}")
-  endif()
-  set(${out_var} "${out}" PARENT_SCOPE)
-endfunction()
-run(trained train --config ${CONFIG} --steps 3 --eval-every 2 --optimizer adagrad --learning-rate 0.05
+include(${CMAKE_CURRENT_LIST_DIR}/run_checked.cmake)
+fusekit(trained train --config ${CONFIG} --steps 3 --eval-every 2 --optimizer adagrad --learning-rate 0.05
     --print-every 0 --data-workers 2 --metrics-json ${WORK}/metrics.json)
 file(READ ${WORK}/metrics.json metrics)
 string(JSON echo GET "${metrics}" config)
 file(WRITE ${WORK}/echo.json "${echo}")
-run(dry train --config ${WORK}/echo.json --dry-run)
+fusekit(dry train --config ${WORK}/echo.json --dry-run)
 string(FIND "${dry}" "\n" first_line_end)
 string(SUBSTRING "${dry}" ${first_line_end} -1 resolved)
 string(JSON same EQUAL "${echo}" "${resolved}")
