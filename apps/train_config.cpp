@@ -393,8 +393,8 @@ void add_config_flags(CLI::App& cmd, ConfigFlags& f, std::span<const Setting> ta
 }
 
 bool set_explicitly(const ConfigFlags& f, const std::string& key) {
-  const auto [section, name] = split_key(key);
-  const auto in = [&](const json& j) { return j.contains(section) && j.at(section).contains(name); };
+  const std::pair<std::string, std::string> at = split_key(key);  // no structured binding: clang 14 cannot capture one
+  const auto in = [&](const json& j) { return j.contains(at.first) && j.at(at.first).contains(at.second); };
   return in(f.given) || (!f.config.empty() && in(read_json_file(f.config)));
 }
 

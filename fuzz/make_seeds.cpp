@@ -1,4 +1,4 @@
-// Writes the fuzz targets' generated seed corpus into OUT/{tsv,binary,checkpoint,vocabulary}:
+// Writes the fuzz targets' generated seed corpus into OUT/{tsv,binary,checkpoint,vocabulary,shards}:
 // files made by fusekit's own writers (synthetic TSV records plain and gzip-compressed, binary
 // files of both versions and several block sizes, checkpoints of both formats of the checkpoint
 // target's model, vocabularies of the synthetic records). The hand-written edge cases are committed under fuzz/corpus/.
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "apps/checkpoint.hpp"
+#include "fusekit/data/preprocess.hpp"
 #include "fusekit/data/vocabulary.hpp"
 #include "fusekit/data/criteo.hpp"
 #include "fuzz_util.hpp"
@@ -52,7 +53,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path out = argv[1];
-  for (const char* d : {"tsv", "binary", "checkpoint", "vocabulary"}) fs::create_directories(out / d);
+  for (const char* d : {"tsv", "binary", "checkpoint", "vocabulary", "shards"}) fs::create_directories(out / d);
 
   data::SyntheticConfig sc;
   sc.seed = 7;
@@ -75,7 +76,20 @@ int main(int argc, char** argv) {
                                     ("r" + std::to_string(o.max_ind_range) + "_t" + std::to_string(o.min_count) + ".fkv"));
   }
 
-  // Binary: version 2 as written, with 5-record and 1-record blocks, and version 1.
+  // Shards: the manifest of the data set shards_fuzz writes (the same 50 records).
+  {
+    std::vector<data::RawRecord> fifty(50);
+    data::SyntheticCriteo(data::SyntheticConfig{}).generate(0, fifty);
+    data::write_tsv(out / "shards/input.tsv", fifty);
+    data::preprocess({.inputs = {out / "shards/input.tsv"}, .out = out / "shards/set", .threads = 1});
+    fs::copy_file(out / "shards/set/manifest.json", out / "shards/manifest.json", fs::copy_options::overwrite_existing);
+    fs::remove_all(out / "shards/set");
+    fs::remove(out / "shards/input.tsv");
+  }
+
+  // Binary: version 2 as written, with 5-record and 1-record blocks, version 1, and version 3
+  // (vocabulary ids).
+  data::write_binary(out / "binary/v3.bin", std::span(recs).first(10), {true, 0x1234});
   data::write_binary(out / "binary/v2.bin", std::span(recs).first(10));
   for (std::uint32_t per : {5u, 1u}) {
     std::vector<std::uint8_t> b = slurp(out / "binary/v2.bin");

@@ -16,7 +16,7 @@ if [ "${1:-}" = "--cmake-args" ]; then echo "$cmake_args"; exit 0; fi
 seconds=${1:-60}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(tsv_reader_fuzz binary_reader_fuzz checkpoint_fuzz vocabulary_fuzz)
+((${#targets[@]})) || targets=(tsv_reader_fuzz binary_reader_fuzz checkpoint_fuzz vocabulary_fuzz shards_fuzz)
 build=${FUSEKIT_SANITIZE_BUILD_DIR:-build-asan}
 
 "$build/fuzz/fuzz_make_seeds" "$build/fuzz-seeds" tests/data/criteo_malformed.tsv >/dev/null
@@ -27,6 +27,7 @@ for t in "${targets[@]}"; do
     binary_reader_fuzz) seeds=("$build/fuzz-seeds/binary") ;;
     checkpoint_fuzz) seeds=("$build/fuzz-seeds/checkpoint") ;;
     vocabulary_fuzz) seeds=("$build/fuzz-seeds/vocabulary") ;;
+    shards_fuzz) seeds=("$build/fuzz-seeds/shards") ;;
     *) echo "fuzz: no target $t" >&2; exit 2 ;;
   esac
   mkdir -p "$build/fuzz-corpus/$t"

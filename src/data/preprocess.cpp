@@ -480,7 +480,24 @@ std::int64_t ShardSet::test_end() const {
   return test_begin() + (last + 1) / 2;  // np.array_split: the first half takes the extra record
 }
 
+namespace {
+
+ShardSet open_shards_checked(const std::filesystem::path& dir, std::shared_ptr<const Vocabulary> vocabulary);
+
+}  // namespace
+
 ShardSet open_shards(const std::filesystem::path& dir, std::shared_ptr<const Vocabulary> vocabulary) {
+  try {
+    return open_shards_checked(dir, std::move(vocabulary));
+  } catch (const json::exception& e) {  // a value of another type than the manifest's
+    throw Error("data::open_shards", "directory", fmt::format("a valid {} (values of the right types)", kManifest),
+                fmt::format("{}: {}", (dir / kManifest).string(), e.what()));
+  }
+}
+
+namespace {
+
+ShardSet open_shards_checked(const std::filesystem::path& dir, std::shared_ptr<const Vocabulary> vocabulary) {
   constexpr const char* op = "data::open_shards";
   const std::filesystem::path mpath = dir / kManifest;
   FK_CHECK_ARG(is_shard_directory(dir), op, "directory",
@@ -537,5 +554,7 @@ ShardSet open_shards(const std::filesystem::path& dir, std::shared_ptr<const Voc
   }
   return s;
 }
+
+}  // namespace
 
 }  // namespace fk::data
