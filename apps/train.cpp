@@ -462,13 +462,15 @@ int run_train(const TrainFlags& flags) {
     write_metrics({{"inference_only", true}, {"test", metrics_record(m)}, {"steps", step}});
     return 0;
   }
+  // One loader for the run: batch k of an epoch is records [k B, (k + 1) B), and a resumed run
+  // starts mid-epoch exactly where the interrupted one stopped.
+  data::BatchLoader loader(data::slice_source(split.train, 0, epoch_records), feat,
+                           {.batch_size = c.mini_batch_size, .workers = static_cast<int>(c.data_workers),
+                            .allocate = batch_allocator(model), .bags = impl != models::DlrmImpl::fused,
+                            .epochs = total / per_epoch + (total % per_epoch != 0) - step / per_epoch,
+                            .first_batch = step % per_epoch});
   while (step < total) {
-    // Batch k of an epoch is records [k B, (k + 1) B): a resumed run starts mid-epoch exactly
-    // where the interrupted one stopped.
-    const std::int64_t epoch = step / per_epoch, first = step % per_epoch;
-    data::BatchLoader loader(data::slice_source(split.train, first * c.mini_batch_size, epoch_records), feat,
-                             {.batch_size = c.mini_batch_size, .workers = static_cast<int>(c.data_workers),
-                              .allocate = batch_allocator(model), .bags = impl != models::DlrmImpl::fused});
+    const std::int64_t epoch = step / per_epoch;
     epoch_loss = 0;
     epoch_steps = 0;
     auto epoch_start = clock::now();
@@ -547,9 +549,10 @@ int run_train(const TrainFlags& flags) {
         epoch_cpu_start = thread_cpu_seconds();
         window_start = clock::now();
       }
+      if (step % per_epoch == 0) break;  // the epoch's last batch
     }
     {
-      // The epoch's last steps (the loader ran dry before `total`).
+      // The epoch's last steps (since the last progress line).
       const double mean = finite_loss(model.drain_loss(), step);
       epoch_loss += mean * static_cast<double>(window_steps - drained_steps);
       epoch_steps += window_steps - drained_steps;

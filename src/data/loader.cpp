@@ -92,6 +92,7 @@ struct BatchLoader::State {
   Featurizer featurizer;
   LoaderOptions options;
   std::int64_t num_batches = 0;
+  std::int64_t per_epoch = 0;  // batches of one pass over the source
 
   std::vector<Batch> slots;
   std::vector<std::int64_t> ready;  // per slot: the batch it holds, ready for the consumer (-1: none)
@@ -116,7 +117,8 @@ struct BatchLoader::State {
           changed.wait(lock, [&] { return stop || k - released < num_slots(); });
           if (stop) return;
         }
-        const std::int64_t begin = k * options.batch_size;
+        // Batch k is batch (first + k) % per_epoch of its epoch.
+        const std::int64_t begin = (options.first_batch + k) % per_epoch * options.batch_size;
         const std::int64_t n = std::min(options.batch_size, source->size() - begin);
         records.resize(static_cast<std::size_t>(n));
         source->read(begin, records);
@@ -141,10 +143,19 @@ BatchLoader::BatchLoader(std::shared_ptr<RecordSource> source, Featurizer featur
   FK_CHECK_ARG(options.prefetch >= 1, "data::BatchLoader", "prefetch", ">= 1", fmt::format("{}", options.prefetch));
   FK_CHECK_ARG(options.workers >= 1, "data::BatchLoader", "workers", ">= 1", fmt::format("{}", options.workers));
   featurizer.validate();
+  FK_CHECK_ARG(options.epochs >= 0, "data::BatchLoader", "epochs", ">= 0", fmt::format("{}", options.epochs));
   const std::int64_t n = source->size();
   // n / B, plus a partial batch: no n + B - 1 that could pass 2^63 for a huge batch size.
-  num_batches_ = n / options.batch_size + (!options.drop_last && n % options.batch_size != 0 ? 1 : 0);
+  const std::int64_t per_epoch = n / options.batch_size + (!options.drop_last && n % options.batch_size != 0 ? 1 : 0);
+  FK_CHECK_ARG(options.first_batch >= 0 && (options.first_batch < per_epoch || (options.first_batch == 0 && per_epoch == 0)),
+               "data::BatchLoader", "first_batch", fmt::format("a batch of the first epoch, [0, {})", per_epoch),
+               fmt::format("{}", options.first_batch));
+  FK_CHECK_ARG(!__builtin_mul_overflow(per_epoch, options.epochs, &num_batches_), "data::BatchLoader", "epochs",
+               fmt::format("at most {} epochs of {} batches (2^63 batches)", per_epoch ? INT64_MAX / per_epoch : 0, per_epoch),
+               fmt::format("{}", options.epochs));
+  num_batches_ = options.epochs > 0 ? num_batches_ - options.first_batch : 0;
   State& s = *state_;
+  s.per_epoch = per_epoch;
   s.source = std::move(source);
   s.featurizer = std::move(featurizer);
   s.options = options;

@@ -355,6 +355,27 @@ TEST(Convert, RefusesToWriteOverItsInputUnderAnyName) {
   }
 }
 
+TEST(BatchLoader, EpochsAreCutIntoTheirOwnBatchesFromTheFirstBatchOn) {
+  // 10 records (dense[0] = i), batches of 4, three epochs from batch 1: [4, 8) [8, 10), then
+  // [0, 4) [4, 8) [8, 10) twice.
+  std::vector<RawRecord> recs(10);
+  for (std::size_t i = 0; i < recs.size(); ++i) recs[i].dense[0] = static_cast<std::int32_t>(i);
+  Featurizer f;
+  for (const int workers : {1, 3}) {
+    BatchLoader loader(memory_source(recs), f, {.batch_size = 4, .workers = workers, .epochs = 3, .first_batch = 1});
+    EXPECT_EQ(loader.num_batches(), 8);
+    std::vector<std::pair<std::int64_t, float>> got;  // (size, first record's dense[0] before the transform)
+    while (const Batch* b = loader.next()) got.emplace_back(b->size, b->dense.data_as<float>()[0]);
+    const auto first = [](int i) { return Featurizer::dense_transform(i); };
+    const std::vector<std::pair<std::int64_t, float>> want = {{4, first(4)}, {2, first(8)}, {4, first(0)}, {4, first(4)},
+                                                              {2, first(8)}, {4, first(0)}, {4, first(4)}, {2, first(8)}};
+    EXPECT_EQ(got, want) << workers << " workers";
+  }
+  EXPECT_THROW(BatchLoader(memory_source(recs), f, {.batch_size = 4, .first_batch = 3}), Error);
+  EXPECT_THROW(BatchLoader(memory_source(recs), f, {.batch_size = 4, .epochs = INT64_MAX}), Error);
+  EXPECT_EQ(BatchLoader(memory_source(recs), f, {.batch_size = 4, .epochs = 0}).num_batches(), 0);
+}
+
 TEST(BatchLoader, SeveralWorkersKeepTheOrder) {
   std::vector<RawRecord> recs(1000);
   for (std::size_t i = 0; i < recs.size(); ++i) recs[i].dense[0] = static_cast<std::int32_t>(i);

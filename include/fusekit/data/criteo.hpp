@@ -294,10 +294,16 @@ struct LoaderOptions {
   int workers = 1;   // threads preparing batches (each makes every workers-th batch)
   HostAllocator allocate;  // memory of the batch slots (empty: plain host memory)
   bool bags = true;        // false: batches without indices and offsets (make_batch)
+  // The source read `epochs` times in a row, each pass cut into its own batches (so its last one
+  // may be short), the first pass from its batch `first_batch` on: one loader for a whole run,
+  // whose prefetching runs on across epochs.
+  std::int64_t epochs = 1;
+  std::int64_t first_batch = 0;
 };
 
-// Streams the source's records in order as batches, prepared on background threads. next()
-// returns nullptr at the end; the returned batch stays valid until the following next() call.
+// Streams the source's records in order as batches (LoaderOptions: over several epochs),
+// prepared on background threads. next() returns nullptr at the end; the returned batch stays
+// valid until the following next() call.
 class BatchLoader {
  public:
   BatchLoader(std::shared_ptr<RecordSource> source, Featurizer featurizer, LoaderOptions options);
