@@ -8,9 +8,9 @@
 #
 # The file comes from `fusekit data synth` (Zipf-distributed categories whose raw values are a
 # 32-bit scramble of the rank: the modulus hash makes them collide, as real Criteo hashes do;
-# labels from a hidden model). fusekit preprocesses it (`fusekit data preprocess`, the vocabulary
-# counted over every day, as the reference builds its dictionaries) and trains from the shards, on
-# the CPU and, when fusekit was built
+# labels from a hidden model). Both run the reference's Kaggle command line; fusekit's
+# --processed-data-file preprocesses the file once (the vocabulary over every day, as the reference
+# builds its dictionaries) and trains from the shards, on the CPU and, when fusekit was built
 # with CUDA and a GPU is present, on the GPU; and once with the modulus hash (fusekit's default
 # 100,000-row cap) instead, for contrast. With --reference pointing at a checkout of facebookresearch/dlrm (not part of this
 # repository; its Python needs torch, numpy, scikit-learn, tensorboard, tqdm and mlperf-logging),
@@ -43,19 +43,25 @@ if [[ -f $work/rows && $(cat "$work/rows") != "$rows" ]]; then
   exit 2
 fi
 [[ -f $data ]] || { "$fusekit" data synth --rows "$rows" --seed 2024 --out "$data" && echo "$rows" > "$work/rows"; }
-[[ -f $work/shards/manifest.json ]] ||
-  "$fusekit" data preprocess "$data" --out "$work/shards" --vocabulary-all-days --max-ind-range 2000000000
-recipe=(--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1 --arch-sparse-feature-size 16 --learning-rate 0.1
-        --mini-batch-size 128 --test-mini-batch-size 16384 --print-every 0 --data-set kaggle)
+# The reference's Kaggle command line (bench/dlrm_s_criteo_kaggle.sh) with the flags above, run by
+# both; each gets its own --processed-data-file (fusekit preprocesses the file into its directory
+# once, the reference into its npz files).
+steps=$(( (rows / 7 * 6 + (rows % 7 < 6 ? rows % 7 : 6) + 127) / 128 ))
+reference_flags() {
+  echo --arch-sparse-feature-size=16 --arch-mlp-bot=13-512-256-64-16 --arch-mlp-top=512-256-1 \
+    --data-generation=dataset --data-set=kaggle --raw-data-file="$data" --loss-function=bce --round-targets=True \
+    --learning-rate=0.1 --mini-batch-size=128 --print-freq=1024 --print-time --max-ind-range=2000000000 \
+    --mlperf-logging --test-freq="$steps" --test-mini-batch-size=16384 --numpy-rand-seed="$1"
+}
 devices=(cpu)
 "$fusekit" info 2>/dev/null | grep -q "^cuda:0:" && devices+=(cuda)
-steps=$(( (rows / 7 * 6 + (rows % 7 < 6 ? rows % 7 : 6) + 127) / 128 ))
 for s in $seeds; do
   for d in "${devices[@]}"; do
     impl=reference
     [[ $d == cuda ]] && impl=fused
-    "$fusekit" train "${recipe[@]}" --data "$work/shards" --data-workers 2 \
-      --seed "$s" --numpy-rand-seed "$s" --device "$d" --impl "$impl" --metrics-json "$work/fusekit_${d}_seed$s.json" |
+    # fusekit's model seed is its own flag (the reference seeds NumPy once for both).
+    "$fusekit" train $(reference_flags "$s") --processed-data-file="$work/fusekit_processed" --seed "$s" \
+      --device "$d" --impl "$impl" --data-workers 2 --metrics-json "$work/fusekit_${d}_seed$s.json" |
       sed -n "s/^summary: .*\(test logloss [0-9.]*, AUC [0-9.]*, accuracy [0-9.]*\).*/fusekit $d seed $s: \1/p"
   done
   if [[ -n $reference ]]; then
@@ -65,14 +71,11 @@ for s in $seeds; do
       sed -i 's/args.enable_profiling, use_cuda=use_gpu, record_shapes=True/args.enable_profiling, record_shapes=True/' \
         "$copy/dlrm_s_pytorch.py"
     fi
-    (cd "$copy" && "$python" dlrm_s_pytorch.py --arch-sparse-feature-size=16 --arch-mlp-bot=13-512-256-64-16 \
-       --arch-mlp-top=512-256-1 --data-generation=dataset --data-set=kaggle --raw-data-file="$data" \
-       --processed-data-file="$work/kaggle_processed.npz" --loss-function=bce --round-targets=True \
-       --learning-rate=0.1 --mini-batch-size=128 --print-freq=1024 --print-time --max-ind-range=2000000000 \
-       --mlperf-logging --test-freq="$steps" --test-mini-batch-size=16384 --numpy-rand-seed="$s" 2>&1) |
+    (cd "$copy" && "$python" dlrm_s_pytorch.py $(reference_flags "$s") --processed-data-file="$work/kaggle_processed.npz" 2>&1) |
       grep "^recall" | tail -1 |
       sed "s/.* auc \([0-9.]*\), best auc [0-9.]*, accuracy \([0-9.]*\) %.*/reference seed $s: AUC \1, accuracy \2 %/"
   fi
 done
-"$fusekit" train "${recipe[@]}" --data "$data" --max-ind-range 100000 --data-hash reference --metrics-json "$work/fusekit_hash.json" |
+"$fusekit" train $(reference_flags 1 | sed 's/--max-ind-range=2000000000/--max-ind-range=100000/') --seed 1 \
+  --data-hash reference --metrics-json "$work/fusekit_hash.json" |
   sed -n "s/^summary: .*\(test logloss [0-9.]*, AUC [0-9.]*, accuracy [0-9.]*\).*/fusekit cpu, modulus hash (max_ind_range 100000): \1/p"
