@@ -658,7 +658,7 @@ int run_eval(const EvalFlags& f) {
 // ---------------------------------------------------------------------------------------------
 
 CLI::App* add_data_command(CLI::App& app, DataFlags& f) {
-  CLI::App* cmd = app.add_subcommand("data", "Criteo data tools: write synthetic data as TSV, convert TSV to binary");
+  CLI::App* cmd = app.add_subcommand("data", "Criteo data tools: synthetic data, TSV to binary, vocabularies, preprocessing into day shards, the loader's rate");
   cmd->require_subcommand(1);
   CLI::App* synth = cmd->add_subcommand("synth", "Write synthetic Criteo-like samples as a Criteo TSV file");
   synth->add_option("--rows", f.rows, "Samples to write")->check(CLI::PositiveNumber);
