@@ -284,6 +284,8 @@ PreprocessReport preprocess(const PreprocessOptions& o) {
                fmt::format("{} file", o.inputs.size()));
   o.vocabulary.validate();
   FK_CHECK_ARG(!o.out.empty(), kOp, "out", "an output directory", "none");
+  FK_CHECK_ARG(!std::filesystem::exists(o.out) || std::filesystem::is_directory(o.out), kOp, "out",
+               "a directory, or a path where one can be made", fmt::format("{}: a file", o.out.string()));
   const bool kaggle = o.data_set == "kaggle";
   const std::size_t files = o.inputs.size();
   const std::size_t days = kaggle ? 7 : files;

@@ -239,6 +239,10 @@ TEST(Preprocess, BadOptionsAreRefused) {
                                   {"data_set"});
   fk::test::expect_error_mentions([&] { preprocess({.inputs = {dir / "missing.tsv"}, .out = dir / "out"}); },
                                   {"missing.tsv"});
+  // An output path that is a file (the reference's .npz name, say).
+  write_tsv(dir / "processed.npz", records_with_feature0({1}));
+  fk::test::expect_error_mentions([&] { preprocess({.inputs = {dir / "a.tsv"}, .out = dir / "processed.npz"}); },
+                                  {"out", "processed.npz", "a file"});
   // An input that is one of the outputs.
   fs::create_directories(dir / "out");
   write_tsv(dir / "out" / "day_3.bin", records_with_feature0({1, 2, 3, 4, 5, 6, 7}));
