@@ -81,10 +81,41 @@ void VocabularyCounter::add(std::span<const RawRecord> records, int threads) {
   add_records(static_cast<std::int64_t>(records.size()));
 }
 
+namespace {
+
+// A hash map entry costs about 40 bytes, a dense slot 4: a feature switches to an array of
+// max_ind_range counts once its map holds more than max_ind_range / 10 keys.
+constexpr std::int64_t kDenseRatio = 10;
+
+void add_saturating(std::uint32_t& slot, std::int64_t n) {
+  slot = static_cast<std::uint32_t>(std::min<std::int64_t>(std::int64_t{slot} + n, UINT32_MAX));
+}
+
+}  // namespace
+
 void VocabularyCounter::add_feature(int feature, std::span<const RawRecord> records) {
   check_feature(feature, "data::VocabularyCounter::add_feature");
-  auto& counts = counts_[static_cast<std::size_t>(feature)];
-  for (const RawRecord& r : records) ++counts[options_.key(r.sparse[static_cast<std::size_t>(feature)])];
+  const std::size_t t = static_cast<std::size_t>(feature);
+  if (dense_[t].empty()) {
+    auto& counts = counts_[t];
+    for (const RawRecord& r : records) ++counts[options_.key(r.sparse[t])];
+    if (options_.max_ind_range > 0 && static_cast<std::int64_t>(counts.size()) * kDenseRatio > options_.max_ind_range)
+      make_dense(feature);
+    return;
+  }
+  std::vector<std::uint32_t>& dense = dense_[t];
+  for (const RawRecord& r : records) {
+    std::uint32_t& slot = dense[options_.key(r.sparse[t])];
+    if (slot != UINT32_MAX) ++slot;
+  }
+}
+
+void VocabularyCounter::make_dense(int feature) {
+  const std::size_t t = static_cast<std::size_t>(feature);
+  if (!dense_[t].empty()) return;
+  dense_[t].assign(static_cast<std::size_t>(options_.max_ind_range), 0);
+  for (const auto& [key, n] : counts_[t]) add_saturating(dense_[t][key], n);
+  std::unordered_map<std::uint32_t, std::int64_t>().swap(counts_[t]);  // its memory back
 }
 
 void VocabularyCounter::add_records(std::int64_t n) {
@@ -96,14 +127,23 @@ void VocabularyCounter::merge(const VocabularyCounter& other) {
   FK_CHECK_ARG(other.options_.max_ind_range == options_.max_ind_range && other.options_.min_count == options_.min_count,
                "data::VocabularyCounter::merge", "other", "a counter with the same options",
                fmt::format("max_ind_range {}, min_count {}", other.options_.max_ind_range, other.options_.min_count));
-  for (std::size_t t = 0; t < counts_.size(); ++t)
-    for (const auto& [key, n] : other.counts_[t]) counts_[t][key] += n;
+  for (std::size_t t = 0; t < counts_.size(); ++t) {
+    if (!other.dense_[t].empty()) make_dense(static_cast<int>(t));
+    if (dense_[t].empty()) {
+      for (const auto& [key, n] : other.counts_[t]) counts_[t][key] += n;
+      continue;
+    }
+    for (const auto& [key, n] : other.counts_[t]) add_saturating(dense_[t][key], n);
+    for (std::size_t key = 0; key < other.dense_[t].size(); ++key) add_saturating(dense_[t][key], other.dense_[t][key]);
+  }
   records_ += other.records_;
 }
 
 std::int64_t VocabularyCounter::distinct(int feature) const {
   check_feature(feature, "data::VocabularyCounter::distinct");
-  return static_cast<std::int64_t>(counts_[static_cast<std::size_t>(feature)].size());
+  const std::size_t t = static_cast<std::size_t>(feature);
+  if (dense_[t].empty()) return static_cast<std::int64_t>(counts_[t].size());
+  return static_cast<std::int64_t>(dense_[t].size() - static_cast<std::size_t>(std::count(dense_[t].begin(), dense_[t].end(), 0u)));
 }
 
 Vocabulary Vocabulary::build(const VocabularyCounter& counter) {
@@ -114,6 +154,9 @@ Vocabulary Vocabulary::build(const VocabularyCounter& counter) {
     std::vector<std::pair<std::int64_t, std::uint32_t>> kept;  // (count, key)
     for (const auto& [key, n] : counter.counts_[t])
       if (n >= v.options_.min_count) kept.emplace_back(n, key);
+    const std::vector<std::uint32_t>& dense = counter.dense_[t];
+    for (std::size_t key = 0; key < dense.size(); ++key)
+      if (dense[key] != 0 && dense[key] >= v.options_.min_count) kept.emplace_back(dense[key], static_cast<std::uint32_t>(key));
     std::sort(kept.begin(), kept.end(), [](const auto& a, const auto& b) {
       return a.first != b.first ? a.first > b.first : a.second < b.second;
     });

@@ -87,6 +87,41 @@ TEST(Vocabulary, MergedCountersBuildTheSameVocabulary) {
   EXPECT_THROW(a.merge(other), Error);
 }
 
+TEST(Vocabulary, CountsMoveToAnArrayUnderMaxIndRangeWithTheSameIds) {
+  // max_ind_range 64: feature 0 switches to 64 dense counts past 6 distinct keys; feature 1 (the
+  // value 7 only) stays a map. Key k (0..19) appears k % 5 + 1 times; 70 is key 6 once more.
+  std::vector<std::uint32_t> values;
+  for (std::uint32_t k = 0; k < 20; ++k)
+    for (std::uint32_t i = 0; i <= k % 5; ++i) values.push_back(k);
+  values.push_back(70);
+  std::vector<RawRecord> all;
+  for (const std::uint32_t v : values) all.push_back(feature0({v})[0]);
+  const VocabularyOptions o{.max_ind_range = 64, .min_count = 2};
+  VocabularyCounter one(o);
+  one.add(std::span(all).first(20));  // keys 0-7: past 6 keys, the array from here on
+  one.add(std::span(all).subspan(20));
+  EXPECT_EQ(one.distinct(0), 20);
+  EXPECT_EQ(one.distinct(1), 1);
+  const Vocabulary v = Vocabulary::build(one);
+  // Counts: five times 4, 9, 14, 19; four times 3, 8, 13, 18; three times 2, 7, 12, 17 and key 6
+  // (twice, and 70 % 64); twice 1, 11, 16; once 0, 5, 10, 15, below min_count.
+  const std::vector<std::uint32_t> want = {4, 9, 14, 19, 3, 8, 13, 18, 2, 6, 7, 12, 17, 1, 11, 16};
+  ASSERT_EQ(v.kept(0), static_cast<std::int64_t>(want.size()));
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(v.key_of(0, static_cast<std::uint32_t>(i + 1)), want[i]) << i;
+  EXPECT_EQ(v.id(0, 0), 0u);
+  EXPECT_EQ(v.id(0, 70), v.id(0, 6));
+  // Merging a map counter and an array counter, either way round, gives the same vocabulary.
+  VocabularyCounter small(o), big(o);
+  small.add(std::span(all).first(5));  // keys 0-2: a map
+  big.add(std::span(all).subspan(5));  // an array
+  VocabularyCounter a = small, b = big;
+  a.merge(big);
+  b.merge(small);
+  EXPECT_EQ(Vocabulary::build(a), v);
+  EXPECT_EQ(Vocabulary::build(b), v);
+  EXPECT_EQ(a.distinct(0), 20);
+}
+
 TEST(Vocabulary, OptionsAreChecked) {
   EXPECT_THROW(VocabularyCounter({.max_ind_range = 0, .min_count = 0}), Error);
   EXPECT_THROW(VocabularyCounter({.max_ind_range = std::int64_t{1} << 32, .min_count = 1}), Error);

@@ -40,7 +40,11 @@ struct VocabularyOptions {
 };
 
 // Counts every feature's values over training records. Counters filled on separate threads
-// merge into one; the vocabulary built from them is the same as from one counter.
+// merge into one; the vocabulary built from them is the same as from one counter. A feature's
+// counts live in a hash map; with max_ind_range > 0 they move to an array of max_ind_range u32
+// counts once the map holds more than max_ind_range / 10 keys, so that a feature never takes
+// more than about 4 * max_ind_range bytes however many records are counted (counts saturate at
+// 2^32 - 1: values seen more than 4.29 billion times then order among themselves by value).
 class VocabularyCounter {
  public:
   explicit VocabularyCounter(VocabularyOptions options = {});
@@ -60,9 +64,11 @@ class VocabularyCounter {
 
  private:
   friend class Vocabulary;
+  void make_dense(int feature);  // the feature's counts from the map into dense_
   VocabularyOptions options_;
   std::int64_t records_ = 0;
   std::array<std::unordered_map<std::uint32_t, std::int64_t>, kNumSparse> counts_;
+  std::array<std::vector<std::uint32_t>, kNumSparse> dense_;  // when not empty: the counts by key
 };
 
 class Vocabulary {
