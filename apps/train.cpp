@@ -741,13 +741,12 @@ int run_data(CLI::App& data_cmd, const DataFlags& f) {
   if (*data_cmd.get_subcommand("loader-rate")) {
     // The training loop's loader exactly: the training days in a total random order, batches of
     // the fused implementation (no bags) in page-locked memory where CUDA is built in.
-    const data::ShardSet set = data::open_shards(f.in);
+    TrainConfig c;
+    c.data = f.in;
+    const data::Featurizer feat = make_featurizer(c);  // as fusekit train --data DIR makes it
+    const data::ShardSet set = data::open_shards(f.in, feat.vocabulary);
     const std::vector<std::int64_t> days(set.day_begin.begin(), set.day_begin.end() - 1);
-    data::Featurizer feat;
-    feat.vocabulary = set.vocabulary;
-    feat.hash = data::HashMode::reference;
-    feat.premapped = true;
-    const auto source = data::ordered_source(set.all(), data::training_order(days, "total", 123));
+    const auto source = data::ordered_source(set.all(), data::training_order(days, c.data_randomize, c.shuffle_seed));
     const std::int64_t epoch = source->size() / f.batch;
     const std::int64_t n = f.batches > 0 ? std::min(f.batches, epoch) : epoch;
     FK_CHECK_ARG(n >= 1, "fusekit data loader-rate", "--mini-batch-size", "at most the training records",
