@@ -706,7 +706,10 @@ CLI::App* add_data_command(CLI::App& app, DataFlags& f) {
   rate->add_option("dir", f.in, "A directory written by fusekit data preprocess")->required();
   rate->add_option("--mini-batch-size", f.batch, "Batch size")->check(CLI::PositiveNumber);
   rate->add_option("--data-workers", f.workers, "Threads preparing batches")->check(CLI::Range(1, 256));
-  rate->add_option("--batches", f.batches, "Batches to read (0: one epoch)")->check(CLI::NonNegativeNumber);
+  rate->add_option("--batches", f.batches, "Batches an epoch (0: every whole batch of the training days)")
+      ->check(CLI::NonNegativeNumber);
+  rate->add_option("--epochs", f.epochs, "Epochs to read, each timed (the first maps and checks the pages)")
+      ->check(CLI::Range(1, 1000));
   return cmd;
 }
 
@@ -758,15 +761,26 @@ int run_data(CLI::App& data_cmd, const DataFlags& f) {
     data::BatchLoader loader(data::slice_source(source, 0, n * f.batch), feat,
                              {.batch_size = f.batch, .workers = f.workers,
                               .allocate = devices > 0 ? data::pinned_host_allocator() : data::HostAllocator{},
-                              .bags = false});
+                              .bags = false, .epochs = f.epochs});
+    const auto print_rate = [&](const std::string& what, std::int64_t batches, double secs) {
+      fmt::print("loader-rate: {}{} batches of {} from {} with {} workers ({} memory) in {:.2f} s: {:.2f}M samples/s, "
+                 "{:.0f} batches/s, {:.1f} µs a batch\n",
+                 what, batches, f.batch, f.in, f.workers, devices > 0 ? "page-locked" : "plain", secs,
+                 static_cast<double>(batches * f.batch) / secs / 1e6, static_cast<double>(batches) / secs,
+                 1e6 * secs / static_cast<double>(batches));
+    };
     const auto t0 = std::chrono::steady_clock::now();
-    std::int64_t samples = 0;
-    while (const data::Batch* b = loader.next()) samples += b->size;
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    fmt::print("loader-rate: {} batches of {} from {} with {} workers ({} memory) in {:.2f} s: {:.2f}M samples/s, {:.0f} "
-               "batches/s, {:.1f} µs a batch\n",
-               n, f.batch, f.in, f.workers, devices > 0 ? "page-locked" : "plain", secs, static_cast<double>(samples) / secs / 1e6,
-               static_cast<double>(n) / secs, 1e6 * secs / static_cast<double>(n));
+    auto epoch_start = t0;
+    std::int64_t read = 0;
+    while (loader.next()) {
+      if (++read % n != 0) continue;
+      const auto now = std::chrono::steady_clock::now();
+      if (f.epochs > 1)
+        print_rate(fmt::format("epoch {}: ", read / n - 1), n, std::chrono::duration<double>(now - epoch_start).count());
+      epoch_start = now;
+    }
+    print_rate(f.epochs > 1 ? fmt::format("{} epochs: ", f.epochs) : "", read,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     return 0;
   }
   if (*data_cmd.get_subcommand("preprocess")) {

@@ -50,6 +50,7 @@ struct DataFlags {
   std::int64_t batch = 32768;       // loader-rate
   int workers = 8;                  // loader-rate
   std::int64_t batches = 0;         // loader-rate: 0, one epoch
+  std::int64_t epochs = 1;          // loader-rate
 };
 // `fusekit data synth --rows N --out FILE.tsv`, `fusekit data convert IN.tsv[.gz] OUT.bin`,
 // `fusekit data vocab IN --out VOCAB [--max-ind-range R] [--min-count T]` and
