@@ -3,6 +3,8 @@
 #pragma once
 
 #include <zlib.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -66,26 +68,34 @@ inline void store(std::vector<std::uint8_t>& b, std::size_t at, T v) {
 }
 inline std::uint32_t crc(const std::uint8_t* p, std::size_t n) { return static_cast<std::uint32_t>(crc32_z(0, p, n)); }
 
-// Recomputes the checksums of a file in the binary format's version 2, or of an FKCKPT02
+// Recomputes the checksums of a file in the binary format's versions 2 to 4, or of an FKCKPT02
 // checkpoint, so that the fuzzer reaches the checks behind them (a no-op on other bytes).
 //
-// The version 2 layout as docs/dlrm.md gives it: the header's CRC-32 over bytes [0, 60); after the
-// records, one CRC-32 per block of records and the table's own.
+// The layout as docs/dlrm.md gives it: the header's CRC-32 over bytes [0, 60); after the records,
+// one checksum per block of records and the table's own: CRC-32s in versions 2 and 3, XXH3-64s
+// in version 4.
 inline void repair_binary(std::vector<std::uint8_t>& b) {
   constexpr std::size_t kHeader = 64, kRecord = 160;
-  if (b.size() < kHeader || load<std::uint32_t>(b, 8) != 2) return;
+  if (b.size() < kHeader) return;
+  const std::uint32_t version = load<std::uint32_t>(b, 8);
+  if (version < 2 || version > 4) return;
   store(b, 60, crc(b.data(), 60));
+  const std::size_t width = version == 4 ? 8 : 4;
+  auto sum = [&](const std::uint8_t* p, std::size_t n) -> std::uint64_t {
+    return version == 4 ? XXH3_64bits(p, n) : crc(p, n);
+  };
+  auto put = [&](std::size_t at, std::uint64_t v) { std::memcpy(b.data() + at, &v, width); };  // little-endian
   const std::uint64_t count = load<std::uint64_t>(b, 24);
   const std::uint32_t per = load<std::uint32_t>(b, 32);
   if (per == 0 || count > (b.size() - kHeader) / kRecord) return;
   const std::uint64_t blocks = count / per + (count % per != 0);
   const std::uint64_t table_at = kHeader + count * kRecord;
-  if (blocks > (b.size() - table_at) / 4 || b.size() - table_at - blocks * 4 < 4) return;
+  if (blocks > (b.size() - table_at) / width || b.size() - table_at - blocks * width < width) return;
   for (std::uint64_t k = 0; k < blocks; ++k) {
     const std::uint64_t n = std::min<std::uint64_t>(per, count - k * per);
-    store(b, table_at + 4 * k, crc(b.data() + kHeader + k * per * kRecord, n * kRecord));
+    put(table_at + width * k, sum(b.data() + kHeader + k * per * kRecord, n * kRecord));
   }
-  store(b, table_at + 4 * blocks, crc(b.data() + table_at, blocks * 4));
+  put(table_at + width * blocks, sum(b.data() + table_at, blocks * width));
 }
 
 // The FKCKPT02 layout as apps/checkpoint.hpp gives it.

@@ -87,20 +87,27 @@ int main(int argc, char** argv) {
     fs::remove(out / "shards/input.tsv");
   }
 
-  // Binary: version 2 as written, with 5-record and 1-record blocks, version 1, and version 3
-  // (vocabulary ids).
-  data::write_binary(out / "binary/v3.bin", std::span(recs).first(10), {true, 0x1234});
-  data::write_binary(out / "binary/v2.bin", std::span(recs).first(10));
+  // Binary: version 4 as written (raw values and vocabulary ids), with 5-record and 1-record
+  // blocks; versions 3 and 2 (CRC-32s); version 1.
+  data::write_binary(out / "binary/v4_ids.bin", std::span(recs).first(10), {true, 0x1234});
+  data::write_binary(out / "binary/v4.bin", std::span(recs).first(10));
   for (std::uint32_t per : {5u, 1u}) {
-    std::vector<std::uint8_t> b = slurp(out / "binary/v2.bin");
+    std::vector<std::uint8_t> b = slurp(out / "binary/v4.bin");
     const std::uint64_t count = 10, blocks = (count + per - 1) / per;
-    b.resize(64 + count * 160 + blocks * 4 + 4);
+    b.resize(64 + count * 160 + blocks * 8 + 8);
     fuzz::store(b, 32, per);
     fuzz::repair_binary(b);
-    spill(out / "binary" / ("v2_block" + std::to_string(per) + ".bin"), b);
+    spill(out / "binary" / ("v4_block" + std::to_string(per) + ".bin"), b);
+  }
+  for (const std::uint32_t version : {2u, 3u}) {
+    std::vector<std::uint8_t> b = slurp(out / (version == 3 ? "binary/v4_ids.bin" : "binary/v4.bin"));
+    b.resize(64 + 10 * 160 + 4 + 4);  // one block: its CRC-32, the table's
+    fuzz::store(b, 8, version);
+    fuzz::repair_binary(b);
+    spill(out / "binary" / ("v" + std::to_string(version) + ".bin"), b);
   }
   {
-    std::vector<std::uint8_t> b = slurp(out / "binary/v2.bin");
+    std::vector<std::uint8_t> b = slurp(out / "binary/v4.bin");
     b.resize(64 + 10 * 160);
     fuzz::store<std::uint32_t>(b, 8, 1);
     std::fill(b.begin() + 32, b.begin() + 64, 0);

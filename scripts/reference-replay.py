@@ -61,7 +61,12 @@ def write_checkpoint(path, config, arrays):
 
 
 def write_day(path, header, records):
-    """A binary day file (version 3): the original header, the records, the block CRC table."""
+    """A binary day file in version 3 (ids, CRC-32 checksums; docs/dlrm.md): the original header
+    (version 3 or 4) as version 3, the records, the table of each block's CRC-32 and its own."""
+    header = bytearray(header)
+    header[8:12] = struct.pack("<I", 3)
+    header[60:64] = struct.pack("<I", crc(bytes(header[:60])))
+    header = bytes(header)
     data = records.tobytes()
     size = RECORD_INTS * 4
     blocks = [crc(data[k * size:min(len(records), k + BLOCK) * size]) for k in range(0, len(records), BLOCK)]

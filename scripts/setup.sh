@@ -11,7 +11,7 @@ CUTLASS_VERSION=4.2.0.0
 BUILD_DIR=${FUSEKIT_BUILD_DIR:-build}
 
 packages=(build-essential cmake ninja-build git libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev
-          libdlpack-dev zlib1g-dev python3-pip python3-venv python3-dev unzip ccache)
+          libdlpack-dev libxxhash-dev zlib1g-dev python3-pip python3-venv python3-dev unzip ccache)
 # The sanitizer / fuzz build (scripts/fuzz.sh --cmake-args) compiles with clang and its libFuzzer.
 [[ " ${FUSEKIT_CMAKE_ARGS:-} " == *"-DCMAKE_CXX_COMPILER=clang++"* ]] && packages+=(clang libclang-rt-dev)
 missing=()

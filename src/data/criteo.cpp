@@ -6,6 +6,8 @@
 #include <fmt/format.h>
 #include <unistd.h>
 #include <zlib.h>
+#define XXH_INLINE_ALL  // header only: no library to link
+#include <xxhash.h>
 
 #include <algorithm>
 #include <limits>
@@ -295,8 +297,7 @@ void write_tsv(const std::filesystem::path& path, std::span<const RawRecord> rec
 namespace {
 
 constexpr char kMagic[8] = {'F', 'K', 'C', 'R', 'I', 'T', 'E', 'O'};
-constexpr std::uint32_t kVersion = 2;      // raw values; version 1 (no checksums) is still read
-constexpr std::uint32_t kIdsVersion = 3;   // vocabulary ids
+constexpr std::uint32_t kVersion = 4;  // written; versions 1 to 3 are still read
 constexpr std::size_t kHeaderBytes = 64;
 constexpr std::size_t kRecordBytes = 4 + 4 * kNumDense + 4 * kNumSparse;
 constexpr std::uint32_t kBlockRecords = 4096;  // records per checksummed block (640 KiB)
@@ -308,11 +309,11 @@ struct Header {
   char magic[8];
   std::uint32_t version, num_dense, num_sparse, record_bytes;
   std::uint64_t count;
-  std::uint32_t block_records;  // version 2 and 3
-  std::uint32_t content;        // version 3: 1, vocabulary ids
-  std::uint32_t vocabulary;     // version 3: the vocabulary's fingerprint
+  std::uint32_t block_records;  // version 2 on
+  std::uint32_t content;        // version 3: 1; version 4: 0 raw values, 1 vocabulary ids
+  std::uint32_t vocabulary;     // content 1: the vocabulary's fingerprint
   char pad[kHeaderBytes - 48];
-  std::uint32_t header_crc;  // version 2 and 3: CRC-32 of the 60 bytes before it
+  std::uint32_t header_crc;  // version 2 on: CRC-32 of the 60 bytes before it
 };
 static_assert(sizeof(Header) == kHeaderBytes);
 static_assert(offsetof(Header, count) == 24 && offsetof(Header, block_records) == 32 &&
@@ -325,10 +326,19 @@ std::uint32_t crc32_of(std::uint32_t crc, const void* data, std::size_t bytes) {
 
 std::uint32_t header_crc(const Header& h) { return crc32_of(0, &h, offsetof(Header, header_crc)); }
 
+// The checksums after the records: one per block and the table's own, each a CRC-32 (versions 2
+// and 3) or an XXH3-64 (version 4, which a core computes at memory speed: a first epoch in a
+// random order checks every block at its start). None in version 1.
+constexpr std::size_t checksum_bytes(std::uint32_t version) { return version >= 4 ? 8 : version >= 2 ? 4 : 0; }
+std::uint64_t checksum(std::uint32_t version, const void* data, std::size_t bytes) {
+  return version >= 4 ? XXH3_64bits(data, bytes) : crc32_of(0, data, bytes);
+}
+const char* checksum_name(std::uint32_t version) { return version >= 4 ? "XXH3-64" : "CRC-32"; }
+
 Header make_header(std::uint64_t count, const BinaryContent& content) {
   Header h{};
   std::memcpy(h.magic, kMagic, 8);
-  h.version = content.ids ? kIdsVersion : kVersion;
+  h.version = kVersion;
   h.content = content.ids ? 1 : 0;
   h.vocabulary = content.ids ? content.vocabulary : 0;
   h.num_dense = kNumDense;
@@ -397,16 +407,20 @@ void RecordWriter::write(std::span<const RawRecord> records, int threads) {
   FK_CHECK_ARG(out_ != nullptr, "data::RecordWriter::write", "this", "an open writer", "a closed one");
   if (format_ == FileFormat::binary) {
     out_->write(reinterpret_cast<const char*>(records.data()), static_cast<std::streamsize>(records.size_bytes()));
+    // Whole blocks are summed where they lie; a block that spans calls is gathered first.
     for (std::size_t i = 0; i < records.size();) {
-      const std::size_t n = std::min<std::size_t>(records.size() - i, kBlockRecords - in_block_);
-      block_crc_ = crc32_of(block_crc_, records.data() + i, n * kRecordBytes);
-      in_block_ += static_cast<std::int64_t>(n);
-      i += n;
-      if (in_block_ == kBlockRecords) {
-        block_crcs_.push_back(block_crc_);
-        block_crc_ = 0;
-        in_block_ = 0;
+      const std::size_t n = std::min<std::size_t>(records.size() - i, kBlockRecords - open_block_.size());
+      if (open_block_.empty() && n == kBlockRecords) {
+        block_sums_.push_back(checksum(kVersion, records.data() + i, n * kRecordBytes));
+      } else {
+        open_block_.insert(open_block_.end(), records.begin() + static_cast<std::ptrdiff_t>(i),
+                           records.begin() + static_cast<std::ptrdiff_t>(i + n));
+        if (open_block_.size() == kBlockRecords) {
+          block_sums_.push_back(checksum(kVersion, open_block_.data(), open_block_.size() * kRecordBytes));
+          open_block_.clear();
+        }
       }
+      i += n;
     }
   } else {
     // Each thread formats a contiguous part; the parts are written in order.
@@ -434,10 +448,12 @@ void RecordWriter::write(std::span<const RawRecord> records, int threads) {
 void RecordWriter::close() {
   FK_CHECK_ARG(out_ != nullptr, "data::RecordWriter::close", "this", "an open writer", "a closed one");
   if (format_ == FileFormat::binary) {
-    if (in_block_ > 0) block_crcs_.push_back(block_crc_);
-    const std::uint32_t table_crc = crc32_of(0, block_crcs_.data(), block_crcs_.size() * 4);
-    out_->write(reinterpret_cast<const char*>(block_crcs_.data()), static_cast<std::streamsize>(block_crcs_.size() * 4));
-    out_->write(reinterpret_cast<const char*>(&table_crc), 4);
+    if (!open_block_.empty())
+      block_sums_.push_back(checksum(kVersion, open_block_.data(), open_block_.size() * kRecordBytes));
+    static_assert(checksum_bytes(kVersion) == sizeof(std::uint64_t));
+    block_sums_.push_back(checksum(kVersion, block_sums_.data(), block_sums_.size() * 8));  // the table's own
+    out_->write(reinterpret_cast<const char*>(block_sums_.data()),
+                static_cast<std::streamsize>(block_sums_.size() * sizeof(std::uint64_t)));
     const Header h = make_header(static_cast<std::uint64_t>(count_), content_);
     out_->seekp(0);
     out_->write(reinterpret_cast<const char*>(&h), sizeof h);
@@ -486,25 +502,29 @@ Header checked_header(const std::filesystem::path& path, std::uint64_t& bytes) {
   if (h->version >= 2 && h->header_crc != header_crc(*h))
     throw Error("data::binary_source", "path", "a header matching its CRC-32",
                 fmt::format("{}: a damaged header", path.string()));
-  if (h->version < 1 || h->version > kIdsVersion || h->num_dense != kNumDense || h->num_sparse != kNumSparse ||
+  if (h->version < 1 || h->version > kVersion || h->num_dense != kNumDense || h->num_sparse != kNumSparse ||
       h->record_bytes != kRecordBytes)
-    throw Error("data::binary_source", "path", "version 1, 2 or 3, 13 dense, 26 sparse, 160-byte records",
+    throw Error("data::binary_source", "path", "version 1 to 4, 13 dense, 26 sparse, 160-byte records",
                 fmt::format("{}: version {}, {} dense, {} sparse, {}-byte records", path.string(), h->version,
                             h->num_dense, h->num_sparse, h->record_bytes));
-  if (h->version == kIdsVersion && h->content != 1)
+  if (h->version == 3 && h->content != 1)
     throw Error("data::binary_source", "path", "content 1 (vocabulary ids) in a version 3 file",
                 fmt::format("{}: content {}", path.string(), h->content));
+  if (h->version >= 4 && (h->content > 1 || (h->content == 0 && h->vocabulary != 0)))
+    throw Error("data::binary_source", "path",
+                "content 0 (raw values, no vocabulary) or 1 (vocabulary ids) in a version 4 file",
+                fmt::format("{}: content {}, vocabulary {:08x}", path.string(), h->content, h->vocabulary));
   const std::uint32_t block_records = h->version >= 2 ? h->block_records : 0;
   if (h->version >= 2 && (block_records == 0 || block_records > kMaxBlockRecords))
     throw Error("data::binary_source", "path", fmt::format("1 to {} records per block", kMaxBlockRecords),
                 fmt::format("{}: {}", path.string(), block_records));
-  // The file holds exactly the header, `count` records and (version 2, 3) the checksum table: no
+  // The file holds exactly the header, `count` records and (version 2 on) the checksum table: no
   // product that could wrap (a 4.8 MB file claimed 1.15e17 records), no count past 2^63, no
   // short or trailing bytes.
   bytes = std::filesystem::file_size(path);
   const std::uint64_t max_count = static_cast<std::uint64_t>(INT64_MAX) / kRecordBytes;
   const std::uint64_t blocks = block_records ? num_blocks(h->count, block_records) : 0;
-  const std::uint64_t trailer = block_records ? blocks * 4 + 4 : 0;
+  const std::uint64_t trailer = (blocks + 1) * checksum_bytes(h->version) * (block_records != 0);
   const bool exact = h->count <= max_count && bytes >= kHeaderBytes + trailer &&
                      (bytes - kHeaderBytes - trailer) % kRecordBytes == 0 &&
                      (bytes - kHeaderBytes - trailer) / kRecordBytes == h->count;
@@ -525,6 +545,7 @@ class BinarySource final : public RecordSource {
   explicit BinarySource(const std::filesystem::path& path) : path_(path) {
     std::uint64_t bytes = 0;
     const Header h = checked_header(path, bytes);
+    version_ = h.version;
     block_records_ = h.version >= 2 ? h.block_records : 0;
     count_ = static_cast<std::int64_t>(h.count);
     const int fd = ::open(path.c_str(), O_RDONLY);
@@ -541,14 +562,21 @@ class BinarySource final : public RecordSource {
     map_ = static_cast<const char*>(m);
     if (block_records_) {
       const std::uint64_t blocks = num_blocks(h.count, block_records_);
-      block_crcs_.resize(blocks + 1);
-      std::memcpy(block_crcs_.data(), map_ + kHeaderBytes + h.count * kRecordBytes, (blocks + 1) * 4);
-      if (block_crcs_.back() != crc32_of(0, block_crcs_.data(), blocks * 4)) {
+      const std::size_t sum_bytes = checksum_bytes(version_);
+      const char* table = map_ + kHeaderBytes + h.count * kRecordBytes;
+      block_sums_.resize(blocks + 1);
+      for (std::uint64_t b = 0; b <= blocks; ++b) {  // little-endian u32 or u64
+        std::uint64_t v = 0;
+        std::memcpy(&v, table + b * sum_bytes, sum_bytes);
+        block_sums_[b] = v;
+      }
+      if (block_sums_.back() != checksum(version_, table, blocks * sum_bytes)) {
         ::munmap(const_cast<char*>(map_), map_bytes_);
-        throw Error("data::binary_source", "path", "a block checksum table matching its CRC-32",
+        throw Error("data::binary_source", "path",
+                    fmt::format("a block checksum table matching its {}", checksum_name(version_)),
                     fmt::format("{}: a damaged table", path.string()));
       }
-      block_crcs_.pop_back();
+      block_sums_.pop_back();
       state_ = std::make_unique<std::atomic<std::uint8_t>[]>(blocks);
     }
   }
@@ -575,7 +603,7 @@ class BinarySource final : public RecordSource {
   }
 
  private:
-  // Checks a block against its CRC-32 the first time it is read. One thread checks a block; the
+  // Checks a block against its checksum the first time it is read. One thread checks a block; the
   // others that need it meanwhile wait for its result instead of checking it again (a random
   // order touches every block within its first batches).
   enum : std::uint8_t { kUnverified, kChecking, kVerified };
@@ -591,11 +619,13 @@ class BinarySource final : public RecordSource {
       if (!state.compare_exchange_strong(s, kChecking, std::memory_order_acq_rel)) continue;
       const std::uint64_t first = b * block_records_;
       const std::uint64_t n = std::min<std::uint64_t>(block_records_, static_cast<std::uint64_t>(count_) - first);
-      const bool ok = crc32_of(0, map_ + kHeaderBytes + first * kRecordBytes, n * kRecordBytes) == block_crcs_[b];
+      const char* records = map_ + kHeaderBytes + first * kRecordBytes;
+      const bool ok = checksum(version_, records, n * kRecordBytes) == block_sums_[b];
       state.store(ok ? kVerified : kUnverified, std::memory_order_release);  // a waiter rechecks a bad block
       state.notify_all();
       if (!ok)
-        throw Error("data::binary_source", "path", "records matching their block's CRC-32",
+        throw Error("data::binary_source", "path",
+                    fmt::format("records matching their block's {}", checksum_name(version_)),
                     fmt::format("{}: records {} to {} are damaged", path_.string(), first, first + n - 1));
       return;
     }
@@ -603,8 +633,9 @@ class BinarySource final : public RecordSource {
 
   std::filesystem::path path_;
   std::int64_t count_ = 0;
+  std::uint32_t version_ = 0;
   std::uint32_t block_records_ = 0;  // 0: version 1, no checksums
-  std::vector<std::uint32_t> block_crcs_;
+  std::vector<std::uint64_t> block_sums_;
   std::unique_ptr<std::atomic<std::uint8_t>[]> state_;  // per block
   const char* map_ = nullptr;
   std::size_t map_bytes_ = 0;
@@ -745,7 +776,7 @@ std::shared_ptr<RecordSource> concat_source(std::vector<std::shared_ptr<RecordSo
 BinaryContent binary_content(const std::filesystem::path& path) {
   std::uint64_t bytes = 0;
   const Header h = checked_header(path, bytes);
-  return h.version == kIdsVersion ? BinaryContent{true, h.vocabulary} : BinaryContent{};
+  return h.version >= 3 && h.content == 1 ? BinaryContent{true, h.vocabulary} : BinaryContent{};
 }
 std::shared_ptr<RecordSource> slice_source(std::shared_ptr<RecordSource> source, std::int64_t begin, std::int64_t end) {
   return std::make_shared<SliceSource>(std::move(source), begin, end);

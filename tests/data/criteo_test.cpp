@@ -3,6 +3,8 @@
 // rate, learnable signal), and TSV -> binary -> batches round trips through the loader.
 #include <gtest/gtest.h>
 #include <zlib.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -295,7 +297,7 @@ TEST(BinaryFormat, TsvToBinaryToBatchesRoundTrip) {
   EXPECT_EQ(rep.malformed, 0);
   EXPECT_TRUE(is_binary_file(bin));
   EXPECT_FALSE(is_binary_file(tsv));
-  EXPECT_EQ(fs::file_size(bin), 64u + 1000u * 160u + 4u + 4u);  // one block's CRC, the table's CRC
+  EXPECT_EQ(fs::file_size(bin), 64u + 1000u * 160u + 8u + 8u);  // one block's checksum, the table's
 
   Featurizer f;
   f.max_ind_range = 5000;
@@ -464,8 +466,8 @@ TEST(BinaryFormat, DamagedFilesAreRefused) {
   std::vector<char> longer = bytes;
   longer.push_back('x');
   refused(longer, "a trailing byte");
-  // Version 2 carries checksums: every single flipped bit is refused, wherever it is.
-  ASSERT_EQ(bytes.size(), 64u + 10u * 160u + 8u);
+  // Checksums cover every byte: every single flipped bit is refused, wherever it is.
+  ASSERT_EQ(bytes.size(), 64u + 10u * 160u + 16u);
   for (std::size_t i = 0; i < bytes.size(); ++i) {
     std::vector<char> flipped = bytes;
     flipped[i] = static_cast<char>(flipped[i] ^ (1 << (i % 8)));
@@ -501,7 +503,7 @@ TEST(BinaryFormat, BlocksAreCheckedWhereverTheReadStarts) {
   const std::vector<RawRecord> recs = synthetic_records(10000);
   const fs::path p = temp_path("blocks.bin");
   write_binary(p, recs);
-  EXPECT_EQ(fs::file_size(p), 64u + 10000u * 160u + 3u * 4u + 4u);
+  EXPECT_EQ(fs::file_size(p), 64u + 10000u * 160u + 3u * 8u + 8u);
   {
     std::fstream f(p, std::ios::binary | std::ios::in | std::ios::out);
     f.seekp(64 + 9000 * 160 + 40);  // a dense value of record 9000
@@ -517,6 +519,127 @@ TEST(BinaryFormat, BlocksAreCheckedWhereverTheReadStarts) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("records 8192 to 9999 are damaged"), std::string::npos) << e.what();
   }
+}
+
+std::vector<char> slurp(const fs::path& p) {
+  std::vector<char> b(fs::file_size(p));
+  std::ifstream(p, std::ios::binary).read(b.data(), static_cast<std::streamsize>(b.size()));
+  return b;
+}
+template <class T>
+T field(const std::vector<char>& b, std::size_t at) {
+  T v;
+  std::memcpy(&v, b.data() + at, sizeof v);
+  return v;
+}
+
+TEST(BinaryFormat, VersionFourLayoutByHand) {
+  // 9000 records written in pieces that straddle the blocks of 4096: the table holds the XXH3-64
+  // of records [0, 4096), [4096, 8192) and [8192, 9000), then the XXH3-64 of those 24 bytes.
+  const std::vector<RawRecord> recs = synthetic_records(9000);
+  const fs::path p = temp_path("v4.bin");
+  {
+    RecordWriter w(p, FileFormat::binary, {true, 0xabcdef01});
+    const std::size_t pieces[] = {1000, 3, 3093, 4096, 1, 807};  // 9000 in all
+    std::size_t at = 0;
+    for (std::size_t n : pieces) {
+      w.write(std::span(recs).subspan(at, n));
+      at += n;
+    }
+    ASSERT_EQ(at, recs.size());
+    w.close();
+  }
+  const std::vector<char> b = slurp(p);
+  ASSERT_EQ(b.size(), 64u + 9000u * 160u + 3u * 8u + 8u);
+  EXPECT_EQ(std::memcmp(b.data(), "FKCRITEO", 8), 0);
+  EXPECT_EQ(field<std::uint32_t>(b, 8), 4u);            // version
+  EXPECT_EQ(field<std::uint64_t>(b, 24), 9000u);        // records
+  EXPECT_EQ(field<std::uint32_t>(b, 32), 4096u);        // records per block
+  EXPECT_EQ(field<std::uint32_t>(b, 36), 1u);           // content: vocabulary ids
+  EXPECT_EQ(field<std::uint32_t>(b, 40), 0xabcdef01u);  // the vocabulary's fingerprint
+  EXPECT_EQ(field<std::uint32_t>(b, 60), static_cast<std::uint32_t>(crc32_z(0, reinterpret_cast<const Bytef*>(b.data()), 60)));
+  EXPECT_EQ(std::memcmp(b.data() + 64, recs.data(), 9000 * 160), 0);
+  const std::size_t table = 64 + 9000 * 160;
+  const std::size_t first[] = {0, 4096, 8192, 9000};
+  for (int k = 0; k < 3; ++k)
+    EXPECT_EQ(field<std::uint64_t>(b, table + 8 * k),
+              XXH3_64bits(b.data() + 64 + first[k] * 160, (first[k + 1] - first[k]) * 160)) << k;
+  EXPECT_EQ(field<std::uint64_t>(b, table + 24), XXH3_64bits(b.data() + table, 24));
+  EXPECT_EQ(binary_content(p), (BinaryContent{true, 0xabcdef01}));
+  // Content is 0 (raw values, no fingerprint) or 1: anything else is refused, its header intact.
+  for (const auto [content, vocabulary] : {std::pair{2u, 0u}, std::pair{0u, 0xabcdef01u}}) {
+    std::vector<char> bad = b;
+    std::memcpy(bad.data() + 36, &content, 4);
+    std::memcpy(bad.data() + 40, &vocabulary, 4);
+    const auto crc = static_cast<std::uint32_t>(crc32_z(0, reinterpret_cast<const Bytef*>(bad.data()), 60));
+    std::memcpy(bad.data() + 60, &crc, 4);
+    const fs::path q = temp_path("v4_content.bin");
+    std::ofstream(q, std::ios::binary | std::ios::trunc).write(bad.data(), static_cast<std::streamsize>(bad.size()));
+    try {
+      binary_source(q);
+      ADD_FAILURE() << "content " << content << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("in a version 4 file"), std::string::npos) << e.what();
+    }
+  }
+  write_binary(p, std::span(recs).first(5));
+  EXPECT_EQ(binary_content(p), BinaryContent{});
+  EXPECT_EQ(field<std::uint32_t>(slurp(p), 36), 0u);  // content: raw values
+}
+
+TEST(BinaryFormat, CrcVersionsTwoAndThreeAreStillReadAndChecked) {
+  // The same records as versions 2 (raw values) and 3 (ids): the header's fields as version 4 has
+  // them, then a CRC-32 per block of 4 records and the CRC-32 of that table.
+  const std::vector<RawRecord> recs = synthetic_records(10);
+  auto crc = [](const char* p, std::size_t n) {
+    return static_cast<std::uint32_t>(crc32_z(0, reinterpret_cast<const Bytef*>(p), n));
+  };
+  auto old_version = [&](std::uint32_t version, std::uint32_t content) {
+    std::vector<char> b(64 + 10 * 160, 0);
+    std::memcpy(b.data(), "FKCRITEO", 8);
+    const std::uint32_t fields[4] = {version, 13, 26, 160};
+    std::memcpy(b.data() + 8, fields, 16);
+    const std::uint64_t count = 10;
+    const std::uint32_t per = 4, vocabulary = content ? 0x5eed5eedu : 0u;
+    std::memcpy(b.data() + 24, &count, 8);
+    std::memcpy(b.data() + 32, &per, 4);
+    std::memcpy(b.data() + 36, &content, 4);
+    std::memcpy(b.data() + 40, &vocabulary, 4);
+    const std::uint32_t header = crc(b.data(), 60);
+    std::memcpy(b.data() + 60, &header, 4);
+    std::memcpy(b.data() + 64, recs.data(), 10 * 160);
+    std::vector<std::uint32_t> sums;
+    for (std::size_t r = 0; r < 10; r += 4) sums.push_back(crc(b.data() + 64 + r * 160, std::min<std::size_t>(4, 10 - r) * 160));
+    sums.push_back(crc(reinterpret_cast<const char*>(sums.data()), sums.size() * 4));
+    b.insert(b.end(), reinterpret_cast<const char*>(sums.data()), reinterpret_cast<const char*>(sums.data() + sums.size()));
+    return b;
+  };
+  const fs::path p = temp_path("old.bin");
+  auto write = [&](const std::vector<char>& b) {
+    std::ofstream(p, std::ios::binary | std::ios::trunc).write(b.data(), static_cast<std::streamsize>(b.size()));
+    return p;
+  };
+  for (const auto [version, content] : {std::pair{2u, 0u}, std::pair{3u, 1u}}) {
+    SCOPED_TRACE(version);
+    const std::vector<char> good = old_version(version, content);
+    std::vector<RawRecord> out(10);
+    binary_source(write(good))->read(0, out);
+    EXPECT_EQ(std::memcmp(out.data(), recs.data(), 10 * 160), 0);
+    EXPECT_EQ(binary_content(p), (content ? BinaryContent{true, 0x5eed5eedu} : BinaryContent{}));
+    std::vector<char> damaged = good;
+    damaged[64 + 9 * 160 + 44] ^= 1;  // record 9, the last block
+    auto src = binary_source(write(damaged));
+    src->read(0, std::span(out).first(8));  // the first two blocks: intact
+    try {
+      src->read(8, std::span(out).first(2));
+      ADD_FAILURE() << "a damaged block was read";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("CRC-32"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("records 8 to 9 are damaged"), std::string::npos) << e.what();
+    }
+  }
+  // Version 3 holds ids only.
+  EXPECT_THROW(binary_source(write(old_version(3, 0))), Error);
 }
 
 TEST(CriteoRead, OverlongLineIsRefused) {

@@ -165,17 +165,16 @@ class SyntheticCriteo {
 // Binary format
 // ---------------------------------------------------------------------------------------------
 //
-// Version 2: a 64-byte header ("FKCRITEO", version, 13, 26, record size, record count, records per
-// block, the header's CRC-32), fixed 160-byte little-endian records (i32 label, i32 dense[13],
-// u32 sparse[26]), then one CRC-32 per block of records and the CRC-32 of that table. Raw values
-// are kept (hashing happens at load time), so one file serves any table size or hash mode.
+// Version 4, the one written: a 64-byte header ("FKCRITEO", version, 13, 26, record size, record
+// count, records per block, content, the vocabulary's fingerprint, the header's CRC-32), fixed
+// 160-byte little-endian records (i32 label, i32 dense[13], u32 sparse[26]), then one XXH3-64 per
+// block of records and the XXH3-64 of that table. Content 0 keeps the raw values (hashing happens
+// at load time, so one file serves any table size or hash mode); content 1 holds the ids of the
+// vocabulary whose fingerprint the header carries (the shards of `fusekit data preprocess`).
 // binary_source maps the file into memory; it checks the header, the file's exact size and the
-// table when it opens a file, and each block's checksum the first time a read touches it;
-// version 1 files (no checksums) are read with the same size and label checks.
-//
-// Version 3 is version 2 whose categorical values are the ids of a vocabulary (the shards of
-// `fusekit data preprocess`): u32 content at byte 36 (1: vocabulary ids) and the vocabulary's
-// fingerprint at byte 40, both under the header's CRC. Files of raw values are written as version 2.
+// table when it opens a file, and each block's checksum the first time a read touches it.
+// Earlier versions are still read and checked the same way: version 3 (ids) and version 2 (raw
+// values) carry CRC-32s where version 4 has XXH3-64s; version 1 has no checksums.
 struct BinaryContent {
   bool ids = false;                // the sparse values are vocabulary ids
   std::uint32_t vocabulary = 0;    // that vocabulary's fingerprint (Vocabulary::fingerprint)
@@ -203,9 +202,8 @@ class RecordWriter {
   BinaryContent content_;
   std::unique_ptr<std::ofstream> out_;
   std::int64_t count_ = 0;
-  std::vector<std::uint32_t> block_crcs_;  // binary: the finished blocks'
-  std::uint32_t block_crc_ = 0;            // binary: the open block's, over its first in_block_ records
-  std::int64_t in_block_ = 0;
+  std::vector<std::uint64_t> block_sums_;  // binary: the finished blocks' checksums
+  std::vector<RawRecord> open_block_;      // binary: the records of the block not yet finished
 };
 // Converts a TSV (or .gz) file; returns the reader's report. Written atomically (temp + rename).
 ReadReport convert_tsv_to_binary(const std::filesystem::path& tsv, const std::filesystem::path& bin,

@@ -15,8 +15,9 @@
 //   manifest.json    the data set, the days (file, records), the inputs (path, bytes, lines,
 //                    records, malformed), the vocabulary's options and fingerprint
 //   vocabulary.fkv   the vocabulary (vocabulary.hpp)
-//   day_<d>.bin      day d's records: binary format version 3 (criteo.hpp), categorical values
-//                    replaced by their ids, the vocabulary's fingerprint in the header
+//   day_<d>.bin      day d's records: binary format version 4, content 1 (criteo.hpp), the
+//                    categorical values replaced by their ids, the vocabulary's fingerprint in
+//                    the header
 // Every file is written through a temporary file renamed into place, the manifest last: a
 // directory without a manifest is not a data set.
 #pragma once
@@ -69,8 +70,9 @@ struct PreprocessReport {
 PreprocessReport preprocess(const PreprocessOptions& options);
 
 // A preprocessed data set, opened and checked: the manifest, the vocabulary's CRC and that its
-// fingerprint is the manifest's, and every day file's header (version 3, that fingerprint, the
-// manifest's record count). Records are read memory-mapped, each block's CRC checked on first use.
+// fingerprint is the manifest's, and every day file's header (vocabulary ids, that fingerprint,
+// the manifest's record count). Records are read memory-mapped, each block's checksum checked on
+// first use.
 struct ShardSet {
   std::filesystem::path directory;
   std::string data_set;
