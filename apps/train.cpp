@@ -9,6 +9,7 @@
 #include <unistd.h>
 #include <time.h>
 
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -657,12 +658,43 @@ int run_eval(const EvalFlags& f) {
 // fusekit data
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// 26 sizes joined by '-', as the reference's --arch-embedding-size.
+std::vector<std::int64_t> parse_cardinalities(const std::string& s) {
+  std::vector<std::int64_t> v;
+  const char* p = s.data();
+  const char* end = s.data() + s.size();
+  while (true) {
+    std::int64_t x = 0;
+    const auto [next, ec] = std::from_chars(p, end, x);
+    if (ec != std::errc{} || x < 1 || (next != end && *next != '-')) {
+      v.clear();
+      break;
+    }
+    v.push_back(x);
+    if (next == end) break;
+    p = next + 1;
+  }
+  FK_CHECK_ARG(v.size() == data::kNumSparse, "fusekit data synth", "--cardinalities",
+               "kaggle, mlperf-terabyte or 26 positive sizes joined by '-'", s);
+  return v;
+}
+
+}  // namespace
+
 CLI::App* add_data_command(CLI::App& app, DataFlags& f) {
   CLI::App* cmd = app.add_subcommand("data", "Criteo data tools: synthetic data, TSV to binary, vocabularies, preprocessing into day shards, the loader's rate");
   cmd->require_subcommand(1);
   CLI::App* synth = cmd->add_subcommand("synth", "Write synthetic Criteo-like samples as a Criteo TSV file");
   synth->add_option("--rows", f.rows, "Samples to write")->check(CLI::PositiveNumber);
   synth->add_option("--seed", f.seed, "Generator seed (as fusekit train --data-seed)");
+  synth->add_option("--cardinalities", f.cardinalities,
+                    "Each feature's distinct values: kaggle (Kaggle's), mlperf-terabyte (the MLPerf model's: "
+                    "Terabyte's under --max-ind-range 40000000) or 26 comma-separated sizes");
+  synth->add_option("--zipf-exponent", f.zipf_exponent,
+                    "s of the values' ranks' density ~ r^-s (1.1; near 0: near uniform, every value seen)")
+      ->check(CLI::PositiveNumber);
   synth->add_option("--out", f.out, "Output file: Criteo TSV, or the fusekit binary format when it ends in .bin")
       ->required();
   CLI::App* convert = cmd->add_subcommand("convert", "Convert a Criteo TSV (.gz) file to the fusekit binary format");
@@ -717,6 +749,11 @@ int run_data(CLI::App& data_cmd, const DataFlags& f) {
   if (*data_cmd.get_subcommand("synth")) {
     data::SyntheticConfig sc;
     sc.seed = f.seed;
+    sc.zipf_exponent = f.zipf_exponent;
+    if (f.cardinalities == "mlperf-terabyte")
+      sc.cardinalities.assign(data::kMlperfTerabyteCardinalities.begin(), data::kMlperfTerabyteCardinalities.end());
+    else if (f.cardinalities != "kaggle")
+      sc.cardinalities = parse_cardinalities(f.cardinalities);
     const data::SyntheticCriteo gen(sc);
     const bool binary = std::filesystem::path(f.out).extension() == ".bin";
     data::RecordWriter writer(f.out, binary ? data::FileFormat::binary : data::FileFormat::tsv);

@@ -38,6 +38,8 @@ struct DataFlags {
   std::string in, out;
   std::int64_t rows = 100000;
   std::uint64_t seed = 2024;
+  std::string cardinalities = "kaggle";  // synth: kaggle, mlperf-terabyte or 26 sizes joined by '-'
+  double zipf_exponent = 1.1;            // synth
   bool strict = false;
   double test_fraction = 0.1;       // vocab: as fusekit train's
   std::string data_set;             // vocab: "kaggle": the reference's training days
