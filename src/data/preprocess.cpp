@@ -367,8 +367,8 @@ PreprocessReport preprocess(const PreprocessOptions& o) {
       counter.add_records(std::ssize(counted));
     }));
   }
-  const auto vocabulary = std::make_shared<const Vocabulary>(Vocabulary::build(counter));
-  counter = VocabularyCounter(o.vocabulary);  // its memory back before the write pass
+  // Each feature's counts are given back as its ids are made.
+  const auto vocabulary = std::make_shared<const Vocabulary>(Vocabulary::build(std::move(counter)));
   rep.fingerprint = vocabulary->fingerprint();
   for (const std::int64_t r : vocabulary->table_rows()) rep.table_rows += r;
 

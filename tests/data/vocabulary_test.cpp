@@ -122,6 +122,29 @@ TEST(Vocabulary, CountsMoveToAnArrayUnderMaxIndRangeWithTheSameIds) {
   EXPECT_EQ(a.distinct(0), 20);
 }
 
+TEST(Vocabulary, BothLookupsGiveEveryRawValueItsId) {
+  // max_ind_range 1000: 10 kept keys take a hash table (16 slots, 128 bytes), 900 an array of
+  // 1000 ids (4000 bytes against 2048 slots). Every raw value in [0, 3000) gets the id of its key
+  // raw % 1000, or 0 when that key was not kept.
+  for (const std::uint32_t distinct : {10u, 900u}) {
+    SCOPED_TRACE(distinct);
+    std::vector<RawRecord> records;
+    for (std::uint32_t k = 0; k < distinct; ++k)
+      for (std::uint32_t i = 0; i <= k % 3; ++i) records.push_back(feature0({k * 7 % 1000 + 1000 * i})[0]);
+    VocabularyCounter c({.max_ind_range = 1000, .min_count = 1});
+    c.add(records);
+    const Vocabulary v = Vocabulary::build(c);
+    ASSERT_EQ(v.kept(0), distinct);
+    std::vector<std::uint32_t> want(1000, 0);
+    for (std::uint32_t id = 1; id <= distinct; ++id) want[v.key_of(0, id)] = id;
+    for (std::uint32_t raw = 0; raw < 3000; ++raw) ASSERT_EQ(v.id(0, raw), want[raw % 1000]) << raw;
+    // Built from the counter given up: the same vocabulary, and the counter left empty.
+    EXPECT_EQ(Vocabulary::build(std::move(c)), v);
+    EXPECT_EQ(c.distinct(0), 0);
+    EXPECT_EQ(c.records(), 0);
+  }
+}
+
 TEST(Vocabulary, OptionsAreChecked) {
   EXPECT_THROW(VocabularyCounter({.max_ind_range = 0, .min_count = 0}), Error);
   EXPECT_THROW(VocabularyCounter({.max_ind_range = std::int64_t{1} << 32, .min_count = 1}), Error);

@@ -75,6 +75,9 @@ class Vocabulary {
  public:
   Vocabulary() = default;
   static Vocabulary build(const VocabularyCounter& counter);
+  // The same, giving each feature's counts back as it goes (the counter is left empty): the
+  // counts and the vocabulary are never both whole in memory.
+  static Vocabulary build(VocabularyCounter&& counter);
 
   const VocabularyOptions& options() const noexcept { return options_; }
   std::int64_t records() const noexcept { return records_; }  // records it was counted from
@@ -99,12 +102,15 @@ class Vocabulary {
   }
 
  private:
-  void index();  // slots_ from by_id_ (checked: no value twice, each below max_ind_range), the fingerprint
+  void index();  // the lookups from by_id_ (checked: no value twice, each below max_ind_range), the fingerprint
   std::vector<std::byte> serialize() const;
   VocabularyOptions options_;
   std::int64_t records_ = 0;
   std::array<std::vector<std::uint32_t>, kNumSparse> by_id_;   // key of id i + 1
-  std::array<std::vector<std::uint64_t>, kNumSparse> slots_;  // hash table: key << 32 | id, 0 empty
+  // A feature's lookup: a hash table (key << 32 | id, 0 empty), or, under max_ind_range where that
+  // is smaller, the id of every key below it (0 unknown).
+  std::array<std::vector<std::uint64_t>, kNumSparse> slots_;
+  std::array<std::vector<std::uint32_t>, kNumSparse> id_of_key_;
   std::array<int, kNumSparse> shift_{};
   std::uint32_t fingerprint_ = 0;
 };
