@@ -220,8 +220,8 @@ void Vocabulary::index() {
     id_of_key.clear();
     // Under max_ind_range every key is below it: an array of max_ind_range ids where that takes
     // less memory than the table (the MLPerf model's large features: 160 MB against 537 MB).
-    const auto range = static_cast<std::uint64_t>(options_.max_ind_range);
-    if (range > 0 && range * sizeof(std::uint32_t) <= (std::uint64_t{1} << bits) * sizeof(std::uint64_t)) {
+    const std::uint64_t range = options_.max_ind_range > 0 ? static_cast<std::uint64_t>(options_.max_ind_range) : 0;
+    if (range > 0 && range <= (std::uint64_t{1} << bits) * 2) {  // 4 bytes a key against 8 a slot
       id_of_key.assign(range, 0);
       for (std::size_t i = 0; i < keys.size(); ++i) {
         if (id_of_key[keys[i]] != 0)

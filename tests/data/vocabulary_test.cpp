@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <vector>
 
@@ -142,6 +143,16 @@ TEST(Vocabulary, BothLookupsGiveEveryRawValueItsId) {
     EXPECT_EQ(Vocabulary::build(std::move(c)), v);
     EXPECT_EQ(c.distinct(0), 0);
     EXPECT_EQ(c.records(), 0);
+  }
+}
+
+TEST(Vocabulary, AMaxIndRangeBelowOneIsNone) {
+  // Keys 5, 6, 7 once each: a hash table of 4 slots, whatever max_ind_range <= 0 says.
+  const std::vector<RawRecord> records = feature0({5, 6, 7});
+  const Vocabulary none = build(records);
+  for (const std::int64_t r : {std::int64_t{-1}, -(std::int64_t{1} << 62), std::numeric_limits<std::int64_t>::min()}) {
+    const Vocabulary v = build(records, {.max_ind_range = r, .min_count = 1});
+    for (std::uint32_t raw = 0; raw < 10; ++raw) EXPECT_EQ(v.id(0, raw), none.id(0, raw)) << r << " " << raw;
   }
 }
 
