@@ -181,15 +181,14 @@ def _same_device(op: str, **tensors: Optional[Tensor]) -> None:
                            f"tensor argument), got {t.device}")
 
 
-_to_dlpack = getattr(torch._C, "_to_dlpack", None)
+# A tensor as fusekit._C takes it: a DLPack capsule of the same memory (torch's C exporter: about a
+# microsecond, where Tensor.__dlpack__ costs several).
+_dlpack = torch.utils.dlpack.to_dlpack
 
 
 def _d(t: Optional[Tensor]):
-    """t as fusekit._C takes it: a DLPack capsule of the same memory (torch's C exporter: about a
-    microsecond, where Tensor.__dlpack__ costs several)."""
-    if t is None:
-        return None
-    return _to_dlpack(t) if _to_dlpack is not None else t.detach()
+    """_dlpack(t), or None for an absent optional tensor."""
+    return None if t is None else _dlpack(t)
 
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -234,11 +233,12 @@ def bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act:
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     from_output = act in _FROM_OUTPUT or not for_backward
     z = x.new_empty(0) if from_output else torch.empty_like(y)
-    _C.bias_act_forward(_d(_rows(x, "bias_act_forward", "x")),
-                        None if residual is None else _d(_rows(residual, "bias_act_forward", "r")),
-                        _d(bias), _d(_rows(y, "bias_act_forward", "y")),
-                        None if from_output else _d(_rows(z, "bias_act_forward", "preact")),
-                        act, alpha, _stream(x))
+    xs, ys, zs = x, y, z  # as [rows, cols] views; a 2-D x (the common case) as it is
+    if x.dim() != 2:
+        xs, ys = _rows(x, "bias_act_forward", "x"), _rows(y, "bias_act_forward", "y")
+        zs = z if from_output else _rows(z, "bias_act_forward", "preact")
+    _C.bias_act_forward(_dlpack(xs), None if residual is None else _dlpack(_rows(residual, "bias_act_forward", "r")),
+                        _d(bias), _dlpack(ys), None if from_output else _dlpack(zs), act, alpha, _stream(x))
     return y, z
 
 
@@ -298,7 +298,8 @@ _autograd("bias_act", _bias_act_backward, _bias_act_setup)
 def softmax(x: Tensor) -> Tensor:
     """softmax over the last dimension (one online pass per row)."""
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _C.softmax(_d(_rows(x, "softmax", "x")), _d(_rows(y, "softmax", "y")), _stream(x))
+    xs, ys = (x, y) if x.dim() == 2 else (_rows(x, "softmax", "x"), _rows(y, "softmax", "y"))
+    _C.softmax(_dlpack(xs), _dlpack(ys), _stream(x))
     return y
 
 
