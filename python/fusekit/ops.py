@@ -33,10 +33,16 @@ def _schema(name: str):
     return getattr(torch.ops.fusekit, name).default._schema
 
 
-def _custom_op(name: str, mutates_args: tuple = ()):
-    """Registers `fn` as torch.ops.fusekit.<name>, and keeps it and where its tensors are for call()."""
+_IMPL_FIRST = {}  # name -> an implementation for call_first() that returns None for an unused output
+
+
+def _custom_op(name: str, mutates_args: tuple = (), first=None):
+    """Registers `fn` as torch.ops.fusekit.<name>, and keeps it and where its tensors are for call().
+    `first`, where given, is what call_first() runs in eager mode: `fn` without the empty tensors
+    that `fn` returns for outputs not written (the caller keeps only the first)."""
     def wrap(fn):
         _IMPL[name] = fn
+        _IMPL_FIRST[name] = first or fn
         _OPS[name] = torch.library.custom_op(f"{_LIB}::{name}", mutates_args=mutates_args)(fn)
         _TENSOR_ARGS[name] = tuple(i for i, a in enumerate(_schema(name).arguments)
                                    if any(a.type.isSubtypeOf(t) for t in _TENSOR_TYPES))
@@ -54,10 +60,10 @@ def _autograd(name: str, backward, setup_context, eager: bool = True):
     see tensors inside a list."""
     _OPS[name].register_autograd(backward, setup_context=setup_context)
     if eager:
-        _eager_functions(name, _IMPL[name], backward, setup_context)
+        _eager_functions(name, _IMPL[name], _IMPL_FIRST[name], backward, setup_context)
 
 
-def _eager_functions(name: str, impl, backward, setup_context) -> None:
+def _eager_functions(name: str, impl, impl_first, backward, setup_context) -> None:
     """Op `name` in eager mode as autograd.Functions that run its implementation and its own
     rule, without the dispatcher's round trips through Python. One class per op: apply takes the
     op's arguments as they are, so the rule's gradients map onto them unchanged. The second class
@@ -72,7 +78,7 @@ def _eager_functions(name: str, impl, backward, setup_context) -> None:
         return out
 
     def forward_first(ctx, *args):
-        out = impl(*args)
+        out = impl_first(*args)
         ctx.fusekit_eager = True
         setup_context(ctx, args, out)
         return out[0]
@@ -150,7 +156,7 @@ def call_first(name: str, *args):
     """call(name, *args)[0], for an op with several outputs of which the caller keeps the first."""
     route = _route(name, args)
     if route == _PLAIN_CALL:
-        return _IMPL[name](*args)[0]
+        return _IMPL_FIRST[name](*args)[0]
     if route == _WITH_GRAD:
         eager = _EAGER_FIRST.get(name)
         if eager is not None:
@@ -224,22 +230,28 @@ def _not_kept(op: str):
                     "(the backward needs what the forward keeps), got False")
 
 
-@_custom_op("bias_act")
+def _bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str, alpha: float,
+              for_backward: bool) -> tuple:
+    """bias_act, with None for z where it is not written."""
+    # (devices are checked by the op: y and z are allocated on x's)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    z = None if act in _FROM_OUTPUT or not for_backward else torch.empty_like(y)
+    xs, ys, zs = x, y, z  # as [rows, cols] views; a 2-D x (the common case) as it is
+    if x.dim() != 2:
+        xs, ys = _rows(x, "bias_act_forward", "x"), _rows(y, "bias_act_forward", "y")
+        zs = None if z is None else _rows(z, "bias_act_forward", "preact")
+    _C.bias_act_forward(_dlpack(xs), None if residual is None else _dlpack(_rows(residual, "bias_act_forward", "r")),
+                        _d(bias), _dlpack(ys), _d(zs), act, alpha, _stream(x))
+    return y, z
+
+
+@_custom_op("bias_act", first=_bias_act)
 def bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str, alpha: float,
              for_backward: bool) -> tuple[Tensor, Tensor]:
     """(y, z): y = act(x + alpha * residual + bias) over x's last dimension; z, the pre-activation,
     when for_backward and act's derivative needs it (gelu, silu), else an empty tensor."""
-    # (devices are checked by the op: y and z are allocated on x's)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    from_output = act in _FROM_OUTPUT or not for_backward
-    z = x.new_empty(0) if from_output else torch.empty_like(y)
-    xs, ys, zs = x, y, z  # as [rows, cols] views; a 2-D x (the common case) as it is
-    if x.dim() != 2:
-        xs, ys = _rows(x, "bias_act_forward", "x"), _rows(y, "bias_act_forward", "y")
-        zs = z if from_output else _rows(z, "bias_act_forward", "preact")
-    _C.bias_act_forward(_dlpack(xs), None if residual is None else _dlpack(_rows(residual, "bias_act_forward", "r")),
-                        _d(bias), _dlpack(ys), None if from_output else _dlpack(zs), act, alpha, _stream(x))
-    return y, z
+    y, z = _bias_act(x, bias, residual, act, alpha, for_backward)
+    return y, (x.new_empty(0) if z is None else z)
 
 
 @bias_act.register_fake
