@@ -23,115 +23,144 @@ def _stream(t: Tensor) -> int:
     return torch._C._cuda_getCurrentRawStream(t.get_device()) if t.is_cuda else 0
 
 
-_RAW = {}
+_IMPL = {}  # name -> the implementation torch.ops.fusekit.<name> runs
 _OPS = {}
+_TENSOR_ARGS = {}  # name -> positions of its Tensor, Optional[Tensor] and list[Tensor] arguments
+_TENSOR_TYPES = (torch._C.OptionalType.ofTensor(), torch._C.ListType.ofTensors())
 
 
-def _custom_op(name: str, mutates_args: tuple = ()):
-    """Registers `fn` as torch.ops.fusekit.<name> and keeps the plain function for call()."""
+def _schema(name: str):
+    return getattr(torch.ops.fusekit, name).default._schema
+
+
+_IMPL_FIRST = {}  # name -> an implementation for call_first() that returns None for an unused output
+
+
+def _custom_op(name: str, mutates_args: tuple = (), first=None):
+    """Registers `fn` as torch.ops.fusekit.<name>, and keeps it and where its tensors are for call().
+    `first`, where given, is what call_first() runs in eager mode: `fn` without the empty tensors
+    that `fn` returns for outputs not written (the caller keeps only the first)."""
     def wrap(fn):
-        _RAW[name] = fn
+        _IMPL[name] = fn
+        _IMPL_FIRST[name] = first or fn
         _OPS[name] = torch.library.custom_op(f"{_LIB}::{name}", mutates_args=mutates_args)(fn)
+        _TENSOR_ARGS[name] = tuple(i for i, a in enumerate(_schema(name).arguments)
+                                   if any(a.type.isSubtypeOf(t) for t in _TENSOR_TYPES))
         return _OPS[name]
     return wrap
 
 
-_AUTOGRAD = {}
+_EAGER = {}  # name -> the op's autograd.Function for call()
+_EAGER_FIRST = {}  # name -> the one for call_first(), where the op has several outputs
 
 
 def _autograd(name: str, backward, setup_context, eager: bool = True):
     """The op's autograd rule, for torch.ops.fusekit.<name> and (eager) for call()'s eager path
     alike. An op taking lists of tensors keeps to the registered op: autograd.Function does not
     see tensors inside a list."""
-    if eager:
-        _AUTOGRAD[name] = (setup_context, backward)
     _OPS[name].register_autograd(backward, setup_context=setup_context)
+    if eager:
+        _eager_functions(name, _IMPL[name], _IMPL_FIRST[name], backward, setup_context)
 
 
-class _Eager(torch.autograd.Function):
-    """An op with an autograd rule, in eager mode: its implementation and the same rule, without
-    the dispatcher's round trips through Python."""
+def _eager_functions(name: str, impl, impl_first, backward, setup_context) -> None:
+    """Op `name` in eager mode as autograd.Functions that run its implementation and its own
+    rule, without the dispatcher's round trips through Python. One class per op: apply takes the
+    op's arguments as they are, so the rule's gradients map onto them unchanged. The second class
+    (for an op with several outputs) hands autograd only the first: the others, kept for the
+    backward, are one output fewer to track."""
+    unused = (None,) * (len(_schema(name).returns) - 1)
 
-    @staticmethod
-    def forward(ctx, name, *args):
-        out = _RAW[name](*args)
-        ctx.fusekit_op, ctx.fusekit_eager = name, True
-        _AUTOGRAD[name][0](ctx, args, out)
+    def forward(ctx, *args):
+        out = impl(*args)
+        ctx.fusekit_eager = True
+        setup_context(ctx, args, out)
         return out
 
-    @staticmethod
-    def backward(ctx, *grads):
-        g = _AUTOGRAD[ctx.fusekit_op][1](ctx, *grads)
-        return (None, *((g,) if isinstance(g, Tensor) else g))
-
-
-class _EagerFirst(torch.autograd.Function):
-    """_Eager for a caller that keeps only the op's first output (the others, kept for the
-    backward, are not handed to autograd: one output fewer to track)."""
-
-    @staticmethod
-    def forward(ctx, name, *args):
-        out = _RAW[name](*args)
-        ctx.fusekit_op, ctx.fusekit_eager, ctx.fusekit_outputs = name, True, len(out)
-        _AUTOGRAD[name][0](ctx, args, out)
+    def forward_first(ctx, *args):
+        out = impl_first(*args)
+        ctx.fusekit_eager = True
+        setup_context(ctx, args, out)
         return out[0]
 
-    @staticmethod
-    def backward(ctx, grad):
-        g = _AUTOGRAD[ctx.fusekit_op][1](ctx, grad, *((None,) * (ctx.fusekit_outputs - 1)))
-        return (None, *((g,) if isinstance(g, Tensor) else g))
+    def backward_first(ctx, grad):
+        return backward(ctx, grad, *unused)
+
+    def function(suffix: str, fwd, bwd):
+        return type(f"{name}{suffix}", (torch.autograd.Function,),
+                    {"forward": staticmethod(fwd), "backward": staticmethod(bwd), "__module__": __name__})
+
+    _EAGER[name] = function("_eager", forward, backward)
+    if unused:
+        _EAGER_FIRST[name] = function("_eager_first", forward_first, backward_first)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (Tensor, torch.nn.Parameter)
 _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+_dispatch_modes, _functorch_active = torch._C._len_torch_dispatch_stack, torch._C._are_functorch_transforms_active
 
 
 def _bwd(ctx, name: str, *args):
-    """A backward op from an autograd rule: the implementation itself under _Eager, the registered
-    op when torch (compile, AOT autograd, opcheck) traces the rule."""
+    """A backward op from an autograd rule: the implementation itself under call()'s eager path,
+    the registered op when torch (compile, AOT autograd, opcheck) traces the rule."""
     if getattr(ctx, "fusekit_eager", False):
-        return _RAW[name](*args)
+        return _IMPL[name](*args)
     return getattr(torch.ops.fusekit, name).default(*args)
 
 
 _REGISTERED, _WITH_GRAD, _PLAIN_CALL = 0, 1, 2
 
 
-def _route(args) -> int:
-    """How call() runs an op on these arguments (a plain loop: this runs on every call, and
-    generator expressions cost microseconds)."""
+def _route(name: str, args: tuple) -> int:
+    """How call() runs op `name` on these arguments: the registered op while torch traces or
+    transforms (torch.compile and export, a fake, functional, proxy or any other dispatch mode,
+    functorch) and for anything but plain tensors where the op takes tensors (a subclass: its
+    own rules; a wrong type: the schema's error names the argument); else the implementation
+    itself, with a gradient recorded or not. A plain loop over the op's tensor arguments only:
+    this runs on every call."""
+    if _is_compiling() or _dispatch_modes() or _functorch_active():
+        return _REGISTERED
     grad = False
-    for a in args:
-        if isinstance(a, Tensor):
-            if type(a) not in _PLAIN:
-                return _REGISTERED  # a tensor subclass
+    for i in _TENSOR_ARGS[name]:
+        a = args[i]
+        if type(a) in _PLAIN:
             if a.requires_grad:
                 grad = True
-    if _is_compiling():
-        return _REGISTERED  # traced with its fake
+        elif type(a) is list:
+            for t in a:
+                if type(t) not in _PLAIN:
+                    return _REGISTERED
+                if t.requires_grad:
+                    grad = True
+        elif a is not None:
+            return _REGISTERED
     return _WITH_GRAD if grad and _grad_enabled() else _PLAIN_CALL
 
 
 def call(name: str, *args):
     """Runs op `name` as torch.ops.fusekit.<name> would, by the cheapest way that records what is
-    needed: under torch.compile, the registered op (traced with its fake); in eager mode, the
-    implementation itself, inside an autograd.Function when a gradient is to be recorded (the
+    needed (_route): traced, the registered op (its fake); in eager mode, the implementation
+    itself, inside the op's autograd.Function when a gradient is to be recorded (the
     dispatcher's round trips through Python cost more than a small kernel runs)."""
-    route = _route(args)
+    route = _route(name, args)
     if route == _PLAIN_CALL:
-        return _RAW[name](*args)
-    if route == _WITH_GRAD and name in _AUTOGRAD:
-        return _Eager.apply(name, *args)
+        return _IMPL[name](*args)
+    if route == _WITH_GRAD:
+        eager = _EAGER.get(name)
+        if eager is not None:
+            return eager.apply(*args)
     return getattr(torch.ops.fusekit, name).default(*args)  # without a rule: torch says so at backward
 
 
 def call_first(name: str, *args):
     """call(name, *args)[0], for an op with several outputs of which the caller keeps the first."""
-    route = _route(args)
+    route = _route(name, args)
     if route == _PLAIN_CALL:
-        return _RAW[name](*args)[0]
-    if route == _WITH_GRAD and name in _AUTOGRAD:
-        return _EagerFirst.apply(name, *args)
+        return _IMPL_FIRST[name](*args)[0]
+    if route == _WITH_GRAD:
+        eager = _EAGER_FIRST.get(name)
+        if eager is not None:
+            return eager.apply(*args)
     return getattr(torch.ops.fusekit, name).default(*args)[0]
 
 
@@ -158,15 +187,14 @@ def _same_device(op: str, **tensors: Optional[Tensor]) -> None:
                            f"tensor argument), got {t.device}")
 
 
-_to_dlpack = getattr(torch._C, "_to_dlpack", None)
+# A tensor as fusekit._C takes it: a DLPack capsule of the same memory (torch's C exporter: about a
+# microsecond, where Tensor.__dlpack__ costs several).
+_dlpack = torch.utils.dlpack.to_dlpack
 
 
 def _d(t: Optional[Tensor]):
-    """t as fusekit._C takes it: a DLPack capsule of the same memory (torch's C exporter: about a
-    microsecond, where Tensor.__dlpack__ costs several)."""
-    if t is None:
-        return None
-    return _to_dlpack(t) if _to_dlpack is not None else t.detach()
+    """_dlpack(t), or None for an absent optional tensor."""
+    return None if t is None else _dlpack(t)
 
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -202,21 +230,28 @@ def _not_kept(op: str):
                     "(the backward needs what the forward keeps), got False")
 
 
-@_custom_op("bias_act")
+def _bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str, alpha: float,
+              for_backward: bool) -> tuple:
+    """bias_act, with None for z where it is not written."""
+    # (devices are checked by the op: y and z are allocated on x's)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    z = None if act in _FROM_OUTPUT or not for_backward else torch.empty_like(y)
+    xs, ys, zs = x, y, z  # as [rows, cols] views; a 2-D x (the common case) as it is
+    if x.dim() != 2:
+        xs, ys = _rows(x, "bias_act_forward", "x"), _rows(y, "bias_act_forward", "y")
+        zs = None if z is None else _rows(z, "bias_act_forward", "preact")
+    _C.bias_act_forward(_dlpack(xs), None if residual is None else _dlpack(_rows(residual, "bias_act_forward", "r")),
+                        _d(bias), _dlpack(ys), _d(zs), act, alpha, _stream(x))
+    return y, z
+
+
+@_custom_op("bias_act", first=_bias_act)
 def bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str, alpha: float,
              for_backward: bool) -> tuple[Tensor, Tensor]:
     """(y, z): y = act(x + alpha * residual + bias) over x's last dimension; z, the pre-activation,
     when for_backward and act's derivative needs it (gelu, silu), else an empty tensor."""
-    # (devices are checked by the op: y and z are allocated on x's)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    from_output = act in _FROM_OUTPUT or not for_backward
-    z = x.new_empty(0) if from_output else torch.empty_like(y)
-    _C.bias_act_forward(_d(_rows(x, "bias_act_forward", "x")),
-                        None if residual is None else _d(_rows(residual, "bias_act_forward", "r")),
-                        _d(bias), _d(_rows(y, "bias_act_forward", "y")),
-                        None if from_output else _d(_rows(z, "bias_act_forward", "preact")),
-                        act, alpha, _stream(x))
-    return y, z
+    y, z = _bias_act(x, bias, residual, act, alpha, for_backward)
+    return y, (x.new_empty(0) if z is None else z)
 
 
 @bias_act.register_fake
@@ -275,7 +310,8 @@ _autograd("bias_act", _bias_act_backward, _bias_act_setup)
 def softmax(x: Tensor) -> Tensor:
     """softmax over the last dimension (one online pass per row)."""
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _C.softmax(_d(_rows(x, "softmax", "x")), _d(_rows(y, "softmax", "y")), _stream(x))
+    xs, ys = (x, y) if x.dim() == 2 else (_rows(x, "softmax", "x"), _rows(y, "softmax", "y"))
+    _C.softmax(_dlpack(xs), _dlpack(ys), _stream(x))
     return y
 
 

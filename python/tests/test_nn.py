@@ -244,6 +244,21 @@ def test_fused_mlp_matches_the_sequential_it_replaces(widths, acts, device):
         torch.testing.assert_close(fused(x).float(), y.float())
 
 
+def test_fused_mlp_gives_weight_gradients_when_its_input_needs_none(device):
+    """The first layer's input rarely requires grad; the weights' gradients are still recorded."""
+    torch.manual_seed(10)
+    seq = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4)).to(device, torch.bfloat16)
+    fused = fnn.FusedMLP.from_sequential(seq)
+    x = torch.randn(9, 12, device=device, dtype=torch.bfloat16)
+    y, want = fused(x), seq(x)
+    assert y.requires_grad
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (fused.linears[0].weight, fused.linears[-1].bias), dy)
+    exp = torch.autograd.grad(want, (seq[0].weight, seq[-1].bias), dy)
+    for g, e in zip(got, exp):
+        torch.testing.assert_close(g.float(), e.float(), rtol=5e-2, atol=5e-2 * 9 ** 0.5)
+
+
 def test_fused_mlp_refuses_what_it_cannot_fuse():
     with pytest.raises(fusekit.Error, match=r"argument 'seq'.*Tanh"):
         fnn.FusedMLP.from_sequential(nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)))

@@ -200,6 +200,28 @@ def test_torch_compile_fullgraph_matches_eager(device):
     torch.testing.assert_close(compiled, eager)
 
 
+def test_eager_calls_run_the_implementation_and_traced_calls_the_registered_op(device):
+    """In eager mode an op runs its implementation (inside its own autograd.Function when a
+    gradient is recorded); under a dispatch mode (make_fx here, as AOT autograd and export trace)
+    the registered op is what is recorded, with the gradient and without."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    x, b = rand((3, 8), torch.float32, device, 60, True), rand((8,), torch.float32, device, 61)
+    assert type(fusekit.softmax(x).grad_fn).__name__ == "softmax_eagerBackward"
+    assert type(fusekit.bias_act(x, b, act="gelu_tanh").grad_fn).__name__ == "bias_act_eager_firstBackward"
+
+    def step(x, b):
+        y = fusekit.softmax(fusekit.bias_act(x, b, act="gelu_tanh"))
+        return y, torch.autograd.grad(y.sum(), x)[0]
+
+    graph = make_fx(step)(x, b).graph
+    ops_seen = {str(n.target) for n in graph.nodes if n.op == "call_function"}
+    assert {"fusekit.bias_act.default", "fusekit.softmax.default"} <= ops_seen, ops_seen
+    assert "fusekit.bias_act_backward.default" in ops_seen, ops_seen
+    with torch.no_grad():
+        graph = make_fx(lambda x: fusekit.softmax(x))(x.detach()).graph
+    assert "fusekit.softmax.default" in {str(n.target) for n in graph.nodes}
+
+
 def test_inference_keeps_nothing_for_a_backward(device):
     """Without a gradient recorded, bias_act writes no pre-activation and lora no t or z (the
     device work of the C++ op asked for y alone); asking for less while recording is an error."""
