@@ -691,7 +691,7 @@ CLI::App* add_data_command(CLI::App& app, DataFlags& f) {
   synth->add_option("--seed", f.seed, "Generator seed (as fusekit train --data-seed)");
   synth->add_option("--cardinalities", f.cardinalities,
                     "Each feature's distinct values: kaggle (Kaggle's), mlperf-terabyte (the MLPerf model's: "
-                    "Terabyte's under --max-ind-range 40000000) or 26 comma-separated sizes");
+                    "Terabyte's under --max-ind-range 40000000) or 26 sizes joined by '-'");
   synth->add_option("--zipf-exponent", f.zipf_exponent,
                     "s of the values' ranks' density ~ r^-s (1.1; near 0: near uniform, every value seen)")
       ->check(CLI::PositiveNumber);

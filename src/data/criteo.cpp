@@ -451,7 +451,7 @@ void RecordWriter::close() {
     if (!open_block_.empty())
       block_sums_.push_back(checksum(kVersion, open_block_.data(), open_block_.size() * kRecordBytes));
     static_assert(checksum_bytes(kVersion) == sizeof(std::uint64_t));
-    block_sums_.push_back(checksum(kVersion, block_sums_.data(), block_sums_.size() * 8));  // the table's own
+    block_sums_.push_back(checksum(kVersion, block_sums_.data(), block_sums_.size() * sizeof(std::uint64_t)));  // the table's own
     out_->write(reinterpret_cast<const char*>(block_sums_.data()),
                 static_cast<std::streamsize>(block_sums_.size() * sizeof(std::uint64_t)));
     const Header h = make_header(static_cast<std::uint64_t>(count_), content_);
@@ -524,7 +524,7 @@ Header checked_header(const std::filesystem::path& path, std::uint64_t& bytes) {
   bytes = std::filesystem::file_size(path);
   const std::uint64_t max_count = static_cast<std::uint64_t>(INT64_MAX) / kRecordBytes;
   const std::uint64_t blocks = block_records ? num_blocks(h->count, block_records) : 0;
-  const std::uint64_t trailer = (blocks + 1) * checksum_bytes(h->version) * (block_records != 0);
+  const std::uint64_t trailer = block_records ? (blocks + 1) * checksum_bytes(h->version) : 0;
   const bool exact = h->count <= max_count && bytes >= kHeaderBytes + trailer &&
                      (bytes - kHeaderBytes - trailer) % kRecordBytes == 0 &&
                      (bytes - kHeaderBytes - trailer) / kRecordBytes == h->count;

@@ -42,7 +42,7 @@ inline constexpr int kNumSparse = 26;
 
 // The 26 table sizes of the MLPerf DLRM model: the Criteo Terabyte data set's distinct values of
 // each feature after the raw value modulo 40,000,000 (the reference's --max-ind-range=40000000).
-inline constexpr std::array<std::int64_t, 26> kMlperfTerabyteCardinalities = {
+inline constexpr std::array<std::int64_t, kNumSparse> kMlperfTerabyteCardinalities = {
     39884406, 39043, 17289, 7420, 20263, 3,  7120,     1543,     63,       38532951, 2953546, 403346, 10,
     2208,     11938, 155,   4,    976,   14, 39979771, 25641295, 39664984, 585935,   12972,   108,    36};
 
