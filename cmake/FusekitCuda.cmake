@@ -41,6 +41,5 @@ endif()
 # Applies fusekit's nvcc flags to the CUDA sources of a target.
 function(fusekit_cuda_target target)
   target_compile_options(${target} PRIVATE
-    $<$<COMPILE_LANGUAGE:CUDA>:${FUSEKIT_CUDA_GENCODE} --expt-relaxed-constexpr -lineinfo
-      -Xcompiler=-Wall>)
+    $<$<COMPILE_LANGUAGE:CUDA>:${FUSEKIT_CUDA_GENCODE} --expt-relaxed-constexpr -lineinfo>)
 endfunction()

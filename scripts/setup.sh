@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Installs what fusekit needs (Debian/Ubuntu packages, the CUTLASS/CuTe headers), then configures
-# and builds it in build/ (FUSEKIT_BUILD_DIR). Safe to run again: it installs only what is missing
-# and rebuilds incrementally, through ccache. CUDA kernels are built when a CUDA toolkit is found
+# Installs what fusekit needs (Debian/Ubuntu packages), then configures and builds it in build/
+# (FUSEKIT_BUILD_DIR); a CUDA configuration downloads the CUTLASS/CuTe headers (PyPI's
+# nvidia-cutlass) into the build folder as it configures. Safe to run again: it installs only
+# what is missing and rebuilds incrementally, through ccache. CUDA kernels are built when a CUDA toolkit is found
 # (nvcc on PATH or in /usr/local/cuda) unless FUSEKIT_CMAKE_ARGS holds -DFUSEKIT_CUDA=OFF;
 # otherwise the library is CPU-only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CUTLASS_VERSION=4.2.0.0
 BUILD_DIR=${FUSEKIT_BUILD_DIR:-build}
 
 packages=(build-essential cmake ninja-build git libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev
-          libdlpack-dev libxxhash-dev zlib1g-dev python3-pip python3-venv python3-dev unzip ccache)
+          libdlpack-dev libxxhash-dev zlib1g-dev python3-pip python3-venv python3-dev ccache)
 # The sanitizer / fuzz build (scripts/fuzz.sh --cmake-args) compiles with clang and its libFuzzer.
 [[ " ${FUSEKIT_CMAKE_ARGS:-} " == *"-DCMAKE_CXX_COMPILER=clang++"* ]] && packages+=(clang libclang-rt-dev)
 missing=()
@@ -24,16 +24,6 @@ if ((${#missing[@]})); then
   [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
   "${sudo_cmd[@]}" apt-get update -q
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
-fi
-
-# CUTLASS/CuTe headers from the PyPI wheel nvidia-cutlass (cutlass_library/source/include).
-if [ ! -f .deps/cutlass/include/cute/tensor.hpp ]; then
-  echo "setup: fetching the CUTLASS ${CUTLASS_VERSION} headers (PyPI nvidia-cutlass)"
-  rm -rf .deps/cutlass .deps/wheel && mkdir -p .deps/wheel .deps/cutlass
-  python3 -m pip download -q --no-deps --dest .deps/wheel "nvidia-cutlass==${CUTLASS_VERSION}"
-  unzip -q .deps/wheel/nvidia_cutlass-*.whl 'cutlass_library/source/include/*' -d .deps/wheel/unpacked
-  mv .deps/wheel/unpacked/cutlass_library/source/include .deps/cutlass/include
-  rm -rf .deps/wheel
 fi
 
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then

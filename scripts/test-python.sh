@@ -16,7 +16,7 @@ fi
 echo "test-python: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)') in $venv ($(( $(date +%s) - start )) s)"
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 cuda=${FUSEKIT_PY_CUDA:-OFF}
-"$venv/bin/python" -m pip install -q . -C cmake.define.FUSEKIT_CUDA="$cuda" \
+"$venv/bin/python" -m pip install -q . -C cmake.define.FUSEKIT_CUDA="$cuda" -C cmake.define.FUSEKIT_WERROR="${FUSEKIT_WERROR:-OFF}" \
   -C cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache -C cmake.define.CMAKE_CUDA_COMPILER_LAUNCHER=ccache
 echo "test-python: package built ($(( $(date +%s) - start )) s)"
 (cd build-py && "../$venv/bin/python" -m pytest -q -p no:cacheprovider ../python/tests)

@@ -1,5 +1,6 @@
 #include "fusekit/core/dlpack.hpp"
 
+#include <dlpack/dlpack.h>
 #include <fmt/format.h>
 
 #include <optional>

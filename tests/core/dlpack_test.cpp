@@ -1,3 +1,4 @@
+#include <dlpack/dlpack.h>
 #include <gtest/gtest.h>
 
 #include "fusekit/fusekit.hpp"

@@ -42,6 +42,20 @@ file(WRITE "${WORK}/src/main.cpp" "${main_cpp}")
 file(WRITE "${WORK}/src/CMakeLists.txt" "${lists}")
 
 run(${CMAKE_COMMAND} --install "${BUILD}" --prefix "${WORK}/prefix" --component Unspecified)
+# The exported package names its dependencies as targets and its headers relative to the prefix: an
+# absolute path from the building machine would break the package anywhere else.
+file(GLOB_RECURSE exported "${WORK}/prefix/*/fusekitTargets*.cmake")
+if(NOT exported)
+  message(FATAL_ERROR "the install tree holds no fusekitTargets*.cmake")
+endif()
+foreach(file IN LISTS exported)
+  file(STRINGS "${file}" properties REGEX "^  INTERFACE_[A-Z_]+ ")
+  foreach(line IN LISTS properties)
+    if(line MATCHES "(^|[\" ])/")  # the list splits at ";": a path after one starts its item
+      message(FATAL_ERROR "${file}: the exported package carries an absolute path: ${line}")
+    endif()
+  endforeach()
+endforeach()
 # The build's own compiler: a sanitizer build's library needs that compiler's runtimes.
 run(${CMAKE_COMMAND} -S "${WORK}/src" -B "${WORK}/build" -G "${GENERATOR}" "-DCMAKE_PREFIX_PATH=${WORK}/prefix"
     -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_COMPILER=${CXX}")

@@ -1,10 +1,11 @@
 // DLPack (dlpack.h, v0.6) interchange: hand a tensor to PyTorch/JAX/CuPy without a copy, and take
-// theirs.
+// theirs. A caller that reads or fills the DLManagedTensor includes <dlpack/dlpack.h> itself
+// (Debian's libdlpack-dev); this header needs only the name.
 #pragma once
 
-#include <dlpack/dlpack.h>
-
 #include "fusekit/core/tensor.hpp"
+
+struct DLManagedTensor;
 
 namespace fk {
 

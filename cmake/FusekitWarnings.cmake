@@ -1,0 +1,12 @@
+# fusekit_warnings(target): the warnings fusekit's own code is held to, on every target of the
+# project (library, programs, tests, benchmarks, the Python extension); with FUSEKIT_WERROR, as
+# errors. Third-party headers are included as system headers, so their warnings never show.
+function(fusekit_warnings target)
+  set(cxx -Wall -Wextra)
+  set(cuda -Xcompiler=-Wall)
+  if(FUSEKIT_WERROR)
+    list(APPEND cxx -Werror)
+    list(APPEND cuda --Werror=all-warnings -Xcompiler=-Werror)
+  endif()
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${cxx}> $<$<COMPILE_LANGUAGE:CUDA>:${cuda}>)
+endfunction()
