@@ -19,13 +19,10 @@ from ._C import Error, build_info, cuda_device_count  # noqa: E402
 __version__ = build_info()["version"]
 
 if _torch is not None:
+    from . import ops  # registers torch.ops.fusekit.*
     # Every device buffer fusekit allocates (scratch included) comes from PyTorch's caching
-    # allocator: torch.cuda.max_memory_allocated() counts it, CUDA graph capture pools it, and a
-    # block goes back ordered on the stream it was allocated on, as torch's own tensors do.
-    if build_info()["cuda"] and hasattr(_torch._C, "_cuda_cudaCachingAllocator_raw_alloc"):
-        _C.set_memory_source(_torch._C._cuda_cudaCachingAllocator_raw_alloc,
-                             _torch._C._cuda_cudaCachingAllocator_raw_delete)
-    from . import ops  # noqa: F401  (registers torch.ops.fusekit.*)
+    # allocator: torch.cuda.max_memory_allocated() counts it, CUDA graph capture pools it.
+    ops.use_torch_caching_allocator()
     from .functional import (attention, batched_matmul, bias_act, broadcast_binary, check_bags,  # noqa: F401
                              conv2d, convert, dense_optimizer_update_, embedding_bags, glu, interaction, lora,
                              outer, pack, relu_packed, row_sum, sigmoid_bce, softmax, unpack,

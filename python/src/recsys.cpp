@@ -20,9 +20,6 @@ namespace {
 
 using namespace nb::literals;
 
-using OptArray = std::optional<Array>;
-constexpr auto kNoGil = nb::call_guard<nb::gil_scoped_release>();
-
 const TableLayout& layout_for(const std::vector<std::int64_t>& rows, Device device, const char* op) {
   FK_CHECK_ARG(!rows.empty(), op, "table_rows", "one row count per table (at least one table)", "none");
   for (const std::int64_t r : rows) FK_CHECK_ARG(r > 0, op, "table_rows", "positive row counts", std::to_string(r));

@@ -1,5 +1,15 @@
-"""Shared checks of the Python tests."""
+"""Shared inputs and checks of the Python tests."""
 import torch
+
+# Tolerances per dtype, for one rounding of an fp32 result (bf16 8 bits, f16 11 bits of mantissa).
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def rand(shape, dtype, device, seed=0, requires_grad=False):
+    """Standard normal values from a seeded CPU generator (the same on every device), then cast."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
 
 
 def assert_weight_grad_close(dw, dy, xq, device):

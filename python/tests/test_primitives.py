@@ -1,5 +1,6 @@
-"""The puzzles' primitives and convert through PyTorch: against plain torch math on odd shapes,
-gradients where fusekit has a backward, opcheck, bad input."""
+"""The primitives through PyTorch: softmax, attention, broadcast binary ops, row sum, conv2d and
+batched matmul against plain torch math on odd shapes, gradients where fusekit has a backward,
+opcheck, bad input."""
 import pytest
 
 torch = pytest.importorskip("torch", reason="the operator tests need PyTorch")
@@ -7,15 +8,34 @@ import torch.nn.functional as F  # noqa: E402
 
 import fusekit  # noqa: E402
 from fusekit import ops  # noqa: E402
+from helpers import TOL, rand  # noqa: E402
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+SHAPES = [(1, 1), (1, 7), (3, 5), (17, 33), (64, 129), (2, 3, 40)]
 
 
-def rand(shape, dtype, device, seed, grad=False):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
-    return t.requires_grad_() if grad else t
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES + [(4, 40000)])
+def test_softmax_matches_torch(dtype, shape, device):
+    x = rand(shape, dtype, device, 5, True) * 4
+    x.retain_grad()
+    y = fusekit.softmax(x)
+    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), **TOL[dtype])
+    dy = rand(shape, dtype, device, 6)
+    (g,) = torch.autograd.grad(y, x, dy)
+    (w,) = torch.autograd.grad(torch.softmax(x.float(), -1), x, dy.float())
+    torch.testing.assert_close(g.float(), w.float(), **(TOL[dtype] if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 8), (2, 3, 17, 29, 64), (1, 2, 64, 64, 128)])
+def test_attention_matches_sdpa(causal, shape, device):
+    b, h, sq, sk, d = shape
+    dtype = torch.float32
+    q, k, v = (rand((b, h, n, d), dtype, device, s) for s, n in ((7, sq), (8, sk), (9, sk)))
+    out = fusekit.attention(q, k, v, causal=causal)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal) if not causal or sq == sk else None
+    if want is not None:
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
 BROADCASTS = [((5, 7), (5, 7)), ((5, 7), (1, 7)), ((5, 7), (5, 1)), ((1,), (3, 2, 4)), ((90, 100), (90, 1)),
@@ -78,18 +98,6 @@ def test_batched_matmul_matches_bmm(b, m, k, n, dtype, device):
         torch.testing.assert_close(fusekit.batched_matmul(a, bb, impl="cute").float(), want, **TOL[dtype])
 
 
-@pytest.mark.parametrize("src,dst", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-                                     (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16)])
-def test_convert_matches_to_with_gradient(src, dst, device):
-    x = (rand((5, 31), torch.float32, device, 12) * 100).to(src).requires_grad_()
-    y = fusekit.convert(x, dst)
-    assert y.dtype == dst
-    torch.testing.assert_close(y, x.to(dst), rtol=0, atol=0)
-    dy = rand(y.shape, dst, device, 13)
-    (g,) = torch.autograd.grad(y, x, dy)
-    torch.testing.assert_close(g, dy.to(src), rtol=0, atol=0)
-
-
 def test_opcheck_primitives(device):
     x, y = rand((5, 7), torch.float32, device, 14, True), rand((1, 7), torch.float32, device, 15, True)
     torch.library.opcheck(ops.broadcast_binary, (x, y, "mul_relu"))
@@ -98,7 +106,11 @@ def test_opcheck_primitives(device):
                                        rand((4, 3, 3, 3), torch.float32, device, 17), "same"))
     torch.library.opcheck(ops.batched_matmul, (rand((2, 3, 4), torch.float32, device, 18),
                                                rand((2, 4, 5), torch.float32, device, 19), "cublas", torch.float32))
-    torch.library.opcheck(ops.convert, (x, torch.bfloat16))
+    s = rand((5, 12), torch.float32, device, 20, True)
+    torch.library.opcheck(ops.softmax, (s,))
+    torch.library.opcheck(ops.attention, (rand((1, 2, 5, 8), torch.float32, device, 23),
+                                          rand((1, 2, 6, 8), torch.float32, device, 24),
+                                          rand((1, 2, 6, 8), torch.float32, device, 25), False, 0.3))
 
 
 def test_bad_input_raises_naming_the_argument(device):
@@ -121,6 +133,10 @@ def test_bad_input_raises_naming_the_argument(device):
                                impl="cute")
     with pytest.raises(fusekit.Error, match="argument 'x'"):
         fusekit.row_sum(x.t())
+    with pytest.raises(fusekit.Error, match="argument 'x'"):
+        fusekit.softmax(x.to(torch.float64))
+    with pytest.raises(fusekit.Error, match="argument 'x'"):
+        fusekit.softmax(x.t())  # columns not contiguous: an error, not a silent copy
     if device == "cuda":
         with pytest.raises(fusekit.Error, match="argument 'y'"):
             fusekit.broadcast_binary(x, x.cpu())

@@ -1,8 +1,8 @@
 """python -m fusekit.bench.parity: each fusekit op timed through PyTorch against the same kernel
 timed by the C++ benchmark (`fusekit bench`), on the C++ cases' shapes, dtypes and options.
 
-The target (the issue's): an op's speed through PyTorch within 3% of the same kernel measured by
-fusekit bench: the PyTorch door adds no device work. What is timed is the call a user makes
+The target: an op's speed through PyTorch within 3% of the same kernel measured by fusekit bench,
+i.e. calling it from PyTorch adds no device work. What is timed is the call a user makes
 (fusekit.softmax(x), ops.call("glu", ...), ...), so its output allocations and any copy, memset or
 extra output the Python layer launches count. The C++ figure is the case's fused-path record.
 
@@ -498,7 +498,7 @@ def load_cpp(path: str) -> dict:
 
 
 # Device work that is PyTorch's, not a fusekit op's: an ATen kernel or a copy. (Memsets are not
-# counted: fusekit's ops issue their own, e.g. LoRA's tile counters and the embedding backward's.)
+# counted: fusekit's ops launch their own, e.g. LoRA's tile counters and the embedding backward's.)
 _FOREIGN = ("at::", "Memcpy", "memcpy")
 
 

@@ -1,0 +1,25 @@
+"""torch.ops.fusekit.*: every fusekit op as a torch.library custom op.
+
+Each op allocates its outputs with PyTorch (so the caching allocator and
+``torch.cuda.max_memory_allocated()`` see them), runs on ``torch.cuda.current_stream()`` of its
+inputs' device, has a fake implementation (shapes and dtypes only, for ``torch.compile``) and,
+where fusekit has a backward, an autograd rule. Inputs are taken as they are: a dtype, device or
+layout the kernel cannot take is a ``fusekit.Error`` naming the argument, never a silent copy.
+
+Layout: ``_registry`` holds what every op shares (registration, ``call``, DLPack, stream and
+allocator access, and every private PyTorch API fusekit uses); each family's ops, with their fake
+implementations and autograd rules, are in a module of its own (``pointwise``, ``primitives``,
+``quant``, ``glu``, ``lora``, ``qgemm``, ``mlp``, ``recsys``). Importing this package registers
+them all; the names below are the ones other modules use as ``fusekit.ops.<name>``.
+"""
+from ._registry import call, call_first, needs_grad, use_torch_caching_allocator  # noqa: F401
+from .pointwise import bias_act, bias_act_backward, convert  # noqa: F401
+from .primitives import (attention, batched_matmul, broadcast_binary, broadcast_binary_backward,  # noqa: F401
+                         conv2d, row_sum, softmax)
+from .quant import pack, relu_packed, relu_packed_backward, unpack, weight_grad_from_packed  # noqa: F401
+from .glu import glu, glu_backward, prepare_glu_weight, unprepare_glu_weight  # noqa: F401
+from .lora import lora, lora_backward  # noqa: F401
+from .qgemm import dequantize_weights, qgemm, quantize_weights  # noqa: F401
+from .mlp import fused_mlp, fused_mlp_backward, fused_mlp_train  # noqa: F401
+from .recsys import (EMBEDDING_UPDATES, dense_optimizer_update_, embedding_bag, embedding_bag_backward,  # noqa: F401
+                     embedding_bag_update_, interaction, interaction_backward, interaction_size, sigmoid_bce)

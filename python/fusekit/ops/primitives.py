@@ -1,0 +1,164 @@
+"""primitives: softmax, attention forward, broadcast binary ops, row sum, 2-D convolution,
+batched matmul."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from ._registry import _custom_op, _autograd, _bwd, _stream, _rows, _same_device, _dlpack, _d
+
+
+@_custom_op("softmax")
+def softmax(x: Tensor) -> Tensor:
+    """softmax over the last dimension (one online pass per row)."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    xs, ys = (x, y) if x.dim() == 2 else (_rows(x, "softmax", "x"), _rows(y, "softmax", "y"))
+    _C.softmax(_dlpack(xs), _dlpack(ys), _stream(x))
+    return y
+
+
+@softmax.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return y * (dy - (dy * y).sum(-1, keepdim=True))
+
+
+_autograd("softmax", _softmax_backward, _softmax_setup)
+
+
+@_custom_op("attention")
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse): softmax(scale q kᵀ) v per (batch, head), q [B, H, Sq, D], k, v [B, H, Sk, D];
+    lse [B, H, Sq] f32, the log-sum-exp of each row. Forward only (fusekit has no backward)."""
+    _same_device("attention_forward", q=q, k=k, v=v)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    _C.attention_forward(_d(q), _d(k), _d(v), _d(out), _d(lse), causal, scale, _stream(q))
+    return out, lse
+
+
+@attention.register_fake
+def _(q, k, v, causal, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@_custom_op("broadcast_binary")
+def broadcast_binary(x: Tensor, y: Tensor, op: str) -> Tensor:
+    """z = f(x, y) with NumPy broadcasting, f add, mul or mul_relu (relu(x * y) fused); x, y
+    contiguous, one dtype; fp32 arithmetic, one rounding."""
+    _same_device("broadcast_binary", x=x, y=y)
+    z = x.new_empty(torch.broadcast_shapes(x.shape, y.shape))
+    _C.broadcast_binary(op, _d(x), _d(y), _d(z), _stream(x))
+    return z
+
+
+@broadcast_binary.register_fake
+def _(x, y, op):
+    return x.new_empty(torch.broadcast_shapes(x.shape, y.shape))
+
+
+@_custom_op("broadcast_binary_backward")
+def broadcast_binary_backward(x: Tensor, y: Tensor, dz: Tensor, op: str, need_dx: bool,
+                              need_dy: bool) -> tuple[Tensor, Tensor]:
+    """(dx, dy): dz times f's partial derivative, summed over the broadcast dimensions in a fixed
+    order; an empty tensor for a gradient not asked for."""
+    dz = dz.contiguous() if not dz.is_contiguous() else dz
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dy = torch.empty_like(y) if need_dy else y.new_empty(0)
+    _C.broadcast_binary_backward(op, _d(x), _d(y), _d(dz), _d(dx) if need_dx else None, _d(dy) if need_dy else None,
+                                 _stream(x))
+    return dx, dy
+
+
+@broadcast_binary_backward.register_fake
+def _(x, y, dz, op, need_dx, need_dy):
+    return (torch.empty_like(x) if need_dx else x.new_empty(0)), (torch.empty_like(y) if need_dy else y.new_empty(0))
+
+
+def _broadcast_binary_setup(ctx, inputs, output):
+    x, y, op = inputs
+    ctx.op, ctx.need = op, (x.requires_grad, y.requires_grad)
+    ctx.save_for_backward(x, y)
+
+
+def _broadcast_binary_bwd(ctx, dz):
+    x, y = ctx.saved_tensors
+    dx, dy = _bwd(ctx, "broadcast_binary_backward", x, y, dz, ctx.op, *ctx.need)
+    return (dx if ctx.need[0] else None), (dy if ctx.need[1] else None), None
+
+
+_autograd("broadcast_binary", _broadcast_binary_bwd, _broadcast_binary_setup)
+
+
+@_custom_op("row_sum")
+def row_sum(x: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """out [...] = the sum over x's last dimension (fp32 accumulation, a fixed order), in
+    out_dtype (f32 or x's dtype)."""
+    out = x.new_empty(x.shape[:-1], dtype=out_dtype)
+    _C.row_sum(_d(_rows(x, "row_sum", "x")), _d(out.view(-1)), _stream(x))
+    return out
+
+
+@row_sum.register_fake
+def _(x, out_dtype):
+    return x.new_empty(x.shape[:-1], dtype=out_dtype)
+
+
+def _row_sum_setup(ctx, inputs, output):
+    ctx.shape, ctx.dtype = inputs[0].shape, inputs[0].dtype
+
+
+def _row_sum_bwd(ctx, dout):
+    return dout.to(ctx.dtype).unsqueeze(-1).expand(ctx.shape), None
+
+
+_autograd("row_sum", _row_sum_bwd, _row_sum_setup)
+
+
+def _conv2d_shape(x: Tensor, w: Tensor, padding: str) -> tuple:
+    h, wd = x.shape[2], x.shape[3]
+    if padding == "valid":
+        h, wd = h - w.shape[2] + 1, wd - w.shape[3] + 1
+    return (x.shape[0], w.shape[0], h, wd)
+
+
+@_custom_op("conv2d")
+def conv2d(x: Tensor, w: Tensor, padding: str) -> Tensor:
+    """Cross-correlation, stride 1, NCHW: x [N, C, H, W], w [O, C, KH, KW]; padding valid, same
+    (PyTorch's) or same_end (all after). Forward only."""
+    _same_device("conv2d", x=x, w=w)
+    if x.dim() != 4 or w.dim() != 4:
+        raise _C.Error(f"fk::conv2d: argument '{'x' if x.dim() != 4 else 'w'}': expected a rank-4 tensor, got shape "
+                       f"{list(x.shape if x.dim() != 4 else w.shape)}")
+    y = x.new_empty(_conv2d_shape(x, w, padding))
+    _C.conv2d(_d(x), _d(w), _d(y), padding, _stream(x))
+    return y
+
+
+@conv2d.register_fake
+def _(x, w, padding):
+    return x.new_empty(_conv2d_shape(x, w, padding))
+
+
+@_custom_op("batched_matmul")
+def batched_matmul(a: Tensor, b: Tensor, impl: str, out_dtype: torch.dtype) -> Tensor:
+    """c [B, M, N] = a [B, M, K] @ b [B, K, N], fp32 accumulation, c in out_dtype (f32 or the
+    operands'); impl cublas or cute (fusekit's tensor-core kernel, bf16 / f16). Forward only."""
+    _same_device("batched_matmul", a=a, b=b)
+    c = a.new_empty((a.shape[0], a.shape[1], b.shape[-1]), dtype=out_dtype)
+    _C.batched_matmul(_d(a), _d(b), _d(c), impl, _stream(a))
+    return c
+
+
+@batched_matmul.register_fake
+def _(a, b, impl, out_dtype):
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[-1]), dtype=out_dtype)
