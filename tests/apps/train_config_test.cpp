@@ -134,8 +134,9 @@ TEST(TrainConfigEcho, ReadsBackAsTheSameConfiguration) {
   // A setting that accepts its default alone: the reference's loss function (bce only).
   const std::set<std::string> single = {"training.loss_function"};
   for (const Setting& s : train_settings())
-    if (!std::holds_alternative<std::monostate>(s.member) && !single.contains(s.key))
+    if (!std::holds_alternative<std::monostate>(s.member) && !single.contains(s.key)) {
       EXPECT_NE(at(echo, s.key), at(defaults, s.key)) << s.key << " was not moved off its default";
+    }
   const fs::path path = write_config("echo.json", echo);
   const TrainConfig back = resolve_args({"--config", path.string()});
   EXPECT_TRUE(back == c);

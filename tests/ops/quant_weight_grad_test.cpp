@@ -222,7 +222,7 @@ INSTANTIATE_TEST_SUITE_P(
 // 18 tiles split 7 ways on an H100; K = 40000, 256 x 128: one tile split 78 ways).
 TEST(WeightGradPackedGpuDeterminism, TwoRunsGiveIdenticalBits) {
   FK_SKIP_WITHOUT_GPU();
-  for (const auto [k, cout, cin] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{8192, 768, 768}, {40000, 256, 128}}) {
+  for (const auto& [k, cout, cin] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{8192, 768, 768}, {40000, 256, 128}}) {
     const PackedPair x = make_packed(k, cin, 2, 128, DType::bf16, 7);
     const Tensor dy = test::random_tensor({k, cout}, DType::bf16, kGpu, 8, -1.f, 1.f);
     for (DType t : {DType::f32, DType::bf16}) {
@@ -243,7 +243,7 @@ TEST(WeightGradPackedGpuDeterminism, TwoRunsGiveIdenticalBits) {
 // 40000 x 256 x 136: 2 tiles split 66 ways.
 TEST(WeightGradPackedGpuPartials, Fp16PartialsStayWithin2ToTheMinus11OfTheFp32Ones) {
   FK_SKIP_WITHOUT_GPU();
-  for (const auto [k, cout, cin] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{3000, 768, 384}, {40000, 256, 136}}) {
+  for (const auto& [k, cout, cin] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{3000, 768, 384}, {40000, 256, 136}}) {
     const PackedPair x = make_packed(k, cin, 2, 128, DType::bf16, 21);
     const Tensor dy = test::random_tensor({k, cout}, DType::bf16, kCpu, 22, -1.f, 1.f);
     const Tensor dy_gpu = dy.copy_to(kGpu);

@@ -121,7 +121,9 @@ TEST_P(RecsysEmbeddingGpu, ForwardAndEveryUpdateMatchSpec) {
       embedding_bag_backward_update(layout, {g_keys, g_bags, pooled(g_dout), g_offsets.view(), gw[run], sv, wsv}, p);
     }
     EXPECT_TRUE(close(gw[0], w, 1e-5, 1e-4));
-    if (s) EXPECT_TRUE(close(gs[0], *s, 1e-5, 1e-4));
+    if (s) {
+      EXPECT_TRUE(close(gs[0], *s, 1e-5, 1e-4));
+    }
     EXPECT_EQ(floats(gw[0]), floats(gw[1])) << "not deterministic";
   }
 }
@@ -250,7 +252,9 @@ TEST(RecsysGpu, DenseOptimizerMatchesSpec) {
       // The same float formula; nvcc contracts a * b + c into one fma where the host rounds the
       // product first, so each result may differ by an ulp or two of its operands.
       EXPECT_TRUE(close(got, want, 1e-7, 4e-7));
-      if (adagrad) EXPECT_TRUE(close(got_state, want_state, 1e-7, 4e-7));
+      if (adagrad) {
+        EXPECT_TRUE(close(got_state, want_state, 1e-7, 4e-7));
+      }
     }
   }
 }
