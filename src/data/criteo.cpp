@@ -27,6 +27,7 @@
 #include <sys/stat.h>
 
 #include "fusekit/core/error.hpp"
+#include "fusekit/ops/recsys.hpp"  // reference::hash_row
 
 namespace fk::data {
 
