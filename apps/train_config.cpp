@@ -13,7 +13,6 @@
 #include "fusekit/core/device.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/data/criteo.hpp"
-#include "fusekit/data/preprocess.hpp"
 #include "fusekit/data/vocabulary.hpp"
 #include "fusekit/models/dlrm.hpp"
 
@@ -215,7 +214,11 @@ const std::vector<Setting>& train_settings() {
       {"training.device",                  &C::device,                     parsed_by(&Device::parse),
        "--device",                        "cpu | cuda | cuda:N"},
       {"training.impl",                    &C::impl,                       parsed_by(parse_impl),
-       "--impl",                          "reference | fused (CUDA only)"},
+       "--impl",                          "fused | reference: the fused ops (one-launch embeddings with the hash fused "
+                                          "in, the sparse backward fused with the optimizer, fused epilogues, loss and "
+                                          "interaction; on a GPU a CUDA graph of the step) or the unfused baseline "
+                                          "(dense table gradients). Both run on every device; on the CPU they run the "
+                                          "same specs, the fused one updating only the rows a batch touches"},
       {"training.metrics_json",            &C::metrics_json,               {},
        "--metrics-json",                  "Write the run's configuration, progress windows, evaluations and summary here"},
       {"training.checkpoint",              &C::checkpoint,                 {},
@@ -448,18 +451,20 @@ double scheduled_learning_rate(const TrainConfig& c, std::int64_t step) {
   return w >= 2 ? warmup(w - 1) : base;     // between the phases: the warmup's last rate, if it gave one
 }
 
-data::Featurizer make_featurizer(const TrainConfig& c) {
+std::shared_ptr<const data::Vocabulary> load_vocabulary(const TrainConfig& c) {
+  if (c.vocabulary.empty()) return nullptr;
+  return std::make_shared<const data::Vocabulary>(data::Vocabulary::load(c.vocabulary));
+}
+
+data::Featurizer make_featurizer(const TrainConfig& c, std::shared_ptr<const data::Vocabulary> vocabulary,
+                                 bool premapped) {
   data::Featurizer feat;
   if (!c.cardinalities.empty()) feat.cardinalities = c.cardinalities;
   feat.validate();
   feat.max_ind_range = c.max_ind_range;
   feat.hash = data::parse_hash_mode(c.data_hash);
-  if (!c.vocabulary.empty())
-    feat.vocabulary = std::make_shared<const data::Vocabulary>(data::Vocabulary::load(c.vocabulary));
-  if (data::is_shard_directory(c.data)) {  // checked against --vocabulary when both are given
-    feat.vocabulary = data::open_shards(c.data, feat.vocabulary).vocabulary;
-    feat.premapped = true;
-  }
+  feat.vocabulary = std::move(vocabulary);
+  feat.premapped = premapped;
   if (feat.vocabulary) {
     feat.hash = data::HashMode::reference;  // the identity on ids
     feat.max_ind_range = feat.vocabulary->options().max_ind_range;

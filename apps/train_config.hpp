@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -33,7 +34,7 @@ struct TrainConfig {
   bool fused_mlp = false;  // GPU fused: MLPs whose widths fit run through fused_mlp (bf16)
   std::uint64_t model_seed = 1;
   // data
-  std::string data = "synthetic";           // "synthetic" or a file: Criteo TSV (.gz too) or fusekit binary
+  std::string data = "synthetic";           // "synthetic", or what data::open_source opens: a Criteo TSV (.gz too), a fusekit binary file, a preprocessed directory
   std::vector<std::int64_t> cardinalities;  // empty: the Kaggle ones
   std::int64_t max_ind_range = 100000;      // cap on table rows (0: none). See docs/dlrm.md.
   std::string data_hash = "seed";           // "seed": (v + 1) % rows, "reference": v % rows
@@ -67,7 +68,7 @@ struct TrainConfig {
   double accuracy_threshold = 0;  // > 0: the same for the test accuracy
   std::int64_t print_every = 200;
   std::string device = "cpu";
-  std::string impl = "reference";
+  std::string impl = "fused";  // the fused ops wherever they exist (the CPU runs their specs)
   std::string metrics_json;
   std::string trace;                 // Chrome trace-event JSON of the step phases
   std::int64_t trace_steps = 50;     // steps recorded in the trace (the first ones)
@@ -118,9 +119,13 @@ void from_json(const nlohmann::json& j, TrainConfig& c);  // sets the keys prese
 nlohmann::json to_json(const TrainConfig& c);              // every setting, sectioned as a config file
 void validate(const TrainConfig& c);                       // every row's check, then those across settings
 
+// --vocabulary's file, loaded (null when none is given).
+std::shared_ptr<const data::Vocabulary> load_vocabulary(const TrainConfig& c);
 // The featurizer (tables, hash) and the model of a run's settings; fk::Error naming the setting
-// that is inconsistent.
-data::Featurizer make_featurizer(const TrainConfig& c);
+// that is inconsistent. `vocabulary`: the ids' vocabulary (--vocabulary's, or the preprocessed
+// data's own); `premapped`: the data holds that vocabulary's ids already (preprocessed shards).
+data::Featurizer make_featurizer(const TrainConfig& c, std::shared_ptr<const data::Vocabulary> vocabulary = nullptr,
+                                 bool premapped = false);
 
 // The learning rate of training step `step` (0-based) under dlrm_s_pytorch.py's LRPolicyScheduler
 // (W warmup steps, decay from step D over N steps; the scheduler's count is step + 1): s / W

@@ -23,6 +23,7 @@
 #include "fusekit/nn/linear.hpp"
 #include "fusekit/nn/recsys.hpp"
 #include "fusekit/ops/pointwise.hpp"
+#include "models/dlrm_state_io.hpp"
 
 #if FUSEKIT_WITH_CUDA
 #include "fusekit/core/cuda_check.hpp"
@@ -482,74 +483,6 @@ void check_vector(const TensorView& t, std::int64_t n, const char* arg) {
                "models::Dlrm", arg, fmt::format("f32 [{}] with data", n), t.str());
 }
 
-constexpr char kStateMagic[8] = {'F', 'K', 'D', 'L', 'R', 'M', 'S', '1'};
-constexpr std::int64_t kCopyChunk = std::int64_t{1} << 24;  // floats per host bounce (64 MB)
-
-// A rank-1 or rank-2 f32 view as rows [rows, cols] (rank 1: [n, 1]).
-TensorView as_rows(const TensorView& v) {
-  if (v.rank() == 2) return v;
-  return TensorView(v.data(), DType::f32, {v.numel(), 1}, {1, 1}, v.device());
-}
-
-// Rows [first, first + n) of a rows view.
-TensorView row_range(const TensorView& v, std::int64_t first, std::int64_t n) {
-  return TensorView(static_cast<float*>(v.data()) + first * v.strides()[0], DType::f32, {n, v.size(1)}, v.strides(),
-                    v.device());
-}
-
-void write_state(std::ostream& out, bool adagrad, const std::vector<TensorView>& arrays) {
-  const std::uint8_t flag = adagrad ? 1 : 0;
-  const std::uint64_t count = arrays.size();
-  out.write(kStateMagic, 8);
-  out.write(reinterpret_cast<const char*>(&flag), 1);
-  out.write(reinterpret_cast<const char*>(&count), 8);
-  for (const TensorView& a : arrays) {
-    const std::uint64_t len = static_cast<std::uint64_t>(a.numel());
-    out.write(reinterpret_cast<const char*>(&len), 8);
-    const TensorView rows = as_rows(a);
-    const std::int64_t per = std::max<std::int64_t>(1, kCopyChunk / std::max<std::int64_t>(rows.size(1), 1));
-    for (std::int64_t at = 0; at < rows.size(0); at += per) {
-      const TensorView part = row_range(rows, at, std::min(per, rows.size(0) - at));
-      Tensor host = Tensor::empty(part.shape(), DType::f32, Device::cpu());
-      copy(host, part);
-      out.write(static_cast<const char*>(host.data()), static_cast<std::streamsize>(host.nbytes()));
-    }
-  }
-  if (!out) throw Error("models::Dlrm::save_state", "out", "a writable stream", "a failed write");
-}
-
-bool read_state_header(std::istream& in, std::uint64_t& count) {
-  char magic[8] = {};
-  std::uint8_t adagrad = 0;
-  in.read(magic, 8);
-  in.read(reinterpret_cast<char*>(&adagrad), 1);
-  in.read(reinterpret_cast<char*>(&count), 8);
-  FK_CHECK_ARG(in && std::equal(magic, magic + 8, kStateMagic), "models::Dlrm::load_state", "in",
-               "a DLRM state (FKDLRMS1)", "something else");
-  return adagrad != 0;
-}
-
-void read_state_arrays(std::istream& in, std::uint64_t count, const std::vector<TensorView>& arrays) {
-  const char* op = "models::Dlrm::load_state";
-  FK_CHECK_ARG(count == arrays.size(), op, "in", fmt::format("{} arrays (this configuration)", arrays.size()),
-               fmt::format("{}", count));
-  for (std::size_t i = 0; i < arrays.size(); ++i) {
-    std::uint64_t len = 0;
-    in.read(reinterpret_cast<char*>(&len), 8);
-    FK_CHECK_ARG(in && len == static_cast<std::uint64_t>(arrays[i].numel()), op, "in",
-                 fmt::format("array {} of {} floats (this configuration)", i, arrays[i].numel()), fmt::format("{}", len));
-    const TensorView rows = as_rows(arrays[i]);
-    const std::int64_t per = std::max<std::int64_t>(1, kCopyChunk / std::max<std::int64_t>(rows.size(1), 1));
-    for (std::int64_t at = 0; at < rows.size(0); at += per) {
-      const TensorView part = row_range(rows, at, std::min(per, rows.size(0) - at));
-      Tensor host = Tensor::empty(part.shape(), DType::f32, Device::cpu());
-      in.read(static_cast<char*>(host.data()), static_cast<std::streamsize>(host.nbytes()));
-      FK_CHECK_ARG(static_cast<bool>(in), op, "in", "a complete state", "a truncated stream");
-      copy(part, host);
-    }
-  }
-}
-
 }  // namespace
 
 Dlrm::Dlrm(DlrmConfig config, Device device, DlrmImpl impl) {
@@ -692,7 +625,7 @@ void Dlrm::save_state(std::ostream& out) const {
   const OnDevice on(s.dev);
   s.sync();
   const bool adagrad = s.arena.has_state();
-  write_state(out, adagrad, s.state_arrays(adagrad));
+  detail::write_state(out, adagrad, s.state_arrays(adagrad));
 }
 
 void Dlrm::load_state(std::istream& in) {
@@ -700,7 +633,7 @@ void Dlrm::load_state(std::istream& in) {
   const OnDevice on(s.dev);
   s.sync();
   std::uint64_t count = 0;
-  const bool adagrad = read_state_header(in, count);
+  const bool adagrad = detail::read_state_header(in, count);
   s.arena.drop_state();
   s.embeddings.state = Tensor();
   if (adagrad) {  // allocated here, the values read below
@@ -708,7 +641,7 @@ void Dlrm::load_state(std::istream& in) {
     s.embeddings.ensure_state(0.0f, s.s());
     s.sync();
   }
-  read_state_arrays(in, count, s.state_arrays(adagrad));
+  detail::read_state_arrays(in, count, s.state_arrays(adagrad));
   s.graphs.clear();  // they captured the old optimizer state's buffers
   s.warm.clear();
 }

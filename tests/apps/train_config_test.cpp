@@ -55,6 +55,13 @@ const json& at(const json& j, const std::string& key) {
   return j.at(key.substr(0, dot)).at(key.substr(dot + 1));
 }
 
+// The fused implementation unless one is named: a reference command line with --use-gpu trains
+// fused (on the CPU the fused ops run their specs, updating only the rows a batch touches).
+TEST(TrainConfigDefaults, ImplementationIsFused) {
+  EXPECT_EQ(TrainConfig{}.impl, "fused");
+  EXPECT_EQ(to_json(TrainConfig{})["training"]["impl"], "fused");
+}
+
 TEST(TrainConfigFile, UnknownKeyIsRefusedNamingIt) {
   TrainConfig c;
   test::expect_arg_error([&] { from_json({{"training", {{"stpes", 5}}}}, c); }, "fusekit train --config",

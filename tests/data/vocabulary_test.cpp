@@ -9,6 +9,7 @@
 
 #include "fusekit/data/criteo.hpp"
 #include "fusekit/data/vocabulary.hpp"
+#include "fusekit/ops/recsys.hpp"  // reference::hash_row
 #include "test_util.hpp"
 
 namespace fk::data {

@@ -32,8 +32,8 @@
 #include <string_view>
 #include <vector>
 
+#include "fusekit/core/hash.hpp"
 #include "fusekit/core/tensor.hpp"
-#include "fusekit/ops/recsys.hpp"
 
 namespace fk::data {
 
@@ -57,7 +57,7 @@ struct RawRecord {
   std::array<std::uint32_t, kNumSparse> sparse{}; // the hex values
 };
 
-// The embedding lookup's own hash setting (ops/recsys.hpp): one enum from the data to the kernel.
+// The embedding lookup's own hash setting (core/hash.hpp): one enum from the data to the kernel.
 using HashMode = RowHash;
 HashMode parse_hash_mode(std::string_view name);  // "seed" | "reference"
 std::string_view hash_mode_name(HashMode m);

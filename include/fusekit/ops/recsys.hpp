@@ -39,17 +39,12 @@
 #include <optional>
 #include <vector>
 
+#include "fusekit/core/hash.hpp"
 #include "fusekit/core/tensor.hpp"
 
 namespace fk {
 
 class Stream;
-
-// How a raw one-hot value v becomes a row of a table of `rows` rows.
-enum class RowHash {
-  seed,       // (v + 1) % rows: the seed's modulus hash
-  reference,  // v % rows: dlrm_s_pytorch.py's `% max_ind_range`
-};
 
 enum class Pooling { sum, mean };  // mean: the sum over the bag's size; an empty bag gives zeros
 
