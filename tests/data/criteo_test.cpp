@@ -567,7 +567,7 @@ TEST(BinaryFormat, VersionFourLayoutByHand) {
   EXPECT_EQ(field<std::uint64_t>(b, table + 24), XXH3_64bits(b.data() + table, 24));
   EXPECT_EQ(binary_content(p), (BinaryContent{true, 0xabcdef01}));
   // Content is 0 (raw values, no fingerprint) or 1: anything else is refused, its header intact.
-  for (const auto [content, vocabulary] : {std::pair{2u, 0u}, std::pair{0u, 0xabcdef01u}}) {
+  for (const auto& [content, vocabulary] : {std::pair{2u, 0u}, std::pair{0u, 0xabcdef01u}}) {
     std::vector<char> bad = b;
     std::memcpy(bad.data() + 36, &content, 4);
     std::memcpy(bad.data() + 40, &vocabulary, 4);
@@ -619,7 +619,7 @@ TEST(BinaryFormat, CrcVersionsTwoAndThreeAreStillReadAndChecked) {
     std::ofstream(p, std::ios::binary | std::ios::trunc).write(b.data(), static_cast<std::streamsize>(b.size()));
     return p;
   };
-  for (const auto [version, content] : {std::pair{2u, 0u}, std::pair{3u, 1u}}) {
+  for (const auto& [version, content] : {std::pair{2u, 0u}, std::pair{3u, 1u}}) {
     SCOPED_TRACE(version);
     const std::vector<char> good = old_version(version, content);
     std::vector<RawRecord> out(10);
