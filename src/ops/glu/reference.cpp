@@ -8,7 +8,7 @@
 #include "fusekit/core/error.hpp"
 #include "fusekit/ops/glu.hpp"
 #include "fusekit/ops/pointwise.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/reference_io.hpp"
 
 namespace fk::reference {
 namespace {

@@ -36,8 +36,8 @@
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/ops/gemm.hpp"
 #include "mlp_cuda.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/activations.cuh"
 
 namespace fk::cuda {
 namespace {

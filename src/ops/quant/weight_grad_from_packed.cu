@@ -90,8 +90,8 @@
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/tensor.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/sm90_async.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/sm90_async.cuh"
 #include "quant_cuda.hpp"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -103,7 +103,7 @@
 namespace fk::cuda {
 namespace {
 
-using namespace sm90;  // mbarriers, TMA and bulk copies (ops/sm90_async.cuh)
+using namespace sm90;  // mbarriers, TMA and bulk copies (ops/common/sm90_async.cuh)
 
 using namespace cute;
 using cute::Tensor;  // fk declares Tensor too
