@@ -30,7 +30,7 @@
 
 #include "apps/check_families.hpp"
 #include "fusekit/fusekit.hpp"
-#include "ops/pointwise/seed_example.hpp"
+#include "ops/pointwise/bias_act_example.hpp"
 
 #if FUSEKIT_WITH_CUDA
 #include "fusekit/core/cuda_check.hpp"
@@ -49,14 +49,14 @@ std::vector<Measure> pointwise_by_hand() {
   using namespace examples;
   std::vector<Measure> out;
   auto vec = [](const float* p, int n) { return std::vector<double>(p, p + n); };
-  const int n = kSeedRows * kSeedCols;
-  Tensor x = host({kSeedRows, kSeedCols}, DType::f32, vec(kSeedX, n));
-  const Tensor r = host({kSeedRows, kSeedCols}, DType::f32, vec(kSeedY, n));
-  const Tensor b = host({kSeedCols}, DType::f32, vec(kSeedBias, kSeedCols));
-  bias_act_forward({x, r.view(), b.view(), x, std::nullopt}, {Activation::relu, kSeedMultiplier});
+  const int n = kBiasActRows * kBiasActCols;
+  Tensor x = host({kBiasActRows, kBiasActCols}, DType::f32, vec(kBiasActX, n));
+  const Tensor r = host({kBiasActRows, kBiasActCols}, DType::f32, vec(kBiasActR, n));
+  const Tensor b = host({kBiasActCols}, DType::f32, vec(kBiasActBias, kBiasActCols));
+  bias_act_forward({x, r.view(), b.view(), x, std::nullopt}, {Activation::relu, kBiasActAlpha});
   // The seed prints its expected values to 4 decimals.
   out.push_back(close("bias_act_forward relu(x + 2.3 r + b), f32 [8, 10]: seed 003's example",
-                      values(x), vec(kSeedExpected, n), {kSeedTolerance, 0}));
+                      values(x), vec(kBiasActExpected, n), {kBiasActTolerance, 0}));
 
   // z = [[-1, 2], [3, -4]], relu, alpha 2: dz = dy [z > 0]; dx = dz, dr = 2 dz, db = column sums.
   // Small integers: exact.

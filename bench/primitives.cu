@@ -19,7 +19,7 @@
 #include "bench/harness.hpp"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/ops/primitives.hpp"
-#include "ops/cuda_common.cuh"
+#include "ops/common/cuda_common.cuh"
 #include "ops/primitives/rows.cuh"
 
 namespace fk::bench {

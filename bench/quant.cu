@@ -8,8 +8,8 @@
 #include "bench/harness.hpp"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/ops/quant.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/activations.cuh"
 
 namespace fk::bench {
 namespace {

@@ -1,13 +1,15 @@
 #include "fusekit/nn/compressed.hpp"
 
+#include <fmt/format.h>
+
 #include <cmath>
 
+#include "fusekit/core/checks.hpp"
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
-#include "fusekit/ops/pointwise.hpp"
 #include "fusekit/ops/gemm.hpp"
+#include "fusekit/ops/pointwise.hpp"
 #include "nn/module_util.hpp"
-#include "ops/op_checks.hpp"
 
 namespace fk::nn {
 namespace {

@@ -4,10 +4,10 @@
 
 #include <cmath>
 
+#include "fusekit/core/checks.hpp"
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
 #include "nn/module_util.hpp"
-#include "ops/op_checks.hpp"
 
 namespace fk::nn {
 

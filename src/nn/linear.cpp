@@ -5,10 +5,10 @@
 
 #include <cmath>
 
+#include "fusekit/core/checks.hpp"
 #include "fusekit/nn/parameters.hpp"
 #include "fusekit/ops/gemm.hpp"
 #include "nn/module_util.hpp"
-#include "ops/op_checks.hpp"
 
 namespace fk::nn {
 

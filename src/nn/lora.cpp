@@ -1,10 +1,12 @@
 #include "fusekit/nn/lora.hpp"
 
+#include <fmt/format.h>
+
 #include <cmath>
 
+#include "fusekit/core/checks.hpp"
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
-#include "ops/op_checks.hpp"
 
 namespace fk::nn {
 namespace {

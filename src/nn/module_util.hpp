@@ -1,10 +1,12 @@
 // Helpers shared by the nn modules' implementations.
 #pragma once
 
+#include <fmt/format.h>
+
+#include "fusekit/core/checks.hpp"
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/stream.hpp"
 #include "fusekit/core/tensor.hpp"
-#include "ops/op_checks.hpp"
 
 namespace fk::nn::detail {
 

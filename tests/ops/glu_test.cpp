@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "fusekit/fusekit.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/reference_io.hpp"
 #include "test_util.hpp"
 
 namespace fk {

@@ -1,4 +1,4 @@
-// Tests of the pointwise family: the spec against hand-worked values (seed 003's 8x10 example and
+// Tests of the pointwise family: the spec against hand-worked values (the 8x10 bias + act example and
 // values worked out by hand), the CUDA kernels against the spec on random inputs of many shapes,
 // and every bad input.
 #include <gtest/gtest.h>
@@ -10,7 +10,7 @@
 #include <tuple>
 
 #include "fusekit/fusekit.hpp"
-#include "ops/pointwise/seed_example.hpp"
+#include "ops/pointwise/bias_act_example.hpp"
 #include "test_util.hpp"
 
 namespace fk {
@@ -26,14 +26,14 @@ TensorView host_view(const float* p, Dims shape) {
 // The spec against hand-worked values
 // ---------------------------------------------------------------------------------------------
 
-TEST(PointwiseSpec, SeedExampleInPlace) {
+TEST(PointwiseSpec, BiasActExampleInPlace) {
   using namespace examples;
-  Tensor x = Tensor::adopt(host_view(kSeedX, {kSeedRows, kSeedCols}), nullptr).clone();
-  const TensorView r = host_view(kSeedY, {kSeedRows, kSeedCols});
-  const TensorView b = host_view(kSeedBias, {kSeedCols});
-  bias_act_forward({x, r, b, x, std::nullopt}, {Activation::relu, kSeedMultiplier});
-  const TensorView want = host_view(kSeedExpected, {kSeedRows, kSeedCols});
-  EXPECT_TRUE(test::all_close(x, want, {kSeedTolerance, 0.0}));
+  Tensor x = Tensor::adopt(host_view(kBiasActX, {kBiasActRows, kBiasActCols}), nullptr).clone();
+  const TensorView r = host_view(kBiasActR, {kBiasActRows, kBiasActCols});
+  const TensorView b = host_view(kBiasActBias, {kBiasActCols});
+  bias_act_forward({x, r, b, x, std::nullopt}, {Activation::relu, kBiasActAlpha});
+  const TensorView want = host_view(kBiasActExpected, {kBiasActRows, kBiasActCols});
+  EXPECT_TRUE(test::all_close(x, want, {kBiasActTolerance, 0.0}));
 }
 
 TEST(PointwiseSpec, ActivationsAtHandWorkedPoints) {

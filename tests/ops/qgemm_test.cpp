@@ -15,7 +15,7 @@
 #if FUSEKIT_WITH_CUDA
 #include "ops/qgemm/qgemm_cuda.hpp"
 #endif
-#include "ops/reference_io.hpp"
+#include "ops/common/reference_io.hpp"
 #include "test_util.hpp"
 
 namespace fk {

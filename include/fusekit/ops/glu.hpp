@@ -1,4 +1,4 @@
-// Family `glu`: a GEMM fused with a gated activation (seed 002), the feed-forward block of modern
+// Family `glu`: a GEMM fused with a gated activation, the feed-forward block of modern
 // LLMs.
 //
 //   C = x wᵀ + b,  x [M, K], w [2N, K], b [2N]        (a Linear with 2N outputs, as PyTorch stores it)
@@ -6,9 +6,9 @@
 //   out[m, n] = glu(L[m, n], R[m, n])                  out [M, N]
 //
 //   kind          glu(l, r)
-//   sigmoid_tanh  sigmoid(l) * tanh(r)      the seed's torch_splacc
+//   sigmoid_tanh  sigmoid(l) * tanh(r)      a sigmoid gate on a tanh value
 //   swiglu        silu(l) * r               silu(l) = l * sigmoid(l)
-//   geglu_tanh    l * gelu_tanh(r)          the seed's `z1 * F.gelu(z2)` (tanh approximation)
+//   geglu_tanh    l * gelu_tanh(r)          `z1 * F.gelu(z2, approximate='tanh')`
 //   geglu_erf     l * gelu_erf(r)           ... with the exact gelu, F.gelu's default
 //   reglu         relu(l) * r
 //

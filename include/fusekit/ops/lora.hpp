@@ -1,5 +1,5 @@
-// Family `lora`: a frozen linear layer with a trainable low-rank adapter (LoRA, seed 003's case
-// study), its GEMM, the low-rank term, the bias and the activation fused.
+// Family `lora`: a frozen linear layer with a trainable low-rank adapter (LoRA), its
+// GEMM, the low-rank term, the bias and the activation fused.
 //
 //   t = s x Aᵀ                          t [M, r]        (the adapter's down-projection, scaled)
 //   z = x Wᵀ + b + t Bᵀ                 z [M, N]        (pre-activation)

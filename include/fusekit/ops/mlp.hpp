@@ -1,5 +1,5 @@
-// Family `mlp`: a whole narrow MLP in one kernel (seed 003's "dot + bias + ReLU + dot + bias +
-// sigmoid as one kernel"; tiny-cuda-nn's FullyFusedMLP is the model).
+// Family `mlp`: a whole narrow MLP in one kernel (dot + bias + ReLU + ... + dot + bias + sigmoid,
+// every layer's activations kept on chip; tiny-cuda-nn's FullyFusedMLP is the model).
 //
 //   h_0 = x                                         x: [batch, in]
 //   h_l = act_l(h_{l-1} · W_lᵀ + b_l)               W_l: [out_l, in_l] (nn.Linear layout), b_l: [out_l]

@@ -1,12 +1,12 @@
-// Family `pointwise`: the fused bias + scaled residual + activation of seed 003
-// (`pointwise_add_relu_fusion_512`, `fused_add_mul_relu`, `fused_add_mul_activation_kernel`).
+// Family `pointwise`: the fused bias + scaled residual + activation, y = act(x + alpha * r + b),
+// one pass over memory where eager code makes three (add, scale-add, activation).
 //
 //   forward   y = act(z),  z = x + alpha * r + b[col]        x, r, y: [rows, cols]; b: [cols]
 //   backward  dz = dy * act'(z);  dx = dz;  dr = alpha * dz;  db[c] = sum_rows dz[:, c]
 //
 // What the backward reads: for identity / relu / sigmoid / tanh the derivative is a function of
 // the output y (relu: y > 0; sigmoid: y(1 - y); tanh: 1 - y^2), so the forward saves nothing
-// beyond the y it returns (and y may overwrite x, as the seed's in_out_ptr does). gelu and silu
+// beyond the y it returns (and y may overwrite x: the op works in place). gelu and silu
 // need z itself: the forward writes it to `preact` when asked, and the backward reads it.
 //
 // Layout: each [rows, cols] tensor (x, r, y, preact; dy, saved, dx, dr) is row-major with inner
@@ -35,12 +35,12 @@ bool derivative_from_output(Activation a) noexcept;
 
 struct BiasActParams {
   Activation act = Activation::relu;
-  float alpha = 1.0f;  // the seed's `multiplier`
+  float alpha = 1.0f;  // the residual's scale
 };
 
 struct BiasActForwardArgs {
   TensorView x;                     // [rows, cols]
-  std::optional<TensorView> r;      // [rows, cols]; absent: z = x + b (the seed's add + ReLU)
+  std::optional<TensorView> r;      // [rows, cols]; absent: z = x + b (add + activation)
   std::optional<TensorView> bias;   // [cols]; absent: no bias
   TensorView y;                     // [rows, cols]; may be x itself
   std::optional<TensorView> preact; // [rows, cols]; z is written here when present

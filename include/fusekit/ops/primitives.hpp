@@ -1,4 +1,4 @@
-// Family `primitives`: the Triton puzzles (seed 001) as real ops, each with a CPU spec in
+// Family `primitives`: the Triton puzzles as real ops, each with a CPU spec in
 // fk::reference (the definition), a CUDA kernel and tests (docs/primitives.md has the details):
 //   broadcast binary ops and outer ops, fused relu(x * y) forward and backward  (puzzles 1-6)
 //   row_sum over rows of any length                                              (puzzle 7)

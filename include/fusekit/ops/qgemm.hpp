@@ -1,4 +1,4 @@
-// Family `qgemm`: 4-bit weight-only quantized matmul (W4A16, GPTQ/AWQ style; seed 001, puzzle 12).
+// Family `qgemm`: 4-bit weight-only quantized matmul (W4A16, GPTQ/AWQ style; Triton puzzle 12).
 //
 // A weight w [N, K] (f16 or bf16) is quantized once, group-wise along K, to 4-bit unsigned values q
 // with one scale s (w's dtype) and one 4-bit zero point z per (row, group):
@@ -68,7 +68,7 @@ QuantizedWeight from_puzzle_layout(const TensorView& weight, const TensorView& s
 // y [M, N] = x [M, K] · w̃ᵀ, x and y in the weight's dtype, fp32 accumulation, y overwritten.
 // CUDA: M <= 16 streams the weights (the weight as the mma's A operand, split-K over a thread-block
 // cluster, reduced in a fixed order: deterministic); it multiplies by the scale in fp32 once per
-// group and row, so y differs from x · w̃ᵀ by w̃'s rounding to 16 bits (within the 5e-3).
+// group and row, so y differs from x · w̃ᵀ by w̃'s rounding to 16 bits (within the family's 5e-3 bound).
 // Larger M: on sm_90, wgmma with the dequantized w̃ as the register-sourced operand; elsewhere
 // 64x256 or 128x128 mma.sync m16n8k16 tiles on the dequantized w̃ (docs/qgemm.md).
 void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream = nullptr);

@@ -1,4 +1,4 @@
-// Family `quant`: activation compression (seed 000). Activations saved for the backward pass are
+// Family `quant`: activation compression. Activations saved for the backward pass are
 // stored group-wise min/max quantized to 1, 2, 4 or 8 bits and packed into int32 words, ReLU
 // masks at one bit per element, and the weight gradient is computed straight from the packed
 // bits. The packed format is specified in docs/quant-format.md.

@@ -8,7 +8,7 @@
 #include <limits>
 
 #include "ops/gemm/gemm_impl.hpp"
-#include "ops/op_checks.hpp"
+#include "ops/common/op_checks.hpp"
 
 namespace fk {
 

@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "fusekit/ops/gemm.hpp"
-#include "ops/op_checks.hpp"
+#include "ops/common/op_checks.hpp"
 
 #if FUSEKIT_WITH_CUDA
 #include <cuda_runtime.h>

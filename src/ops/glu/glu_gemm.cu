@@ -6,7 +6,7 @@
 #include "fusekit/core/tensor.hpp"
 #include "glu_cuda.hpp"
 #include "glu_gemm_kinds.hpp"
-#include "ops/cuda_common.cuh"
+#include "ops/common/cuda_common.cuh"
 
 namespace fk::cuda {
 

@@ -48,8 +48,8 @@
 #include "fusekit/core/tensor.hpp"
 #include "glu_gemm_kinds.hpp"
 #include "glu_math.cuh"
-#include "ops/sm90_epilogue.cuh"
-#include "ops/cuda_common.cuh"
+#include "ops/common/sm90_epilogue.cuh"
+#include "ops/common/cuda_common.cuh"
 
 namespace fk::cuda::glu_detail {
 

@@ -20,7 +20,7 @@
 #include <type_traits>
 
 #include "fusekit/ops/glu.hpp"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/activations.cuh"
 
 namespace fk::device {
 

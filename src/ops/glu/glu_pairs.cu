@@ -11,7 +11,7 @@
 #include "fusekit/core/cuda_check.hpp"
 #include "glu_cuda.hpp"
 #include "glu_math.cuh"
-#include "ops/cuda_common.cuh"
+#include "ops/common/cuda_common.cuh"
 
 namespace fk::cuda {
 namespace {

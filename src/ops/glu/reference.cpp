@@ -1,4 +1,4 @@
-// The spec of the glu family: the seed's torch_splacc and its GLU variants in plain loops, double
+// The spec of the glu family: sigmoid(l) * tanh(r) and the other GLU variants in plain loops, double
 // arithmetic, PyTorch weight layout (w [2N, K], rows 0..N-1 the left half), one rounding to the
 // dtype at each store.
 #include <cmath>
@@ -8,7 +8,7 @@
 #include "fusekit/core/error.hpp"
 #include "fusekit/ops/glu.hpp"
 #include "fusekit/ops/pointwise.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/reference_io.hpp"
 
 namespace fk::reference {
 namespace {

@@ -20,7 +20,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "fusekit/ops/pointwise.hpp"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/activations.cuh"
 
 namespace fk::cuda::lora_detail {
 
@@ -154,8 +154,8 @@ CUTLASS_DEVICE void bias_act_in_place(LowRankParams<Element> const& p, Acc& acc,
 }  // namespace fk::cuda::lora_detail
 
 #include "lora_cuda.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/sm90_epilogue.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/sm90_epilogue.cuh"
 
 namespace fk::cuda::lora_detail {
 

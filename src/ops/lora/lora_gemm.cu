@@ -35,9 +35,9 @@
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/tensor.hpp"
 #include "lora_cuda.hpp"
-#include "ops/sm90_epilogue.cuh"
-#include "ops/cuda_common.cuh"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/sm90_epilogue.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/activations.cuh"
 #include "lora_epilogue.cuh"
 
 namespace fk::cuda {

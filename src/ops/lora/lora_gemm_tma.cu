@@ -27,8 +27,8 @@
 #include "fusekit/core/tensor.hpp"
 #include "lora_cuda.hpp"
 #include "lora_epilogue.cuh"
-#include "ops/cuda_common.cuh"
-#include "ops/sm90_epilogue.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/sm90_epilogue.cuh"
 
 namespace fk::cuda {
 namespace {

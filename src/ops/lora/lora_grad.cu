@@ -34,8 +34,8 @@
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/tensor.hpp"
 #include "lora_cuda.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/activations.cuh"
 
 namespace fk::cuda {
 namespace {

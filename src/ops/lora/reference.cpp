@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "fusekit/ops/lora.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/reference_io.hpp"
 
 namespace fk::reference {
 namespace {

@@ -11,7 +11,7 @@
 #include "fusekit/core/cuda_check.hpp"
 #endif
 #include "mlp_cuda.hpp"
-#include "ops/op_checks.hpp"
+#include "ops/common/op_checks.hpp"
 
 namespace fk {
 namespace {

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "fusekit/ops/mlp.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/reference_io.hpp"
 
 namespace fk::reference {
 namespace {

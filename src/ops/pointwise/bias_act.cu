@@ -15,10 +15,10 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "activations.cuh"
-#include "ops/cuda_common.cuh"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/tensor.hpp"
+#include "ops/common/activations.cuh"
+#include "ops/common/cuda_common.cuh"
 #include "pointwise_cuda.hpp"
 
 namespace fk::cuda {

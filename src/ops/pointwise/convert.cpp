@@ -2,8 +2,8 @@
 #include <fmt/format.h>
 
 #include "fusekit/ops/pointwise.hpp"
-#include "ops/op_checks.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/op_checks.hpp"
+#include "ops/common/reference_io.hpp"
 
 #if FUSEKIT_WITH_CUDA
 #include "pointwise_cuda.hpp"

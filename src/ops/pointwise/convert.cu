@@ -6,10 +6,10 @@
 
 #include <cstdint>
 
-#include "activations.cuh"
 #include "fusekit/core/cuda_check.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/grid_stride.cuh"
+#include "ops/common/activations.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/grid_stride.cuh"
 #include "pointwise_cuda.hpp"
 
 namespace fk::cuda {

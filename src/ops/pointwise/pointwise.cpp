@@ -1,7 +1,7 @@
 // Dispatch of the pointwise family: argument checks, then the CPU spec or the CUDA kernels.
 #include "fusekit/ops/pointwise.hpp"
 
-#include "ops/op_checks.hpp"
+#include "ops/common/op_checks.hpp"
 #include "pointwise_cuda.hpp"
 
 namespace fk {

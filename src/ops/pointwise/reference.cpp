@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "fusekit/core/error.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/reference_io.hpp"
 #include "fusekit/ops/pointwise.hpp"
 
 namespace fk::reference {

@@ -5,7 +5,7 @@
 
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/primitives.hpp"
-#include "ops/op_checks.hpp"
+#include "ops/common/op_checks.hpp"
 #if FUSEKIT_WITH_CUDA
 #include "attention_cuda.hpp"
 #endif

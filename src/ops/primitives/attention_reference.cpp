@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "fusekit/ops/primitives.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/reference_io.hpp"
 
 namespace fk::reference {
 

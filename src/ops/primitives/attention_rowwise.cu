@@ -15,8 +15,8 @@
 
 #include "attention_cuda.hpp"
 #include "fusekit/core/cuda_check.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/activations.cuh"
 
 namespace fk::cuda {
 namespace {

@@ -56,8 +56,8 @@
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/tensor.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/sm90_async.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/sm90_async.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FK_ATTN_SM90 1
@@ -68,7 +68,7 @@
 namespace fk::cuda {
 namespace {
 
-using namespace sm90;  // mbarriers, TMA and bulk copies (ops/sm90_async.cuh)
+using namespace sm90;  // mbarriers, TMA and bulk copies (ops/common/sm90_async.cuh)
 
 using namespace cute;
 using cute::Tensor;  // fk declares Tensor too

@@ -28,7 +28,7 @@
 
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/error.hpp"
-#include "ops/cuda_common.cuh"
+#include "ops/common/cuda_common.cuh"
 #include "primitives_cuda.hpp"
 
 namespace fk::cuda {

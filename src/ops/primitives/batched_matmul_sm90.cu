@@ -14,7 +14,7 @@
 // is taken; what TMA needs is checked by the caller and answered with `false` (the SM80 CuTe
 // kernel then runs): K and N multiples of 8 (16-byte rows), a, b, c 16-byte aligned.
 //
-// Why this schedule for the issue's case (64 x 512^3, bf16): K = 512 is only 8 k-blocks, so the
+// Why this schedule for the benchmarked case (64 x 512^3, bf16): K = 512 is only 8 k-blocks, so the
 // epilogue is a large share of a tile's time. The ping-pong kernel gives each of its two
 // consumer warpgroups a whole 128x128 tile and lets one run its mainloop while the other stores,
 // which hides the epilogue; 512 tiles over 132 SMs is 3.9 waves. Of the schedules measured on the
@@ -39,7 +39,7 @@
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/tensor.hpp"
-#include "ops/cuda_common.cuh"
+#include "ops/common/cuda_common.cuh"
 #include "primitives_cuda.hpp"
 
 namespace fk::cuda {

@@ -17,9 +17,9 @@
 
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/tensor.hpp"
-#include "ops/cuda_common.cuh"
+#include "ops/common/cuda_common.cuh"
 #include "primitives_cuda.hpp"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/activations.cuh"
 
 namespace fk::cuda {
 namespace {

@@ -13,8 +13,8 @@
 
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/tensor.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/activations.cuh"
 #include "primitives_cuda.hpp"
 
 namespace fk::cuda {

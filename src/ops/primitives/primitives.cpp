@@ -10,7 +10,7 @@
 
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/gemm.hpp"
-#include "ops/op_checks.hpp"
+#include "ops/common/op_checks.hpp"
 #include "primitives_cuda.hpp"
 
 namespace fk {

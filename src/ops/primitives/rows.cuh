@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/activations.cuh"
 
 namespace fk::device {
 

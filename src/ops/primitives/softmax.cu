@@ -23,7 +23,7 @@
 
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/tensor.hpp"
-#include "ops/cuda_common.cuh"
+#include "ops/common/cuda_common.cuh"
 #include "primitives_cuda.hpp"
 #include "rows.cuh"
 

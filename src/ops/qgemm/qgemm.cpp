@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "fusekit/core/stream.hpp"
-#include "ops/op_checks.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/op_checks.hpp"
+#include "ops/common/reference_io.hpp"
 #include "qgemm_cuda.hpp"
 #include "qgemm_layout.hpp"
 

@@ -22,17 +22,17 @@
 #include <mutex>
 
 #include "fusekit/core/cuda_check.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/activations.cuh"
 #include "qgemm_cuda.hpp"
 #include "qgemm_device.cuh"
 #include "qgemm_layout.hpp"
-#include "ops/sm90_async.cuh"
+#include "ops/common/sm90_async.cuh"
 
 namespace fk::cuda {
 namespace {
 
-using namespace sm90;            // mbarriers and bulk copies (ops/sm90_async.cuh)
+using namespace sm90;            // mbarriers and bulk copies (ops/common/sm90_async.cuh)
 using namespace qgemm_device;    // dequant_word, mma_16816, cp.async (qgemm_device.cuh)
 
 constexpr int kThreads = 256;

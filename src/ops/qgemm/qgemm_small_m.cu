@@ -38,8 +38,8 @@
 #include <tuple>
 
 #include "fusekit/core/cuda_check.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/activations.cuh"
 #include "qgemm_cuda.hpp"
 #include "qgemm_device.cuh"
 

@@ -44,9 +44,9 @@
 
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/error.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/pointwise/activations.cuh"
-#include "ops/sm90_async.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/activations.cuh"
+#include "ops/common/sm90_async.cuh"
 #include "qgemm_cuda.hpp"
 #include "qgemm_device.cuh"
 #include "qgemm_layout.hpp"

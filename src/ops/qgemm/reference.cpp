@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "fusekit/ops/qgemm.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/reference_io.hpp"
 #include "qgemm_layout.hpp"
 
 namespace fk::reference {

@@ -23,8 +23,8 @@
 #include <type_traits>
 
 #include "fusekit/core/cuda_check.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/pointwise/activations.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/activations.cuh"
 #include "quant_cuda.hpp"
 #include "quant_math.hpp"
 

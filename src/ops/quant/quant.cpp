@@ -1,7 +1,7 @@
 // Dispatch of the quant family: argument checks, then the CPU spec or the CUDA kernels.
 #include "fusekit/ops/quant.hpp"
 
-#include "ops/op_checks.hpp"
+#include "ops/common/op_checks.hpp"
 #include "quant_cuda.hpp"
 
 namespace fk {

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "fusekit/ops/quant.hpp"
-#include "ops/reference_io.hpp"
+#include "ops/common/reference_io.hpp"
 #include "quant_math.hpp"
 
 namespace fk::reference {

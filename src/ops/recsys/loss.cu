@@ -10,8 +10,8 @@
 #include <cstdint>
 
 #include "fusekit/core/cuda_check.hpp"
-#include "ops/cuda_common.cuh"
-#include "ops/grid_stride.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/grid_stride.cuh"
 #include "recsys_cuda.hpp"
 
 namespace fk::cuda {

@@ -6,7 +6,7 @@
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/gemm.hpp"
 #include "fusekit/ops/recsys.hpp"
-#include "ops/op_checks.hpp"
+#include "ops/common/op_checks.hpp"
 #if FUSEKIT_WITH_CUDA
 #include "fusekit/core/cuda_check.hpp"
 #include "recsys_cuda.hpp"
