@@ -54,8 +54,8 @@ std::vector<Measure> pointwise_by_hand() {
   const Tensor r = host({kBiasActRows, kBiasActCols}, DType::f32, vec(kBiasActR, n));
   const Tensor b = host({kBiasActCols}, DType::f32, vec(kBiasActBias, kBiasActCols));
   bias_act_forward({x, r.view(), b.view(), x, std::nullopt}, {Activation::relu, kBiasActAlpha});
-  // The seed prints its expected values to 4 decimals.
-  out.push_back(close("bias_act_forward relu(x + 2.3 r + b), f32 [8, 10]: seed 003's example",
+  // The worked example's expected values are printed to 4 decimals.
+  out.push_back(close("bias_act_forward relu(x + 2.3 r + b), f32 [8, 10]: the worked example",
                       values(x), vec(kBiasActExpected, n), {kBiasActTolerance, 0}));
 
   // z = [[-1, 2], [3, -4]], relu, alpha 2: dz = dy [z > 0]; dx = dz, dr = 2 dz, db = column sums.

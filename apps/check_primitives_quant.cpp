@@ -202,7 +202,7 @@ std::vector<Measure> quant_against_spec(Device gpu) {
     poison(dw);  // beta 0 overwrites it
     weight_grad_from_packed(dy.copy_to(gpu), xg.view(), dw, {.beta = 0.0f});
     weight_grad_from_packed(dy, xp.view(), want, {.beta = 0.0f});
-    // The bound against the fp64 product: x̂ is rounded to bf16 for the tensor cores
+    // The op's stated bound against the fp64 product: x̂ is rounded to bf16 for the tensor cores
     // (2^-9 an element), fp32 accumulation adds well under 2^-10.
     out.push_back(
         normwise(fmt::format("weight_grad_from_packed dW {}, {} bits, group {}, {} statistics, K {} COUT {} CIN {}",

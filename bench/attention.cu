@@ -123,7 +123,7 @@ void attention_cases(Context& ctx, std::int64_t d) {
   }
 }
 
-// The issue's headline shape (D = 128) and the same at D = 64.
+// A long-sequence training shape (D = 128) and the same at D = 64.
 void attention_cases_all(Context& ctx) {
   attention_cases(ctx, 128);
   attention_cases(ctx, 64);

@@ -1,4 +1,4 @@
-// Bench cases of the glu family (seed 002): the fused GEMM + gated activation against what eager
+// Bench cases of the glu family: the fused GEMM + gated activation against what eager
 // PyTorch runs, one cuBLAS GEMM writing C [M, 2N] then one separate activation kernel (fusekit's
 // glu_pairs, a single memory-bound pass: the best separate kernel we have). Every fused record
 // carries gemm_only_us, the cuBLAS GEMM(s) of the same shapes alone in the same run; tflops counts

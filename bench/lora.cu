@@ -1,4 +1,4 @@
-// Bench cases of the lora family (seed 003's LoRA case study). The unfused path is the seed's:
+// Bench cases of the lora family. The unfused path is the textbook one:
 // three cuBLAS GEMMs P = x Wᵀ, T = x Aᵀ, Q = T Bᵀ, then the add-multiply-activation kernel
 // y = act(P + s Q + b) (fusekit's bias_act_forward, one memory-bound pass). The fused record
 // carries gemm_only_us, the plain cuBLAS GEMM x Wᵀ alone in the same run. tflops counts the flops

@@ -71,7 +71,7 @@ void weight_grad_cases(Context& ctx) {
       fused(sets[0]);
       baseline(sets[0]);
       // Both multiply the same bf16 x̂ with fp32 accumulation and round dW to bf16 once: they
-      // differ by the order of the fp32 sums and that rounding, far below the issue's 1e-2.
+      // differ by the order of the fp32 sums and that rounding, far below the op's stated 1e-2.
       const double err = ctx.rel_err(sets[0].dw_fused, dw_base);
       require_close(name, err, 1e-2);
       double err_fp32_partials = 0;

@@ -34,7 +34,7 @@ TEST(Metrics, LogLossAndAccuracyHandWorked) {
   EXPECT_NEAR(log_loss(p, y), want, 1e-6);
   // Predictions (p > 0.5): 1, 0, 1, 0 against 1, 0, 0, 1: two right.
   EXPECT_DOUBLE_EQ(accuracy(p, y), 0.5);
-  // Accuracy is not the positive rate (the seed's mistake): an all-negative predictor on 25%
+  // Accuracy is not the positive rate (a common mistake): an all-negative predictor on 25%
   // positives is 75% accurate while the positive rate is 25%.
   const std::vector<float> low(8, 0.1f), labels = {1, 1, 0, 0, 0, 0, 0, 0};
   const BinaryMetrics m = evaluate_binary(low, labels);

@@ -20,7 +20,7 @@ constexpr GluKind kKinds[] = {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::g
 
 Tensor host_tensor(const std::vector<float>& v, Dims shape) { return test::host_tensor(shape, DType::f32, v); }
 
-// The relative error: normwise, as `fusekit bench` reports it.
+// The op's stated relative error: normwise, as `fusekit bench` reports it.
 const auto rel_err = test::rel_err_normwise;
 
 // Maps a host tensor to {-v, 0, v}: -v below -threshold, v above, 0 between (threshold 0: +-v).

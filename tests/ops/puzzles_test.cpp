@@ -1,4 +1,4 @@
-// The Triton puzzles (seed 001), 1-8, 10 and 11, as tests of fusekit's primitives. Each puzzle's
+// The Triton puzzles 1-8, 10 and 11, as tests of fusekit's primitives. Each puzzle's
 // spec is written here again as the notebook states it (plain loops over std::vector<float>,
 // independent of fk::reference), at the notebook's exact shapes and then at larger random ones
 // with tails; the ops run on the CPU (fusekit's own spec) and on the GPU, and must match the

@@ -23,7 +23,7 @@ namespace {
 
 const Device kCpu = Device::cpu();
 
-// The relative error: normwise, as `fusekit bench` reports it.
+// The op's stated relative error: normwise, as `fusekit bench` reports it.
 const auto rel_err = test::rel_err_normwise;
 
 struct Fields {
@@ -236,7 +236,7 @@ TEST_P(QgemmGpu, MatchesSpecOnDequantizedWeights) {
   test::poison(y);
   qgemm(o.x, o.qw, y);
   const Tensor got = test::to_host(y);
-  // fp32 accumulation in another order plus one rounding of y to the dtype: within 5e-3 (the issue's
+  // fp32 accumulation in another order plus one rounding of y to the dtype: within 5e-3 (the op's stated
   // bound; bf16 rounding alone is 2^-9 = 2e-3 relative).
   EXPECT_LE(rel_err(got, o.ref), 5e-3) << describe(GetParam());
   // Split-K is reduced in a fixed order: a second run gives the same bytes.

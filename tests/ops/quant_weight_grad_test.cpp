@@ -150,7 +150,7 @@ TEST_P(WeightGradPackedGpu, MatchesTheSpec) {
     diff2 += (got[i] - want[i]) * (got[i] - want[i]);
     ref2 += want[i] * want[i];
   }
-  // The bound: ||got - ref|| / ||ref|| <= 1e-2 against the fp64 product.
+  // The op's stated bound: ||got - ref|| / ||ref|| <= 1e-2 against the fp64 product.
   if (ref2 > 0) EXPECT_LE(std::sqrt(diff2 / ref2), 1e-2);
   else EXPECT_EQ(diff2, 0.0);
 }

@@ -7,7 +7,7 @@ namespace fk {
 
 // How a raw one-hot value v becomes a row of a table of `rows` rows.
 enum class RowHash {
-  seed,       // (v + 1) % rows: the seed's modulus hash
+  seed,       // (v + 1) % rows: a plain modulus hash
   reference,  // v % rows: dlrm_s_pytorch.py's `% max_ind_range`
 };
 

@@ -8,7 +8,7 @@
 //   dense[j]  = log(1 + max(x_j, 0))       (missing integers are 0; negatives are clamped to 0)
 //   sparse[t] = hash(v_t) in [0, rows_t)   (missing categoricals are 0)
 // where rows_t = min(cardinality_t, max_ind_range) (max_ind_range <= 0: no cap) and the hash is
-//   HashMode::seed       (v + 1) % rows_t   -- the seed's modulus hash
+//   HashMode::seed       (v + 1) % rows_t   -- a plain modulus hash
 //   HashMode::reference  v % rows_t         -- dlrm_s_pytorch.py's `% max_ind_range`
 //
 // Batches are host tensors laid out for the model and for a later copy to the GPU:

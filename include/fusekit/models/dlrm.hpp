@@ -6,7 +6,7 @@
 //   R  = interaction(Z)
 //        dot:   [x, <Z_i, Z_j> for i in 0..F-1, j < i]    D + F(F-1)/2 features (367 for Kaggle)
 //        cat:   Z flattened                                F*D
-//        outer: the seed's flatten(c cᵀ), c = Z flattened  (F*D)^2 (186,624 for Kaggle)
+//        outer: flatten(c cᵀ), c = Z flattened  (F*D)^2 (186,624 for Kaggle)
 //   p  = sigmoid(top_mlp(R))                     ReLU after every top layer but the last
 //   loss = BCE(p, label), mean over the batch (computed from the logit, stably)
 //
