@@ -27,12 +27,6 @@ std::vector<float> random_floats(std::size_t n, std::uint64_t seed, float lo = -
   return v;
 }
 
-double dot(const std::vector<float>& a, const std::vector<float>& b) {
-  double s = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
-  return s;
-}
-
 // Central differences of loss() in each coordinate of p, against the analytic gradient g. Float
 // forward passes lose ~1e-7 relative per value, so with h = 1e-3 the numerical gradient is good
 // to ~1e-4 of the loss scale; the bound leaves room for that and a stray ReLU kink nearby.

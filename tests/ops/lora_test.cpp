@@ -17,10 +17,6 @@ namespace {
 const Device kCpu = Device::cpu();
 const auto rel_err = test::rel_err_normwise;
 
-std::optional<TensorView> opt_view(const std::optional<Tensor>& t) {
-  return t ? std::optional<TensorView>(t->view()) : std::nullopt;
-}
-
 // ---------------------------------------------------------------------------------------------
 // The spec
 // ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // Tests of the pointwise family: the spec against hand-worked values (the 8x10 bias + act example and
 // values worked out by hand), the CUDA kernels against the spec on random inputs of many shapes,
 // and every bad input.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -474,9 +475,8 @@ TEST_P(PointwiseGpuStrided, BackwardMatchesSpec) {
 
 std::string strided_case_name(const ::testing::TestParamInfo<StridedCase>& info) {
   const auto [dt, act, shape] = info.param;
-  std::string name = std::string(dtype_name(dt)) + "_" + std::string(activation_name(act)) + "_" +
-                     std::to_string(shape.rows) + "x" + std::to_string(shape.cols) + "_ld";
-  for (std::int64_t ld : shape.ld) name += "_" + std::to_string(ld);
+  std::string name = fmt::format("{}_{}_{}x{}_ld", dtype_name(dt), activation_name(act), shape.rows, shape.cols);
+  for (std::int64_t ld : shape.ld) name += fmt::format("_{}", ld);
   return name;
 }
 
