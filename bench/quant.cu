@@ -5,6 +5,8 @@
 // backward where(mask, dy, 0) from that bool mask.
 #include <cuda_bf16.h>
 
+#include <cstdio>
+
 #include "bench/harness.hpp"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/ops/quant.hpp"
@@ -60,7 +62,9 @@ unsigned grid_for(std::int64_t n) {
 void pack_unpack_cases(Context& ctx) {
   const std::int64_t k = 100864, c = 768;
   for (int bits : {2, 4, 8}) {
-    const std::string shape = "K" + std::to_string(k) + "_C" + std::to_string(c) + "_b" + std::to_string(bits);
+    char name[64];
+    std::snprintf(name, sizeof name, "K%lld_C%lld_b%d", static_cast<long long>(k), static_cast<long long>(c), bits);
+    const std::string shape = name;
     const PackParams p{.bits = bits, .group = 256, .stats_dtype = DType::bf16};
     const bool want_pack = ctx.selected("quant", "pack/" + shape), want_unpack = ctx.selected("quant", "unpack/" + shape);
     if (!want_pack && !want_unpack) continue;

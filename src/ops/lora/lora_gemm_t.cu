@@ -66,21 +66,22 @@ constexpr int kRank = 16;  // t's columns: r <= 16, A and B zero-padded to 16
 constexpr int kOwners = 2;
 constexpr int kOwnerCols = kRank / kOwners;
 constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 64;
-// Named barriers of one consumer warpgroup (ids past CUTLASS's reserved ones).
-constexpr uint32_t kPublishBarrier = 0;
-constexpr uint32_t kEpilogueBarrier = 1;
+// Named barriers of one consumer warpgroup (ids past CUTLASS's reserved ones). These and the
+// helpers below serve the sm_90a kernel only, so the sm_80 pass of this file never uses them.
+[[maybe_unused]] constexpr uint32_t kPublishBarrier = 0;
+[[maybe_unused]] constexpr uint32_t kEpilogueBarrier = 1;
 
-CUTLASS_DEVICE void publish_ready(int* flag) {
+[[maybe_unused]] CUTLASS_DEVICE void publish_ready(int* flag) {
   asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(flag) : "memory");
 }
 
-CUTLASS_DEVICE uint64_t global_timer_ns() {
+[[maybe_unused]] CUTLASS_DEVICE uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
 }
 
-CUTLASS_DEVICE int load_acquire(const int* flag) {
+[[maybe_unused]] CUTLASS_DEVICE int load_acquire(const int* flag) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
   return v;

@@ -505,7 +505,6 @@ void interaction_backward(const InteractionBackwardArgs& a, const InteractionPar
                              static_cast<int>(nf * dim), batch, a.dz.data_as<float>(), s);
         break;
       }
-      const bool reg = dot_backward_in_registers(nf, dim);
       check_dot_smem(op, dot_backward_floats(nf, dim));
       const auto& pairs = a.pairs->host();
       cuda::interaction_dot_backward(a.z.data_as<float>(), a.dr.data_as<float>(), ldr,
