@@ -135,8 +135,6 @@ def test_bad_input_raises_naming_the_argument(device):
         fusekit.row_sum(x.t())
     with pytest.raises(fusekit.Error, match="argument 'x'"):
         fusekit.softmax(x.to(torch.float64))
-    with pytest.raises(fusekit.Error, match="argument 'x'"):
-        fusekit.softmax(x.t())  # columns not contiguous: an error, not a silent copy
     if device == "cuda":
         with pytest.raises(fusekit.Error, match="argument 'y'"):
             fusekit.broadcast_binary(x, x.cpu())

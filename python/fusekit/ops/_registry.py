@@ -281,6 +281,21 @@ def _rows(t: Tensor, op: str, arg: str) -> Tensor:
                        f"can be flattened without a copy, got shape {list(t.shape)} strides {list(t.stride())}")
 
 
+def _input(t: Tensor) -> Tensor:
+    """An input as the kernels take it: t itself when its rows are row-major and its leading
+    dimensions flatten without a copy, else a contiguous copy. PyTorch's own ops take any layout
+    (a transposed or expanded tensor, such as the gradient `.sum()` hands a backward); so does
+    fusekit, paying one copy where the layout demands it."""
+    if t.dim() > 0 and t.stride(-1) != 1:
+        return t.contiguous()
+    if t.dim() > 2:
+        try:
+            t.view(-1, t.shape[-1])
+        except RuntimeError:
+            return t.contiguous()
+    return t
+
+
 def _same_device(op: str, **tensors: Optional[Tensor]) -> None:
     first = None
     for name, t in tensors.items():

@@ -8,13 +8,17 @@ from torch import Tensor
 
 from .. import _C
 from ._registry import (_custom_op, _autograd, _bwd, _stream, _rows, _same_device, _dlpack, _d, _FROM_OUTPUT,
-                        _derivative_from_output, _not_kept)
+                        _derivative_from_output, _input, _not_kept)
 
 
 def _bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str, alpha: float,
               for_backward: bool) -> tuple:
     """bias_act, with None for z where it is not written."""
     # (devices are checked by the op: y and z are allocated on x's)
+    if x.dim() != 2 or x.stride(1) != 1:
+        x = _input(x)
+    if residual is not None and (residual.dim() != 2 or residual.stride(1) != 1):
+        residual = _input(residual)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     z = None if act in _FROM_OUTPUT or not for_backward else torch.empty_like(y)
     xs, ys, zs = x, y, z  # as [rows, cols] views; a 2-D x (the common case) as it is
@@ -47,7 +51,7 @@ def bias_act_backward(dy: Tensor, saved: Tensor, act: str, alpha: float, with_bi
     """(dx, dbias, dresidual) from dy and what bias_act saved (y, or z for gelu / silu); dbias and
     dresidual are empty tensors when not asked for."""
     _same_device("bias_act_backward", dy=dy, saved=saved)
-    dy = dy.contiguous() if dy.stride(-1) != 1 else dy  # autograd hands out expanded gradients
+    dy = _input(dy)  # autograd hands out expanded and transposed gradients
     dx = torch.empty_like(dy, memory_format=torch.contiguous_format)
     cols = dy.shape[-1] if dy.dim() else 1
     db = dy.new_empty(cols) if with_bias else dy.new_empty(0)

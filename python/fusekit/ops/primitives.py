@@ -6,12 +6,15 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._registry import _custom_op, _autograd, _bwd, _stream, _rows, _same_device, _dlpack, _d
+from ._registry import _custom_op, _autograd, _bwd, _stream, _rows, _same_device, _dlpack, _d, _input
 
 
 @_custom_op("softmax")
 def softmax(x: Tensor) -> Tensor:
-    """softmax over the last dimension (one online pass per row)."""
+    """softmax over the last dimension (one online pass per row); x of any layout (the kernel reads
+    a contiguous copy where x is not contiguous)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     xs, ys = (x, y) if x.dim() == 2 else (_rows(x, "softmax", "x"), _rows(y, "softmax", "y"))
     _C.softmax(_dlpack(xs), _dlpack(ys), _stream(x))

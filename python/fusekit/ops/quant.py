@@ -93,7 +93,9 @@ _autograd("relu_packed", _relu_packed_bwd, _relu_packed_setup)
 @_custom_op("weight_grad_from_packed")
 def weight_grad_from_packed(dy: Tensor, words: Tensor, scale: Tensor, min: Tensor, cols: int,
                             x_dtype: torch.dtype, bits: int, group: int, dw_dtype: torch.dtype) -> Tensor:
-    """dW [COUT, CIN] = dyᵀ · unpack(x): dy [K, COUT] bf16, x packed from [K, CIN]."""
+    """dW [COUT, CIN] = dyᵀ · unpack(x): dy [K, COUT] bf16 of any layout (a contiguous copy where it is
+    not), x packed from [K, CIN]."""
+    dy = dy if dy.is_contiguous() else dy.contiguous()
     dw = dy.new_empty((dy.shape[1], cols), dtype=dw_dtype)
     _C.weight_grad_from_packed(_d(dy), _d(words), _d(scale), _d(min), words.shape[0], cols,
                                _dtype_name(x_dtype), bits, group, _d(dw), 0.0, _stream(dy))
