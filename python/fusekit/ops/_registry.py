@@ -197,6 +197,72 @@ def _bwd(ctx, name: str, *args):
 
 
 # ---------------------------------------------------------------------------------------------
+# autocast
+# ---------------------------------------------------------------------------------------------
+
+_AUTOCAST = set()  # ops with an autocast rule: call() hands them to the dispatcher under autocast
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_AUTOCAST_LIB = None  # the torch.library.Library that holds the rules (kept alive with the module)
+
+if hasattr(torch, "get_autocast_dtype"):
+    _autocast_dtype = torch.get_autocast_dtype
+else:  # torch 2.4
+    def _autocast_dtype(device_type: str):
+        return torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch 2.4 asks per device by name
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
+def _autocast(name: str) -> None:
+    """Op `name` under torch.autocast runs in autocast's dtype, as torch's matmuls do (autocast's
+    lower-precision list): its floating tensor arguments on autocast's device are cast to
+    torch.get_autocast_dtype(device) (a cast autograd records, so gradients reach f32 parameters
+    in f32), then the op runs with autocast off. A rule on the dispatcher's Autocast keys, so that
+    torch.compile and every other path through torch.ops.fusekit.<name> see it too."""
+    global _AUTOCAST_LIB
+    if _AUTOCAST_LIB is None:
+        _AUTOCAST_LIB = torch.library.Library(_LIB, "IMPL")
+    op, positions = getattr(torch.ops.fusekit, name).default, _TENSOR_ARGS[name]
+
+    def rule(device_type: str):
+        def cast(t):
+            if isinstance(t, Tensor) and t.is_floating_point() and t.device.type == device_type:
+                return t.to(_autocast_dtype(device_type))
+            return t
+
+        def run(*args):
+            args = list(args)
+            for i in positions:
+                a = args[i]
+                args[i] = [cast(t) for t in a] if type(a) is list else cast(a)
+            with torch.autocast(device_type, enabled=False):
+                return op(*args)
+        return run
+
+    for device_type in _AUTOCAST_DEVICES:
+        _AUTOCAST_LIB.impl(name, rule(device_type), "AutocastCUDA" if device_type == "cuda" else "AutocastCPU")
+    _AUTOCAST.add(name)
+
+
+def _under_autocast(name: str, args: tuple) -> bool:
+    """Whether autocast is on for the device of op `name`'s first tensor argument (ops with a rule only)."""
+    if name not in _AUTOCAST:
+        return False
+    for i in _TENSOR_ARGS[name]:
+        a = args[i]
+        if type(a) is list:
+            a = a[0] if a else None
+        if a is not None:
+            return _autocast_enabled(a.device.type)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
 # call(): how a plain function or module runs an op
 # ---------------------------------------------------------------------------------------------
 
@@ -206,11 +272,11 @@ _REGISTERED, _WITH_GRAD, _PLAIN_CALL = 0, 1, 2
 def _route(name: str, args: tuple) -> int:
     """How call() runs op `name` on these arguments: the registered op while torch traces or
     transforms (torch.compile and export, a fake, functional, proxy or any other dispatch mode,
-    functorch) and for anything but plain tensors where the op takes tensors (a subclass: its
+    functorch), under autocast for an op with an autocast rule, and for anything but plain tensors where the op takes tensors (a subclass: its
     own rules; a wrong type: the schema's error names the argument); else the implementation
     itself, with a gradient recorded or not. A plain loop over the op's tensor arguments only:
     this runs on every call."""
-    if _is_compiling() or _dispatch_modes() or _functorch_active():
+    if _is_compiling() or _dispatch_modes() or _functorch_active() or _under_autocast(name, args):
         return _REGISTERED
     grad = False
     for i in _TENSOR_ARGS[name]:

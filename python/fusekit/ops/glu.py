@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._registry import _custom_op, _autograd, _bwd, _stream, _same_device, _d
+from ._registry import _custom_op, _autograd, _autocast, _bwd, _stream, _same_device, _d
 
 
 def prepare_glu_weight(w: Tensor) -> Tensor:
@@ -66,3 +66,4 @@ def _glu_bwd(ctx, dy):
 
 
 _autograd("glu", _glu_bwd, _glu_setup)
+_autocast("glu")

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._registry import _custom_op, _autograd, _bwd, _stream, _same_device, _d, _derivative_from_output, _not_kept
+from ._registry import (_custom_op, _autograd, _autocast, _bwd, _stream, _same_device, _d, _derivative_from_output,
+                        _not_kept)
 
 
 def _lora_kept(x: Tensor, a: Tensor, act: str, for_backward: bool):
@@ -71,3 +72,4 @@ def _lora_bwd(ctx, dy, dt, dz):
 
 
 _autograd("lora", _lora_bwd, _lora_setup)
+_autocast("lora")
