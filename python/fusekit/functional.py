@@ -99,12 +99,18 @@ def weight_grad_from_packed(dy: Tensor, x: Packed, dw_dtype: torch.dtype = torch
 
 
 def glu(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, *, kind: str = "swiglu",
-        allow_tf32: Optional[bool] = None) -> Tensor:
-    """glu(L, R) with [L, R] = x wᵀ + b (torch.chunk order), w [2N, K] in PyTorch's layout
-    (prepared on each call: fusekit.nn.GLU keeps it prepared). kind: sigmoid_tanh, swiglu,
-    geglu_tanh, geglu_erf, reglu. allow_tf32 follows torch.backends.cuda.matmul.allow_tf32."""
+        allow_tf32: Optional[bool] = None, gate: str = "first") -> Tensor:
+    """act(G) · U with [G, U] = x wᵀ + b (torch.chunk order: the gate first, as the GLU-variants
+    paper and Hugging Face's gate_proj / up_proj write it), w [2N, K] in PyTorch's layout (prepared
+    on each call: fusekit.nn.GLUFeedForward keeps it prepared). kind: swiglu silu(G) U, geglu_tanh
+    and geglu_erf gelu(G) U, reglu relu(G) U, sigmoid_tanh sigmoid(G) tanh(U). gate="second" takes
+    the gate from the second half instead (geglu's l · gelu(r) of fusekit's C++ kernels).
+    allow_tf32 follows torch.backends.cuda.matmul.allow_tf32."""
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    if ops.glu_swaps_halves(kind, gate):
+        w = torch.cat(w.chunk(2)[::-1])
+        bias = None if bias is None else torch.cat(bias.chunk(2)[::-1])
     lead = x.shape[:-1]
     out = ops.call("glu", x.reshape(-1, x.shape[-1]), ops.prepare_glu_weight(w),
                   None if bias is None else ops.prepare_glu_weight(bias), kind, allow_tf32)

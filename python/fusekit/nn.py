@@ -118,42 +118,51 @@ class GLUFeedForward(nn.Module):
     prepared (row-interleaved) layout; `to_linears()` gives them back as nn.Linear."""
 
     def __init__(self, hidden: int, intermediate: int, kind: str = "swiglu", bias: bool = False, *,
-                 device=None, dtype=None):
+                 device=None, dtype=None, gate: str = "first"):
         super().__init__()
         f = dict(device=device, dtype=dtype)
-        gate, up = nn.Linear(hidden, intermediate, bias, **f), nn.Linear(hidden, intermediate, bias, **f)
-        self.kind = kind
-        self.w_gate_up = nn.Parameter(ops.prepare_glu_weight(torch.cat((gate.weight, up.weight)).detach()))
-        self.b_gate_up = nn.Parameter(ops.prepare_glu_weight(torch.cat((gate.bias, up.bias)).detach())) if bias else None
+        gate_proj, up_proj = nn.Linear(hidden, intermediate, bias, **f), nn.Linear(hidden, intermediate, bias, **f)
+        self.kind, self.gate = kind, gate
+        self._set_gate_up(gate_proj, up_proj)
         self.down_proj = nn.Linear(intermediate, hidden, bias, **f)
+
+    def _set_gate_up(self, gate_proj: nn.Linear, up_proj: nn.Linear) -> None:
+        """w_gate_up (and b_gate_up) from the two projections, in the order the kernel activates
+        (ops.glu_swaps_halves: geglu's kernel activates the second half)."""
+        first, second = (up_proj, gate_proj) if ops.glu_swaps_halves(self.kind, self.gate) else (gate_proj, up_proj)
+        with torch.no_grad():
+            self.w_gate_up = nn.Parameter(ops.prepare_glu_weight(torch.cat((first.weight, second.weight)).detach()))
+            self.b_gate_up = (nn.Parameter(ops.prepare_glu_weight(torch.cat((first.bias, second.bias)).detach()))
+                              if gate_proj.bias is not None else None)
 
     @classmethod
     def from_linears(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
-                     kind: str = "swiglu") -> "GLUFeedForward":
-        """From a Hugging Face LLaMA MLP's gate_proj, up_proj and down_proj (weights copied into the
-        prepared layout; down_proj shared)."""
+                     kind: str = "swiglu", gate: str = "first") -> "GLUFeedForward":
+        """From a Hugging Face MLP's gate_proj, up_proj and down_proj, act(gate_proj(x)) · up_proj(x)
+        (LLaMA's SwiGLU, Gemma's GeGLU; weights copied into the prepared layout; down_proj shared).
+        gate="second" activates up_proj's half instead."""
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.kind = kind
-        with torch.no_grad():
-            m.w_gate_up = nn.Parameter(ops.prepare_glu_weight(torch.cat((gate_proj.weight, up_proj.weight))))
-            m.b_gate_up = (nn.Parameter(ops.prepare_glu_weight(torch.cat((gate_proj.bias, up_proj.bias))))
-                           if gate_proj.bias is not None else None)
+        m.kind, m.gate = kind, gate
+        m._set_gate_up(gate_proj, up_proj)
         m.down_proj = down_proj
         return m
 
     def to_linears(self) -> tuple[nn.Linear, nn.Linear]:
+        """(gate_proj, up_proj) as nn.Linear."""
         w = ops.unprepare_glu_weight(self.w_gate_up.detach())
         n = w.shape[0] // 2
         gate = nn.Linear(w.shape[1], n, self.b_gate_up is not None, device=w.device, dtype=w.dtype)
         up = nn.Linear(w.shape[1], n, self.b_gate_up is not None, device=w.device, dtype=w.dtype)
+        swap = ops.glu_swaps_halves(self.kind, self.gate)
+        first, second = (up, gate) if swap else (gate, up)
         with torch.no_grad():
-            gate.weight.copy_(w[:n])
-            up.weight.copy_(w[n:])
+            first.weight.copy_(w[:n])
+            second.weight.copy_(w[n:])
             if self.b_gate_up is not None:
                 b = ops.unprepare_glu_weight(self.b_gate_up.detach())
-                gate.bias.copy_(b[:n])
-                up.bias.copy_(b[n:])
+                first.bias.copy_(b[:n])
+                second.bias.copy_(b[n:])
         return gate, up
 
     def forward(self, x: Tensor) -> Tensor:

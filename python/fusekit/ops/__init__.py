@@ -3,8 +3,9 @@
 Each op allocates its outputs with PyTorch (so the caching allocator and
 ``torch.cuda.max_memory_allocated()`` see them), runs on ``torch.cuda.current_stream()`` of its
 inputs' device, has a fake implementation (shapes and dtypes only, for ``torch.compile``) and,
-where fusekit has a backward, an autograd rule. Inputs are taken as they are: a dtype, device or
-layout the kernel cannot take is a ``fusekit.Error`` naming the argument, never a silent copy.
+where fusekit has a backward, an autograd rule. A dtype or device the kernel cannot take is a
+``fusekit.Error`` naming the argument; layouts are as docs/python.md states per op (softmax,
+bias_act and every backward take any layout, copying where the kernel cannot read it).
 
 Layout: ``_registry`` holds what every op shares (registration, ``call``, DLPack, stream and
 allocator access, and every private PyTorch API fusekit uses); each family's ops, with their fake
@@ -17,7 +18,7 @@ from .pointwise import bias_act, bias_act_backward, convert  # noqa: F401
 from .primitives import (attention, batched_matmul, broadcast_binary, broadcast_binary_backward,  # noqa: F401
                          conv2d, row_sum, softmax)
 from .quant import pack, relu_packed, relu_packed_backward, unpack, weight_grad_from_packed  # noqa: F401
-from .glu import glu, glu_backward, prepare_glu_weight, unprepare_glu_weight  # noqa: F401
+from .glu import glu, glu_backward, glu_swaps_halves, prepare_glu_weight, unprepare_glu_weight  # noqa: F401
 from .lora import lora, lora_backward  # noqa: F401
 from .qgemm import dequantize_weights, qgemm, quantize_weights  # noqa: F401
 from .mlp import fused_mlp, fused_mlp_backward, fused_mlp_train  # noqa: F401

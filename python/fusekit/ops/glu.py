@@ -10,6 +10,23 @@ from .. import _C
 from ._registry import _custom_op, _autograd, _autocast, _bwd, _stream, _same_device, _d
 
 
+# The half of [L, R] = x wᵀ + b that fusekit's kernel for each kind activates (the gate): L, except
+# geglu's l · gelu(r).
+_KERNEL_GATE = {"sigmoid_tanh": "first", "swiglu": "first", "reglu": "first", "geglu_tanh": "second",
+                "geglu_erf": "second"}
+
+
+def glu_swaps_halves(kind: str, gate: str) -> bool:
+    """Whether w's two halves are swapped before the kernel, so that the half named by `gate`
+    ("first": torch.chunk's first, Hugging Face's gate_proj; "second") is the one activated."""
+    if gate not in ("first", "second"):
+        raise _C.Error(f"fk::glu_forward: argument 'gate': expected \"first\" or \"second\", got {gate!r}")
+    kernel = _KERNEL_GATE.get(kind)
+    if kernel is None:
+        raise _C.Error(f"fk::glu_forward: argument 'kind': expected one of {', '.join(_KERNEL_GATE)}, got {kind!r}")
+    return kernel != gate
+
+
 def prepare_glu_weight(w: Tensor) -> Tensor:
     """PyTorch layout [2N, ...] (gate rows, then up rows) -> fusekit's: row 2n = w[n], 2n + 1 = w[N + n]."""
     n = w.shape[0] // 2
