@@ -71,3 +71,23 @@ def test_import_fusekit_makes_fusekit_nn_available():
     code = "import fusekit; print(fusekit.nn.CompressedLinear.__name__, fusekit.nn.W4Linear.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["CompressedLinear", "W4Linear"]
+
+
+@pytest.mark.parametrize("optimizer", [None, "sgd", "rowwise_adagrad"])
+def test_embedding_bags_take_any_gradient_layout(optimizer, device):
+    """The pooled [B, T, D] output's gradient expanded (.sum()) or transposed downstream."""
+    kw = dict(optimizer=optimizer, lr=0.1) if optimizer else {}
+    indices, offsets = torch.tensor([1, 2, 3, 5], device=device), torch.tensor([0, 2, 3, 4, 4], device=device)
+    scale = torch.arange(1.0, 5.0, device=device)
+    for loss in (lambda out: out.sum(), lambda out: (out.transpose(0, 1) * scale).sum()):
+        torch.manual_seed(0)
+        ebc = fusekit.nn.EmbeddingBagCollection([10, 20], 4, **kw).to(device)
+        torch.manual_seed(0)
+        ref = fusekit.nn.EmbeddingBagCollection([10, 20], 4, **kw).to(device)
+        loss(ebc(indices, offsets)).backward()
+        out = ref(indices, offsets)
+        out.backward(torch.autograd.grad(loss(out), out, retain_graph=True)[0].contiguous())
+        for a, b in zip(ebc.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad)
