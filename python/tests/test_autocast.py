@@ -1,6 +1,9 @@
-"""Under torch.autocast, fusekit's GEMM-shaped ops (glu, lora) run in autocast's dtype as torch's
-matmuls do: f32 inputs and parameters are cast first (the result is the op on the cast inputs,
-exactly), gradients reach the f32 leaves in f32, and the modules built on them follow."""
+"""Under torch.autocast, fusekit's GEMM-shaped ops (glu, lora, fused_mlp, attention) run in
+autocast's dtype as torch's matmuls do: f32 inputs and parameters are cast first (the result is the
+op on the cast inputs, exactly), gradients reach the f32 leaves in f32, and the modules built on
+them follow."""
+import copy
+
 import pytest
 import torch
 
@@ -81,3 +84,32 @@ def test_autocast_rule_compiles_without_graph_breaks():
                                rtol=0, atol=0)
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_runs_in_the_autocast_dtype(dtype, device):
+    q, k, v = (rand((1, 2, 9, 64), torch.float32, device, s) for s in (13, 14, 15))
+    with torch.autocast(device, dtype=dtype):
+        out = fusekit.attention(q, k, v, causal=True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, fusekit.attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True),
+                               rtol=0, atol=0)
+
+
+def test_fused_mlp_runs_in_the_autocast_dtype(device):
+    torch.manual_seed(1)
+    seq = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).to(device)
+    mlp = fusekit.nn.FusedMLP.from_sequential(seq)
+    x = rand((33, 20), torch.float32, device, 16, True)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = mlp(x)
+    assert y.dtype == torch.bfloat16
+    with torch.no_grad():
+        in_bf16 = fusekit.nn.FusedMLP.from_sequential(
+            torch.nn.Sequential(*(m.to(torch.bfloat16) if isinstance(m, torch.nn.Linear) else m
+                                  for m in copy.deepcopy(seq))))
+        torch.testing.assert_close(y.detach(), in_bf16(x.detach().bfloat16()), rtol=0, atol=0)
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32
+    for p in seq.parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._registry import _custom_op, _autograd, _bwd, _stream, _d
+from ._registry import _custom_op, _autograd, _autocast, _bwd, _stream, _d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,3 +84,5 @@ def _fused_mlp_bwd(ctx, dy, dhidden):
 
 
 _autograd("fused_mlp_train", _fused_mlp_bwd, _fused_mlp_setup, eager=False)
+_autocast("fused_mlp")
+_autocast("fused_mlp_train")

@@ -6,7 +6,8 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._registry import _custom_op, _autograd, _bwd, _stream, _rows, _same_device, _dlpack, _d, _input
+from ._registry import (_custom_op, _autograd, _autocast, _bwd, _stream, _rows, _same_device, _dlpack, _d,
+                        _input)
 
 
 @_custom_op("softmax")
@@ -52,6 +53,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tu
 @attention.register_fake
 def _(q, k, v, causal, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+_autocast("attention")
 
 
 @_custom_op("broadcast_binary")
