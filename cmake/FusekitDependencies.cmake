@@ -5,38 +5,34 @@ function(fusekit_missing what package)
                       "(scripts/setup.sh installs every dependency)")
 endfunction()
 
-find_package(fmt QUIET)
-if(NOT fmt_FOUND)
-  fusekit_missing("fmt" libfmt-dev)
-endif()
-find_package(nlohmann_json 3.10 QUIET)
-if(NOT nlohmann_json_FOUND)
-  fusekit_missing("nlohmann-json >= 3.10" nlohmann-json3-dev)
-endif()
-find_package(ZLIB QUIET)  # gzip-compressed Criteo TSV input
-if(NOT ZLIB_FOUND)
-  fusekit_missing("zlib" zlib1g-dev)
-endif()
-find_package(Threads REQUIRED)  # the data loader's prefetch threads
-find_path(DLPACK_INCLUDE_DIR dlpack/dlpack.h)
-if(NOT DLPACK_INCLUDE_DIR)
-  fusekit_missing("dlpack/dlpack.h" libdlpack-dev)
-endif()
-find_path(XXHASH_INCLUDE_DIR xxhash.h)  # the binary format's XXH3-64 block checksums (inlined)
-if(NOT XXHASH_INCLUDE_DIR)
-  fusekit_missing("xxhash.h" libxxhash-dev)
-endif()
-if(FUSEKIT_BUILD_APPS)
-  find_package(CLI11 QUIET)
-  if(NOT CLI11_FOUND)
-    fusekit_missing("CLI11" libcli11-dev)
+# find_package(NAME [VERSION...]) of a package Debian's DEBIAN_PACKAGE provides; a macro, so
+# that what it finds is set where it is called.
+macro(fusekit_require NAME DEBIAN_PACKAGE)
+  find_package(${NAME} ${ARGN} QUIET)
+  if(NOT ${NAME}_FOUND)
+    fusekit_missing("${NAME} ${ARGN}" ${DEBIAN_PACKAGE})
   endif()
+endmacro()
+
+# find_path(VAR HEADER) of a header Debian's DEBIAN_PACKAGE provides.
+macro(fusekit_require_header VAR HEADER DEBIAN_PACKAGE)
+  find_path(${VAR} ${HEADER})
+  if(NOT ${VAR})
+    fusekit_missing("${HEADER}" ${DEBIAN_PACKAGE})
+  endif()
+endmacro()
+
+fusekit_require(fmt libfmt-dev)
+fusekit_require(nlohmann_json nlohmann-json3-dev 3.10)
+fusekit_require(ZLIB zlib1g-dev)  # gzip-compressed Criteo TSV input
+find_package(Threads REQUIRED)  # the data loader's prefetch threads
+fusekit_require_header(DLPACK_INCLUDE_DIR dlpack/dlpack.h libdlpack-dev)
+fusekit_require_header(XXHASH_INCLUDE_DIR xxhash.h libxxhash-dev)  # the binary format's XXH3-64 checksums (inlined)
+if(FUSEKIT_BUILD_APPS)
+  fusekit_require(CLI11 libcli11-dev)
 endif()
 if(FUSEKIT_BUILD_TESTS)
-  find_package(GTest QUIET)
-  if(NOT GTest_FOUND)
-    fusekit_missing("GoogleTest" libgtest-dev)
-  endif()
+  fusekit_require(GTest libgtest-dev)
 endif()
 
 # The CUTLASS/CuTe headers (a CUDA build only), from PyPI's nvidia-cutlass wheel: its
