@@ -12,7 +12,7 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q torch numpy pytest
+"$venv/bin/python" -m pip install -q torch numpy pytest transformers tokenizers
 echo "test-python: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)') in $venv ($(( $(date +%s) - start )) s)"
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 cuda=${FUSEKIT_PY_CUDA:-OFF}

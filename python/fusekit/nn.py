@@ -197,6 +197,28 @@ class LoRALinear(nn.Module):
         return Fk.lora(x, self.base.weight, self.lora_A, self.lora_B, self.base.bias, scale=self.scaling)
 
 
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def add_lora(model: nn.Module, r: int = 16, alpha: float = 32.0,
+             target_modules: tuple[str, ...] = LLAMA_PROJECTIONS) -> nn.Module:
+    """LoRA fine-tuning through fusekit, as PEFT's get_peft_model(model, LoraConfig(r, lora_alpha,
+    target_modules, lora_dropout=0)): every nn.Linear whose attribute name is in `target_modules`
+    becomes a LoRALinear on it (fused GEMM + adapter); every other parameter is frozen. In place;
+    returns model."""
+    if r < 1:
+        raise ValueError(f"fusekit.nn.add_lora: argument 'r': expected a rank >= 1, got {r}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if name in target_modules and type(child) is nn.Linear]
+    if not targets:
+        raise ValueError(f"fusekit.nn.add_lora: argument 'target_modules': no nn.Linear named {list(target_modules)}")
+    for parent, name, child in targets:
+        setattr(parent, name, LoRALinear(child, r, alpha))
+    return model
+
+
 class W4Linear(nn.Module):
     """An nn.Linear for inference with its weight quantized to 4 bits per value (group-wise scale
     and zero point, docs/qgemm.md); y = x w̃ᵀ + b computed from the 4-bit words. f16 / bf16."""

@@ -252,6 +252,19 @@ def all_cases():
         return (torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32) * scale).to(dtype)
     yield from training_cases(randn)
     yield from recsys_cases(randn)
+    from .llm_cases import llm_cases
+    yield from llm_cases(randn, compiled)
+
+
+def peak_mib(fn) -> float:
+    """MiB a call allocates at its peak above what was allocated before it (after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def run(filter_: str):
@@ -268,6 +281,8 @@ def run(filter_: str):
             row["copy_ceiling_fraction"] = c["bytes"] / t / ceiling
         if "flops" in c:
             row["fusekit_tflops"] = c["flops"] / t / 1e12
+        if c.get("memory"):
+            row["fusekit_peak_MiB"] = peak_mib(c["fusekit"])
         for peer, fn in c["peers"].items():
             if isinstance(fn, str):
                 row[f"{peer}_note"] = fn
@@ -280,6 +295,8 @@ def run(filter_: str):
                     tp = time_(fn)
                 row[f"{peer}_us"] = tp * 1e6
                 row[f"speedup_vs_{peer}"] = tp / t
+                if c.get("memory"):
+                    row[f"{peer}_peak_MiB"] = peak_mib(lambda fn=fn: fn[0](*fn[1]) if isinstance(fn, tuple) else fn())
             except Exception as e:  # noqa: BLE001
                 row[f"{peer}_note"] = f"failed: {type(e).__name__}: {e}"[:200]
         print(json.dumps(row), flush=True)

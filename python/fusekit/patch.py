@@ -1,0 +1,250 @@
+"""fusekit.patch(model): a model's RMSNorms, gated MLPs, rotary embedding and LM-head loss run on
+fusekit's fused ops, in place.
+
+Each patched module keeps its object, parameters, buffers and state dict; only its class changes
+(to a subclass whose ``forward`` calls fusekit), so ``fusekit.unpatch(model)`` restores it exactly
+and optimizers, hooks and checkpoints made before or after keep working. What is patched:
+
+- RMSNorm: ``torch.nn.RMSNorm`` and Hugging Face's LLaMA-style RMSNorms (``weight * x̂`` with x̂
+  computed in f32: LLaMA, Mistral, Qwen2/3, Phi-3) -> ``fusekit.rms_norm``.
+- MLP: a module with ``gate_proj``, ``up_proj``, ``down_proj`` (``nn.Linear``) and ``act_fn`` (SiLU,
+  GELU, tanh-GELU, ReLU) computing ``down(act(gate(x)) * up(x))`` -> the fused GEMM + gated
+  activation, on the module's own gate and up weights.
+- rotary: ``apply_rotary_pos_emb`` of the module that defines a patched attention class (a module
+  global, as Hugging Face's attention calls it) -> ``fusekit.apply_rotary_pos_emb``, while any
+  model of that module is patched.
+- LM head loss: a ``*ForCausalLM`` with ``lm_head`` and ``model``, when called with ``labels`` ->
+  ``fusekit.linear_cross_entropy`` on the last hidden states: the loss, with the logits never
+  materialised (``logits`` is None in the output). Without labels, the model's own forward runs.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import functional as Fk
+
+__all__ = ["patch", "patch_llama", "unpatch", "patched_modules"]
+
+_ORIGINAL = "_fusekit_original_class"
+_LOCK = threading.Lock()
+
+# RMSNorm classes whose forward is Hugging Face LLaMA's: weight * (x / rms(x) in f32).to(x.dtype).
+_LLAMA_STYLE_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm",
+                      "MixtralRMSNorm", "Olmo2RMSNorm"}
+
+# The gated activation each MLP's act_fn class computes on its gate.
+_ACT_KIND = {"SiLU": "swiglu", "SiLUActivation": "swiglu", "ReLU": "reglu", "GELUTanh": "geglu_tanh",
+             "PytorchGELUTanh": "geglu_tanh", "NewGELUActivation": "geglu_tanh", "GELUActivation": "geglu_erf"}
+
+
+def _glu_kind(act: nn.Module) -> Optional[str]:
+    if isinstance(act, nn.GELU):
+        return "geglu_tanh" if act.approximate == "tanh" else "geglu_erf"
+    name = type(act).__name__
+    if name == "GELUActivation" and getattr(act, "act", None) is not nn.functional.gelu:
+        return None  # the python-formula variant: same function, but leave what we did not check
+    return _ACT_KIND.get(name)
+
+
+# ---- the replacement forwards -------------------------------------------------------------------
+
+def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    eps = getattr(self, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(self, "eps", None)
+    if eps is None:
+        eps = torch.finfo(hidden_states.dtype).eps
+    return Fk.rms_norm(hidden_states, self.weight, eps=eps)
+
+
+def _mlp_forward(self, x: Tensor) -> Tensor:
+    g, u, d = self.gate_proj, self.up_proj, self.down_proj
+    return Fk.glu_mlp(x, g.weight, u.weight, d.weight, kind=self._fusekit_kind, gate_bias=g.bias, up_bias=u.bias,
+                      down_bias=d.bias, recompute=self._fusekit_recompute)
+
+
+def _causal_lm_loss(self, hidden: Tensor, labels: Tensor, num_items_in_batch=None, ignore_index: int = -100,
+                    shift_labels: Optional[Tensor] = None) -> Tensor:
+    """Hugging Face's ForCausalLMLoss (labels shifted left by one, the last position ignored; a sum
+    divided by num_items_in_batch when given, else the mean over non-ignored tokens) through the
+    fused head."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = shift_labels.reshape(-1).to(h.device)
+    head = self.lm_head
+    if num_items_in_batch is None:
+        return Fk.linear_cross_entropy(h, head.weight, t, head.bias, ignore_index=ignore_index)
+    loss = Fk.linear_cross_entropy(h, head.weight, t, head.bias, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _causal_lm_forward(self, *args, **kwargs):
+    arguments = dict(zip(self._fusekit_arg_names, args))
+    arguments.update(kwargs)
+    labels = arguments.pop("labels", None)
+    keep = arguments.pop("logits_to_keep", arguments.pop("num_logits_to_keep", 0))
+    if labels is None or torch.is_tensor(keep) or keep != 0:  # logits asked for: the model's own forward
+        return self._fusekit_base_forward(*args, **kwargs)
+    arguments.pop("return_dict", None)
+    shift_labels = arguments.pop("shift_labels", None)
+    outputs = self.model(**arguments)
+    loss = _causal_lm_loss(self, outputs[0], labels, arguments.get("num_items_in_batch"), shift_labels=shift_labels)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    return CausalLMOutputWithPast(loss=loss, logits=None)
+
+
+def _positional_names(forward: Callable) -> tuple[str, ...]:
+    """The names forward(self, ...) binds positional arguments to, in order."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in list(inspect.signature(forward).parameters.values())[1:] if p.kind in kinds)
+
+
+# ---- class swapping -----------------------------------------------------------------------------
+
+_SUBCLASSES: dict[tuple[type, str], type] = {}
+
+
+def _subclass(cls: type, role: str, members: dict[str, Any]) -> type:
+    key = (cls, role)
+    sub = _SUBCLASSES.get(key)
+    if sub is None:
+        sub = type(f"Fusekit{cls.__name__}", (cls,), {"__module__": cls.__module__, "_fusekit_role": role, **members})
+        _SUBCLASSES[key] = sub
+    return sub
+
+
+def _swap(module: nn.Module, role: str, members: dict[str, Any]) -> None:
+    cls = type(module)
+    module.__class__ = _subclass(cls, role, members)
+    object.__setattr__(module, _ORIGINAL, cls)
+
+
+def _is_patched(module: nn.Module) -> bool:
+    return _ORIGINAL in module.__dict__
+
+
+# rotary: module -> [the original apply_rotary_pos_emb, how many patched models use it]
+_ROPE_USERS: dict[str, list] = {}
+
+
+def _rope_wrapper(original: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        return Fk.apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs)
+    apply_rotary_pos_emb.__wrapped__ = original
+    apply_rotary_pos_emb._fusekit = True
+    return apply_rotary_pos_emb
+
+
+def _patch_rope(module_name: str) -> bool:
+    mod = sys.modules.get(module_name)
+    fn = getattr(mod, "apply_rotary_pos_emb", None) if mod is not None else None
+    if fn is None:
+        return False
+    with _LOCK:
+        users = _ROPE_USERS.get(module_name)
+        if users is None:
+            users = _ROPE_USERS[module_name] = [fn, 0]
+            mod.apply_rotary_pos_emb = _rope_wrapper(fn)
+        users[1] += 1
+    return True
+
+
+def _unpatch_rope(module_name: str) -> None:
+    with _LOCK:
+        users = _ROPE_USERS.get(module_name)
+        if users is None:
+            return
+        users[1] -= 1
+        if users[1] == 0:
+            sys.modules[module_name].apply_rotary_pos_emb = users[0]
+            del _ROPE_USERS[module_name]
+
+
+def _is_rms_norm(m: nn.Module) -> bool:
+    if isinstance(m, nn.RMSNorm):
+        return m.weight is not None
+    return type(m).__name__ in _LLAMA_STYLE_NORMS and isinstance(getattr(m, "weight", None), nn.Parameter)
+
+
+def _mlp_kind(m: nn.Module) -> Optional[str]:
+    parts = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(p, nn.Linear) and type(p) is nn.Linear for p in parts):
+        return None
+    act = getattr(m, "act_fn", None)
+    return _glu_kind(act) if isinstance(act, nn.Module) else None
+
+
+def _is_causal_lm(m: nn.Module) -> bool:
+    return (type(m).__name__.endswith("ForCausalLM") and isinstance(getattr(m, "lm_head", None), nn.Linear)
+            and isinstance(getattr(m, "model", None), nn.Module)
+            and "labels" in inspect.signature(type(m).forward).parameters)
+
+
+def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bool = True,
+          cross_entropy: bool = True, recompute_mlp: bool = False) -> nn.Module:
+    """Patch `model` in place (see the module's docstring) and return it. `recompute_mlp` makes the
+    MLPs recompute their [tokens, 2 x intermediate] pre-activations in the backward instead of
+    keeping them (less memory, one more GEMM). Patching a patched module does nothing."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fusekit.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
+    rope_modules = set()
+    for m in model.modules():
+        if _is_patched(m):
+            continue
+        if rms_norm and _is_rms_norm(m):
+            _swap(m, "rms_norm", {"forward": _rms_norm_forward})
+        elif mlp and (kind := _mlp_kind(m)) is not None:
+            _swap(m, "mlp", {"forward": _mlp_forward})
+            object.__setattr__(m, "_fusekit_kind", kind)
+            object.__setattr__(m, "_fusekit_recompute", recompute_mlp)
+        elif cross_entropy and _is_causal_lm(m):
+            base = type(m).forward
+            _swap(m, "causal_lm", {"forward": _causal_lm_forward, "_fusekit_base_forward": base,
+                                   "_fusekit_arg_names": _positional_names(base)})
+        elif rope and type(m).__name__.endswith("Attention") and hasattr(sys.modules.get(type(m).__module__),
+                                                                          "apply_rotary_pos_emb"):
+            rope_modules.add(type(m).__module__)
+    for name in rope_modules:
+        _patch_rope(name)
+    if rope_modules:
+        object.__setattr__(model, "_fusekit_rope_modules", tuple(sorted(rope_modules)))
+    return model
+
+
+def patch_llama(model: nn.Module, **options) -> nn.Module:
+    """patch() for a Hugging Face LLaMA-architecture model (LlamaForCausalLM, LlamaModel, ...): the
+    same swaps, after checking that the model is one."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ValueError(f"fusekit.patch_llama: argument 'model': expected a LLaMA-architecture model "
+                         f"(config.model_type llama, mistral, qwen2 or qwen3), got {kind!r}")
+    return patch(model, **options)
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Restore every module patch() swapped (and the rotary function it replaced) and return model."""
+    for m in model.modules():
+        cls = m.__dict__.get(_ORIGINAL)
+        if cls is not None:
+            m.__class__ = cls
+            del m.__dict__[_ORIGINAL]
+            for attr in ("_fusekit_kind", "_fusekit_recompute"):
+                m.__dict__.pop(attr, None)
+    for name in model.__dict__.pop("_fusekit_rope_modules", ()):
+        _unpatch_rope(name)
+    return model
+
+
+def patched_modules(model: nn.Module) -> dict[str, str]:
+    """{qualified name: what it runs as} for every patched module, e.g. {"model.norm": "rms_norm"}."""
+    return {name: m._fusekit_role for name, m in model.named_modules() if _is_patched(m)}

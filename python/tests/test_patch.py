@@ -1,0 +1,221 @@
+"""fusekit.patch on a tiny Hugging Face LLaMA and on a plain nn.Module: same logits, loss and
+gradients as the unpatched model; unpatch restores it; a patched block compiles in one graph."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fusekit
+from fusekit.patch import patched_modules
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+
+
+def tiny_llama(device, dtype=torch.float32, act="silu", seed=0):
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   hidden_act=act, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+    with torch.no_grad():  # norms away from 1, so that a wrong weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def batch(device, b=3, t=17, vocab=101, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, t), generator=g).to(device)
+    labels = ids.clone()
+    labels[0, :5] = -100  # a padded prompt, as fine-tuning masks it
+    return ids, labels
+
+
+def grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_patched_llama_equals_unpatched(device, act):
+    ref = tiny_llama(device, act=act)
+    model = copy.deepcopy(ref)
+    fusekit.patch_llama(model)
+    roles = set(patched_modules(model).values())
+    assert roles == {"rms_norm", "mlp", "causal_lm"}, roles
+    ids, labels = batch(device)
+
+    # logits (no labels: the model's own head, with the patched norms, MLPs and rotary)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+    # loss and gradients (labels: the fused linear + cross-entropy; logits not materialised)
+    out, want = model(ids, labels=labels), ref(ids, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    want.loss.backward()
+    g, gw = grads(model), grads(ref)
+    assert g.keys() == gw.keys()
+    for n in g:
+        torch.testing.assert_close(g[n], gw[n], rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_patched_llama_bf16_autocast(device):
+    if device == "cpu":
+        pytest.skip("bf16 autocast bound checked on the GPU")
+    ref = tiny_llama(device)
+    model = fusekit.patch(copy.deepcopy(ref))
+    ids, labels = batch(device)
+    with torch.autocast("cuda", torch.bfloat16):
+        out, want = model(ids, labels=labels), ref(ids, labels=labels)
+    torch.testing.assert_close(out.loss, want.loss, rtol=2e-2, atol=2e-2)
+    out.loss.backward()
+    want.loss.backward()
+    for n, p in model.named_parameters():
+        q = dict(ref.named_parameters())[n]
+        scale = q.grad.abs().max().clamp_min(1e-6)
+        assert float((p.grad - q.grad).abs().max() / scale) < 5e-2, n
+
+
+def test_num_items_in_batch_and_logits_to_keep(device):
+    ref = tiny_llama(device)
+    model = fusekit.patch(copy.deepcopy(ref))
+    ids, labels = batch(device)
+    n = torch.tensor(40, device=device)
+    torch.testing.assert_close(model(ids, labels=labels, num_items_in_batch=n).loss,
+                               ref(ids, labels=labels, num_items_in_batch=n).loss, rtol=1e-5, atol=1e-5)
+    # asking for logits runs the model's own head and loss
+    out = model(ids, labels=labels, logits_to_keep=1)
+    assert out.logits is not None and out.logits.shape[1] == 1
+
+
+def test_unpatch_restores(device):
+    ref = tiny_llama(device)
+    model = copy.deepcopy(ref)
+    classes = {n: type(m) for n, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    import transformers.models.llama.modeling_llama as ml
+    rope = ml.apply_rotary_pos_emb
+    fusekit.patch(model)
+    assert ml.apply_rotary_pos_emb is not rope
+    assert model.state_dict().keys() == state.keys()
+    fusekit.patch(model)  # twice: nothing more
+    fusekit.unpatch(model)
+    assert ml.apply_rotary_pos_emb is rope
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    assert patched_modules(model) == {}
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k])
+
+
+def test_two_models_share_the_rotary_patch(device):
+    a, b = fusekit.patch(tiny_llama(device)), fusekit.patch(tiny_llama(device))
+    import transformers.models.llama.modeling_llama as ml
+    fusekit.unpatch(a)
+    assert getattr(ml.apply_rotary_pos_emb, "_fusekit", False)  # b still patched
+    fusekit.unpatch(b)
+    assert not getattr(ml.apply_rotary_pos_emb, "_fusekit", False)
+
+
+def test_patch_llama_refuses_other_models():
+    with pytest.raises(ValueError, match="patch_llama.*model"):
+        fusekit.patch_llama(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="fusekit.patch.*model"):
+        fusekit.patch("not a model")
+
+
+class SwiGLUBlock(nn.Module):
+    """A plain block built from nn.RMSNorm, nn.Linear and nn.SiLU, no transformers."""
+
+    def __init__(self, d, f):
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=1e-5)
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False), \
+            nn.Linear(f, d, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down_proj(self.act_fn(self.gate_proj(h)) * self.up_proj(h))
+
+
+def test_plain_module(device):
+    torch.manual_seed(0)
+    ref = SwiGLUBlock(48, 72).to(device)
+    with torch.no_grad():
+        ref.norm.weight.uniform_(0.5, 1.5)
+    model = fusekit.patch(copy.deepcopy(ref))
+    assert set(patched_modules(model).values()) == {"rms_norm", "mlp"}
+    x = torch.randn(5, 7, 48, device=device)
+    y, want = model(x), ref(x)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+    y.square().sum().backward()
+    want.square().sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4, msg=n)
+
+
+def test_patched_block_compiles_fullgraph(device):
+    torch.manual_seed(0)
+    model = fusekit.patch(SwiGLUBlock(32, 40).to(device))
+    x = torch.randn(3, 32, device=device, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+
+
+def test_add_lora_matches_peft(device):
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    ref = tiny_llama(device)
+    theirs = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(fusekit.nn.LLAMA_PROJECTIONS)))
+    ours = fusekit.nn.add_lora(copy.deepcopy(ref), r=4, alpha=8)
+    fusekit.patch(ours)
+    # the same adapters: PEFT's A and B (B nonzero, so that the adapter shows in the output)
+    for name, m in ours.named_modules():
+        if isinstance(m, fusekit.nn.LoRALinear):
+            theirs_m = theirs.get_submodule("base_model.model." + name)
+            with torch.no_grad():
+                theirs_m.lora_B["default"].weight.normal_(0, 0.1)
+                m.lora_A.copy_(theirs_m.lora_A["default"].weight)
+                m.lora_B.copy_(theirs_m.lora_B["default"].weight)
+    trainable = sorted(n for n, p in ours.named_parameters() if p.requires_grad)
+    assert len(trainable) == 2 * 7 * 2 and all("lora_" in n for n in trainable)
+    ids, labels = batch(device)
+    out, want = ours(ids, labels=labels), theirs(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    want.loss.backward()
+    for name, m in ours.named_modules():
+        if isinstance(m, fusekit.nn.LoRALinear):
+            theirs_m = theirs.get_submodule("base_model.model." + name)
+            torch.testing.assert_close(m.lora_A.grad, theirs_m.lora_A["default"].weight.grad, rtol=1e-3, atol=1e-5)
+            torch.testing.assert_close(m.lora_B.grad, theirs_m.lora_B["default"].weight.grad, rtol=1e-3, atol=1e-5)
+
+
+def test_add_lora_errors():
+    with pytest.raises(ValueError, match="add_lora.*'r'"):
+        fusekit.nn.add_lora(nn.Linear(2, 2), r=0)
+    with pytest.raises(ValueError, match="add_lora.*target_modules"):
+        fusekit.nn.add_lora(nn.Sequential(nn.Linear(2, 2)), r=2)
+
+
+def test_patched_llama_layer_compiles_fullgraph(device):
+    model = tiny_llama(device)
+    fusekit.patch(model)
+    layer = model.model.layers[0]
+    x = torch.randn(2, 9, 64, device=device, requires_grad=True)
+    pos = torch.arange(9, device=device)[None]
+    cos_sin = model.model.rotary_emb(x, pos)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    y = compiled(x, position_embeddings=cos_sin, position_ids=pos)
+    y = y[0] if isinstance(y, tuple) else y
+    want = layer(x, position_embeddings=cos_sin, position_ids=pos)
+    want = want[0] if isinstance(want, tuple) else want
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    y.sum().backward()
