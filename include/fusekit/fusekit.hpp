@@ -16,6 +16,7 @@
 #include "fusekit/ops/glu.hpp"
 #include "fusekit/ops/mlp.hpp"
 #include "fusekit/ops/lora.hpp"
+#include "fusekit/ops/loss.hpp"
 #include "fusekit/ops/primitives.hpp"
 #include "fusekit/ops/qgemm.hpp"
 #include "fusekit/ops/quant.hpp"

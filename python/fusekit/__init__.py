@@ -25,6 +25,7 @@ if _torch is not None:
     ops.use_torch_caching_allocator()
     from .functional import (attention, batched_matmul, bias_act, broadcast_binary, check_bags,  # noqa: F401
                              conv2d, convert, dense_optimizer_update_, embedding_bags, glu, interaction, lora,
+                             linear_cross_entropy,
                              outer, pack, relu_packed, row_sum, sigmoid_bce, softmax, unpack,
                              weight_grad_from_packed)
     from . import nn  # noqa: F401,E402  (fusekit.nn after `import fusekit`, as torch.nn after `import torch`)

@@ -189,3 +189,16 @@ def dense_optimizer_update_(param: Tensor, grad: Tensor, state: Optional[Tensor]
     """One step in place over a whole f32 parameter: SGD, or Adagrad when state (the running sum
     of squared gradients, param's shape) is given."""
     ops.call("dense_optimizer_update_", param, grad, state, state is not None, lr, eps)
+
+
+def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor] = None, *,
+                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         reduction: str = "mean") -> Tensor:
+    """F.cross_entropy(F.linear(h, weight, bias), targets) (+ z_loss · logsumexp², PaLM's z-loss)
+    without the [tokens, vocabulary] logits in memory: h [..., H], weight [V, H], targets int64
+    [...] (h's leading shape); ignore_index and label_smoothing as F.cross_entropy takes them,
+    reduction "mean" or "sum". The gradients are computed by the forward (in the same chunked
+    pass), and only for what requires grad: none at all under torch.no_grad() or for frozen inputs.
+    Under autocast, h, weight and bias run in autocast's dtype, as F.linear's do."""
+    return ops.call_first("linear_cross_entropy", h, weight, bias, targets, ignore_index, float(label_smoothing),
+                          float(z_loss), reduction, ops.needs_grad(h), ops.needs_grad(weight, bias))

@@ -219,6 +219,31 @@ def add_lora(model: nn.Module, r: int = 16, alpha: float = 32.0,
     return model
 
 
+
+class LinearCrossEntropy(nn.Module):
+    """An LM head (nn.Linear, its parameters shared, not copied) and the cross-entropy of its
+    logits in one fused op: forward(h [..., H], targets [...]) returns the loss (an f32 scalar)
+    without the [tokens, vocabulary] logits in memory. The options as fusekit.linear_cross_entropy
+    takes them (ignore_index, label_smoothing, z_loss, reduction). For the logits themselves
+    (generation), call the head."""
+
+    def __init__(self, head: nn.Linear, *, ignore_index: int = -100, label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, reduction: str = "mean"):
+        super().__init__()
+        self.head = head
+        self.ignore_index, self.label_smoothing, self.z_loss, self.reduction = (ignore_index, label_smoothing,
+                                                                                z_loss, reduction)
+
+    def forward(self, h: Tensor, targets: Tensor) -> Tensor:
+        return Fk.linear_cross_entropy(h, self.head.weight, targets, self.head.bias, ignore_index=self.ignore_index,
+                                       label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                       reduction=self.reduction)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
+                f"reduction={self.reduction}")
+
+
 class W4Linear(nn.Module):
     """An nn.Linear for inference with its weight quantized to 4 bits per value (group-wise scale
     and zero point, docs/qgemm.md); y = x w̃ᵀ + b computed from the 4-bit words. f16 / bf16."""

@@ -1,0 +1,252 @@
+// The kernels of linear_cross_entropy between its GEMMs (contracts in loss_cuda.hpp).
+//
+// cross_entropy_rows: one block per row of the chunk's f32 logits. Pass 1 reads the row once
+// (16-byte loads, + bias) for its running max and sum of exponentials and its plain sum; pass 2
+// reads it again and overwrites it in place with the gradient g in the operands' dtype. A 16-bit g
+// row is written over the first half of the bytes of its own f32 row: the writes of one round of
+// the loop land on elements every thread has already read (a barrier between the round's loads and
+// its stores), so the row is consumed before it is overwritten, and the 16-bit g keeps the f32
+// buffer's row starts (row stride 2 ld). The count of the mean comes from the device
+// (loss_count_targets), so no launch waits on the host. The row losses are summed in double in a
+// fixed order by loss_total: the loss is deterministic.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "fusekit/core/cuda_check.hpp"
+#include "loss_cuda.hpp"
+#include "ops/common/activations.cuh"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/grid_stride.cuh"
+
+namespace fk::cuda {
+namespace {
+
+constexpr int kRowThreads = 256;
+constexpr int kReduceThreads = 1024;
+constexpr int kWarps = kRowThreads / 32;
+
+// Running (max, Σ exp(x − max)) of two parts merged; an empty part has max −inf.
+struct MaxSum {
+  float m, s;
+};
+
+__device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
+  if (a.m == -INFINITY) return b;
+  if (b.m == -INFINITY) return a;
+  const float m = fmaxf(a.m, b.m);
+  return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m)};
+}
+
+__device__ __forceinline__ void add(MaxSum& acc, float x) {
+  if (x > acc.m) {
+    acc.s = acc.s * __expf(acc.m - x) + 1.0f;  // acc.m = −inf: 0 · 0 + 1
+    acc.m = x;
+  } else {
+    acc.s += __expf(x - acc.m);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kRowThreads)
+    cross_entropy_rows_kernel(float* __restrict__ logits, std::int64_t v, std::int64_t ld, const T* __restrict__ bias,
+                              const std::int64_t* __restrict__ targets, const std::int64_t* __restrict__ status,
+                              float* __restrict__ row_loss, std::int64_t ignore_index, float smoothing, float zeta,
+                              bool mean) {
+  __shared__ MaxSum part_ms[kWarps];
+  __shared__ float part_sum[kWarps];
+  __shared__ float row_stats[2];  // lse, Σ z
+
+  const std::int64_t row = blockIdx.x;
+  float* z = logits + row * ld;                        // [v] f32 in
+  T* g = reinterpret_cast<T*>(z);                      // [v] T out, over the same bytes
+  const float4* z4 = reinterpret_cast<const float4*>(z);
+  const std::int64_t t = targets[row];
+  const bool ignored = t == ignore_index;
+  const bool bad = !ignored && (t < 0 || t >= v);
+  const std::int64_t nvec = (v + 3) / 4;
+
+  auto logit = [&](float raw, std::int64_t j) {
+    return bias != nullptr ? raw + device::to_float(bias[j]) : raw;
+  };
+
+  float lse = 0.0f;
+  if (!ignored && !bad) {
+    MaxSum ms{-INFINITY, 0.0f};
+    float sum = 0.0f;
+    for (std::int64_t q = threadIdx.x; q < nvec; q += kRowThreads) {
+      const float4 x4 = z4[q];
+      const float xs[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t j = 4 * q + e;
+        if (j < v) {
+          const float x = logit(xs[e], j);
+          add(ms, x);
+          sum += x;
+        }
+      }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+      const MaxSum other{__shfl_xor_sync(0xffffffffu, ms.m, off), __shfl_xor_sync(0xffffffffu, ms.s, off)};
+      ms = merge(ms, other);
+      sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+      part_ms[warp] = ms;
+      part_sum[warp] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      MaxSum all = part_ms[0];
+      float total = part_sum[0];
+      for (int w = 1; w < kWarps; ++w) {
+        all = merge(all, part_ms[w]);
+        total += part_sum[w];
+      }
+      row_stats[0] = all.m + logf(all.s);
+      row_stats[1] = total;
+    }
+    __syncthreads();
+    lse = row_stats[0];
+  }
+
+  if (threadIdx.x == 0) {
+    float loss = 0.0f;
+    if (bad) {
+      loss = NAN;
+    } else if (!ignored) {
+      const float zt = logit(z[t], t);
+      loss = (1.0f - smoothing) * (lse - zt) + smoothing * (lse - row_stats[1] / static_cast<float>(v)) +
+             zeta * lse * lse;
+    }
+    row_loss[row] = loss;
+  }
+  // Every read of z[t] and of pass 1 happens before pass 2's first store.
+  __syncthreads();
+
+  const float scale = mean ? 1.0f / static_cast<float>(status[0]) : 1.0f;
+  const float coef_p = scale * (1.0f + 2.0f * zeta * lse);
+  const float coef_uniform = scale * smoothing / static_cast<float>(v);
+  const float coef_target = scale * (1.0f - smoothing);
+  for (std::int64_t base = 0; base < nvec; base += kRowThreads) {
+    const std::int64_t q = base + threadIdx.x;
+    float4 x4{};
+    if (q < nvec) x4 = z4[q];
+    if constexpr (sizeof(T) < sizeof(float)) __syncthreads();  // this round's stores overwrite read elements only
+    if (q < nvec) {
+      const float xs[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t j = 4 * q + e;
+        if (j >= v) break;
+        float d;
+        if (ignored) {
+          d = 0.0f;
+        } else if (bad) {
+          d = NAN;
+        } else {
+          d = coef_p * __expf(logit(xs[e], j) - lse) - coef_uniform - (j == t ? coef_target : 0.0f);
+        }
+        g[j] = device::from_float<T>(d);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kReduceThreads)
+    count_targets_kernel(const std::int64_t* __restrict__ targets, std::int64_t n, std::int64_t v,
+                         std::int64_t ignore_index, std::int64_t* __restrict__ status) {
+  __shared__ long long counts[kReduceThreads];
+  __shared__ long long first_bad[kReduceThreads];
+  long long count = 0, bad = n;
+  for (std::int64_t i = threadIdx.x; i < n; i += kReduceThreads) {
+    const std::int64_t t = targets[i];
+    if (t == ignore_index) continue;
+    if (t < 0 || t >= v) {
+      bad = bad < i ? bad : i;
+    } else {
+      ++count;
+    }
+  }
+  counts[threadIdx.x] = count;
+  first_bad[threadIdx.x] = bad;
+  __syncthreads();
+  for (int w = kReduceThreads / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) {
+      counts[threadIdx.x] += counts[threadIdx.x + w];
+      first_bad[threadIdx.x] = min(first_bad[threadIdx.x], first_bad[threadIdx.x + w]);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    status[0] = counts[0];
+    status[1] = first_bad[0];
+  }
+}
+
+__global__ void __launch_bounds__(kReduceThreads)
+    loss_total_kernel(const float* __restrict__ row_loss, std::int64_t n, const std::int64_t* __restrict__ status,
+                      bool mean, float* __restrict__ loss) {
+  __shared__ double part[kReduceThreads];
+  double acc = 0.0;
+  for (std::int64_t i = threadIdx.x; i < n; i += kReduceThreads) acc += static_cast<double>(row_loss[i]);
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = kReduceThreads / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) loss[0] = static_cast<float>(mean ? part[0] / static_cast<double>(status[0]) : part[0]);
+}
+
+template <class T>
+__global__ void fill_ones_kernel(T* __restrict__ out, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::int64_t{gridDim.x} * blockDim.x)
+    out[i] = device::from_float<T>(1.0f);
+}
+
+}  // namespace
+
+void loss_count_targets(const TensorView& targets, std::int64_t v, std::int64_t ignore_index, const TensorView& status,
+                        const Stream* stream) {
+  count_targets_kernel<<<1, kReduceThreads, 0, detail::cuda_stream(stream)>>>(
+      targets.data_as<const std::int64_t>(), targets.numel(), v, ignore_index, status.data_as<std::int64_t>());
+  FK_CUDA_CHECK_LAUNCH("loss_count_targets");
+}
+
+void cross_entropy_rows(const CrossEntropyRowsArgs& a, const LinearCrossEntropyParams& p, const Stream* stream) {
+  if (a.rows == 0) return;
+  const cudaStream_t s = detail::cuda_stream(stream);
+  with_float_type(a.grad_dtype, [&](auto ti) {
+    using T = decltype(ti);
+    cross_entropy_rows_kernel<T><<<static_cast<unsigned>(a.rows), kRowThreads, 0, s>>>(
+        static_cast<float*>(a.logits), a.v, a.ld, static_cast<const T*>(a.bias), a.targets, a.status, a.row_loss,
+        p.ignore_index, p.label_smoothing, p.z_loss, p.reduction == LossReduction::mean);
+  });
+  FK_CUDA_CHECK_LAUNCH("cross_entropy_rows");
+}
+
+void loss_total(const TensorView& row_loss, const TensorView& status, LossReduction reduction, const TensorView& loss,
+                const Stream* stream) {
+  loss_total_kernel<<<1, kReduceThreads, 0, detail::cuda_stream(stream)>>>(
+      row_loss.data_as<const float>(), row_loss.numel(), status.data_as<const std::int64_t>(),
+      reduction == LossReduction::mean, loss.data_as<float>());
+  FK_CUDA_CHECK_LAUNCH("loss_total");
+}
+
+void fill_ones(const TensorView& t, const Stream* stream) {
+  if (t.numel() == 0) return;
+  with_float_type(t.dtype(), [&](auto ti) {
+    using T = decltype(ti);
+    fill_ones_kernel<T><<<grid_stride_blocks(t.numel()), 256, 0, detail::cuda_stream(stream)>>>(
+        static_cast<T*>(t.data()), t.numel());
+  });
+  FK_CUDA_CHECK_LAUNCH("fill_ones");
+}
+
+}  // namespace fk::cuda
