@@ -110,4 +110,5 @@ NB_MODULE(_C, m) {
   fk::py::bind_qgemm(m);
   fk::py::bind_mlp(m);
   fk::py::bind_recsys(m);
+  fk::py::bind_norm(m);
 }

@@ -24,3 +24,4 @@ from .qgemm import dequantize_weights, qgemm, quantize_weights  # noqa: F401
 from .mlp import fused_mlp, fused_mlp_backward, fused_mlp_train  # noqa: F401
 from .recsys import (EMBEDDING_UPDATES, dense_optimizer_update_, embedding_bag, embedding_bag_backward,  # noqa: F401
                      embedding_bag_update_, interaction, interaction_backward, interaction_size, sigmoid_bce)
+from .norm import add_rms_norm, rms_norm, rms_norm_backward  # noqa: F401
