@@ -10,6 +10,8 @@
   weight for inference, a narrow MLP as one kernel.
 - ``EmbeddingBagCollection`` (the optimizer fused into the backward, as FBGEMM's TBE) and
   ``Interaction``: DLRM's sparse side.
+- ``RMSNorm``: LLaMA's (and, with offset 1, Gemma's) RMSNorm; ``forward(x, residual)`` fuses the
+  residual add in front of it. ``RMSNorm.from_module(m)`` shares m's weight.
 """
 from __future__ import annotations
 
