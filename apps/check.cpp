@@ -135,6 +135,7 @@ const Family kFamilies[] = {
     {"mlp", mlp_by_hand, mlp_against_spec},
     {"lora", lora_by_hand, lora_against_spec},
     {"recsys", recsys_by_hand, recsys_against_spec},
+    {"norm", norm_by_hand, norm_against_spec},
 };
 
 std::string number(double v) { return v == 0 ? "0" : fmt::format("{:.1e}", v); }

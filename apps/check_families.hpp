@@ -24,5 +24,7 @@ std::vector<Measure> lora_by_hand();
 std::vector<Measure> lora_against_spec(Device gpu);
 std::vector<Measure> recsys_by_hand();
 std::vector<Measure> recsys_against_spec(Device gpu);
+std::vector<Measure> norm_by_hand();
+std::vector<Measure> norm_against_spec(Device gpu);
 
 }  // namespace fk::app::check

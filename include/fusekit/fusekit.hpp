@@ -21,6 +21,7 @@
 #include "fusekit/ops/qgemm.hpp"
 #include "fusekit/ops/quant.hpp"
 #include "fusekit/ops/recsys.hpp"
+#include "fusekit/ops/norm.hpp"
 #include "fusekit/nn/compressed.hpp"
 #include "fusekit/nn/fused_mlp.hpp"
 #include "fusekit/nn/glu.hpp"

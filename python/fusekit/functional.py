@@ -202,3 +202,24 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, bias: Optio
     Under autocast, h, weight and bias run in autocast's dtype, as F.linear's do."""
     return ops.call_first("linear_cross_entropy", h, weight, bias, targets, ignore_index, float(label_smoothing),
                           float(z_loss), reduction, ops.needs_grad(h), ops.needs_grad(weight, bias))
+
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = 1e-6, offset: float = 0.0) -> Tensor:
+    """RMSNorm over x's last dimension: x · rstd · (weight + offset), rstd = 1 / sqrt(mean(x²) + eps)
+    in f32 (offset 0: LLaMA's, 1: Gemma's (1 + weight)); eps None is torch.finfo(x.dtype).eps, as in
+    F.rms_norm. out's dtype is the promotion of x's and weight's, as Hugging Face's LlamaRMSNorm
+    gives it (f32 for an f32 weight with bf16 x; F.rms_norm would give bf16)."""
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return ops.call_first("rms_norm", x, weight, float(eps), float(offset))
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: Optional[float] = 1e-6,
+                 offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual, weight, eps, offset), x + residual) in one read of x and residual:
+    the residual add and the norm that follows it in a pre-norm transformer block."""
+    if eps is None:
+        eps = torch.finfo(torch.promote_types(x.dtype, residual.dtype)).eps
+    out, residual_out, _ = ops.call("add_rms_norm", x, residual, weight, float(eps), float(offset))
+    return out, residual_out

@@ -10,6 +10,8 @@
   weight for inference, a narrow MLP as one kernel.
 - ``EmbeddingBagCollection`` (the optimizer fused into the backward, as FBGEMM's TBE) and
   ``Interaction``: DLRM's sparse side.
+- ``RMSNorm``: LLaMA's (and, with offset 1, Gemma's) RMSNorm; ``forward(x, residual)`` fuses the
+  residual add in front of it. ``RMSNorm.from_module(m)`` shares m's weight.
 """
 from __future__ import annotations
 
@@ -425,3 +427,47 @@ class Interaction(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, self_interaction={self.self_interaction}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, y = x · rstd · (weight + offset) (fusekit.rms_norm), with a
+    `weight` [hidden] parameter: the state dict of transformers' LlamaRMSNorm and torch.nn.RMSNorm.
+    offset 0 is LLaMA's, 1 Gemma's (the weight then starts at 0). forward(x) gives the norm;
+    forward(x, residual) gives (norm(x + residual), x + residual) in one pass (fusekit.add_rms_norm).
+    eps None is torch.finfo(x.dtype).eps at each call, as torch.nn.RMSNorm's."""
+
+    def __init__(self, hidden: int, eps: Optional[float] = 1e-6, offset: float = 0.0, device=None, dtype=None):
+        super().__init__()
+        self.hidden, self.eps, self.offset = hidden, eps, float(offset)
+        self.weight = nn.Parameter(torch.full((hidden,), 1.0 - float(offset), device=device, dtype=dtype))
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        if residual is None:
+            return Fk.rms_norm(x, self.weight, self.eps, self.offset)
+        return Fk.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+
+    @classmethod
+    def from_module(cls, m: nn.Module, offset: float = 0.0) -> "RMSNorm":
+        """The RMSNorm of module m, sharing its weight parameter: a Hugging Face RMSNorm (eps from
+        `variance_epsilon`, or `eps`) or torch.nn.RMSNorm (`eps`, None meaning torch.finfo(x.dtype).eps).
+        offset 1 for Gemma's norms, whose weight scales by (1 + weight)."""
+        weight = getattr(m, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            raise _C.Error(f"fk::RMSNorm.from_module: argument 'm': expected a module with a 1-D weight "
+                           f"(an RMSNorm over the last dimension), got {type(m).__name__} with weight "
+                           f"{None if weight is None else list(weight.shape)}")
+        if hasattr(m, "variance_epsilon"):
+            eps = m.variance_epsilon
+        elif hasattr(m, "eps"):
+            eps = m.eps
+        else:
+            raise _C.Error(f"fk::RMSNorm.from_module: argument 'm': expected a module with `variance_epsilon` "
+                           f"or `eps`, got {type(m).__name__}")
+        norm = cls.__new__(cls)
+        nn.Module.__init__(norm)
+        norm.hidden, norm.eps, norm.offset = weight.shape[0], eps, float(offset)
+        norm.weight = weight
+        return norm
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, eps={self.eps}, offset={self.offset}"

@@ -20,5 +20,6 @@ void bind_qgemm(nb::module_& m);
 void bind_mlp(nb::module_& m);
 void bind_recsys(nb::module_& m);
 void bind_loss(nb::module_& m);
+void bind_norm(nb::module_& m);
 
 }  // namespace fk::py

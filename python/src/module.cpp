@@ -111,4 +111,5 @@ NB_MODULE(_C, m) {
   fk::py::bind_mlp(m);
   fk::py::bind_recsys(m);
   fk::py::bind_loss(m);
+  fk::py::bind_norm(m);
 }

@@ -25,3 +25,4 @@ from .mlp import fused_mlp, fused_mlp_backward, fused_mlp_train  # noqa: F401
 from .loss import linear_cross_entropy  # noqa: F401
 from .recsys import (EMBEDDING_UPDATES, dense_optimizer_update_, embedding_bag, embedding_bag_backward,  # noqa: F401
                      embedding_bag_update_, interaction, interaction_backward, interaction_size, sigmoid_bce)
+from .norm import add_rms_norm, rms_norm, rms_norm_backward  # noqa: F401

@@ -218,13 +218,18 @@ def _autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
-def _autocast(name: str) -> None:
-    """Op `name` under torch.autocast runs in autocast's dtype, as torch's matmuls do (autocast's
-    lower-precision list): its floating tensor arguments on autocast's device are cast to
-    torch.get_autocast_dtype(device) (a cast autograd records, so gradients reach f32 parameters
-    in f32), then the op runs with autocast off. A rule on the dispatcher's Autocast keys, so that
-    torch.compile and every other path through torch.ops.fusekit.<name> see it too."""
+def _autocast(name: str, policy: str = "lower_precision", device_types: tuple = _AUTOCAST_DEVICES) -> None:
+    """Op `name` under torch.autocast follows one of torch's autocast policies, on the dispatcher's
+    Autocast keys of `device_types` (so that torch.compile and every other path through
+    torch.ops.fusekit.<name> see it too); on other devices autocast leaves the op alone.
+    "lower_precision", as torch's matmuls (autocast's lower-precision list): its floating tensor
+    arguments on autocast's device are cast to torch.get_autocast_dtype(device). "fp32", as torch's
+    norms and losses (autocast's fp32 list): its floating tensor arguments on that device other than
+    f64 are cast to f32. Either cast is one autograd records (gradients reach the arguments in
+    their own dtypes); then the op runs with autocast off."""
     global _AUTOCAST_LIB
+    if policy not in ("lower_precision", "fp32"):
+        raise ValueError(f"_autocast: policy {policy!r} is neither 'lower_precision' nor 'fp32'")
     if _AUTOCAST_LIB is None:
         _AUTOCAST_LIB = torch.library.Library(_LIB, "IMPL")
     op, positions = getattr(torch.ops.fusekit, name).default, _TENSOR_ARGS[name]
@@ -232,6 +237,8 @@ def _autocast(name: str) -> None:
     def rule(device_type: str):
         def cast(t):
             if isinstance(t, Tensor) and t.is_floating_point() and t.device.type == device_type:
+                if policy == "fp32":
+                    return t if t.dtype == torch.float64 else t.float()
                 return t.to(_autocast_dtype(device_type))
             return t
 
@@ -244,7 +251,7 @@ def _autocast(name: str) -> None:
                 return op(*args)
         return run
 
-    for device_type in _AUTOCAST_DEVICES:
+    for device_type in device_types:
         _AUTOCAST_LIB.impl(name, rule(device_type), "AutocastCUDA" if device_type == "cuda" else "AutocastCPU")
     _AUTOCAST.add(name)
 

@@ -1,0 +1,74 @@
+// Family `norm`: RMSNorm, alone and fused with the residual add that precedes it in a pre-norm
+// transformer block, forward and backward, each one pass over memory per row.
+//
+//   forward    s = x                        (rms_norm)
+//              s = x + residual             (add_rms_norm: rounded to x's dtype, as PyTorch's
+//                                            `residual + hidden` is; written to residual_out)
+//              rstd[m] = 1 / sqrt(mean_n(s[m, n]^2) + eps)                         (f32)
+//              out[m, n] = (s[m, n] * rstd[m]) * (weight[n] + offset)             (one rounding)
+//   backward   g = dout * (weight + offset),  x^ = s * rstd
+//              ds[m, n] = rstd[m] * (g - x^ * mean_n(g * x^)) + dresidual_out[m, n]
+//              dx = ds (for add_rms_norm, also the residual's gradient: returned once)
+//              dweight[n] = sum_m dout[m, n] * x^[m, n]
+//
+// offset is 0 for LLaMA's RMSNorm (weight * x^) and 1 for Gemma's ((1 + weight) * x^). Every
+// product and sum is fp32 (rstd, mean_n(g * x^), dweight's sum over rows) with one rounding at each
+// store; dweight is summed in a fixed order (per-block partials, then a reduction over them), so
+// that the same inputs give the same bits.
+//
+// Layout: x, residual, out, residual_out, dout, dresidual_out, s and dx are [rows, cols], each row
+// contiguous (inner stride 1) with its own row stride >= cols; weight, dweight [cols] and rstd [rows]
+// are contiguous. Outputs overlap no input and no other output.
+//
+// Dtypes: x (and residual, residual_out, s, dx, dresidual_out) bf16, f16 or f32; weight x's dtype
+// or f32; out (and dout) of the promotion of x's and weight's dtypes, as Hugging Face's
+// LlamaRMSNorm (`weight * x^.to(x.dtype)`) gives: x's dtype when the weight is of x's dtype, f32
+// when it is f32; rstd f32; dweight weight's dtype.
+#pragma once
+
+#include <optional>
+
+#include "fusekit/core/tensor.hpp"
+
+namespace fk {
+
+class Stream;
+
+// out's dtype for x's and weight's: the promotion of the two (x's, or f32 for an f32 weight).
+DType rms_norm_out_dtype(DType x, DType weight);
+
+struct RmsNormParams {
+  float eps = 1e-6f;
+  float offset = 0.0f;  // 0: weight * x^ (LLaMA); 1: (1 + weight) * x^ (Gemma)
+};
+
+struct RmsNormForwardArgs {
+  TensorView x;                            // [rows, cols]
+  std::optional<TensorView> residual;      // [rows, cols], x's dtype: present for add_rms_norm
+  TensorView weight;                       // [cols]
+  TensorView out;                          // [rows, cols]
+  std::optional<TensorView> residual_out;  // [rows, cols], x's dtype: s = x + residual; with residual only
+  TensorView rstd;                         // [rows], f32
+};
+
+void rms_norm_forward(const RmsNormForwardArgs& a, const RmsNormParams& p, const Stream* stream = nullptr);
+
+struct RmsNormBackwardArgs {
+  TensorView dout;                          // [rows, cols], out's dtype
+  std::optional<TensorView> dresidual_out;  // [rows, cols], s's dtype: added to ds (add_rms_norm)
+  TensorView s;                             // [rows, cols]: the normalized input (x, or residual_out)
+  TensorView weight;                        // [cols]
+  TensorView rstd;                          // [rows], f32, as the forward wrote it
+  TensorView dx;                            // [rows, cols], s's dtype: overwritten with ds
+  std::optional<TensorView> dweight;        // [cols], weight's dtype: overwritten; absent: not computed
+};
+
+void rms_norm_backward(const RmsNormBackwardArgs& a, const RmsNormParams& p, const Stream* stream = nullptr);
+
+namespace reference {
+// The spec: plain loops over the same arguments, host tensors only, double arithmetic.
+void rms_norm_forward(const RmsNormForwardArgs& a, const RmsNormParams& p);
+void rms_norm_backward(const RmsNormBackwardArgs& a, const RmsNormParams& p);
+}  // namespace reference
+
+}  // namespace fk

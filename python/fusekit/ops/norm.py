@@ -1,0 +1,170 @@
+"""norm: RMSNorm, and RMSNorm fused with the residual add in front of it, forward and backward.
+
+Dtypes as PyTorch's expressions give them: s = x + residual in the promotion of the two (as
+``residual + hidden`` is), out in the promotion of s's and the weight's dtypes (Hugging Face's
+LlamaRMSNorm: ``weight * x̂.to(x.dtype)``, so an f32 weight with bf16 x gives f32). The kernels take
+a weight of x's dtype or f32; any other is cast to f32 first (a [N] copy), its gradient cast back.
+Under CUDA autocast the ops follow torch's own rms_norm and layer_norm (autocast's fp32 list): the
+floating inputs are cast to f32 and the op runs in f32; CPU autocast leaves them as they are, as it
+leaves torch's.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from ._registry import _autocast, _autograd, _bwd, _custom_op, _d, _input, _rows, _same_device, _stream
+
+
+def _row_major(t: Tensor) -> Tensor:
+    """t as the kernels read it: rows of unit inner stride that do not overlap (a padded row stride
+    is read in place); else a contiguous copy (a transposed or expanded tensor)."""
+    t = _input(t)
+    if t.dim() >= 2 and t.numel() > 0:
+        rows = t.view(-1, t.shape[-1])
+        if rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]:
+            return t.contiguous()
+    return t
+
+
+def _kernel_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """The weight as the kernels take it: of x's dtype or f32, contiguous."""
+    if weight.dtype != dtype and weight.dtype != torch.float32:
+        weight = weight.float()
+    return weight.contiguous()
+
+
+def _out_dtype(s: torch.dtype, weight: torch.dtype) -> torch.dtype:
+    return s if weight == s else torch.float32
+
+
+def _forward(op: str, x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, offset: float):
+    if residual is not None:
+        _same_device(op, x=x, residual=residual, weight=weight)
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = _row_major(x.to(dtype)), _row_major(residual.to(dtype))
+        if residual.shape != x.shape:
+            raise _C.Error(f"fk::{op}: argument 'residual': expected shape {list(x.shape)} (x's), "
+                           f"got {list(residual.shape)}")
+    else:
+        _same_device(op, x=x, weight=weight)
+        x = _row_major(x)
+    w = _kernel_weight(weight, x.dtype)
+    out = torch.empty(x.shape, dtype=_out_dtype(x.dtype, w.dtype), device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    _C.rms_norm_forward(_d(_rows(x, op, "x")), None if residual is None else _d(_rows(residual, op, "residual")),
+                        _d(w), _d(_rows(out, op, "out")),
+                        None if residual_out is None else _d(_rows(residual_out, op, "residual_out")),
+                        _d(rstd.view(-1)), eps, offset, _stream(x))
+    return out, residual_out, rstd
+
+
+def _fake(x: Tensor, residual: Optional[Tensor], weight: Tensor):
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    wdtype = weight.dtype if weight.dtype in (dtype, torch.float32) else torch.float32
+    out = x.new_empty(x.shape, dtype=_out_dtype(dtype, wdtype))
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return out, x.new_empty(x.shape, dtype=dtype), rstd
+
+
+@_custom_op("rms_norm")
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tensor, Tensor]:
+    """(out, rstd): out = x · rstd · (weight + offset) over x's last dimension, rstd = 1 /
+    sqrt(mean(x²) + eps) in f32 (x.shape[:-1]), kept for the backward."""
+    out, _, rstd = _forward("rms_norm_forward", x, None, weight, eps, offset)
+    return out, rstd
+
+
+@rms_norm.register_fake
+def _(x, weight, eps, offset):
+    out, _, rstd = _fake(x, None, weight)
+    return out, rstd
+
+
+@_custom_op("add_rms_norm")
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                 offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, residual_out, rstd): residual_out = x + residual, out = rms_norm(residual_out), in one
+    read of x and residual."""
+    return _forward("add_rms_norm_forward", x, residual, weight, eps, offset)
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps, offset):
+    return _fake(x, residual, weight)
+
+
+@_custom_op("rms_norm_backward")
+def rms_norm_backward(dout: Tensor, dresidual_out: Optional[Tensor], s: Tensor, weight: Tensor, rstd: Tensor,
+                      offset: float, weight_grad: bool) -> tuple[Tensor, Tensor]:
+    """(ds, dweight) from the incoming gradients of out (and of residual_out, for add_rms_norm) and
+    what the forward kept: s (x, or residual_out), rstd. ds in s's dtype; dweight in weight's dtype
+    when weight_grad, else an empty tensor."""
+    op = "rms_norm_backward"
+    _same_device(op, dout=dout, dresidual_out=dresidual_out, s=s, weight=weight, rstd=rstd)
+    s = _row_major(s)
+    w = _kernel_weight(weight, s.dtype)
+    dout = _row_major(dout.to(_out_dtype(s.dtype, w.dtype)))  # autograd hands out any layout
+    if dresidual_out is not None:
+        dresidual_out = _row_major(dresidual_out.to(s.dtype))
+    dx = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+    dw = torch.empty(w.shape, dtype=w.dtype, device=s.device) if weight_grad else None
+    _C.rms_norm_backward(_d(_rows(dout, op, "dout")),
+                         None if dresidual_out is None else _d(_rows(dresidual_out, op, "dresidual_out")),
+                         _d(_rows(s, op, "s")), _d(w), _d(rstd.contiguous().view(-1)), _d(_rows(dx, op, "dx")),
+                         _d(dw), offset, _stream(s))
+    if dw is None:
+        return dx, s.new_empty(0, dtype=weight.dtype)
+    return dx, dw.to(weight.dtype)
+
+
+@rms_norm_backward.register_fake
+def _(dout, dresidual_out, s, weight, rstd, offset, weight_grad):
+    return s.new_empty(s.shape), weight.new_empty(weight.shape if weight_grad else (0,))
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _, offset = inputs
+    ctx.offset, ctx.x_dtype = offset, x.dtype
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_bwd(ctx, dout, drstd):
+    x, weight, rstd = ctx.saved_tensors
+    want_w = ctx.needs_input_grad[1]
+    dx, dw = _bwd(ctx, "rms_norm_backward", dout, None, x, weight, rstd, ctx.offset, want_w)
+    return dx, (dw if want_w else None), None, None
+
+
+_autograd("rms_norm", _rms_norm_bwd, _rms_norm_setup)
+
+
+def _add_rms_norm_setup(ctx, inputs, output):
+    x, residual, weight, _, offset = inputs
+    ctx.offset, ctx.dtypes = offset, (x.dtype, residual.dtype)
+    ctx.save_for_backward(output[1], weight, output[2])
+
+
+def _add_rms_norm_bwd(ctx, dout, dresidual_out, drstd):
+    s, weight, rstd = ctx.saved_tensors
+    want_w = ctx.needs_input_grad[2]
+    if dout is None:  # only residual_out is used downstream
+        dout = torch.zeros((), dtype=_out_dtype(s.dtype, _kernel_weight(weight, s.dtype).dtype),
+                           device=s.device).expand(s.shape)
+    ds, dw = _bwd(ctx, "rms_norm_backward", dout, dresidual_out, s, weight, rstd, ctx.offset, want_w)
+    x_dtype, r_dtype = ctx.dtypes
+    dx = ds if ctx.needs_input_grad[0] else None
+    dr = ds if ctx.needs_input_grad[1] else None
+    return (None if dx is None else dx.to(x_dtype)), (None if dr is None else dr.to(r_dtype)), \
+        (dw if want_w else None), None, None
+
+
+_autograd("add_rms_norm", _add_rms_norm_bwd, _add_rms_norm_setup)
+
+# torch's rms_norm and layer_norm are on CUDA autocast's fp32 list, and on no CPU autocast list.
+_autocast("rms_norm", policy="fp32", device_types=("cuda",))
+_autocast("add_rms_norm", policy="fp32", device_types=("cuda",))

@@ -1,0 +1,116 @@
+// Dispatch of the norm family: argument checks, then the CPU spec or the CUDA kernels.
+#include "fusekit/ops/norm.hpp"
+
+#include <cmath>
+
+#include "norm_cuda.hpp"
+#include "ops/common/op_checks.hpp"
+
+namespace fk {
+namespace {
+
+// A [rows, cols] operand: rank 2, rows of unit inner stride, a row stride of at least cols (each
+// tensor has its own row stride), non-null data unless empty.
+void check_rows(const char* op, const char* arg, const TensorView& t) {
+  FK_CHECK_ARG(t.rank() == 2, op, arg, "a rank-2 tensor", t.str());
+  const std::int64_t rows = t.size(0), cols = t.size(1);
+  FK_CHECK_ARG(t.numel() == 0 || ((cols <= 1 || t.strides()[1] == 1) && (rows <= 1 || t.strides()[0] >= cols)), op,
+               arg, "rows with inner stride 1 and a row stride >= cols", t.str());
+  FK_CHECK_ARG(t.data() != nullptr || t.numel() == 0, op, arg, "non-null data", "a null pointer");
+}
+
+// A [rows, cols] operand of the given shape, dtype and device.
+void check_rows_like(const char* op, const char* arg, const TensorView& t, const TensorView& shape_of, DType dtype) {
+  check_rows(op, arg, t);
+  checks::shape_is(op, arg, t, shape_of.shape());
+  FK_CHECK_ARG(t.dtype() == dtype, op, arg, "dtype " + std::string(dtype_name(dtype)), std::string(dtype_name(t.dtype())));
+  checks::same_device(op, arg, t, shape_of.device());
+}
+
+// A contiguous vector of n elements of the given dtype on `dev`.
+void check_vector(const char* op, const char* arg, const TensorView& t, std::int64_t n, DType dtype, Device dev) {
+  checks::tensor(op, arg, t, 1);
+  checks::shape_is(op, arg, t, Dims{n});
+  FK_CHECK_ARG(t.dtype() == dtype, op, arg, "dtype " + std::string(dtype_name(dtype)), std::string(dtype_name(t.dtype())));
+  checks::same_device(op, arg, t, dev);
+}
+
+// The weight: [cols], x's dtype or f32.
+void check_weight(const char* op, const TensorView& w, const TensorView& x) {
+  checks::tensor(op, "weight", w, 1);
+  checks::shape_is(op, "weight", w, Dims{x.size(1)});
+  checks::dtype_in(op, "weight", w, {x.dtype(), DType::f32});
+  checks::same_device(op, "weight", w, x.device());
+}
+
+void check_params(const char* op, const RmsNormParams& p) {
+  FK_CHECK_ARG(std::isfinite(p.eps) && p.eps >= 0.0f, op, "eps", "a finite eps >= 0", std::to_string(p.eps));
+  FK_CHECK_ARG(std::isfinite(p.offset), op, "offset", "a finite offset", std::to_string(p.offset));
+}
+
+}  // namespace
+
+DType rms_norm_out_dtype(DType x, DType weight) { return x == weight ? x : DType::f32; }
+
+void rms_norm_forward(const RmsNormForwardArgs& a, const RmsNormParams& p, const Stream* stream) {
+  const char* op = a.residual ? "add_rms_norm_forward" : "rms_norm_forward";
+  check_rows(op, "x", a.x);
+  checks::dtype_in(op, "x", a.x, checks::kFloatTypes);
+  const Device dev = a.x.device();
+  checks::cuda_available(op, dev);
+  checks::check_stream(op, stream, dev);
+  check_params(op, p);
+  check_weight(op, a.weight, a.x);
+  if (a.residual) check_rows_like(op, "residual", *a.residual, a.x, a.x.dtype());
+  FK_CHECK_ARG(a.residual.has_value() == a.residual_out.has_value(), op, "residual_out",
+               a.residual ? "a tensor (residual was given)" : "none (no residual was given)",
+               a.residual_out ? "a tensor" : "none");
+  if (a.residual_out) check_rows_like(op, "residual_out", *a.residual_out, a.x, a.x.dtype());
+  check_rows_like(op, "out", a.out, a.x, rms_norm_out_dtype(a.x.dtype(), a.weight.dtype()));
+  check_vector(op, "rstd", a.rstd, a.x.size(0), DType::f32, dev);
+  checks::outputs_disjoint(op, {{"out", &a.out}, {"residual_out", a.residual_out ? &*a.residual_out : nullptr},
+                                {"rstd", &a.rstd}},
+                           {{"x", &a.x}, {"residual", a.residual ? &*a.residual : nullptr}, {"weight", &a.weight}});
+  FK_CHECK_ARG(a.x.size(0) == 0 || a.x.size(1) > 0, op, "x", "rows of at least one column (the mean of none is undefined)",
+               a.x.str());
+  if (a.x.numel() == 0) return;
+  if (dev.is_cpu()) return reference::rms_norm_forward(a, p);
+#if FUSEKIT_WITH_CUDA
+  cuda::rms_norm_forward(a, p, stream);
+#else
+  (void)stream;
+#endif
+}
+
+void rms_norm_backward(const RmsNormBackwardArgs& a, const RmsNormParams& p, const Stream* stream) {
+  constexpr const char* op = "rms_norm_backward";
+  check_rows(op, "s", a.s);
+  checks::dtype_in(op, "s", a.s, checks::kFloatTypes);
+  const Device dev = a.s.device();
+  checks::cuda_available(op, dev);
+  checks::check_stream(op, stream, dev);
+  check_params(op, p);
+  check_weight(op, a.weight, a.s);
+  check_rows_like(op, "dout", a.dout, a.s, rms_norm_out_dtype(a.s.dtype(), a.weight.dtype()));
+  if (a.dresidual_out) check_rows_like(op, "dresidual_out", *a.dresidual_out, a.s, a.s.dtype());
+  check_vector(op, "rstd", a.rstd, a.s.size(0), DType::f32, dev);
+  check_rows_like(op, "dx", a.dx, a.s, a.s.dtype());
+  if (a.dweight) check_vector(op, "dweight", *a.dweight, a.s.size(1), a.weight.dtype(), dev);
+  checks::outputs_disjoint(op, {{"dx", &a.dx}, {"dweight", a.dweight ? &*a.dweight : nullptr}},
+                           {{"dout", &a.dout}, {"dresidual_out", a.dresidual_out ? &*a.dresidual_out : nullptr},
+                            {"s", &a.s}, {"weight", &a.weight}, {"rstd", &a.rstd}});
+  FK_CHECK_ARG(a.s.size(0) == 0 || a.s.size(1) > 0, op, "s", "rows of at least one column (the mean of none is undefined)",
+               a.s.str());
+  if (a.s.numel() == 0) {
+    if (a.dweight) fill(*a.dweight, 0.0);  // the sum over zero rows
+    return;
+  }
+  if (dev.is_cpu()) return reference::rms_norm_backward(a, p);
+#if FUSEKIT_WITH_CUDA
+  cuda::rms_norm_backward(a, p, stream);
+#else
+  (void)stream;
+#endif
+}
+
+}  // namespace fk
