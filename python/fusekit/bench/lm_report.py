@@ -10,7 +10,8 @@ def merge(docs: list[dict]) -> dict:
     """One document from several runs of the benchmark (split to fit a time limit): the first's
     environment, every measurement; a later (run, precision, batch) replaces an earlier one."""
     out = dict(docs[0])
-    for key, ident in (("throughput", ("run", "precision", "batch")), ("max_batch", ("run", "precision")),
+    for key, ident in (("runs", ("run", "precision")), ("throughput", ("run", "precision", "batch")),
+                       ("max_batch", ("run", "precision")),
                        ("train", ("run", "precision")), ("lora", ("run", "precision", "batch"))):
         rows: dict = {}
         for d in docs:
@@ -73,6 +74,8 @@ def table(doc: dict) -> str:
         t = trx.get((run, prec))
         vcell = f"{t['val_loss']:.4f}" if t and t.get("val_loss") is not None else (t or {}).get("status", "—")
         lines.append(f"| {run} | {prec} | " + " | ".join(cells) + f" | {mcell} | {vcell} |")
+    lines.append("\ntokens/s ratios: against eager at the same precision and batch; largest batch: N+ where "
+                 "the search stopped at its limit, else the first batch out of memory and the allocation that failed.")
     lora = doc.get("lora", [])
     if lora:
         lb = sorted({r["batch"] for r in lora})
@@ -82,4 +85,9 @@ def table(doc: dict) -> str:
         for run, prec in _runs(lora):
             lines.append(f"| {run} | {prec} | " + " | ".join(
                 cell(lby.get((run, prec, b)), lby.get(("peft", prec, b))) for b in lb) + " |")
+        lines.append("\nLoRA ratios: against PEFT eager at the same precision and batch.")
+    unavailable = [r for r in doc.get("runs", []) if r.get("status") != "ok"]
+    if unavailable:
+        lines.append("")
+        lines += [f"- {r['run']} ({r['precision']}): {r['status']}: {r.get('message', '')}" for r in unavailable]
     return "\n".join(lines)
