@@ -95,7 +95,9 @@ class Bench:
             "settings": {k: v for k, v in vars(args).items() if k not in ("out",)} | {
                 "optimizer": "torch.optim.AdamW(betas=(0.9, 0.95), weight_decay=0.1, fused on CUDA)",
                 "grad_clip": None, "lr_schedule": "linear warm-up over lr_warmup steps, cosine to 0.1 lr",
-                "compile": f"torch.compile(model, dynamic={args.dynamic})",
+                "compile": f"torch.compile(model, dynamic={args.dynamic})" + (
+                    ", input batch dimension marked dynamic (one compile for every batch size)"
+                    if args.dynamic_batch else ""),
                 "lora": "r 16, alpha 32, dropout 0, q/k/v/o/gate/up/down, adapters in the base dtype"},
             "runs": [], "train": [], "throughput": [], "max_batch": [], "lora": [],
         }
@@ -155,6 +157,8 @@ class Bench:
                                  fused=True if self.cuda else None)
 
     def step(self, prep, opt, precision: str, x: torch.Tensor) -> torch.Tensor:
+        if self.args.dynamic_batch:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
         with self.amp(precision):
             loss = prep.step_model(input_ids=x, labels=x).loss
         loss.backward()
@@ -425,8 +429,10 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--lr-warmup", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dynamic", default="auto", choices=["auto", "true", "false"],
-                    help="torch.compile's dynamic= (auto: recompile batch-dynamic at the second batch size)")
+    ap.add_argument("--dynamic", default="batch", choices=["batch", "auto", "true", "false"],
+                    help="batch: one batch-dynamic compile serves every batch size (the default); auto, true, "
+                         "false: torch.compile's dynamic=None (batch-dynamic from the second size), True, False "
+                         "(a static compile per batch size)")
     ap.add_argument("--find-max-batch", action="store_true")
     ap.add_argument("--max-batch-limit", type=int, default=1024)
     ap.add_argument("--max-batch-step", type=int, default=16)
@@ -442,7 +448,8 @@ def parse(argv=None):
     a.lora_batch_list = [int(b) for b in csv(a.lora_batches)] if a.lora_batches else a.batch_list[:1]
     a.run_list, a.lora_run_list = csv(a.runs), csv(a.lora_runs)
     a.precision_list, a.lora_precision_list = precisions(a.precision), precisions(a.lora_precision)
-    a.dynamic = {"auto": None, "true": True, "false": False}[a.dynamic]
+    a.dynamic_batch = a.dynamic == "batch"
+    a.dynamic = {"batch": None, "auto": None, "true": True, "false": False}[a.dynamic]
     for name, got, allowed in (("--runs", a.run_list, RUNS), ("--lora-runs", a.lora_run_list, LORA_RUNS),
                                ("--precision", a.precision_list + a.lora_precision_list, ["autocast", "bf16"])):
         bad = [x for x in got if x not in allowed]
