@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("transformers", reason="the LM benchmark builds its model with transformers")
 pytest.importorskip("tokenizers", reason="the LM benchmark trains its tokenizer with tokenizers")
 
-from fusekit.bench import lm, lm_report  # noqa: E402
-from fusekit.bench.lm_data import Batches, Corpus, parse_limit  # noqa: E402
+from fusekit.bench import lm, lm_report
+from fusekit.bench.lm_data import Batches, Corpus, parse_limit
 
 
 def test_parse_limit():

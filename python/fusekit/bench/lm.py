@@ -48,8 +48,8 @@ import fusekit
 
 from . import lm_report
 from .lm_data import Batches, Corpus
-from .lm_runs import (DEFAULTS, LORA_RUNS, RUNS, RunUnavailable, llama_config, param_count, prepare,
-                      prepare_lora, versions)
+from .lm_runs import (DEFAULTS, LORA_RUNS, RUNS, RunUnavailable, llama_config, param_count, prepare, prepare_lora,
+                      versions)
 
 SCHEMA = "fusekit-bench-lm/1"
 

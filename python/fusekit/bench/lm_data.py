@@ -18,7 +18,6 @@ the vocabulary size and the limit, so a second run on the same machine trains no
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import sysconfig

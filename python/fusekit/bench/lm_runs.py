@@ -18,16 +18,16 @@ import torch
 from torch import nn
 
 CONFIGS = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, context=64, vocab_size=512),
-    "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=12, context=1024, vocab_size=32000),
-    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20, num_attention_heads=32,
-               num_key_value_heads=8, context=2048, vocab_size=32000),
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "context": 64, "vocab_size": 512},
+    "small": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+              "num_key_value_heads": 12, "context": 1024, "vocab_size": 32000},
+    "1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 20, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "context": 2048, "vocab_size": 32000},
 }
 # What each config measures unless told: batches, training batch (about 16k tokens a step).
-DEFAULTS = {"tiny": dict(batches="2", train_batch=2), "small": dict(batches="64,128", train_batch=16),
-            "1b": dict(batches="8,16", train_batch=8)}
+DEFAULTS = {"tiny": {"batches": "2", "train_batch": 2}, "small": {"batches": "64,128", "train_batch": 16},
+            "1b": {"batches": "8,16", "train_batch": 8}}
 RUNS = ["eager", "compile", "liger", "liger_compile", "checkpoint", "fusekit", "fusekit_compile"]
 LORA_RUNS = ["fusekit", "fusekit_compile", "peft", "peft_compile"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
