@@ -56,3 +56,19 @@ def test_tiny_cpu_run_writes_the_json(tmp_path):
         assert r["step0_loss"] == pytest.approx(train[("eager", p)]["step0_loss"], rel=1e-3)
     table = lm_report.table(on_disk)
     assert "| checkpoint | bf16 |" in table and "val loss" in table
+
+
+def test_tiny_cpu_lora_section(tmp_path):
+    pytest.importorskip("peft", reason="the LoRA section compares with PEFT")
+    doc = lm.main(["--config", "tiny", "--device", "cpu", "--corpus-limit", "40", "--cache", str(tmp_path / "cache"),
+                   "--out", str(tmp_path / "lm.json"), "--runs", "", "--lora", "--lora-runs", "fusekit,peft",
+                   "--lora-precision", "bf16", "--lora-batches", "2", "--warmup", "1", "--steps", "1"])
+    rows = {r["run"]: r for r in doc["lora"]}
+    assert set(rows) == {"fusekit", "peft"} and not doc["throughput"] and not doc["train"]
+    for r in rows.values():
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0
+    # r (in + out) per projection, r 16, 2 blocks: q, o 64 -> 64; k, v 64 -> 32; gate, up 64 -> 128; down 128 -> 64
+    per_block = 2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128)
+    assert rows["fusekit"]["trainable_params"] == rows["peft"]["trainable_params"] == 2 * 16 * per_block
+    # B = 0 in both: the first step's loss is the frozen model's
+    assert rows["fusekit"]["first_loss"] == pytest.approx(rows["peft"]["first_loss"], rel=1e-3)
