@@ -1,0 +1,74 @@
+"""The language-model benchmark (python -m fusekit.bench.lm) end to end on the CPU: a tiny LLaMA,
+a few stdlib files, eager and checkpointed runs for two steps, and the JSON it writes."""
+import json
+
+import pytest
+
+pytest.importorskip("transformers", reason="the LM benchmark builds its model with transformers")
+pytest.importorskip("tokenizers", reason="the LM benchmark trains its tokenizer with tokenizers")
+
+from fusekit.bench import lm, lm_report
+from fusekit.bench.lm_data import Batches, Corpus, parse_limit
+
+
+def test_parse_limit():
+    assert parse_limit(None) is None
+    assert parse_limit("300") == ("files", 300)
+    assert parse_limit("2MB") == ("bytes", 2 << 20)
+    with pytest.raises(ValueError, match="corpus-limit"):
+        parse_limit("lots")
+
+
+def test_corpus_is_cached_and_batches_are_seeded(tmp_path):
+    a = Corpus(str(tmp_path), vocab=300, limit="20", log=lambda m: None)
+    b = Corpus(str(tmp_path), vocab=300, limit="20", log=lambda m: None)
+    assert not a.cached and b.cached
+    assert a.info["val_files"] == 1 and a.info["train_files"] == 19
+    assert bool((a.train_tokens == b.train_tokens).all())
+    x, y = Batches(a.train_tokens, 16, seed=3), Batches(b.train_tokens, 16, seed=3)
+    assert bool((x.get(5, 4, "cpu") == y.get(5, 4, "cpu")).all())
+    assert x.indices(0, x.n) != list(range(x.n))  # shuffled
+    assert sorted(x.indices(0, x.n)) == list(range(x.n))  # a permutation per pass
+
+
+def test_tiny_cpu_run_writes_the_json(tmp_path):
+    out = tmp_path / "lm.json"
+    doc = lm.main(["--config", "tiny", "--device", "cpu", "--corpus-limit", "40", "--cache", str(tmp_path / "cache"),
+                   "--out", str(out), "--runs", "eager,checkpoint,liger", "--precision", "both", "--batches", "2",
+                   "--warmup", "1", "--steps", "2", "--train-steps", "2", "--log-every", "1", "--val-batches", "1"])
+    on_disk = json.loads(out.read_text())
+    assert on_disk["schema"] == lm.SCHEMA == doc["schema"]
+    env, cfg = on_disk["environment"], on_disk["config"]
+    assert env["device"] == "cpu" and env["versions"]["torch"] and "fusekit" in env
+    assert cfg["name"] == "tiny" and cfg["params"] > 0 and cfg["context"] == 64
+    assert on_disk["data"]["files"] == 40 and on_disk["data"]["train_tokens"] > 0
+    runs = {(r["run"], r["precision"]): r for r in on_disk["runs"]}
+    assert runs[("liger", "bf16")]["status"] == "unavailable" and "cpu" in runs[("liger", "bf16")]["message"]
+    thr = {(r["run"], r["precision"], r["batch"]): r for r in on_disk["throughput"]}
+    assert set(thr) == {(run, p, 2) for run in ("eager", "checkpoint") for p in ("autocast", "bf16")}
+    for r in thr.values():
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["peak_bytes"] is None
+    train = {(r["run"], r["precision"]): r for r in on_disk["train"]}
+    assert len(train) == 4
+    for (run, p), r in train.items():
+        assert r["status"] == "ok" and [c[0] for c in r["curve"]] == [1, 2] and r["val_loss"] > 0
+        # checkpointing recomputes the same function: the same losses as eager
+        assert r["step0_loss"] == pytest.approx(train[("eager", p)]["step0_loss"], rel=1e-3)
+    table = lm_report.table(on_disk)
+    assert "| checkpoint | bf16 |" in table and "val loss" in table
+
+
+def test_tiny_cpu_lora_section(tmp_path):
+    pytest.importorskip("peft", reason="the LoRA section compares with PEFT")
+    doc = lm.main(["--config", "tiny", "--device", "cpu", "--corpus-limit", "40", "--cache", str(tmp_path / "cache"),
+                   "--out", str(tmp_path / "lm.json"), "--runs", "", "--lora", "--lora-runs", "fusekit,peft",
+                   "--lora-precision", "bf16", "--lora-batches", "2", "--warmup", "1", "--steps", "1"])
+    rows = {r["run"]: r for r in doc["lora"]}
+    assert set(rows) == {"fusekit", "peft"} and not doc["throughput"] and not doc["train"]
+    for r in rows.values():
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0
+    # r (in + out) per projection, r 16, 2 blocks: q, o 64 -> 64; k, v 64 -> 32; gate, up 64 -> 128; down 128 -> 64
+    per_block = 2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128)
+    assert rows["fusekit"]["trainable_params"] == rows["peft"]["trainable_params"] == 2 * 16 * per_block
+    # B = 0 in both: the first step's loss is the frozen model's
+    assert rows["fusekit"]["first_loss"] == pytest.approx(rows["peft"]["first_loss"], rel=1e-3)
