@@ -218,18 +218,27 @@ def _autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
-def _autocast(name: str) -> None:
+def _autocast(name: str, keep_f32: tuple = ()) -> None:
     """Op `name` under torch.autocast runs in autocast's dtype, as torch's matmuls do (autocast's
     lower-precision list): its floating tensor arguments on autocast's device are cast to
     torch.get_autocast_dtype(device) (a cast autograd records, so gradients reach f32 parameters
     in f32), then the op runs with autocast off. A rule on the dispatcher's Autocast keys, so that
-    torch.compile and every other path through torch.ops.fusekit.<name> see it too."""
+    torch.compile and every other path through torch.ops.fusekit.<name> see it too. `keep_f32`
+    names arguments that stay f32 when they are (the kernel reads them in f32, as rope's cos and
+    sin tables); their other floating dtypes are cast as the rest."""
     global _AUTOCAST_LIB
     if _AUTOCAST_LIB is None:
         _AUTOCAST_LIB = torch.library.Library(_LIB, "IMPL")
     op, positions = getattr(torch.ops.fusekit, name).default, _TENSOR_ARGS[name]
+    params = list(inspect.signature(_IMPL[name]).parameters)
+    kept = frozenset(params.index(a) for a in keep_f32)
 
     def rule(device_type: str):
+        def cast_arg(i, t):
+            if i in kept and isinstance(t, Tensor) and t.dtype == torch.float32:
+                return t
+            return cast(t)
+
         def cast(t):
             if isinstance(t, Tensor) and t.is_floating_point() and t.device.type == device_type:
                 return t.to(_autocast_dtype(device_type))
@@ -239,7 +248,7 @@ def _autocast(name: str) -> None:
             args = list(args)
             for i in positions:
                 a = args[i]
-                args[i] = [cast(t) for t in a] if type(a) is list else cast(a)
+                args[i] = [cast(t) for t in a] if type(a) is list else cast_arg(i, a)
             with torch.autocast(device_type, enabled=False):
                 return op(*args)
         return run
