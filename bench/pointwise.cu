@@ -2,6 +2,11 @@
 // same math as eager PyTorch runs it, one kernel per operation:
 //   forward   t1 = alpha * r;  t2 = x + t1;  t3 = t2 + b;  y = act(t3)          (4 kernels)
 //   backward  dz = act_backward(dy, y);  dr = alpha * dz;  db = dz.sum(0)       (3 kernels + fold)
+// Rotary position embedding against Hugging Face's expression as eager PyTorch runs it, per tensor:
+//   forward   t1 = x * cos;  t2 = -x[..., D/2:];  t3 = cat(t2, x[..., :D/2]);  t4 = t3 * sin;  y = t1 + t4
+//   backward  t1 = g * cos;  t3 = g * sin;  t2 = -t3[..., :D/2];  t4 = cat(t3[..., D/2:], t2);  dx = t1 + t4
+// (5 kernels for q and 5 for k; autograd's own backward of the expression launches more: the
+// slices' backward fills zeros and copies).
 // The separate kernels are written as well as such kernels can be (16-byte accesses, a grid
 // sized to the GPU), so that the comparison measures fusion, not a weak baseline.
 #include <cuda_bf16.h>
@@ -261,6 +266,139 @@ void pointwise_cases(Context& ctx) {
 }
 
 FK_BENCH_CASE("pointwise", "add_mul_act", pointwise_cases);
+
+// ---- rope -----------------------------------------------------------------------------------
+
+// The eager kernels of the rope baseline over contiguous x [rows = B*H*T, D] and a [B, T, D]
+// table (V elements never straddle a row or a half: D/2 % V == 0).
+template <class T, int V>
+struct MulTableOp {  // out = a * table[b, t, :] broadcast over heads
+  const T* a; const T* table; T* out; std::int64_t dim, seq, heads;
+  __device__ void operator()(std::int64_t i) const {
+    const std::int64_t row = i / dim, d = i - row * dim;
+    const std::int64_t t = row % seq, b = row / (seq * heads);
+    const Vec<T, V> va = load_vec<T, V>(a + i), vt = load_vec<T, V>(table + (b * seq + t) * dim + d);
+    Vec<T, V> o;
+    for (int j = 0; j < V; ++j) o.set(j, va.get(j) * vt.get(j));
+    store_vec<T, V>(out + i, o);
+  }
+};
+
+template <class T, int V>
+struct NegHalfOp {  // out [rows, D/2] = -a[:, first ? :D/2 : D/2:]
+  const T* a; T* out; std::int64_t half; bool first;
+  __device__ void operator()(std::int64_t i) const {
+    const std::int64_t row = i / half, j = i - row * half;
+    const Vec<T, V> va = load_vec<T, V>(a + row * 2 * half + (first ? 0 : half) + j);
+    Vec<T, V> o;
+    for (int k = 0; k < V; ++k) o.set(k, -va.get(k));
+    store_vec<T, V>(out + i, o);
+  }
+};
+
+template <class T, int V>
+struct CatHalvesOp {  // out [rows, D] = cat(l, r): halves [rows, D/2] read with row strides ls, rs
+  const T* l; std::int64_t ls; const T* r; std::int64_t rs; T* out; std::int64_t half;
+  __device__ void operator()(std::int64_t i) const {
+    const std::int64_t row = i / (2 * half), d = i - row * 2 * half;
+    const Vec<T, V> v = d < half ? load_vec<T, V>(l + row * ls + d) : load_vec<T, V>(r + row * rs + d - half);
+    store_vec<T, V>(out + i, v);
+  }
+};
+
+struct RopeShape {
+  std::int64_t batch, q_heads, k_heads, seq, dim;
+};
+
+struct RopeSet {
+  Tensor q, k, q_out, k_out;
+};
+
+template <class H>
+void rope_case(Context& ctx, RopeShape sh, bool backward) {
+  using T = typename cuda_type<H>::type;
+  const DType dt = dtype_v<H>;
+  const std::string name = std::string(backward ? "rope_bwd/" : "rope/") + std::string(dtype_name(dt)) + "_B" +
+                           std::to_string(sh.batch) + "_Hq" + std::to_string(sh.q_heads) + "_Hk" +
+                           std::to_string(sh.k_heads) + "_T" + std::to_string(sh.seq) + "_D" + std::to_string(sh.dim);
+  if (!ctx.selected("pointwise", name)) return;
+  const Dims qs{sh.batch, sh.q_heads, sh.seq, sh.dim}, ks{sh.batch, sh.k_heads, sh.seq, sh.dim};
+  const std::size_t es = dtype_size(dt);
+  const std::size_t qk_bytes = static_cast<std::size_t>(qs.numel() + ks.numel()) * es;
+  const std::size_t table_bytes = 2 * static_cast<std::size_t>(sh.batch * sh.seq * sh.dim) * es;
+  const int rot = ctx.rotations_for(2 * qk_bytes + table_bytes);
+  std::vector<RopeSet> sets;
+  for (int i = 0; i < rot; ++i)
+    sets.push_back({ctx.random(qs, dt, -2.f, 2.f), ctx.random(ks, dt, -2.f, 2.f), ctx.empty(qs, dt), ctx.empty(ks, dt)});
+  // One pair of tables for every run, as one rotary embedding serves every layer of a model.
+  const Tensor cos = ctx.random({sh.batch, sh.seq, sh.dim}, dt, -1.f, 1.f);
+  const Tensor sin = ctx.random({sh.batch, sh.seq, sh.dim}, dt, -1.f, 1.f);
+  const Tensor eager_q = ctx.empty(qs, dt), eager_k = ctx.empty(ks, dt);
+  const Tensor t1 = ctx.empty(qs, dt), t3 = ctx.empty(qs, dt), t4 = ctx.empty(qs, dt);
+  const Tensor t2 = ctx.empty({qs.numel() / 2}, dt);
+  constexpr int V = 16 / sizeof(T);
+  const std::int64_t half = sh.dim / 2;
+  auto eager_one = [&](const Tensor& x, const Tensor& out, std::int64_t heads) {
+    const std::int64_t n = sh.batch * heads * sh.seq * sh.dim;
+    const T* c = cos.data_as<T>();
+    const T* sn = sin.data_as<T>();
+    T* o1 = t1.data_as<T>();
+    T* o2 = t2.data_as<T>();
+    T* o3 = t3.data_as<T>();
+    T* o4 = t4.data_as<T>();
+    const T* xs = x.data_as<T>();
+    if (!backward) {
+      launch_map<T>(MulTableOp<T, V>{xs, c, o1, sh.dim, sh.seq, heads}, n, ctx.stream());
+      launch_map<T>(NegHalfOp<T, V>{xs, o2, half, false}, n / 2, ctx.stream());
+      launch_map<T>(CatHalvesOp<T, V>{o2, half, xs, sh.dim, o3, half}, n, ctx.stream());
+      launch_map<T>(MulTableOp<T, V>{o3, sn, o4, sh.dim, sh.seq, heads}, n, ctx.stream());
+    } else {
+      launch_map<T>(MulTableOp<T, V>{xs, c, o1, sh.dim, sh.seq, heads}, n, ctx.stream());
+      launch_map<T>(MulTableOp<T, V>{xs, sn, o3, sh.dim, sh.seq, heads}, n, ctx.stream());
+      launch_map<T>(NegHalfOp<T, V>{o3, o2, half, true}, n / 2, ctx.stream());
+      launch_map<T>(CatHalvesOp<T, V>{o3 + half, sh.dim, o2, half, o4, half}, n, ctx.stream());
+    }
+    launch_map<T>(AddOp<T, V>{o1, o4, out.data_as<T>()}, n, ctx.stream());
+  };
+  auto eager = [&](const RopeSet& s) {
+    eager_one(s.q, eager_q, sh.q_heads);
+    eager_one(s.k, eager_k, sh.k_heads);
+  };
+  auto fused = [&](const RopeSet& s) {
+    const RopeArgs a{s.q, s.k, cos, sin, s.q_out, s.k_out};
+    backward ? rope_backward(a, &ctx.fk_stream()) : rope_forward(a, &ctx.fk_stream());
+  };
+  eager(sets[0]);
+  fused(sets[0]);
+  const double err = std::max(ctx.rel_err(sets[0].q_out, eager_q), ctx.rel_err(sets[0].k_out, eager_k));
+  // The eager path rounds after every op, the fused one once.
+  require_close(name, err, dt == DType::f32 ? 1e-6 : 2e-2);
+
+  const double bytes = 2.0 * static_cast<double>(qk_bytes) + static_cast<double>(table_bytes);
+  const std::string baseline = "eager_5_kernels_x2";
+  Record fr{"pointwise", name, "fused", baseline};
+  fr.median_us = ctx.time_us([&](int i) { fused(sets[static_cast<std::size_t>(i)]); }, rot);
+  fr.gbps = bytes / (fr.median_us * 1e3);
+  fr.rel_err = err;
+  Record er{"pointwise", name, baseline, baseline};
+  er.median_us = ctx.time_us([&](int i) { eager(sets[static_cast<std::size_t>(i)]); }, rot);
+  er.gbps = bytes / (er.median_us * 1e3);
+  ctx.add(fr);
+  ctx.add(er);
+}
+
+void rope_cases(Context& ctx) {
+  // The issue's LLaMA (width 768, 12 heads of 64) at batch 16 x 1024 tokens; a 1B LLaMA (32 q heads,
+  // 8 kv heads of 64) at 4 x 2048; an 8B-like head dimension of 128.
+  for (bool backward : {false, true}) {
+    rope_case<bf16>(ctx, {16, 12, 12, 1024, 64}, backward);
+    rope_case<bf16>(ctx, {4, 32, 8, 2048, 64}, backward);
+    rope_case<bf16>(ctx, {2, 32, 8, 2048, 128}, backward);
+  }
+  rope_case<float>(ctx, {4, 32, 8, 2048, 64}, false);
+}
+
+FK_BENCH_CASE("pointwise", "rope", rope_cases);
 
 }  // namespace
 }  // namespace fk::bench

@@ -29,6 +29,10 @@ if _torch is not None:
                              outer, pack, relu_packed, row_sum, sigmoid_bce, softmax, unpack,
                              weight_grad_from_packed)
     from .functional import add_rms_norm, rms_norm  # noqa: F401
+
+
+
+    from .functional import apply_rotary_pos_emb, rope  # noqa: F401
     from . import nn  # noqa: F401,E402  (fusekit.nn after `import fusekit`, as torch.nn after `import torch`)
     from .patch import patch, patch_llama, unpatch  # noqa: F401,E402
 

@@ -223,3 +223,71 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: Optional[floa
         eps = torch.finfo(torch.promote_types(x.dtype, residual.dtype)).eps
     out, residual_out, _ = ops.call("add_rms_norm", x, residual, weight, float(eps), float(offset))
     return out, residual_out
+
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(q cos + rotate_half(q) sin, k cos + rotate_half(k) sin) in one pass over q and k (see
+    fusekit.ops.rope): q [B, Hq, T, D], k [B, Hk, T, D], cos and sin [T, D], [1, T, D] or [B, T, D]."""
+    return ops.call("rope", q, k, cos, sin)
+
+
+_ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_fits(q, k, cos, sin, head_axis: int) -> bool:
+    """Whether fusekit's rope computes apply_rotary_pos_emb for these arguments: q and k of rank 4
+    with heads on head_axis (1 or 2) and the sequence on the other, cos and sin [B or 1, T, D] that
+    need no gradient, D even, one dtype for q and k and one for cos and sin (f32, bf16, f16), one
+    device."""
+    if not all(type(t) in (Tensor, torch.nn.Parameter) for t in (q, k, cos, sin)):
+        return False  # a subclass keeps its own rules through the torch expression
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
+        return False
+    seq_axis = 3 - head_axis
+    d = q.shape[-1]
+    if d % 2 or d == 0 or k.shape[-1] != d or cos.shape[-1] != d:
+        return False
+    if k.shape[0] != q.shape[0] or cos.shape[0] not in (1, q.shape[0]):
+        return False
+    if not (q.shape[seq_axis] == k.shape[seq_axis] == cos.shape[1]):
+        return False
+    if q.dtype != k.dtype or q.dtype not in _ROPE_DTYPES or cos.dtype != sin.dtype or cos.dtype not in _ROPE_DTYPES:
+        return False
+    if not (q.device == k.device == cos.device == sin.device):
+        return False
+    return not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+
+
+def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids=None, unsqueeze_dim: int = 1):
+    """Hugging Face's apply_rotary_pos_emb (LLaMA and the models that copy it), with its signature, as
+    one fused pass over q and k: q * cos + rotate_half(q) * sin, and the same for k, with cos and
+    sin [B, T, D] unsqueezed at unsqueeze_dim (1: q, k [B, H, T, D]; 2: [B, T, H, D]).
+    position_ids is ignored, as by Hugging Face (older releases had it in the signature; newer ones
+    pass unsqueeze_dim fifth, which is taken as such when it is an int). Grouped-query k, any
+    strides; outputs laid out as q and k. Dtype as Hugging Face's (q's and cos's promoted) outside
+    autocast; under autocast q's autocast dtype, where Hugging Face gives f32 for f32 tables (the
+    values SDPA reads after its autocast cast are the same). Arguments the kernel cannot take
+    (cos or sin needing a gradient, other ranks or dtypes, an odd D) run as Hugging Face's torch
+    expression."""
+    if isinstance(position_ids, int) and not isinstance(position_ids, bool):
+        unsqueeze_dim = position_ids
+    head_axis = unsqueeze_dim % 4 if isinstance(cos, Tensor) and cos.dim() == 3 and -4 <= unsqueeze_dim <= 3 else 0
+    if head_axis in (1, 2) and _rope_fits(q, k, cos, sin, head_axis):
+        if not ops._registry._autocast_enabled(q.device.type):
+            dtype = torch.promote_types(q.dtype, cos.dtype)
+            if dtype != q.dtype:
+                q, k = q.to(dtype), k.to(dtype)
+            if cos.dtype not in (dtype, torch.float32):
+                cos, sin = cos.to(dtype), sin.to(dtype)
+        if head_axis == 2:
+            q_out, k_out = ops.call("rope", q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            return q_out.transpose(1, 2), k_out.transpose(1, 2)
+        return ops.call("rope", q, k, cos, sin)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,5 +1,6 @@
-// The pointwise family's bindings: bias + scaled residual + activation, forward and backward, and the
-// conversion between floating dtypes.
+// The pointwise family's bindings: bias + scaled residual + activation, forward and backward, rotary
+// position embedding (rope_forward / rope_backward as one function with a flag), and the conversion
+// between floating dtypes.
 #include <nanobind/stl/string.h>
 
 #include <string>
@@ -34,6 +35,17 @@ void bind_pointwise(nb::module_& m) {
       },
       "dy"_a, "saved"_a, "saved_is_preact"_a, "dx"_a, "dr"_a.none(), "dbias"_a.none(), "act"_a, "alpha"_a,
       "stream"_a, kNoGil);
+  m.def(
+      "rope",
+      [](const Array& q, const Array& k, const Array& cos, const Array& sin, const Array& q_out, const Array& k_out,
+         bool backward, std::uintptr_t stream) {
+        const char* op = backward ? "rope_backward" : "rope_forward";
+        const RopeArgs a{view(q, op, "q"),        view(k, op, "k"),         view(cos, op, "cos"),
+                         view(sin, op, "sin"),    view(q_out, op, "q_out"), view(k_out, op, "k_out")};
+        const StreamArg s(stream, a.q);
+        backward ? rope_backward(a, s.get()) : rope_forward(a, s.get());
+      },
+      "q"_a, "k"_a, "cos"_a, "sin"_a, "q_out"_a, "k_out"_a, "backward"_a, "stream"_a, kNoGil);
   m.def(
       "convert",
       [](const Array& src, const Array& dst, std::uintptr_t stream) {

@@ -596,5 +596,245 @@ TEST(ConvertGpu, MatchesSpecOnPaddedRows) {
       }
 }
 
+// ---- rope -----------------------------------------------------------------------------------
+
+// q = [1, 2, 3, 4] at one position, halves (1, 2) and (3, 4); cos and sin with unequal halves, so
+// that using the wrong half shows:
+//   forward   y1 = x1 c1 - x2 s1 = (1 - 1.5, 1 - 4) = (-0.5, -3)
+//             y2 = x2 c2 + x1 s2 = (6 - 1, 1 + 4)   = (5, 5)
+//   backward  dx1 = dy1 c1 + dy2 s2 = (1 - 3, 1 + 8)  = (-2, 9)
+//             dx2 = dy2 c2 - dy1 s1 = (6 - 0.5, 1 - 2) = (5.5, -1)
+TEST(RopeSpec, ForwardAndBackwardByHand) {
+  const float x[] = {1, 2, 3, 4}, cos[] = {1, 0.5f, 2, 0.25f}, sin[] = {0.5f, 1, -1, 2};
+  const float kx[] = {-2, 0, 0, 1};  // k: y1 = (-2 - 0, 0 - 1), y2 = (0 + 2, 0.25 + 0)
+  float y[4], ky[4];
+  const RopeArgs fwd{host_view(x, {1, 1, 1, 4}), host_view(kx, {1, 1, 1, 4}), host_view(cos, {1, 4}),
+                     host_view(sin, {1, 4}), host_view(y, {1, 1, 1, 4}), host_view(ky, {1, 1, 1, 4})};
+  rope_forward(fwd);
+  EXPECT_EQ(std::vector<float>(y, y + 4), (std::vector<float>{-0.5f, -3, 5, 5}));
+  EXPECT_EQ(std::vector<float>(ky, ky + 4), (std::vector<float>{-2, -1, 2, 0.25f}));
+  rope_backward(fwd);
+  EXPECT_EQ(std::vector<float>(y, y + 4), (std::vector<float>{-2, 9, 5.5f, -1}));
+}
+
+TEST(RopeSpec, IsARotationWhenTheHalvesAreEqual) {
+  // D = 2, angle 0.3: forward is the rotation by 0.3, backward by -0.3; in place, backward(forward(x)) = x.
+  const double c = std::cos(0.3), s = std::sin(0.3);
+  const float cos[] = {float(c), float(c)}, sin[] = {float(s), float(s)};
+  float q[] = {0.6f, -0.8f}, k[] = {2, 1};
+  const RopeArgs a{host_view(q, {1, 1, 1, 2}), host_view(k, {1, 1, 1, 2}), host_view(cos, {1, 1, 2}),
+                   host_view(sin, {1, 1, 2}), host_view(q, {1, 1, 1, 2}), host_view(k, {1, 1, 1, 2})};
+  rope_forward(a);
+  EXPECT_NEAR(q[0], 0.6 * c + 0.8 * s, 1e-7);
+  EXPECT_NEAR(q[1], -0.8 * c + 0.6 * s, 1e-7);
+  rope_backward(a);
+  EXPECT_NEAR(q[0], 0.6f, 1e-6);
+  EXPECT_NEAR(q[1], -0.8f, 1e-6);
+  EXPECT_NEAR(k[0], 2, 1e-6);
+  EXPECT_NEAR(k[1], 1, 1e-6);
+}
+
+// A rope operand [B, H, T, D] in one of the layouts a caller hands over, in a buffer of its own
+// whose elements outside the view hold random values (so that a stray write shows).
+enum class RopeLayout { contiguous, bthd, padded, misaligned };
+
+struct RopeOperand {
+  Tensor buffer;  // flat, on the host
+  TensorView view;
+
+  RopeOperand(Dims shape, RopeLayout layout, DType dt, std::uint64_t seed, float lo = -3, float hi = 3) {
+    const std::int64_t B = shape[0], H = shape[1], T = shape[2], D = shape[3];
+    Dims strides = contiguous_strides(shape);
+    std::int64_t size = shape.numel(), offset = 0;
+    switch (layout) {
+      case RopeLayout::contiguous: break;
+      case RopeLayout::bthd: strides = Dims{T * H * D, D, H * D, 1}; break;  // Hugging Face's q.transpose(1, 2)
+      case RopeLayout::padded: {
+        const std::int64_t ld = D + 6, head = T * ld + 4;
+        strides = Dims{H * head + 2, head, ld, 1};
+        size = B * strides[0];
+        break;
+      }
+      case RopeLayout::misaligned: offset = 1; size += 1; break;
+    }
+    buffer = test::random_tensor({std::max<std::int64_t>(size, 1)}, dt, kCpu, seed, lo, hi);
+    view = TensorView(static_cast<char*>(buffer.data()) + offset * dtype_size(dt), dt, shape, strides, kCpu);
+  }
+  // The same operand on `device`: buffer copied, view at the same offset and strides.
+  std::pair<Tensor, TensorView> on(Device device) const {
+    Tensor b = buffer.copy_to(device);
+    const std::ptrdiff_t offset = static_cast<const char*>(view.data()) - static_cast<const char*>(buffer.data());
+    TensorView v(static_cast<char*>(b.data()) + offset, view.dtype(), view.shape(), view.strides(), device);
+    return {std::move(b), v};
+  }
+};
+
+TEST(RopeSpec, BackwardIsTheAdjointOfForward) {
+  // <forward(x), g> = <x, backward(g)> for any cos and sin (halves unequal), q in HF's transposed
+  // layout, k padded, GQA (3 q heads, 2 k heads), [B, T, D] tables.
+  const std::int64_t B = 2, Hq = 3, Hk = 2, T = 5, D = 6;
+  RopeOperand q({B, Hq, T, D}, RopeLayout::bthd, DType::f32, 1), k({B, Hk, T, D}, RopeLayout::padded, DType::f32, 2);
+  RopeOperand gq({B, Hq, T, D}, RopeLayout::contiguous, DType::f32, 3), gk({B, Hk, T, D}, RopeLayout::bthd, DType::f32, 4);
+  const Tensor cos = test::random_tensor({B, T, D}, DType::f32, kCpu, 5), sin = test::random_tensor({B, T, D}, DType::f32, kCpu, 6);
+  RopeOperand yq({B, Hq, T, D}, RopeLayout::padded, DType::f32, 7), yk({B, Hk, T, D}, RopeLayout::contiguous, DType::f32, 8);
+  RopeOperand dq({B, Hq, T, D}, RopeLayout::bthd, DType::f32, 9), dk({B, Hk, T, D}, RopeLayout::padded, DType::f32, 10);
+  rope_forward({q.view, k.view, cos, sin, yq.view, yk.view});
+  rope_backward({gq.view, gk.view, cos, sin, dq.view, dk.view});
+  const auto dot = [](const TensorView& a, const TensorView& b) {
+    double sum = 0;
+    for (std::int64_t i0 = 0; i0 < a.size(0); ++i0)
+      for (std::int64_t i1 = 0; i1 < a.size(1); ++i1)
+        for (std::int64_t i2 = 0; i2 < a.size(2); ++i2)
+          for (std::int64_t i3 = 0; i3 < a.size(3); ++i3) {
+            const auto at = [&](const TensorView& t) {
+              return i0 * t.strides()[0] + i1 * t.strides()[1] + i2 * t.strides()[2] + i3;
+            };
+            sum += double(a.data_as<float>()[at(a)]) * b.data_as<float>()[at(b)];
+          }
+    return sum;
+  };
+  const double lhs = dot(yq.view, gq.view) + dot(yk.view, gk.view), rhs = dot(q.view, dq.view) + dot(k.view, dk.view);
+  EXPECT_NEAR(lhs, rhs, 1e-4 * (1 + std::abs(lhs)));
+}
+
+void expect_rope_error(const RopeArgs& a, const std::string& arg) {
+  test::expect_arg_error([&] { rope_forward(a); }, "rope_forward", arg);
+}
+
+TEST(RopeErrors, EachBadInputNamesItsArgument) {
+  const auto t = [](Dims shape, DType dt = DType::bf16) { return Tensor::empty(shape, dt, kCpu); };
+  Tensor q = t({2, 4, 8, 16}), k = t({2, 2, 8, 16}), cos = t({8, 16}), sin = t({8, 16}), qo = t({2, 4, 8, 16}),
+         ko = t({2, 2, 8, 16});
+  const RopeArgs good{q, k, cos, sin, qo, ko};
+  EXPECT_NO_THROW(rope_forward(good));
+  const auto with = [&](auto change) {
+    RopeArgs a = good;
+    change(a);
+    return a;
+  };
+  Tensor odd = t({2, 4, 8, 15}), k_odd_t = t({2, 2, 7, 16}), k_f32 = t({2, 2, 8, 16}, DType::f32);
+  Tensor cos16 = t({8, 16}, DType::f16), cos32 = t({8, 16}, DType::f32), cos_b3 = t({3, 8, 16}), cos_t = t({9, 16});
+  Tensor cos4 = t({1, 1, 8, 16}), qi = t({2, 4, 8, 16}, DType::i32), qo32 = t({2, 4, 8, 16}, DType::f32);
+  Tensor wide = t({2, 4, 8, 32});
+  expect_rope_error(with([&](RopeArgs& a) { a.q = odd; a.q_out = odd; }), "q");           // odd D
+  expect_rope_error(with([&](RopeArgs& a) { a.q = qi; }), "q");                            // dtype
+  expect_rope_error(with([&](RopeArgs& a) {                                                // last stride 2
+    a.q = TensorView(wide.data(), DType::bf16, {2, 4, 8, 16}, {1024, 256, 32, 2}, kCpu);
+  }), "q");
+  expect_rope_error(with([&](RopeArgs& a) {                                                // negative stride
+    a.q = TensorView(q.data(), DType::bf16, {2, 4, 8, 16}, {512, -128, 16, 1}, kCpu);
+  }), "q");
+  expect_rope_error(with([&](RopeArgs& a) { a.q = TensorView(nullptr, DType::bf16, {2, 4, 8, 16}, kCpu); }), "q");
+  expect_rope_error(with([&](RopeArgs& a) { a.k = k_odd_t; }), "k");                       // T differs
+  expect_rope_error(with([&](RopeArgs& a) { a.k = k_f32; }), "k");                         // dtype differs
+  expect_rope_error(with([&](RopeArgs& a) { a.k = q.view().reshape({2, 4, 128}); }), "k"); // rank 3
+  expect_rope_error(with([&](RopeArgs& a) { a.cos = cos16; }), "cos");                     // neither q's nor f32
+  expect_rope_error(with([&](RopeArgs& a) { a.cos = cos_b3; a.sin = cos_b3; }), "cos");    // batch 3, not 1 or 2
+  expect_rope_error(with([&](RopeArgs& a) { a.cos = cos_t; a.sin = cos_t; }), "cos");      // T 9
+  expect_rope_error(with([&](RopeArgs& a) { a.cos = cos4; a.sin = cos4; }), "cos");        // rank 4
+  expect_rope_error(with([&](RopeArgs& a) { a.sin = cos32; }), "sin");                     // dtype differs from cos
+  expect_rope_error(with([&](RopeArgs& a) { a.sin = cos_b3; }), "sin");                    // shape differs from cos
+  expect_rope_error(with([&](RopeArgs& a) { a.q_out = qo32; }), "q_out");
+  expect_rope_error(with([&](RopeArgs& a) { a.k_out = odd; }), "k_out");                   // shape
+  expect_rope_error(with([&](RopeArgs& a) { a.k = TensorView(qo.data(), DType::bf16, {2, 2, 8, 16}, kCpu); }),
+                    "q_out");  // q_out overlaps k
+  expect_rope_error(with([&](RopeArgs& a) {  // q's data, other strides: rows would race
+    a.q_out = TensorView(q.data(), DType::bf16, {2, 4, 8, 16}, {512, 16, 64, 1}, kCpu);
+  }), "q_out");
+  expect_rope_error(with([&](RopeArgs& a) { a.k_out = TensorView(q.data(), DType::bf16, {2, 2, 8, 16}, kCpu); }),
+                    "k_out");
+  // In place is allowed: the same views.
+  EXPECT_NO_THROW(rope_forward({q, k, cos, sin, q, k}));
+  EXPECT_NO_THROW(rope_backward({q, k, cos32, cos32, q, k}));
+}
+
+TEST(RopeErrors, MixedDevices) {
+  FK_SKIP_WITHOUT_GPU();
+  Tensor q = Tensor::empty({1, 2, 3, 4}, DType::f32, Device::cuda(0)), k = Tensor::empty({1, 2, 3, 4}, DType::f32, Device::cuda(0));
+  Tensor cos = Tensor::empty({3, 4}, DType::f32, kCpu);
+  Tensor qo = Tensor::empty({1, 2, 3, 4}, DType::f32, Device::cuda(0)), ko = Tensor::empty({1, 2, 3, 4}, DType::f32, Device::cuda(0));
+  expect_rope_error({q, k, cos, cos, qo, ko}, "cos");
+}
+
+struct RopeShape {
+  std::int64_t batch, q_heads, k_heads, seq, dim;
+  int table_rank;  // 2: [T, D]; 3: [1, T, D] when table_batch is 1, else [B, T, D]
+  std::int64_t table_batch;
+  RopeLayout q_layout, k_layout, out_layout;
+};
+
+using RopeCase = std::tuple<DType, bool, RopeShape>;  // q's dtype, tables in f32, shape
+
+class RopeGpu : public ::testing::TestWithParam<RopeCase> {};
+
+TEST_P(RopeGpu, MatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto [dt, f32_tables, sh] = GetParam();
+  const Device gpu = Device::cuda(0);
+  const DType tdt = f32_tables ? DType::f32 : dt;
+  const Dims qs{sh.batch, sh.q_heads, sh.seq, sh.dim}, ks{sh.batch, sh.k_heads, sh.seq, sh.dim};
+  const Dims ts = sh.table_rank == 2 ? Dims{sh.seq, sh.dim} : Dims{sh.table_batch, sh.seq, sh.dim};
+  const Tensor cos = test::random_tensor(ts, tdt, kCpu, 41), sin = test::random_tensor(ts, tdt, kCpu, 42);
+  const Tensor cos_d = cos.copy_to(gpu), sin_d = sin.copy_to(gpu);
+  for (bool backward : {false, true})
+    for (bool in_place : {false, true}) {
+      RopeOperand q(qs, sh.q_layout, dt, 43), k(ks, sh.k_layout, dt, 44);
+      RopeOperand qo(qs, sh.out_layout, dt, 45), ko(ks, sh.out_layout, dt, 46);
+      auto [qb, qd] = q.on(gpu);
+      auto [kb, kd] = k.on(gpu);
+      auto [qob, qod] = qo.on(gpu);
+      auto [kob, kod] = ko.on(gpu);
+      const RopeArgs want{q.view, k.view, cos, sin, in_place ? q.view : qo.view, in_place ? k.view : ko.view};
+      const RopeArgs got{qd, kd, cos_d, sin_d, in_place ? qd : qod, in_place ? kd : kod};
+      if (backward) {
+        reference::rope_backward(want);
+        rope_backward(got);
+      } else {
+        reference::rope_forward(want);
+        rope_forward(got);
+      }
+      // Whole buffers: the elements outside the views must come back as they were.
+      const auto tol = kernel_tolerance(dt);
+      const std::string what = fmt::format("backward {} in place {}", backward, in_place);
+      EXPECT_TRUE(test::all_close(in_place ? qb : qob, in_place ? q.buffer : qo.buffer, tol)) << "q_out, " << what;
+      EXPECT_TRUE(test::all_close(in_place ? kb : kob, in_place ? k.buffer : ko.buffer, tol)) << "k_out, " << what;
+      if (!in_place) {
+        EXPECT_TRUE(test::all_close(qb, q.buffer, {0, 0})) << "q unchanged";
+        EXPECT_TRUE(test::all_close(kb, k.buffer, {0, 0})) << "k unchanged";
+      }
+    }
+}
+
+std::string rope_case_name(const ::testing::TestParamInfo<RopeCase>& info) {
+  const auto [dt, f32_tables, s] = info.param;
+  constexpr const char* layouts[] = {"contig", "bthd", "padded", "misaligned"};
+  return fmt::format("{}_{}_B{}_Hq{}_Hk{}_T{}_D{}_table{}x{}_{}_{}_{}", dtype_name(dt), f32_tables ? "f32tables" : "sametables",
+                     s.batch, s.q_heads, s.k_heads, s.seq, s.dim, s.table_rank, s.table_batch,
+                     layouts[int(s.q_layout)], layouts[int(s.k_layout)], layouts[int(s.out_layout)]);
+}
+
+using L = RopeLayout;
+INSTANTIATE_TEST_SUITE_P(
+    OddShapesAndLayouts, RopeGpu,
+    ::testing::Combine(::testing::Values(DType::f32, DType::bf16, DType::f16), ::testing::Bool(),
+                       ::testing::Values(RopeShape{1, 1, 1, 1, 2, 2, 1, L::contiguous, L::contiguous, L::contiguous},
+                                         RopeShape{2, 3, 1, 7, 6, 3, 2, L::bthd, L::contiguous, L::padded},
+                                         RopeShape{3, 5, 5, 1, 64, 3, 1, L::bthd, L::bthd, L::bthd},
+                                         RopeShape{2, 8, 2, 33, 128, 3, 2, L::bthd, L::bthd, L::contiguous},
+                                         RopeShape{1, 12, 4, 17, 128, 2, 1, L::padded, L::misaligned, L::bthd},
+                                         RopeShape{2, 7, 3, 9, 80, 3, 2, L::misaligned, L::padded, L::padded},
+                                         RopeShape{1, 40, 8, 5, 64, 3, 1, L::contiguous, L::bthd, L::contiguous},
+                                         RopeShape{2, 3, 0, 4, 16, 3, 2, L::bthd, L::contiguous, L::contiguous},
+                                         RopeShape{1, 2, 2, 3, 1024, 2, 1, L::contiguous, L::contiguous, L::padded})),
+    rope_case_name);
+
+// Many tokens (the grid strides over them) at a LLaMA-like shape.
+INSTANTIATE_TEST_SUITE_P(
+    LongSequence, RopeGpu,
+    ::testing::Combine(::testing::Values(DType::bf16), ::testing::Bool(),
+                       ::testing::Values(RopeShape{2, 12, 4, 4099, 64, 3, 2, L::bthd, L::bthd, L::bthd},
+                                         RopeShape{1, 32, 8, 2048, 128, 2, 1, L::bthd, L::contiguous, L::bthd})),
+    rope_case_name);
+
 }  // namespace
 }  // namespace fk

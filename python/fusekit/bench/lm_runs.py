@@ -156,15 +156,15 @@ def prepare(run: str, cfg, device, precision: str, seed: int, compile_dynamic) -
 
 
 def _lora_fusekit(model: nn.Module, r: int, alpha: float) -> None:
+    """What a fusekit user runs: fusekit.nn.add_lora (LoRALinear on every projection), then
+    fusekit.patch for the rest of the model (norms, rotary, the head's loss)."""
+    import fusekit
     import fusekit.nn as fnn
 
-    if not hasattr(fnn, "LoRALinear"):
-        raise RunUnavailable("fusekit.nn.LoRALinear does not exist in this build")
-    for module in list(model.modules()):
-        for name in LORA_TARGETS:
-            child = getattr(module, name, None)
-            if type(child) is nn.Linear:
-                setattr(module, name, fnn.LoRALinear(child, r, alpha))
+    if not hasattr(fnn, "add_lora") or not hasattr(fusekit, "patch"):
+        raise RunUnavailable("fusekit.nn.add_lora / fusekit.patch do not exist in this build")
+    fnn.add_lora(model, r, alpha, target_modules=tuple(LORA_TARGETS))
+    fusekit.patch(model)
 
 
 def _lora_peft(model: nn.Module, r: int, alpha: float) -> nn.Module:

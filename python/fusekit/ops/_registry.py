@@ -218,7 +218,8 @@ def _autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
-def _autocast(name: str, policy: str = "lower_precision", device_types: tuple = _AUTOCAST_DEVICES) -> None:
+def _autocast(name: str, policy: str = "lower_precision", device_types: tuple = _AUTOCAST_DEVICES,
+              keep_f32: tuple = ()) -> None:
     """Op `name` under torch.autocast follows one of torch's autocast policies, on the dispatcher's
     Autocast keys of `device_types` (so that torch.compile and every other path through
     torch.ops.fusekit.<name> see it too); on other devices autocast leaves the op alone.
@@ -226,13 +227,17 @@ def _autocast(name: str, policy: str = "lower_precision", device_types: tuple = 
     arguments on autocast's device are cast to torch.get_autocast_dtype(device). "fp32", as torch's
     norms and losses (autocast's fp32 list): its floating tensor arguments on that device other than
     f64 are cast to f32. Either cast is one autograd records (gradients reach the arguments in
-    their own dtypes); then the op runs with autocast off."""
+    their own dtypes); then the op runs with autocast off. `keep_f32` names arguments that stay f32
+    when they are (the kernel reads them in f32, as rope's cos and sin tables); their other
+    floating dtypes are cast as the rest."""
     global _AUTOCAST_LIB
     if policy not in ("lower_precision", "fp32"):
         raise ValueError(f"_autocast: policy {policy!r} is neither 'lower_precision' nor 'fp32'")
     if _AUTOCAST_LIB is None:
         _AUTOCAST_LIB = torch.library.Library(_LIB, "IMPL")
     op, positions = getattr(torch.ops.fusekit, name).default, _TENSOR_ARGS[name]
+    params = list(inspect.signature(_IMPL[name]).parameters)
+    kept = frozenset(params.index(a) for a in keep_f32)
 
     def rule(device_type: str):
         def cast(t):
@@ -242,11 +247,16 @@ def _autocast(name: str, policy: str = "lower_precision", device_types: tuple = 
                 return t.to(_autocast_dtype(device_type))
             return t
 
+        def cast_arg(i, t):
+            if i in kept and isinstance(t, Tensor) and t.dtype == torch.float32:
+                return t
+            return cast(t)
+
         def run(*args):
             args = list(args)
             for i in positions:
                 a = args[i]
-                args[i] = [cast(t) for t in a] if type(a) is list else cast(a)
+                args[i] = [cast(t) for t in a] if type(a) is list else cast_arg(i, a)
             with torch.autocast(device_type, enabled=False):
                 return op(*args)
         return run

@@ -1,4 +1,5 @@
-"""pointwise: y = act(x + alpha * residual + bias) and its backward; convert between floating dtypes."""
+"""pointwise: y = act(x + alpha * residual + bias) and its backward; rotary position embedding over q
+and k (rope, rope_backward); convert between floating dtypes."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,8 +8,8 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._registry import (_custom_op, _autograd, _bwd, _stream, _rows, _same_device, _dlpack, _d, _FROM_OUTPUT,
-                        _derivative_from_output, _input, _not_kept)
+from ._registry import (_custom_op, _autograd, _autocast, _bwd, _stream, _rows, _same_device, _dlpack, _d,
+                        _FROM_OUTPUT, _derivative_from_output, _input, _not_kept)
 
 
 def _bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str, alpha: float,
@@ -109,3 +110,95 @@ def _convert_bwd(ctx, dy):
 
 
 _autograd("convert", _convert_bwd, _convert_setup)
+
+
+# ---- rope -------------------------------------------------------------------------------------
+
+def _rope_input(t: Tensor) -> Tensor:
+    """t as the kernel reads it: any strides but the last, which must be 1 (else a contiguous copy:
+    an expanded or transposed-in-the-last-dimension gradient)."""
+    return t.contiguous() if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1 else t
+
+
+def _rope_order(t: Tensor) -> list[int]:
+    """The dimensions of a [B, H, T, D] tensor from outermost to innermost when it is a permutation
+    of a dense tensor with D innermost (Hugging Face's q: [B, T, H, D] memory seen as [B, H, T, D]),
+    else [] (contiguous). An output laid out in this order is what the caller's next op (SDPA, the
+    transpose back and the projection's backward) reads without a copy."""
+    if t.dim() != 4 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+        return []
+    order = sorted(range(3), key=lambda d: (-t.stride(d), d)) + [3]
+    expected = 1
+    for d in reversed(order):
+        if t.shape[d] > 1 and t.stride(d) != expected:
+            return []
+        expected *= t.shape[d]
+    return [] if order == [0, 1, 2, 3] else order
+
+
+def _rope_empty(like: Tensor, order: list[int]) -> Tensor:
+    """An uninitialised tensor of like's shape and dtype, its dimensions laid out in `order`."""
+    if not order:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    t = torch.empty([like.shape[d] for d in order], dtype=like.dtype, device=like.device)
+    return t.permute([order.index(d) for d in range(like.dim())])
+
+
+def _rope_run(x: Tensor, y: Tensor, cos: Tensor, sin: Tensor, order_x: list[int], order_y: list[int],
+              backward: bool) -> tuple[Tensor, Tensor]:
+    _same_device("rope_backward" if backward else "rope_forward", q=x, k=y, cos=cos, sin=sin)
+    x, y, cos, sin = _rope_input(x), _rope_input(y), _rope_input(cos), _rope_input(sin)
+    x_out, y_out = _rope_empty(x, order_x), _rope_empty(y, order_y)
+    _C.rope(_dlpack(x), _dlpack(y), _dlpack(cos), _dlpack(sin), _dlpack(x_out), _dlpack(y_out), backward, _stream(x))
+    return x_out, y_out
+
+
+@_custom_op("rope")
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(q_out, k_out) = (q cos + rotate_half(q) sin, k cos + rotate_half(k) sin) in one pass over q
+    and k, rotate_half(x) = cat(-x2, x1) over the halves of the last dimension (Hugging Face
+    LLaMA's apply_rotary_pos_emb). q [B, Hq, T, D], k [B, Hk, T, D] of one dtype (f32, bf16, f16),
+    any strides; cos, sin [T, D], [1, T, D] or [B, T, D], in q's dtype or f32. Outputs in q's dtype,
+    laid out as q and k when they are permutations of dense tensors, else contiguous. No gradient
+    for cos and sin."""
+    return _rope_run(q, k, cos, sin, _rope_order(q), _rope_order(k), False)
+
+
+@rope.register_fake
+def _(q, k, cos, sin):
+    return _rope_empty(q, _rope_order(q)), _rope_empty(k, _rope_order(k))
+
+
+@_custom_op("rope_backward")
+def rope_backward(dq_out: Tensor, dk_out: Tensor, cos: Tensor, sin: Tensor, q_order: list[int],
+                  k_order: list[int]) -> tuple[Tensor, Tensor]:
+    """(dq, dk) from the gradients of rope's outputs (any layout): dx = dy cos + rotate_half_T(dy sin),
+    rotate_half_T(g) = cat(g2, -g1); dq and dk laid out in q_order and k_order (rope's inputs' layout,
+    [] for contiguous)."""
+    return _rope_run(dq_out, dk_out, cos, sin, q_order, k_order, True)
+
+
+@rope_backward.register_fake
+def _(dq_out, dk_out, cos, sin, q_order, k_order):
+    return _rope_empty(dq_out, q_order), _rope_empty(dk_out, k_order)
+
+
+def _rope_setup(ctx, inputs, output):
+    q, k, cos, sin = inputs
+    if cos.requires_grad or sin.requires_grad:
+        raise _C.Error("fk::rope_forward: argument 'cos': expected cos and sin that need no gradient (rope has "
+                       "none for them; Hugging Face makes them under no_grad), got a tensor that requires grad")
+    ctx.save_for_backward(cos, sin)
+    ctx.orders = (_rope_order(q), _rope_order(k))
+
+
+def _rope_bwd(ctx, dq_out, dk_out):
+    cos, sin = ctx.saved_tensors
+    dq, dk = _bwd(ctx, "rope_backward", dq_out, dk_out, cos, sin, *ctx.orders)
+    return dq, dk, None, None
+
+
+_autograd("rope", _rope_bwd, _rope_setup)
+# Under autocast q and k run in autocast's dtype; f32 tables stay f32 (the kernel reads them in f32,
+# as Hugging Face's q * cos computes in f32 when cos is), tables of another dtype follow q.
+_autocast("rope", keep_f32=("cos", "sin"))

@@ -37,6 +37,84 @@ void check_in_place(const char* op, const char* arg, const TensorView& out, cons
                out.strides().str());
 }
 
+// A tensor of rope's of rank `rank`: non-negative strides, stride 1 on the last dimension,
+// non-null data unless empty.
+void check_rope_layout(const char* op, const char* arg, const TensorView& t, int rank) {
+  FK_CHECK_ARG(t.rank() == rank, op, arg, fmt::format("a rank-{} tensor", rank), t.str());
+  bool ok = t.size(rank - 1) <= 1 || t.strides()[rank - 1] == 1;
+  for (int i = 0; i < rank - 1; ++i) ok = ok && t.strides()[i] >= 0;
+  FK_CHECK_ARG(ok, op, arg, "stride 1 on the last dimension and non-negative strides on the others",
+               fmt::format("{} strides {}", t.str(), t.strides().str()));
+  FK_CHECK_ARG(t.data() != nullptr || t.numel() == 0, op, arg, "non-null data", "a null pointer");
+}
+
+// An output of rope: its input itself (the same view), or memory that overlaps no other tensor.
+void check_rope_output(const char* op, const char* arg, const TensorView& out, const char* in_arg,
+                       const TensorView& in, std::initializer_list<checks::Named> others) {
+  check_rope_layout(op, arg, out, 4);
+  checks::same_dtype(op, arg, out, in);
+  checks::shape_is(op, arg, out, in.shape());
+  checks::same_device(op, arg, out, in.device());
+  const bool in_place = out.data() == in.data() && out.strides() == in.strides();
+  if (!in_place && checks::overlaps(out, in))
+    throw Error(op, arg, fmt::format("{} itself (the same view) or memory that does not overlap it", in_arg),
+                fmt::format("an overlapping view with strides {} ({}'s: {})", out.strides().str(), in_arg,
+                            in.strides().str()));
+  for (const checks::Named& o : others)
+    if (checks::overlaps(out, *o.t))
+      throw Error(op, arg, fmt::format("memory that does not overlap {}", o.name), "an overlapping tensor");
+}
+
+void check_rope(const char* op, const RopeArgs& a) {
+  check_rope_layout(op, "q", a.q, 4);
+  checks::dtype_in(op, "q", a.q, kFloatTypes);
+  const Device dev = a.q.device();
+  checks::cuda_available(op, dev);
+  const std::int64_t batch = a.q.size(0), seq = a.q.size(2), dim = a.q.size(3);
+  FK_CHECK_ARG(dim % 2 == 0, op, "q", "an even last dimension (the rotation pairs its two halves)", a.q.str());
+  check_rope_layout(op, "k", a.k, 4);
+  checks::same_dtype(op, "k", a.k, a.q);
+  checks::same_device(op, "k", a.k, dev);
+  FK_CHECK_ARG(a.k.size(0) == batch && a.k.size(2) == seq && a.k.size(3) == dim, op, "k",
+               fmt::format("shape [{}, Hk, {}, {}] (q's batch, sequence and head dimension)", batch, seq, dim),
+               a.k.shape().str());
+  FK_CHECK_ARG(a.q.size(1) + a.k.size(1) <= (std::int64_t{1} << 30), op, "k", "at most 2^30 heads of q and k together",
+               fmt::format("{} + {}", a.q.size(1), a.k.size(1)));
+  const int table_rank = a.cos.rank();
+  FK_CHECK_ARG(table_rank == 2 || table_rank == 3, op, "cos", "a rank-2 [T, D] or rank-3 [B or 1, T, D] tensor",
+               a.cos.str());
+  check_rope_layout(op, "cos", a.cos, table_rank);
+  checks::dtype_in(op, "cos", a.cos, {a.q.dtype(), DType::f32});
+  checks::same_device(op, "cos", a.cos, dev);
+  const bool shape_ok = table_rank == 2 ? a.cos.shape() == Dims{seq, dim}
+                                        : (a.cos.size(0) == 1 || a.cos.size(0) == batch) && a.cos.size(1) == seq &&
+                                              a.cos.size(2) == dim;
+  FK_CHECK_ARG(shape_ok, op, "cos", fmt::format("shape [{0}, {1}], [1, {0}, {1}] or [{2}, {0}, {1}]", seq, dim, batch),
+               a.cos.shape().str());
+  check_rope_layout(op, "sin", a.sin, table_rank);
+  checks::same_dtype(op, "sin", a.sin, a.cos);
+  checks::shape_is(op, "sin", a.sin, a.cos.shape());
+  checks::same_device(op, "sin", a.sin, dev);
+  check_rope_output(op, "q_out", a.q_out, "q", a.q,
+                    {{"k", &a.k}, {"cos", &a.cos}, {"sin", &a.sin}, {"k_out", &a.k_out}});
+  check_rope_output(op, "k_out", a.k_out, "k", a.k, {{"q", &a.q}, {"cos", &a.cos}, {"sin", &a.sin}});
+}
+
+void rope(const char* op, const RopeArgs& a, bool backward, const Stream* stream) {
+  check_rope(op, a);
+  if (a.q.numel() == 0 && a.k.numel() == 0) return;
+  if (a.q.device().is_cpu()) {
+    if (stream != nullptr) stream->synchronize();
+    return backward ? reference::rope_backward(a) : reference::rope_forward(a);
+  }
+#if FUSEKIT_WITH_CUDA
+  checks::check_stream(op, stream, a.q.device());
+  cuda::rope(a, backward, stream);
+#else
+  (void)stream;
+#endif
+}
+
 }  // namespace
 
 std::string_view activation_name(Activation a) noexcept {
@@ -121,5 +199,8 @@ void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& p, con
   (void)stream;
 #endif
 }
+
+void rope_forward(const RopeArgs& a, const Stream* stream) { rope("rope_forward", a, false, stream); }
+void rope_backward(const RopeArgs& a, const Stream* stream) { rope("rope_backward", a, true, stream); }
 
 }  // namespace fk

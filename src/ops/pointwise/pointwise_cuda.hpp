@@ -1,4 +1,4 @@
-// The CUDA launchers of the pointwise family (bias_act.cu, convert.cu), called by pointwise.cpp after every
+// The CUDA launchers of the pointwise family (bias_act.cu, convert.cu, rope.cu), called by pointwise.cpp after every
 // argument was checked.
 #pragma once
 
@@ -11,5 +11,7 @@ void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& p, con
 // dst [rows, cols] (row stride ld_dst) = src [rows, cols] (row stride ld_src) in dst's dtype.
 void convert(const TensorView& src, std::int64_t ld_src, const TensorView& dst, std::int64_t ld_dst,
              std::int64_t rows, std::int64_t cols, const Stream* stream);
+// rope_forward (backward false) or rope_backward over q and k in one launch.
+void rope(const RopeArgs& a, bool backward, const Stream* stream);
 
 }  // namespace fk::cuda

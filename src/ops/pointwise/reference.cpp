@@ -99,4 +99,49 @@ void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& p) {
     for (std::int64_t j = 0; j < cols; ++j) store(*a.dbias, j, db[static_cast<std::size_t>(j)]);
 }
 
+namespace {
+
+// One of q, k through the rotation (forward) or its transpose (backward). x and y may be the same
+// view: both halves of an element pair are read before either is written.
+void rope_apply(const TensorView& x, const TensorView& cos, const TensorView& sin, const TensorView& y,
+                bool backward) {
+  const std::int64_t batch = x.size(0), heads = x.size(1), seq = x.size(2), half = x.size(3) / 2;
+  const bool per_batch = cos.rank() == 3 && cos.size(0) > 1;
+  // cos and sin as [B or 1, T, D]: a rank-2 [T, D] has no batch dimension to stride over.
+  const auto table_offset = [&](const TensorView& t, std::int64_t b, std::int64_t s) {
+    const int r = t.rank();
+    return (per_batch ? b * t.strides()[0] : 0) + s * t.strides()[r - 2];
+  };
+  const auto offset4 = [](const TensorView& t, std::int64_t b, std::int64_t h, std::int64_t s) {
+    return b * t.strides()[0] + h * t.strides()[1] + s * t.strides()[2];
+  };
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t s = 0; s < seq; ++s) {
+        const std::int64_t xo = offset4(x, b, h, s), yo = offset4(y, b, h, s);
+        const std::int64_t co = table_offset(cos, b, s), so = table_offset(sin, b, s);
+        for (std::int64_t j = 0; j < half; ++j) {
+          const double x1 = load(x, xo + j), x2 = load(x, xo + half + j);
+          const double c1 = load(cos, co + j), c2 = load(cos, co + half + j);
+          const double s1 = load(sin, so + j), s2 = load(sin, so + half + j);
+          const double y1 = backward ? x1 * c1 + x2 * s2 : x1 * c1 - x2 * s1;
+          const double y2 = backward ? x2 * c2 - x1 * s1 : x2 * c2 + x1 * s2;
+          store(y, yo + j, y1);
+          store(y, yo + half + j, y2);
+        }
+      }
+}
+
+}  // namespace
+
+void rope_forward(const RopeArgs& a) {
+  rope_apply(a.q, a.cos, a.sin, a.q_out, false);
+  rope_apply(a.k, a.cos, a.sin, a.k_out, false);
+}
+
+void rope_backward(const RopeArgs& a) {
+  rope_apply(a.q, a.cos, a.sin, a.q_out, true);
+  rope_apply(a.k, a.cos, a.sin, a.k_out, true);
+}
+
 }  // namespace fk::reference
