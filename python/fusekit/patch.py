@@ -65,8 +65,8 @@ def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
 
 def _mlp_forward(self, x: Tensor) -> Tensor:
     g, u, d = self.gate_proj, self.up_proj, self.down_proj
-    return Fk.glu_mlp(x, g.weight, u.weight, d.weight, kind=self._fusekit_kind, gate_bias=g.bias, up_bias=u.bias,
-                      down_bias=d.bias, recompute=self._fusekit_recompute)
+    return Fk.glu_mlp(x, g.weight, u.weight, d.weight, kind=self._fusekit_kind, gate_b=g.bias, up_b=u.bias,
+                      down_b=d.bias, recompute=self._fusekit_recompute)
 
 
 def _causal_lm_loss(self, hidden: Tensor, labels: Tensor, num_items_in_batch=None, ignore_index: int = -100,
