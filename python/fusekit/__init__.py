@@ -27,6 +27,7 @@ if _torch is not None:
                              conv2d, convert, dense_optimizer_update_, embedding_bags, glu, interaction, lora,
                              outer, pack, relu_packed, row_sum, sigmoid_bce, softmax, unpack,
                              weight_grad_from_packed)
+    from .functional import glu_mlp  # noqa: F401
     from . import nn  # noqa: F401,E402  (fusekit.nn after `import fusekit`, as torch.nn after `import torch`)
 
 __all__ = ["Error", "build_info", "cuda_device_count"]

@@ -119,6 +119,10 @@ def glu(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, *, kind: str = "swi
     return out.reshape(*lead, out.shape[-1])
 
 
+# A Hugging Face gated MLP on its own gate/up/down parameters (the keeping path by default).
+glu_mlp = ops.glu_mlp
+
+
 def lora(x: Tensor, w: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, scale: float = 1.0,
          act: str = "identity") -> Tensor:
     """act(x Wᵀ + bias + scale (x Aᵀ) Bᵀ) with W frozen (PEFT's layout: A [r, K], B [N, r])."""

@@ -5,7 +5,8 @@
   from the packed bits. ``compress(model, bits=2)`` swaps a model's ``nn.Linear`` and ``nn.ReLU``
   in place, sharing their parameters.
 - ``GLUFeedForward``: a LLaMA-style MLP (``down_proj(act(gate_proj(x)) * up_proj(x))``) whose gate
-  and up projections run as one fused GEMM + gated activation.
+  and up projections run as one fused GEMM + gated activation (keeping its [M, 2N] pre-activations
+  for the backward, or recomputing them with ``recompute=True``).
 - ``LoRALinear``, ``W4Linear``, ``FusedMLP``: a LoRA adapter on a frozen linear layer, a 4-bit
   weight for inference, a narrow MLP as one kernel.
 - ``EmbeddingBagCollection`` (the optimizer fused into the backward, as FBGEMM's TBE) and

@@ -251,3 +251,7 @@ def test_glu_mlp_refuses_one_bias_of_two():
     w = torch.zeros(8, 4)
     with pytest.raises(fusekit.Error, match="argument 'up_b'"):
         ops.glu_mlp(torch.zeros(2, 4), w, w, torch.zeros(4, 8), gate_b=torch.zeros(8))
+
+
+def test_glu_mlp_is_exported():
+    assert fusekit.glu_mlp is ops.glu_mlp
