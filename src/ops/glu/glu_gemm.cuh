@@ -15,18 +15,17 @@
 // one the accumulators start at it, see GluBiasMainloop.) The forward's keeping variant also
 // stores the pairs (l + b, r + b') themselves to preact [M, 2N] (prepared order, the same stores
 // as the backward's dC, below), for a backward that reads them instead of recomputing the GEMM.
-// The backward variant recomputes the same
-// accumulators, reads dy[m, j] and stores the pair (dy dglu/dl, dy dglu/dr) to dC[m, 2j .. 2j + 1]
-// with one 2-element store, and (when asked) the column sums of dC over each 16-row slab into
-// db_partial [ceil(M / 16), 2N] (fp32, one writer per element, so db = its column sums is
-// deterministic and dC is not read again).
+// The backward variant recomputes the same accumulators, reads dy[m, j] and stores the pair
+// (dy dglu/dl, dy dglu/dr) to dC[m, 2j .. 2j + 1] with one 2-element store, and (when asked) the
+// column sums of dC over each 16-row slab into db_partial [ceil(M / 16), 2N] (fp32, one writer
+// per element, so db = its column sums is deterministic and dC is not read again).
 //
 // One kernel per (dtype, tile configuration, kind, direction: forward, forward keeping C,
-// backward): the kind and the direction are
-// template arguments, not run-time branches, so each kernel holds only the code it runs. A kernel
-// holding all five kinds and both directions ran the small forwards slower whenever cuBLAS's TF32
-// GEMM had run before them, from its size alone (docs/notes/glu.md). Each kind's kernels are
-// compiled in their own translation unit (glu_gemm_<kind>.cu), so the five build in parallel.
+// backward): the kind and the direction are template arguments, not run-time branches, so each
+// kernel holds only the code it runs. A kernel holding all five kinds and both directions ran the
+// small forwards slower whenever cuBLAS's TF32 GEMM had run before them, from its size alone
+// (docs/notes/glu.md). Each kind's kernels are compiled in their own translation unit
+// (glu_gemm_<kind>.cu), so the five build in parallel.
 //
 // This header is included only by those units; glu_gemm.cu picks the kernel at run time.
 //
