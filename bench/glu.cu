@@ -7,6 +7,14 @@
 // The backward recomputes C: its GEMMs are C = x wᵀ, dx = dC w and dw = dCᵀ x (gemm_only_us is
 // their sum); the baseline is the unfused sequence cuBLAS C, one pass for dC, two cuBLAS GEMMs and
 // the column sums for db.
+//
+// A training step (glu_train/): forward and backward of one layer, three ways. "keep": the fused
+// forward also writes C [M, 2N], the backward reads it (one pass for dC, two cuBLAS GEMMs, column
+// sums). "recompute": the fused forward, then the recomputing backward (glu_backward). Baseline
+// "cublas+act", what eager PyTorch runs: cuBLAS C, the activation pass, then from the kept C the dC
+// pass, two cuBLAS GEMMs and the column sums. gemm_only_us: the three GEMMs (C, dx, dw) alone, the
+// floor of both keeping paths; tflops counts those three for every impl.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -137,6 +145,74 @@ void backward_case(Context& ctx, const GluShape& s) {
   add_records(ctx, name, t, flops, err);
 }
 
+void train_case(Context& ctx, const GluShape& s) {
+  const std::string name = "glu_train/" + shape_name(s);
+  if (!ctx.selected("glu", name)) return;
+  const GluOptions opt{.kind = s.kind, .allow_tf32 = s.tf32};
+  std::vector<GluSet> sets = make_sets(ctx, s, true);
+  const int rot = static_cast<int>(sets.size());
+  struct Grads {
+    Tensor dx, dw, db;
+    const Tensor& operator[](int i) const { return i == 0 ? dx : (i == 1 ? dw : db); }
+  };
+  auto grads = [&] {
+    return Grads{ctx.empty({s.m, s.k}, s.dtype), ctx.empty({2 * s.n, s.k}, s.dtype), ctx.empty({2 * s.n}, s.dtype)};
+  };
+  const Grads gk = grads(), gr = grads(), gb = grads();  // keep, recompute, baseline
+  const Tensor out = ctx.empty({s.m, s.n}, s.dtype), c = ctx.empty({s.m, 2 * s.n}, s.dtype),
+               dc = ctx.empty({s.m, 2 * s.n}, s.dtype);
+  const Stream* st = &ctx.fk_stream();
+  // As the Python op runs it: dC in its own buffer, C left intact.
+  auto keep = [&](const GluSet& g) {
+    glu_forward({g.x, g.w, g.b.view(), out, c.view()}, opt, st);
+    glu_backward_from_preact({g.dy, g.x, g.w, c, gk[0].view(), gk[1].view(), gk[2].view()}, opt, st);
+  };
+  auto recompute = [&](const GluSet& g) {
+    glu_forward({g.x, g.w, g.b.view(), out}, opt, st);
+    glu_backward({g.dy, g.x, g.w, g.b.view(), gr[0].view(), gr[1].view(), gr[2].view()}, opt, st);
+  };
+  auto baseline = [&](const GluSet& g) {
+    matmul(g.x, g.w, c, Trans::n, Trans::t, st, s.tf32);
+    const TensorView b = g.b.view(), dy = g.dy.view();
+    cuda::glu_pairs(c, &b, nullptr, out, s.kind, st);
+    cuda::glu_pairs(c, &b, &dy, dc, s.kind, st);
+    matmul(dc, g.w, gb[0], Trans::n, Trans::n, st, s.tf32);
+    matmul(dc, g.x, gb[1], Trans::t, Trans::n, st, s.tf32);
+    cuda::column_sums(dc, gb[2], st);
+  };
+  auto gemms = [&](const GluSet& g) {
+    matmul(g.x, g.w, c, Trans::n, Trans::t, st, s.tf32);
+    matmul(dc, g.w, gb[0], Trans::n, Trans::n, st, s.tf32);
+    matmul(dc, g.x, gb[1], Trans::t, Trans::n, st, s.tf32);
+  };
+  keep(sets[0]);
+  recompute(sets[0]);
+  baseline(sets[0]);
+  const double bound = s.dtype == DType::f32 ? 4e-3 : 2e-2;
+  double err_keep = 0, err_recompute = 0;
+  for (int i = 0; i < 3; ++i) {
+    err_keep = std::max(err_keep, ctx.rel_err(gk[i], gb[i]));
+    err_recompute = std::max(err_recompute, ctx.rel_err(gr[i], gb[i]));
+  }
+  require_close(name + " (keep)", err_keep, bound);
+  require_close(name + " (recompute)", err_recompute, bound);
+  const double flops = 3 * 2.0 * s.m * (2.0 * s.n) * s.k;
+  const auto at = [&](int i) -> const GluSet& { return sets[static_cast<std::size_t>(i)]; };
+  const std::vector<double> t = ctx.time_us_interleaved({[&](int i) { keep(at(i)); }, [&](int i) { recompute(at(i)); },
+                                                         [&](int i) { baseline(at(i)); }, [&](int i) { gemms(at(i)); }},
+                                                        rot);
+  const char* impls[] = {"keep", "recompute", "cublas+act"};
+  const double errs[] = {err_keep, err_recompute, 0.0};
+  for (int i = 0; i < 3; ++i) {
+    Record r{"glu", name, impls[i], "cublas+act"};
+    r.median_us = t[static_cast<std::size_t>(i)];
+    r.tflops = flops / (r.median_us * 1e6);
+    r.rel_err = errs[i];
+    r.gemm_only_us = t[3];
+    ctx.add(r);
+  }
+}
+
 void glu_cases(Context& ctx) {
   const GluShape fwd[] = {
       {GluKind::sigmoid_tanh, DType::bf16, false, 1024, 2048, 2048},
@@ -152,6 +228,14 @@ void glu_cases(Context& ctx) {
       {GluKind::swiglu, DType::bf16, false, 4096, 8192, 8192},
   };
   for (const GluShape& s : bwd) backward_case(ctx, s);
+  // The LLaMA-width MLP of the LM bench (65536 tokens, width 768, SwiGLU 2048), a wider one, and
+  // a one-wave shape.
+  const GluShape train[] = {
+      {GluKind::swiglu, DType::bf16, false, 65536, 2048, 768},
+      {GluKind::swiglu, DType::bf16, false, 16384, 5632, 2048},
+      {GluKind::swiglu, DType::bf16, false, 1024, 2048, 2048},
+  };
+  for (const GluShape& s : train) train_case(ctx, s);
 }
 
 FK_BENCH_CASE("glu", "glu", glu_cases);

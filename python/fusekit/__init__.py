@@ -33,6 +33,10 @@ if _torch is not None:
 
 
     from .functional import apply_rotary_pos_emb, rope  # noqa: F401
+
+
+
+    from .functional import glu_mlp  # noqa: F401
     from . import nn  # noqa: F401,E402  (fusekit.nn after `import fusekit`, as torch.nn after `import torch`)
     from .patch import patch, patch_llama, unpatch  # noqa: F401,E402
 

@@ -99,22 +99,28 @@ def weight_grad_from_packed(dy: Tensor, x: Packed, dw_dtype: torch.dtype = torch
 
 
 def glu(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, *, kind: str = "swiglu",
-        allow_tf32: Optional[bool] = None, gate: str = "first") -> Tensor:
+        allow_tf32: Optional[bool] = None, gate: str = "first", recompute: bool = True) -> Tensor:
     """act(G) · U with [G, U] = x wᵀ + b (torch.chunk order: the gate first, as the GLU-variants
     paper and Hugging Face's gate_proj / up_proj write it), w [2N, K] in PyTorch's layout (prepared
     on each call: fusekit.nn.GLUFeedForward keeps it prepared). kind: swiglu silu(G) U, geglu_tanh
     and geglu_erf gelu(G) U, reglu relu(G) U, sigmoid_tanh sigmoid(G) tanh(U). gate="second" takes
     the gate from the second half instead (geglu's l · gelu(r) of fusekit's C++ kernels).
-    allow_tf32 follows torch.backends.cuda.matmul.allow_tf32."""
+    allow_tf32 follows torch.backends.cuda.matmul.allow_tf32. recompute (default True, as before):
+    the backward recomputes x wᵀ + b; False keeps the [M, 2N] pre-activations from the forward
+    instead (one GEMM fewer in the backward, M 2N values of the operand dtype kept)."""
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     if ops.glu_swaps_halves(kind, gate):
         w = torch.cat(w.chunk(2)[::-1])
         bias = None if bias is None else torch.cat(bias.chunk(2)[::-1])
     lead = x.shape[:-1]
-    out = ops.call("glu", x.reshape(-1, x.shape[-1]), ops.prepare_glu_weight(w),
-                  None if bias is None else ops.prepare_glu_weight(bias), kind, allow_tf32)
+    out = ops.glu_prepared(x.reshape(-1, x.shape[-1]), ops.prepare_glu_weight(w),
+                           None if bias is None else ops.prepare_glu_weight(bias), kind, allow_tf32, recompute)
     return out.reshape(*lead, out.shape[-1])
+
+
+# A Hugging Face gated MLP on its own gate/up/down parameters (the keeping path by default).
+glu_mlp = ops.glu_mlp
 
 
 def lora(x: Tensor, w: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor] = None, *, scale: float = 1.0,

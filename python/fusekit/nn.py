@@ -5,7 +5,8 @@
   from the packed bits. ``compress(model, bits=2)`` swaps a model's ``nn.Linear`` and ``nn.ReLU``
   in place, sharing their parameters.
 - ``GLUFeedForward``: a LLaMA-style MLP (``down_proj(act(gate_proj(x)) * up_proj(x))``) whose gate
-  and up projections run as one fused GEMM + gated activation.
+  and up projections run as one fused GEMM + gated activation (keeping its [M, 2N] pre-activations
+  for the backward, or recomputing them with ``recompute=True``).
 - ``LoRALinear``, ``W4Linear``, ``FusedMLP``: a LoRA adapter on a frozen linear layer, a 4-bit
   weight for inference, a narrow MLP as one kernel.
 - ``EmbeddingBagCollection`` (the optimizer fused into the backward, as FBGEMM's TBE) and
@@ -117,14 +118,18 @@ def compress(model: nn.Module, bits: int = 2, group: int = 256) -> nn.Module:
 class GLUFeedForward(nn.Module):
     """down_proj(glu(gate_proj(x), up_proj(x))), the gate and up projections fused with the gated
     activation into one kernel. `w_gate_up` [2N, K] holds the two projections in fusekit's
-    prepared (row-interleaved) layout; `to_linears()` gives them back as nn.Linear."""
+    prepared (row-interleaved) layout; `to_linears()` gives them back as nn.Linear.
+
+    recompute=False (the default) keeps the [M, 2N] pre-activations from the forward for the
+    backward (two GEMMs there; M 2N values of the compute dtype kept per call, 2 M 2N bytes in
+    bf16); recompute=True keeps only x and recomputes them in the backward (three GEMMs)."""
 
     def __init__(self, hidden: int, intermediate: int, kind: str = "swiglu", bias: bool = False, *,
-                 device=None, dtype=None, gate: str = "first"):
+                 device=None, dtype=None, gate: str = "first", recompute: bool = False):
         super().__init__()
         f = dict(device=device, dtype=dtype)
         gate_proj, up_proj = nn.Linear(hidden, intermediate, bias, **f), nn.Linear(hidden, intermediate, bias, **f)
-        self.kind, self.gate = kind, gate
+        self.kind, self.gate, self.recompute = kind, gate, recompute
         self._set_gate_up(gate_proj, up_proj)
         self.down_proj = nn.Linear(intermediate, hidden, bias, **f)
 
@@ -139,13 +144,13 @@ class GLUFeedForward(nn.Module):
 
     @classmethod
     def from_linears(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
-                     kind: str = "swiglu", gate: str = "first") -> "GLUFeedForward":
+                     kind: str = "swiglu", gate: str = "first", recompute: bool = False) -> "GLUFeedForward":
         """From a Hugging Face MLP's gate_proj, up_proj and down_proj, act(gate_proj(x)) · up_proj(x)
         (LLaMA's SwiGLU, Gemma's GeGLU; weights copied into the prepared layout; down_proj shared).
-        gate="second" activates up_proj's half instead."""
+        gate="second" activates up_proj's half instead. recompute: as the constructor's."""
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.kind, m.gate = kind, gate
+        m.kind, m.gate, m.recompute = kind, gate, recompute
         m._set_gate_up(gate_proj, up_proj)
         m.down_proj = down_proj
         return m
@@ -169,9 +174,12 @@ class GLUFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        h = ops.call("glu", x.reshape(-1, x.shape[-1]), self.w_gate_up, self.b_gate_up, self.kind,
-                    torch.backends.cuda.matmul.allow_tf32)
+        h = ops.glu_prepared(x.reshape(-1, x.shape[-1]), self.w_gate_up, self.b_gate_up, self.kind,
+                             torch.backends.cuda.matmul.allow_tf32, self.recompute)
         return self.down_proj(h.reshape(*lead, h.shape[-1]))
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}, gate={self.gate!r}, recompute={self.recompute}"
 
 
 SwiGLU = GLUFeedForward

@@ -14,13 +14,14 @@ using namespace nb::literals;
 void bind_glu(nb::module_& m) {
   m.def(
       "glu_forward",
-      [](const Array& x, const Array& w, const OptArray& bias, const Array& out, const std::string& kind,
-         bool allow_tf32, std::uintptr_t stream) {
+      [](const Array& x, const Array& w, const OptArray& bias, const Array& out, const OptArray& preact,
+         const std::string& kind, bool allow_tf32, std::uintptr_t stream) {
         constexpr const char* op = "glu_forward";
-        const GluForwardArgs a{view(x, op, "x"), view(w, op, "w"), view(bias, op, "bias"), view(out, op, "out")};
+        const GluForwardArgs a{view(x, op, "x"),     view(w, op, "w"),          view(bias, op, "bias"),
+                               view(out, op, "out"), view(preact, op, "preact")};
         glu_forward(a, {parse_glu_kind(kind), allow_tf32}, StreamArg(stream, a.x).get());
       },
-      "x"_a, "w"_a, "bias"_a.none(), "out"_a, "kind"_a, "allow_tf32"_a, "stream"_a, kNoGil);
+      "x"_a, "w"_a, "bias"_a.none(), "out"_a, "preact"_a.none(), "kind"_a, "allow_tf32"_a, "stream"_a, kNoGil);
   m.def(
       "glu_backward",
       [](const Array& dy, const Array& x, const Array& w, const OptArray& bias, const OptArray& dx,
@@ -33,6 +34,19 @@ void bind_glu(nb::module_& m) {
       },
       "dy"_a, "x"_a, "w"_a, "bias"_a.none(), "dx"_a.none(), "dw"_a.none(), "dbias"_a.none(), "kind"_a,
       "allow_tf32"_a, "stream"_a, kNoGil);
+  m.def(
+      "glu_backward_from_preact",
+      [](const Array& dy, const Array& x, const Array& w, const Array& preact, const OptArray& dx, const OptArray& dw,
+         const OptArray& dbias, bool overwrite_preact, const std::string& kind, bool allow_tf32,
+         std::uintptr_t stream) {
+        constexpr const char* op = "glu_backward_from_preact";
+        const GluBackwardFromPreactArgs a{view(dy, op, "dy"), view(x, op, "x"),         view(w, op, "w"),
+                                          view(preact, op, "preact"), view(dx, op, "dx"), view(dw, op, "dw"),
+                                          view(dbias, op, "dbias"),   overwrite_preact};
+        glu_backward_from_preact(a, {parse_glu_kind(kind), allow_tf32}, StreamArg(stream, a.dy).get());
+      },
+      "dy"_a, "x"_a, "w"_a, "preact"_a, "dx"_a.none(), "dw"_a.none(), "dbias"_a.none(), "overwrite_preact"_a,
+      "kind"_a, "allow_tf32"_a, "stream"_a, kNoGil);
 }
 
 }  // namespace fk::py

@@ -1,6 +1,7 @@
 // Tests of the glu family: the spec against hand-worked values and finite differences, the weight
 // layout conversions, the GPU (fused Hopper GEMM and the unfused path) against the spec on many
-// shapes, the fused forward's memory, and every bad input.
+// shapes, the forward keeping its pre-activations and the backward from them (against the spec and
+// the recomputing backward), the fused forward's memory, and every bad input.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -115,6 +116,35 @@ TEST(GluSpec, BackwardMatchesFiniteDifferencesOfForward) {
   }
 }
 
+TEST(GluSpec, KeptPreactivationsAreCAndTheBackwardFromThemIsTheRecomputingOne) {
+  const std::int64_t m = 4, n = 3, k = 5;
+  for (GluKind kind : kKinds) {
+    const GluOptions opt{.kind = kind};
+    const Tensor x = test::random_tensor({m, k}, DType::f32, kCpu, 41);
+    const Tensor w = test::random_tensor({2 * n, k}, DType::f32, kCpu, 42);
+    const Tensor b = test::random_tensor({2 * n}, DType::f32, kCpu, 43);
+    const Tensor dy = test::random_tensor({m, n}, DType::f32, kCpu, 44);
+    Tensor out = Tensor::empty({m, n}, DType::f32, kCpu), c = Tensor::empty({m, 2 * n}, DType::f32, kCpu);
+    reference::glu_forward({x, w, b.view(), out, c.view()}, opt);
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < 2 * n; ++j) {
+        double want = b.data_as<float>()[j];
+        for (std::int64_t kk = 0; kk < k; ++kk) want += double(x.data_as<float>()[i * k + kk]) * w.data_as<float>()[j * k + kk];
+        EXPECT_NEAR(c.data_as<float>()[i * 2 * n + j], want, 1e-6) << i << "," << j;
+      }
+    Tensor dx = Tensor::empty({m, k}, DType::f32, kCpu), dw = Tensor::empty({2 * n, k}, DType::f32, kCpu),
+           db = Tensor::empty({2 * n}, DType::f32, kCpu);
+    Tensor dx2 = Tensor::empty({m, k}, DType::f32, kCpu), dw2 = Tensor::empty({2 * n, k}, DType::f32, kCpu),
+           db2 = Tensor::empty({2 * n}, DType::f32, kCpu);
+    reference::glu_backward({dy, x, w, b.view(), dx.view(), dw.view(), db.view()}, opt);
+    reference::glu_backward_from_preact({dy, x, w, c.view(), dx2.view(), dw2.view(), db2.view()}, opt);
+    // C rounded once to f32 is the only difference.
+    EXPECT_LE(rel_err(dx2, dx), 1e-6) << glu_kind_name(kind);
+    EXPECT_LE(rel_err(dw2, dw), 1e-6) << glu_kind_name(kind);
+    EXPECT_LE(rel_err(db2, db), 1e-6) << glu_kind_name(kind);
+  }
+}
+
 TEST(GluLayout, PrepareInterleavesHalvesAndUnprepareInverts) {
   // Rows r0..r3 of a [2N = 4, K = 3] weight: prepared order r0, r2, r1, r3.
   std::vector<float> v(12);
@@ -141,6 +171,38 @@ TEST(GluLayout, CpuOpTakesThePreparedLayout) {
   const Tensor wp = glu_prepare_weight(w), bp = glu_prepare_weight(b);
   glu_forward({x, wp, bp.view(), got}, {.kind = GluKind::geglu_erf});
   EXPECT_TRUE(test::all_close(got, want, {1e-6, 1e-6}));
+}
+
+TEST(GluLayout, CpuOpKeepsPreactivationsInThePreparedColumnOrder) {
+  const std::int64_t m = 3, n = 4, k = 6;
+  const GluOptions opt{.kind = GluKind::swiglu};
+  const Tensor x = test::random_tensor({m, k}, DType::f32, kCpu, 51);
+  const Tensor w = test::random_tensor({2 * n, k}, DType::f32, kCpu, 52);
+  const Tensor b = test::random_tensor({2 * n}, DType::f32, kCpu, 53);
+  const Tensor dy = test::random_tensor({m, n}, DType::f32, kCpu, 54);
+  Tensor out = Tensor::empty({m, n}, DType::f32, kCpu), c = Tensor::empty({m, 2 * n}, DType::f32, kCpu);
+  reference::glu_forward({x, w, b.view(), out, c.view()}, opt);
+  const Tensor wp = glu_prepare_weight(w), bp = glu_prepare_weight(b);
+  Tensor got = Tensor::empty({m, n}, DType::f32, kCpu), cp = Tensor::empty({m, 2 * n}, DType::f32, kCpu);
+  glu_forward({x, wp, bp.view(), got, cp.view()}, opt);
+  EXPECT_TRUE(test::all_close(got, out, {1e-6, 1e-6}));
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      EXPECT_EQ(cp.data_as<float>()[i * 2 * n + 2 * j], c.data_as<float>()[i * 2 * n + j]) << i << "," << j;
+      EXPECT_EQ(cp.data_as<float>()[i * 2 * n + 2 * j + 1], c.data_as<float>()[i * 2 * n + n + j]) << i << "," << j;
+    }
+  // The backward from it, with the prepared weight, gives glu_backward's prepared gradients.
+  Tensor dx = Tensor::empty({m, k}, DType::f32, kCpu), dw = Tensor::empty({2 * n, k}, DType::f32, kCpu),
+         db = Tensor::empty({2 * n}, DType::f32, kCpu);
+  glu_backward({dy, x, wp, bp.view(), dx.view(), dw.view(), db.view()}, opt);
+  for (bool overwrite : {false, true}) {
+    Tensor dx2 = Tensor::empty({m, k}, DType::f32, kCpu), dw2 = Tensor::empty({2 * n, k}, DType::f32, kCpu),
+           db2 = Tensor::empty({2 * n}, DType::f32, kCpu);
+    glu_backward_from_preact({dy, x, wp, cp.view(), dx2.view(), dw2.view(), db2.view(), overwrite}, opt);
+    EXPECT_LE(rel_err(dx2, dx), 1e-6);
+    EXPECT_LE(rel_err(dw2, dw), 1e-6);
+    EXPECT_LE(rel_err(db2, db), 1e-6);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -235,6 +297,100 @@ TEST(GluGpu, BackwardMatchesSpec) {
     }
 }
 
+// The spec's pre-activations [M, 2N] in the prepared column order (what the op keeps).
+Tensor spec_preact(const Tensor& x, const Tensor& w, const Tensor& b, bool with_bias, GluKind kind) {
+  Tensor out = Tensor::empty({x.size(0), w.size(0) / 2}, x.dtype(), kCpu);
+  Tensor c = Tensor::empty({x.size(0), w.size(0)}, x.dtype(), kCpu);
+  const Tensor bp = glu_prepare_weight(b);
+  glu_forward({x, glu_prepare_weight(w).view(), with_bias ? std::optional(bp.view()) : std::nullopt, out, c.view()},
+              {.kind = kind});
+  return c;
+}
+
+TEST(GluGpu, ForwardKeepingPreactivationsMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  int seed = 300;
+  for (const GpuCase& c : gpu_cases())
+    for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh})
+      for (bool with_bias : {true, false}) {
+        ++seed;
+        const GluOptions opt{.kind = kind, .allow_tf32 = c.tf32};
+        const Tensor x = test::random_tensor({c.m, c.k}, c.dtype, kCpu, seed, -1.f, 1.f);
+        const Tensor w = test::random_tensor({2 * c.n, c.k}, c.dtype, kCpu, seed + 1000, -0.5f, 0.5f);
+        const Tensor b = test::random_tensor({2 * c.n}, c.dtype, kCpu, seed + 2000, -0.5f, 0.5f);
+        Tensor want = Tensor::empty({c.m, c.n}, c.dtype, kCpu);
+        reference::glu_forward({x, w, with_bias ? std::optional(b.view()) : std::nullopt, want}, opt);
+        const Tensor want_c = spec_preact(x, w, b, with_bias, kind);
+        const Tensor xg = x.copy_to(gpu), wg = glu_prepare_weight(w.copy_to(gpu)), bg = glu_prepare_weight(b.copy_to(gpu));
+        Tensor out = Tensor::empty({c.m, c.n}, c.dtype, gpu), cg = Tensor::empty({c.m, 2 * c.n}, c.dtype, gpu);
+        test::poison(out);
+        test::poison(cg);
+        glu_forward({xg, wg, with_bias ? std::optional(bg.view()) : std::nullopt, out, cg.view()}, opt);
+        const std::string what = std::string(glu_kind_name(kind)) + " " + std::string(dtype_name(c.dtype)) +
+                                 (c.tf32 ? " tf32" : "") + " M" + std::to_string(c.m) + " N" + std::to_string(c.n) +
+                                 " K" + std::to_string(c.k) + (with_bias ? " bias" : "");
+        EXPECT_LE(rel_err(out, want), tolerance(c)) << "out " << what;
+        EXPECT_LE(rel_err(cg, want_c), tolerance(c)) << "preact " << what;
+      }
+}
+
+TEST(GluGpu, BackwardFromPreactivationsMatchesSpecAndRecompute) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  int seed = 7000;
+  for (const GpuCase& c : gpu_cases())
+    for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_erf, GluKind::reglu}) {
+      ++seed;
+      const GluOptions opt{.kind = kind, .allow_tf32 = c.tf32};
+      const Tensor x = test::random_tensor({c.m, c.k}, c.dtype, kCpu, seed, -1.f, 1.f);
+      const Tensor w = test::random_tensor({2 * c.n, c.k}, c.dtype, kCpu, seed + 1000, -0.5f, 0.5f);
+      const Tensor b = test::random_tensor({2 * c.n}, c.dtype, kCpu, seed + 2000, -0.5f, 0.5f);
+      const Tensor dy = test::random_tensor({c.m, c.n}, c.dtype, kCpu, seed + 3000, -1.f, 1.f);
+      if (kind == GluKind::reglu) {  // C kept off relu's jump, as in BackwardMatchesSpec
+        ternary(x, 0.33, 1.0);
+        ternary(w, 0.17, 1.0);
+        ternary(b, 0.0, 0.5);
+      }
+      Tensor dx = Tensor::empty({c.m, c.k}, c.dtype, kCpu), dw = Tensor::empty({2 * c.n, c.k}, c.dtype, kCpu),
+             db = Tensor::empty({2 * c.n}, c.dtype, kCpu);
+      reference::glu_backward({dy, x, w, b.view(), dx.view(), dw.view(), db.view()}, opt);
+      const Tensor xg = x.copy_to(gpu), wg = glu_prepare_weight(w.copy_to(gpu)), bg = glu_prepare_weight(b.copy_to(gpu));
+      const Tensor dyg = dy.copy_to(gpu);
+      Tensor out = Tensor::empty({c.m, c.n}, c.dtype, gpu), cg = Tensor::empty({c.m, 2 * c.n}, c.dtype, gpu);
+      glu_forward({xg, wg, bg.view(), out, cg.view()}, opt);
+      const std::vector<double> kept = test::to_doubles(cg);
+      // The recomputing backward on the GPU, for comparison.
+      Tensor rdx = Tensor::empty({c.m, c.k}, c.dtype, gpu), rdw = Tensor::empty({2 * c.n, c.k}, c.dtype, gpu),
+             rdb = Tensor::empty({2 * c.n}, c.dtype, gpu);
+      glu_backward({dyg, xg, wg, bg.view(), rdx.view(), rdw.view(), rdb.view()}, opt);
+      const std::string what = std::string(glu_kind_name(kind)) + " " + std::string(dtype_name(c.dtype)) +
+                               (c.tf32 ? " tf32" : "") + " M" + std::to_string(c.m) + " N" + std::to_string(c.n) +
+                               " K" + std::to_string(c.k);
+      for (bool overwrite : {false, true}) {
+        Tensor gdx = Tensor::empty({c.m, c.k}, c.dtype, gpu), gdw = Tensor::empty({2 * c.n, c.k}, c.dtype, gpu),
+               gdb = Tensor::empty({2 * c.n}, c.dtype, gpu);
+        test::poison(gdx);
+        test::poison(gdw);
+        test::poison(gdb);
+        glu_backward_from_preact({dyg, xg, wg, cg.view(), gdx.view(), gdw.view(), gdb.view(), overwrite}, opt);
+        const std::string w2 = what + (overwrite ? " in place" : "");
+        // dC rounded to the operand dtype before the two GEMMs, and C rounded once before dC: the
+        // recomputing backward's bound holds (C's rounding moves dC by under one rounding of it).
+        const double tol = 2 * tolerance(c);
+        EXPECT_LE(rel_err(gdx, dx), tol) << "dx " << w2;
+        EXPECT_LE(rel_err(glu_unprepare_weight(gdw), dw), tol) << "dw " << w2;
+        EXPECT_LE(rel_err(glu_unprepare_weight(gdb), db), tol) << "db " << w2;
+        EXPECT_LE(rel_err(gdx, rdx), tol) << "dx vs recompute " << w2;
+        EXPECT_LE(rel_err(gdw, rdw), tol) << "dw vs recompute " << w2;
+        EXPECT_LE(rel_err(gdb, rdb), tol) << "db vs recompute " << w2;
+        if (!overwrite) {
+          EXPECT_EQ(test::to_doubles(cg), kept) << "preact changed " << w2;
+        }
+      }
+    }
+}
+
 // Shapes of many tiles (H100: 132 SMs). 16-bit, more than two waves of 128 x 256 tiles (> 264):
 // the fused GEMM's ping-pong configuration, whose backward epilogue also writes db's slab sums;
 // M and 2N with tails; 2N % 8 != 0 takes the scalar epilogue stores, 2N % 8 == 0 the vector ones.
@@ -279,6 +435,17 @@ TEST(GluGpu, ManyTilesMatchSpec) {
     EXPECT_LE(rel_err(gdx, dx), 2 * tol) << "dx " << what;
     EXPECT_LE(rel_err(glu_unprepare_weight(gdw), dw), 2 * tol) << "dw " << what;
     EXPECT_LE(rel_err(glu_unprepare_weight(gdb), db), 2 * tol) << "db " << what;
+    // The forward keeping C (the ping-pong and the multi-tile cooperative epilogues' stores of
+    // it), and the backward from C.
+    Tensor kout = Tensor::empty({c.m, c.n}, t, gpu), cg = Tensor::empty({c.m, 2 * c.n}, t, gpu);
+    for (const Tensor* p : {&kout, &cg, &gdx, &gdw, &gdb}) test::poison(*p);
+    glu_forward({xg, wg, bg.view(), kout, cg.view()}, opt);
+    EXPECT_LE(rel_err(kout, out), tol) << "out keeping C " << what;
+    EXPECT_LE(rel_err(cg, spec_preact(x, w, b, true, c.kind)), tol) << "preact " << what;
+    glu_backward_from_preact({dyg, xg, wg, cg.view(), gdx.view(), gdw.view(), gdb.view(), true}, opt);
+    EXPECT_LE(rel_err(gdx, dx), 2 * tol) << "dx from preact " << what;
+    EXPECT_LE(rel_err(glu_unprepare_weight(gdw), dw), 2 * tol) << "dw from preact " << what;
+    EXPECT_LE(rel_err(glu_unprepare_weight(gdb), db), 2 * tol) << "db from preact " << what;
   }
 }
 
@@ -298,6 +465,19 @@ TEST(GluGpu, FusedForwardAllocatesNoPreactivations) {
   const std::size_t c_bytes = static_cast<std::size_t>(m * 2 * n * 2);
   EXPECT_LT(after.peak_allocated_bytes, before.allocated_bytes + c_bytes / 2)
       << "the forward allocated a buffer the size of C [M, 2N] (an unfused path ran?)";
+  // Keeping C: the caller's buffer, nothing more; and the backward from it in place allocates no
+  // dC either.
+  Tensor c = Tensor::empty({m, 2 * n}, DType::bf16, gpu);
+  const Tensor dy = test::random_tensor({m, n}, DType::bf16, gpu, 3);
+  Tensor dx = Tensor::empty({m, k}, DType::bf16, gpu), dw = Tensor::empty({2 * n, k}, DType::bf16, gpu);
+  Stream::default_stream().synchronize();
+  allocator::reset_peak(gpu);
+  const AllocatorStats before_keep = allocator::stats(gpu);
+  glu_forward({x, w, std::nullopt, out, c.view()}, {.kind = GluKind::swiglu});
+  glu_backward_from_preact({dy, x, w, c.view(), dx.view(), dw.view(), std::nullopt, true}, {.kind = GluKind::swiglu});
+  Stream::default_stream().synchronize();
+  EXPECT_LT(allocator::stats(gpu).peak_allocated_bytes, before_keep.allocated_bytes + c_bytes / 2)
+      << "the forward keeping C, or the backward over it, allocated a buffer the size of C";
 }
 
 TEST(GluGpu, ZeroSizedProblems) {
@@ -309,6 +489,13 @@ TEST(GluGpu, ZeroSizedProblems) {
   glu_forward({x, w, std::nullopt, out}, {});
   Tensor dw = Tensor::empty({8, 16}, DType::bf16, gpu), db = Tensor::empty({8}, DType::bf16, gpu);
   glu_backward({out, x, w, std::nullopt, std::nullopt, dw.view(), db.view()}, {});
+  for (double v : test::to_doubles(dw)) EXPECT_EQ(v, 0.0);
+  for (double v : test::to_doubles(db)) EXPECT_EQ(v, 0.0);
+  Tensor c = Tensor::empty({0, 8}, DType::bf16, gpu);
+  glu_forward({x, w, std::nullopt, out, c.view()}, {});
+  test::poison(dw);
+  test::poison(db);
+  glu_backward_from_preact({out, x, w, c.view(), std::nullopt, dw.view(), db.view()}, {});
   for (double v : test::to_doubles(dw)) EXPECT_EQ(v, 0.0);
   for (double v : test::to_doubles(db)) EXPECT_EQ(v, 0.0);
 }
@@ -415,6 +602,28 @@ TEST(GluErrors, BadArgumentsNameTheArgument) {
                          "glu_backward", "dx");
   test::expect_arg_error([&] { glu_backward({out_bad, x, w, std::nullopt, std::nullopt, std::nullopt, std::nullopt}, {}); },
                          "glu_backward", "dy");
+  Tensor c = Tensor::empty({4, 6}, DType::f32, kCpu), c_bad = Tensor::empty({4, 3}, DType::f32, kCpu);
+  const Tensor c_bf16 = Tensor::empty({4, 6}, DType::bf16, kCpu);
+  Tensor wide = Tensor::empty({4, 6}, DType::f32, kCpu);
+  test::expect_arg_error([&] { glu_forward({x, w, std::nullopt, out, c_bad.view()}, {}); }, "glu_forward", "preact");
+  test::expect_arg_error([&] { glu_forward({x, w, std::nullopt, out, c_bf16.view()}, {}); }, "glu_forward", "preact");
+  // preact and out in one buffer.
+  const TensorView out_in_wide(wide.data(), DType::f32, Dims{4, 3}, kCpu);
+  test::expect_arg_error([&] { glu_forward({x, w, std::nullopt, out_in_wide, wide.view()}, {}); }, "glu_forward",
+                         "preact");
+  using FromPreact = GluBackwardFromPreactArgs;
+  test::expect_arg_error([&] { glu_backward_from_preact(FromPreact{out_bad, x, w, c.view()}, {}); },
+                         "glu_backward_from_preact", "dy");
+  test::expect_arg_error([&] { glu_backward_from_preact(FromPreact{out, x, w, c_bad.view()}, {}); },
+                         "glu_backward_from_preact", "preact");
+  test::expect_arg_error([&] { glu_backward_from_preact(FromPreact{out, x, w_odd, c.view()}, {}); },
+                         "glu_backward_from_preact", "w");
+  test::expect_arg_error([&] { glu_backward_from_preact(FromPreact{out, x, w, c.view(), dx_bad.view()}, {}); },
+                         "glu_backward_from_preact", "dx");
+  Tensor dx_over_c = Tensor::empty({4, 8}, DType::f32, kCpu);
+  const TensorView c_in_dx(dx_over_c.data(), DType::f32, Dims{4, 6}, kCpu);
+  test::expect_arg_error([&] { glu_backward_from_preact(FromPreact{out, x, w, c_in_dx, dx_over_c.view()}, {}); },
+                         "glu_backward_from_preact", "dx");
   test::expect_arg_error([&] { (void)glu_prepare_weight(w_odd); }, "glu_prepare_weight", "w");
   test::expect_arg_error([&] { (void)parse_glu_kind("swish"); }, "parse_glu_kind", "name");
   EXPECT_EQ(parse_glu_kind("geglu_tanh"), GluKind::geglu_tanh);

@@ -20,12 +20,16 @@
 // allocates nothing. Gradients of w and b come back in the same prepared layout (an optimizer can
 // step prepared weights directly); `glu_unprepare_weight` converts back to PyTorch's.
 //
-// Backward. The pre-activations are recomputed, not saved: the backward reruns the fused GEMM with
-// an epilogue that reads dy and writes dC = [dy * dglu/dl, dy * dglu/dr] in the prepared order, in
-// the operand dtype (no fp32 [M, 2N] buffer); then dx = dC w and dw = dCᵀ x are two cuBLAS GEMMs
-// and db the column sums of dC. Saving C instead would keep M x 2N values per layer alive between
-// forward and backward (128 MiB in bf16 at M = 4096, N = 8192) to save one of three GEMMs;
-// docs/glu.md gives the trade-off, docs/notes/glu.md the measurements.
+// Backward, two ways (docs/glu.md says when to pick which):
+// - recompute (glu_backward): the backward reruns the fused GEMM with an epilogue that reads dy
+//   and writes dC = [dy * dglu/dl, dy * dglu/dr] in the prepared order, in the operand dtype (no
+//   fp32 [M, 2N] buffer); then dx = dC w and dw = dCᵀ x are two cuBLAS GEMMs and db the column
+//   sums of dC. Nothing but x is kept from the forward: three GEMMs in the backward.
+// - keep (glu_forward with `preact`, then glu_backward_from_preact): the forward's epilogue also
+//   writes C [M, 2N] (bias included, prepared order, operand dtype) beside out; the backward
+//   reads it in one elementwise pass for dC (in place into C when the caller allows it), then the
+//   same two GEMMs. M x 2N values per layer stay alive from forward to backward (128 MiB in bf16
+//   at M = 4096, N = 8192) to skip one of the three GEMMs.
 //
 // Dtypes: x, w, b, out, dy and the gradients share one dtype: bf16, f16 or f32. 16-bit operands
 // run on the tensor cores with fp32 accumulation. f32 operands run through TF32 only when
@@ -64,6 +68,9 @@ struct GluForwardArgs {
   TensorView w;                    // [2N, K], prepared
   std::optional<TensorView> bias;  // [2N], prepared
   TensorView out;                  // [M, N]
+  // [M, 2N], prepared column order (2n: L[:, n], 2n + 1: R[:, n]): overwritten with C = x wᵀ + b,
+  // rounded once to the operand dtype, for glu_backward_from_preact.
+  std::optional<TensorView> preact = std::nullopt;
 };
 void glu_forward(const GluForwardArgs& a, const GluOptions& opt, const Stream* stream = nullptr);
 
@@ -78,10 +85,31 @@ struct GluBackwardArgs {
 };
 void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, const Stream* stream = nullptr);
 
+// The backward from the pre-activations glu_forward kept: dC from preact and dy in one
+// elementwise pass (accurate activations, fp32 arithmetic, dC rounded to the operand dtype), then
+// dx, dw and db as glu_backward computes them. The forward's bias is inside preact already.
+struct GluBackwardFromPreactArgs {
+  TensorView dy;                    // [M, N]
+  TensorView x;                     // [M, K], the forward's input
+  TensorView w;                     // [2N, K], prepared
+  TensorView preact;                // [M, 2N], prepared: GluForwardArgs::preact of the forward
+  std::optional<TensorView> dx;     // [M, K]: overwritten with dC w
+  std::optional<TensorView> dw;     // [2N, K]: overwritten with dCᵀ x (prepared layout)
+  std::optional<TensorView> dbias;  // [2N]: overwritten with the column sums of dC (prepared)
+  // The caller has no further use for preact: dC is written over it (no [M, 2N] allocation), and
+  // preact's contents afterwards are unspecified.
+  bool overwrite_preact = false;
+};
+void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt,
+                              const Stream* stream = nullptr);
+
 namespace reference {
-// The spec: plain loops on host tensors, in double, on the PyTorch layout (w and b unprepared).
+// The spec: plain loops on host tensors, in double, on the PyTorch layout (w and b unprepared;
+// glu_forward's preact, when given, in the PyTorch column order [L | R]).
 void glu_forward(const GluForwardArgs& a, const GluOptions& opt);
 void glu_backward(const GluBackwardArgs& a, const GluOptions& opt);
+// preact here is in the PyTorch column order ([L | R], as w unprepared); it is never overwritten.
+void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt);
 // glu(l, r) and its two partial derivatives, in double.
 double glu(GluKind k, double l, double r);
 double glu_dl(GluKind k, double l, double r);

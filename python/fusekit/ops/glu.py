@@ -1,13 +1,21 @@
-"""glu: out = glu(x wᵀ + b), w [2N, K] in the prepared (row-interleaved) layout."""
+"""glu: out = glu(x wᵀ + b), w [2N, K] in the prepared (row-interleaved) layout.
+
+Two training paths (docs/glu.md): ``glu`` keeps only x and w for its backward, which recomputes
+C = x wᵀ + b in the fused GEMM (``glu_backward``); ``glu_train`` also returns C [M, 2N] (prepared
+column order, the operand dtype) and keeps it, so its backward (``glu_backward_from_preact``) runs
+one elementwise pass and two GEMMs instead of three GEMMs. ``glu_prepared`` picks between them;
+``glu_mlp`` is a whole Hugging Face MLP on its own (unprepared) parameters."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _C
-from ._registry import _custom_op, _autograd, _autocast, _bwd, _stream, _same_device, _d
+from ._registry import (_custom_op, _autograd, _autocast, _autocast_dtype, _autocast_enabled, _bwd, _stream,
+                        _same_device, _d, call, call_first, needs_grad)
 
 
 # The half of [L, R] = x wᵀ + b that fusekit's kernel for each kind activates (the gate): L, except
@@ -27,6 +35,11 @@ def glu_swaps_halves(kind: str, gate: str) -> bool:
     return kernel != gate
 
 
+def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    """The kernels read row-major tensors: t, or a contiguous copy of it."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def prepare_glu_weight(w: Tensor) -> Tensor:
     """PyTorch layout [2N, ...] (gate rows, then up rows) -> fusekit's: row 2n = w[n], 2n + 1 = w[N + n]."""
     n = w.shape[0] // 2
@@ -43,8 +56,9 @@ def unprepare_glu_weight(w: Tensor) -> Tensor:
 def glu(x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str, allow_tf32: bool) -> Tensor:
     """out [M, N] = glu(L, R), [L, R] = x wᵀ + b; w [2N, K] and bias [2N] prepared."""
     _same_device("glu_forward", x=x, w=w, bias=bias)
+    x, w, bias = _contiguous(x), _contiguous(w), _contiguous(bias)
     out = x.new_empty((x.shape[0], w.shape[0] // 2))
-    _C.glu_forward(_d(x), _d(w), _d(bias), _d(out), kind, allow_tf32, _stream(x))
+    _C.glu_forward(_d(x), _d(w), _d(bias), _d(out), None, kind, allow_tf32, _stream(x))
     return out
 
 
@@ -57,7 +71,7 @@ def _(x, w, bias, kind, allow_tf32):
 def glu_backward(dy: Tensor, x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str,
                  allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, dbias), dw and dbias prepared; dbias empty without a bias."""
-    dy = dy.contiguous() if not dy.is_contiguous() else dy
+    dy, x, w, bias = _contiguous(dy), _contiguous(x), _contiguous(w), _contiguous(bias)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     db = torch.empty_like(bias) if bias is not None else w.new_empty(0)
     _C.glu_backward(_d(dy), _d(x), _d(w), _d(bias), _d(dx), _d(dw), _d(db) if bias is not None else None, kind, allow_tf32,
@@ -84,3 +98,97 @@ def _glu_bwd(ctx, dy):
 
 _autograd("glu", _glu_bwd, _glu_setup)
 _autocast("glu")
+
+
+@_custom_op("glu_train")
+def glu_train(x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str, allow_tf32: bool) -> tuple[Tensor, Tensor]:
+    """(out [M, N], preact [M, 2N]): glu's forward that also returns C = x wᵀ + b (prepared column
+    order, the operand dtype), which its backward reads instead of recomputing the GEMM. preact
+    carries no gradient."""
+    _same_device("glu_forward", x=x, w=w, bias=bias)
+    x, w, bias = _contiguous(x), _contiguous(w), _contiguous(bias)
+    out, preact = x.new_empty((x.shape[0], w.shape[0] // 2)), x.new_empty((x.shape[0], w.shape[0]))
+    _C.glu_forward(_d(x), _d(w), _d(bias), _d(out), _d(preact), kind, allow_tf32, _stream(x))
+    return out, preact
+
+
+@glu_train.register_fake
+def _(x, w, bias, kind, allow_tf32):
+    return x.new_empty((x.shape[0], w.shape[0] // 2)), x.new_empty((x.shape[0], w.shape[0]))
+
+
+@_custom_op("glu_backward_from_preact")
+def glu_backward_from_preact(dy: Tensor, x: Tensor, w: Tensor, preact: Tensor, with_bias: bool, kind: str,
+                             allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, dbias) from glu_train's preact, dw and dbias prepared; dbias empty without a bias.
+    preact is read, not overwritten: a graph kept by retain_graph=True may run this backward twice."""
+    dy, x, w, preact = _contiguous(dy), _contiguous(x), _contiguous(w), _contiguous(preact)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    db = w.new_empty(w.shape[0] if with_bias else 0)
+    _C.glu_backward_from_preact(_d(dy), _d(x), _d(w), _d(preact), _d(dx), _d(dw), _d(db) if with_bias else None,
+                                False, kind, allow_tf32, _stream(dy))
+    return dx, dw, db
+
+
+@glu_backward_from_preact.register_fake
+def _(dy, x, w, preact, with_bias, kind, allow_tf32):
+    return (x.new_empty(x.shape), w.new_empty(w.shape), w.new_empty(w.shape[0] if with_bias else 0))
+
+
+def _glu_train_setup(ctx, inputs, output):
+    x, w, bias, kind, allow_tf32 = inputs
+    ctx.kind, ctx.allow_tf32, ctx.with_bias = kind, allow_tf32, bias is not None
+    ctx.save_for_backward(x, w, output[1])
+
+
+def _glu_train_bwd(ctx, dy, _dpreact):
+    x, w, preact = ctx.saved_tensors
+    dx, dw, db = _bwd(ctx, "glu_backward_from_preact", dy, x, w, preact, ctx.with_bias, ctx.kind, ctx.allow_tf32)
+    return dx, dw, (db if ctx.with_bias else None), None, None
+
+
+_autograd("glu_train", _glu_train_bwd, _glu_train_setup)
+_autocast("glu_train")
+
+
+def glu_prepared(x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str, allow_tf32: bool,
+                 recompute: bool) -> Tensor:
+    """glu on x [M, K] and the prepared w [2N, K], bias [2N]: when a gradient is recorded, keeping
+    the pre-activations [M, 2N] for the backward (recompute=False: two GEMMs in the backward, M 2N
+    values of the operand dtype kept) or recomputing them there (recompute=True: three GEMMs,
+    nothing but x kept)."""
+    if recompute or not needs_grad(x, w, bias):
+        return call("glu", x, w, bias, kind, allow_tf32)
+    return call_first("glu_train", x, w, bias, kind, allow_tf32)
+
+
+def glu_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, kind: str = "swiglu",
+            gate_b: Optional[Tensor] = None, up_b: Optional[Tensor] = None, down_b: Optional[Tensor] = None,
+            recompute: bool = False, allow_tf32: Optional[bool] = None) -> Tensor:
+    """A Hugging Face gated MLP, down_proj(act(gate_proj(x)) * up_proj(x)) (LLaMA's SwiGLU, Gemma's
+    GeGLU), on the model's own parameters in PyTorch's layout: gate_w, up_w [N, K], down_w [K', N].
+    The prepared [2N, K] weight is built on each call inside autograd (one interleaving copy,
+    prepare_glu_weight(cat(gate_w, up_w))), so gradients reach gate_w and up_w as they are and the
+    state dict is untouched; then the fused GEMM + activation, then F.linear for down_proj.
+    recompute: as glu_prepared. Under autocast the two weights are cast before the interleaving."""
+    if (gate_b is None) != (up_b is None):
+        raise _C.Error("fk::glu_mlp: argument 'up_b': expected a bias exactly when gate_b has one, got "
+                       f"gate_b {'None' if gate_b is None else 'a tensor'} and up_b "
+                       f"{'None' if up_b is None else 'a tensor'}")
+    if allow_tf32 is None:
+        allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    device_type = x.device.type
+    if _autocast_enabled(device_type):
+        dt = _autocast_dtype(device_type)
+        gate_w, up_w = gate_w.to(dt), up_w.to(dt)
+        gate_b, up_b = (None, None) if gate_b is None else (gate_b.to(dt), up_b.to(dt))
+    swap = glu_swaps_halves(kind, "first")
+    first, second = (up_w, gate_w) if swap else (gate_w, up_w)
+    n, k = first.shape
+    w = torch.stack((first, second), dim=1).reshape(2 * n, k)
+    bias = None
+    if gate_b is not None:
+        bias = torch.stack((up_b, gate_b) if swap else (gate_b, up_b), dim=1).reshape(2 * n)
+    lead = x.shape[:-1]
+    h = glu_prepared(x.reshape(-1, k), w, bias, kind, allow_tf32, recompute)
+    return F.linear(h.reshape(*lead, n), down_w, down_b)

@@ -1,5 +1,6 @@
 // Dispatch of the glu family: argument checks, the weight layout conversions, then the CPU spec,
-// the fused Hopper GEMM, or the unfused path (cuBLAS GEMM into C, one pass over C).
+// the fused Hopper GEMM, or the unfused path (cuBLAS GEMM into C, one pass over C). The backward
+// from kept pre-activations is one pass over C for dC, then the same cuBLAS GEMMs.
 #include "fusekit/ops/glu.hpp"
 
 #include <cstring>
@@ -60,6 +61,26 @@ void permute_rows(const TensorView& src, const TensorView& dst, bool to_prepared
   (void)stream;
 }
 
+// Moves the 2N columns of a host [M, 2N] matrix between the layouts: PyTorch column h N + j is
+// prepared column 2 j + h (h = 0 left, 1 right).
+void permute_columns_host(const TensorView& src, const TensorView& dst, bool to_prepared) {
+  const std::int64_t m = src.size(0), n2 = src.size(1), n = n2 / 2;
+  const std::size_t e = dtype_size(src.dtype());
+  auto* d = static_cast<char*>(dst.data());
+  const auto* s = static_cast<const char*>(src.data());
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j)
+      for (std::int64_t h = 0; h < 2; ++h) {
+        const std::int64_t torch_col = h * n + j, prepared_col = 2 * j + h;
+        const std::int64_t from = to_prepared ? torch_col : prepared_col, to = to_prepared ? prepared_col : torch_col;
+        std::memcpy(d + static_cast<std::size_t>(i * n2 + to) * e, s + static_cast<std::size_t>(i * n2 + from) * e, e);
+      }
+}
+
+std::optional<TensorView> view_of(const std::optional<Tensor>& t) {
+  return t ? std::optional(t->view()) : std::nullopt;
+}
+
 Tensor permuted(const char* op, const TensorView& w, bool to_prepared, const Stream* stream) {
   FK_CHECK_ARG((w.rank() == 1 || w.rank() == 2) && w.is_contiguous(), op, "w",
                "a contiguous [2N, K] weight or [2N] bias", w.str());
@@ -101,16 +122,35 @@ void glu_forward(const GluForwardArgs& a, const GluOptions& opt, [[maybe_unused]
   constexpr const char* op = "glu_forward";
   const std::int64_t n = check_operands(op, a.x, a.w, a.bias);
   checks::companion(op, "out", a.out, a.x, Dims{a.x.size(0), n});
+  if (a.preact) {
+    checks::companion(op, "preact", *a.preact, a.x, Dims{a.x.size(0), 2 * n});
+    checks::outputs_disjoint(op, {{"preact", &*a.preact}, {"out", &a.out}},
+                             {{"x", &a.x}, {"w", &a.w}, {"bias", a.bias ? &*a.bias : nullptr}});
+  }
   if (a.out.numel() == 0) return;
   if (a.x.device().is_cpu()) {
     const Tensor w = glu_unprepare_weight(a.w);
-    std::optional<Tensor> b;
+    std::optional<Tensor> b, c;
     if (a.bias) b = glu_unprepare_weight(*a.bias);
-    return reference::glu_forward({a.x, w.view(), b ? std::optional(b->view()) : std::nullopt, a.out}, opt);
+    if (a.preact) c = Tensor::empty(a.preact->shape(), a.preact->dtype(), a.preact->device());
+    reference::glu_forward({a.x, w.view(), view_of(b), a.out, view_of(c)}, opt);
+    if (c) permute_columns_host(c->view(), *a.preact, true);
+    return;
   }
 #if FUSEKIT_WITH_CUDA
   const TensorView* bias = a.bias ? &*a.bias : nullptr;
-  if (cuda::glu_gemm_fused(a.x, a.w, bias, nullptr, a.out, nullptr, opt, stream)) return;
+  const TensorView* keep = a.preact ? &*a.preact : nullptr;
+  if (cuda::glu_gemm_fused(a.x, a.w, bias, nullptr, a.out, nullptr, keep, opt, stream)) return;
+  if (keep != nullptr) {
+    // C with the bias to preact (cuBLASLt's bias epilogue), then the activation from it.
+    GemmParams p;
+    p.trans_b = Trans::t;
+    p.allow_tf32 = opt.allow_tf32;
+    p.epilogue = bias ? GemmEpilogue::bias : GemmEpilogue::none;
+    gemm({a.x, a.w, *keep, a.bias, {}, {}}, p, stream);
+    cuda::glu_pairs(*keep, nullptr, nullptr, a.out, opt.kind, stream);
+    return;
+  }
   const Tensor c = Tensor::empty({a.x.size(0), 2 * n}, a.x.dtype(), a.x.device(), stream);
   matmul(a.x, a.w, c.view(), Trans::n, Trans::t, stream, opt.allow_tf32);
   cuda::glu_pairs(c.view(), bias, nullptr, a.out, opt.kind, stream);
@@ -131,8 +171,7 @@ void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, [[maybe_unuse
     if (a.bias) b = glu_unprepare_weight(*a.bias);
     if (a.dw) dw = Tensor::empty(a.dw->shape(), a.dw->dtype(), a.dw->device());
     if (a.dbias) db = Tensor::empty(a.dbias->shape(), a.dbias->dtype(), a.dbias->device());
-    auto view = [](const std::optional<Tensor>& t) { return t ? std::optional(t->view()) : std::nullopt; };
-    reference::glu_backward({a.dy, a.x, w.view(), view(b), a.dx, view(dw), view(db)}, opt);
+    reference::glu_backward({a.dy, a.x, w.view(), view_of(b), a.dx, view_of(dw), view_of(db)}, opt);
     if (dw) copy(*a.dw, glu_prepare_weight(dw->view()).view());
     if (db) copy(*a.dbias, glu_prepare_weight(db->view()).view());
     return;
@@ -145,7 +184,7 @@ void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, [[maybe_unuse
   Tensor db_partial;
   if (a.dbias && m > 0) db_partial = Tensor::empty({(m + 15) / 16, 2 * n}, DType::f32, a.x.device(), stream);
   const TensorView* partial = a.dbias ? &db_partial.view() : nullptr;
-  const bool fused = m > 0 && cuda::glu_gemm_fused(a.x, a.w, bias, &a.dy, dc.view(), partial, opt, stream);
+  const bool fused = m > 0 && cuda::glu_gemm_fused(a.x, a.w, bias, &a.dy, dc.view(), partial, nullptr, opt, stream);
   if (m > 0 && !fused) {
     const Tensor c = Tensor::empty({m, 2 * n}, a.x.dtype(), a.x.device(), stream);
     matmul(a.x, a.w, c.view(), Trans::n, Trans::t, stream, opt.allow_tf32);
@@ -156,6 +195,47 @@ void glu_backward(const GluBackwardArgs& a, const GluOptions& opt, [[maybe_unuse
   if (a.dbias) {
     if (m == 0) fill(*a.dbias, 0.0);
     else cuda::column_sums(fused ? db_partial.view() : dc.view(), *a.dbias, stream);
+  }
+#endif
+}
+
+void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt,
+                              [[maybe_unused]] const Stream* stream) {
+  constexpr const char* op = "glu_backward_from_preact";
+  const std::int64_t n = check_operands(op, a.x, a.w, std::nullopt);
+  const std::int64_t m = a.x.size(0), k = a.x.size(1);
+  checks::companion(op, "dy", a.dy, a.x, Dims{m, n});
+  checks::companion(op, "preact", a.preact, a.x, Dims{m, 2 * n});
+  if (a.dx) checks::companion(op, "dx", *a.dx, a.x, Dims{m, k});
+  if (a.dw) checks::companion(op, "dw", *a.dw, a.x, Dims{2 * n, k});
+  if (a.dbias) checks::companion(op, "dbias", *a.dbias, a.x, Dims{2 * n});
+  checks::outputs_disjoint(op,
+                           {{"dx", a.dx ? &*a.dx : nullptr}, {"dw", a.dw ? &*a.dw : nullptr},
+                            {"dbias", a.dbias ? &*a.dbias : nullptr}},
+                           {{"dy", &a.dy}, {"x", &a.x}, {"w", &a.w}, {"preact", &a.preact}});
+  if (a.x.device().is_cpu()) {
+    const Tensor w = glu_unprepare_weight(a.w);
+    const Tensor c = Tensor::empty(a.preact.shape(), a.preact.dtype(), a.preact.device());
+    permute_columns_host(a.preact, c.view(), false);
+    std::optional<Tensor> dw, db;
+    if (a.dw) dw = Tensor::empty(a.dw->shape(), a.dw->dtype(), a.dw->device());
+    if (a.dbias) db = Tensor::empty(a.dbias->shape(), a.dbias->dtype(), a.dbias->device());
+    reference::glu_backward_from_preact({a.dy, a.x, w.view(), c.view(), a.dx, view_of(dw), view_of(db)}, opt);
+    if (dw) copy(*a.dw, glu_prepare_weight(dw->view()).view());
+    if (db) copy(*a.dbias, glu_prepare_weight(db->view()).view());
+    return;
+  }
+#if FUSEKIT_WITH_CUDA
+  // dC [M, 2N], prepared, operand dtype: over preact when the caller allows it.
+  Tensor dc_owned;
+  if (!a.overwrite_preact) dc_owned = Tensor::empty({m, 2 * n}, a.x.dtype(), a.x.device(), stream);
+  const TensorView dc = a.overwrite_preact ? a.preact : dc_owned.view();
+  if (m > 0) cuda::glu_pairs(a.preact, nullptr, &a.dy, dc, opt.kind, stream);
+  if (a.dx) matmul(dc, a.w, *a.dx, Trans::n, Trans::n, stream, opt.allow_tf32);
+  if (a.dw) matmul(dc, a.x, *a.dw, Trans::t, Trans::n, stream, opt.allow_tf32);
+  if (a.dbias) {
+    if (m == 0) fill(*a.dbias, 0.0);
+    else cuda::column_sums(dc, *a.dbias, stream);
   }
 #endif
 }

@@ -10,14 +10,17 @@ namespace fk::cuda {
 // Without dy: out [M, N] = glu(C). With dy: out = dC [M, 2N], the pairs (dy dglu/dl, dy dglu/dr),
 // and, if db_partial (f32 [ceil(M / 16), 2N], contiguous) is given, its row s = the column sums of
 // dC's rows 16 s .. 16 s + 15 (the fp32 values before dC's rounding): db = column_sums(db_partial).
+// Without dy and with preact ([M, 2N], contiguous): the forward also writes C (bias included,
+// rounded to the operand dtype) there.
 // Returns false, having done nothing, when the device or the shape has no fused kernel
 // (not sm_90, rows not 16-byte multiples, f32 without allow_tf32).
 bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
-                    const TensorView& out, const TensorView* db_partial, const GluOptions& opt,
-                    const Stream* stream);
+                    const TensorView& out, const TensorView* db_partial, const TensorView* preact,
+                    const GluOptions& opt, const Stream* stream);
 
 // glu_pairs.cu: the unfused epilogue as one memory-bound pass over a C [M, 2N] in memory.
-// Without dy: out [M, N] = glu(C + b). With dy: out = dC [M, 2N].
+// Without dy: out [M, N] = glu(C + b). With dy: out = dC [M, 2N], which may be c itself (dC
+// written over C: each thread reads its elements of C before it writes the same ones of dC).
 void glu_pairs(const TensorView& c, const TensorView* bias, const TensorView* dy, const TensorView& out,
                GluKind kind, const Stream* stream);
 

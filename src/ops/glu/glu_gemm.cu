@@ -11,8 +11,8 @@
 namespace fk::cuda {
 
 bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
-                    const TensorView& out, const TensorView* db_partial, const GluOptions& opt,
-                    const Stream* stream) {
+                    const TensorView& out, const TensorView* db_partial, const TensorView* preact,
+                    const GluOptions& opt, const Stream* stream) {
   const DType t = x.dtype();
   if (t != DType::bf16 && t != DType::f16 && t != DType::f32) return false;
   if (t == DType::f32 && !opt.allow_tf32) return false;
@@ -21,6 +21,7 @@ bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* 
   for (const TensorView* p : {&x, &w, &out})
     if (!aligned16(p->data())) return false;
   if (bias != nullptr && !aligned16(bias->data())) return false;  // read in 2-element pairs
+  if (preact != nullptr && (dy != nullptr || !aligned16(preact->data()))) return false;
   if (x.size(0) > INT32_MAX / 2 || w.size(0) > INT32_MAX / 2 || k > INT32_MAX / 2) return false;
   const fk::detail::DeviceScope on_device(x.device().index);
   if (!is_sm90(x.device().index)) return false;
@@ -28,12 +29,13 @@ bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* 
   const std::int64_t tiles = ((x.size(0) + 127) / 128) * ((w.size(0) + 255) / 256);
   const bool many = tiles > 2 * static_cast<std::int64_t>(multiprocessor_count());
   const TensorView* part = dy != nullptr ? db_partial : nullptr;
+  const TensorView* keep = dy == nullptr ? preact : nullptr;
   switch (opt.kind) {
-    case GluKind::sigmoid_tanh: glu_gemm_run<GluKind::sigmoid_tanh>(x, w, bias, dy, out, part, many, stream); break;
-    case GluKind::swiglu: glu_gemm_run<GluKind::swiglu>(x, w, bias, dy, out, part, many, stream); break;
-    case GluKind::geglu_tanh: glu_gemm_run<GluKind::geglu_tanh>(x, w, bias, dy, out, part, many, stream); break;
-    case GluKind::geglu_erf: glu_gemm_run<GluKind::geglu_erf>(x, w, bias, dy, out, part, many, stream); break;
-    case GluKind::reglu: glu_gemm_run<GluKind::reglu>(x, w, bias, dy, out, part, many, stream); break;
+    case GluKind::sigmoid_tanh: glu_gemm_run<GluKind::sigmoid_tanh>(x, w, bias, dy, out, part, keep, many, stream); break;
+    case GluKind::swiglu: glu_gemm_run<GluKind::swiglu>(x, w, bias, dy, out, part, keep, many, stream); break;
+    case GluKind::geglu_tanh: glu_gemm_run<GluKind::geglu_tanh>(x, w, bias, dy, out, part, keep, many, stream); break;
+    case GluKind::geglu_erf: glu_gemm_run<GluKind::geglu_erf>(x, w, bias, dy, out, part, keep, many, stream); break;
+    case GluKind::reglu: glu_gemm_run<GluKind::reglu>(x, w, bias, dy, out, part, keep, many, stream); break;
   }
   return true;
 }

@@ -12,17 +12,20 @@
 // In the prepared layout those are L[m, j] and R[m, j], so each thread computes glu(l + b, r + b')
 // from two of its own registers and stores one value: no shuffles, no shared memory, no [M, 2N]
 // anything. (The bias is added by the epilogue in the ping-pong configuration; in the cooperative
-// one the accumulators start at it, see GluBiasMainloop.) The backward variant recomputes the same
-// accumulators, reads dy[m, j] and stores the pair (dy dglu/dl, dy dglu/dr) to dC[m, 2j .. 2j + 1]
-// with one 2-element store, and (when asked) the column sums of dC over each 16-row slab into
-// db_partial [ceil(M / 16), 2N] (fp32, one writer per element, so db = its column sums is
-// deterministic and dC is not read again).
+// one the accumulators start at it, see GluBiasMainloop.) The forward's keeping variant also
+// stores the pairs (l + b, r + b') themselves to preact [M, 2N] (prepared order, the same stores
+// as the backward's dC, below), for a backward that reads them instead of recomputing the GEMM.
+// The backward variant recomputes the same accumulators, reads dy[m, j] and stores the pair
+// (dy dglu/dl, dy dglu/dr) to dC[m, 2j .. 2j + 1] with one 2-element store, and (when asked) the
+// column sums of dC over each 16-row slab into db_partial [ceil(M / 16), 2N] (fp32, one writer
+// per element, so db = its column sums is deterministic and dC is not read again).
 //
-// One kernel per (dtype, tile configuration, kind, direction): the kind and the direction are
-// template arguments, not run-time branches, so each kernel holds only the code it runs. A kernel
-// holding all five kinds and both directions ran the small forwards slower whenever cuBLAS's TF32
-// GEMM had run before them, from its size alone (docs/notes/glu.md). Each kind's kernels are
-// compiled in their own translation unit (glu_gemm_<kind>.cu), so the five build in parallel.
+// One kernel per (dtype, tile configuration, kind, direction: forward, forward keeping C,
+// backward): the kind and the direction are template arguments, not run-time branches, so each
+// kernel holds only the code it runs. A kernel holding all five kinds and both directions ran the
+// small forwards slower whenever cuBLAS's TF32 GEMM had run before them, from its size alone
+// (docs/notes/glu.md). Each kind's kernels are compiled in their own translation unit
+// (glu_gemm_<kind>.cu), so the five build in parallel.
 //
 // This header is included only by those units; glu_gemm.cu picks the kernel at run time.
 //
@@ -59,8 +62,8 @@ namespace fk::cuda::glu_detail {
 // dC's rows 16 s .. 16 s + 15. kBwdBranchPerStep: where the backward picks its vector or scalar
 // path (see apply). kBiasHere: the epilogue adds the bias (the ping-pong configuration); the
 // cooperative one's accumulators already start at it (GluBiasMainloop), and its epilogue ignores
-// the bias.
-template <class Element, bool kBwdBranchPerStep, GluKind Kind, bool kBackward, bool kBiasHere>
+// the bias. kSavePreact (forward only): also store C to preact [M, 2N].
+template <class Element, bool kBwdBranchPerStep, GluKind Kind, bool kBackward, bool kBiasHere, bool kSavePreact>
 class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
  public:
   using Base = sm90::NoSmemEpilogueBase<Element>;
@@ -73,16 +76,17 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
     const Element* bias = nullptr;
     Element* out = nullptr;
     const Element* dy = nullptr;
-    // N % 4 == 0 and out, dy 16-byte aligned: whole groups of 4 outputs per store.
+    // N % 4 == 0 and out, dy, preact 16-byte aligned: whole groups of 4 outputs per store.
     bool vector_ok = false;
     float* db_partial = nullptr;
     int bias_len = 0;  // 2N
+    Element* preact = nullptr;  // [M, 2N], kSavePreact only
   };
   using Params = Arguments;
 
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
-    return args.out != nullptr && (args.dy != nullptr) == kBackward;
+    return args.out != nullptr && (args.dy != nullptr) == kBackward && (args.preact != nullptr) == kSavePreact;
   }
 
   CUTLASS_HOST_DEVICE explicit GluEpilogue(Params const& params, SharedStorage const& = SharedStorage())
@@ -156,6 +160,31 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
     p[1] = Element(b);
     return reinterpret_cast<uint32_t const&>(p);
   }
+  // Stores the pairs (a[c], b[c]) this lane holds for the 4 chunks c of a step: after a quad
+  // transpose lane q owns chunk q's pairs of the quad's 4 lanes, 8 consecutive elements of a
+  // [M, 2N] row from p. Every lane calls it (shuffles); `store` guards only the write.
+  CUTLASS_DEVICE static void store_pairs(const float (&a)[4], const float (&b)[4], Element* p, bool store) {
+    if constexpr (sizeof(Element) == 2) {
+      uint32_t w[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 4; ++c) w[c] = pack2(a[c], b[c]);
+      quad_transpose_u32(w);
+      if (store) *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      uint32_t wl[4], wr[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 4; ++c) {
+        wl[c] = __float_as_uint(a[c]);
+        wr[c] = __float_as_uint(b[c]);
+      }
+      quad_transpose_u32(wl);
+      quad_transpose_u32(wr);
+      if (store) {
+        reinterpret_cast<uint4*>(p)[0] = make_uint4(wl[0], wr[0], wl[1], wr[1]);
+        reinterpret_cast<uint4*>(p)[1] = make_uint4(wl[2], wr[2], wl[3], wr[3]);
+      }
+    }
+  }
   CUTLASS_DEVICE static float half_of(uint32_t w, int hi) {
     const uint16_t bits = static_cast<uint16_t>(hi ? w >> 16 : w & 0xffffu);
     return static_cast<float>(reinterpret_cast<Element const&>(bits));
@@ -197,6 +226,12 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
         const int64_t j = static_cast<int64_t>(m) * n_total + nc / 2;
         if constexpr (!Backward) {
           out[j] = Element(fk::device::glu<K, true>(s.l[c], s.r[c]));
+          if constexpr (kSavePreact) {
+            Pair pc;
+            pc[0] = Element(s.l[c]);
+            pc[1] = Element(s.r[c]);
+            *reinterpret_cast<Pair*>(params_.preact + static_cast<int64_t>(m) * n2_total + nc) = pc;
+          }
         } else {
           float dl, dr;
           fk::device::glu_grad<K, true>(s.l[c], s.r[c], static_cast<float>(dy[j]), dl, dr);
@@ -228,6 +263,7 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
         if (store)
           *reinterpret_cast<uint4*>(out + static_cast<int64_t>(m) * n_total + col) = make_uint4(w[0], w[1], w[2], w[3]);
       }
+      if constexpr (kSavePreact) store_pairs(s.l, s.r, params_.preact + static_cast<int64_t>(m) * n2_total + 2 * col, store);
     } else {
       // dy for the four outputs this lane owns after a transpose, transposed back to the lanes
       // that hold their accumulators.
@@ -255,27 +291,7 @@ class GluEpilogue : public sm90::NoSmemEpilogueBase<Element> {
         sum[2 * c + 1] += dr[c];
       }
       // Lane q then owns the pairs of chunk q of the step: prepared columns 2 col .. 2 col + 7.
-      Element* dcp = out + static_cast<int64_t>(m) * n2_total + 2 * col;
-      if constexpr (k16) {
-        uint32_t w[4];
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < 4; ++c) w[c] = pack2(dl[c], dr[c]);
-        quad_transpose_u32(w);
-        if (store) *reinterpret_cast<uint4*>(dcp) = make_uint4(w[0], w[1], w[2], w[3]);
-      } else {
-        uint32_t wl[4], wr[4];
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < 4; ++c) {
-          wl[c] = __float_as_uint(dl[c]);
-          wr[c] = __float_as_uint(dr[c]);
-        }
-        quad_transpose_u32(wl);
-        quad_transpose_u32(wr);
-        if (store) {
-          reinterpret_cast<uint4*>(dcp)[0] = make_uint4(wl[0], wr[0], wl[1], wr[1]);
-          reinterpret_cast<uint4*>(dcp)[1] = make_uint4(wl[2], wr[2], wl[3], wr[3]);
-        }
-      }
+      store_pairs(dl, dr, out + static_cast<int64_t>(m) * n2_total + 2 * col, store);
     }
   }
 
@@ -528,16 +544,17 @@ using Cooperative = Cfg<128, 256, 1, 1, false>;
 // measured faster than the cooperative configuration and at or under the cuBLAS GEMM alone.
 using PingPong = Cfg<128, 128, 1, 2, true>;
 
-template <class Element, class C, GluKind K, bool kBackward>
+template <class Element, class C, GluKind K, bool kBackward, bool kSavePreact>
 struct GluGemmConfig;
-template <class Element, int TM, int TN, int CM, int CN, bool PP, GluKind K, bool kBackward>
-struct GluGemmConfig<Element, Cfg<TM, TN, CM, CN, PP>, K, kBackward> {
+template <class Element, int TM, int TN, int CM, int CN, bool PP, GluKind K, bool kBackward, bool kSavePreact>
+struct GluGemmConfig<Element, Cfg<TM, TN, CM, CN, PP>, K, kBackward, kSavePreact> {
   // 64-deep k-blocks of 16-bit operands, 32-deep of TF32: 128-byte rows either way.
   static constexpr int kBlockK = sizeof(Element) == 2 ? 64 : 32;
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<kBlockK>>;
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
   using Epilogue =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GluEpilogue<Element, PP, K, kBackward, PP>>;
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+          GluEpilogue<Element, PP, K, kBackward, PP, kSavePreact>>;
   static constexpr int kAlignment = 16 / sizeof(Element);
   using KernelSchedule = cute::conditional_t<!PP, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                              cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
@@ -557,10 +574,10 @@ struct GluGemmConfig<Element, Cfg<TM, TN, CM, CN, PP>, K, kBackward> {
 };
 
 
-template <class Element, class Schedule, GluKind K, bool kBackward>
+template <class Element, class Schedule, GluKind K, bool kBackward, bool kSavePreact>
 void run_fused(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
-               const TensorView& out, const TensorView* db_partial, const Stream* stream) {
-  using Config = GluGemmConfig<Element, Schedule, K, kBackward>;
+               const TensorView& out, const TensorView* db_partial, const TensorView* preact, const Stream* stream) {
+  using Config = GluGemmConfig<Element, Schedule, K, kBackward, kSavePreact>;
   using Gemm = typename Config::Gemm;
   const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1)), n2 = static_cast<int>(w.size(0));
   // Both operands K-major: (row stride, 1, batch stride).
@@ -586,17 +603,21 @@ void run_fused(const TensorView& x, const TensorView& w, const TensorView* bias,
       mainloop,
       {bias ? static_cast<const Element*>(bias->data()) : nullptr, static_cast<Element*>(out.data()),
        dy ? static_cast<const Element*>(dy->data()) : nullptr,
-       n2 % 8 == 0 && aligned16(out.data()) && (dy == nullptr || aligned16(dy->data())),
-       db_partial ? static_cast<float*>(db_partial->data()) : nullptr, n2},
+       n2 % 8 == 0 && aligned16(out.data()) && (dy == nullptr || aligned16(dy->data())) &&
+           (preact == nullptr || aligned16(preact->data())),
+       db_partial ? static_cast<float*>(db_partial->data()) : nullptr, n2,
+       preact ? static_cast<Element*>(preact->data()) : nullptr},
       hw};
   sm90::run_gemm<Gemm>(args, x.device(), stream, "glu_forward (fused GEMM)");
 }
 
 template <class Element, class Schedule, GluKind K>
 void run_direction(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
-                   const TensorView& out, const TensorView* db_partial, const Stream* stream) {
-  if (dy == nullptr) run_fused<Element, Schedule, K, false>(x, w, bias, dy, out, db_partial, stream);
-  else run_fused<Element, Schedule, K, true>(x, w, bias, dy, out, db_partial, stream);
+                   const TensorView& out, const TensorView* db_partial, const TensorView* preact,
+                   const Stream* stream) {
+  if (dy != nullptr) run_fused<Element, Schedule, K, true, false>(x, w, bias, dy, out, db_partial, nullptr, stream);
+  else if (preact != nullptr) run_fused<Element, Schedule, K, false, true>(x, w, bias, dy, out, nullptr, preact, stream);
+  else run_fused<Element, Schedule, K, false, false>(x, w, bias, dy, out, nullptr, nullptr, stream);
 }
 
 }  // namespace fk::cuda::glu_detail
@@ -605,19 +626,20 @@ namespace fk::cuda {
 
 template <GluKind K>
 void glu_gemm_run(const TensorView& x, const TensorView& w, const TensorView* bias, const TensorView* dy,
-                  const TensorView& out, const TensorView* db_partial, bool many_tiles, const Stream* stream) {
+                  const TensorView& out, const TensorView* db_partial, const TensorView* preact, bool many_tiles,
+                  const Stream* stream) {
   using namespace glu_detail;
   switch (x.dtype()) {
     case DType::bf16:
-      many_tiles ? run_direction<cutlass::bfloat16_t, PingPong, K>(x, w, bias, dy, out, db_partial, stream)
-                 : run_direction<cutlass::bfloat16_t, Cooperative, K>(x, w, bias, dy, out, db_partial, stream);
+      many_tiles ? run_direction<cutlass::bfloat16_t, PingPong, K>(x, w, bias, dy, out, db_partial, preact, stream)
+                 : run_direction<cutlass::bfloat16_t, Cooperative, K>(x, w, bias, dy, out, db_partial, preact, stream);
       return;
     case DType::f16:
-      many_tiles ? run_direction<cutlass::half_t, PingPong, K>(x, w, bias, dy, out, db_partial, stream)
-                 : run_direction<cutlass::half_t, Cooperative, K>(x, w, bias, dy, out, db_partial, stream);
+      many_tiles ? run_direction<cutlass::half_t, PingPong, K>(x, w, bias, dy, out, db_partial, preact, stream)
+                 : run_direction<cutlass::half_t, Cooperative, K>(x, w, bias, dy, out, db_partial, preact, stream);
       return;
     case DType::f32:
-      run_direction<float, Cooperative, K>(x, w, bias, dy, out, db_partial, stream);
+      run_direction<float, Cooperative, K>(x, w, bias, dy, out, db_partial, preact, stream);
       return;
     default:
       throw Error("glu_forward (fused GEMM)", "no kernel for this dtype");  // glu_gemm_fused checked it

@@ -1,10 +1,12 @@
-// The fused GLU GEMM's kernels of kind geglu_erf, both directions, every dtype and tile configuration
-// (glu_gemm.cuh). One kind per translation unit: see glu_gemm.cuh.
+// The fused GLU GEMM's kernels of kind geglu_erf, every direction (forward, forward keeping C,
+// backward), every dtype and tile configuration (glu_gemm.cuh). One kind per translation unit:
+// see glu_gemm.cuh.
 #include "glu_gemm.cuh"
 
 namespace fk::cuda {
 
 template void glu_gemm_run<GluKind::geglu_erf>(const TensorView&, const TensorView&, const TensorView*, const TensorView*,
-                                        const TensorView&, const TensorView*, bool, const Stream*);
+                                        const TensorView&, const TensorView*, const TensorView*, bool,
+                                        const Stream*);
 
 }  // namespace fk::cuda

@@ -21,9 +21,10 @@ using fk::device::store_vec;
 using fk::device::Vec;
 
 // V elements of C (V / 2 pairs) per step; pairs [0, pairs) in all; n2 = 2N for the bias index.
+// c and out are not __restrict__: the backward may write dC over C (glu_backward_from_preact).
 template <class T, int V, GluKind K, bool Backward>
-__global__ void glu_pairs_kernel(const T* __restrict__ c, const T* __restrict__ bias, const T* __restrict__ dy,
-                                 T* __restrict__ out, std::int64_t pairs, std::int64_t n2) {
+__global__ void glu_pairs_kernel(const T* c, const T* __restrict__ bias, const T* __restrict__ dy, T* out,
+                                 std::int64_t pairs, std::int64_t n2) {
   constexpr int P = V / 2;
   const std::int64_t steps = pairs / P;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;

@@ -68,38 +68,57 @@ void glu_forward(const GluForwardArgs& a, const GluOptions& opt) {
   for (std::int64_t i = 0; i < m; ++i)
     for (std::int64_t j = 0; j < n; ++j)
       store(a.out, i * n + j, glu(opt.kind, c[i * 2 * n + j], c[i * 2 * n + n + j]));
+  if (a.preact)
+    for (std::int64_t i = 0; i < m * 2 * n; ++i) store(*a.preact, i, c[static_cast<std::size_t>(i)]);
 }
 
-void glu_backward(const GluBackwardArgs& a, const GluOptions& opt) {
-  const std::int64_t m = a.x.size(0), k = a.x.size(1), n = a.dy.size(1), n2 = 2 * n;
-  const std::vector<double> c = preactivations(a.x, a.w, a.bias);
+namespace {
+
+// dC = [dy dglu/dl, dy dglu/dr] from C (both [M, 2N], PyTorch layout), then dx = dC w,
+// dw = dCᵀ x, db = the column sums of dC, each where asked for.
+void backward_from(const std::vector<double>& c, const TensorView& dy, const TensorView& x, const TensorView& w,
+                   const std::optional<TensorView>& dx, const std::optional<TensorView>& dw,
+                   const std::optional<TensorView>& dbias, const GluOptions& opt) {
+  const std::int64_t m = x.size(0), k = x.size(1), n = dy.size(1), n2 = 2 * n;
   std::vector<double> dc(static_cast<std::size_t>(m * n2));
   for (std::int64_t i = 0; i < m; ++i)
     for (std::int64_t j = 0; j < n; ++j) {
-      const double g = load(a.dy, i * n + j), l = c[i * n2 + j], r = c[i * n2 + n + j];
+      const double g = load(dy, i * n + j), l = c[i * n2 + j], r = c[i * n2 + n + j];
       dc[i * n2 + j] = g * glu_dl(opt.kind, l, r);
       dc[i * n2 + n + j] = g * glu_dr(opt.kind, l, r);
     }
-  if (a.dx)
+  if (dx)
     for (std::int64_t i = 0; i < m; ++i)
       for (std::int64_t kk = 0; kk < k; ++kk) {
         double s = 0;
-        for (std::int64_t j = 0; j < n2; ++j) s += dc[i * n2 + j] * load(a.w, j * k + kk);
-        store(*a.dx, i * k + kk, s);
+        for (std::int64_t j = 0; j < n2; ++j) s += dc[i * n2 + j] * load(w, j * k + kk);
+        store(*dx, i * k + kk, s);
       }
-  if (a.dw)
+  if (dw)
     for (std::int64_t j = 0; j < n2; ++j)
       for (std::int64_t kk = 0; kk < k; ++kk) {
         double s = 0;
-        for (std::int64_t i = 0; i < m; ++i) s += dc[i * n2 + j] * load(a.x, i * k + kk);
-        store(*a.dw, j * k + kk, s);
+        for (std::int64_t i = 0; i < m; ++i) s += dc[i * n2 + j] * load(x, i * k + kk);
+        store(*dw, j * k + kk, s);
       }
-  if (a.dbias)
+  if (dbias)
     for (std::int64_t j = 0; j < n2; ++j) {
       double s = 0;
       for (std::int64_t i = 0; i < m; ++i) s += dc[i * n2 + j];
-      store(*a.dbias, j, s);
+      store(*dbias, j, s);
     }
+}
+
+}  // namespace
+
+void glu_backward(const GluBackwardArgs& a, const GluOptions& opt) {
+  backward_from(preactivations(a.x, a.w, a.bias), a.dy, a.x, a.w, a.dx, a.dw, a.dbias, opt);
+}
+
+void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt) {
+  std::vector<double> c(static_cast<std::size_t>(a.preact.numel()));
+  for (std::int64_t i = 0; i < a.preact.numel(); ++i) c[static_cast<std::size_t>(i)] = load(a.preact, i);
+  backward_from(c, a.dy, a.x, a.w, a.dx, a.dw, a.dbias, opt);
 }
 
 }  // namespace fk::reference
