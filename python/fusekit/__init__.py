@@ -23,20 +23,10 @@ if _torch is not None:
     # Every device buffer fusekit allocates (scratch included) comes from PyTorch's caching
     # allocator: torch.cuda.max_memory_allocated() counts it, CUDA graph capture pools it.
     ops.use_torch_caching_allocator()
-    from .functional import (attention, batched_matmul, bias_act, broadcast_binary, check_bags,  # noqa: F401
-                             conv2d, convert, dense_optimizer_update_, embedding_bags, glu, interaction, lora,
-                             linear_cross_entropy,
-                             outer, pack, relu_packed, row_sum, sigmoid_bce, softmax, unpack,
-                             weight_grad_from_packed)
-    from .functional import add_rms_norm, rms_norm  # noqa: F401
-
-
-
-    from .functional import apply_rotary_pos_emb, rope  # noqa: F401
-
-
-
-    from .functional import glu_mlp  # noqa: F401
+    from .functional import (add_rms_norm, apply_rotary_pos_emb, attention, batched_matmul, bias_act,  # noqa: F401
+                             broadcast_binary, check_bags, conv2d, convert, dense_optimizer_update_, embedding_bags,
+                             glu, glu_mlp, interaction, linear_cross_entropy, lora, outer, pack, relu_packed,
+                             rms_norm, rope, row_sum, sigmoid_bce, softmax, unpack, weight_grad_from_packed)
     from . import nn  # noqa: F401,E402  (fusekit.nn after `import fusekit`, as torch.nn after `import torch`)
     from .patch import patch, patch_llama, unpatch  # noqa: F401,E402
 
