@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -132,8 +133,10 @@ def _is_patched(module: nn.Module) -> bool:
     return _ORIGINAL in module.__dict__
 
 
-# rotary: module -> [the original apply_rotary_pos_emb, how many patched models use it]
+# rotary: module -> [the original apply_rotary_pos_emb, how many patched models use it]; each such
+# model -> the finalizer that releases its use (run by unpatch, or when the model is collected).
 _ROPE_USERS: dict[str, list] = {}
+_ROPE_MODELS: "weakref.WeakKeyDictionary[nn.Module, weakref.finalize]" = weakref.WeakKeyDictionary()
 
 
 def _rope_wrapper(original: Callable) -> Callable:
@@ -176,6 +179,10 @@ def _is_rms_norm(m: nn.Module) -> bool:
 
 
 def _mlp_kind(m: nn.Module) -> Optional[str]:
+    """The GLU kind of a gated MLP: exactly the children gate_proj, up_proj, down_proj, act_fn (a
+    module holding more, a block with its norm say, computes something else)."""
+    if {name for name, _ in m.named_children()} != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+        return None
     parts = [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, nn.Linear) and type(p) is nn.Linear for p in parts):
         return None
@@ -213,11 +220,17 @@ def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bo
         elif rope and type(m).__name__.endswith("Attention") and hasattr(sys.modules.get(type(m).__module__),
                                                                           "apply_rotary_pos_emb"):
             rope_modules.add(type(m).__module__)
-    for name in rope_modules:
-        _patch_rope(name)
-    if rope_modules:
-        object.__setattr__(model, "_fusekit_rope_modules", tuple(sorted(rope_modules)))
+    if rope_modules and model not in _ROPE_MODELS:
+        names = tuple(sorted(rope_modules))
+        for name in names:
+            _patch_rope(name)
+        _ROPE_MODELS[model] = weakref.finalize(model, _release_rope, names)
     return model
+
+
+def _release_rope(names: tuple) -> None:
+    for name in names:
+        _unpatch_rope(name)
 
 
 def patch_llama(model: nn.Module, **options) -> nn.Module:
@@ -240,8 +253,9 @@ def unpatch(model: nn.Module) -> nn.Module:
             del m.__dict__[_ORIGINAL]
             for attr in ("_fusekit_kind", "_fusekit_recompute"):
                 m.__dict__.pop(attr, None)
-    for name in model.__dict__.pop("_fusekit_rope_modules", ()):
-        _unpatch_rope(name)
+    release = _ROPE_MODELS.pop(model, None)
+    if release is not None:
+        release()
     return model
 
 
