@@ -99,8 +99,7 @@ def _causal_lm_forward(self, *args, **kwargs):
     shift_labels = arguments.pop("shift_labels", None)
     outputs = self.model(**arguments)
     loss = _causal_lm_loss(self, outputs[0], labels, arguments.get("num_items_in_batch"), shift_labels=shift_labels)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-    return CausalLMOutputWithPast(loss=loss, logits=None)
+    return self._fusekit_output(loss=loss, logits=None)
 
 
 def _positional_names(forward: Callable) -> tuple[str, ...]:
@@ -214,9 +213,11 @@ def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bo
             object.__setattr__(m, "_fusekit_kind", kind)
             object.__setattr__(m, "_fusekit_recompute", recompute_mlp)
         elif cross_entropy and _is_causal_lm(m):
+            from transformers.modeling_outputs import CausalLMOutputWithPast
             base = type(m).forward
             _swap(m, "causal_lm", {"forward": _causal_lm_forward, "_fusekit_base_forward": base,
-                                   "_fusekit_arg_names": _positional_names(base)})
+                                   "_fusekit_arg_names": _positional_names(base),
+                                   "_fusekit_output": CausalLMOutputWithPast})
         elif rope and type(m).__name__.endswith("Attention") and hasattr(sys.modules.get(type(m).__module__),
                                                                           "apply_rotary_pos_emb"):
             rope_modules.add(type(m).__module__)
