@@ -18,18 +18,22 @@
 // Skip dw and dbias when the head is frozen (LoRA), every gradient for evaluation.
 //
 // On the GPU (Liger-Kernel's design): N is split into chunks of C rows; per chunk, z_c = h_c wᵀ
-// by cuBLAS into an f32 buffer [C, V] (bf16 / f16 operands with f32 accumulation; f32 operands on
-// TF32 only when allow_tf32), one kernel per chunk computes each row's max, lse and loss and
-// overwrites the row in place with g in the operands' dtype, then dh_c = g_c w, dw += g_cᵀ h_c and
-// dbias += 1ᵀ g_c (cuBLAS, beta = 1 into f32 accumulators, converted once at the end for 16-bit
-// w). The count D is taken on the device first, so nothing waits on the host, except the check of
-// the targets (check_targets), which reads one flag back before any work is queued. Scratch: the
-// chunk's logits (C ceil8(V) f32: auto C keeps it near 256 MiB), f32 accumulators for dw and dbias
-// when w is 16-bit, and N floats of row losses; all from the caching allocator.
+// by cuBLAS into a buffer [C, V] in the operands' dtype (bf16 / f16 operands with f32 accumulation,
+// rounded once, as F.linear's logits are; f32 operands on TF32 only when allow_tf32), one kernel per
+// chunk computes each row's max, lse and loss in f32 and overwrites the row in place with g, then
+// dh_c = g_c w, dw += g_cᵀ h_c and dbias += 1ᵀ g_c (cuBLAS, beta = 1 into f32 accumulators,
+// converted once at the end for 16-bit w). The count D is taken on the device first, so nothing
+// waits on the host, except the check of the targets (check_targets), which reads one flag back
+// before any work is queued. Scratch: the chunk's logits (C ceil8(V) values: auto C keeps them
+// near 256 MiB), f32 accumulators for dw and dbias when w is 16-bit, and N floats of row losses;
+// all from the caching allocator.
 //
-// Accuracy: the loss within f32's; the gradients carry one rounding of g to the operands' dtype
-// before the two GEMMs, so their normwise relative error against the spec is about that
-// dtype's unit roundoff (tests hold bf16 to 1e-2, f16 to 2e-3, f32 to 1e-4, TF32 to 5e-3).
+// Accuracy: 16-bit operands give 16-bit logits (one rounding of each, as the eager expression
+// F.cross_entropy(F.linear(h, w).float(), t) has), so the loss is within a few units of the
+// dtype's roundoff times |logits| (tests hold bf16 to 2e-2, f16 to 4e-3 relative); f32's within
+// f32's. The gradients carry one rounding of g to the operands' dtype before the two GEMMs, so
+// their normwise relative error against the spec is about that dtype's unit roundoff (tests hold
+// bf16 to 1e-2, f16 to 2e-3, f32 to 1e-4, TF32 to 5e-3).
 #pragma once
 
 #include <cstdint>
@@ -53,7 +57,7 @@ struct LinearCrossEntropyParams {
   float label_smoothing = 0.0f;  // ε in [0, 1]
   float z_loss = 0.0f;           // ζ >= 0, finite; 0 = off
   LossReduction reduction = LossReduction::mean;
-  // Rows per chunk on the GPU; 0 picks them so that the chunk's f32 logits take about 256 MiB.
+  // Rows per chunk on the GPU; 0 picks them so that the chunk's logits take about 256 MiB.
   std::int64_t chunk_rows = 0;
   bool allow_tf32 = false;  // f32 operands on TF32 tensor cores (GPU)
   // GPU: read back, before queuing the work, whether every target is in [0, V) or ignore_index,
@@ -78,8 +82,10 @@ struct LinearCrossEntropyArgs {
 void linear_cross_entropy(const LinearCrossEntropyArgs& args, const LinearCrossEntropyParams& p = {},
                           const Stream* stream = nullptr);
 
-// The chunk rows the GPU path uses for N rows and V classes (p.chunk_rows when set).
-std::int64_t linear_cross_entropy_chunk_rows(std::int64_t n, std::int64_t v, std::int64_t chunk_rows = 0);
+// The chunk rows the GPU path uses for N rows and V classes with logits of dtype `logits` (the
+// operands'), p.chunk_rows when set.
+std::int64_t linear_cross_entropy_chunk_rows(std::int64_t n, std::int64_t v, std::int64_t chunk_rows = 0,
+                                             DType logits = DType::f32);
 
 namespace reference {
 // The spec: plain loops over host tensors in double, one rounding per output.

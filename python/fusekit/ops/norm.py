@@ -166,5 +166,8 @@ def _add_rms_norm_bwd(ctx, dout, dresidual_out, drstd):
 _autograd("add_rms_norm", _add_rms_norm_bwd, _add_rms_norm_setup)
 
 # torch's rms_norm and layer_norm are on CUDA autocast's fp32 list, and on no CPU autocast list.
-_autocast("rms_norm", policy="fp32", device_types=("cuda",))
-_autocast("add_rms_norm", policy="fp32", device_types=("cuda",))
+# torch's own rms_norm is on CUDA autocast's fp32 list from torch 2.12 (before, autocast leaves it
+# alone and it runs in its inputs' dtypes): fusekit's follow the running torch.
+if torch.torch_version.TorchVersion(torch.__version__) >= (2, 12):
+    _autocast("rms_norm", policy="fp32", device_types=("cuda",))
+    _autocast("add_rms_norm", policy="fp32", device_types=("cuda",))

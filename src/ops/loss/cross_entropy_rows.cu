@@ -1,12 +1,10 @@
 // The kernels of linear_cross_entropy between its GEMMs (contracts in loss_cuda.hpp).
 //
-// cross_entropy_rows: one block per row of the chunk's f32 logits. Pass 1 reads the row once
-// (16-byte loads, + bias) for its running max and sum of exponentials and its plain sum; pass 2
-// reads it again and overwrites it in place with the gradient g in the operands' dtype. A 16-bit g
-// row is written over the first half of the bytes of its own f32 row: the writes of one round of
-// the loop land on elements every thread has already read (a barrier between the round's loads and
-// its stores), so the row is consumed before it is overwritten, and the 16-bit g keeps the f32
-// buffer's row starts (row stride 2 ld). The count of the mean comes from the device
+// cross_entropy_rows: one block per row of the chunk's logits, in the operands' dtype (the GEMM's
+// f32 accumulators rounded once, as F.linear's output is). Pass 1 reads the row once (16-byte
+// loads, + bias) for its running max and sum of exponentials and its plain sum, in f32; pass 2
+// reads it again and overwrites each element in place with the gradient g (the thread that read a
+// vector writes it back). The count of the mean comes from the device
 // (loss_count_targets), so no launch waits on the host. The row losses are summed in double in a
 // fixed order by loss_total: the loss is deterministic.
 #include <cuda_bf16.h>
@@ -49,43 +47,51 @@ __device__ __forceinline__ void add(MaxSum& acc, float x) {
   }
 }
 
+// 16-byte vectors of T: 4 f32 or 8 bf16 / f16 logits.
+template <class T>
+struct Vec {
+  static constexpr int n = 16 / sizeof(T);
+  union {
+    uint4 raw;
+    T e[n];
+  };
+};
+
 template <class T>
 __global__ void __launch_bounds__(kRowThreads)
-    cross_entropy_rows_kernel(float* __restrict__ logits, std::int64_t v, std::int64_t ld, const T* __restrict__ bias,
+    cross_entropy_rows_kernel(T* __restrict__ logits, std::int64_t v, std::int64_t ld, const T* __restrict__ bias,
                               const std::int64_t* __restrict__ targets, const std::int64_t* __restrict__ status,
                               float* __restrict__ row_loss, std::int64_t ignore_index, float smoothing, float zeta,
                               bool mean) {
+  constexpr int kVec = Vec<T>::n;
   __shared__ MaxSum part_ms[kWarps];
   __shared__ float part_sum[kWarps];
   __shared__ float row_stats[2];  // lse, Σ z
-
   const std::int64_t row = blockIdx.x;
-  float* z = logits + row * ld;                        // [v] f32 in
-  T* g = reinterpret_cast<T*>(z);                      // [v] T out, over the same bytes
-  const float4* z4 = reinterpret_cast<const float4*>(z);
+  T* z = logits + row * ld;  // [v]: z in, g out over the same elements
+  uint4* z4 = reinterpret_cast<uint4*>(z);
   const std::int64_t t = targets[row];
   const bool ignored = t == ignore_index;
   const bool bad = !ignored && (t < 0 || t >= v);
-  const std::int64_t nvec = (v + 3) / 4;
-
-  auto logit = [&](float raw, std::int64_t j) {
-    return bias != nullptr ? raw + device::to_float(bias[j]) : raw;
+  const std::int64_t nvec = (v + kVec - 1) / kVec;
+  auto logit = [&](T raw, std::int64_t j) {
+    const float x = device::to_float(raw);
+    return bias != nullptr ? x + device::to_float(bias[j]) : x;
   };
-
   float lse = 0.0f;
   if (!ignored && !bad) {
     MaxSum ms{-INFINITY, 0.0f};
     float sum = 0.0f;
     for (std::int64_t q = threadIdx.x; q < nvec; q += kRowThreads) {
-      const float4 x4 = z4[q];
-      const float xs[4] = {x4.x, x4.y, x4.z, x4.w};
+      Vec<T> x;
+      x.raw = z4[q];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const std::int64_t j = 4 * q + e;
+      for (int e = 0; e < kVec; ++e) {
+        const std::int64_t j = kVec * q + e;
         if (j < v) {
-          const float x = logit(xs[e], j);
-          add(ms, x);
-          sum += x;
+          const float xv = logit(x.e[e], j);
+          add(ms, xv);
+          sum += xv;
         }
       }
     }
@@ -113,7 +119,6 @@ __global__ void __launch_bounds__(kRowThreads)
     __syncthreads();
     lse = row_stats[0];
   }
-
   if (threadIdx.x == 0) {
     float loss = 0.0f;
     if (bad) {
@@ -125,35 +130,29 @@ __global__ void __launch_bounds__(kRowThreads)
     }
     row_loss[row] = loss;
   }
-  // Every read of z[t] and of pass 1 happens before pass 2's first store.
+  // z[t] is read before any thread overwrites it.
   __syncthreads();
-
   const float scale = mean ? 1.0f / static_cast<float>(status[0]) : 1.0f;
   const float coef_p = scale * (1.0f + 2.0f * zeta * lse);
   const float coef_uniform = scale * smoothing / static_cast<float>(v);
   const float coef_target = scale * (1.0f - smoothing);
-  for (std::int64_t base = 0; base < nvec; base += kRowThreads) {
-    const std::int64_t q = base + threadIdx.x;
-    float4 x4{};
-    if (q < nvec) x4 = z4[q];
-    if constexpr (sizeof(T) < sizeof(float)) __syncthreads();  // this round's stores overwrite read elements only
-    if (q < nvec) {
-      const float xs[4] = {x4.x, x4.y, x4.z, x4.w};
+  for (std::int64_t q = threadIdx.x; q < nvec; q += kRowThreads) {
+    Vec<T> x;
+    x.raw = z4[q];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const std::int64_t j = 4 * q + e;
-        if (j >= v) break;
-        float d;
-        if (ignored) {
-          d = 0.0f;
-        } else if (bad) {
+    for (int e = 0; e < kVec; ++e) {
+      const std::int64_t j = kVec * q + e;
+      float d = 0.0f;  // padding past v is written 0 (the GEMMs read only [0, v))
+      if (j < v) {
+        if (bad) {
           d = NAN;
-        } else {
-          d = coef_p * __expf(logit(xs[e], j) - lse) - coef_uniform - (j == t ? coef_target : 0.0f);
+        } else if (!ignored) {
+          d = coef_p * __expf(logit(x.e[e], j) - lse) - coef_uniform - (j == t ? coef_target : 0.0f);
         }
-        g[j] = device::from_float<T>(d);
       }
+      x.e[e] = device::from_float<T>(d);
     }
+    z4[q] = x.raw;
   }
 }
 
@@ -225,7 +224,7 @@ void cross_entropy_rows(const CrossEntropyRowsArgs& a, const LinearCrossEntropyP
   with_float_type(a.grad_dtype, [&](auto ti) {
     using T = decltype(ti);
     cross_entropy_rows_kernel<T><<<static_cast<unsigned>(a.rows), kRowThreads, 0, s>>>(
-        static_cast<float*>(a.logits), a.v, a.ld, static_cast<const T*>(a.bias), a.targets, a.status, a.row_loss,
+        static_cast<T*>(a.logits), a.v, a.ld, static_cast<const T*>(a.bias), a.targets, a.status, a.row_loss,
         p.ignore_index, p.label_smoothing, p.z_loss, p.reduction == LossReduction::mean);
   });
   FK_CUDA_CHECK_LAUNCH("cross_entropy_rows");

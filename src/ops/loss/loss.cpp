@@ -126,19 +126,18 @@ void run_cuda(const LinearCrossEntropyArgs& a, const LinearCrossEntropyParams& p
     if (dbias) zero_async(*dbias, stream ? *stream : Stream::default_stream());
   } else {
     const std::int64_t vp = padded_classes(v);
-    const std::int64_t c = linear_cross_entropy_chunk_rows(n, v, p.chunk_rows);
-    const Tensor logits = Tensor::empty({c, vp}, DType::f32, dev, stream);  // [C, Vp]: z, then g over it
+    const std::int64_t c = linear_cross_entropy_chunk_rows(n, v, p.chunk_rows, dt);
+    const Tensor logits = Tensor::empty({c, vp}, dt, dev, stream);  // [C, Vp]: z, then g over it
     std::optional<Tensor> ones;                                             // [1, C] for dbias += 1ᵀ g
     if (dbias) {
       ones = Tensor::empty({1, c}, dt, dev, stream);
       cuda::fill_ones(ones->view(), stream);
     }
-    const std::int64_t g_ld = wide ? vp : 2 * vp;
     for (std::int64_t r0 = 0; r0 < n; r0 += c) {
       const std::int64_t rows = std::min(c, n - r0);
       const TensorView h_c = a.h.slice_rows(r0, r0 + rows);
-      const TensorView z_c(logits.data(), DType::f32, {rows, v}, {vp, 1}, dev);
-      const TensorView g_c(logits.data(), dt, {rows, v}, {g_ld, 1}, dev);
+      const TensorView z_c(logits.data(), dt, {rows, v}, {vp, 1}, dev);
+      const TensorView& g_c = z_c;  // the row kernel writes g over z
       const float beta = r0 == 0 ? 0.0f : 1.0f;
       gemm({h_c, a.w, z_c}, {.trans_a = Trans::n, .trans_b = Trans::t, .allow_tf32 = p.allow_tf32}, stream);
       cuda::cross_entropy_rows({logits.data(), rows, v, vp, dt, a.bias ? a.bias->data() : nullptr,
@@ -166,10 +165,11 @@ void run_cuda(const LinearCrossEntropyArgs& a, const LinearCrossEntropyParams& p
 
 }  // namespace
 
-std::int64_t linear_cross_entropy_chunk_rows(std::int64_t n, std::int64_t v, std::int64_t chunk_rows) {
+std::int64_t linear_cross_entropy_chunk_rows(std::int64_t n, std::int64_t v, std::int64_t chunk_rows, DType logits) {
   if (n <= 0) return 1;
   if (chunk_rows > 0) return std::min(chunk_rows, n);
-  const std::int64_t cap = std::max<std::int64_t>(1, kChunkLogitBytes / (4 * padded_classes(v)));
+  const std::int64_t cap =
+      std::max<std::int64_t>(1, kChunkLogitBytes / (static_cast<std::int64_t>(dtype_size(logits)) * padded_classes(v)));
   // Equal chunks, rounded up to 8 rows (the GEMMs' M), at most about cap rows.
   const std::int64_t chunks = (n + cap - 1) / cap;
   const std::int64_t c = ((n + chunks - 1) / chunks + 7) / 8 * 8;

@@ -15,8 +15,8 @@ void loss_count_targets(const TensorView& targets, std::int64_t v, std::int64_t 
                         const Stream* stream);
 
 struct CrossEntropyRowsArgs {
-  // [rows, v] f32 with row stride ld (a multiple of 4, 16-byte aligned rows): z = h_c wᵀ in, and
-  // out, in place, g in `grad_dtype` with row stride ld (f32) or 2 ld (bf16 / f16), the same rows.
+  // [rows, v] in `grad_dtype` (the operands') with row stride ld (a multiple of 8: 16-byte aligned
+  // rows): z = h_c wᵀ in, and out, in place, g, the same elements (padding up to ld written 0).
   void* logits = nullptr;
   std::int64_t rows = 0, v = 0, ld = 0;
   DType grad_dtype = DType::f32;
