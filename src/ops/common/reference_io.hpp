@@ -18,6 +18,16 @@ inline double load(const TensorView& t, std::int64_t i) {
   }
 }
 
+// v rounded to dtype `t` through float, as store() rounds it.
+inline double round_to(DType t, double v) {
+  const float f = static_cast<float>(v);
+  switch (t) {
+    case DType::bf16: return static_cast<float>(bf16(f));
+    case DType::f16: return static_cast<float>(f16(f));
+    default: return f;
+  }
+}
+
 inline void store(const TensorView& t, std::int64_t i, double v) {
   const float f = static_cast<float>(v);
   switch (t.dtype()) {

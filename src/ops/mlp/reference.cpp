@@ -9,15 +9,6 @@
 namespace fk::reference {
 namespace {
 
-double round_to(DType t, double v) {
-  const float f = static_cast<float>(v);
-  switch (t) {
-    case DType::bf16: return static_cast<float>(bf16(f));
-    case DType::f16: return static_cast<float>(f16(f));
-    default: return f;
-  }
-}
-
 // One row through the MLP: h[l] = the output of layer l, rounded to the dtype (h[L-1] = y's row).
 void forward_row(const TensorView& x, std::int64_t r, const std::vector<MlpLayer>& layers, DType dt,
                  std::vector<std::vector<double>>& h) {

@@ -14,16 +14,6 @@ namespace {
 // The flat offset of element (i, j) of a [rows, cols] view with unit inner stride.
 std::int64_t at(const TensorView& t, std::int64_t i, std::int64_t j) { return i * t.strides()[0] + j; }
 
-// A value rounded to dtype `t` (through float, as store() rounds).
-double round_to(DType t, double v) {
-  const float f = static_cast<float>(v);
-  switch (t) {
-    case DType::bf16: return static_cast<float>(bf16(f));
-    case DType::f16: return static_cast<float>(f16(f));
-    default: return f;
-  }
-}
-
 }  // namespace
 
 void rms_norm_forward(const RmsNormForwardArgs& a, const RmsNormParams& p) {
