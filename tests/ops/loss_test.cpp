@@ -135,7 +135,7 @@ TEST(LossSpec, GradientsMatchCentralDifferences) {
         *q = keep - step;
         const double down = value();
         *q = keep;
-        EXPECT_NEAR(grad.data_as<float>()[i], (up - down) / (2 * step), 2e-4) << name << "[" << i << "] eps " << eps;
+        EXPECT_NEAR(grad.data_as<float>()[i], (up - down) / (2 * step), 2e-4) << name << "[" << i << "] eps " << p.label_smoothing;
       }
     };
     check(h, dh, "dh");
