@@ -99,15 +99,16 @@ def weight_grad_from_packed(dy: Tensor, x: Packed, dw_dtype: torch.dtype = torch
 
 
 def glu(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, *, kind: str = "swiglu",
-        allow_tf32: Optional[bool] = None, gate: str = "first", recompute: bool = True) -> Tensor:
+        allow_tf32: Optional[bool] = None, gate: str = "first", recompute: bool = False) -> Tensor:
     """act(G) · U with [G, U] = x wᵀ + b (torch.chunk order: the gate first, as the GLU-variants
     paper and Hugging Face's gate_proj / up_proj write it), w [2N, K] in PyTorch's layout (prepared
     on each call: fusekit.nn.GLUFeedForward keeps it prepared). kind: swiglu silu(G) U, geglu_tanh
     and geglu_erf gelu(G) U, reglu relu(G) U, sigmoid_tanh sigmoid(G) tanh(U). gate="second" takes
     the gate from the second half instead (geglu's l · gelu(r) of fusekit's C++ kernels).
-    allow_tf32 follows torch.backends.cuda.matmul.allow_tf32. recompute (default True, as before):
-    the backward recomputes x wᵀ + b; False keeps the [M, 2N] pre-activations from the forward
-    instead (one GEMM fewer in the backward, M 2N values of the operand dtype kept)."""
+    allow_tf32 follows torch.backends.cuda.matmul.allow_tf32. recompute=False (the default) keeps
+    the [M, 2N] pre-activations from the forward for the backward (M 2N values of the operand
+    dtype; on an H100 1.06-1.12x cuBLAS + separate passes, docs/glu.md); True recomputes x wᵀ + b
+    in the backward instead (less memory, one more GEMM: 0.80-0.86x)."""
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     if ops.glu_swaps_halves(kind, gate):
