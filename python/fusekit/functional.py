@@ -212,23 +212,28 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, bias: Optio
 
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = 1e-6, offset: float = 0.0) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = 1e-6, offset: float = 0.0,
+             out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """RMSNorm over x's last dimension: x · rstd · (weight + offset), rstd = 1 / sqrt(mean(x²) + eps)
     in f32 (offset 0: LLaMA's, 1: Gemma's (1 + weight)); eps None is torch.finfo(x.dtype).eps, as in
     F.rms_norm. out's dtype is the promotion of x's and weight's, as Hugging Face's LlamaRMSNorm
-    gives it (f32 for an f32 weight with bf16 x; F.rms_norm would give bf16)."""
+    gives it (f32 for an f32 weight with bf16 x; F.rms_norm would give bf16); `out_dtype` bf16 or
+    f16 for f32 x and weight gives that f32 result rounded once (what autocast would hand the next
+    GEMM), in half the bytes."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    return ops.call_first("rms_norm", x, weight, float(eps), float(offset))
+    return ops.call_first("rms_norm", x, weight, float(eps), float(offset), out_dtype)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: Optional[float] = 1e-6,
-                 offset: float = 0.0) -> tuple[Tensor, Tensor]:
+                 offset: float = 0.0, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """(rms_norm(x + residual, weight, eps, offset), x + residual) in one read of x and residual:
-    the residual add and the norm that follows it in a pre-norm transformer block."""
+    the residual add and the norm that follows it in a pre-norm transformer block. The sum is in
+    the promotion of x's and residual's dtypes (a bf16 x added to f32 rows as it is read);
+    `out_dtype` as in rms_norm."""
     if eps is None:
         eps = torch.finfo(torch.promote_types(x.dtype, residual.dtype)).eps
-    out, residual_out, _ = ops.call("add_rms_norm", x, residual, weight, float(eps), float(offset))
+    out, residual_out, _ = ops.call("add_rms_norm", x, residual, weight, float(eps), float(offset), out_dtype)
     return out, residual_out
 
 

@@ -7,6 +7,10 @@ and optimizers, hooks and checkpoints made before or after keep working. What is
 
 - RMSNorm: ``torch.nn.RMSNorm`` and Hugging Face's LLaMA-style RMSNorms (``weight * x̂`` with x̂
   computed in f32: LLaMA, Mistral, Qwen2/3, Phi-3) -> ``fusekit.rms_norm``.
+- decoder layer: Hugging Face's pre-norm decoder layer (transformers 5's LLaMA, Mistral, Qwen2/3)
+  -> the first residual add fused into the second norm (``fusekit.add_rms_norm``); under autocast
+  with f32 weights, both norms write autocast's dtype, the f32 result rounded once, as the GEMMs
+  that read them would have cast it.
 - MLP: a module with ``gate_proj``, ``up_proj``, ``down_proj`` (``nn.Linear``) and ``act_fn`` (SiLU,
   GELU, tanh-GELU, ReLU) computing ``down(act(gate(x)) * up(x))`` -> the fused GEMM + gated
   activation, on the module's own gate and up weights.
@@ -55,13 +59,45 @@ def _glu_kind(act: nn.Module) -> Optional[str]:
 
 # ---- the replacement forwards -------------------------------------------------------------------
 
+def _norm_eps(norm: nn.Module, x: Tensor) -> float:
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(norm, "eps", None)
+    return torch.finfo(x.dtype).eps if eps is None else eps
+
+
 def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
-    eps = getattr(self, "variance_epsilon", None)
-    if eps is None:
-        eps = getattr(self, "eps", None)
-    if eps is None:
-        eps = torch.finfo(hidden_states.dtype).eps
-    return Fk.rms_norm(hidden_states, self.weight, eps=eps)
+    return Fk.rms_norm(hidden_states, self.weight, eps=_norm_eps(self, hidden_states))
+
+
+def _gemm_input_dtype(x: Tensor, *norms: nn.Module) -> Optional[torch.dtype]:
+    """Under autocast, with f32 activations and norm weights: the dtype autocast casts a GEMM's
+    input to (the norm hands its output over in it, rounded once, instead of in f32 for the GEMM to
+    cast); else None (the norm's own dtype)."""
+    if x.dtype != torch.float32 or any(n.weight.dtype != torch.float32 for n in norms):
+        return None
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _decoder_layer_forward(self, hidden_states: Tensor, *args, **kwargs):
+    """A pre-norm decoder layer (Hugging Face's LlamaDecoderLayer): x + attn(norm1(x)) -> h, then
+    h + mlp(norm2(h)), with the first residual add fused into norm2 and, under autocast, both norms
+    writing the GEMMs' input dtype directly."""
+    arguments = dict(zip(self._fusekit_arg_names, args))
+    arguments.update(kwargs)
+    norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+    half = _gemm_input_dtype(hidden_states, norm1, norm2)
+    h = Fk.rms_norm(hidden_states, norm1.weight, eps=_norm_eps(norm1, hidden_states), out_dtype=half)
+    attn = self.self_attn(hidden_states=h, **arguments)
+    if isinstance(attn, tuple):
+        attn = attn[0]
+    h, residual = Fk.add_rms_norm(attn, hidden_states, norm2.weight, eps=_norm_eps(norm2, hidden_states),
+                                  out_dtype=half)
+    return residual + self.mlp(h)
 
 
 def _mlp_forward(self, x: Tensor) -> Tensor:
@@ -189,6 +225,29 @@ def _mlp_kind(m: nn.Module) -> Optional[str]:
     return _glu_kind(act) if isinstance(act, nn.Module) else None
 
 
+def _is_decoder_layer(m: nn.Module) -> bool:
+    """A module whose forward is exactly Hugging Face's pre-norm decoder layer of transformers 5
+    (LLaMA, Mistral, Qwen2/3): children self_attn, mlp, input_layernorm, post_attention_layernorm
+    (RMSNorms fusekit patches), a forward that adds each sublayer's output to its input and returns
+    the tensor (the layers of transformers 4 return tuples, and are left alone)."""
+    if {name for name, _ in m.named_children()} != {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
+        return False
+    if not (_is_rms_norm(m.input_layernorm) and _is_rms_norm(m.post_attention_layernorm)):
+        return False
+    if any(type(n).__name__ not in _LLAMA_STYLE_NORMS for n in (m.input_layernorm, m.post_attention_layernorm)):
+        return False
+    try:
+        source = inspect.getsource(inspect.unwrap(type(m).forward))
+    except (OSError, TypeError):
+        return False
+    body = [line.strip() for line in source.splitlines()]
+    body = [line for line in body if line and not line.startswith("#")]
+    return (body.count("hidden_states = residual + hidden_states") == 2 and body[-1] == "return hidden_states"
+            and "hidden_states = self.input_layernorm(hidden_states)" in body
+            and "hidden_states = self.post_attention_layernorm(hidden_states)" in body
+            and "hidden_states = self.mlp(hidden_states)" in body)
+
+
 def _is_causal_lm(m: nn.Module) -> bool:
     return (type(m).__name__.endswith("ForCausalLM") and isinstance(getattr(m, "lm_head", None), nn.Linear)
             and isinstance(getattr(m, "model", None), nn.Module)
@@ -196,17 +255,24 @@ def _is_causal_lm(m: nn.Module) -> bool:
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bool = True,
-          cross_entropy: bool = True, recompute_mlp: bool = False) -> nn.Module:
+          cross_entropy: bool = True, decoder_layer: bool = True, recompute_mlp: bool = False) -> nn.Module:
     """Patch `model` in place (see the module's docstring) and return it. `recompute_mlp` makes the
     MLPs recompute their [tokens, 2 x intermediate] pre-activations in the backward instead of
-    keeping them (less memory, one more GEMM). Patching a patched module does nothing."""
+    keeping them (less memory, one more GEMM). `decoder_layer` (with `rms_norm`) fuses each
+    decoder layer's first residual add into its second norm, the norms' forwards then called by
+    the layer's, not through the norm modules (hooks on those modules do not run). Patching a
+    patched module does nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusekit.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
     rope_modules = set()
     for m in model.modules():
         if _is_patched(m):
             continue
-        if rms_norm and _is_rms_norm(m):
+        if decoder_layer and rms_norm and _is_decoder_layer(m):
+            base = type(m).forward
+            _swap(m, "decoder_layer", {"forward": _decoder_layer_forward,
+                                       "_fusekit_arg_names": _positional_names(base)[1:]})
+        elif rms_norm and _is_rms_norm(m):
             _swap(m, "rms_norm", {"forward": _rms_norm_forward})
         elif mlp and (kind := _mlp_kind(m)) is not None:
             _swap(m, "mlp", {"forward": _mlp_forward})

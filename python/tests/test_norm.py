@@ -107,6 +107,46 @@ def test_add_rms_norm_promotes_mixed_inputs_as_torch_adds_them(device):
     assert gx.dtype == torch.bfloat16 and gr.dtype == torch.float32
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 33), (2, 3, 40), (5, 768)])
+def test_out_dtype_rounds_the_f32_result_once(half, shape, device):
+    """f32 rows and weight with out_dtype bf16/f16 (what autocast casts a GEMM's input to): the
+    f32 result rounded once, as rms_norm(...).to(half) gives it; gradients as for f32 out."""
+    x, r = rand(shape, torch.float32, device, 50, True), rand(shape, torch.float32, device, 51, True)
+    xh = rand(shape, half, device, 52, True)
+    w = rand(shape[-1:], torch.float32, device, 53, True)
+    y = fusekit.rms_norm(x, w, 1e-6, out_dtype=half)
+    assert y.dtype == half
+    want = fusekit.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(y, want.to(half), rtol=0, atol=0)
+    dy = rand(shape, half, device, 54)
+    g = torch.autograd.grad(y, (x, w), dy)
+    ew = torch.autograd.grad(want, (x, w), dy.float())
+    for a, b in zip(g, ew):
+        torch.testing.assert_close(a, b, **grad_tol(torch.float32, x.numel() // shape[-1]))
+    # the residual add in front: a 16-bit x added to f32 rows (and the operands either way round)
+    for a, b in ((xh, r), (r, xh)):
+        y, s = fusekit.add_rms_norm(a, b, w, 1e-6, out_dtype=half)
+        assert y.dtype == half and s.dtype == torch.float32
+        want, want_s = reference(a, w, 1e-6, 0.0, residual=b)
+        torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+        torch.testing.assert_close(y, want.to(half), **TOL[half])
+        gy, gs = rand(shape, half, device, 55), rand(shape, torch.float32, device, 56)
+        got = torch.autograd.grad((y, s), (a, b, w), (gy, gs))
+        exp = torch.autograd.grad((want, want_s), (a, b, w), (gy.float(), gs))
+        assert [t.dtype for t in got] == [a.dtype, b.dtype, torch.float32]
+        for u, v in zip(got, exp):
+            torch.testing.assert_close(u.float(), v.float(), **grad_tol(half, x.numel() // shape[-1]))
+
+
+def test_out_dtype_refused_where_it_is_not_a_rounding(device):
+    xb = rand((2, 8), torch.bfloat16, device, 57)
+    with pytest.raises(fusekit.Error, match="rms_norm_forward: argument 'out_dtype'"):
+        fusekit.rms_norm(xb, rand((8,), torch.float32, device, 58), out_dtype=torch.bfloat16)  # bf16 rows
+    with pytest.raises(fusekit.Error, match="argument 'out_dtype'"):
+        fusekit.rms_norm(xb.float(), rand((8,), torch.float32, device, 58), out_dtype=torch.float64)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_f_rms_norm_and_hugging_face(dtype, device):
     """F.rms_norm and LlamaRMSNorm round x̂ to x's dtype before the weight multiplies it; fusekit
@@ -178,6 +218,10 @@ def test_opcheck_norm(device):
     _, rstd = ops.rms_norm(x.detach(), w.detach(), 1e-6, 0.0)
     torch.library.opcheck(ops.rms_norm_backward, (x.detach(), None, x.detach(), w.detach(), rstd, 0.0, True))
     torch.library.opcheck(ops.rms_norm_backward, (x.detach(), r.detach(), x.detach(), w.detach(), rstd, 1.0, False))
+    torch.library.opcheck(ops.rms_norm, (x, w, 1e-6, 0.0, torch.bfloat16))
+    torch.library.opcheck(ops.add_rms_norm, (x.detach().bfloat16().requires_grad_(), r, w, 1e-6, 0.0, torch.float16))
+    torch.library.opcheck(ops.rms_norm_backward,
+                          (x.detach().bfloat16(), r.detach(), x.detach(), w.detach(), rstd, 0.0, True))
 
 
 def test_autocast_follows_torchs_rms_norm(device):

@@ -44,7 +44,7 @@ def test_patched_llama_equals_unpatched(device, act):
     model = copy.deepcopy(ref)
     fusekit.patch_llama(model)
     roles = set(patched_modules(model).values())
-    assert roles == {"rms_norm", "mlp", "causal_lm"}, roles
+    assert roles == {"decoder_layer", "rms_norm", "mlp", "causal_lm"}, roles
     ids, labels = batch(device)
 
     # logits (no labels: the model's own head, with the patched norms, MLPs and rotary)
@@ -63,13 +63,21 @@ def test_patched_llama_equals_unpatched(device, act):
         torch.testing.assert_close(g[n], gw[n], rtol=1e-3, atol=1e-5, msg=n)
 
 
-def test_patched_llama_bf16_autocast(device):
-    if device == "cpu":
-        pytest.skip("bf16 autocast bound checked on the GPU")
+@pytest.mark.parametrize("decoder_layer", [True, False])
+def test_patched_llama_bf16_autocast(device, decoder_layer):
     ref = tiny_llama(device)
-    model = fusekit.patch(copy.deepcopy(ref))
+    model = fusekit.patch(copy.deepcopy(ref), decoder_layer=decoder_layer)
+    assert ("decoder_layer" in set(patched_modules(model).values())) == decoder_layer
     ids, labels = batch(device)
-    with torch.autocast("cuda", torch.bfloat16):
+    with torch.autocast(device, torch.bfloat16):
+        # the fused layer hands bf16 to the attention and MLP GEMMs, as autocast would cast them
+        h = torch.randn(2, 5, 64, device=device)
+        pos = torch.arange(5, device=device)[None]
+        emb = ref.model.rotary_emb(h, pos)
+        got = model.model.layers[0](h, position_embeddings=emb, position_ids=pos)
+        want = ref.model.layers[0](h, position_embeddings=emb, position_ids=pos)
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         out, want = model(ids, labels=labels), ref(ids, labels=labels)
     torch.testing.assert_close(out.loss, want.loss, rtol=2e-2, atol=2e-2)
     out.loss.backward()

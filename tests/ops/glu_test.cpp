@@ -331,11 +331,13 @@ TEST(GluGpu, ForwardKeepingPreactivationsMatchesSpec) {
                                  (c.tf32 ? " tf32" : "") + " M" + std::to_string(c.m) + " N" + std::to_string(c.n) +
                                  " K" + std::to_string(c.k) + (with_bias ? " bias" : "");
         // out as the forward that keeps nothing computes it (ForwardMatchesSpec holds that one to the
-        // spec); against the spec only where TF32's rounding of K products cannot swamp a single
-        // small output (M1 N1 K8: one value, whose norm is the error's denominator).
+        // spec), within the spec's bound: where the keeping path activates C after its rounding to
+        // the operand dtype (a GEMM, then the pairs kernel), the two differ by that rounding. Against
+        // the spec only where TF32's rounding of K products cannot swamp a single small output (M1
+        // N1 K8: one value, whose norm is the error's denominator).
         Tensor plain = Tensor::empty({c.m, c.n}, c.dtype, gpu);
         glu_forward({xg, wg, with_bias ? std::optional(bg.view()) : std::nullopt, plain}, opt);
-        EXPECT_LE(rel_err(out, plain), 1e-6) << "out vs the plain forward " << what;
+        EXPECT_LE(rel_err(out, plain), tolerance(c)) << "out vs the plain forward " << what;
         if (!c.tf32 || c.m * c.n >= 16) {
           EXPECT_LE(rel_err(out, want), tolerance(c)) << "out " << what;
         }

@@ -84,6 +84,36 @@ TEST(NormSpec, AddRoundsTheSumToXsDtype) {
   EXPECT_EQ(values(rstd), (std::vector<float>{1}));
 }
 
+// f32 rows with a 16-bit out (what autocast's GEMM reads): the f32 result rounded once. Rows
+// [1, 1 + 2^-10] with weight [1, 1]: out = s * rstd; 1 + 2^-10 is not a bf16, so out's second
+// element rounds.
+TEST(NormSpec, SixteenBitOutOfF32RowsIsTheF32ResultRounded) {
+  Tensor x = test::host_tensor({1, 2}, DType::f32, {1.0f, 1.0f + 0x1p-10f});
+  Tensor w = test::host_tensor({2}, DType::f32, {1.0f, 1.0f});
+  Tensor out32 = Tensor::empty({1, 2}, DType::f32, kCpu), rstd = Tensor::empty({1}, DType::f32, kCpu);
+  rms_norm_forward({x, std::nullopt, w, out32, std::nullopt, rstd}, {0.0f, 0.0f});
+  for (DType dt : {DType::bf16, DType::f16}) {
+    Tensor out = Tensor::empty({1, 2}, dt, kCpu), want = Tensor::empty({1, 2}, dt, kCpu);
+    rms_norm_forward({x, std::nullopt, w, out, std::nullopt, rstd}, {0.0f, 0.0f});
+    convert(out32, want);
+    EXPECT_EQ(values(out), values(want)) << dtype_name(dt);
+  }
+  EXPECT_TRUE(rms_norm_out_dtype_allowed(DType::f32, DType::f32, DType::bf16));
+  EXPECT_FALSE(rms_norm_out_dtype_allowed(DType::bf16, DType::f32, DType::bf16));  // bf16 rows: out is f32
+  EXPECT_FALSE(rms_norm_out_dtype_allowed(DType::bf16, DType::bf16, DType::f32));
+}
+
+// A bf16 x added to f32 rows: s = x + residual in f32 (PyTorch's bf16 + f32), no rounding to bf16.
+TEST(NormSpec, SixteenBitXAddsToF32RowsInF32) {
+  Tensor x = test::host_tensor({1, 2}, DType::bf16, {1.0f, -2.0f});
+  Tensor r = test::host_tensor({1, 2}, DType::f32, {0x1p-20f, 0x1p-20f});
+  Tensor w = test::host_tensor({2}, DType::f32, {1.0f, 1.0f});
+  Tensor out = Tensor::empty({1, 2}, DType::bf16, kCpu), rout = Tensor::empty({1, 2}, DType::f32, kCpu);
+  Tensor rstd = Tensor::empty({1}, DType::f32, kCpu);
+  rms_norm_forward({x, r.view(), w, out, rout.view(), rstd}, {0.0f, 0.0f});
+  EXPECT_EQ(values(rout), (std::vector<float>{1.0f + 0x1p-20f, -2.0f + 0x1p-20f}));
+}
+
 // s = [2, -2, 2, -2], rstd 1/2 (x^ = [1, -1, 1, -1]), weight + 1 = [2, 3, 4, 5], dout = 1:
 // g = [2, 3, 4, 5], mean(g x^) = -2 / 4, ds = (g + x^ / 2) / 2 = [1.25, 1.25, 2.25, 2.25];
 // dweight = dout x^; with dresidual_out [1, 2, 3, 4] added to ds.
@@ -209,6 +239,14 @@ TEST(NormErrors, EachBadForwardInputNamesItsArgument) {
   expect({x, none, w, out, rout.view(), rstd}, "residual_out");                       // without residual
   expect({x, r.view(), w, out, none, rstd}, "residual_out");                          // missing
   expect({x, r16.view(), w, out, rout.view(), rstd}, "residual");                     // dtype
+  {
+    Tensor x32 = Tensor::empty({4, 6}, DType::f32, kCpu), out16 = Tensor::empty({4, 6}, DType::f16, kCpu);
+    expect({x32, r.view(), w32, out32, out32.view(), rstd}, "residual");              // f32 x, bf16 residual
+    expect({x, none, w32, out16, none, rstd}, "out");   // a 16-bit out only for f32 rows (here bf16)
+    expect({x32, none, w32, Tensor::empty({4, 6}, DType::i32, kCpu), none, rstd}, "out");
+    EXPECT_NO_THROW(rms_norm_forward({x32, none, w32, out16, none, rstd}, ok));
+    EXPECT_NO_THROW(rms_norm_forward({x, x32.view(), w32, out, out32.view(), rstd}, ok));  // bf16 x + f32 rows
+  }
   expect({x, r5.view(), w, out, rout.view(), rstd}, "residual");                      // shape
   expect({x, r.view(), w, out, r16.view(), rstd}, "residual_out");                    // dtype
   expect({x, none, w, x, none, rstd}, "out");                                         // out is x
@@ -412,6 +450,54 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(Shape{4099, 256}, Shape{2048, 4096}),
                        ::testing::Values(Layout::contiguous)),
     case_name);
+
+// f32 rows and weight (an autocast model's residual stream): a 16-bit out and dout, a 16-bit x
+// added to the f32 residual.
+TEST(NormGpuMixed, SixteenBitOutAndXWithF32RowsMatchSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  int seed = 900;
+  for (const Shape shape : {Shape{1, 1}, Shape{3, 7}, Shape{5, 33}, Shape{33, 768}, Shape{70, 4096}, Shape{2, 20000},
+                            Shape{2, 40000}, Shape{9, 64}})
+    for (Layout layout : {Layout::contiguous, Layout::padded, Layout::misaligned})
+      for (DType ot : {DType::bf16, DType::f16, DType::f32})
+        for (DType xt : {DType::f32, DType::bf16, DType::f16}) {
+          const Dims s{shape.rows, shape.cols};
+          const RmsNormParams p{1e-5f, 0.0f};
+          const std::string what = fmt::format("{}x{} layout {} out {} x {}", shape.rows, shape.cols,
+                                               static_cast<int>(layout), dtype_name(ot), dtype_name(xt));
+          const bool add = xt != DType::f32 || ot == DType::f32;  // x f32 also without a residual
+          Tensor x = test::random_tensor(s, xt, kCpu, ++seed, -2, 2);
+          Tensor r = test::random_tensor(s, DType::f32, kCpu, ++seed, -2, 2);
+          Tensor w = test::random_tensor({shape.cols}, DType::f32, kCpu, ++seed, -1.5f, 1.5f);
+          Tensor want = Tensor::empty(s, ot, kCpu), want_rout = Tensor::empty(s, DType::f32, kCpu);
+          Tensor want_rstd = Tensor::empty({shape.rows}, DType::f32, kCpu);
+          auto opt = [&](const TensorView& t) { return add ? std::optional<TensorView>(t) : std::nullopt; };
+          reference::rms_norm_forward({x, opt(r), w, want, opt(want_rout), want_rstd}, p);
+          std::vector<Tensor> keep;
+          const TensorView xd = device_rows(x, layout, keep), rd = device_rows(r, layout, keep);
+          const TensorView outd = device_out(s, ot, layout, keep), routd = device_out(s, DType::f32, layout, keep);
+          Tensor wd = w.copy_to(Device::cuda(0)), rstdd = Tensor::empty({shape.rows}, DType::f32, Device::cuda(0));
+          rms_norm_forward({xd, opt(rd), wd, outd, opt(routd), rstdd}, p);
+          EXPECT_TRUE(test::all_close(outd, want, out_tolerance(ot, shape.cols))) << what << " out";
+          if (add) {
+            EXPECT_TRUE(test::all_close(routd, want_rout, test::tolerance_for(DType::f32))) << what << " rout";
+          }
+          if (xt != DType::f32) continue;  // the backward: f32 s with a dout of out's dtype
+          Tensor dout = test::random_tensor(s, ot, kCpu, ++seed), dr = test::random_tensor(s, DType::f32, kCpu, ++seed);
+          Tensor want_dx = Tensor::empty(s, DType::f32, kCpu), want_dw = Tensor::empty({shape.cols}, DType::f32, kCpu);
+          reference::rms_norm_backward({dout, dr.view(), x, w, want_rstd, want_dx, want_dw.view()}, p);
+          const TensorView doutd = device_rows(dout, layout, keep), drd = device_rows(dr, layout, keep);
+          const TensorView sd = device_rows(x, layout, keep), dxd = device_out(s, DType::f32, layout, keep);
+          Tensor rstd_in = want_rstd.copy_to(Device::cuda(0)), dwd = Tensor::empty({shape.cols}, DType::f32, Device::cuda(0));
+          rms_norm_backward({doutd, drd, sd, wd, rstd_in, dxd, dwd.view()}, p);
+          const test::Tolerance dxt = out_tolerance(DType::f32, shape.cols);
+          EXPECT_TRUE(test::all_close(dxd, want_dx, {4 * dxt.atol, dxt.rtol})) << what << " dx";
+          const double accum = 2.0 * static_cast<double>(shape.rows) * 0x1p-24;
+          EXPECT_TRUE(test::all_close(dwd, want_dw, {test::tolerance_for(DType::f32).atol + accum,
+                                                     test::tolerance_for(DType::f32).rtol}))
+              << what << " dweight";
+        }
+}
 
 // The same inputs give the same bits (dweight's sums in a fixed order).
 TEST(NormGpuDeterminism, BackwardTwiceGivesTheSameBits) {

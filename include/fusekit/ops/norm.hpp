@@ -2,8 +2,8 @@
 // transformer block, forward and backward, each one pass over memory per row.
 //
 //   forward    s = x                        (rms_norm)
-//              s = x + residual             (add_rms_norm: rounded to x's dtype, as PyTorch's
-//                                            `residual + hidden` is; written to residual_out)
+//              s = x + residual             (add_rms_norm: rounded to residual's dtype, as
+//                                            PyTorch's `residual + hidden` is; to residual_out)
 //              rstd[m] = 1 / sqrt(mean_n(s[m, n]^2) + eps)                         (f32)
 //              out[m, n] = (s[m, n] * rstd[m]) * (weight[n] + offset)             (one rounding)
 //   backward   g = dout * (weight + offset),  x^ = s * rstd
@@ -20,10 +20,13 @@
 // contiguous (inner stride 1) with its own row stride >= cols; weight, dweight [cols] and rstd [rows]
 // are contiguous. Outputs overlap no input and no other output.
 //
-// Dtypes: x (and residual, residual_out, s, dx, dresidual_out) bf16, f16 or f32; weight x's dtype
-// or f32; out (and dout) of the promotion of x's and weight's dtypes, as Hugging Face's
-// LlamaRMSNorm (`weight * x^.to(x.dtype)`) gives: x's dtype when the weight is of x's dtype, f32
-// when it is f32; rstd f32; dweight weight's dtype.
+// Dtypes: s (residual, residual_out, dx, dresidual_out; x without a residual) bf16, f16 or f32; x
+// with a residual of s's dtype, or bf16/f16 added to f32 rows (s = x + residual in f32, as
+// PyTorch's f32 + bf16 gives); weight s's dtype or f32; out (and dout) of the promotion of s's and
+// weight's dtypes, as Hugging Face's LlamaRMSNorm (`weight * x^.to(x.dtype)`) gives: s's dtype when
+// the weight is of s's dtype, f32 when it is f32; or, for f32 rows and weight, bf16 or f16: the f32
+// result rounded once, as autocast's cast in front of the GEMM that reads it would round it; rstd
+// f32; dweight weight's dtype.
 #pragma once
 
 #include <optional>
@@ -36,6 +39,9 @@ class Stream;
 
 // out's dtype for x's and weight's: the promotion of the two (x's, or f32 for an f32 weight).
 DType rms_norm_out_dtype(DType x, DType weight);
+// Whether out (and dout) may have dtype `out` for rows s and this weight: the promotion, or bf16/f16
+// for f32 rows and weight.
+bool rms_norm_out_dtype_allowed(DType s, DType weight, DType out);
 
 struct RmsNormParams {
   float eps = 1e-6f;
@@ -44,10 +50,10 @@ struct RmsNormParams {
 
 struct RmsNormForwardArgs {
   TensorView x;                            // [rows, cols]
-  std::optional<TensorView> residual;      // [rows, cols], x's dtype: present for add_rms_norm
+  std::optional<TensorView> residual;      // [rows, cols], s's dtype: present for add_rms_norm
   TensorView weight;                       // [cols]
   TensorView out;                          // [rows, cols]
-  std::optional<TensorView> residual_out;  // [rows, cols], x's dtype: s = x + residual; with residual only
+  std::optional<TensorView> residual_out;  // [rows, cols], s's dtype: s = x + residual; with residual only
   TensorView rstd;                         // [rows], f32
 };
 

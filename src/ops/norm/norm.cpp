@@ -35,12 +35,24 @@ void check_vector(const char* op, const char* arg, const TensorView& t, std::int
   checks::same_device(op, arg, t, dev);
 }
 
-// The weight: [cols], x's dtype or f32.
-void check_weight(const char* op, const TensorView& w, const TensorView& x) {
+// The weight: [cols], s's dtype or f32.
+void check_weight(const char* op, const TensorView& w, const TensorView& s) {
   checks::tensor(op, "weight", w, 1);
-  checks::shape_is(op, "weight", w, Dims{x.size(1)});
-  checks::dtype_in(op, "weight", w, {x.dtype(), DType::f32});
-  checks::same_device(op, "weight", w, x.device());
+  checks::shape_is(op, "weight", w, Dims{s.size(1)});
+  checks::dtype_in(op, "weight", w, {s.dtype(), DType::f32});
+  checks::same_device(op, "weight", w, s.device());
+}
+
+// out (or dout): of the promotion of s's and the weight's dtypes, or a 16-bit type for f32 rows.
+void check_out(const char* op, const char* arg, const TensorView& t, const TensorView& s, DType weight) {
+  check_rows(op, arg, t);
+  checks::shape_is(op, arg, t, s.shape());
+  const DType promoted = rms_norm_out_dtype(s.dtype(), weight);
+  FK_CHECK_ARG(rms_norm_out_dtype_allowed(s.dtype(), weight, t.dtype()), op, arg,
+               "dtype " + std::string(dtype_name(promoted)) +
+                   (s.dtype() == DType::f32 ? " (or bf16/f16 for f32 rows and weight)" : ""),
+               std::string(dtype_name(t.dtype())));
+  checks::same_device(op, arg, t, s.device());
 }
 
 void check_params(const char* op, const RmsNormParams& p) {
@@ -52,6 +64,11 @@ void check_params(const char* op, const RmsNormParams& p) {
 
 DType rms_norm_out_dtype(DType x, DType weight) { return x == weight ? x : DType::f32; }
 
+bool rms_norm_out_dtype_allowed(DType s, DType weight, DType out) {
+  const DType promoted = rms_norm_out_dtype(s, weight);
+  return out == promoted || (promoted == DType::f32 && s == DType::f32 && (out == DType::bf16 || out == DType::f16));
+}
+
 void rms_norm_forward(const RmsNormForwardArgs& a, const RmsNormParams& p, const Stream* stream) {
   const char* op = a.residual ? "add_rms_norm_forward" : "rms_norm_forward";
   check_rows(op, "x", a.x);
@@ -60,13 +77,23 @@ void rms_norm_forward(const RmsNormForwardArgs& a, const RmsNormParams& p, const
   checks::cuda_available(op, dev);
   checks::check_stream(op, stream, dev);
   check_params(op, p);
-  check_weight(op, a.weight, a.x);
-  if (a.residual) check_rows_like(op, "residual", *a.residual, a.x, a.x.dtype());
+  // s = x, or x + residual in residual's dtype: x of that dtype, or 16-bit added to f32.
+  if (a.residual) {
+    check_rows(op, "residual", *a.residual);
+    checks::dtype_in(op, "residual", *a.residual, checks::kFloatTypes);
+    checks::shape_is(op, "residual", *a.residual, a.x.shape());
+    checks::same_device(op, "residual", *a.residual, dev);
+    FK_CHECK_ARG(a.residual->dtype() == a.x.dtype() || a.residual->dtype() == DType::f32, op, "residual",
+                 "x's dtype " + std::string(dtype_name(a.x.dtype())) + ", or f32 (x then added in f32)",
+                 std::string(dtype_name(a.residual->dtype())));
+  }
+  const TensorView& s = a.residual ? *a.residual : a.x;
+  check_weight(op, a.weight, s);
   FK_CHECK_ARG(a.residual.has_value() == a.residual_out.has_value(), op, "residual_out",
                a.residual ? "a tensor (residual was given)" : "none (no residual was given)",
                a.residual_out ? "a tensor" : "none");
-  if (a.residual_out) check_rows_like(op, "residual_out", *a.residual_out, a.x, a.x.dtype());
-  check_rows_like(op, "out", a.out, a.x, rms_norm_out_dtype(a.x.dtype(), a.weight.dtype()));
+  if (a.residual_out) check_rows_like(op, "residual_out", *a.residual_out, s, s.dtype());
+  check_out(op, "out", a.out, s, a.weight.dtype());
   check_vector(op, "rstd", a.rstd, a.x.size(0), DType::f32, dev);
   checks::outputs_disjoint(op, {{"out", &a.out}, {"residual_out", a.residual_out ? &*a.residual_out : nullptr},
                                 {"rstd", &a.rstd}},
@@ -91,7 +118,7 @@ void rms_norm_backward(const RmsNormBackwardArgs& a, const RmsNormParams& p, con
   checks::check_stream(op, stream, dev);
   check_params(op, p);
   check_weight(op, a.weight, a.s);
-  check_rows_like(op, "dout", a.dout, a.s, rms_norm_out_dtype(a.s.dtype(), a.weight.dtype()));
+  check_out(op, "dout", a.dout, a.s, a.weight.dtype());
   if (a.dresidual_out) check_rows_like(op, "dresidual_out", *a.dresidual_out, a.s, a.s.dtype());
   check_vector(op, "rstd", a.rstd, a.s.size(0), DType::f32, dev);
   check_rows_like(op, "dx", a.dx, a.s, a.s.dtype());

@@ -1,5 +1,5 @@
 // The spec of the norm family: plain loops, double arithmetic, one rounding to the dtype at each
-// store (s = x + residual is rounded to x's dtype before it is normalized, as the kernels and
+// store (s = x + residual is rounded to residual's dtype before it is normalized, as the kernels and
 // PyTorch's `residual + hidden` do; rstd is rounded to f32, the value the backward reads). It is
 // also the CPU backend.
 #include <cmath>
@@ -24,7 +24,7 @@ void rms_norm_forward(const RmsNormForwardArgs& a, const RmsNormParams& p) {
     for (std::int64_t j = 0; j < cols; ++j) {
       double v = load(a.x, at(a.x, i, j));
       if (a.residual) {
-        v = round_to(a.x.dtype(), v + load(*a.residual, at(*a.residual, i, j)));
+        v = round_to(a.residual->dtype(), v + load(*a.residual, at(*a.residual, i, j)));
         store(*a.residual_out, at(*a.residual_out, i, j), v);
       }
       s[static_cast<std::size_t>(j)] = v;

@@ -78,7 +78,9 @@ struct BackwardParams {
   float offset;
 };
 
-// V elements at p as floats: 16-byte accesses where V fills them, else one element at a time.
+// V elements at p as floats: 16-byte accesses where V fills them, one narrower access where V
+// divides 16 bytes (the 16-bit operands of f32 rows: 4 elements, 8 bytes), else one element at a
+// time. p is aligned to the access (V-element offsets from 16-byte aligned rows).
 template <class X, int V>
 __device__ __forceinline__ void load_floats(const X* p, float (&f)[V]) {
   constexpr int E = kVec<X>;
@@ -89,6 +91,10 @@ __device__ __forceinline__ void load_floats(const X* p, float (&f)[V]) {
 #pragma unroll
       for (int j = 0; j < E; ++j) f[i * E + j] = v.get(j);
     }
+  } else if constexpr (E % V == 0) {
+    const Vec<X, V> v = load_vec<X, V>(p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) f[j] = v.get(j);
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) f[j] = to_float(p[j]);
@@ -106,25 +112,34 @@ __device__ __forceinline__ void store_floats(X* p, const float (&f)[V]) {
       for (int j = 0; j < E; ++j) v.set(j, f[i * E + j]);
       store_vec<X, E>(p + i * E, v);
     }
+  } else if constexpr (E % V == 0) {
+    Vec<X, V> v;
+#pragma unroll
+    for (int j = 0; j < V; ++j) v.set(j, f[j]);
+    store_vec<X, V>(p, v);
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) p[j] = from_float<X>(f[j]);
   }
 }
 
-// V elements at p held as raw bits (V a multiple of the 16-byte vector of X).
+// V elements at p held as raw bits: whole 16-byte vectors, or one narrower access.
 template <class X, int V>
 __device__ __forceinline__ Vec<X, V> load_raw(const X* p) {
   constexpr int E = kVec<X>;
-  static_assert(V % E == 0, "load_raw: V is a whole number of 16-byte vectors");
-  Vec<X, V> v;
+  static_assert(V % E == 0 || E % V == 0, "load_raw: V is a whole number of 16-byte vectors or divides one");
+  if constexpr (E % V == 0) {
+    return load_vec<X, V>(p);
+  } else {
+    Vec<X, V> v;
 #pragma unroll
-  for (int i = 0; i < V / E; ++i) {
-    const Vec<X, E> part = load_vec<X, E>(p + i * E);
+    for (int i = 0; i < V / E; ++i) {
+      const Vec<X, E> part = load_vec<X, E>(p + i * E);
 #pragma unroll
-    for (int j = 0; j < E; ++j) v.v[i * E + j] = part.v[j];
+      for (int j = 0; j < E; ++j) v.v[i * E + j] = part.v[j];
+    }
+    return v;
   }
-  return v;
 }
 
 template <class T>
@@ -135,15 +150,17 @@ __device__ __forceinline__ float round_to(float v) { return to_float(from_float<
 // ---------------------------------------------------------------------------------------------
 
 // blockDim = (threads per row, rows per block); thread t of a row holds elements
-// [(k * blockDim.x + t) * V, + V) for k < kForwardItems / V.
-template <class T, class W, class O, int V, bool kAdd>
+// [(k * blockDim.x + t) * V, + V) for k < kForwardItems / V. X is x's type: T's, or a 16-bit type
+// added to an f32 residual (kAdd only); O is out's.
+template <class X, class T, class W, class O, int V, bool kAdd>
 __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardParams p) {
+  static_assert(kAdd || std::is_same_v<X, T>, "rms_norm_forward_kernel: x is s without a residual");
   constexpr int K = kForwardItems / V;
   __shared__ float smem[32];
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool active = row < p.rows;  // no early return: every thread takes part in the reduction
   const std::int64_t r = active ? row : 0;
-  const T* x = static_cast<const T*>(p.x) + r * p.ld_x;
+  const X* x = static_cast<const X*>(p.x) + r * p.ld_x;
   auto col = [&](int k) { return (static_cast<std::int64_t>(k) * blockDim.x + threadIdx.x) * V; };
 
   Vec<T, V> s[K];
@@ -151,12 +168,14 @@ __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardPar
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (!active || col(k) >= p.cols) continue;
-    s[k] = load_vec<T, V>(x + col(k));
     if constexpr (kAdd) {
+      const Vec<X, V> xv = load_vec<X, V>(x + col(k));
       const Vec<T, V> res = load_vec<T, V>(static_cast<const T*>(p.residual) + r * p.ld_r + col(k));
 #pragma unroll
-      for (int j = 0; j < V; ++j) s[k].set(j, s[k].get(j) + res.get(j));  // rounded to T, as PyTorch's add
+      for (int j = 0; j < V; ++j) s[k].set(j, xv.get(j) + res.get(j));  // rounded to T, as PyTorch's add
       store_vec<T, V>(static_cast<T*>(p.residual_out) + r * p.ld_rout + col(k), s[k]);
+    } else {
+      s[k] = load_vec<T, V>(x + col(k));
     }
 #pragma unroll
     for (int j = 0; j < V; ++j) sum_sq = fmaf(s[k].get(j), s[k].get(j), sum_sq);
@@ -180,17 +199,18 @@ __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardPar
 
 // One row per block, two sweeps: the sum of squares (writing residual_out), then out from s read
 // again (from residual_out, which this thread wrote, for add_rms_norm).
-template <class T, class W, class O, int V, bool kAdd>
+template <class X, class T, class W, class O, int V, bool kAdd>
 __global__ void __launch_bounds__(kLongThreads) rms_norm_forward_long_kernel(const ForwardParams p) {
+  static_assert(kAdd || std::is_same_v<X, T>, "rms_norm_forward_long_kernel: x is s without a residual");
   __shared__ float smem[32];
   const std::int64_t row = blockIdx.x;
-  const T* x = static_cast<const T*>(p.x) + row * p.ld_x;
+  const X* x = static_cast<const X*>(p.x) + row * p.ld_x;
   T* rout = kAdd ? static_cast<T*>(p.residual_out) + row * p.ld_rout : nullptr;
   const std::int64_t step = std::int64_t{blockDim.x} * V;
   float sum_sq = 0.0f;
   for (std::int64_t c = std::int64_t{threadIdx.x} * V; c < p.cols; c += step) {
     float v[V];
-    load_floats<T, V>(x + c, v);
+    load_floats<X, V>(x + c, v);
     if constexpr (kAdd) {
       float res[V];
       load_floats<T, V>(static_cast<const T*>(p.residual) + row * p.ld_r + c, res);
@@ -204,7 +224,9 @@ __global__ void __launch_bounds__(kLongThreads) rms_norm_forward_long_kernel(con
   sum_sq = row_reduce(sum_sq, SumOp{}, 0.0f, smem);
   const float rstd = rsqrtf(sum_sq / static_cast<float>(p.cols) + p.eps);
   if (threadIdx.x == 0) p.rstd[row] = rstd;
-  const T* s = kAdd ? rout : x;
+  const T* s = nullptr;
+  if constexpr (kAdd) s = rout;
+  else s = x;
   const W* w = static_cast<const W*>(p.weight);
   O* out = static_cast<O*>(p.out) + row * p.ld_out;
   for (std::int64_t c = std::int64_t{threadIdx.x} * V; c < p.cols; c += step) {
@@ -409,9 +431,8 @@ void with_norm_types(DType x, DType weight, F&& f) {
   });
 }
 
-template <class T, class W, bool kAdd>
+template <class X, class T, class W, class O, bool kAdd>
 void launch_forward(const ForwardParams& p, bool vec, cudaStream_t s) {
-  using O = W;  // the promotion of (T, W) for the pairs with_norm_types gives
   constexpr int V = kVec<T>;
   const char* op = kAdd ? "add_rms_norm_forward" : "rms_norm_forward";
   if (vec && p.cols <= kForwardCapacity) {
@@ -420,21 +441,20 @@ void launch_forward(const ForwardParams& p, bool vec, cudaStream_t s) {
     const int rpb = std::max(1, kForwardMinThreads / tpr);
     const std::int64_t blocks = (p.rows + rpb - 1) / rpb;
     check_grid(op, blocks, p.rows);
-    rms_norm_forward_kernel<T, W, O, V, kAdd><<<static_cast<unsigned>(blocks), dim3(tpr, rpb), 0, s>>>(p);
+    rms_norm_forward_kernel<X, T, W, O, V, kAdd><<<static_cast<unsigned>(blocks), dim3(tpr, rpb), 0, s>>>(p);
     FK_CUDA_CHECK_LAUNCH("rms_norm_forward_kernel");
     return;
   }
   check_grid(op, p.rows, p.rows);
   if (vec)
-    rms_norm_forward_long_kernel<T, W, O, V, kAdd><<<static_cast<unsigned>(p.rows), kLongThreads, 0, s>>>(p);
+    rms_norm_forward_long_kernel<X, T, W, O, V, kAdd><<<static_cast<unsigned>(p.rows), kLongThreads, 0, s>>>(p);
   else
-    rms_norm_forward_long_kernel<T, W, O, 1, kAdd><<<static_cast<unsigned>(p.rows), kLongThreads, 0, s>>>(p);
+    rms_norm_forward_long_kernel<X, T, W, O, 1, kAdd><<<static_cast<unsigned>(p.rows), kLongThreads, 0, s>>>(p);
   FK_CUDA_CHECK_LAUNCH("rms_norm_forward_long_kernel");
 }
 
-template <class T, class W>
+template <class T, class W, class O>
 void launch_backward(BackwardParams p, bool vec, const TensorView* dweight, Device dev, const Stream* stream) {
-  using O = W;
   constexpr int V = kVec<T>;
   const cudaStream_t s = detail::cuda_stream(stream);
   void (*kernel)(BackwardParams) = nullptr;
@@ -489,14 +509,22 @@ void rms_norm_forward(const RmsNormForwardArgs& a, const RmsNormParams& prm, con
   const TensorView* r = add ? &*a.residual : nullptr;
   const TensorView* rout = add ? &*a.residual_out : nullptr;
   const cudaStream_t s = detail::cuda_stream(stream);
-  with_norm_types(a.x.dtype(), a.weight.dtype(), [&](auto t, auto w) {
+  const DType s_dtype = add ? a.residual->dtype() : a.x.dtype();
+  with_norm_types(s_dtype, a.weight.dtype(), [&](auto t, auto w) {
     using T = decltype(t);
     using W = decltype(w);
     const bool vec = vectors_fit(kVec<T>, p.cols, {&a.x, r, &a.out, rout}, {&a.weight});
-    if (add)
-      launch_forward<T, W, true>(p, vec, s);
-    else
-      launch_forward<T, W, false>(p, vec, s);
+    if constexpr (std::is_same_v<T, float>) {  // f32 rows: out of any float type, x too with a residual
+      with_float_type(a.out.dtype(), [&](auto o) {
+        using O = decltype(o);
+        if (!add) return launch_forward<T, T, W, O, false>(p, vec, s);
+        with_float_type(a.x.dtype(), [&](auto xt) { launch_forward<decltype(xt), T, W, O, true>(p, vec, s); });
+      });
+    } else if (add) {
+      launch_forward<T, T, W, W, true>(p, vec, s);
+    } else {
+      launch_forward<T, T, W, W, false>(p, vec, s);
+    }
   });
 }
 
@@ -522,7 +550,11 @@ void rms_norm_backward(const RmsNormBackwardArgs& a, const RmsNormParams& prm, c
     using T = decltype(t);
     using W = decltype(w);
     const bool vec = vectors_fit(kVec<T>, p.cols, {&a.dout, dr, &a.s, &a.dx}, {&a.weight, dw});
-    launch_backward<T, W>(p, vec, dw, a.s.device(), stream);
+    if constexpr (std::is_same_v<T, float>) {  // f32 rows: dout of any float type
+      with_float_type(a.dout.dtype(), [&](auto o) { launch_backward<T, W, decltype(o)>(p, vec, dw, a.s.device(), stream); });
+    } else {
+      launch_backward<T, W, W>(p, vec, dw, a.s.device(), stream);
+    }
   });
 }
 
