@@ -35,6 +35,14 @@ void bind_glu(nb::module_& m) {
       "dy"_a, "x"_a, "w"_a, "bias"_a.none(), "dx"_a.none(), "dw"_a.none(), "dbias"_a.none(), "kind"_a,
       "allow_tf32"_a, "stream"_a, kNoGil);
   m.def(
+      "glu_activate",
+      [](const Array& preact, const Array& out, const std::string& kind, std::uintptr_t stream) {
+        constexpr const char* op = "glu_activate";
+        const GluActivateArgs a{view(preact, op, "preact"), view(out, op, "out")};
+        glu_activate(a, {parse_glu_kind(kind), false}, StreamArg(stream, a.preact).get());
+      },
+      "preact"_a, "out"_a, "kind"_a, "stream"_a, kNoGil);
+  m.def(
       "glu_backward_from_preact",
       [](const Array& dy, const Array& x, const Array& w, const Array& preact, const OptArray& dx, const OptArray& dw,
          const OptArray& dbias, bool overwrite_preact, const std::string& kind, bool allow_tf32,

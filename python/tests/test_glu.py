@@ -228,6 +228,38 @@ def test_glu_mlp_is_the_hugging_face_mlp(kind, act, bias, recompute, device):
         torch.testing.assert_close(v, state[k], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_glu_mlp_keeps_c_but_not_the_activation(recompute, device):
+    """Keeping (the default) saves C [M, 2N] and not glu's out [M, N] (recomputed from C for the
+    down projection's weight gradient); recomputing saves neither."""
+    gate, up, down = (torch.nn.Linear(16, 20, bias=False).to(device), torch.nn.Linear(16, 20, bias=False).to(device),
+                      torch.nn.Linear(20, 16, bias=False).to(device))
+    x = rand((6, 16), torch.float32, device, 62, True)
+    shapes = _saved_shapes(lambda: ops.glu_mlp(x, gate.weight, up.weight, down.weight, recompute=recompute))
+    assert ((6, 40) in shapes) is not recompute, shapes
+    assert (6, 20) not in shapes or recompute, shapes
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu_tanh", "sigmoid_tanh"])
+def test_glu_activate_recomputes_out_from_the_preactivations(kind, device):
+    x, w = rand((7, 16), torch.float32, device, 63), rand((2 * 5, 16), torch.float32, device, 64)
+    b = rand((10,), torch.float32, device, 65)
+    out, preact = ops.glu_train(x, w, b, kind, False)
+    torch.testing.assert_close(ops.glu_activate(preact, kind), out, rtol=1e-6, atol=1e-6)
+    with pytest.raises(fusekit.Error, match="glu_activate: argument 'preact'"):
+        ops.glu_activate(preact[:, :9].contiguous(), kind)
+
+
+def test_opcheck_glu_activate_and_glu_mlp_train(device):
+    x = rand((5, 12), torch.float32, device, 66, True)
+    w, b = rand((8, 12), torch.float32, device, 67, True), rand((8,), torch.float32, device, 68, True)
+    dw, db = rand((6, 4), torch.float32, device, 69, True), rand((6,), torch.float32, device, 70, True)
+    torch.library.opcheck(ops.glu_mlp_train, (x, w, b, dw, db, "swiglu", False))
+    torch.library.opcheck(ops.glu_mlp_train, (x, w, None, dw, None, "reglu", False))
+    _, preact = ops.glu_train(x.detach(), w.detach(), b.detach(), "swiglu", False)
+    torch.library.opcheck(ops.glu_activate, (preact, "swiglu"))
+
+
 def test_glu_mlp_under_autocast_and_compiled():
     torch.manual_seed(7)
     gate, up, down = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(24, 16)

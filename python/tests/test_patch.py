@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 def tiny_llama(device, dtype=torch.float32, act="silu", seed=0):
     cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   hidden_act=act, attn_implementation="sdpa")
+                                   hidden_act=act, attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
     with torch.no_grad():  # norms away from 1, so that a wrong weight shows
@@ -99,6 +99,18 @@ def test_num_items_in_batch_and_logits_to_keep(device):
     out = model(ids, logits_to_keep=1)
     assert out.logits.shape[1] == 1
     torch.testing.assert_close(out.logits, ref(ids, logits_to_keep=1).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_with_a_kv_cache(device):
+    """Greedy decoding with a KV cache through the patched layers gives the unpatched model's
+    tokens."""
+    ref = tiny_llama(device)
+    model = fusekit.patch(copy.deepcopy(ref))
+    ids, _ = batch(device, b=2, t=6)
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+        want = ref.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(got, want)
 
 
 def test_unpatch_restores(device):

@@ -205,6 +205,43 @@ TEST(GluLayout, CpuOpKeepsPreactivationsInThePreparedColumnOrder) {
   }
 }
 
+// glu_activate on the prepared C = [l0, r0, l1, r1] = [1, 2, -1, 3], swiglu: out = [silu(1) * 2,
+// silu(-1) * 3] = [2 / (1 + e^-1), -3 / (1 + e)].
+TEST(GluSpec, ActivateByHand) {
+  const Tensor c = test::host_tensor({1, 4}, DType::f32, {1.0f, 2.0f, -1.0f, 3.0f});
+  Tensor out = Tensor::empty({1, 2}, DType::f32, kCpu);
+  glu_activate({c, out}, {.kind = GluKind::swiglu});
+  EXPECT_NEAR(out.data_as<float>()[0], 2.0 / (1.0 + std::exp(-1.0)), 1e-6);
+  EXPECT_NEAR(out.data_as<float>()[1], -3.0 / (1.0 + std::exp(1.0)), 1e-6);
+}
+
+// glu_activate of the kept C is the forward's out (the CPU op, prepared layout, every kind).
+TEST(GluLayout, ActivateOfTheKeptPreactivationsIsTheForwardsOut) {
+  const std::int64_t m = 4, n = 5, k = 6;
+  for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh, GluKind::geglu_erf, GluKind::reglu}) {
+    const GluOptions opt{.kind = kind};
+    const Tensor x = test::random_tensor({m, k}, DType::f32, kCpu, 71);
+    const Tensor wp = glu_prepare_weight(test::random_tensor({2 * n, k}, DType::f32, kCpu, 72));
+    Tensor out = Tensor::empty({m, n}, DType::f32, kCpu), c = Tensor::empty({m, 2 * n}, DType::f32, kCpu);
+    glu_forward({x, wp, std::nullopt, out, c.view()}, opt);
+    Tensor again = Tensor::empty({m, n}, DType::f32, kCpu);
+    glu_activate({c, again}, opt);
+    EXPECT_LE(rel_err(again, out), 1e-6) << glu_kind_name(kind);
+  }
+}
+
+TEST(GluErrors, ActivateNamesItsArgument) {
+  const Tensor c = Tensor::empty({3, 8}, DType::bf16, kCpu), odd = Tensor::empty({3, 7}, DType::bf16, kCpu);
+  Tensor out = Tensor::empty({3, 4}, DType::bf16, kCpu), out32 = Tensor::empty({3, 4}, DType::f32, kCpu);
+  Tensor wide = Tensor::empty({3, 5}, DType::bf16, kCpu);
+  test::expect_arg_error([&] { glu_activate({odd, out}, {}); }, "glu_activate", "preact");
+  test::expect_arg_error([&] { glu_activate({c, out32}, {}); }, "glu_activate", "out");
+  test::expect_arg_error([&] { glu_activate({c, wide}, {}); }, "glu_activate", "out");
+  const TensorView strided(c.data(), DType::bf16, {3, 4}, {8, 1}, kCpu);  // rows 8 apart: not contiguous
+  test::expect_arg_error([&] { glu_activate({c, strided}, {}); }, "glu_activate", "out");
+  EXPECT_NO_THROW(glu_activate({c, out}, {}));
+}
+
 // ---------------------------------------------------------------------------------------------
 // GPU against the spec
 // ---------------------------------------------------------------------------------------------
@@ -342,6 +379,27 @@ TEST(GluGpu, ForwardKeepingPreactivationsMatchesSpec) {
           EXPECT_LE(rel_err(out, want), tolerance(c)) << "out " << what;
         }
         EXPECT_LE(rel_err(cg, want_c), tolerance(c)) << "preact " << what;
+      }
+}
+
+TEST(GluGpu, ActivateMatchesTheCpuOp) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  int seed = 700;
+  const std::int64_t shapes[][2] = {{1, 1}, {3, 5}, {64, 300}, {130, 257}, {1000, 4096}};
+  for (const auto& sh : shapes)
+    for (DType dt : {DType::bf16, DType::f16, DType::f32})
+      for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh, GluKind::geglu_erf,
+                           GluKind::reglu}) {
+        const std::int64_t m = sh[0], n = sh[1];
+        const Tensor c = test::random_tensor({m, 2 * n}, dt, kCpu, ++seed, -3.f, 3.f);
+        Tensor want = Tensor::empty({m, n}, dt, kCpu);
+        glu_activate({c, want}, {.kind = kind});
+        Tensor got = Tensor::empty({m, n}, dt, gpu);
+        test::poison(got);
+        glu_activate({c.copy_to(gpu), got}, {.kind = kind});
+        const double tol = dt == DType::f32 ? 1e-6 : 1e-2;
+        EXPECT_LE(rel_err(got, want), tol) << glu_kind_name(kind) << " " << dtype_name(dt) << " M" << m << " N" << n;
       }
 }
 

@@ -103,6 +103,16 @@ struct GluBackwardFromPreactArgs {
 void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt,
                               const Stream* stream = nullptr);
 
+// out [M, N] = glu(L, R) of the pre-activations glu_forward kept (bias included): the forward's out
+// recomputed in one elementwise pass, for a backward that keeps C but not out (the MLP's down
+// projection needs out for its weight gradient). Computed from C as rounded to the operand dtype,
+// where the fused forward activates C's fp32 accumulators: the two differ by that rounding.
+struct GluActivateArgs {
+  TensorView preact;  // [M, 2N], prepared: GluForwardArgs::preact of the forward
+  TensorView out;     // [M, N], preact's dtype
+};
+void glu_activate(const GluActivateArgs& a, const GluOptions& opt, const Stream* stream = nullptr);
+
 namespace reference {
 // The spec: plain loops on host tensors, in double, on the PyTorch layout (w and b unprepared;
 // glu_forward's preact, when given, in the PyTorch column order [L | R]).
@@ -110,6 +120,8 @@ void glu_forward(const GluForwardArgs& a, const GluOptions& opt);
 void glu_backward(const GluBackwardArgs& a, const GluOptions& opt);
 // preact here is in the PyTorch column order ([L | R], as w unprepared); it is never overwritten.
 void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt);
+// preact in the PyTorch column order, as above.
+void glu_activate(const GluActivateArgs& a, const GluOptions& opt);
 // glu(l, r) and its two partial derivatives, in double.
 double glu(GluKind k, double l, double r);
 double glu_dl(GluKind k, double l, double r);

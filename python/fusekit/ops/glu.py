@@ -105,6 +105,10 @@ def glu_train(x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str, allow_tf3
     """(out [M, N], preact [M, 2N]): glu's forward that also returns C = x wᵀ + b (prepared column
     order, the operand dtype), which its backward reads instead of recomputing the GEMM. preact
     carries no gradient."""
+    return _glu_train_impl(x, w, bias, kind, allow_tf32)
+
+
+def _glu_train_impl(x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str, allow_tf32: bool):
     _same_device("glu_forward", x=x, w=w, bias=bias)
     x, w, bias = _contiguous(x), _contiguous(w), _contiguous(bias)
     out, preact = x.new_empty((x.shape[0], w.shape[0] // 2)), x.new_empty((x.shape[0], w.shape[0]))
@@ -138,10 +142,13 @@ def _(dy, x, w, preact, with_bias, kind, allow_tf32):
 def _glu_train_setup(ctx, inputs, output):
     x, w, bias, kind, allow_tf32 = inputs
     ctx.kind, ctx.allow_tf32, ctx.with_bias = kind, allow_tf32, bias is not None
+    ctx.set_materialize_grads(False)  # preact carries no gradient: no [M, 2N] of zeros for it
     ctx.save_for_backward(x, w, output[1])
 
 
 def _glu_train_bwd(ctx, dy, _dpreact):
+    if dy is None:  # out unused downstream
+        return None, None, None, None, None
     x, w, preact = ctx.saved_tensors
     dx, dw, db = _bwd(ctx, "glu_backward_from_preact", dy, x, w, preact, ctx.with_bias, ctx.kind, ctx.allow_tf32)
     return dx, dw, (db if ctx.with_bias else None), None, None
@@ -149,6 +156,68 @@ def _glu_train_bwd(ctx, dy, _dpreact):
 
 _autograd("glu_train", _glu_train_bwd, _glu_train_setup)
 _autocast("glu_train")
+
+
+@_custom_op("glu_activate")
+def glu_activate(preact: Tensor, kind: str) -> Tensor:
+    """out [M, N] = glu(C) from glu_train's preact C [M, 2N] (prepared order, bias included): the
+    forward's out recomputed in one elementwise pass, from C as rounded to the operand dtype."""
+    _same_device("glu_activate", preact=preact)
+    preact = _contiguous(preact)
+    out = preact.new_empty((preact.shape[0], preact.shape[1] // 2))
+    _C.glu_activate(_d(preact), _d(out), kind, _stream(preact))
+    return out
+
+
+@glu_activate.register_fake
+def _(preact, kind):
+    return preact.new_empty((preact.shape[0], preact.shape[1] // 2))
+
+
+@_custom_op("glu_mlp_train")
+def glu_mlp_train(x: Tensor, w: Tensor, bias: Optional[Tensor], down_w: Tensor, down_b: Optional[Tensor], kind: str,
+                  allow_tf32: bool) -> tuple[Tensor, Tensor]:
+    """(y [M, K'], preact [M, 2N]): y = linear(glu(x wᵀ + b), down_w, down_b), a gated MLP whose
+    backward keeps C = x wᵀ + b (as glu_train) but not glu's [M, N] out: it recomputes out from C
+    (glu_activate) for down_w's gradient, one elementwise pass instead of M N values kept."""
+    out, preact = _glu_train_impl(x, w, bias, kind, allow_tf32)
+    return F.linear(out, down_w, down_b), preact
+
+
+@glu_mlp_train.register_fake
+def _(x, w, bias, down_w, down_b, kind, allow_tf32):
+    return x.new_empty((x.shape[0], down_w.shape[0])), x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _glu_mlp_train_setup(ctx, inputs, output):
+    x, w, bias, down_w, down_b, kind, allow_tf32 = inputs
+    ctx.kind, ctx.allow_tf32, ctx.with_bias = kind, allow_tf32, bias is not None
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, w, output[1], down_w)
+
+
+def _glu_mlp_train_bwd(ctx, dy, _dpreact):
+    if dy is None:
+        return (None,) * 7
+    x, w, preact, down_w = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dy = dy.reshape(-1, dy.shape[-1])
+    d_down_w = d_down_b = None
+    if need[3]:
+        h = _bwd(ctx, "glu_activate", preact, ctx.kind)
+        d_down_w = dy.t().mm(h)
+        h = None
+    if need[4]:
+        d_down_b = dy.sum(0)
+    dx = dw = db = None
+    if need[0] or need[1] or need[2]:
+        dh = dy.mm(down_w)
+        dx, dw, db = _bwd(ctx, "glu_backward_from_preact", dh, x, w, preact, ctx.with_bias, ctx.kind, ctx.allow_tf32)
+    return dx, dw, (db if ctx.with_bias else None), d_down_w, d_down_b, None, None
+
+
+_autograd("glu_mlp_train", _glu_mlp_train_bwd, _glu_mlp_train_setup)
+_autocast("glu_mlp_train")
 
 
 def glu_prepared(x: Tensor, w: Tensor, bias: Optional[Tensor], kind: str, allow_tf32: bool,
@@ -190,5 +259,9 @@ def glu_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, kind: str =
     if gate_b is not None:
         bias = torch.stack((up_b, gate_b) if swap else (gate_b, up_b), dim=1).reshape(2 * n)
     lead = x.shape[:-1]
-    h = glu_prepared(x.reshape(-1, k), w, bias, kind, allow_tf32, recompute)
+    x2 = x.reshape(-1, k)
+    if not recompute and needs_grad(x2, w, bias, down_w, down_b):
+        y = call_first("glu_mlp_train", x2, w, bias, down_w, down_b, kind, allow_tf32)
+        return y.reshape(*lead, y.shape[-1])
+    h = glu_prepared(x2, w, bias, kind, allow_tf32, recompute)
     return F.linear(h.reshape(*lead, n), down_w, down_b)

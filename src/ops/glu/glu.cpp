@@ -240,4 +240,26 @@ void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptio
 #endif
 }
 
+void glu_activate(const GluActivateArgs& a, const GluOptions& opt, [[maybe_unused]] const Stream* stream) {
+  constexpr const char* op = "glu_activate";
+  checks::tensor(op, "preact", a.preact, 2);
+  checks::dtype_in(op, "preact", a.preact, kFloatTypes);
+  checks::cuda_available(op, a.preact.device());
+  FK_CHECK_ARG(a.preact.size(1) % 2 == 0, op, "preact", "[M, 2N] with an even number of columns",
+               a.preact.shape().str());
+  const std::int64_t m = a.preact.size(0), n = a.preact.size(1) / 2;
+  checks::companion(op, "out", a.out, a.preact, Dims{m, n});
+  checks::outputs_disjoint(op, {{"out", &a.out}}, {{"preact", &a.preact}});
+  if (m == 0 || n == 0) return;
+  if (a.preact.device().is_cpu()) {
+    const Tensor c = Tensor::empty(a.preact.shape(), a.preact.dtype(), a.preact.device());
+    permute_columns_host(a.preact, c.view(), false);
+    reference::glu_activate({c.view(), a.out}, opt);
+    return;
+  }
+#if FUSEKIT_WITH_CUDA
+  cuda::glu_pairs(a.preact, nullptr, nullptr, a.out, opt.kind, stream);
+#endif
+}
+
 }  // namespace fk

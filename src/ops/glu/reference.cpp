@@ -115,6 +115,13 @@ void glu_backward(const GluBackwardArgs& a, const GluOptions& opt) {
   backward_from(preactivations(a.x, a.w, a.bias), a.dy, a.x, a.w, a.dx, a.dw, a.dbias, opt);
 }
 
+void glu_activate(const GluActivateArgs& a, const GluOptions& opt) {
+  const std::int64_t m = a.out.size(0), n = a.out.size(1);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j)
+      store(a.out, i * n + j, glu(opt.kind, load(a.preact, i * 2 * n + j), load(a.preact, i * 2 * n + n + j)));
+}
+
 void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt) {
   std::vector<double> c(static_cast<std::size_t>(a.preact.numel()));
   for (std::int64_t i = 0; i < a.preact.numel(); ++i) c[static_cast<std::size_t>(i)] = load(a.preact, i);
