@@ -52,7 +52,7 @@ def loss_curves(doc: dict, path: str, plt) -> None:
             xs = [c[1] / 1e6 for c in r["curve"]]
             ys = [c[2] for c in r["curve"]]
             val = f", val {r['val_loss']:.3f}" if r.get("val_loss") is not None else f", {r['status']}"
-            ax.plot(xs, ys, label=f"{r['run']}{val}", lw=1.2, ls=("-", "--", ":", "-.")[i % 4])
+            ax.plot(xs, ys, label=f"{r['run']}{val}", lw=1.2, ls=("-", "--", ":", "-.")[i % 4], color=color(r["run"]))
         ax.set_title(f"{prec}: training loss (batch {train[0]['batch']})", fontsize=10)
         ax.set_xlabel("training tokens (millions)")
         ax.grid(alpha=0.3)
@@ -64,9 +64,18 @@ def loss_curves(doc: dict, path: str, plt) -> None:
     plt.close(fig)
 
 
+# One colour per run in every panel (the order of the benchmark's run lists, LoRA's after).
+RUN_ORDER = ["fusekit", "compile", "liger", "liger_compile", "fusekit_compile", "checkpoint", "eager", "peft",
+             "peft_compile"]
+
+
+def color(run: str) -> str:
+    return f"C{RUN_ORDER.index(run) % 10}" if run in RUN_ORDER else "C9"
+
+
 def bars(ax, rows: list[dict], key: str, scale: float, label: str) -> None:
     """Grouped bars: a group per batch, a bar per run; 'OOM' (or the status) where there is none."""
-    runs = list(dict.fromkeys(r["run"] for r in rows))
+    runs = sorted(dict.fromkeys(r["run"] for r in rows), key=lambda r: RUN_ORDER.index(r) if r in RUN_ORDER else 99)
     batches = sorted({r["batch"] for r in rows})
     by = {(r["run"], r["batch"]): r for r in rows}
     w = 0.8 / max(1, len(runs))
@@ -75,10 +84,10 @@ def bars(ax, rows: list[dict], key: str, scale: float, label: str) -> None:
             r = by.get((run, b))
             x = j + (i - (len(runs) - 1) / 2) * w
             if r is not None and r["status"] == "ok" and r.get(key) is not None:
-                ax.bar(x, r[key] / scale, w, color=f"C{i}", label=run if j == 0 else None)
+                ax.bar(x, r[key] / scale, w, color=color(run), label=run if j == 0 else None)
                 ax.text(x, r[key] / scale, f"{r[key] / scale:.0f}", ha="center", va="bottom", fontsize=6)
             else:
-                ax.bar(x, 0, w, color=f"C{i}", label=run if j == 0 else None)
+                ax.bar(x, 0, w, color=color(run), label=run if j == 0 else None)
                 ax.text(x, 0, "OOM" if r and r["status"] == "oom" else (r or {}).get("status", "—")[:6],
                         rotation=90, ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
