@@ -66,7 +66,8 @@ def loss_curves(doc: dict, path: str, plt) -> None:
 
 # One colour per run in every panel (the order of the benchmark's run lists, LoRA's after).
 RUN_ORDER = ["fusekit", "compile", "liger", "liger_compile", "fusekit_compile", "checkpoint", "eager", "peft",
-             "peft_compile"]
+             "peft_compile", "hook8", "hook4", "hook2", "fusekit_hook8", "fusekit_hook4", "fusekit_hook2",
+             "checkpoint_hook4"]
 
 
 def color(run: str) -> str:

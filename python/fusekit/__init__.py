@@ -29,5 +29,6 @@ if _torch is not None:
                              rms_norm, rope, row_sum, sigmoid_bce, softmax, unpack, weight_grad_from_packed)
     from . import nn  # noqa: F401,E402  (fusekit.nn after `import fusekit`, as torch.nn after `import torch`)
     from .patch import patch, patch_llama, unpatch  # noqa: F401,E402
+    from .compress import compress_saved_tensors  # noqa: F401,E402
 
 __all__ = ["Error", "build_info", "cuda_device_count"]

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as Fk
+from .ops._registry import _autocast_dtype, _autocast_enabled
 
 __all__ = ["patch", "patch_llama", "unpatch", "patched_modules"]
 
@@ -77,9 +78,9 @@ def _gemm_input_dtype(x: Tensor, *norms: nn.Module) -> Optional[torch.dtype]:
     if x.dtype != torch.float32 or any(n.weight.dtype != torch.float32 for n in norms):
         return None
     device = x.device.type
-    if not torch.is_autocast_enabled(device):
+    if not _autocast_enabled(device):
         return None
-    dtype = torch.get_autocast_dtype(device)
+    dtype = _autocast_dtype(device)
     return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 

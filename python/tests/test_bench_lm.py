@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers", reason="the LM benchmark builds its model with transformers")
 pytest.importorskip("tokenizers", reason="the LM benchmark trains its tokenizer with tokenizers")
 
-from fusekit.bench import lm, lm_report
+from fusekit.bench import lm, lm_report, lm_runs
 from fusekit.bench.lm_data import Batches, Corpus, parse_limit
 
 
@@ -72,3 +72,28 @@ def test_tiny_cpu_lora_section(tmp_path):
     assert rows["fusekit"]["trainable_params"] == rows["peft"]["trainable_params"] == 2 * 16 * per_block
     # B = 0 in both: the first step's loss is the frozen model's
     assert rows["fusekit"]["first_loss"] == pytest.approx(rows["peft"]["first_loss"], rel=1e-3)
+
+
+def test_hook_runs_compress_the_saved_activations(tmp_path):
+    """hook8 (the unmodified model under fusekit.compress_saved_tensors) and fusekit_hook4: the
+    forward is the uncompressed one (the same first loss), the run trains; a hook on a compiled
+    run is refused."""
+    doc = lm.main(["--config", "tiny", "--device", "cpu", "--corpus-limit", "40", "--cache", str(tmp_path / "cache"),
+                   "--out", str(tmp_path / "lm.json"), "--runs", "eager,hook8,fusekit_hook4", "--precision", "bf16",
+                   "--batches", "2", "--warmup", "1", "--steps", "1", "--train-steps", "3", "--log-every", "1",
+                   "--val-batches", "1", "--hook-min-bytes", "4096"])
+    thr = {r["run"]: r for r in doc["throughput"]}
+    assert "hook" not in thr["eager"]
+    for run in ("hook8", "fusekit_hook4"):
+        h = thr[run]["hook"]
+        assert h["tensors"] > 0 and 0 < h["packed_bytes"] < h["bytes"] / (3 if run == "fusekit_hook4" else 1.8), h
+    train = {r["run"]: r for r in doc["train"]}
+    assert set(train) == {"eager", "hook8", "fusekit_hook4"}
+    for run in ("hook8", "fusekit_hook4"):
+        assert train[run]["status"] == "ok" and train[run]["val_loss"] > 0
+        assert train[run]["step0_loss"] == pytest.approx(train["eager"]["step0_loss"], rel=2e-2)
+    assert train["hook8"]["step0_loss"] == train["eager"]["step0_loss"]  # the forward is not compressed
+    with pytest.raises(SystemExit):
+        lm.parse(["--runs", "compile_hook4"])
+    assert lm_runs.split_hook("fusekit_hook2") == ("fusekit", 2) and lm_runs.split_hook("hook8") == ("eager", 8)
+    assert lm_runs.split_hook("compile") == ("compile", None)

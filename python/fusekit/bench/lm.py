@@ -48,8 +48,8 @@ import fusekit
 
 from . import lm_report
 from .lm_data import Batches, Corpus
-from .lm_runs import (DEFAULTS, LORA_RUNS, RUNS, RunUnavailable, llama_config, param_count, prepare, prepare_lora,
-                      versions)
+from .lm_runs import (DEFAULTS, HOOK_RUNS, LORA_RUNS, RUNS, RunUnavailable, is_run, llama_config, param_count, prepare,
+                      prepare_lora, versions)
 
 SCHEMA = "fusekit-bench-lm/1"
 
@@ -80,6 +80,7 @@ class Bench:
         self.cfg, self.context = llama_config(args.config, args.vocab)
         self.params = param_count(self.cfg)
         self.t0 = time.time()
+        self.hook_stats = None  # the last step's fusekit.compress_saved_tensors stats, in hook runs
         self.corpus = Corpus(args.cache, vocab=self.cfg.vocab_size, limit=args.corpus_limit, log=self.log)
         self.train_data = Batches(self.corpus.train_tokens, self.context, seed=args.seed)
         self.val_data = Batches(self.corpus.val_tokens, self.context, shuffled=False)
@@ -159,8 +160,10 @@ class Bench:
     def step(self, prep, opt, precision: str, x: torch.Tensor) -> torch.Tensor:
         if self.args.dynamic_batch:
             torch._dynamo.maybe_mark_dynamic(x, 0)
-        with self.amp(precision):
+        with self.amp(precision), prep.context() as hook:
             loss = prep.step_model(input_ids=x, labels=x).loss
+        if hook is not None:
+            self.hook_stats = dict(hook.stats)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -181,6 +184,7 @@ class Bench:
         self.free()
         row = {"batch": batch, "tokens_per_step": batch * self.context, "status": "ok",
                "resident_bytes": self.reset_peak()}
+        self.hook_stats = None
         loss = None
         try:
             t = time.perf_counter()
@@ -197,6 +201,8 @@ class Bench:
             dt = time.perf_counter() - t0
             if steps:
                 row |= {"step_s": dt / steps, "tokens_per_s": batch * self.context * steps / dt, "loss": float(loss)}
+            if self.hook_stats is not None:  # what the hook packed in the last step
+                row["hook"] = self.hook_stats
         except Exception as e:  # noqa: BLE001  recorded: oom is a result, anything else a failure
             row |= self.failure(e)
         loss = None
@@ -324,7 +330,7 @@ class Bench:
         try:
             try:
                 t = time.perf_counter()
-                prep = prepare(run, self.cfg, self.device, precision, a.seed, a.dynamic)
+                prep = prepare(run, self.cfg, self.device, precision, a.seed, a.dynamic, a.hook_min_bytes)
                 opt = self.optimizer(prep.model)
                 info["setup_s"] = round(time.perf_counter() - t, 2)
             except RunUnavailable as e:
@@ -417,7 +423,9 @@ def parse(argv=None):
     ap.add_argument("--cache", default="lm-cache", help="folder for the tokenizer and token streams")
     ap.add_argument("--corpus-limit", default=None, help="first N stdlib files (300) or bytes (2MB); default all")
     ap.add_argument("--vocab", type=int, default=None, help="tokenizer and model vocabulary (default the config's)")
-    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {','.join(RUNS)}")
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help=f"comma-separated, of {','.join(RUNS)}; with compressed saved activations: "
+                         f"{','.join(HOOK_RUNS)} (any eager run + _hook<bits>)")
     ap.add_argument("--precision", default="both", help="autocast, bf16 or both")
     ap.add_argument("--batches", default=None, help="comma-separated (default: the config's)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -433,6 +441,8 @@ def parse(argv=None):
                     help="batch: one batch-dynamic compile serves every batch size (the default); auto, true, "
                          "false: torch.compile's dynamic=None (batch-dynamic from the second size), True, False "
                          "(a static compile per batch size)")
+    ap.add_argument("--hook-min-bytes", type=int, default=1 << 20,
+                    help="hook runs: saved tensors of at least this many bytes are packed")
     ap.add_argument("--find-max-batch", action="store_true")
     ap.add_argument("--max-batch-limit", type=int, default=1024)
     ap.add_argument("--max-batch-step", type=int, default=16)
@@ -450,7 +460,11 @@ def parse(argv=None):
     a.precision_list, a.lora_precision_list = precisions(a.precision), precisions(a.lora_precision)
     a.dynamic_batch = a.dynamic == "batch"
     a.dynamic = {"batch": None, "auto": None, "true": True, "false": False}[a.dynamic]
-    for name, got, allowed in (("--runs", a.run_list, RUNS), ("--lora-runs", a.lora_run_list, LORA_RUNS),
+    bad = [x for x in a.run_list if not is_run(x)]
+    if bad:
+        ap.error(f"--runs: unknown {', '.join(bad)}; expected {', '.join(RUNS)}, or hook<bits> / <run>_hook<bits> "
+                 f"(bits 1, 2, 4, 8; an eager run) such as {', '.join(HOOK_RUNS)}")
+    for name, got, allowed in (("--lora-runs", a.lora_run_list, LORA_RUNS),
                                ("--precision", a.precision_list + a.lora_precision_list, ["autocast", "bf16"])):
         bad = [x for x in got if x not in allowed]
         if bad:

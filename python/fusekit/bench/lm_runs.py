@@ -10,7 +10,9 @@ on with the next run.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +31,10 @@ CONFIGS = {
 DEFAULTS = {"tiny": {"batches": "2", "train_batch": 2}, "small": {"batches": "64,128", "train_batch": 16},
             "1b": {"batches": "8,16", "train_batch": 8}}
 RUNS = ["eager", "compile", "liger", "liger_compile", "checkpoint", "fusekit", "fusekit_compile"]
+# fusekit.compress_saved_tensors(bits) around the forward of a run: "hook<bits>" (the unmodified
+# model), "<run>_hook<bits>" (fusekit_hook4, checkpoint_hook4, ...); eager autograd only.
+HOOK_RUNS = ["hook8", "hook4", "hook2", "fusekit_hook8", "fusekit_hook4", "fusekit_hook2", "checkpoint_hook4"]
+_HOOK = re.compile(r"(?:(?P<base>[a-z]+)_)?hook(?P<bits>[1248])")
 LORA_RUNS = ["fusekit", "fusekit_compile", "peft", "peft_compile"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -88,6 +94,7 @@ class Prepared:
     step_model: Callable
     undo: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    context: Callable = contextlib.nullcontext  # entered around each training step's forward
 
     def restore(self):
         while self.undo:
@@ -129,10 +136,32 @@ def _apply_fusekit(prep: Prepared) -> None:
         prep.model = prep.step_model = out
 
 
-def prepare(run: str, cfg, device, precision: str, seed: int, compile_dynamic) -> Prepared:
-    """A fresh model with `run` applied."""
+def split_hook(run: str) -> tuple[str, int | None]:
+    """(the run without its hook, the hook's bits or None): "fusekit_hook4" -> ("fusekit", 4),
+    "hook2" -> ("eager", 2), "compile" -> ("compile", None)."""
+    m = _HOOK.fullmatch(run)
+    if m is None:
+        return run, None
+    return m.group("base") or "eager", int(m.group("bits"))
+
+
+def is_run(run: str) -> bool:
+    base, bits = split_hook(run)
+    return base in RUNS and (bits is None or not base.endswith("compile"))
+
+
+def prepare(run: str, cfg, device, precision: str, seed: int, compile_dynamic, hook_min_bytes: int = 1 << 20) -> Prepared:
+    """A fresh model with `run` applied (a hook run's hook packs saved tensors of at least
+    `hook_min_bytes`)."""
+    run, hook_bits = split_hook(run)
+    if hook_bits is not None and run.endswith("compile"):
+        raise RunUnavailable("fusekit.compress_saved_tensors applies to eager autograd, not to a compiled graph")
     model = build_model(cfg, device, precision, seed)
     prep = Prepared(model=model, step_model=model)
+    if hook_bits is not None:
+        import fusekit
+
+        prep.context = lambda: fusekit.compress_saved_tensors(bits=hook_bits, min_bytes=hook_min_bytes)
     try:
         base = run.removesuffix("_compile")
         if base == "liger":

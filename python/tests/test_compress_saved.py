@@ -1,0 +1,186 @@
+"""fusekit.compress_saved_tensors: what it packs and what it leaves, the round trip within the bound
+of its bits (every floating dtype, any layout), one packed copy for a tensor saved twice, unbiased
+and reproducible stochastic rounding, gradients of small models under it, and its errors."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the operator tests need PyTorch")
+
+import fusekit  # noqa: E402
+from helpers import rand  # noqa: E402
+
+
+class _Save(torch.autograd.Function):
+    """y = x; saves `t` and hands what the backward reads to `seen`."""
+
+    @staticmethod
+    def forward(ctx, x, t, seen):
+        ctx.save_for_backward(t)
+        ctx.seen = seen
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.seen.append(ctx.saved_tensors[0])
+        return g, None, None
+
+
+def _round_trip(t, device, **kw):
+    """What the backward reads of `t` saved under the hook, and the hook's stats."""
+    x = torch.zeros(1, device=device, requires_grad=True)
+    seen = []
+    with fusekit.compress_saved_tensors(**kw) as c:
+        y = _Save.apply(x, t, seen)
+    y.sum().backward()
+    return seen[0], c.stats
+
+
+def _groups(t):
+    flat = t.detach().float().contiguous().view(-1)
+    return flat.view(-1, 256) if flat.numel() % 256 == 0 else flat.view(1, -1)
+
+
+def _step(t, bits):
+    """Each group's quantization step, broadcast to t's memory-order groups of 256."""
+    g = _groups(t)
+    return ((g.amax(1, keepdim=True) - g.amin(1, keepdim=True)) / (2 ** bits - 1)).expand_as(g).reshape(-1)
+
+
+def _stats_rounding(t):
+    """What bf16 scale and minimum add to a value's error: one bf16 rounding of the minimum and of
+    q * scale (at most the group's range)."""
+    g = _groups(t)
+    lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
+    return (2 ** -8 * (lo.abs() + (hi - lo))).expand_as(g).reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "odd"])
+def test_round_trip_within_the_bound_of_its_bits(dtype, bits, layout, device):
+    shape = (37, 29) if layout == "odd" else (64, 512)
+    t = rand(shape, dtype, device, 3) * 3
+    if layout == "transposed":
+        t = t.t()  # [512, 64] with strides (1, 512): packed in memory order, given back with them
+    got, stats = _round_trip(t, device, bits=bits, min_bytes=0, rounding="nearest")
+    assert got is not t and got.shape == t.shape and got.stride() == t.stride() and got.dtype == t.dtype
+    assert stats["tensors"] == 1 and stats["packed_bytes"] < stats["bytes"]
+    # memory order: the transposed view's storage is the original [64, 512] tensor's
+    mem = (lambda u: u.t()) if layout == "transposed" else (lambda u: u)
+    err = (mem(got).float().contiguous().view(-1) - mem(t).float().contiguous().view(-1)).abs()
+    step = _step(mem(t), bits)
+    rounding = torch.finfo(dtype).eps * mem(t).float().abs().contiguous().view(-1) + _stats_rounding(mem(t))
+    assert bool((err <= 0.5 * step + rounding + 1e-6).all()), float((err - 0.5 * step - rounding).max())
+
+
+def test_compression_ratio_at_4_and_2_bits(device):
+    t = rand((256, 1024), torch.bfloat16, device, 4)
+    for bits, least in ((4, 3.5), (2, 6.0)):
+        _, stats = _round_trip(t, device, bits=bits, min_bytes=0)
+        assert stats["bytes"] / stats["packed_bytes"] >= least, stats
+
+
+def test_leaves_parameters_small_integer_and_f64_tensors(device):
+    w = torch.nn.Parameter(rand((256, 256), torch.float32, device, 5))
+    for t in (w, w.t(), w.detach().to(torch.float64), torch.arange(100000, device=device),
+              rand((4, 4), torch.float32, device, 6)):
+        got, stats = _round_trip(t, device, bits=4, min_bytes=1024)
+        assert got is t or (got.data_ptr() == t.data_ptr() and got.shape == t.shape), type(t)
+        assert stats["tensors"] == 0 and stats["passed"] >= 1
+
+
+def test_autocast_copy_of_a_weight_is_left(device):
+    """Under autocast a linear saves its bf16 copy of the f32 weight: a weight, not an activation."""
+    lin = torch.nn.Linear(256, 256).to(device)
+    x = rand((512, 256), torch.float32, device, 7, True)
+    with fusekit.compress_saved_tensors(bits=4, min_bytes=0) as c, torch.autocast(device, torch.bfloat16):
+        y = lin(x)
+    assert c.stats["tensors"] == 1, c.stats  # x's bf16 copy; the weight's copy passed
+    y.float().sum().backward()
+    assert lin.weight.grad is not None
+
+
+def test_a_tensor_saved_twice_is_packed_once(device):
+    x = torch.zeros(1, device=device, requires_grad=True)
+    t = rand((64, 256), torch.float32, device, 8)
+    seen = []
+    with fusekit.compress_saved_tensors(bits=4, min_bytes=0) as c:
+        y = _Save.apply(_Save.apply(x, t, seen), t, seen)
+    assert c.stats["tensors"] == 1
+    y.sum().backward()
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+
+
+def test_stochastic_rounding_is_unbiased_and_reproducible(device):
+    t = rand((8, 256), torch.float32, device, 9)
+    draws = torch.stack([_round_trip(t, device, bits=2, min_bytes=0, seed=s)[0] for s in range(200)])
+    step = _step(t, 2).view(t.shape)
+    # the mean of 200 draws is within 4 standard errors (a draw's deviation is at most one step)
+    assert bool(((draws.mean(0) - t).abs() <= 4 * step / 200 ** 0.5 + 1e-6).all())
+    a, _ = _round_trip(t, device, bits=2, min_bytes=0, seed=11)
+    b, _ = _round_trip(t, device, bits=2, min_bytes=0, seed=11)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, _round_trip(t, device, bits=2, min_bytes=0, seed=12)[0])
+
+
+def test_gradients_at_8_bits_match_uncompressed(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256),
+                                torch.nn.LayerNorm(256), torch.nn.Linear(256, 64)).to(device)
+    ref = copy.deepcopy(model)
+    x = rand((128, 256), torch.float32, device, 10)
+    with fusekit.compress_saved_tensors(bits=8, min_bytes=0) as c:
+        loss = model(x).square().mean()
+    assert c.stats["tensors"] >= 3, c.stats
+    loss.backward()
+    ref(x).square().mean().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = float((p.grad - q.grad).norm() / q.grad.norm())
+        assert err < 2e-2, (n, err)
+
+
+def test_hugging_face_llama_trains_under_the_hook_and_sum_backward(device):
+    """An unmodified model: model(x).logits.sum().backward() (an expanded incoming gradient) and
+    the loss's gradients near the uncompressed ones at 8 bits."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(device)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 101, (4, 32), device=device)
+    with fusekit.compress_saved_tensors(bits=8, min_bytes=4096) as c:
+        model(ids).logits.sum().backward()
+    assert c.stats["tensors"] > 0, c.stats
+    model.zero_grad()
+    with fusekit.compress_saved_tensors(bits=8, min_bytes=4096):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12))
+        assert err < 5e-2, (n, err)
+
+
+def test_patched_llama_under_the_hook(device):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    model = fusekit.patch(transformers.LlamaForCausalLM(cfg).to(device))
+    ids = torch.randint(0, 101, (4, 32), device=device)
+    with fusekit.compress_saved_tensors(bits=4, min_bytes=4096) as c:
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert c.stats["tensors"] > 0 and torch.isfinite(loss)
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+
+
+def test_bad_arguments_name_themselves():
+    for kw, arg in (({"bits": 3}, "bits"), ({"bits": 4, "group": 100}, "group"), ({"rounding": "up"}, "rounding"),
+                    ({"min_bytes": -1}, "min_bytes")):
+        with pytest.raises(ValueError, match=f"compress_saved_tensors: argument '{arg}'"):
+            fusekit.compress_saved_tensors(**kw)
