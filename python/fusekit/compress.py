@@ -8,10 +8,12 @@ PyTorch model trains in less memory.
     loss.backward()
 
 What is packed: a floating-point tensor (f32, bf16, f16) of at least `min_bytes`, on a device
-fusekit's kernels run on (CPU, CUDA), that autograd saves during the `with` block and that is not a
-parameter: not an ``nn.Parameter``, a view of one, or a cast of one (autocast's bf16 copy of an f32
-weight). Everything else (integer tensors, small ones, parameters, f64) is
-kept as autograd would keep it. A tensor saved twice (by two ops) is packed once; both get the same
+fusekit's kernels run on (CPU, CUDA), that autograd saves during the `with` block, that is the
+result of a differentiable op (it has a ``grad_fn``: an activation) and that is not a parameter's
+copy: not a view or a cast of an ``nn.Parameter`` (autocast's bf16 copy of an f32 weight).
+Everything else is kept as autograd would keep it: parameters, integer, small and f64 tensors, and
+tensors no gradient flows through, such as the statistics an op saves beside its output (the
+attention's log-sum-exp, which a 4-bit rounding would turn into wrong softmax weights) and inputs. A tensor saved twice (by two ops) is packed once; both get the same
 packed copy.
 
 The packed copy: the tensor's values in memory order, in groups of `group` consecutive values,
@@ -137,9 +139,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         return super().__exit__(*exc)
 
     def _packable(self, t: Tensor) -> bool:
-        return (isinstance(t, Tensor) and t.dtype in _DTYPES and t.device.type in ("cpu", "cuda")
-                and t.numel() * t.element_size() >= max(self.min_bytes, 1) and not t.is_sparse
-                and type(t) in (Tensor, torch.nn.Parameter) and not _is_parameter(t))
+        return (isinstance(t, Tensor) and t.grad_fn is not None and t.dtype in _DTYPES
+                and t.device.type in ("cpu", "cuda") and t.numel() * t.element_size() >= max(self.min_bytes, 1)
+                and not t.is_sparse and type(t) is Tensor and not _is_parameter(t))
 
     def _pack(self, t: Tensor):
         if not self._packable(t):

@@ -26,6 +26,12 @@ class _Save(torch.autograd.Function):
         return g, None, None
 
 
+def _activation(t):
+    """t's values as an activation (the result of a differentiable op), in t's layout."""
+    leaf = t.detach().clone().requires_grad_()
+    return leaf * 1 if t.is_contiguous() else (leaf.t() * 1).t()
+
+
 def _round_trip(t, device, **kw):
     """What the backward reads of `t` saved under the hook, and the hook's stats."""
     x = torch.zeros(1, device=device, requires_grad=True)
@@ -63,6 +69,8 @@ def test_round_trip_within_the_bound_of_its_bits(dtype, bits, layout, device):
     t = rand(shape, dtype, device, 3) * 3
     if layout == "transposed":
         t = t.t()  # [512, 64] with strides (1, 512): packed in memory order, given back with them
+    t = _activation(t)
+    assert t.grad_fn is not None and (layout != "transposed" or not t.is_contiguous())
     got, stats = _round_trip(t, device, bits=bits, min_bytes=0, rounding="nearest")
     assert got is not t and got.shape == t.shape and got.stride() == t.stride() and got.dtype == t.dtype
     assert stats["tensors"] == 1 and stats["packed_bytes"] < stats["bytes"]
@@ -75,16 +83,16 @@ def test_round_trip_within_the_bound_of_its_bits(dtype, bits, layout, device):
 
 
 def test_compression_ratio_at_4_and_2_bits(device):
-    t = rand((256, 1024), torch.bfloat16, device, 4)
     for bits, least in ((4, 3.5), (2, 6.0)):
-        _, stats = _round_trip(t, device, bits=bits, min_bytes=0)
+        _, stats = _round_trip(_activation(rand((256, 1024), torch.bfloat16, device, 4)), device, bits=bits, min_bytes=0)
         assert stats["bytes"] / stats["packed_bytes"] >= least, stats
 
 
-def test_leaves_parameters_small_integer_and_f64_tensors(device):
+def test_leaves_parameters_small_integer_f64_and_non_differentiable_tensors(device):
     w = torch.nn.Parameter(rand((256, 256), torch.float32, device, 5))
-    for t in (w, w.t(), w.detach().to(torch.float64), torch.arange(100000, device=device),
-              rand((4, 4), torch.float32, device, 6)):
+    lse_like = rand((4, 8, 1024), torch.float32, device, 12)  # a statistic saved beside an output: no grad_fn
+    for t in (w, w.t(), _activation(w.detach().to(torch.float64)), torch.arange(100000, device=device),
+              _activation(rand((4, 4), torch.float32, device, 6)), lse_like):
         got, stats = _round_trip(t, device, bits=4, min_bytes=1024)
         assert got is t or (got.data_ptr() == t.data_ptr() and got.shape == t.shape), type(t)
         assert stats["tensors"] == 0 and stats["passed"] >= 1
@@ -103,7 +111,7 @@ def test_autocast_copy_of_a_weight_is_left(device):
 
 def test_a_tensor_saved_twice_is_packed_once(device):
     x = torch.zeros(1, device=device, requires_grad=True)
-    t = rand((64, 256), torch.float32, device, 8)
+    t = _activation(rand((64, 256), torch.float32, device, 8))
     seen = []
     with fusekit.compress_saved_tensors(bits=4, min_bytes=0) as c:
         y = _Save.apply(_Save.apply(x, t, seen), t, seen)
@@ -113,15 +121,17 @@ def test_a_tensor_saved_twice_is_packed_once(device):
 
 
 def test_stochastic_rounding_is_unbiased_and_reproducible(device):
-    t = rand((8, 256), torch.float32, device, 9)
-    draws = torch.stack([_round_trip(t, device, bits=2, min_bytes=0, seed=s)[0] for s in range(200)])
+    base = rand((8, 256), torch.float32, device, 9)
+    t = base  # the values; each round trip saves a fresh activation holding them
+
+    def draw(seed):
+        return _round_trip(_activation(base), device, bits=2, min_bytes=0, seed=seed)[0]
+    draws = torch.stack([draw(s) for s in range(200)])
     step = _step(t, 2).view(t.shape)
     # the mean of 200 draws is within 4 standard errors (a draw's deviation is at most one step)
     assert bool(((draws.mean(0) - t).abs() <= 4 * step / 200 ** 0.5 + 1e-6).all())
-    a, _ = _round_trip(t, device, bits=2, min_bytes=0, seed=11)
-    b, _ = _round_trip(t, device, bits=2, min_bytes=0, seed=11)
-    assert torch.equal(a, b)
-    assert not torch.equal(a, _round_trip(t, device, bits=2, min_bytes=0, seed=12)[0])
+    assert torch.equal(draw(11), draw(11))
+    assert not torch.equal(draw(11), draw(12))
 
 
 def test_gradients_at_8_bits_match_uncompressed(device):
