@@ -31,6 +31,7 @@ builds saves its own tensors).
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from .ops import quant as _quant
 
-__all__ = ["compress_saved_tensors"]
+__all__ = ["active", "compress_saved_tensors"]
 
 _BITS = (1, 2, 4, 8)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -100,18 +101,41 @@ def _memory_order(t: Tensor) -> Optional[tuple]:
     return p if t.permute(p).is_contiguous() else None
 
 
+class _Block:
+    """What the hooks of one `with` block share (a nested block at other bits included): the seed,
+    the next Philox subsequence, the table of tensors packed so far, the stats."""
+
+    def __init__(self, seed: int):
+        self.seed, self.subsequence, self.seen = seed, 0, {}
+        self.stats = {"tensors": 0, "bytes": 0, "packed_bytes": 0, "passed": 0, "by_bits": {}}
+
+
+_ACTIVE = threading.local()  # .stack: the compress_saved_tensors blocks entered on this thread
+
+
+def active() -> Optional["compress_saved_tensors"]:
+    """The innermost compress_saved_tensors block entered on this thread, or None."""
+    stack = getattr(_ACTIVE, "stack", None)
+    return stack[-1] if stack else None
+
+
 class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     """Keeps the activations autograd saves inside the block packed at `bits` (see the module's
-    docstring). `stats` after the block: {"tensors", "bytes", "packed_bytes", "passed"} of what
-    was packed (bytes before and after) and how many saved tensors were left as they were."""
+    docstring). `attention_bits` (8; None: `bits`) is what fusekit's patched decoder layers use
+    for their attention's saved tensors (q, k, v, its output), where a 4-bit rounding moves the
+    softmax more than an MLP's activations move. `stats` after the block: {"tensors", "bytes",
+    "packed_bytes", "passed", "by_bits"}: how many tensors were packed (and how many at each
+    bits), their bytes before and after, and how many saved tensors were left as they were."""
 
     def __init__(self, bits: int = 4, group: int = 256, rounding: str = "stochastic", min_bytes: int = 1 << 20,
-                 seed: Optional[int] = None):
-        if bits not in _BITS:
-            raise ValueError(f"fusekit.compress_saved_tensors: argument 'bits': expected one of 1, 2, 4, 8, got {bits!r}")
-        if not isinstance(group, int) or group <= 0 or group % (32 // bits) != 0:
-            raise ValueError(f"fusekit.compress_saved_tensors: argument 'group': expected a positive multiple of "
-                             f"{32 // bits} (32 / bits), got {group!r}")
+                 seed: Optional[int] = None, attention_bits: Optional[int] = 8):
+        for name, b in (("bits", bits), ("attention_bits", bits if attention_bits is None else attention_bits)):
+            if b not in _BITS:
+                raise ValueError(f"fusekit.compress_saved_tensors: argument '{name}': expected one of 1, 2, 4, 8, "
+                                 f"got {b!r}")
+            if not isinstance(group, int) or group <= 0 or group % (32 // b) != 0:
+                raise ValueError(f"fusekit.compress_saved_tensors: argument 'group': expected a positive multiple "
+                                 f"of {32 // b} (32 / bits), got {group!r}")
         if rounding not in ("stochastic", "nearest"):
             raise ValueError(f"fusekit.compress_saved_tensors: argument 'rounding': expected 'stochastic' or "
                              f"'nearest', got {rounding!r}")
@@ -119,23 +143,45 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             raise ValueError(f"fusekit.compress_saved_tensors: argument 'min_bytes': expected an int >= 0, "
                              f"got {min_bytes!r}")
         self.bits, self.group, self.rounding, self.min_bytes = bits, group, rounding, min_bytes
+        self.attention_bits = bits if attention_bits is None else attention_bits
         self._seed = seed
-        self.seed: Optional[int] = None
-        self.stats = {"tensors": 0, "bytes": 0, "packed_bytes": 0, "passed": 0}
-        self._subsequence = 0
-        self._seen: dict = {}
+        self._block: Optional[_Block] = None
+        self._outer: Optional[_Block] = None  # set for a block nested at other bits (at_bits)
         super().__init__(self._pack, _unpack)
 
+    @property
+    def seed(self) -> Optional[int]:
+        return None if self._block is None else self._block.seed
+
+    @property
+    def stats(self) -> dict:
+        if self._block is None:
+            return {"tensors": 0, "bytes": 0, "packed_bytes": 0, "passed": 0, "by_bits": {}}
+        return self._block.stats
+
+    def at_bits(self, bits: int) -> "compress_saved_tensors":
+        """A block nested in this one that packs at `bits`, sharing its seed, subsequences, table
+        and stats (what fusekit's layers use for a part of the model, such as the attention)."""
+        inner = compress_saved_tensors(bits, self.group, self.rounding, self.min_bytes, attention_bits=None)
+        inner._outer = self._block
+        return inner
+
     def __enter__(self):
-        self.seed = self._seed if self._seed is not None else next(_BLOCKS)
-        self._subsequence = 0
-        self._seen = {}
-        self.stats = {"tensors": 0, "bytes": 0, "packed_bytes": 0, "passed": 0}
+        if self._outer is not None:
+            self._block = self._outer
+        else:
+            self._block = _Block(self._seed if self._seed is not None else next(_BLOCKS))
+        stack = getattr(_ACTIVE, "stack", None)
+        if stack is None:
+            stack = _ACTIVE.stack = []
+        stack.append(self)
         super().__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._seen = {}  # the graph holds the packed copies; the block's dedup table goes
+        _ACTIVE.stack.remove(self)
+        if self._outer is None:
+            self._block.seen = {}  # the graph holds the packed copies; the block's table goes
         return super().__exit__(*exc)
 
     def _packable(self, t: Tensor) -> bool:
@@ -144,30 +190,29 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
                 and not t.is_sparse and type(t) is Tensor and not _is_parameter(t))
 
     def _pack(self, t: Tensor):
-        if not self._packable(t):
-            self.stats["passed"] += 1
-            return t
-        order = _memory_order(t)
+        block = self._block
+        order = _memory_order(t) if self._packable(t) else None
         if order is None:
-            self.stats["passed"] += 1
+            block.stats["passed"] += 1
             return t
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
                t._version)
-        hit = self._seen.get(key)
+        hit = block.seen.get(key)
         if hit is not None and hit[0]() is t:
             return hit[1]
         flat = t.detach().permute(order)  # contiguous: memory order
         n = flat.numel()
         rows, cols = (n // self.group, self.group) if n % self.group == 0 else (1, n)
         words, scale, mn = _quant.pack(flat.reshape(rows, cols), self.bits, self.group, self.rounding == "stochastic",
-                                       self.seed, self._subsequence, torch.bfloat16)
-        self._subsequence += 1
+                                       block.seed, block.subsequence, torch.bfloat16)
+        block.subsequence += 1
         packed = _Packed(words, scale, mn, t.shape, None if order == tuple(range(t.dim())) else order, t.dtype, rows,
                          cols, self.bits, self.group)
-        self.stats["tensors"] += 1
-        self.stats["bytes"] += t.numel() * t.element_size()
-        self.stats["packed_bytes"] += packed.nbytes()
-        self._seen[key] = (weakref.ref(t), packed)
+        block.stats["tensors"] += 1
+        block.stats["by_bits"][self.bits] = block.stats["by_bits"].get(self.bits, 0) + 1
+        block.stats["bytes"] += t.numel() * t.element_size()
+        block.stats["packed_bytes"] += packed.nbytes()
+        block.seen[key] = (weakref.ref(t), packed)
         return packed
 
 

@@ -23,6 +23,7 @@ and optimizers, hooks and checkpoints made before or after keep working. What is
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import threading
@@ -32,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from . import compress as _compress
 from . import functional as Fk
 from .ops._registry import _autocast_dtype, _autocast_enabled
 
@@ -84,16 +86,29 @@ def _gemm_input_dtype(x: Tensor, *norms: nn.Module) -> Optional[torch.dtype]:
     return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
+def _attention_compression():
+    """Inside a fusekit.compress_saved_tensors block: a nested block at its attention_bits for the
+    attention's saved tensors; else nothing."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    hook = _compress.active()
+    if hook is None or hook.attention_bits == hook.bits:
+        return contextlib.nullcontext()
+    return hook.at_bits(hook.attention_bits)
+
+
 def _decoder_layer_forward(self, hidden_states: Tensor, *args, **kwargs):
     """A pre-norm decoder layer (Hugging Face's LlamaDecoderLayer): x + attn(norm1(x)) -> h, then
     h + mlp(norm2(h)), with the first residual add fused into norm2 and, under autocast, both norms
-    writing the GEMMs' input dtype directly."""
+    writing the GEMMs' input dtype directly. Inside fusekit.compress_saved_tensors, the attention's
+    saved tensors are packed at the block's attention_bits."""
     arguments = dict(zip(self._fusekit_arg_names, args))
     arguments.update(kwargs)
     norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
     half = _gemm_input_dtype(hidden_states, norm1, norm2)
     h = Fk.rms_norm(hidden_states, norm1.weight, eps=_norm_eps(norm1, hidden_states), out_dtype=half)
-    attn = self.self_attn(hidden_states=h, **arguments)
+    with _attention_compression():
+        attn = self.self_attn(hidden_states=h, **arguments)
     if isinstance(attn, tuple):
         attn = attn[0]
     h, residual = Fk.add_rms_norm(attn, hidden_states, norm2.weight, eps=_norm_eps(norm2, hidden_states),

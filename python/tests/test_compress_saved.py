@@ -189,8 +189,29 @@ def test_patched_llama_under_the_hook(device):
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
 
 
+@pytest.mark.parametrize("attention_bits", [8, None])
+def test_patched_layers_pack_the_attention_at_its_bits(attention_bits, device):
+    """A patched decoder layer packs its attention's saved tensors at attention_bits (8 by default)
+    and the rest at bits; the unpatched model packs everything at bits."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).to(device)
+    model = fusekit.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, 101, (4, 32), device=device)
+    for m, patched in ((model, True), (ref, False)):
+        with fusekit.compress_saved_tensors(bits=4, min_bytes=4096, attention_bits=attention_bits) as c:
+            loss = m(ids, labels=ids).loss
+        loss.backward()
+        want = {4, 8} if patched and attention_bits == 8 else {4}
+        assert set(c.stats["by_bits"]) == want, (patched, c.stats)
+    assert fusekit.compress.active() is None
+
+
 def test_bad_arguments_name_themselves():
     for kw, arg in (({"bits": 3}, "bits"), ({"bits": 4, "group": 100}, "group"), ({"rounding": "up"}, "rounding"),
-                    ({"min_bytes": -1}, "min_bytes")):
+                    ({"min_bytes": -1}, "min_bytes"), ({"attention_bits": 6}, "attention_bits")):
         with pytest.raises(ValueError, match=f"compress_saved_tensors: argument '{arg}'"):
             fusekit.compress_saved_tensors(**kw)
