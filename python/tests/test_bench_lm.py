@@ -79,7 +79,7 @@ def test_hook_runs_compress_the_saved_activations(tmp_path):
     forward is the uncompressed one (the same first loss), the run trains; a hook on a compiled
     run is refused."""
     doc = lm.main(["--config", "tiny", "--device", "cpu", "--corpus-limit", "40", "--cache", str(tmp_path / "cache"),
-                   "--out", str(tmp_path / "lm.json"), "--runs", "eager,hook8,fusekit_hook4", "--precision", "bf16",
+                   "--out", str(tmp_path / "lm.json"), "--runs", "eager,hook8,fusekit_hook4,checkpoint_hook4", "--precision", "bf16",
                    "--batches", "2", "--warmup", "1", "--steps", "1", "--train-steps", "3", "--log-every", "1",
                    "--val-batches", "1", "--hook-min-bytes", "4096"])
     thr = {r["run"]: r for r in doc["throughput"]}
@@ -89,9 +89,12 @@ def test_hook_runs_compress_the_saved_activations(tmp_path):
         # fusekit_hook4: 4 bits, the attention at 8 (attention_bits); hook8: 8 bits everywhere
         assert h["tensors"] > 0 and 0 < h["packed_bytes"] < h["bytes"] / (2.2 if run == "fusekit_hook4" else 1.8), h
         assert set(h["by_bits"]) == ({4, 8} if run == "fusekit_hook4" else {8}), h
+    # checkpointing keeps only each block's input, which the hook packs (the recomputation in the
+    # backward runs outside the hook)
+    assert thr["checkpoint_hook4"]["hook"]["tensors"] > 0 and set(thr["checkpoint_hook4"]["hook"]["by_bits"]) == {4}
     train = {r["run"]: r for r in doc["train"]}
-    assert set(train) == {"eager", "hook8", "fusekit_hook4"}
-    for run in ("hook8", "fusekit_hook4"):
+    assert set(train) == {"eager", "hook8", "fusekit_hook4", "checkpoint_hook4"}
+    for run in ("hook8", "fusekit_hook4", "checkpoint_hook4"):
         assert train[run]["status"] == "ok" and train[run]["val_loss"] > 0
         assert train[run]["step0_loss"] == pytest.approx(train["eager"]["step0_loss"], rel=2e-2)
     assert train["hook8"]["step0_loss"] == train["eager"]["step0_loss"]  # the forward is not compressed
