@@ -150,13 +150,17 @@ def test_gradients_at_8_bits_match_uncompressed(device):
         assert err < 2e-2, (n, err)
 
 
+def _tiny_llama_config(transformers):
+    return transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    attn_implementation="sdpa", use_cache=False)
+
+
 def test_hugging_face_llama_trains_under_the_hook_and_sum_backward(device):
     """An unmodified model: model(x).logits.sum().backward() (an expanded incoming gradient) and
     the loss's gradients near the uncompressed ones at 8 bits."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa", use_cache=False)
+    cfg = _tiny_llama_config(transformers)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(device)
     ref = copy.deepcopy(model)
@@ -176,9 +180,7 @@ def test_hugging_face_llama_trains_under_the_hook_and_sum_backward(device):
 
 def test_patched_llama_under_the_hook(device):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa", use_cache=False)
+    cfg = _tiny_llama_config(transformers)
     torch.manual_seed(0)
     model = fusekit.patch(transformers.LlamaForCausalLM(cfg).to(device))
     ids = torch.randint(0, 101, (4, 32), device=device)
@@ -194,9 +196,7 @@ def test_patched_layers_pack_the_attention_at_its_bits(attention_bits, device):
     """A patched decoder layer packs its attention's saved tensors at attention_bits (8 by default)
     and the rest at bits; the unpatched model packs everything at bits."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa", use_cache=False)
+    cfg = _tiny_llama_config(transformers)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg).to(device)
     model = fusekit.patch(copy.deepcopy(ref))
