@@ -50,55 +50,93 @@ _BLOCKS = itertools.count()  # `with` blocks entered in this process: the defaul
 
 @dataclass
 class _Packed:
-    """A saved tensor in packed form, and what is needed to give it back."""
+    """A saved tensor's memory region in packed form, and what is needed to give the tensor back."""
     words: Tensor
     scale: Tensor
     min: Tensor
-    shape: torch.Size
-    order: Optional[tuple]  # the permutation that makes the tensor's memory order its logical one
     dtype: torch.dtype
     rows: int
     cols: int
     bits: int
     group: int
+    users: int = 0  # saved tensors (views) reading this copy whose backward has not unpacked it yet
+    unpacked: Optional[Tensor] = None  # the region unpacked, kept until its last user has read it
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.words, self.scale, self.min))
 
 
+@dataclass
+class _Saved:
+    """One saved tensor: its region's packed copy (shared by every view of the region) and its
+    shape and strides over that region."""
+    packed: _Packed
+    shape: torch.Size
+    stride: tuple
+
+
+def leave_unpacked(*tensors: Optional[Tensor]) -> None:
+    """Marks tensors an op saves that are not activations (the gradients fusekit's fused linear +
+    cross-entropy computes in its forward) so that compress_saved_tensors keeps them as they are."""
+    if active() is None or torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None:
+            t._fusekit_unpacked = True
+
+
+# The ops between parameters and a tensor an op saves for them: casts, views, and the
+# concatenations that build one weight from several (fusekit's GLU interleaves gate and up).
+_WEIGHT_PATH = ("ToCopyBackward", "TBackward", "ViewBackward", "PermuteBackward", "TransposeBackward",
+                "ExpandBackward", "UnsafeViewBackward", "ReshapeAliasBackward", "CatBackward", "StackBackward",
+                "UnsqueezeBackward", "SqueezeBackward", "CloneBackward", "AliasBackward")
+
+
 def _is_parameter(t: Tensor) -> bool:
-    """t is a parameter (nn.Parameter), a view of one, or a copy of one through views and casts
-    (autocast's bf16 copy of an f32 weight, its transpose): what autograd saves for a weight's use,
-    which is not an activation."""
+    """t is a parameter (nn.Parameter), a view of one, or computed from parameters alone through
+    views, casts and concatenations (autocast's bf16 copy of an f32 weight, its transpose, a weight
+    stacked from two): what autograd saves for a weight's use, which is not an activation."""
     if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
         return True
-    fn = t.grad_fn
-    for _ in range(4):  # t(), views, _to_copy (autocast's cast) between t and the leaf
-        if fn is None:
+    if t.grad_fn is None:
+        return False
+    todo, seen = [t.grad_fn], 0
+    while todo:
+        fn = todo.pop()
+        seen += 1
+        if seen > 32:
             return False
-        if type(fn).__name__ == "AccumulateGrad":
-            return isinstance(getattr(fn, "variable", None), torch.nn.Parameter)
-        if not type(fn).__name__.startswith(_WEIGHT_PATH):
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            if not isinstance(getattr(fn, "variable", None), torch.nn.Parameter):
+                return False
+            continue
+        if not name.startswith(_WEIGHT_PATH):
             return False
         nxt = [f for f, _ in fn.next_functions if f is not None]
-        if len(nxt) != 1:
+        if not nxt:
             return False
-        fn = nxt[0]
-    return False
+        todo.extend(nxt)
+    return True
 
 
-# The ops between a parameter and the tensor an op saves for it: casts and views.
-_WEIGHT_PATH = ("ToCopyBackward", "TBackward", "ViewBackward", "PermuteBackward", "TransposeBackward",
-                "ExpandBackward", "UnsafeViewBackward")
-
-
-def _memory_order(t: Tensor) -> Optional[tuple]:
-    """The permutation p with t.permute(p) contiguous (t dense in some order), or None if t has
-    gaps or overlaps."""
-    if t.is_contiguous():
-        return tuple(range(t.dim()))
-    p = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
-    return p if t.permute(p).is_contiguous() else None
+def _region(t: Tensor) -> Optional[tuple[int, int]]:
+    """(first element, element count) of the storage region t covers when t is dense over it (no
+    gaps or overlaps, in any order), else None."""
+    n = t.numel()
+    if n == 0:
+        return None
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 1)
+    if span != n or any(stride < 0 for stride in t.stride()):
+        return None
+    if not t.is_contiguous():
+        dims = [d for d in range(t.dim()) if t.shape[d] > 1]
+        expect = 1
+        for d in sorted(dims, key=lambda d: t.stride(d)):
+            if t.stride(d) != expect:
+                return None
+            expect *= t.shape[d]
+    return t.storage_offset(), n
 
 
 class _Block:
@@ -146,7 +184,8 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self.attention_bits = bits if attention_bits is None else attention_bits
         self._seed = seed
         self._block: Optional[_Block] = None
-        self._outer: Optional[_Block] = None  # set for a block nested at other bits (at_bits)
+        self._outer: Optional[_Block] = None  # set for a nested block (for_attention)
+        self._bits_4d: Optional[int] = None  # a nested attention block: the bits of 4-D tensors
         super().__init__(self._pack, _unpack)
 
     @property
@@ -159,11 +198,12 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
             return {"tensors": 0, "bytes": 0, "packed_bytes": 0, "passed": 0, "by_bits": {}}
         return self._block.stats
 
-    def at_bits(self, bits: int) -> "compress_saved_tensors":
-        """A block nested in this one that packs at `bits`, sharing its seed, subsequences, table
-        and stats (what fusekit's layers use for a part of the model, such as the attention)."""
-        inner = compress_saved_tensors(bits, self.group, self.rounding, self.min_bytes, attention_bits=None)
-        inner._outer = self._block
+    def for_attention(self) -> "compress_saved_tensors":
+        """A block nested in this one, sharing its seed, subsequences, table and stats, for an
+        attention module: the attention's own saved tensors, 4-D [batch, heads, tokens, head_dim]
+        (q, k, v, its output), at attention_bits; the projections' inputs at bits."""
+        inner = compress_saved_tensors(self.bits, self.group, self.rounding, self.min_bytes, attention_bits=None)
+        inner._outer, inner._bits_4d = self._block, self.attention_bits
         return inner
 
     def __enter__(self):
@@ -187,42 +227,47 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     def _packable(self, t: Tensor) -> bool:
         return (isinstance(t, Tensor) and t.grad_fn is not None and t.dtype in _DTYPES
                 and t.device.type in ("cpu", "cuda") and t.numel() * t.element_size() >= max(self.min_bytes, 1)
-                and not t.is_sparse and type(t) is Tensor and not _is_parameter(t))
+                and not t.is_sparse and type(t) is Tensor and not getattr(t, "_fusekit_unpacked", False)
+                and not _is_parameter(t))
 
     def _pack(self, t: Tensor):
         block = self._block
-        order = _memory_order(t) if self._packable(t) else None
-        if order is None:
+        region = _region(t) if self._packable(t) else None
+        if region is None:
             block.stats["passed"] += 1
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
-               t._version)
+        start, n = region
+        base = t if t._base is None else t._base
+        key = (t.untyped_storage().data_ptr(), start, n, t.dtype, t._version)
         hit = block.seen.get(key)
-        if hit is not None and hit[0]() is t:
-            return hit[1]
-        flat = t.detach().permute(order)  # contiguous: memory order
-        n = flat.numel()
+        if hit is not None and hit[0]() is base:  # another view of a region packed already
+            hit[1].users += 1
+            return _Saved(hit[1], t.shape, t.stride())
+        bits = self._bits_4d if self._bits_4d is not None and t.dim() == 4 else self.bits
+        flat = t.detach().as_strided((n,), (1,), start)  # the region in memory order
         rows, cols = (n // self.group, self.group) if n % self.group == 0 else (1, n)
-        words, scale, mn = _quant.pack(flat.reshape(rows, cols), self.bits, self.group, self.rounding == "stochastic",
+        words, scale, mn = _quant.pack(flat.view(rows, cols), bits, self.group, self.rounding == "stochastic",
                                        block.seed, block.subsequence, torch.bfloat16)
         block.subsequence += 1
-        packed = _Packed(words, scale, mn, t.shape, None if order == tuple(range(t.dim())) else order, t.dtype, rows,
-                         cols, self.bits, self.group)
+        packed = _Packed(words, scale, mn, t.dtype, rows, cols, bits, self.group, users=1)
         block.stats["tensors"] += 1
-        block.stats["by_bits"][self.bits] = block.stats["by_bits"].get(self.bits, 0) + 1
-        block.stats["bytes"] += t.numel() * t.element_size()
+        block.stats["by_bits"][bits] = block.stats["by_bits"].get(bits, 0) + 1
+        block.stats["bytes"] += n * t.element_size()
         block.stats["packed_bytes"] += packed.nbytes()
-        block.seen[key] = (weakref.ref(t), packed)
-        return packed
+        block.seen[key] = (weakref.ref(base), packed)
+        return _Saved(packed, t.shape, t.stride())
 
 
-def _unpack(p):
-    if not isinstance(p, _Packed):
-        return p
-    flat = _quant.unpack(p.words, p.scale, p.min, p.cols, p.bits, p.group, p.dtype)
-    if p.order is None:
-        return flat.view(p.shape)
-    inverse = [0] * len(p.order)
-    for i, d in enumerate(p.order):
-        inverse[d] = i
-    return flat.view([p.shape[d] for d in p.order]).permute(inverse)
+def _unpack(s):
+    """The saved tensor, from its region's packed copy. Views of one region (q, k and v's
+    projections read one activation) are unpacked once: the first read keeps the unpacked region
+    until the last of them has read it (their backwards run one after another)."""
+    if not isinstance(s, _Saved):
+        return s
+    p = s.packed
+    flat = p.unpacked
+    if flat is None:
+        flat = _quant.unpack(p.words, p.scale, p.min, p.cols, p.bits, p.group, p.dtype)
+    p.users -= 1
+    p.unpacked = flat if p.users > 0 else None
+    return flat.as_strided(s.shape, s.stride, 0)

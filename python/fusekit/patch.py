@@ -87,14 +87,14 @@ def _gemm_input_dtype(x: Tensor, *norms: nn.Module) -> Optional[torch.dtype]:
 
 
 def _attention_compression():
-    """Inside a fusekit.compress_saved_tensors block: a nested block at its attention_bits for the
-    attention's saved tensors; else nothing."""
+    """Inside a fusekit.compress_saved_tensors block: a nested block that packs the attention's
+    own saved tensors (q, k, v, its output) at the block's attention_bits; else nothing."""
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
     hook = _compress.active()
     if hook is None or hook.attention_bits == hook.bits:
         return contextlib.nullcontext()
-    return hook.at_bits(hook.attention_bits)
+    return hook.for_attention()
 
 
 def _decoder_layer_forward(self, hidden_states: Tensor, *args, **kwargs):

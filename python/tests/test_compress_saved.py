@@ -120,6 +120,54 @@ def test_a_tensor_saved_twice_is_packed_once(device):
     assert len(seen) == 2 and torch.equal(seen[0], seen[1])
 
 
+def test_views_of_one_region_are_packed_once(device):
+    """Three linears reading one [B, S, D] activation each save their own 2-D view of it, and a
+    transposed view covers the same memory: one packed copy, each view given back as itself."""
+    x = torch.zeros(1, device=device, requires_grad=True)
+    t = _activation(rand((4, 64, 256), torch.float32, device, 13))
+    views = (t.view(256, 256), t.reshape(256, 256), t.transpose(1, 2), t)
+    seen = []
+    with fusekit.compress_saved_tensors(bits=8, min_bytes=0, rounding="nearest") as c:
+        y = x
+        for v in views:
+            y = _Save.apply(y, v, seen)
+    assert c.stats["tensors"] == 1, c.stats
+    y.sum().backward()
+    seen.reverse()  # the backward runs the saves in reverse
+    base = seen[-1]
+    for v, got in zip(views, seen):
+        assert got.shape == v.shape and got.stride() == v.stride()
+        assert torch.equal(got, base.as_strided(v.shape, v.stride(), 0))
+    assert float((base - t.detach()).abs().max()) <= float(_step(t, 8).max()) * 0.5 + 1e-5
+
+
+def test_a_weight_stacked_from_parameters_is_left(device):
+    """fusekit's GLU interleaves gate_proj's and up_proj's weights into one: still a weight."""
+    gate, up = (torch.nn.Parameter(rand((128, 64), torch.float32, device, s)) for s in (14, 15))
+    w = torch.stack((gate, up), dim=1).reshape(256, 64)
+    assert w.grad_fn is not None
+    got, stats = _round_trip(w, device, bits=4, min_bytes=0)
+    assert got.data_ptr() == w.data_ptr() and stats["tensors"] == 0 and stats["passed"] == 1
+    mixed = torch.cat((gate, _activation(rand((128, 64), torch.float32, device, 16))))
+    _, stats = _round_trip(mixed, device, bits=4, min_bytes=0)
+    assert stats["tensors"] == 1  # an activation concatenated to a weight is an activation
+
+
+def test_the_fused_heads_saved_gradients_are_left(device):
+    """linear_cross_entropy computes its gradients in the forward and saves them: not activations."""
+    h = rand((64, 128), torch.float32, device, 17, True)
+    w = torch.nn.Parameter(rand((300, 128), torch.float32, device, 18))
+    t = torch.randint(0, 300, (64,), device=device)
+    with fusekit.compress_saved_tensors(bits=2, min_bytes=0) as c:
+        loss = fusekit.functional.linear_cross_entropy(h * 1, w, t)
+    loss.backward()
+    ref_h, ref_w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.nn.functional.cross_entropy(ref_h @ ref_w.t(), t).backward()
+    assert c.stats["by_bits"].get(2, 0) <= 1, c.stats  # at most h's copy, never the gradients
+    torch.testing.assert_close(w.grad, ref_w.grad, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(h.grad, ref_h.grad, rtol=1e-3, atol=1e-5)
+
+
 def test_stochastic_rounding_is_unbiased_and_reproducible(device):
     base = rand((8, 256), torch.float32, device, 9)
     t = base  # the values; each round trip saves a fresh activation holding them

@@ -65,6 +65,8 @@ def _setup(ctx, inputs, output):
     h, w, bias, targets, ignore_index, label_smoothing, z_loss, reduction, need_dh, need_dw = inputs
     _, dh, dw, dbias = output
     ctx.need_dh, ctx.need_dw, ctx.with_bias = need_dh, need_dw, bias is not None
+    from ..compress import leave_unpacked  # the saved tensors are gradients, not activations
+    leave_unpacked(dh, dw, dbias)
     ctx.save_for_backward(dh, dw, dbias)
 
 
