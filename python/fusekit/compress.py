@@ -40,8 +40,9 @@ import torch
 from torch import Tensor
 
 from .ops import quant as _quant
+from .ops._registry import _autocast_dtype, _autocast_enabled
 
-__all__ = ["active", "compress_saved_tensors"]
+__all__ = ["active", "compress_saved_tensors", "leave_unpacked", "linear"]
 
 _BITS = (1, 2, 4, 8)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -231,17 +232,25 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
                 and not _is_parameter(t))
 
     def _pack(self, t: Tensor):
-        block = self._block
-        region = _region(t) if self._packable(t) else None
-        if region is None:
-            block.stats["passed"] += 1
+        saved = self._pack_tensor(t) if self._packable(t) else None
+        if saved is None:
+            self._block.stats["passed"] += 1
             return t
+        return saved
+
+    def _pack_tensor(self, t: Tensor, reads: bool = True) -> Optional[_Saved]:
+        """t's region packed (or the copy of it packed already), or None where t is not dense.
+        reads: the backward will unpack it (False: it reads the packed copy itself)."""
+        block = self._block
+        region = _region(t)
+        if region is None:
+            return None
         start, n = region
         base = t if t._base is None else t._base
         key = (t.untyped_storage().data_ptr(), start, n, t.dtype, t._version)
         hit = block.seen.get(key)
         if hit is not None and hit[0]() is base:  # another view of a region packed already
-            hit[1].users += 1
+            hit[1].users += int(reads)
             return _Saved(hit[1], t.shape, t.stride())
         bits = self._bits_4d if self._bits_4d is not None and t.dim() == 4 else self.bits
         flat = t.detach().as_strided((n,), (1,), start)  # the region in memory order
@@ -249,7 +258,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         words, scale, mn = _quant.pack(flat.view(rows, cols), bits, self.group, self.rounding == "stochastic",
                                        block.seed, block.subsequence, torch.bfloat16)
         block.subsequence += 1
-        packed = _Packed(words, scale, mn, t.dtype, rows, cols, bits, self.group, users=1)
+        packed = _Packed(words, scale, mn, t.dtype, rows, cols, bits, self.group, users=int(reads))
         block.stats["tensors"] += 1
         block.stats["by_bits"][bits] = block.stats["by_bits"].get(bits, 0) + 1
         block.stats["bytes"] += n * t.element_size()
@@ -271,3 +280,63 @@ def _unpack(s):
     p.users -= 1
     p.unpacked = flat if p.users > 0 else None
     return flat.as_strided(s.shape, s.stride, 0)
+
+
+# ---- the fused path: a linear layer whose weight gradient reads the packed input ---------------
+
+class _PackedLinear(torch.autograd.Function):
+    """y = x wᵀ + b computed in `dtype`, x kept packed (x2 [M, K], K a multiple of the group); the
+    backward's dW = dyᵀ x̂ comes from weight_grad_from_packed, which reads the packed words (x is
+    never unpacked to memory), dx = dy w."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, saved, dtype):
+        with torch.autocast(x.device.type, enabled=False):
+            w = weight.to(dtype)
+            y = torch.nn.functional.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
+        ctx.saved, ctx.x_shape = saved, x.shape
+        ctx.save_for_backward(weight)
+        ctx.with_bias, ctx.bias_dtype = bias is not None, None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (weight,) = ctx.saved_tensors
+        p = ctx.saved.packed
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        need = ctx.needs_input_grad
+        if need[0]:
+            dx = dy2.mm(weight.to(dy2.dtype)).view(ctx.x_shape)
+        if need[1]:
+            k = ctx.x_shape[-1]
+            m, g = p.rows * p.cols // k, k // p.group
+            dw = _quant.weight_grad_from_packed(dy2, p.words.view(m, g, -1), p.scale.view(m, g), p.min.view(m, g), k,
+                                                p.dtype, p.bits, p.group, weight.dtype)
+        if ctx.with_bias and need[2]:
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None, None
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear(x, weight, bias); inside a compress_saved_tensors block, with x an activation of at
+    least min_bytes, contiguous, its last size a multiple of the group, and the weight needing a
+    gradient: x kept packed (one copy shared with every other save of it) and weight's gradient
+    computed from the packed copy by weight_grad_from_packed, never unpacked. Under autocast the
+    GEMM runs in autocast's dtype, as F.linear's. The weight's gradient is accumulated in fp32 and
+    written in the weight's dtype; the bias's is dy's column sums in fp32."""
+    hook = None if torch.compiler.is_compiling() else active()
+    if hook is None or not weight.requires_grad or weight.dim() != 2:
+        return torch.nn.functional.linear(x, weight, bias)
+    device = x.device.type
+    dtype = _autocast_dtype(device) if _autocast_enabled(device) else x.dtype
+    k = x.shape[-1]
+    # the CUDA kernel takes bf16 dy; the CPU spec any floating dtype
+    usable = (dtype == torch.bfloat16 or device == "cpu") and dtype in _DTYPES and x.dtype == dtype
+    if not (usable and hook._packable(x) and x.is_contiguous() and k % hook.group == 0
+            and (bias is None or bias.dim() == 1)):
+        return torch.nn.functional.linear(x, weight, bias)
+    saved = hook._pack_tensor(x, reads=False)
+    if saved is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _PackedLinear.apply(x, weight, bias, saved, dtype)

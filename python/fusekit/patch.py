@@ -116,6 +116,15 @@ def _decoder_layer_forward(self, hidden_states: Tensor, *args, **kwargs):
     return residual + self.mlp(h)
 
 
+# The attention's projections in a patched decoder layer: inside fusekit.compress_saved_tensors
+# their inputs stay packed and their weight gradients read the packed copy (compress.linear).
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _projection_forward(self, x: Tensor) -> Tensor:
+    return _compress.linear(x, self.weight, self.bias)
+
+
 def _mlp_forward(self, x: Tensor) -> Tensor:
     g, u, d = self.gate_proj, self.up_proj, self.down_proj
     return Fk.glu_mlp(x, g.weight, u.weight, d.weight, kind=self._fusekit_kind, gate_b=g.bias, up_b=u.bias,
@@ -288,6 +297,10 @@ def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bo
             base = type(m).forward
             _swap(m, "decoder_layer", {"forward": _decoder_layer_forward,
                                        "_fusekit_arg_names": _positional_names(base)[1:]})
+            for name in _PROJECTIONS:
+                proj = getattr(m.self_attn, name, None)
+                if type(proj) is nn.Linear:
+                    _swap(proj, "projection", {"forward": _projection_forward})
         elif rms_norm and _is_rms_norm(m):
             _swap(m, "rms_norm", {"forward": _rms_norm_forward})
         elif mlp and (kind := _mlp_kind(m)) is not None:

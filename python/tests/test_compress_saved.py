@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the operator tests need PyTorch")
 
 import fusekit  # noqa: E402
+from fusekit.patch import patched_modules  # noqa: E402
 from helpers import rand  # noqa: E402
 
 
@@ -263,3 +264,50 @@ def test_bad_arguments_name_themselves():
                     ({"min_bytes": -1}, "min_bytes"), ({"attention_bits": 6}, "attention_bits")):
         with pytest.raises(ValueError, match=f"compress_saved_tensors: argument '{arg}'"):
             fusekit.compress_saved_tensors(**kw)
+
+
+def test_fused_projections_match_the_hook(device, monkeypatch):
+    """A patched decoder layer's q, k, v and o projections keep their input packed and take their
+    weight gradient from it (weight_grad_from_packed): the same packed values as the hook alone
+    (same seed, same order), so the same loss and gradients up to the GEMM's accumulation order."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa", use_cache=False)  # K a multiple of the group
+    torch.manual_seed(0)
+    model = fusekit.patch(transformers.LlamaForCausalLM(cfg).to(device))
+    assert list(patched_modules(model).values()).count("projection") == 4 * cfg.num_hidden_layers
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 101, (4, 32), device=device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def run(m):
+        with torch.autocast(device, dtype, enabled=device == "cuda"):
+            with fusekit.compress_saved_tensors(bits=8, min_bytes=0, seed=3) as c:
+                loss = m(ids, labels=ids).loss
+        loss.backward()
+        return loss, c.stats
+
+    fused = []
+    with monkeypatch.context() as mp:
+        apply = fusekit.compress._PackedLinear.apply
+        mp.setattr(fusekit.compress._PackedLinear, "apply", lambda *a: fused.append(1) or apply(*a))
+        loss, stats = run(model)
+    assert len(fused) == 4 * cfg.num_hidden_layers  # every projection took the fused path
+    with monkeypatch.context() as mp:
+        mp.setattr(fusekit.compress, "linear", torch.nn.functional.linear)
+        ref_loss, ref_stats = run(ref)
+    assert stats["tensors"] == ref_stats["tensors"] and stats["packed_bytes"] == ref_stats["packed_bytes"]
+    assert float(loss.detach()) == float(ref_loss.detach())
+    tol = 2e-2 if device == "cuda" else 1e-5
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12))
+        assert err < tol, (n, err)
+    fusekit.unpatch(model)
+    assert patched_modules(model) == {}
+
+
+def test_compress_linear_outside_a_block_is_f_linear(device):
+    x = rand((64, 256), torch.float32, device, 19, True)
+    w = torch.nn.Parameter(rand((32, 256), torch.float32, device, 20))
+    torch.testing.assert_close(fusekit.compress.linear(x, w), torch.nn.functional.linear(x, w))

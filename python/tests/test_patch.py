@@ -44,7 +44,7 @@ def test_patched_llama_equals_unpatched(device, act):
     model = copy.deepcopy(ref)
     fusekit.patch_llama(model)
     roles = set(patched_modules(model).values())
-    assert roles == {"decoder_layer", "rms_norm", "mlp", "causal_lm"}, roles
+    assert roles == {"decoder_layer", "projection", "rms_norm", "mlp", "causal_lm"}, roles
     ids, labels = batch(device)
 
     # logits (no labels: the model's own head, with the patched norms, MLPs and rotary)
