@@ -70,8 +70,12 @@ RUN_ORDER = ["fusekit", "compile", "liger", "liger_compile", "fusekit_compile", 
              "checkpoint_hook4"]
 
 
-def color(run: str) -> str:
-    return f"C{RUN_ORDER.index(run) % 10}" if run in RUN_ORDER else "C9"
+def color(run: str):
+    """tab20's colours, one per run of RUN_ORDER (16 of them), grey for any other."""
+    if run not in RUN_ORDER:
+        return "0.5"
+    import matplotlib
+    return matplotlib.colormaps["tab20"](RUN_ORDER.index(run) % 20)
 
 
 def bars(ax, rows: list[dict], key: str, scale: float, label: str) -> None:
