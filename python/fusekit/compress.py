@@ -146,7 +146,8 @@ class _Block:
 
     def __init__(self, seed: int):
         self.seed, self.subsequence, self.seen = seed, 0, {}
-        self.stats = {"tensors": 0, "bytes": 0, "packed_bytes": 0, "passed": 0, "by_bits": {}}
+        self.stats = {"tensors": 0, "bytes": 0, "packed_bytes": 0, "passed": 0, "by_bits": {},
+                      "bytes_by_bits": {}}
 
 
 _ACTIVE = threading.local()  # .stack: the compress_saved_tensors blocks entered on this thread
@@ -163,8 +164,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     docstring). `attention_bits` (8; None: `bits`) is what fusekit's patched decoder layers use
     for their attention's saved tensors (q, k, v, its output), where a 4-bit rounding moves the
     softmax more than an MLP's activations move. `stats` after the block: {"tensors", "bytes",
-    "packed_bytes", "passed", "by_bits"}: how many tensors were packed (and how many at each
-    bits), their bytes before and after, and how many saved tensors were left as they were."""
+    "packed_bytes", "passed", "by_bits", "bytes_by_bits"}: how many tensors were packed (and how
+    many at each bits), their bytes before and after (in all, and at each bits), and how many
+    saved tensors were left as they were."""
 
     def __init__(self, bits: int = 4, group: int = 256, rounding: str = "stochastic", min_bytes: int = 1 << 20,
                  seed: Optional[int] = None, attention_bits: Optional[int] = 8):
@@ -196,7 +198,7 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     @property
     def stats(self) -> dict:
         if self._block is None:
-            return {"tensors": 0, "bytes": 0, "packed_bytes": 0, "passed": 0, "by_bits": {}}
+            return {"tensors": 0, "bytes": 0, "packed_bytes": 0, "passed": 0, "by_bits": {}, "bytes_by_bits": {}}
         return self._block.stats
 
     def for_attention(self) -> "compress_saved_tensors":
@@ -263,6 +265,9 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         block.stats["by_bits"][bits] = block.stats["by_bits"].get(bits, 0) + 1
         block.stats["bytes"] += n * t.element_size()
         block.stats["packed_bytes"] += packed.nbytes()
+        both = block.stats["bytes_by_bits"].setdefault(bits, [0, 0])
+        both[0] += n * t.element_size()
+        both[1] += packed.nbytes()
         block.seen[key] = (weakref.ref(base), packed)
         return _Saved(packed, t.shape, t.stride())
 

@@ -87,6 +87,7 @@ def test_compression_ratio_at_4_and_2_bits(device):
     for bits, least in ((4, 3.5), (2, 6.0)):
         _, stats = _round_trip(_activation(rand((256, 1024), torch.bfloat16, device, 4)), device, bits=bits, min_bytes=0)
         assert stats["bytes"] / stats["packed_bytes"] >= least, stats
+        assert stats["bytes_by_bits"] == {bits: [stats["bytes"], stats["packed_bytes"]]}
 
 
 def test_leaves_parameters_small_integer_f64_and_non_differentiable_tensors(device):
@@ -311,3 +312,28 @@ def test_compress_linear_outside_a_block_is_f_linear(device):
     x = rand((64, 256), torch.float32, device, 19, True)
     w = torch.nn.Parameter(rand((32, 256), torch.float32, device, 20))
     torch.testing.assert_close(fusekit.compress.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_the_allocator_sees_the_saving(device):
+    """What the stats say the hook saved is what the CUDA allocator holds less after the forward."""
+    if device != "cuda":
+        pytest.skip("the CUDA caching allocator's counters")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(1024, 1024), torch.nn.GELU())]).cuda()
+    x = torch.randn(8192, 1024, device="cuda", requires_grad=True)
+
+    def held(hook):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with hook as c:
+            y = model(x)
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+        y.sum().backward()
+        return kept, getattr(c, "stats", None)
+
+    import contextlib
+    plain, _ = held(contextlib.nullcontext())
+    packed, stats = held(fusekit.compress_saved_tensors(bits=4))
+    saved = stats["bytes"] - stats["packed_bytes"]
+    assert stats["tensors"] >= 7 and abs((plain - packed) - saved) <= 0.02 * saved, (plain, packed, stats)
