@@ -234,9 +234,9 @@ void check_mlp_sizes(const std::vector<std::int64_t>& sizes, std::int64_t pad_to
   FK_CHECK_ARG(pad_to >= 1, "nn::MLP", "pad_to", ">= 1", fmt::format("{}", pad_to));
 }
 
-
 // The group of a packed row of `cols` values: the fewest groups of at most `cap` values, of one
-// size rounded up to 32 (the GPU weight-gradient kernel's multiple; cap is one).
+// size rounded up to 32 (the GPU weight-gradient kernel's multiple; cap is a multiple of 32).
+// A row narrower than `cap` is then one group of about its width, not a mostly empty one.
 int packed_group(std::int64_t cols, int cap) {
   const std::int64_t groups = (cols + cap - 1) / cap;
   return static_cast<int>(round_up((cols + groups - 1) / groups, 32));
@@ -276,6 +276,39 @@ bool MLP::fits_fused_kernel(const std::vector<std::int64_t>& sizes) {
   return sizes.front() <= 128 && sizes.back() <= 128;
 }
 
+// The buffers of a compressed MLP's full-precision activations and gradients, which hold nothing
+// between calls: work[i] f32 [rows * work_row[i]] (layer l's output, then its gradient, in work[l %
+// 2]), dz [rows * dz_row] (Linear::PackedScratch::dz), dw f32 [dw_floats] (padded layers); each
+// size the largest any MLP sharing the scratch needs.
+struct MLP::Scratch {
+  explicit Scratch(Device d) : device(d) {}
+  Device device;
+  std::int64_t work_row[2] = {1, 1}, dz_row = 1, dw_floats = 0;
+  std::int64_t rows = 0;  // rows the buffers hold (0: none, or sizes grown since)
+  Tensor work[2], dz, dw;
+
+  void need(const std::int64_t w[2], std::int64_t z, std::int64_t d) {
+    work_row[0] = std::max(work_row[0], w[0]);
+    work_row[1] = std::max(work_row[1], w[1]);
+    dz_row = std::max(dz_row, z);
+    dw_floats = std::max(dw_floats, d);
+    rows = 0;
+  }
+  void ensure(std::int64_t batch, const Stream* stream) {
+    if (batch <= rows) return;
+    for (int i = 0; i < 2; ++i) work[i] = Tensor::empty({batch * work_row[i]}, DType::f32, device, stream);
+    dz = Tensor::empty({batch * dz_row}, Linear::packed_dz_dtype(device), device, stream);
+    dw = Tensor::empty({std::max<std::int64_t>(dw_floats, 1)}, DType::f32, device, stream);
+    rows = batch;
+  }
+  std::size_t bytes(std::int64_t batch) const {
+    const std::size_t b = static_cast<std::size_t>(batch);
+    return b * static_cast<std::size_t>(work_row[0] + work_row[1]) * 4 +
+           b * static_cast<std::size_t>(dz_row) * dtype_size(Linear::packed_dz_dtype(device)) +
+           static_cast<std::size_t>(dw_floats) * 4;
+  }
+};
+
 MLP::MLP(const std::vector<std::int64_t>& sizes, const ArenaOptions& o, RandomParams init, ParameterArena& arena)
     : fused_kernel_(o.fused_kernel) {
   constexpr const char* op = "nn::MLP";
@@ -295,8 +328,6 @@ MLP::MLP(const std::vector<std::int64_t>& sizes, const ArenaOptions& o, RandomPa
     FK_CHECK_ARG(o.act == Activation::relu || o.act == Activation::identity, op, "compress",
                  "act relu or identity (a compressed MLP keeps a ReLU's mask, not the pre-activation)",
                  std::string(activation_name(o.act)));
-    FK_CHECK_ARG(sizes.size() - 1 < (std::size_t{1} << (64 - kLayerStreamBits)), op, "sizes",
-                 "fewer than 2^24 layers", std::to_string(sizes.size() - 1));
   }
   const std::int64_t pad = o.fused_kernel ? 1 : o.pad_to;
   for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
@@ -313,14 +344,32 @@ MLP::MLP(const std::vector<std::int64_t>& sizes, const ArenaOptions& o, RandomPa
     compress_ = o.compress;
     step_ = Tensor::empty({1}, DType::i64, arena.device());
     fill(step_, 0.0);
+    scratch_ = std::make_shared<Scratch>(arena.device());
+    std::int64_t work_row[2] = {1, 1}, dz_row = 1, dw = 0;
     for (std::size_t l = 0; l < layers.size(); ++l) {
+      const Linear& z = layers[l];
       PackParams p = *o.compress;
-      p.group = packed_group(layers[l].k(), o.compress->group);
+      p.group = packed_group(z.k(), o.compress->group);
       p.offset = o.compress->offset + (std::uint64_t{l} << kLayerStreamBits);
       p.offset_counter = step_.view();
       pack_.push_back(p);
+      if (l + 1 < layers.size()) work_row[l % 2] = std::max(work_row[l % 2], layers[l + 1].k());
+      dz_row = std::max(dz_row, z.out());
+      if (z.k() > z.in()) dw = std::max(dw, z.out() * z.k());
     }
+    scratch_->need(work_row, dz_row, dw);
   }
+}
+
+void MLP::share_scratch(MLP& other) {
+  FK_CHECK_ARG(compress_ && other.compress_, "nn::MLP::share_scratch", "other", "two compressed MLPs",
+               compress_ ? "an uncompressed one" : "this one uncompressed");
+  FK_CHECK_ARG(other.scratch_->device == scratch_->device, "nn::MLP::share_scratch", "other",
+               "an MLP on " + scratch_->device.str(), other.scratch_->device.str());
+  if (other.scratch_ == scratch_) return;
+  scratch_->need(other.scratch_->work_row, other.scratch_->dz_row, other.scratch_->dw_floats);
+  other.scratch_ = scratch_;
+  if (const std::int64_t rows = std::max(capacity_, other.capacity_); rows > 0) scratch_->ensure(rows, nullptr);
 }
 
 std::vector<MlpLayer> MLP::kernel_layers() const {
@@ -376,21 +425,14 @@ void MLP::reserve(std::int64_t batch, const Stream* stream) {
   const std::size_t n = layers.size();
   if (compress_) {
     const Device dev = layers.front().weight.device();
-    std::int64_t widest = 1, outs = 1, dw = 0;
     packed_.clear();
     mask_.clear();
     mask_.resize(n);
     for (std::size_t l = 0; l < n; ++l) {
-      const Linear& z = layers[l];
-      packed_.push_back(PackedTensor::empty(batch, z.k(), DType::f32, pack_[l], dev, stream));
-      if (l + 1 < n) widest = std::max(widest, layers[l + 1].k());
+      packed_.push_back(PackedTensor::empty(batch, layers[l].k(), DType::f32, pack_[l], dev, stream));
       if (relu_mask(l)) mask_[l] = Tensor::empty({relu_mask_words(batch * layers[l + 1].k())}, DType::i32, dev, stream);
-      outs = std::max(outs, z.out());
-      if (z.k() > z.in()) dw = std::max(dw, z.out() * z.k());
     }
-    for (Tensor& w : work_) w = Tensor::empty({batch * widest}, DType::f32, dev, stream);
-    dz_ = Tensor::empty({batch * outs}, Linear::packed_dz_dtype(dev), dev, stream);
-    dw_ = Tensor::empty({std::max<std::int64_t>(dw, 1)}, DType::f32, dev, stream);
+    scratch_->ensure(batch, stream);
     capacity_ = batch;
     return;
   }
@@ -405,13 +447,8 @@ void MLP::reserve(std::int64_t batch, const Stream* stream) {
     const Device dev = layers[l].weight.device();
     hidden_[l] = Tensor::empty(shape, dt, dev, stream);
     grad_[l] = Tensor::empty(shape, dt, dev, stream);
-    if (stream != nullptr) {
-      zero_async(hidden_[l], *stream);
-      zero_async(grad_[l], *stream);
-    } else {
-      fill(hidden_[l], 0.0);
-      fill(grad_[l], 0.0);
-    }
+    zero(hidden_[l], stream);
+    zero(grad_[l], stream);
   }
   if (fused_kernel_) {
     const std::int64_t in = layers.front().in(), out = layers.back().out(), h = layers.front().out();
@@ -446,7 +483,7 @@ bool MLP::relu_mask(std::size_t l) const {
 }
 
 TensorView MLP::work(std::size_t l, std::int64_t cols) const {
-  const Tensor& t = work_[l % 2];
+  const Tensor& t = scratch_->work[l % 2];
   return TensorView(t.data(), DType::f32, {batch_, cols}, t.device());
 }
 
@@ -464,7 +501,7 @@ PackedView MLP::packed_rows(std::size_t l) const {
           p.group};
 }
 
-// Layer l writes its output into work_[l % 2] with the next layer's row stride (its padding
+// Layer l writes its output into work(l) with the next layer's row stride (its padding
 // columns zeroed first where it has some), packs its input (x, or the previous output, before the
 // next layer overwrites that buffer) and keeps a hidden ReLU's mask.
 void MLP::compressed_forward(const TensorView& x, const TensorView& y, const Stream* stream) {
@@ -476,12 +513,12 @@ void MLP::compressed_forward(const TensorView& x, const TensorView& y, const Str
                x.str());
   for (std::size_t l = 0; l < n; ++l) {
     const Linear& z = layers[l];
-    const TensorView in = l == 0 ? x : TensorView(work_[(l - 1) % 2].data(), DType::f32, {batch_, z.in()}, {z.k(), 1}, x.device());
+    const TensorView in = l == 0 ? x : TensorView(work(l - 1, z.k()).data(), DType::f32, {batch_, z.in()}, {z.k(), 1}, x.device());
     TensorView out = y;
     if (l + 1 < n) {
       const std::int64_t ld = layers[l + 1].k();
       if (z.out() < ld) zero(work(l, ld), stream);
-      out = TensorView(work_[l % 2].data(), DType::f32, {batch_, z.out()}, {ld, 1}, x.device());
+      out = TensorView(work(l, ld).data(), DType::f32, {batch_, z.out()}, {ld, 1}, x.device());
     }
     layers[l].forward(in, out, stream);
     const TensorView packed_in = l == 0 ? TensorView(x.data(), DType::f32, {batch_, z.k()}, x.device()) : work(l - 1, z.k());
@@ -495,7 +532,7 @@ void MLP::compressed_forward(const TensorView& x, const TensorView& y, const Str
 }
 
 // Each layer from its packed input; a hidden ReLU's derivative from its mask, applied to the
-// gradient in place. The gradient of layer l's output lives where its output did (work_[l % 2]).
+// gradient in place. The gradient of layer l's output lives where its output did (work(l)).
 void MLP::compressed_backward(const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx,
                               const Stream* stream) {
   const std::size_t n = layers.size();
@@ -506,7 +543,7 @@ void MLP::compressed_backward(const TensorView& y, const TensorView& dy, const s
     TensorView g = dy;
     if (i + 1 < n) {
       const std::int64_t ld = layers[i + 1].k();
-      g = TensorView(work_[i % 2].data(), DType::f32, {batch_, z.out()}, {ld, 1}, dev);
+      g = TensorView(work(i, ld).data(), DType::f32, {batch_, z.out()}, {ld, 1}, dev);
       if (relu_mask(i)) {
         const TensorView full = work(i, ld);
         relu_backward_packed(full, TensorView(mask_[i].data(), DType::i32, {relu_mask_words(full.numel())}, dev), full,
@@ -514,10 +551,11 @@ void MLP::compressed_backward(const TensorView& y, const TensorView& dy, const s
       }
     }
     std::optional<TensorView> gin = dx;
-    if (i > 0) gin = TensorView(work_[(i - 1) % 2].data(), DType::f32, {batch_, z.in()}, {z.k(), 1}, dev);
+    if (i > 0) gin = TensorView(work(i - 1, z.k()).data(), DType::f32, {batch_, z.in()}, {z.k(), 1}, dev);
+    const Tensor& dz = scratch_->dz;
     const Linear::PackedScratch scratch{
-        TensorView(dz_.data(), dz_.dtype(), {batch_, z.out()}, dev),
-        z.k() > z.in() ? TensorView(dw_.data(), DType::f32, {z.out(), z.k()}, dev) : TensorView()};
+        TensorView(dz.data(), dz.dtype(), {batch_, z.out()}, dev),
+        z.k() > z.in() ? TensorView(scratch_->dw.data(), DType::f32, {z.out(), z.k()}, dev) : TensorView()};
     z.backward_packed(packed_rows(i), i + 1 == n ? std::optional<TensorView>(y) : std::nullopt, g, gin, scratch, stream);
   }
   advance_offset(step_, 1, stream);
@@ -542,26 +580,14 @@ MLP::SavedActivationBytes MLP::saved_activation_bytes(std::int64_t batch) const 
   for (const Linear& z : layers) s.whole += b * static_cast<std::size_t>(z.k()) * es;
   if (!compress_) {
     s.kept = s.whole;
-    for (std::size_t l = 0; l + 1 < n; ++l) s.buffers += 2 * b * static_cast<std::size_t>(layers[l + 1].k()) * es;
-    if (fused_kernel_) {  // the bf16 copies of x, dx, y, dy and the hidden activations
-      const std::size_t in = static_cast<std::size_t>(layers.front().in()), out = static_cast<std::size_t>(layers.back().out()),
-                        h = static_cast<std::size_t>(layers.front().out());
-      s.buffers += b * (2 * in + 2 * out + (n - 1) * h) * 2;
-    }
+    for (std::size_t l = 0; l + 1 < n; ++l) s.scratch += b * static_cast<std::size_t>(layers[l + 1].k()) * es;
     return s;
   }
-  std::int64_t widest = 1, outs = 1, dw = 0;
   for (std::size_t l = 0; l < n; ++l) {
-    const Linear& z = layers[l];
-    s.kept += packed_bytes(batch, z.k(), pack_[l]);
+    s.kept += packed_bytes(batch, layers[l].k(), pack_[l]);
     if (relu_mask(l)) s.kept += static_cast<std::size_t>(relu_mask_words(batch * layers[l + 1].k())) * 4;
-    if (l + 1 < n) widest = std::max(widest, layers[l + 1].k());
-    outs = std::max(outs, z.out());
-    if (z.k() > z.in()) dw = std::max(dw, z.out() * z.k());
   }
-  s.buffers = s.kept + 2 * b * static_cast<std::size_t>(widest) * 4 +
-              b * static_cast<std::size_t>(outs) * dtype_size(Linear::packed_dz_dtype(layers.front().weight.device())) +
-              static_cast<std::size_t>(dw) * 4;
+  s.scratch = scratch_->bytes(batch);
   return s;
 }
 

@@ -261,18 +261,55 @@ TEST(MLPCompression, SavedBytesAreBitsOverThirtyTwoPlusStatistics) {
     const std::size_t whole = b * (64 + 256 + 128) * 4;
     EXPECT_EQ(u.whole, whole);
     EXPECT_EQ(u.kept, whole);
-    EXPECT_EQ(u.buffers, 2u * b * (256 + 128) * 4);  // the hidden activations and their gradients
+    EXPECT_EQ(u.scratch, b * (256 + 128) * 4);  // the hidden gradients
     EXPECT_EQ(c.whole, whole);
     const std::size_t words = whole * bits / 32, stats = b * 3 * 4, masks = b * (256 + 128) / 8;
     EXPECT_EQ(c.kept, words + stats + masks) << bits << " bits";
     const double ratio = static_cast<double>(c.kept) / static_cast<double>(c.whole);
     EXPECT_GE(ratio, bits / 32.0);
     EXPECT_LE(ratio, (bits + 1) / 32.0 + 1 / 64.0) << bits << " bits";  // masks: a bit a value at most; stats: 4 bytes a 64
-    // Two shared f32 buffers of the widest hidden layer and the dz scratch, beside what is kept.
-    EXPECT_EQ(c.buffers, c.kept + 2u * b * 256 * 4 + b * 256 * 4);
+    // Two f32 buffers, one for the even layers' outputs (256 wide), one for the odd ones' (128),
+    // and dz as weight_grad_from_packed reads it (f32 on the CPU, [b, widest out]).
+    EXPECT_EQ(c.scratch, b * (256 + 128) * 4 + b * 256 * 4);
     std::printf("MLP 64-256-128-32, batch %lld, %d bits: %zu of %zu bytes kept (%.3f)\n", static_cast<long long>(b),
                 bits, c.kept, c.whole, ratio);
   }
+}
+
+// Two compressed MLPs run one after the other (as a model's bottom and top MLPs) share one scratch
+// sized for both, and compute what they compute apart.
+TEST(MLPCompression, MlpsRunInTurnShareOneScratch) {
+  const std::vector<std::int64_t> s1{13, 64, 16}, s2{16, 40, 24, 1};
+  const std::int64_t b = 33;
+  ParameterArena arena(3 * MLP::arena_floats(s1, 4) + 2 * MLP::arena_floats(s2, 4), kCpu);
+  MLP a1(s1, options(4, compression(4)), {1, 0}, arena), a2(s2, options(4, compression(4)), {2, 0}, arena);
+  MLP b1(s1, options(4, compression(4)), {1, 0}, arena), b2(s2, options(4, compression(4)), {2, 0}, arena);
+  b1.share_scratch(b2);
+  // Alone: a1 64 wide (even), a2 40 (even) and 24 (odd); dz 64 and 40 wide; a1's first layer is
+  // padded (13 -> 16): its dW goes through a [64, 16] scratch. Shared: the largest of each.
+  EXPECT_EQ(a1.saved_activation_bytes(b).scratch, b * (64 + 1) * 4 + b * 64 * 4 + 64 * 16 * 4);
+  EXPECT_EQ(a2.saved_activation_bytes(b).scratch, b * (40 + 24) * 4 + b * 40 * 4);
+  EXPECT_EQ(b1.saved_activation_bytes(b).scratch, b * (64 + 24) * 4 + b * 64 * 4 + 64 * 16 * 4);
+  EXPECT_EQ(b2.saved_activation_bytes(b).scratch, b1.saved_activation_bytes(b).scratch);
+  const Tensor x = padded_input(b, 13, 16, kCpu, 1);
+  auto run = [&](MLP& m1, MLP& m2) {
+    Tensor h = Tensor::empty({b, 16}, DType::f32, kCpu), y = Tensor::empty({b, 1}, DType::f32, kCpu);
+    Tensor dy = test::random_tensor({b, 1}, DType::f32, kCpu, 2), dh = Tensor::empty({b, 16}, DType::f32, kCpu);
+    m1.forward(rows_of(x, 13), h);
+    m2.forward(h, y);
+    m2.backward(y, dy, dh.view());
+    m1.backward(h, dh, std::nullopt);
+    std::vector<float> g;
+    for (MLP* m : {&m1, &m2})
+      for (const Linear& z : m->layers) {
+        const std::vector<float> w = test::to_floats(z.weight_grad);
+        g.insert(g.end(), w.begin(), w.end());
+      }
+    return g;
+  };
+  EXPECT_EQ(run(b1, b2), run(a1, a2));
+  MLP plain(s1, options(4, std::nullopt), {1, 0}, arena);
+  test::expect_arg_error([&] { b1.share_scratch(plain); }, "nn::MLP::share_scratch", "other");
 }
 
 TEST(MLPCompression, BadOptionsNameTheOption) {

@@ -17,11 +17,13 @@
 // Activation compression (MLP::ArenaOptions::compress, family quant): the MLP keeps each layer's
 // input packed at 8, 4 or 2 bits (stochastic rounding) and each hidden ReLU's mask at one bit
 // instead of the f32 activations; the backward takes dW straight from the packed input
-// (weight_grad_from_packed) and the ReLU derivative from the mask. Only two full-precision
-// [B, width] buffers remain, shared by the forward's activations and the backward's gradients.
+// (weight_grad_from_packed) and the ReLU derivative from the mask. The full-precision activations
+// and gradients then live only while forward or backward runs, in two [B, width] scratch buffers
+// that every layer takes in turn, and that MLPs run one after the other can share (share_scratch).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -129,10 +131,14 @@ class MLP {
   // layer one width of 16, 32, 64 or 128.
   static bool fits_fused_kernel(const std::vector<std::int64_t>& sizes);
 
-  // Allocates the hidden activations and their gradients (compressed: the packed inputs, masks,
-  // the two shared buffers and the backward's scratch) for batches up to `batch` (forward does it
-  // when a batch is larger), so that later batches allocate nothing (a CUDA graph may capture them).
+  // Allocates the hidden activations and their gradients (compressed: the packed inputs, the
+  // masks and the scratch) for batches up to `batch` (forward does it when a batch is larger), so
+  // that later batches allocate nothing (a CUDA graph may capture them).
   void reserve(std::int64_t batch, const Stream* stream = nullptr);
+  // Compressed: use one scratch (the buffers of the full-precision activations and gradients,
+  // which hold nothing between calls) with `other`, a compressed MLP on the same device whose
+  // forward and backward never run while this one's do (the same stream, say). Sized for both.
+  void share_scratch(MLP& other);
 
   // x [B, sizes.front()] -> y [B, sizes.back()] (rows, as Linear). Keeps the hidden activations,
   // and x by reference: x must stay unchanged until backward. Compressed, it keeps x packed
@@ -143,14 +149,15 @@ class MLP {
   void backward(const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx,
                 const Stream* stream = nullptr);
 
-  // What the backward needs of a forward of `batch` rows, in bytes. whole: every layer's input
-  // [B, k] in the layers' dtype (x included, which an uncompressed MLP keeps by reference); kept:
-  // what this MLP keeps for it (whole without compression; compressed, the packed inputs with
-  // their statistics and the ReLU masks); buffers: the activation and gradient buffers this MLP
-  // allocates for such a batch (compressed: the packed inputs, masks, the two shared buffers and
-  // the backward's scratch; uncompressed: the hidden activations and their gradients).
+  // Bytes for a forward and backward of `batch` rows. whole: every layer's input [B, k] in the
+  // layers' dtype (x included, which an uncompressed MLP keeps by reference), what the backward
+  // needs; kept: what is kept for it from the forward to the backward (whole uncompressed;
+  // compressed, the packed inputs with their statistics and the ReLU masks); scratch: the
+  // buffers that hold activations or gradients only while forward or backward runs (uncompressed:
+  // the hidden gradients, fused_kernel's bf16 copies aside; compressed: the two f32 buffers and
+  // the backward's dz and dW scratch, one set for the MLPs that share it).
   struct SavedActivationBytes {
-    std::size_t whole = 0, kept = 0, buffers = 0;
+    std::size_t whole = 0, kept = 0, scratch = 0;
   };
   SavedActivationBytes saved_activation_bytes(std::int64_t batch) const;
   // Compressed: the backward passes so far (the rounding's step), and setting it, so that a
@@ -175,10 +182,10 @@ class MLP {
   std::vector<PackParams> pack_;      // pack_[l]: how layer l's input [B, k_l] is packed
   std::vector<PackedTensor> packed_;  // packed_[l]: layer l's input, [capacity, k_l] packed
   std::vector<Tensor> mask_;          // mask_[l]: relu mask of layer l's output [capacity * k_{l+1}] (relu, l < n - 1)
-  Tensor work_[2];                    // flat [capacity * max k_{l+1}]: layer l's output / its gradient in work_[l % 2]
-  Tensor dz_, dw_;                    // Linear::PackedScratch: [capacity * max out], [max padded out * k]
+  struct Scratch;
+  std::shared_ptr<Scratch> scratch_;  // layer l's output, then its gradient, in scratch_->work[l % 2]
   bool relu_mask(std::size_t l) const;
-  TensorView work(std::size_t l, std::int64_t cols) const;  // work_[l % 2] as [batch, cols] contiguous
+  TensorView work(std::size_t l, std::int64_t cols) const;  // scratch work[l % 2] as [batch, cols] contiguous
   PackedView packed_rows(std::size_t l) const;              // rows [0, batch) of packed_[l]
   void compressed_forward(const TensorView& x, const TensorView& y, const Stream* stream);
   void compressed_backward(const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx,
