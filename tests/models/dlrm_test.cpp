@@ -253,11 +253,17 @@ TEST_P(TinyDlrm, LearnsSyntheticCriteo) {
 }
 
 INSTANTIATE_TEST_SUITE_P(CompressedActivations, TinyDlrm, ::testing::Values(0, 4, 2),
-                         [](const auto& info) { return info.param ? std::to_string(info.param) + "bits" : std::string("f32"); });
+                         [](const auto& info) {
+                           return info.param ? std::to_string(info.param) + "bits" : std::string("f32");
+                         });
 
 // Compression changes only what the MLPs' weight gradients read: the logits, the bias and table
-// gradients equal the uncompressed model's, and dW stays close to its (8 bits).
-TEST(DlrmCompression, OnlyTheMlpWeightGradientsChange) {
+// gradients equal the uncompressed model's, and dW stays close to its (8 bits); both
+// implementations (the fused one applies the ReLU derivative and db in one pass, the reference
+// one in two, on either side of the compression).
+class DlrmCompression : public ::testing::TestWithParam<DlrmImpl> {};
+
+TEST_P(DlrmCompression, OnlyTheMlpWeightGradientsChange) {
   data::Featurizer feat;
   feat.max_ind_range = 10;
   DlrmConfig c = tiny_config(InteractionOp::dot);
@@ -266,7 +272,7 @@ TEST(DlrmCompression, OnlyTheMlpWeightGradientsChange) {
   c.table_rows = feat.table_rows();
   DlrmConfig packed = c;
   packed.compress_activations_bits = 8;
-  Dlrm plain_model(c, Device::cpu()), packed_model(packed, Device::cpu());
+  Dlrm plain_model(c, Device::cpu(), GetParam()), packed_model(packed, Device::cpu(), GetParam());
   data::SyntheticConfig sc;
   sc.seed = 6;
   std::vector<data::RawRecord> recs(64);
@@ -293,10 +299,13 @@ TEST(DlrmCompression, OnlyTheMlpWeightGradientsChange) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Impls, DlrmCompression, ::testing::Values(DlrmImpl::reference, DlrmImpl::fused),
+                         [](const auto& info) { return std::string(impl_name(info.param)); });
+
 // The same seed gives the same parameters after several steps (the rounding's draws come from the
 // seed and the step); the rounding steps travel with the state, so that a resumed run is the
 // unbroken one; and another seed rounds otherwise.
-TEST(DlrmCompression, ReproducibleAndResumedExactly) {
+TEST(DlrmCompressionRun, ReproducibleAndResumedExactly) {
   data::SyntheticConfig sc;
   sc.seed = 4;
   data::Featurizer feat;
@@ -358,7 +367,7 @@ TEST(DlrmCompression, ReproducibleAndResumedExactly) {
 // The bytes the MLPs keep for the backward, for the Kaggle model's MLPs at batch 32768: the
 // packed inputs take bits/32 of the f32 ones, plus the statistics, the masks and the rows'
 // rounding up to whole groups (the top MLP's 367 inputs are 384 packed values).
-TEST(DlrmCompression, KeptBytesAreAboutBitsOverThirtyTwo) {
+TEST(DlrmCompressionRun, KeptBytesAreAboutBitsOverThirtyTwo) {
   DlrmConfig c;
   c.table_rows.assign(26, 4);
   const std::int64_t b = 32768;
@@ -383,7 +392,7 @@ TEST(DlrmCompression, KeptBytesAreAboutBitsOverThirtyTwo) {
   }
 }
 
-TEST(DlrmCompression, BadSettingsRaiseErrors) {
+TEST(DlrmCompressionRun, BadSettingsRaiseErrors) {
   DlrmConfig c = tiny_config(InteractionOp::dot);
   for (int bits : {1, 3, 16, -2}) {
     c.compress_activations_bits = bits;

@@ -35,7 +35,8 @@ MLP::ArenaOptions options(std::int64_t pad_to, std::optional<PackParams> compres
 Tensor padded_input(std::int64_t b, std::int64_t in, std::int64_t ld, Device dev, std::uint64_t seed) {
   Tensor x = Tensor::empty({b, ld}, DType::f32, kCpu);
   fill(x, 0.0);
-  copy(TensorView(x.data(), DType::f32, {b, in}, {ld, 1}, kCpu), test::random_tensor({b, in}, DType::f32, kCpu, seed, -2, 2));
+  copy(TensorView(x.data(), DType::f32, {b, in}, {ld, 1}, kCpu),
+       test::random_tensor({b, in}, DType::f32, kCpu, seed, -2, 2));
   return x.copy_to(dev);
 }
 
@@ -147,7 +148,8 @@ TEST(MLPCompression, GradientsWithinTheQuantizationBoundOfTheUncompressedMlp) {
       const Linear& z = packed.layers[l];
       const std::string what = std::to_string(bits) + " bits, layer " + std::to_string(l);
       const std::vector<double> db = test::to_doubles(z.bias_grad);
-      for (std::size_t i = 0; i < db.size(); ++i) EXPECT_NEAR(db[i], ref.db[l][i], 1e-6 * (1 + std::fabs(ref.db[l][i]))) << what;
+      for (std::size_t i = 0; i < db.size(); ++i)
+        EXPECT_NEAR(db[i], ref.db[l][i], 1e-6 * (1 + std::fabs(ref.db[l][i]))) << what;
       const auto [e, w] = check_weight_grad(z, ref.dw[l], ref.inputs[l], ref.dz[l], bits, what);
       err2 += e;
       ref2 += w;
@@ -344,7 +346,8 @@ TEST(MLPCompression, GpuMatchesCpu) {
   const std::int64_t b = 1000;
   for (int bits : {8, 4, 2}) {
     ParameterArena ac(MLP::arena_floats(sizes, 4), kCpu), ag(MLP::arena_floats(sizes, 4), gpu);
-    MLP cpu(sizes, options(4, compression(bits, 256)), {3, 0}, ac), dev(sizes, options(4, compression(bits, 256)), {3, 0}, ag);
+    MLP cpu(sizes, options(4, compression(bits, 256)), {3, 0}, ac);
+    MLP dev(sizes, options(4, compression(bits, 256)), {3, 0}, ag);
     const Tensor xh = padded_input(b, 13, 16, kCpu, 5), xd = xh.copy_to(gpu);
     const Tensor r = test::random_tensor({b, 16}, DType::f32, kCpu, 6);
     Tensor yc = Tensor::empty({b, 16}, DType::f32, kCpu), yg = Tensor::empty({b, 16}, DType::f32, gpu);
