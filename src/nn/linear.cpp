@@ -513,7 +513,8 @@ void MLP::compressed_forward(const TensorView& x, const TensorView& y, const Str
                x.str());
   for (std::size_t l = 0; l < n; ++l) {
     const Linear& z = layers[l];
-    const TensorView in = l == 0 ? x : TensorView(work(l - 1, z.k()).data(), DType::f32, {batch_, z.in()}, {z.k(), 1}, x.device());
+    const TensorView in =
+        l == 0 ? x : TensorView(work(l - 1, z.k()).data(), DType::f32, {batch_, z.in()}, {z.k(), 1}, x.device());
     TensorView out = y;
     if (l + 1 < n) {
       const std::int64_t ld = layers[l + 1].k();
