@@ -234,12 +234,15 @@ void check_mlp_sizes(const std::vector<std::int64_t>& sizes, std::int64_t pad_to
   FK_CHECK_ARG(pad_to >= 1, "nn::MLP", "pad_to", ">= 1", fmt::format("{}", pad_to));
 }
 
-// The group of a packed row of `cols` values: the fewest groups of at most `cap` values, of one
-// size rounded up to 32 (the GPU weight-gradient kernel's multiple; cap is a multiple of 32).
-// A row narrower than `cap` is then one group of about its width, not a mostly empty one.
+// The group of a packed row of `cols` values: of the powers of two from 32 (the GPU weight-gradient
+// kernel's multiple) to `cap`, the largest of those that store the fewest values in whole groups
+// (368 -> 128: 3 groups, 384 values; 512 -> 256; 16 -> 32), so that a narrow row is not one mostly
+// empty group, and pack runs its warp-per-group kernels (a power of two of lanes per group).
 int packed_group(std::int64_t cols, int cap) {
-  const std::int64_t groups = (cols + cap - 1) / cap;
-  return static_cast<int>(round_up((cols + groups - 1) / groups, 32));
+  int best = 32;
+  for (int g = 64; g <= cap; g *= 2)
+    if (round_up(cols, g) <= round_up(cols, best)) best = g;
+  return best;
 }
 
 // Bytes of a [rows, cols] tensor packed with p: words and the statistics (scale and min).

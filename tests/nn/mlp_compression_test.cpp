@@ -276,6 +276,12 @@ TEST(MLPCompression, SavedBytesAreBitsOverThirtyTwoPlusStatistics) {
     std::printf("MLP 64-256-128-32, batch %lld, %d bits: %zu of %zu bytes kept (%.3f)\n", static_cast<long long>(b),
                 bits, c.kept, c.whole, ratio);
   }
+  // A 368-wide input (the Kaggle interaction, padded): 3 groups of 128, 384 values a row, rather
+  // than 2 of 256 (512 values); a 16-wide one: 1 group of 32.
+  ParameterArena arena(MLP::arena_floats({368, 8}) + MLP::arena_floats({16, 8}), kCpu);
+  EXPECT_EQ(MLP({368, 8}, options(1, compression(2, 256)), {1, 0}, arena).saved_activation_bytes(b).kept,
+            b * (384 * 2 / 8 + 3 * 4));
+  EXPECT_EQ(MLP({16, 8}, options(1, compression(8, 256)), {1, 0}, arena).saved_activation_bytes(b).kept, b * (32 + 4));
 }
 
 // Two compressed MLPs run one after the other (as a model's bottom and top MLPs) share one scratch

@@ -118,8 +118,9 @@ class MLP {
     bool fused_kernel = false;
     // Activation compression: keep each layer's input packed at compress->bits (8, 4 or 2) and
     // each hidden ReLU's mask at one bit for the backward (see the header). act relu or identity;
-    // not with fused_kernel. group (a multiple of 32) caps the group size: each row of layer l is
-    // split into the fewest groups of at most `group` values, of one size rounded up to 32.
+    // not with fused_kernel. group (a multiple of 32) caps the group size: layer l's rows are
+    // packed in groups of a power of two from 32 to `group`, the largest that stores no more
+    // values (whole groups) than any other (a 368-wide row: 3 groups of 128).
     // Stochastic rounding draws from Philox (seed, offset + l * 2^40 + step), step the number of
     // backward passes so far, a counter on the device (offset_counter is the MLP's own), so that
     // a CUDA graph of the step draws anew at each replay. nullopt: keep the f32 activations.
