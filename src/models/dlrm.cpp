@@ -469,6 +469,9 @@ struct DlrmState {
   }
   void rounding_steps_from(const Tensor& host) {
     const float* v = host.data_as<float>();
+    for (std::int64_t i = 0; i < kRoundingStepFloats; ++i)
+      FK_CHECK_ARG(v[i] >= 0 && v[i] < 16777216.0f && v[i] == std::floor(v[i]), "models::Dlrm::load_state", "in",
+                   "rounding steps as whole numbers in [0, 2^24)", fmt::format("{}", v[i]));
     for (nn::MLP* m : {&bottom, &top}) {
       m->set_rounding_step(static_cast<std::uint64_t>(v[0]) | (static_cast<std::uint64_t>(v[1]) << 24));
       v += 2;

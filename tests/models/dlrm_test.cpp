@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <sstream>
 #include <vector>
 
@@ -362,6 +363,12 @@ TEST(DlrmCompressionRun, ReproducibleAndResumedExactly) {
   Dlrm fresh(c, Device::cpu());
   EXPECT_NO_THROW(fresh.load_state(su));
   EXPECT_NO_THROW(u.load_state(s3));
+  // The steps are the stream's last four floats: a value that is no step is refused.
+  std::string bad = saved;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(bad.data() + bad.size() - 4, &nan, 4);
+  std::stringstream s4(bad);
+  test::expect_arg_error([&] { fresh.load_state(s4); }, "models::Dlrm::load_state", "in");
 }
 
 // The bytes the MLPs keep for the backward, for the Kaggle model's MLPs at batch 32768: the
