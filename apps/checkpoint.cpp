@@ -162,7 +162,8 @@ CheckpointHeader open_checkpoint(const std::string& path, std::ifstream& in, con
   return h;
 }
 
-std::string config_differences(const nlohmann::json& stored, const nlohmann::json& requested) {
+std::string config_differences(const nlohmann::json& stored, const nlohmann::json& requested,
+                               const nlohmann::json& defaults) {
   // What a resumed run may change without changing what it computes (or only how it reports).
   static const std::set<std::string> free = {
       "training.steps",      "training.epochs",     "training.eval_every", "training.print_every",
@@ -175,12 +176,16 @@ std::string config_differences(const nlohmann::json& stored, const nlohmann::jso
     for (const auto& [key, value] : fields.items()) {
       const std::string name = section + "." + key;
       if (free.contains(name)) continue;
-      const nlohmann::json* old = nullptr;
-      if (stored.contains(section) && stored[section].is_object() && stored[section].contains(key))
-        old = &stored[section][key];
+      const auto find = [&](const nlohmann::json& j) -> const nlohmann::json* {
+        if (j.contains(section) && j[section].is_object() && j[section].contains(key)) return &j[section][key];
+        return nullptr;
+      };
+      const nlohmann::json* old = find(stored);
+      const bool absent = old == nullptr;
+      if (absent) old = find(defaults);
       if (old && *old == value) continue;
-      out += fmt::format("{}{}: stored {}, requested {}", out.empty() ? "" : "; ", name,
-                         old ? old->dump() : "(none)", value.dump());
+      out += fmt::format("{}{}: stored {}{}, requested {}", out.empty() ? "" : "; ", name,
+                         old ? old->dump() : "(none)", absent && old ? " (absent: the default)" : "", value.dump());
     }
   }
   return out;

@@ -34,6 +34,9 @@ CheckpointHeader open_checkpoint(const std::string& path, std::ifstream& in, con
 // The settings of `stored` (a checkpoint's configuration) that differ from `requested`, ignoring
 // those a resumed run may change (steps, epochs, intervals, output paths, device, implementation,
 // data workers, evaluation batch): "data.hash: stored \"seed\", requested \"reference\"" per line.
-std::string config_differences(const nlohmann::json& stored, const nlohmann::json& requested);
+// A setting `stored` lacks (a checkpoint older than the setting) compares as its value in
+// `defaults`, the configuration that run had without it.
+std::string config_differences(const nlohmann::json& stored, const nlohmann::json& requested,
+                               const nlohmann::json& defaults = nlohmann::json::object());
 
 }  // namespace fk::apps

@@ -174,6 +174,8 @@ void print_banner(const TrainConfig& c, const RunData& data, const models::Dlrm&
   std::vector<std::string> impl_notes;
   if (!impl_given) impl_notes.emplace_back("the default");
   if (model.device().is_cuda()) impl_notes.emplace_back("fp32 parameters, TF32 MLP GEMMs");
+  if (mc.compress_activations_bits != 0)
+    impl_notes.emplace_back(fmt::format("MLP activations kept at {} bits", mc.compress_activations_bits));
   fmt::print("fusekit train: DLRM bot {} top {}-{} D {} interaction {}, {} tables ({} rows, {}), "
              "{:.1f}M parameters ({:.0f} MB), {} lr {} batch {}, device {}, impl {}{}\n",
              c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,
@@ -289,7 +291,7 @@ void start(Run& r, const Settings& s, bool resume_override) {
       if (!start.must_exist) throw;
       throw Error(e.op(), start.flag, e.expected(), e.got());  // the file is --load-model's, not --checkpoint's
     }
-    const std::string diff = apps::config_differences(h.config, to_json(r.c));
+    const std::string diff = apps::config_differences(h.config, to_json(r.c), to_json(TrainConfig{}));
     FK_CHECK_ARG(diff.empty() || resume_override, kOp, start.flag,
                  fmt::format("the configuration stored in {} (--resume-override resumes with the new settings)",
                              start.path),
@@ -509,6 +511,16 @@ void finish(Run& r) {
                  : "",
              final_m.log_loss, final_m.auc, final_m.accuracy, sps, r.step, r.samples, m.train_seconds,
              m.data_wait_seconds, cpu_sps, peak_host_mb(), m.peak_anonymous_mb, peak_gpu_mb);
+  // What the MLPs keep from the forward to the backward of a training batch (a formula of the
+  // shapes: the same on every device), and the scratch their calls use meanwhile.
+  const nn::MLP::SavedActivationBytes act = r.model.mlp_activation_bytes(r.c.mini_batch_size);
+  const int bits = r.model.config().compress_activations_bits;
+  fmt::print("activations: the MLPs keep {:.2f} MB for the backward of a batch of {} ({}; {:.2f} MB as f32, {:.3f} of "
+             "it), and use {:.2f} MB of scratch while they run\n",
+             static_cast<double>(act.kept) / 1e6, r.c.mini_batch_size,
+             bits != 0 ? fmt::format("packed at {} bits, ReLU masks at 1", bits) : std::string("f32, uncompressed"),
+             static_cast<double>(act.whole) / 1e6, static_cast<double>(act.kept) / static_cast<double>(act.whole),
+             static_cast<double>(act.scratch) / 1e6);
   write_metrics(r, {{"train_loss", m.last_epoch_loss},
                     {"train_loss_steps", m.last_epoch_steps},
                     {"test", metrics_record(final_m)},
@@ -520,7 +532,12 @@ void finish(Run& r) {
                     {"data_wait_seconds", m.data_wait_seconds},
                     {"peak_host_mb", peak_host_mb()},
                     {"peak_anonymous_host_mb", m.peak_anonymous_mb},
-                    {"peak_gpu_mb", peak_gpu_mb}});
+                    {"peak_gpu_mb", peak_gpu_mb},
+                    {"mlp_activations", {{"bits", bits == 0 ? 32 : bits},
+                                         {"batch", r.c.mini_batch_size},
+                                         {"whole_bytes", act.whole},
+                                         {"kept_bytes", act.kept},
+                                         {"scratch_bytes", act.scratch}}}});
 }
 
 }  // namespace

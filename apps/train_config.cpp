@@ -58,6 +58,10 @@ Check one_of(std::vector<std::string> values) {
   };
 }
 
+Check compression_bits() {
+  return number_check([](double x) { return x == 0 || x == 8 || x == 4 || x == 2; }, "0 (off), 8, 4 or 2");
+}
+
 Check positive_finite() {
   return number_check([](double x) { return std::isfinite(x) && x > 0; }, "a finite number > 0");
 }
@@ -120,6 +124,11 @@ const std::vector<Setting>& train_settings() {
        "--fused-mlp",                     "--impl fused: run every MLP whose widths fit (in/out <= 128, one hidden "
                                           "width of 16/32/64/128) as one fused_mlp kernel, in bf16 with fp32 master "
                                           "weights"},
+      {"model.compress_activations",       &C::compress_activations,       compression_bits(),
+       "--compress-activations",          "Keep what the MLPs' backward needs compressed: each layer's input packed at "
+                                          "8, 4 or 2 bits (stochastic rounding, reproducible from --seed), each hidden "
+                                          "ReLU's mask at 1 bit, the weight gradients computed from the packed bits "
+                                          "(0: off, the f32 activations). Not with --fused-mlp. See docs/dlrm.md"},
       {"model.seed",                       &C::model_seed,                 {},
        "--seed",                          "Model initialisation seed"},
       {"data.source",                      &C::data,                       {},
@@ -481,6 +490,11 @@ models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurize
   mc.interaction = models::parse_interaction_op(c.arch_interaction_op);
   mc.interaction_itself = c.arch_interaction_itself;
   mc.fused_mlp = c.fused_mlp;
+  FK_CHECK_ARG(c.compress_activations == 0 || !c.fused_mlp, "fusekit train",
+               "model.compress_activations (--compress-activations)",
+               "0 with model.fused_mlp (--fused-mlp): the one-kernel MLP keeps its own bf16 activations",
+               std::to_string(c.compress_activations));
+  mc.compress_activations_bits = static_cast<int>(c.compress_activations);
   mc.table_rows = feat.table_rows();
   mc.seed = c.model_seed;
   mc.raw_hash = feat.hash;

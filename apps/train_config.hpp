@@ -32,6 +32,7 @@ struct TrainConfig {
   std::string arch_interaction_op = "dot";
   bool arch_interaction_itself = false;
   bool fused_mlp = false;  // GPU fused: MLPs whose widths fit run through fused_mlp (bf16)
+  std::int64_t compress_activations = 0;  // 8, 4 or 2: the MLPs keep their activations packed (0: off)
   std::uint64_t model_seed = 1;
   // data
   std::string data = "synthetic";           // "synthetic", or what data::open_source opens: a Criteo TSV (.gz too), a fusekit binary file, a preprocessed directory
@@ -89,6 +90,7 @@ Check at_least(double low);                  // low <= value
 Check in_range(double low, double high);     // low <= value <= high
 Check fraction();                            // 0 <= value < 1
 Check positive_finite();                     // a finite number > 0
+Check compression_bits();                    // 0 (off), 8, 4 or 2
 Check layer_sizes();                         // "13-512-256-64-16"
 // What the library's parser (models::parse_optimizer, Device::parse, ...) accepts; its fk::Error
 // says what that is.

@@ -8,7 +8,9 @@
 // step) and runs forward, loss, backward and the optimizer. samples_per_s counts the steps after
 // a warm-up of 8 (cuBLAS/cuBLASLt plans, the fused step's graph capture), from one
 // synchronisation to the next, host copies included. median_us is the mean time of one step over
-// those steps (not a median: a step's time only exists as part of the stream).
+// those steps (not a median: a step's time only exists as part of the stream). Each record also
+// gives what the MLPs keep for the backward of a training batch (Dlrm::mlp_activation_bytes):
+// train/packed_activations_kaggle_dot_b32768 keeps them packed at 8, 4 and 2 bits against f32.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -56,6 +58,7 @@ std::vector<data::Batch> make_batches(std::span<const data::RawRecord> records, 
 
 struct Outcome {
   double step_us = 0, samples_per_s = 0, auc = 0, logloss = 0, train_loss = 0, peak_mb = 0;
+  double mlp_whole_mb = 0, mlp_kept_mb = 0, mlp_scratch_mb = 0;
 };
 
 Outcome train_one_epoch(const models::DlrmConfig& mc, models::DlrmImpl impl, const std::vector<data::Batch>& train,
@@ -88,6 +91,10 @@ Outcome train_one_epoch(const models::DlrmConfig& mc, models::DlrmImpl impl, con
   o.auc = m.auc;
   o.logloss = m.log_loss;
   o.peak_mb = static_cast<double>(model.peak_device_bytes()) / 1e6;
+  const nn::MLP::SavedActivationBytes act = model.mlp_activation_bytes(train.front().size);
+  o.mlp_whole_mb = static_cast<double>(act.whole) / 1e6;
+  o.mlp_kept_mb = static_cast<double>(act.kept) / 1e6;
+  o.mlp_scratch_mb = static_cast<double>(act.scratch) / 1e6;
   return o;
 }
 
@@ -98,10 +105,15 @@ void add_record(Context& ctx, const std::string& name, const char* impl, const c
   r.extra = {{"samples_per_s", o.samples_per_s}, {"auc", o.auc},         {"test_logloss", o.logloss},
              {"train_loss", o.train_loss},       {"peak_mem_mb", o.peak_mb}, {"batch", static_cast<double>(batch)},
              {"train_samples", static_cast<double>(kTrainSamples)},
-             {"auc_minus_baseline", o.auc - base.auc}};
+             {"auc_minus_baseline", o.auc - base.auc},
+             {"mlp_activations_f32_mb", o.mlp_whole_mb},
+             {"mlp_activations_kept_mb", o.mlp_kept_mb},
+             {"mlp_scratch_mb", o.mlp_scratch_mb}};
   ctx.add(r);
-  fmt::print("dlrm {} {}: {:.0f} samples/s ({:.1f} us/step), test AUC {:.5f}, logloss {:.5f}, peak {:.0f} MB\n", name,
-             impl, o.samples_per_s, o.step_us, o.auc, o.logloss, o.peak_mb);
+  fmt::print("dlrm {} {}: {:.0f} samples/s ({:.1f} us/step), test AUC {:.5f}, logloss {:.5f}, peak {:.0f} MB; MLP "
+             "activations kept {:.1f} MB of {:.1f} MB as f32, scratch {:.1f} MB\n",
+             name, impl, o.samples_per_s, o.step_us, o.auc, o.logloss, o.peak_mb, o.mlp_kept_mb, o.mlp_whole_mb,
+             o.mlp_scratch_mb);
 }
 
 void train_cases(Context& ctx) {
@@ -114,7 +126,11 @@ void train_cases(Context& ctx) {
   // (TF32) and with fused_mlp (bf16).
   const std::string narrow = "train/bot64_dot_b32768";
   const bool with_narrow = ctx.selected("dlrm", narrow);
-  if (chosen.empty() && !with_narrow) return;
+  // The Kaggle model at batch 32768, the fused implementation keeping the MLPs' activations in f32
+  // (the baseline) and packed at 8, 4 and 2 bits (DlrmConfig::compress_activations_bits).
+  const std::string packed = "train/packed_activations_kaggle_dot_b32768";
+  const bool with_packed = ctx.selected("dlrm", packed);
+  if (chosen.empty() && !with_narrow && !with_packed) return;
 
   data::Featurizer feat;  // Kaggle cardinalities, no cap
   feat.hash = data::HashMode::reference;
@@ -147,6 +163,17 @@ void train_cases(Context& ctx) {
     const Outcome fm = train_one_epoch(nc, models::DlrmImpl::fused, train, test);
     add_record(ctx, narrow, "fused", "fused", lt, lt, 32768);
     add_record(ctx, narrow, "fused_mlp", "fused", fm, lt, 32768);
+  }
+  if (with_packed) {
+    const std::vector<data::Batch> train = make_batches(all.first(kTrainSamples), feat, 32768);
+    const Outcome f32 = train_one_epoch(mc, models::DlrmImpl::fused, train, test);
+    add_record(ctx, packed, "fused", "fused", f32, f32, 32768);
+    for (const int bits : {8, 4, 2}) {
+      models::DlrmConfig pc = mc;
+      pc.compress_activations_bits = bits;
+      const Outcome o = train_one_epoch(pc, models::DlrmImpl::fused, train, test);
+      add_record(ctx, packed, bits == 8 ? "fused_act8" : bits == 4 ? "fused_act4" : "fused_act2", "fused", o, f32, 32768);
+    }
   }
 }
 

@@ -51,4 +51,21 @@ void fill_normal(const TensorView& t, float mean, float std, RandomParams p, con
   fill_random("fill_normal", t, detail::Distribution::normal, mean, std, p, stream);
 }
 
+void advance_offset(const TensorView& counter, std::uint64_t by, const Stream* stream) {
+  constexpr const char* op = "advance_offset";
+  FK_CHECK_ARG(counter.dtype() == DType::i64 && counter.rank() == 1 && counter.numel() == 1 && counter.data() != nullptr,
+               op, "counter", "an i64 [1] tensor with data", counter.str());
+  auto* c = counter.data_as<std::uint64_t>();
+  if (counter.device().is_cuda()) {
+#if FUSEKIT_WITH_CUDA
+    detail::advance_offset_cuda(c, by, (stream ? *stream : Stream::default_stream()).handle());
+    return;
+#else
+    throw Error(op, "counter", "a host tensor (fusekit was built without CUDA)", counter.str());
+#endif
+  }
+  (void)stream;
+  *c += by;
+}
+
 }  // namespace fk

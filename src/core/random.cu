@@ -1,4 +1,5 @@
-// CUDA path of fill_uniform / fill_normal: one thread per Philox block of four elements.
+// CUDA path of fill_uniform / fill_normal (one thread per Philox block of four elements) and of
+// advance_offset (one thread).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -38,7 +39,14 @@ void launch(const TensorView& t, Distribution d, float a, float b, RandomParams 
   FK_CUDA_CHECK_LAUNCH("fill_random_kernel");
 }
 
+__global__ void advance_offset_kernel(std::uint64_t* counter, std::uint64_t by) { *counter += by; }
+
 }  // namespace
+
+void advance_offset_cuda(std::uint64_t* counter, std::uint64_t by, void* stream) {
+  advance_offset_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(counter, by);
+  FK_CUDA_CHECK_LAUNCH("advance_offset_kernel");
+}
 
 void fill_random_cuda(const TensorView& t, Distribution d, float a, float b, RandomParams p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);

@@ -42,5 +42,6 @@ FK_HOST_DEVICE void transform_block(const philox::U32x4& w, Distribution d, floa
 }
 
 void fill_random_cuda(const TensorView& t, Distribution d, float a, float b, RandomParams p, void* stream);
+void advance_offset_cuda(std::uint64_t* counter, std::uint64_t by, void* stream);
 
 }  // namespace fk::detail

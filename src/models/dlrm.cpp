@@ -79,6 +79,11 @@ void DlrmConfig::validate() const {
   for (std::size_t t = 0; t < table_rows.size(); ++t)
     FK_CHECK_ARG(table_rows[t] >= 1, op, "table_rows", "tables of >= 1 row",
                  fmt::format("table {} with {} rows", t, table_rows[t]));
+  const int bits = compress_activations_bits;
+  FK_CHECK_ARG(bits == 0 || bits == 8 || bits == 4 || bits == 2, op, "compress_activations_bits", "0 (off), 8, 4 or 2",
+               std::to_string(bits));
+  FK_CHECK_ARG(bits == 0 || !fused_mlp, op, "compress_activations_bits",
+               "0 with fused_mlp (the one-kernel MLP keeps its own bf16 activations)", std::to_string(bits));
 }
 
 std::int64_t DlrmConfig::parameter_count() const {
@@ -138,8 +143,19 @@ bool kernel(const DlrmConfig& c, const std::vector<std::int64_t>& sizes) {
   return c.fused_mlp && nn::MLP::fits_fused_kernel(sizes);
 }
 
-// Philox subsequences: bottom layers from 0, top layers from 1000, tables from 2^40.
+// Philox subsequences: bottom layers from 0, top layers from 1000, tables from 2^40; the MLPs'
+// stochastic rounding (compress_activations_bits) from 2^62 (bottom) and 2^62 + 2^61 (top), to
+// which nn::MLP adds layer * 2^40 + step.
 constexpr std::uint64_t kTopStream = 1000, kTableStream = std::uint64_t{1} << 40;
+constexpr std::uint64_t kBottomRounding = std::uint64_t{1} << 62, kTopRounding = kBottomRounding + (std::uint64_t{1} << 61);
+
+// The MLPs' activation compression: group at most 256 (the quant family's default), bf16
+// statistics (weight_grad_from_packed's register-sourced path on sm_90).
+std::optional<PackParams> compression(const DlrmConfig& c, std::uint64_t stream) {
+  if (c.compress_activations_bits == 0) return std::nullopt;
+  return PackParams{.bits = c.compress_activations_bits, .group = 256, .rounding = Rounding::stochastic, .seed = c.seed,
+                    .offset = stream};
+}
 
 }  // namespace
 
@@ -197,14 +213,19 @@ struct DlrmState {
         ldr(round_up(inter, top_pad(c, pad))),
         ld_dense(round_up(c.bottom_mlp.front(), pad)),
         arena(arena_floats(c, pad), d),
-        bottom(c.bottom_mlp, {Activation::relu, true, c.allow_tf32, fused, pad, kernel(c, c.bottom_mlp)}, {c.seed, 0},
-               arena),
-        top(top_sizes(c), {Activation::relu, false, c.allow_tf32, fused, top_pad(c, pad), kernel(c, top_sizes(c))},
+        bottom(c.bottom_mlp,
+               {Activation::relu, true, c.allow_tf32, fused, pad, kernel(c, c.bottom_mlp), compression(c, kBottomRounding)},
+               {c.seed, 0}, arena),
+        top(top_sizes(c),
+            {Activation::relu, false, c.allow_tf32, fused, top_pad(c, pad), kernel(c, top_sizes(c)),
+             compression(c, kTopRounding)},
             {c.seed, kTopStream}, arena),
         embeddings(c.table_rows, c.embedding_dim, {Pooling::sum, c.raw_hash, fused}, d, {c.seed, kTableStream}),
         interaction(c.num_features(), c.embedding_dim,
                     {interaction_kind(c.interaction), c.interaction_itself, fused}, d),
         loss(d, fused) {
+    // The MLPs run one after the other on one stream: their compressed activations' scratch is one.
+    if (c.compress_activations_bits != 0) bottom.share_scratch(top);
     if (d.is_cuda())
       for (Slot& sl : slots) {
         sl.copied = Event::create(d, false);
@@ -435,6 +456,28 @@ struct DlrmState {
     return v;
   }
 
+  // The MLPs' rounding steps (compress_activations_bits) as the state's last array: f32 [4], each
+  // step as two exact integers (its low 24 bits, the rest; exact below 2^48 steps).
+  static constexpr std::int64_t kRoundingStepFloats = 4;
+  void rounding_steps_to(const Tensor& host) const {
+    float* v = host.data_as<float>();
+    for (const nn::MLP* m : {&bottom, &top}) {
+      const std::uint64_t step = m->rounding_step();
+      *v++ = static_cast<float>(step & 0xffffffu);
+      *v++ = static_cast<float>(step >> 24);
+    }
+  }
+  void rounding_steps_from(const Tensor& host) {
+    const float* v = host.data_as<float>();
+    for (std::int64_t i = 0; i < kRoundingStepFloats; ++i)
+      FK_CHECK_ARG(v[i] >= 0 && v[i] < 16777216.0f && v[i] == std::floor(v[i]), "models::Dlrm::load_state", "in",
+                   "rounding steps as whole numbers in [0, 2^24)", fmt::format("{}", v[i]));
+    for (nn::MLP* m : {&bottom, &top}) {
+      m->set_rounding_step(static_cast<std::uint64_t>(v[0]) | (static_cast<std::uint64_t>(v[1]) << 24));
+      v += 2;
+    }
+  }
+
   // Every array of the training state in the stream's order: linear weights and biases, tables,
   // then (with Adagrad state) their optimizer states in the same order.
   std::vector<TensorView> state_arrays(bool with_adagrad) {
@@ -603,6 +646,13 @@ std::size_t Dlrm::peak_device_bytes() const {
   return s_->dev.is_cuda() ? allocator::stats(s_->dev).peak_allocated_bytes : 0;
 }
 
+nn::MLP::SavedActivationBytes Dlrm::mlp_activation_bytes(std::int64_t batch) const {
+  const nn::MLP::SavedActivationBytes b = s_->bottom.saved_activation_bytes(batch),
+                                      t = s_->top.saved_activation_bytes(batch);
+  // Compressed, the two MLPs share one scratch (both report its size).
+  return {b.whole + t.whole, b.kept + t.kept, s_->bottom.compressed() ? b.scratch : b.scratch + t.scratch};
+}
+
 std::vector<Dlrm::LinearParams> Dlrm::linear_layers() {
   std::vector<LinearParams> v;
   for (nn::Linear* l : s_->linears()) v.push_back({&l->weight, &l->bias, &l->weight_grad, &l->bias_grad});
@@ -625,7 +675,13 @@ void Dlrm::save_state(std::ostream& out) const {
   const OnDevice on(s.dev);
   s.sync();
   const bool adagrad = s.arena.has_state();
-  detail::write_state(out, adagrad, s.state_arrays(adagrad));
+  std::vector<TensorView> arrays = s.state_arrays(adagrad);
+  const Tensor steps = Tensor::empty({detail::DlrmState::kRoundingStepFloats}, DType::f32, Device::cpu());
+  if (s.bottom.compressed()) {
+    s.rounding_steps_to(steps);
+    arrays.push_back(steps);
+  }
+  detail::write_state(out, adagrad, arrays);
 }
 
 void Dlrm::load_state(std::istream& in) {
@@ -641,7 +697,13 @@ void Dlrm::load_state(std::istream& in) {
     s.embeddings.ensure_state(0.0f, s.s());
     s.sync();
   }
-  detail::read_state_arrays(in, count, s.state_arrays(adagrad));
+  std::vector<TensorView> arrays = s.state_arrays(adagrad);
+  // One more array: the MLPs' rounding steps (a state saved with compress_activations_bits).
+  const Tensor steps = Tensor::empty({detail::DlrmState::kRoundingStepFloats}, DType::f32, Device::cpu());
+  fill(steps, 0.0);
+  if (count == arrays.size() + 1) arrays.push_back(steps);
+  detail::read_state_arrays(in, count, arrays);
+  s.rounding_steps_from(steps);
   s.graphs.clear();  // they captured the old optimizer state's buffers
   s.warm.clear();
 }

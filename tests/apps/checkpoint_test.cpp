@@ -119,5 +119,17 @@ TEST(Checkpoint, ConfigDifferencesNameEachField) {
   EXPECT_NE(d.find("model.seed: stored 1, requested 2"), std::string::npos) << d;
 }
 
+// A checkpoint written before a setting existed resumes when the setting is at its default.
+TEST(Checkpoint, ASettingTheCheckpointLacksComparesAsItsDefault) {
+  nlohmann::json requested = kConfig, defaults = kConfig;
+  requested["model"]["compress_activations"] = 0;
+  defaults["model"]["compress_activations"] = 0;
+  EXPECT_EQ(config_differences(kConfig, requested, defaults), "");
+  EXPECT_NE(config_differences(kConfig, requested), "");  // without the defaults: stored (none)
+  requested["model"]["compress_activations"] = 4;
+  const std::string d = config_differences(kConfig, requested, defaults);
+  EXPECT_NE(d.find("model.compress_activations: stored 0 (absent: the default), requested 4"), std::string::npos) << d;
+}
+
 }  // namespace
 }  // namespace fk::apps

@@ -108,10 +108,13 @@ TrainConfig off_defaults() {
     std::visit(overloaded{[](std::monostate) {},
                           [&](bool TrainConfig::*m) { c.*m = !(c.*m); },
                           [&](std::int64_t TrainConfig::*m) {
-                            try {  // a setting whose check refuses the moved value stays
-                              if (s.check) s.check(c.*m + 3, s.key);
-                              c.*m += 3;
-                            } catch (const Error&) {
+                            for (const std::int64_t v : {c.*m + 3, std::int64_t{8}}) {
+                              try {  // the first value the setting's check accepts, or none
+                                if (s.check) s.check(v, s.key);
+                                c.*m = v;
+                                break;
+                              } catch (const Error&) {
+                              }
                             }
                           },
                           [&](std::uint64_t TrainConfig::*m) { c.*m += 3; },
@@ -179,10 +182,32 @@ TEST(TrainConfigChecks, ClearlyInvalidValuesAreRefusedNamingTheSetting) {
       {{"--eval-every", "-1"}, "training.eval_every (--eval-every)"},
       {{"--optimizer", "adam"}, "training.optimizer (--optimizer)"},
       {{"--arch-mlp-bot", "13-x-16"}, "model.arch_mlp_bot (--arch-mlp-bot)"},
+      {{"--compress-activations", "3"}, "model.compress_activations (--compress-activations)"},
+      {{"--compress-activations", "1"}, "model.compress_activations (--compress-activations)"},
+      {{"--compress-activations", "16"}, "model.compress_activations (--compress-activations)"},
+      {{"--compress-activations", "-4"}, "model.compress_activations (--compress-activations)"},
   };
   for (const auto& c : cases)
     test::expect_arg_error([&] { resolve_args(c.first); }, "fusekit train", c.second);
   EXPECT_NO_THROW(resolve_args({"--epochs", "0", "--steps", "5"}));
+}
+
+TEST(TrainConfigChecks, CompressedActivations) {
+  for (const int bits : {8, 4, 2})
+    EXPECT_EQ(resolve_args({"--compress-activations", std::to_string(bits)}).compress_activations, bits);
+  EXPECT_EQ(resolve_args({}).compress_activations, 0);
+  try {
+    resolve_args({"--compress-activations", "3"});
+    ADD_FAILURE() << "3 bits accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.expected(), "0 (off), 8, 4 or 2");
+    EXPECT_EQ(e.got(), "3");
+  }
+  const TrainConfig both = resolve_args({"--compress-activations", "4", "--fused-mlp"});
+  test::expect_arg_error([&] { make_model_config(both, make_featurizer(both)); }, "fusekit train",
+                         "model.compress_activations (--compress-activations)");
+  const TrainConfig packed = resolve_args({"--compress-activations", "2"});
+  EXPECT_EQ(make_model_config(packed, make_featurizer(packed)).compress_activations_bits, 2);
 }
 
 TEST(TrainConfigTable, AliasRowsSetTheirSettingOrNothing) {

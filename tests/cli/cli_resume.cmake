@@ -1,9 +1,10 @@
 # fusekit train --checkpoint / --resume: a run stopped at step 20 and resumed prints the same
 # losses at steps 30 and 40 as a run never stopped, and fusekit eval reads the checkpoint.
-# Run with -DFUSEKIT=<binary> -DCONFIG=<configs/tiny.json> -DWORK=<scratch folder>.
+# Run with -DFUSEKIT=<binary> -DCONFIG=<configs/tiny.json> -DWORK=<scratch folder>, and
+# -DEXTRA=<more flags> (a list) for every run.
 file(MAKE_DIRECTORY ${WORK})
 file(REMOVE ${WORK}/state.ckpt)
-set(common train --config ${CONFIG} --print-every 10 --optimizer adagrad --learning-rate 0.05)
+set(common train --config ${CONFIG} --print-every 10 --optimizer adagrad --learning-rate 0.05 ${EXTRA})
 include(${CMAKE_CURRENT_LIST_DIR}/run_checked.cmake)
 fusekit(straight ${common} --steps 40)
 fusekit(first ${common} --steps 20 --checkpoint ${WORK}/state.ckpt)

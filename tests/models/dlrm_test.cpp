@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <sstream>
 #include <vector>
 
@@ -206,8 +207,11 @@ TEST(Dlrm, ResumedFromSavedStateGivesBitIdenticalLosses) {
 }
 
 // CI's training check: a tiny DLRM on synthetic Criteo-like data (tables capped at 2000 rows),
-// 300 SGD steps of 128, then the AUC on 8192 held-out samples.
-TEST(Dlrm, TinyModelLearnsSyntheticCriteo) {
+// 300 SGD steps of 128, then the AUC on 8192 held-out samples; uncompressed, and with the MLPs'
+// activations kept at 4 and 2 bits.
+class TinyDlrm : public ::testing::TestWithParam<int> {};
+
+TEST_P(TinyDlrm, LearnsSyntheticCriteo) {
   const auto start = std::chrono::steady_clock::now();
   data::SyntheticConfig sc;
   sc.seed = 3;
@@ -220,6 +224,7 @@ TEST(Dlrm, TinyModelLearnsSyntheticCriteo) {
   c.top_mlp = {32, 1};
   c.table_rows = feat.table_rows();
   c.seed = 9;
+  c.compress_activations_bits = GetParam();
   Dlrm model(c, Device::cpu());
   const OptimizerConfig opt{.kind = OptimizerKind::sgd, .learning_rate = 0.2f};
   data::BatchLoader train(data::slice_source(source, 0, 300 * 128), feat, {.batch_size = 128});
@@ -241,10 +246,169 @@ TEST(Dlrm, TinyModelLearnsSyntheticCriteo) {
   }
   const BinaryMetrics m = evaluate_binary(probs, labels);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("tiny DLRM: loss %.4f -> %.4f, test AUC %.4f, logloss %.4f, accuracy %.4f (positives %.3f), %.1f s\n",
-              first, last, m.auc, m.log_loss, m.accuracy, m.positive_rate, seconds);
+  std::printf("tiny DLRM (activations %d bits): loss %.4f -> %.4f, test AUC %.4f, logloss %.4f, accuracy %.4f "
+              "(positives %.3f), %.1f s\n",
+              GetParam() ? GetParam() : 32, first, last, m.auc, m.log_loss, m.accuracy, m.positive_rate, seconds);
   EXPECT_LT(last, first);
   EXPECT_GT(m.auc, 0.6);
+}
+
+INSTANTIATE_TEST_SUITE_P(CompressedActivations, TinyDlrm, ::testing::Values(0, 4, 2),
+                         [](const auto& info) {
+                           return info.param ? std::to_string(info.param) + "bits" : std::string("f32");
+                         });
+
+// Compression changes only what the MLPs' weight gradients read: the logits, the bias and table
+// gradients equal the uncompressed model's, and dW stays close to its (8 bits); both
+// implementations (the fused one applies the ReLU derivative and db in one pass, the reference
+// one in two, on either side of the compression).
+class DlrmCompression : public ::testing::TestWithParam<DlrmImpl> {};
+
+TEST_P(DlrmCompression, OnlyTheMlpWeightGradientsChange) {
+  data::Featurizer feat;
+  feat.max_ind_range = 10;
+  DlrmConfig c = tiny_config(InteractionOp::dot);
+  c.bottom_mlp = {13, 40, 4};
+  c.top_mlp = {24, 1};
+  c.table_rows = feat.table_rows();
+  DlrmConfig packed = c;
+  packed.compress_activations_bits = 8;
+  Dlrm plain_model(c, Device::cpu(), GetParam()), packed_model(packed, Device::cpu(), GetParam());
+  data::SyntheticConfig sc;
+  sc.seed = 6;
+  std::vector<data::RawRecord> recs(64);
+  data::SyntheticCriteo(sc).generate(0, recs);
+  data::Batch batch;
+  data::make_batch(recs, feat, batch);
+  const DlrmInput in{batch.dense, batch.indices, batch.offsets};
+  std::vector<float> lp(64), lc(64), dl(64);
+  const TensorView lpv(lp.data(), DType::f32, {64}, Device::cpu()), lcv(lc.data(), DType::f32, {64}, Device::cpu()),
+      dlv(dl.data(), DType::f32, {64}, Device::cpu());
+  plain_model.forward(in, lpv);
+  packed_model.forward(in, lcv);
+  EXPECT_EQ(lp, lc);
+  bce_with_logits(lpv, batch.labels, &dlv);
+  plain_model.backward(dlv);
+  packed_model.backward(dlv);
+  EXPECT_EQ(test::to_floats(plain_model.table_gradient()), test::to_floats(packed_model.table_gradient()));
+  auto pl = plain_model.linear_layers(), cl = packed_model.linear_layers();
+  for (std::size_t i = 0; i < pl.size(); ++i) {
+    EXPECT_LE(test::rel_err_normwise(*cl[i].bias_grad, *pl[i].bias_grad), 1e-6) << "db " << i;
+    const double e = test::rel_err_normwise(*cl[i].weight_grad, *pl[i].weight_grad);
+    EXPECT_LE(e, 2e-2) << "dW " << i;
+    EXPECT_GT(e, 0.0) << "dW " << i << ": nothing was quantized";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Impls, DlrmCompression, ::testing::Values(DlrmImpl::reference, DlrmImpl::fused),
+                         [](const auto& info) { return std::string(impl_name(info.param)); });
+
+// The same seed gives the same parameters after several steps (the rounding's draws come from the
+// seed and the step); the rounding steps travel with the state, so that a resumed run is the
+// unbroken one; and another seed rounds otherwise.
+TEST(DlrmCompressionRun, ReproducibleAndResumedExactly) {
+  data::SyntheticConfig sc;
+  sc.seed = 4;
+  data::Featurizer feat;
+  feat.max_ind_range = 500;
+  DlrmConfig c = tiny_config(InteractionOp::dot);
+  c.table_rows = feat.table_rows();
+  c.compress_activations_bits = 2;
+  const OptimizerConfig opt{.kind = OptimizerKind::adagrad, .learning_rate = 0.05f};
+  std::vector<data::RawRecord> recs(12 * 32);
+  data::SyntheticCriteo(sc).generate(0, recs);
+  std::vector<data::Batch> batches(12);
+  for (std::size_t k = 0; k < 12; ++k) data::make_batch(std::span(recs).subspan(k * 32, 32), feat, batches[k]);
+  auto run = [&](Dlrm& m, std::size_t from, std::size_t to) {
+    std::vector<double> losses;
+    for (std::size_t k = from; k < to; ++k)
+      losses.push_back(m.train_step({batches[k].dense, batches[k].indices, batches[k].offsets}, batches[k].labels, opt));
+    return losses;
+  };
+  auto weights = [](Dlrm& m) {
+    std::vector<float> v;
+    for (const auto& p : m.linear_layers()) {
+      const std::vector<float> w = test::to_floats(*p.weight);
+      v.insert(v.end(), w.begin(), w.end());
+    }
+    return v;
+  };
+  Dlrm a(c, Device::cpu()), b(c, Device::cpu());
+  const std::vector<double> all = run(a, 0, 12);
+  EXPECT_EQ(run(b, 0, 12), all);
+  EXPECT_EQ(weights(a), weights(b));
+  DlrmConfig other = c;
+  other.seed = 6;
+  Dlrm d(other, Device::cpu());
+  std::stringstream from_a;
+  Dlrm first(c, Device::cpu());
+  run(first, 0, 6);
+  first.save_state(from_a);
+  const std::string saved = from_a.str();
+  std::stringstream s1(saved), s2(saved);
+  d.load_state(s1);  // the same parameters, but its own seed's roundings
+  Dlrm resumed(c, Device::cpu());
+  resumed.load_state(s2);
+  const std::vector<double> rest = run(resumed, 6, 12);
+  for (std::size_t k = 0; k < 6; ++k) EXPECT_EQ(rest[k], all[6 + k]) << "step " << 6 + k;
+  EXPECT_EQ(weights(resumed), weights(a));
+  run(d, 6, 12);
+  EXPECT_NE(weights(d), weights(a));
+  // A state saved without compression loads (the rounding starts at step 0), and the other way.
+  DlrmConfig plain = c;
+  plain.compress_activations_bits = 0;
+  Dlrm u(plain, Device::cpu());
+  std::stringstream su, s3(saved);
+  u.save_state(su);
+  Dlrm fresh(c, Device::cpu());
+  EXPECT_NO_THROW(fresh.load_state(su));
+  EXPECT_NO_THROW(u.load_state(s3));
+  // The steps are the stream's last four floats: a value that is no step is refused.
+  std::string bad = saved;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(bad.data() + bad.size() - 4, &nan, 4);
+  std::stringstream s4(bad);
+  test::expect_arg_error([&] { fresh.load_state(s4); }, "models::Dlrm::load_state", "in");
+}
+
+// The bytes the MLPs keep for the backward, for the Kaggle model's MLPs at batch 32768: the
+// packed inputs take bits/32 of the f32 ones, plus the statistics, the masks and the rows'
+// rounding up to whole groups (the top MLP's 367 inputs are 384 packed values).
+TEST(DlrmCompressionRun, KeptBytesAreAboutBitsOverThirtyTwo) {
+  DlrmConfig c;
+  c.table_rows.assign(26, 4);
+  const std::int64_t b = 32768;
+  const Dlrm plain(c, Device::cpu());
+  const nn::MLP::SavedActivationBytes u = plain.mlp_activation_bytes(b);
+  // CPU: no padding; bottom inputs 13, 512, 256, 64; top 367, 512, 256.
+  EXPECT_EQ(u.whole, static_cast<std::size_t>(b) * (13 + 512 + 256 + 64 + 367 + 512 + 256) * 4);
+  EXPECT_EQ(u.kept, u.whole);
+  for (int bits : {8, 4, 2}) {
+    c.compress_activations_bits = bits;
+    const Dlrm packed(c, Device::cpu());
+    const nn::MLP::SavedActivationBytes p = packed.mlp_activation_bytes(b);
+    EXPECT_EQ(p.whole, u.whole);
+    const double ratio = static_cast<double>(p.kept) / static_cast<double>(p.whole);
+    std::printf("Kaggle MLPs at batch %lld, %d bits: kept %.1f of %.1f MB (%.3f); scratch %.1f MB (uncompressed %.1f)\n",
+                static_cast<long long>(b), bits, p.kept / 1e6, p.whole / 1e6, ratio, p.scratch / 1e6, u.scratch / 1e6);
+    EXPECT_GE(ratio, bits / 32.0);
+    EXPECT_LE(ratio, bits / 32.0 * 1.1 + 1 / 32.0 + 0.01) << bits;
+    // The f32 scratch (two buffers: 512 wide for the even layers, 256 for the odd ones, shared by
+    // both MLPs) and dz: less than the uncompressed hidden gradients with the kept activations.
+    EXPECT_LT(p.kept + p.scratch, u.kept + u.scratch) << bits;
+  }
+}
+
+TEST(DlrmCompressionRun, BadSettingsRaiseErrors) {
+  DlrmConfig c = tiny_config(InteractionOp::dot);
+  for (int bits : {1, 3, 16, -2}) {
+    c.compress_activations_bits = bits;
+    test::expect_arg_error([&] { Dlrm m(c, Device::cpu()); }, "models::DlrmConfig", "compress_activations_bits");
+  }
+  c.compress_activations_bits = 4;
+  c.fused_mlp = true;
+  test::expect_arg_error([&] { Dlrm m(c, Device::cpu(), DlrmImpl::fused); }, "models::DlrmConfig",
+                         "compress_activations_bits");
 }
 
 }  // namespace

@@ -151,6 +151,26 @@ TEST_P(QuantFormat, StochasticRoundingIsUnbiasedAndReproducible) {
   EXPECT_EQ(words_of(pack(x, sp)), words_of(pack(x, sp)));
 }
 
+// The offset counter is read when the pack runs: a pack given a counter holding c is the pack at
+// offset + c, and advancing the counter moves the next pack to the next offset.
+TEST(QuantSpec, OffsetCounterAddsItsValueWhenThePackRuns) {
+  Tensor x = test::random_tensor({3, 70}, DType::f32, kCpu, 31, -2, 2);
+  Tensor counter = Tensor::empty({1}, DType::i64, kCpu);
+  *counter.data_as<std::int64_t>() = 40;
+  const PackParams with{.bits = 4, .group = 32, .rounding = Rounding::stochastic, .seed = 8, .offset = 2,
+                        .offset_counter = counter};
+  PackParams plain = with;
+  plain.offset_counter = TensorView();
+  plain.offset = 42;
+  EXPECT_EQ(words_of(pack(x, with)), words_of(pack(x, plain)));
+  advance_offset(counter, 1);
+  EXPECT_EQ(*counter.data_as<std::int64_t>(), 41);
+  plain.offset = 43;
+  EXPECT_EQ(words_of(pack(x, with)), words_of(pack(x, plain)));
+  plain.offset = 42;
+  EXPECT_NE(words_of(pack(x, with)), words_of(pack(x, plain)));
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, QuantFormat,
                          ::testing::Values(FormatCase{1, 32, DType::bf16}, FormatCase{2, 256, DType::bf16},
                                            FormatCase{2, 16, DType::f32}, FormatCase{4, 48, DType::bf16},
@@ -208,6 +228,12 @@ TEST(QuantErrors, EachBadInputNamesItsArgument) {
   test::expect_arg_error([&] { pack(x, p.view(), {.bits = 4, .group = 32}); }, "pack", "out");
   Tensor x5 = Tensor::empty({5, 64}, DType::f32, kCpu);
   test::expect_arg_error([&] { pack(x5, p.view(), {.bits = 2, .group = 32}); }, "pack", "out");
+  Tensor counter32 = Tensor::empty({1}, DType::i32, kCpu), counter2 = Tensor::empty({2}, DType::i64, kCpu);
+  test::expect_arg_error([&] { pack(x, p.view(), {.bits = 2, .group = 32, .offset_counter = counter32}); }, "pack",
+                         "offset_counter");
+  test::expect_arg_error([&] { pack(x, p.view(), {.bits = 2, .group = 32, .offset_counter = counter2}); }, "pack",
+                         "offset_counter");
+  test::expect_arg_error([&] { advance_offset(counter32, 1); }, "advance_offset", "counter");
   Tensor out_bad = Tensor::empty({4, 63}, DType::f32, kCpu);
   test::expect_arg_error([&] { unpack(p.view(), out_bad); }, "unpack", "out");
   PackedView broken = p.view();
@@ -316,6 +342,33 @@ INSTANTIATE_TEST_SUITE_P(
       return "b" + std::to_string(c.bits) + "_g" + std::to_string(c.group) + "_" + std::string(dtype_name(c.x_dtype)) +
              "_" + std::string(dtype_name(c.stats)) + "_" + std::to_string(c.rows) + "x" + std::to_string(c.cols);
     });
+
+// A pack with an offset counter, captured in a CUDA graph with the counter's advance: each replay
+// packs at the next offset, bit-exact with the spec packing at that offset.
+TEST(QuantPackGpuGraph, ReplaysDrawAtTheCounterOfEachReplay) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const Stream stream = Stream::create(gpu);
+  const Tensor x = test::random_tensor({33, 200}, DType::f32, kCpu, 5, -3, 3);
+  const Tensor xd = x.copy_to(gpu);
+  Tensor counter = Tensor::empty({1}, DType::i64, gpu);
+  zero_async(counter, stream);
+  const PackParams p{.bits = 2, .group = 64, .rounding = Rounding::stochastic, .seed = 3, .offset = 100,
+                     .offset_counter = counter};
+  PackedTensor got = PackedTensor::empty(33, 200, DType::f32, p, gpu, &stream);
+  const Graph graph = Graph::capture(stream, [&] {
+    pack(xd, got.view(), p, &stream);
+    advance_offset(counter, 1, &stream);
+  });
+  for (std::uint64_t replay = 0; replay < 3; ++replay) {
+    graph.launch(stream);
+    stream.synchronize();
+    PackParams at = p;
+    at.offset_counter = TensorView();
+    at.offset = 100 + replay;
+    EXPECT_EQ(words_of(got), words_of(pack(x, at))) << "replay " << replay;
+  }
+}
 
 class QuantReluGpu : public ::testing::TestWithParam<std::tuple<DType, std::int64_t>> {};
 

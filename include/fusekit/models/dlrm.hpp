@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "fusekit/core/tensor.hpp"
+#include "fusekit/nn/linear.hpp"
 #include "fusekit/nn/parameters.hpp"
 #include "fusekit/ops/recsys.hpp"
 
@@ -84,6 +85,12 @@ struct DlrmConfig {
   // layer one width of 16, 32, 64 or 128) runs as one fused_mlp kernel each way, in bf16 with the
   // fp32 parameters and gradients kept as master copies (the others keep cuBLASLt in TF32).
   bool fused_mlp = false;
+  // 8, 4 or 2: both MLPs keep what their backward needs compressed (nn::MLP's compress): each
+  // layer's input packed at this many bits with stochastic rounding (Philox from `seed` and the
+  // step, so a run is reproducible, CUDA graph or not), each hidden ReLU's mask at one bit, dW
+  // from the packed bits; their f32 activations and gradients in one scratch the two MLPs share.
+  // 0: off (the f32 activations are kept). Not with fused_mlp.
+  int compress_activations_bits = 0;
 
   std::int64_t num_features() const { return static_cast<std::int64_t>(table_rows.size()) + 1; }
   std::int64_t interaction_size() const;
@@ -160,10 +167,16 @@ class Dlrm {
   Tensor table_gradient();
   // Peak bytes of device memory allocated through fusekit's allocator (0 on the CPU).
   std::size_t peak_device_bytes() const;
+  // The MLPs' activations for a training step of `batch` samples (nn::MLP::saved_activation_bytes,
+  // both MLPs): whole, what their backward needs as f32; kept, what is kept for it (packed with
+  // compress_activations_bits); scratch, the buffers that hold activations only during a call.
+  nn::MLP::SavedActivationBytes mlp_activation_bytes(std::int64_t batch) const;
 
-  // The training state (every parameter and the optimizer state) as a binary stream, so that a
-  // run resumed from it computes exactly what the uninterrupted run would have. load_state
-  // throws fk::Error when the stream's shapes do not match this model's configuration.
+  // The training state (every parameter and the optimizer state; with compress_activations_bits
+  // the MLPs' rounding steps, as one more array) as a binary stream, so that a run resumed from it
+  // computes exactly what the uninterrupted run would have. load_state throws fk::Error when the
+  // stream's shapes do not match this model's configuration; a state without the rounding steps
+  // (saved uncompressed) starts them at 0, and a model without compression ignores them.
   void save_state(std::ostream& out) const;
   void load_state(std::istream& in);
 

@@ -21,6 +21,10 @@ struct PackParams {
   std::uint64_t seed = 0;            // stochastic rounding: the Philox key ...
   std::uint64_t offset = 0;          // ... and subsequence; (seed, offset) reproduce the draw
   DType stats_dtype = DType::bf16;   // dtype of the per-group scale and minimum: bf16 or f32
+  // Optional (stochastic rounding): an i64 [1] on x's device whose value is added to `offset`
+  // when the pack runs, not when it is queued, so that a CUDA graph replaying the pack draws
+  // anew each time the counter is advanced (advance_offset, core/random.hpp). Null data: none.
+  TensorView offset_counter;
 };
 
 // Non-owning view of a packed tensor.

@@ -126,7 +126,14 @@ struct PackArgs {
   int group, wpg;    // values and words per group
   bool stochastic;
   std::uint64_t seed, offset;
+  const std::uint64_t* offset_counter;  // added to offset when the kernel runs; null: none
 };
+
+// The stochastic rounding's subsequence: offset, plus the counter's value when the kernel runs
+// (PackParams::offset_counter: a CUDA graph replaying the pack then draws anew).
+__device__ __forceinline__ std::uint64_t rounding_offset(const PackArgs& a) {
+  return a.offset_counter != nullptr ? a.offset + *a.offset_counter : a.offset;
+}
 
 // Where a lane's V values of group `fg` are, and how many of them are data.
 struct LaneSpan {
@@ -251,6 +258,7 @@ __device__ __forceinline__ void pack_group(const PackArgs& a, std::int64_t fg, c
 // V values per lane, L lanes per group (a power of two <= 32); at least 4 blocks per SM.
 template <class T, class S, int BITS, int V, bool kStochastic>
 __global__ void __launch_bounds__(kThreads, 4) pack_warp_kernel(PackArgs a, int lanes_per_group_log2) {
+  if constexpr (kStochastic) a.offset = rounding_offset(a);
   const int lane = threadIdx.x & 31;
   const int L = 1 << lanes_per_group_log2;
   const int sub = lane & (L - 1);  // lane within its group
@@ -273,6 +281,7 @@ __global__ void __launch_bounds__(kThreads, 4) pack_warp_kernel(PackArgs a, int 
 template <class T, class S, int BITS>
 __global__ void __launch_bounds__(kThreads) pack_group_kernel(PackArgs a) {
   constexpr int kVpw = 32 / BITS;
+  if (a.stochastic) a.offset = rounding_offset(a);
   const T* x = static_cast<const T*>(a.x);
   const std::int64_t total = a.rows * a.groups;
   for (std::int64_t fg = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x; fg < total;
@@ -432,7 +441,8 @@ void with_bits(int bits, F&& f) {
 void pack(const TensorView& x, const PackedView& out, const PackParams& p, const Stream* stream) {
   const cudaStream_t s = detail::cuda_stream(stream);
   PackArgs a{x.data(), out.words.data_as<std::uint32_t>(), out.scale.data(), out.min.data(), out.rows, out.cols,
-             out.groups(), out.group, out.words_per_group(), p.rounding == Rounding::stochastic, p.seed, p.offset};
+             out.groups(), out.group, out.words_per_group(), p.rounding == Rounding::stochastic, p.seed, p.offset,
+             p.offset_counter.data_as<const std::uint64_t>()};
   with_float_type(x.dtype(), [&](auto t) {
     using T = decltype(t);
     with_stats_type(out.scale.dtype(), [&](auto st) {

@@ -76,8 +76,18 @@ void pack(const TensorView& x, const PackedView& out, const PackParams& p, const
                fmt::format("bits {}, group {}, stats {}", p.bits, p.group, dtype_name(p.stats_dtype)),
                fmt::format("bits {}, group {}, stats {}", out.bits, out.group, dtype_name(out.scale.dtype())));
   checks::same_device(op, "out", out.words, x.device());
+  if (p.offset_counter.data() != nullptr) {
+    checks::tensor(op, "offset_counter", p.offset_counter, 1);
+    checks::dtype_in(op, "offset_counter", p.offset_counter, {DType::i64});
+    checks::shape_is(op, "offset_counter", p.offset_counter, Dims{1});
+    checks::same_device(op, "offset_counter", p.offset_counter, x.device());
+  }
   if (x.numel() == 0) return;
-  if (x.device().is_cpu()) return reference::pack(x, out, p);
+  if (x.device().is_cpu()) {
+    PackParams at = p;  // the spec takes the offset by value: the counter's value now
+    if (p.offset_counter.data() != nullptr) at.offset += *p.offset_counter.data_as<const std::uint64_t>();
+    return reference::pack(x, out, at);
+  }
 #if FUSEKIT_WITH_CUDA
   cuda::pack(x, out, p, stream);
 #else
