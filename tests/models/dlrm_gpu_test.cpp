@@ -4,6 +4,7 @@
 // sizes, and tables so small that one row collects thousands of gradients (the fused sparse
 // backward's cross-chunk path). Also: the CUDA-graph step equals the eager one bit for bit, the
 // fused step is deterministic, checkpoints move between GPU and CPU, and bad input raises.
+#include <algorithm>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -309,10 +310,15 @@ TEST_P(DlrmGpuCompressed, TracksTheCpuModelReplaysAsAGraphAndResumes) {
   cpu.backward(dl);
   gpu.backward(dl);
   auto gl = gpu.linear_layers(), cl = cpu.linear_layers();
+  // The GPU packs each layer's input at its padded width (13 -> 16 columns here), so its groups
+  // and Philox positions differ from the CPU's: the two dW are two independent stochastic
+  // roundings of the same values, which differ normwise by up to about one quantization step
+  // (1 / (2^bits - 1) of a group's range; measured 0.037 at 4 bits, 0.21 at 2). Below that, bf16
+  // dz and x̂ (2^-9 each). Each against the uncompressed dW, elementwise within the bits' bound,
+  // is mlp_compression_test's (CPU); the graph, eager and resumed runs below are exact.
+  const double dw_tol = std::max(1e-2, 1.0 / ((1 << GetParam()) - 1));
   for (std::size_t i = 0; i < gl.size(); ++i) {
-    // bf16 dz and x̂ (2^-9 each), and a packed value moved to the next level where the GPU's
-    // activations differ from the CPU's in the last bits near a rounding threshold.
-    expect_close(*gl[i].weight_grad, *cl[i].weight_grad, 1e-2, "dW " + std::to_string(i));
+    expect_close(*gl[i].weight_grad, *cl[i].weight_grad, dw_tol, "dW " + std::to_string(i));
     expect_close(*gl[i].bias_grad, *cl[i].bias_grad, 1e-4, "db " + std::to_string(i));
   }
   expect_close(gpu.table_gradient(), cpu.table_gradient(), 1e-4, "table gradient");
