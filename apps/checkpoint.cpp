@@ -176,13 +176,13 @@ std::string config_differences(const nlohmann::json& stored, const nlohmann::jso
     for (const auto& [key, value] : fields.items()) {
       const std::string name = section + "." + key;
       if (free.contains(name)) continue;
-      const auto find = [&](const nlohmann::json& j) -> const nlohmann::json* {
-        if (j.contains(section) && j[section].is_object() && j[section].contains(key)) return &j[section][key];
+      const auto find = [](const nlohmann::json& j, const std::string& s, const std::string& k) -> const nlohmann::json* {
+        if (j.contains(s) && j[s].is_object() && j[s].contains(k)) return &j[s][k];
         return nullptr;
       };
-      const nlohmann::json* old = find(stored);
+      const nlohmann::json* old = find(stored, section, key);
       const bool absent = old == nullptr;
-      if (absent) old = find(defaults);
+      if (absent) old = find(defaults, section, key);
       if (old && *old == value) continue;
       out += fmt::format("{}{}: stored {}{}, requested {}", out.empty() ? "" : "; ", name,
                          old ? old->dump() : "(none)", absent && old ? " (absent: the default)" : "", value.dump());

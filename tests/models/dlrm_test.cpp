@@ -164,6 +164,24 @@ TEST(Dlrm, BadConfigurationAndInputRaiseErrors) {
   test::expect_arg_error([&] { model.forward(in, lv); }, "models::Dlrm", "offsets");
 }
 
+// n batches of 32 synthetic records (generated from sc), featurized by feat.
+std::vector<data::Batch> synthetic_batches(const data::SyntheticConfig& sc, const data::Featurizer& feat, std::size_t n) {
+  std::vector<data::RawRecord> recs(n * 32);
+  data::SyntheticCriteo(sc).generate(0, recs);
+  std::vector<data::Batch> batches(n);
+  for (std::size_t k = 0; k < n; ++k) data::make_batch(std::span(recs).subspan(k * 32, 32), feat, batches[k]);
+  return batches;
+}
+
+// The losses of training steps on batches [from, to).
+std::vector<double> train_losses(Dlrm& m, const std::vector<data::Batch>& batches, std::size_t from, std::size_t to,
+                                 const OptimizerConfig& opt) {
+  std::vector<double> losses;
+  for (std::size_t k = from; k < to; ++k)
+    losses.push_back(m.train_step({batches[k].dense, batches[k].indices, batches[k].offsets}, batches[k].labels, opt));
+  return losses;
+}
+
 TEST(Dlrm, ResumedFromSavedStateGivesBitIdenticalLosses) {
   data::SyntheticConfig sc;
   sc.seed = 4;
@@ -172,16 +190,8 @@ TEST(Dlrm, ResumedFromSavedStateGivesBitIdenticalLosses) {
   DlrmConfig c = tiny_config(InteractionOp::dot);
   c.table_rows = feat.table_rows();
   const OptimizerConfig opt{.kind = OptimizerKind::adagrad, .learning_rate = 0.05f};
-  std::vector<data::RawRecord> recs(20 * 32);
-  data::SyntheticCriteo(sc).generate(0, recs);
-  std::vector<data::Batch> batches(20);
-  for (std::size_t k = 0; k < 20; ++k) data::make_batch(std::span(recs).subspan(k * 32, 32), feat, batches[k]);
-  auto run = [&](Dlrm& m, std::size_t from, std::size_t to) {
-    std::vector<double> losses;
-    for (std::size_t k = from; k < to; ++k)
-      losses.push_back(m.train_step({batches[k].dense, batches[k].indices, batches[k].offsets}, batches[k].labels, opt));
-    return losses;
-  };
+  const std::vector<data::Batch> batches = synthetic_batches(sc, feat, 20);
+  auto run = [&](Dlrm& m, std::size_t from, std::size_t to) { return train_losses(m, batches, from, to, opt); };
   Dlrm straight(c, Device::cpu());
   const std::vector<double> all = run(straight, 0, 20);
   Dlrm first(c, Device::cpu());
@@ -315,16 +325,8 @@ TEST(DlrmCompressionRun, ReproducibleAndResumedExactly) {
   c.table_rows = feat.table_rows();
   c.compress_activations_bits = 2;
   const OptimizerConfig opt{.kind = OptimizerKind::adagrad, .learning_rate = 0.05f};
-  std::vector<data::RawRecord> recs(12 * 32);
-  data::SyntheticCriteo(sc).generate(0, recs);
-  std::vector<data::Batch> batches(12);
-  for (std::size_t k = 0; k < 12; ++k) data::make_batch(std::span(recs).subspan(k * 32, 32), feat, batches[k]);
-  auto run = [&](Dlrm& m, std::size_t from, std::size_t to) {
-    std::vector<double> losses;
-    for (std::size_t k = from; k < to; ++k)
-      losses.push_back(m.train_step({batches[k].dense, batches[k].indices, batches[k].offsets}, batches[k].labels, opt));
-    return losses;
-  };
+  const std::vector<data::Batch> batches = synthetic_batches(sc, feat, 12);
+  auto run = [&](Dlrm& m, std::size_t from, std::size_t to) { return train_losses(m, batches, from, to, opt); };
   auto weights = [](Dlrm& m) {
     std::vector<float> v;
     for (const auto& p : m.linear_layers()) {
