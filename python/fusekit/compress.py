@@ -42,7 +42,7 @@ from torch import Tensor
 from .ops import quant as _quant
 from .ops._registry import _autocast_dtype, _autocast_enabled
 
-__all__ = ["active", "compress_saved_tensors", "leave_unpacked", "linear"]
+__all__ = ["active", "compress_saved_tensors", "gated_mlp", "leave_unpacked", "linear", "mark_activation"]
 
 _BITS = (1, 2, 4, 8)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -84,6 +84,17 @@ def leave_unpacked(*tensors: Optional[Tensor]) -> None:
     for t in tensors:
         if t is not None:
             t._fusekit_unpacked = True
+
+
+def mark_activation(*tensors: Optional[Tensor]) -> None:
+    """Marks tensors an op saves that are activations although autograd has not yet given them a
+    grad_fn when they are saved (an op's extra outputs, such as the GLU's pre-activations C), so
+    that compress_saved_tensors packs them on every dispatch path."""
+    if active() is None or torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None:
+            t._fusekit_activation = True
 
 
 # The ops between parameters and a tensor an op saves for them: casts, views, and the
@@ -228,7 +239,8 @@ class compress_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         return super().__exit__(*exc)
 
     def _packable(self, t: Tensor) -> bool:
-        return (isinstance(t, Tensor) and t.grad_fn is not None and t.dtype in _DTYPES
+        return (isinstance(t, Tensor) and (t.grad_fn is not None or getattr(t, "_fusekit_activation", False))
+                and t.dtype in _DTYPES
                 and t.device.type in ("cpu", "cuda") and t.numel() * t.element_size() >= max(self.min_bytes, 1)
                 and not t.is_sparse and type(t) is Tensor and not getattr(t, "_fusekit_unpacked", False)
                 and not _is_parameter(t))
@@ -345,3 +357,62 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     if saved is None:
         return torch.nn.functional.linear(x, weight, bias)
     return _PackedLinear.apply(x, weight, bias, saved, dtype)
+
+
+class _PackedGluMlp(torch.autograd.Function):
+    """y = down(glu(x wᵀ + b)) (fusekit's glu_mlp_train) with x and the pre-activations C kept
+    packed: the backward unpacks C for the activation (down's weight gradient) and for dC
+    (glu_preact_grad), and takes w's gradient from the packed x (weight_grad_from_packed)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, down_w, down_b, kind, allow_tf32, hook, x_saved):
+        y, preact = torch.ops.fusekit.glu_mlp_train(x, w, bias, down_w, down_b, kind, allow_tf32)
+        ctx.kind, ctx.with_bias, ctx.x_saved = kind, bias is not None, x_saved
+        ctx.c_saved = hook._pack_tensor(preact)  # an op's output: no grad_fn here, packed by hand
+        ctx.save_for_backward(w, down_w)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w, down_w = ctx.saved_tensors
+        preact = _unpack(ctx.c_saved)
+        need = ctx.needs_input_grad
+        dy = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = d_down_w = d_down_b = None
+        if need[3]:
+            d_down_w = dy.t().mm(torch.ops.fusekit.glu_activate(preact, ctx.kind))
+        if need[4]:
+            d_down_b = dy.sum(0)
+        if need[0] or need[1] or need[2]:
+            dc = torch.ops.fusekit.glu_preact_grad(dy.mm(down_w), preact, ctx.kind)
+            preact = None
+            if need[0]:
+                dx = dc.mm(w)
+            if need[1]:
+                p, k = ctx.x_saved.packed, w.shape[1]
+                m, g = p.rows * p.cols // k, k // p.group
+                dw = _quant.weight_grad_from_packed(dc, p.words.view(m, g, -1), p.scale.view(m, g), p.min.view(m, g),
+                                                    k, p.dtype, p.bits, p.group, w.dtype)
+            if ctx.with_bias and need[2]:
+                db = dc.sum(0, dtype=torch.float32).to(dc.dtype)
+        return dx, dw, db, d_down_w, d_down_b, None, None, None, None
+
+
+def gated_mlp(x: Tensor, w: Tensor, bias: Optional[Tensor], down_w: Tensor, down_b: Optional[Tensor], kind: str,
+              allow_tf32: bool) -> Optional[Tensor]:
+    """Inside a compress_saved_tensors block: glu_mlp_train (x [M, K], w the prepared [2N, K]) with
+    x kept packed (one copy shared with every other save of it) and w's gradient computed from it
+    by weight_grad_from_packed, C packed at the block's bits. None where it does not apply (outside
+    a block, under torch.compile, x small or not contiguous, K not a multiple of the group, a GEMM
+    dtype other than bf16 on a GPU): the caller then runs glu_mlp_train as it is."""
+    hook = None if torch.compiler.is_compiling() else active()
+    if hook is None or not (w.requires_grad or x.requires_grad):
+        return None
+    dtype = x.dtype
+    usable = (dtype == torch.bfloat16 or x.device.type == "cpu") and dtype in _DTYPES and w.dtype == dtype
+    if not (usable and hook._packable(x) and x.is_contiguous() and x.shape[1] % hook.group == 0):
+        return None
+    saved = hook._pack_tensor(x, reads=False)
+    if saved is None:
+        return None
+    return _PackedGluMlp.apply(x, w, bias, down_w, down_b, kind, allow_tf32, hook, saved)

@@ -43,6 +43,14 @@ void bind_glu(nb::module_& m) {
       },
       "preact"_a, "out"_a, "kind"_a, "stream"_a, kNoGil);
   m.def(
+      "glu_preact_grad",
+      [](const Array& dy, const Array& preact, const Array& dpreact, const std::string& kind, std::uintptr_t stream) {
+        constexpr const char* op = "glu_preact_grad";
+        const GluPreactGradArgs a{view(dy, op, "dy"), view(preact, op, "preact"), view(dpreact, op, "dpreact")};
+        glu_preact_grad(a, {parse_glu_kind(kind), false}, StreamArg(stream, a.preact).get());
+      },
+      "dy"_a, "preact"_a, "dpreact"_a, "kind"_a, "stream"_a, kNoGil);
+  m.def(
       "glu_backward_from_preact",
       [](const Array& dy, const Array& x, const Array& w, const Array& preact, const OptArray& dx, const OptArray& dw,
          const OptArray& dbias, bool overwrite_preact, const std::string& kind, bool allow_tf32,

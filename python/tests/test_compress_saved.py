@@ -268,9 +268,10 @@ def test_bad_arguments_name_themselves():
 
 
 def test_fused_projections_match_the_hook(device, monkeypatch):
-    """A patched decoder layer's q, k, v and o projections keep their input packed and take their
-    weight gradient from it (weight_grad_from_packed): the same packed values as the hook alone
-    (same seed, same order), so the same loss and gradients up to the GEMM's accumulation order."""
+    """A patched decoder layer's q, k, v and o projections and its MLP's gate and up projections
+    keep their input packed and take their weight gradient from it (weight_grad_from_packed): the
+    same packed values as the hook alone (same seed, same order), so the same loss and gradients up
+    to the GEMMs' accumulation order."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -289,14 +290,17 @@ def test_fused_projections_match_the_hook(device, monkeypatch):
         loss.backward()
         return loss, c.stats
 
-    fused = []
+    fused, mlps = [], []
     with monkeypatch.context() as mp:
-        apply = fusekit.compress._PackedLinear.apply
+        apply, mlp_apply = fusekit.compress._PackedLinear.apply, fusekit.compress._PackedGluMlp.apply
         mp.setattr(fusekit.compress._PackedLinear, "apply", lambda *a: fused.append(1) or apply(*a))
+        mp.setattr(fusekit.compress._PackedGluMlp, "apply", lambda *a: mlps.append(1) or mlp_apply(*a))
         loss, stats = run(model)
     assert len(fused) == 4 * cfg.num_hidden_layers  # every projection took the fused path
+    assert len(mlps) == cfg.num_hidden_layers  # and every MLP (gate and up's weight gradient)
     with monkeypatch.context() as mp:
         mp.setattr(fusekit.compress, "linear", torch.nn.functional.linear)
+        mp.setattr(fusekit.compress, "gated_mlp", lambda *a: None)
         ref_loss, ref_stats = run(ref)
     assert stats["tensors"] == ref_stats["tensors"] and stats["packed_bytes"] == ref_stats["packed_bytes"]
     assert float(loss.detach()) == float(ref_loss.detach())

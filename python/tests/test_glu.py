@@ -258,6 +258,22 @@ def test_opcheck_glu_activate_and_glu_mlp_train(device):
     torch.library.opcheck(ops.glu_mlp_train, (x, w, None, dw, None, "reglu", False))
     _, preact = ops.glu_train(x.detach(), w.detach(), b.detach(), "swiglu", False)
     torch.library.opcheck(ops.glu_activate, (preact, "swiglu"))
+    torch.library.opcheck(ops.glu_preact_grad, (rand((5, 4), torch.float32, device, 71), preact, "swiglu"))
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu_tanh", "reglu"])
+def test_glu_preact_grad_is_the_backwards_dc(kind, device):
+    """dC multiplied out (dx = dC w, dw = dCᵀ x, db = column sums) is glu_backward_from_preact's."""
+    x, w = rand((9, 16), torch.float32, device, 72), rand((2 * 6, 16), torch.float32, device, 73)
+    b, dy = rand((12,), torch.float32, device, 74), rand((9, 6), torch.float32, device, 75)
+    _, preact = ops.glu_train(x, w, b, kind, False)
+    dc = ops.glu_preact_grad(dy, preact, kind)
+    dx, dw, db = ops.glu_backward_from_preact(dy, x, w, preact, True, kind, False)
+    torch.testing.assert_close(dc @ w, dx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dc.t() @ x, dw, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dc.sum(0), db, rtol=1e-5, atol=1e-5)
+    with pytest.raises(fusekit.Error, match="glu_preact_grad: argument 'dy'"):
+        ops.glu_preact_grad(dy[:, :5].contiguous(), preact, kind)
 
 
 def test_glu_mlp_under_autocast_and_compiled():

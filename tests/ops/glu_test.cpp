@@ -242,6 +242,52 @@ TEST(GluErrors, ActivateNamesItsArgument) {
   EXPECT_NO_THROW(glu_activate({c, out}, {}));
 }
 
+// glu_preact_grad on the prepared C = [l0, r0] = [1, 2], dy = 3, swiglu (silu(l) r):
+// dC = [3 r silu'(1), 3 silu(1)], silu'(l) = s(l) (1 + l (1 - s(l))), s the logistic function.
+TEST(GluSpec, PreactGradByHand) {
+  const Tensor c = test::host_tensor({1, 2}, DType::f32, {1.0f, 2.0f}), dy = test::host_tensor({1, 1}, DType::f32, {3.0f});
+  Tensor dc = Tensor::empty({1, 2}, DType::f32, kCpu);
+  glu_preact_grad({dy, c, dc}, {.kind = GluKind::swiglu});
+  const double s = 1.0 / (1.0 + std::exp(-1.0));
+  EXPECT_NEAR(dc.data_as<float>()[0], 3.0 * 2.0 * s * (1.0 + (1.0 - s)), 1e-5);
+  EXPECT_NEAR(dc.data_as<float>()[1], 3.0 * s, 1e-6);
+}
+
+// dC from the kept C, multiplied out (dx = dC w, dw = dCᵀ x), is glu_backward_from_preact's (the CPU
+// op, prepared layout, every kind), and written over C gives the same dC.
+TEST(GluLayout, PreactGradIsTheBackwardsDc) {
+  const std::int64_t m = 5, n = 3, k = 4;
+  for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh, GluKind::geglu_erf, GluKind::reglu}) {
+    const GluOptions opt{.kind = kind};
+    const Tensor x = test::random_tensor({m, k}, DType::f32, kCpu, 81);
+    const Tensor wp = glu_prepare_weight(test::random_tensor({2 * n, k}, DType::f32, kCpu, 82));
+    const Tensor dy = test::random_tensor({m, n}, DType::f32, kCpu, 83);
+    Tensor out = Tensor::empty({m, n}, DType::f32, kCpu), c = Tensor::empty({m, 2 * n}, DType::f32, kCpu);
+    glu_forward({x, wp, std::nullopt, out, c.view()}, opt);
+    Tensor dc = Tensor::empty({m, 2 * n}, DType::f32, kCpu);
+    glu_preact_grad({dy, c, dc}, opt);
+    Tensor dx = Tensor::empty({m, k}, DType::f32, kCpu), dw = Tensor::empty({2 * n, k}, DType::f32, kCpu);
+    glu_backward_from_preact({dy, x, wp, c, dx.view(), dw.view(), std::nullopt, false}, opt);
+    Tensor dx2 = Tensor::empty({m, k}, DType::f32, kCpu), dw2 = Tensor::empty({2 * n, k}, DType::f32, kCpu);
+    matmul(dc, wp, dx2, Trans::n, Trans::n);
+    matmul(dc, x, dw2, Trans::t, Trans::n);
+    EXPECT_LE(rel_err(dx2, dx), 1e-6) << glu_kind_name(kind);
+    EXPECT_LE(rel_err(dw2, dw), 1e-6) << glu_kind_name(kind);
+    glu_preact_grad({dy, c, c}, opt);  // over C
+    EXPECT_EQ(rel_err(c, dc), 0.0) << glu_kind_name(kind);
+  }
+}
+
+TEST(GluErrors, PreactGradNamesItsArgument) {
+  const Tensor c = Tensor::empty({3, 8}, DType::bf16, kCpu), odd = Tensor::empty({3, 7}, DType::bf16, kCpu);
+  const Tensor dy = Tensor::empty({3, 4}, DType::bf16, kCpu), dy32 = Tensor::empty({3, 4}, DType::f32, kCpu);
+  Tensor dc = Tensor::empty({3, 8}, DType::bf16, kCpu), narrow = Tensor::empty({3, 4}, DType::bf16, kCpu);
+  test::expect_arg_error([&] { glu_preact_grad({dy, odd, dc}, {}); }, "glu_preact_grad", "preact");
+  test::expect_arg_error([&] { glu_preact_grad({dy32, c, dc}, {}); }, "glu_preact_grad", "dy");
+  test::expect_arg_error([&] { glu_preact_grad({dy, c, narrow}, {}); }, "glu_preact_grad", "dpreact");
+  EXPECT_NO_THROW(glu_preact_grad({dy, c, dc}, {}));
+}
+
 // ---------------------------------------------------------------------------------------------
 // GPU against the spec
 // ---------------------------------------------------------------------------------------------
@@ -398,6 +444,28 @@ TEST(GluGpu, ActivateMatchesTheCpuOp) {
         Tensor got = Tensor::empty({m, n}, dt, gpu);
         test::poison(got);
         glu_activate({c.copy_to(gpu), got}, {.kind = kind});
+        const double tol = dt == DType::f32 ? 1e-6 : 1e-2;
+        EXPECT_LE(rel_err(got, want), tol) << glu_kind_name(kind) << " " << dtype_name(dt) << " M" << m << " N" << n;
+      }
+}
+
+TEST(GluGpu, PreactGradMatchesTheCpuOp) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  int seed = 800;
+  const std::int64_t shapes[][2] = {{1, 1}, {3, 5}, {64, 300}, {130, 257}, {1000, 4096}};
+  for (const auto& sh : shapes)
+    for (DType dt : {DType::bf16, DType::f16, DType::f32})
+      for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh, GluKind::geglu_erf,
+                           GluKind::reglu}) {
+        const std::int64_t m = sh[0], n = sh[1];
+        const Tensor c = test::random_tensor({m, 2 * n}, dt, kCpu, ++seed, -3.f, 3.f);
+        const Tensor dy = test::random_tensor({m, n}, dt, kCpu, ++seed);
+        Tensor want = Tensor::empty({m, 2 * n}, dt, kCpu);
+        glu_preact_grad({dy, c, want}, {.kind = kind});
+        Tensor got = Tensor::empty({m, 2 * n}, dt, gpu);
+        test::poison(got);
+        glu_preact_grad({dy.copy_to(gpu), c.copy_to(gpu), got}, {.kind = kind});
         const double tol = dt == DType::f32 ? 1e-6 : 1e-2;
         EXPECT_LE(rel_err(got, want), tol) << glu_kind_name(kind) << " " << dtype_name(dt) << " M" << m << " N" << n;
       }

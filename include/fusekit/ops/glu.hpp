@@ -113,6 +113,18 @@ struct GluActivateArgs {
 };
 void glu_activate(const GluActivateArgs& a, const GluOptions& opt, const Stream* stream = nullptr);
 
+// dC [M, 2N] = [dy ⊙ dglu/dL, dy ⊙ dglu/dR] of the pre-activations glu_forward kept: the
+// elementwise first half of glu_backward_from_preact alone (fp32 arithmetic from C as rounded to
+// the operand dtype, dC rounded once to it), for a caller that forms dx, dw and db itself (the
+// weight gradient from a packed x: weight_grad_from_packed). preact and dpreact in the prepared
+// column order; dpreact may be preact itself (written over it).
+struct GluPreactGradArgs {
+  TensorView dy;       // [M, N]
+  TensorView preact;   // [M, 2N], prepared: GluForwardArgs::preact of the forward
+  TensorView dpreact;  // [M, 2N], preact's dtype, prepared
+};
+void glu_preact_grad(const GluPreactGradArgs& a, const GluOptions& opt, const Stream* stream = nullptr);
+
 namespace reference {
 // The spec: plain loops on host tensors, in double, on the PyTorch layout (w and b unprepared;
 // glu_forward's preact, when given, in the PyTorch column order [L | R]).
@@ -122,6 +134,8 @@ void glu_backward(const GluBackwardArgs& a, const GluOptions& opt);
 void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt);
 // preact in the PyTorch column order, as above.
 void glu_activate(const GluActivateArgs& a, const GluOptions& opt);
+// preact and dpreact in the PyTorch column order.
+void glu_preact_grad(const GluPreactGradArgs& a, const GluOptions& opt);
 // glu(l, r) and its two partial derivatives, in double.
 double glu(GluKind k, double l, double r);
 double glu_dl(GluKind k, double l, double r);

@@ -20,7 +20,8 @@ from .primitives import (attention, batched_matmul, broadcast_binary, broadcast_
                          conv2d, row_sum, softmax)
 from .quant import pack, relu_packed, relu_packed_backward, unpack, weight_grad_from_packed  # noqa: F401
 from .glu import glu, glu_backward, glu_swaps_halves, prepare_glu_weight, unprepare_glu_weight  # noqa: F401
-from .glu import glu_activate, glu_backward_from_preact, glu_mlp, glu_mlp_train, glu_prepared, glu_train  # noqa: F401
+from .glu import (glu_activate, glu_backward_from_preact, glu_mlp, glu_mlp_train, glu_preact_grad,  # noqa: F401
+                  glu_prepared, glu_train)
 from .lora import lora, lora_backward  # noqa: F401
 from .qgemm import dequantize_weights, qgemm, quantize_weights  # noqa: F401
 from .mlp import fused_mlp, fused_mlp_backward, fused_mlp_train  # noqa: F401

@@ -143,6 +143,8 @@ def _glu_train_setup(ctx, inputs, output):
     x, w, bias, kind, allow_tf32 = inputs
     ctx.kind, ctx.allow_tf32, ctx.with_bias = kind, allow_tf32, bias is not None
     ctx.set_materialize_grads(False)  # preact carries no gradient: no [M, 2N] of zeros for it
+    from ..compress import mark_activation  # C is an activation (packed under compress_saved_tensors)
+    mark_activation(output[1])
     ctx.save_for_backward(x, w, output[1])
 
 
@@ -174,6 +176,22 @@ def _(preact, kind):
     return preact.new_empty((preact.shape[0], preact.shape[1] // 2))
 
 
+@_custom_op("glu_preact_grad")
+def glu_preact_grad(dy: Tensor, preact: Tensor, kind: str) -> Tensor:
+    """dC [M, 2N] (prepared order, preact's dtype) from glu_train's preact C and dy [M, N]: the
+    elementwise half of glu_backward_from_preact, for a backward that forms dx and dw itself."""
+    _same_device("glu_preact_grad", dy=dy, preact=preact)
+    dy, preact = _contiguous(dy), _contiguous(preact)
+    dpreact = torch.empty_like(preact)
+    _C.glu_preact_grad(_d(dy), _d(preact), _d(dpreact), kind, _stream(preact))
+    return dpreact
+
+
+@glu_preact_grad.register_fake
+def _(dy, preact, kind):
+    return torch.empty_like(preact)
+
+
 @_custom_op("glu_mlp_train")
 def glu_mlp_train(x: Tensor, w: Tensor, bias: Optional[Tensor], down_w: Tensor, down_b: Optional[Tensor], kind: str,
                   allow_tf32: bool) -> tuple[Tensor, Tensor]:
@@ -193,6 +211,8 @@ def _glu_mlp_train_setup(ctx, inputs, output):
     x, w, bias, down_w, down_b, kind, allow_tf32 = inputs
     ctx.kind, ctx.allow_tf32, ctx.with_bias = kind, allow_tf32, bias is not None
     ctx.set_materialize_grads(False)
+    from ..compress import mark_activation  # C is an activation (packed under compress_saved_tensors)
+    mark_activation(output[1])
     ctx.save_for_backward(x, w, output[1], down_w)
 
 
@@ -261,7 +281,10 @@ def glu_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, kind: str =
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if not recompute and needs_grad(x2, w, bias, down_w, down_b):
-        y = call_first("glu_mlp_train", x2, w, bias, down_w, down_b, kind, allow_tf32)
+        from ..compress import gated_mlp  # inside compress_saved_tensors: x packed, w's gradient from it
+        y = gated_mlp(x2, w, bias, down_w, down_b, kind, allow_tf32)
+        if y is None:
+            y = call_first("glu_mlp_train", x2, w, bias, down_w, down_b, kind, allow_tf32)
         return y.reshape(*lead, y.shape[-1])
     h = glu_prepared(x2, w, bias, kind, allow_tf32, recompute)
     return F.linear(h.reshape(*lead, n), down_w, down_b)

@@ -262,4 +262,31 @@ void glu_activate(const GluActivateArgs& a, const GluOptions& opt, [[maybe_unuse
 #endif
 }
 
+void glu_preact_grad(const GluPreactGradArgs& a, const GluOptions& opt, [[maybe_unused]] const Stream* stream) {
+  constexpr const char* op = "glu_preact_grad";
+  checks::tensor(op, "preact", a.preact, 2);
+  checks::dtype_in(op, "preact", a.preact, kFloatTypes);
+  checks::cuda_available(op, a.preact.device());
+  FK_CHECK_ARG(a.preact.size(1) % 2 == 0, op, "preact", "[M, 2N] with an even number of columns",
+               a.preact.shape().str());
+  const std::int64_t m = a.preact.size(0), n = a.preact.size(1) / 2;
+  checks::companion(op, "dy", a.dy, a.preact, Dims{m, n});
+  checks::companion(op, "dpreact", a.dpreact, a.preact, Dims{m, 2 * n});
+  const bool in_place = a.dpreact.data() == a.preact.data();
+  if (!in_place) checks::outputs_disjoint(op, {{"dpreact", &a.dpreact}}, {{"dy", &a.dy}, {"preact", &a.preact}});
+  else checks::outputs_disjoint(op, {{"dpreact", &a.dpreact}}, {{"dy", &a.dy}});
+  if (m == 0 || n == 0) return;
+  if (a.preact.device().is_cpu()) {
+    const Tensor c = Tensor::empty(a.preact.shape(), a.preact.dtype(), a.preact.device());
+    const Tensor dc = Tensor::empty(a.preact.shape(), a.preact.dtype(), a.preact.device());
+    permute_columns_host(a.preact, c.view(), false);
+    reference::glu_preact_grad({a.dy, c.view(), dc.view()}, opt);
+    permute_columns_host(dc.view(), a.dpreact, true);
+    return;
+  }
+#if FUSEKIT_WITH_CUDA
+  cuda::glu_pairs(a.preact, nullptr, &a.dy, a.dpreact, opt.kind, stream);
+#endif
+}
+
 }  // namespace fk

@@ -122,6 +122,16 @@ void glu_activate(const GluActivateArgs& a, const GluOptions& opt) {
       store(a.out, i * n + j, glu(opt.kind, load(a.preact, i * 2 * n + j), load(a.preact, i * 2 * n + n + j)));
 }
 
+void glu_preact_grad(const GluPreactGradArgs& a, const GluOptions& opt) {
+  const std::int64_t m = a.dy.size(0), n = a.dy.size(1);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      const double g = load(a.dy, i * n + j), l = load(a.preact, i * 2 * n + j), r = load(a.preact, i * 2 * n + n + j);
+      store(a.dpreact, i * 2 * n + j, g * glu_dl(opt.kind, l, r));
+      store(a.dpreact, i * 2 * n + n + j, g * glu_dr(opt.kind, l, r));
+    }
+}
+
 void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt) {
   std::vector<double> c(static_cast<std::size_t>(a.preact.numel()));
   for (std::int64_t i = 0; i < a.preact.numel(); ++i) c[static_cast<std::size_t>(i)] = load(a.preact, i);
