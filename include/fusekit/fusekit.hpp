@@ -18,6 +18,7 @@
 #include "fusekit/ops/lora.hpp"
 #include "fusekit/ops/loss.hpp"
 #include "fusekit/ops/primitives.hpp"
+#include "fusekit/ops/attention.hpp"
 #include "fusekit/ops/qgemm.hpp"
 #include "fusekit/ops/quant.hpp"
 #include "fusekit/ops/recsys.hpp"

@@ -56,10 +56,18 @@ def convert(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
-              return_lse: bool = False):
-    """softmax(scale q kᵀ) v, q [B, H, Sq, D], k, v [B, H, Sk, D] (scale defaults to 1/sqrt(D)),
-    as F.scaled_dot_product_attention computes it; forward only."""
-    out, lse = ops.call("attention", q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+              return_lse: bool = False, bottom_right: bool = False, window: tuple[int, int] = (-1, -1),
+              softcap: float = 0.0):
+    """softmax(scale q kᵀ) v, q [B, H, Sq, D], k, v [B, Hk, Sk, D] (H a multiple of Hk: grouped-
+    query heads, as F.scaled_dot_product_attention's enable_gqa), scale defaulting to 1/sqrt(D):
+    causal top-left as SDPA's is_causal, or bottom-right (bottom_right=True, FlashAttention's);
+    window = (left, right) keys around the diagonal (-1: unbounded); softcap c > 0 caps the scores
+    to c tanh(s / c). Differentiable (the backward on the CPU only for now); on a GPU the forward
+    takes the plain options only (q's heads in k and v, top-left causal or none, no window, no
+    softcap) and raises fusekit.Error naming the others."""
+    left, right = window
+    out, lse = ops.call("attention", q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+                        bottom_right, left, right, softcap)
     return (out, lse) if return_lse else out
 
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "bindings.hpp"
+#include "fusekit/ops/attention.hpp"
 #include "fusekit/ops/primitives.hpp"
 
 namespace fk::py {
@@ -82,14 +83,31 @@ void bind_primitives(nb::module_& m) {
       "x"_a, "out"_a, "stream"_a, kNoGil);
   m.def(
       "attention_forward",
-      [](const Array& q, const Array& k, const Array& v, const Array& out, const Array& lse, bool causal, float scale,
+      [](const Array& q, const Array& k, const Array& v, const Array& out, const Array& lse, bool causal,
+         bool bottom_right, std::int64_t window_left, std::int64_t window_right, float scale, float softcap,
          std::uintptr_t stream) {
         constexpr const char* op = "attention_forward";
         const TensorView qv = view(q, op, "q");
-        attention_forward(qv, view(k, op, "k"), view(v, op, "v"), view(out, op, "out"), view(lse, op, "lse"), causal,
-                          scale, StreamArg(stream, qv).get());
+        attention_forward(qv, view(k, op, "k"), view(v, op, "v"), view(out, op, "out"), view(lse, op, "lse"),
+                          AttentionOptions{causal, bottom_right, window_left, window_right, scale, softcap},
+                          StreamArg(stream, qv).get());
       },
-      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "causal"_a, "scale"_a, "stream"_a, kNoGil);
+      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "causal"_a, "bottom_right"_a, "window_left"_a, "window_right"_a,
+      "scale"_a, "softcap"_a, "stream"_a, kNoGil);
+  m.def(
+      "attention_backward",
+      [](const Array& q, const Array& k, const Array& v, const Array& out, const Array& dout, const Array& lse,
+         const Array& dq, const Array& dk, const Array& dv, bool causal, bool bottom_right, std::int64_t window_left,
+         std::int64_t window_right, float scale, float softcap, std::uintptr_t stream) {
+        constexpr const char* op = "attention_backward";
+        const TensorView qv = view(q, op, "q");
+        attention_backward(qv, view(k, op, "k"), view(v, op, "v"), view(out, op, "out"), view(dout, op, "dout"),
+                           view(lse, op, "lse"), view(dq, op, "dq"), view(dk, op, "dk"), view(dv, op, "dv"),
+                           AttentionOptions{causal, bottom_right, window_left, window_right, scale, softcap},
+                           StreamArg(stream, qv).get());
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a, "causal"_a, "bottom_right"_a,
+      "window_left"_a, "window_right"_a, "scale"_a, "softcap"_a, "stream"_a, kNoGil);
 }
 
 }  // namespace fk::py

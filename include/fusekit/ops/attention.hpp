@@ -1,0 +1,58 @@
+// Attention with the options training needs (grouped-query heads, causal masks aligned top-left or
+// bottom-right, sliding windows, a softcap) and its backward. The plain forward,
+// attention_forward(q, k, v, out, lse, causal, scale), is in primitives.hpp; the forward here
+// computes the same function where the options are the plain ones.
+#pragma once
+
+#include <cstdint>
+
+#include "fusekit/core/tensor.hpp"
+
+namespace fk {
+
+class Stream;
+
+// Which keys query i sees, and the scores:
+//   o = Sk - Sq when bottom_right, else 0 (the diagonal of a causal mask starts at key o)
+//   key j visible to query i  iff  (window_left < 0 or j >= i + o - window_left)
+//                              and (right < 0 or j <= i + o + right),
+//   right = 0 when causal (whatever window_right says), else window_right (-1: unbounded)
+//   s_ij = scale * q_i · k_j, or softcap * tanh(scale * q_i · k_j / softcap) when softcap > 0
+// Top-left causal is torch SDPA's is_causal; bottom-right is FlashAttention's (2.1 and later) and
+// what a decoder's last Sq queries against a cache of Sk keys need.
+struct AttentionOptions {
+  bool causal = false;
+  bool bottom_right = false;
+  std::int64_t window_left = -1;
+  std::int64_t window_right = -1;
+  float scale = 1.0f;
+  float softcap = 0.0f;
+};
+
+// q [B, H, Sq, D]; k, v [B, Hk, Sk, D] with H a multiple of Hk (grouped-query attention: q head h
+// reads k/v head h / (H / Hk)); out [B, H, Sq, D]; lse [B, H, Sq] f32 as attention_forward's
+// (-inf for a row that sees no key, whose out is 0). Contiguous, one float dtype, 1 <= D <= 256.
+// On a GPU only the plain options run (Hk = H, causal top-left or none, no window, no softcap):
+// the others raise fk::Error naming the option until the CUDA kernels take them.
+void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                       const TensorView& lse, const AttentionOptions& opt, const Stream* stream = nullptr);
+
+// dq [B, H, Sq, D], dk and dv [B, Hk, Sk, D] (overwritten; a k/v head's gradient summed over the
+// q heads of its group) from dout [B, H, Sq, D] and the forward's q, k, v, out and lse, without
+// the [Sq, Sk] matrices of a whole head in memory: P = exp(s - lse) recomputed, dP = dout vᵀ,
+// dS = P ⊙ (dP - rowsum(dout ⊙ out)) (times the softcap's 1 - tanh²), dq = scale dS k,
+// dk = scale dSᵀ q, dv = Pᵀ dout. CPU only for now: on a GPU it raises fk::Error.
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                        const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                        const TensorView& dv, const AttentionOptions& opt, const Stream* stream = nullptr);
+
+namespace reference {
+// The spec, in double on host tensors, one query row at a time.
+void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                       const TensorView& lse, const AttentionOptions& opt);
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                        const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                        const TensorView& dv, const AttentionOptions& opt);
+}  // namespace reference
+
+}  // namespace fk

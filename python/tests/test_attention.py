@@ -1,0 +1,131 @@
+"""fusekit.attention: the forward and its backward against F.scaled_dot_product_attention and plain
+PyTorch expressions, with every option (grouped-query heads, causal top-left and bottom-right,
+sliding windows, softcap), odd shapes, non-contiguous inputs and incoming gradients; opcheck; on a
+GPU the options it does not run yet are refused by name."""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the operator tests need PyTorch")
+F = torch.nn.functional
+
+import fusekit  # noqa: E402
+from fusekit import ops  # noqa: E402
+from helpers import rand  # noqa: E402
+
+
+def reference(q, k, v, causal=False, scale=None, bottom_right=False, window=(-1, -1), softcap=0.0):
+    """The options written out in PyTorch (f64): the visible keys as a boolean mask, GQA by
+    repeating k and v over each group."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = scale * q.double() @ k.double().transpose(-1, -2)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = q.shape[2], k.shape[2]
+    i = torch.arange(sq).view(-1, 1)
+    j = torch.arange(sk).view(1, -1)
+    offset = sk - sq if bottom_right else 0
+    left, right = window
+    right = 0 if causal else right
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        visible &= j >= i + offset - left
+    if right >= 0:
+        visible &= j <= i + offset + right
+    s = s.masked_fill(~visible.to(s.device), float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # a row that sees no key: 0
+    return (p @ v.double()).to(q.dtype)
+
+
+CASES = [
+    dict(shape=(2, 3, 7, 11, 5), hk=3),
+    dict(shape=(1, 4, 9, 9, 8), hk=2, causal=True),
+    dict(shape=(2, 2, 6, 10, 4), hk=2, causal=True, bottom_right=True),
+    dict(shape=(1, 6, 5, 8, 3), hk=1, scale=0.4),
+    dict(shape=(1, 2, 12, 12, 4), hk=2, window=(3, 1)),
+    dict(shape=(1, 2, 12, 12, 4), hk=1, causal=True, window=(2, -1)),
+    dict(shape=(2, 2, 5, 6, 8), hk=2, softcap=1.5, scale=1.0),
+    dict(shape=(1, 1, 1, 1, 3), hk=1),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_forward_and_backward_match_pytorch_on_the_cpu(case):
+    c = dict(CASES[case])
+    b, h, sq, sk, d = c.pop("shape")
+    hk = c.pop("hk")
+    q = rand((b, h, sq, d), torch.float32, "cpu", 1 + case, True)
+    k = rand((b, hk, sk, d), torch.float32, "cpu", 2 + case, True)
+    v = rand((b, hk, sk, d), torch.float32, "cpu", 3 + case, True)
+    dout = rand((b, h, sq, d), torch.float32, "cpu", 4 + case)
+    out = fusekit.attention(q, k, v, **c)
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = reference(*ref_in, **c)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.backward(dout)
+    ref.backward(dout)
+    for got, want in zip((q, k, v), ref_in):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_matches_sdpa_with_gqa_and_is_causal():
+    q = rand((2, 8, 33, 16), torch.float32, "cpu", 5, True)
+    k, v = rand((2, 2, 33, 16), torch.float32, "cpu", 6, True), rand((2, 2, 33, 16), torch.float32, "cpu", 7, True)
+    out = fusekit.attention(q, k, v, causal=True)
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = rand(out.shape, torch.float32, "cpu", 8)
+    out.backward(g)
+    ref.backward(g)
+    for got, want in zip((q, k, v), ref_in):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_non_contiguous_inputs_and_gradient():
+    """[B, S, H, D] tensors transposed to [B, H, S, D] (what a model hands over), and an expanded
+    incoming gradient (what .sum() hands back)."""
+    q = rand((2, 9, 4, 8), torch.float32, "cpu", 9).transpose(1, 2).requires_grad_()
+    k = rand((2, 9, 4, 8), torch.float32, "cpu", 10).transpose(1, 2).requires_grad_()
+    v = rand((2, 9, 4, 8), torch.float32, "cpu", 11).transpose(1, 2).requires_grad_()
+    fusekit.attention(q, k, v, causal=True).sum().backward()
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref_in, is_causal=True).sum().backward()
+    for got, want in zip((q, k, v), ref_in):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_opcheck_attention_and_its_backward():
+    q = rand((1, 4, 5, 8), torch.float32, "cpu", 12, True)
+    k, v = rand((1, 2, 6, 8), torch.float32, "cpu", 13, True), rand((1, 2, 6, 8), torch.float32, "cpu", 14, True)
+    torch.library.opcheck(ops.attention, (q, k, v, True, 0.3, True, 2, -1, 0.0))
+    torch.library.opcheck(ops.attention, (q, k, v, False, 0.5, False, -1, -1, 1.2))
+    out, lse = ops.attention(q.detach(), k.detach(), v.detach(), False, 0.5)
+    torch.library.opcheck(ops.attention_backward, (rand(out.shape, torch.float32, "cpu", 15), q.detach(), k.detach(),
+                                                   v.detach(), out, lse, False, 0.5, False, -1, -1, 0.0))
+
+
+def test_bad_options_name_themselves():
+    q = rand((1, 4, 5, 8), torch.float32, "cpu", 16)
+    k = rand((1, 3, 6, 8), torch.float32, "cpu", 17)
+    with pytest.raises(fusekit.Error, match="attention_forward: argument 'k'"):
+        fusekit.attention(q, k, k)
+    with pytest.raises(fusekit.Error, match="attention_forward: argument 'softcap'"):
+        fusekit.attention(q, q, q, softcap=-1.0)
+    with pytest.raises(fusekit.Error, match="attention_forward: argument 'window_left'"):
+        fusekit.attention(q, q, q, window=(-3, 0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gpu_runs_the_plain_forward_and_refuses_the_rest():
+    q = rand((1, 4, 64, 64), torch.bfloat16, "cuda", 18)
+    k = rand((1, 2, 64, 64), torch.bfloat16, "cuda", 19)
+    with pytest.raises(fusekit.Error, match="attention_forward: argument 'options'"):
+        fusekit.attention(q, k, k)
+    qq = q.detach().clone().requires_grad_()
+    out = fusekit.attention(qq, q, q, causal=True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True), rtol=2e-2, atol=2e-2)
+    with pytest.raises(fusekit.Error, match="attention_backward: argument 'q'"):
+        out.sum().backward()

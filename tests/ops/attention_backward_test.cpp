@@ -1,0 +1,206 @@
+// Tests of the attention options and attention_backward's spec (CPU): hand-worked gradients,
+// finite differences of the forward for every option (grouped-query heads, causal top-left and
+// bottom-right with Sq != Sk, sliding windows, softcap), grouped-query attention against the
+// heads expanded, rows that see no key, the GPU's refusal of what it does not run yet, and every
+// bad argument.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "fusekit/fusekit.hpp"
+#include "test_util.hpp"
+
+namespace fk {
+namespace {
+
+const Device kCpu = Device::cpu();
+using test::host_tensor;
+
+struct Grads {
+  Tensor out, lse, dq, dk, dv;
+};
+
+// Forward, then backward with dout, all f32 on the CPU.
+Grads run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, const AttentionOptions& opt) {
+  Grads g{Tensor::empty(q.shape(), DType::f32, kCpu), Tensor::empty({q.size(0), q.size(1), q.size(2)}, DType::f32, kCpu),
+          Tensor::empty(q.shape(), DType::f32, kCpu), Tensor::empty(k.shape(), DType::f32, kCpu),
+          Tensor::empty(k.shape(), DType::f32, kCpu)};
+  attention_forward(q, k, v, g.out, g.lse, opt);
+  attention_backward(q, k, v, g.out, dout, g.lse, g.dq, g.dk, g.dv, opt);
+  return g;
+}
+
+// D = 1, scale 1: q = 1 against keys 0 and ln 3 weighs them 1/4 and 3/4, out = 4/4 + 3 * 8/4 = 7.
+// With dout = 1: dv = p = (1/4, 3/4); dp = v = (4, 8), rowsum(dout out) = 7, dS = p (dp - 7) =
+// (-3/4, 3/4); dq = dS · k = 3/4 ln 3; dk = dS q = (-3/4, 3/4).
+TEST(AttentionBackwardSpec, HandWorkedTwoKeys) {
+  const float ln3 = std::log(3.0f);
+  const Tensor q = host_tensor({1, 1, 1, 1}, DType::f32, {1}), k = host_tensor({1, 1, 2, 1}, DType::f32, {0, ln3});
+  const Tensor v = host_tensor({1, 1, 2, 1}, DType::f32, {4, 8}), dout = host_tensor({1, 1, 1, 1}, DType::f32, {1});
+  const Grads g = run(q, k, v, dout, {.scale = 1.0f});
+  EXPECT_NEAR(test::to_doubles(g.out)[0], 7.0, 1e-6);
+  EXPECT_NEAR(test::to_doubles(g.dq)[0], 0.75 * std::log(3.0), 1e-6);
+  const std::vector<double> dk = test::to_doubles(g.dk), dv = test::to_doubles(g.dv);
+  EXPECT_NEAR(dk[0], -0.75, 1e-6);
+  EXPECT_NEAR(dk[1], 0.75, 1e-6);
+  EXPECT_NEAR(dv[0], 0.25, 1e-6);
+  EXPECT_NEAR(dv[1], 0.75, 1e-6);
+}
+
+// Bottom-right causal with Sq = 3 > Sk = 2: query i sees keys j <= i - 1, so query 0 sees none
+// (out 0, lse -inf, no gradient), query 1 key 0, query 2 both. Top-left: query 0 sees key 0.
+TEST(AttentionBackwardSpec, BottomRightCausalLeavesTheFirstRowEmpty) {
+  const Tensor q = test::random_tensor({1, 1, 3, 4}, DType::f32, kCpu, 1), k = test::random_tensor({1, 1, 2, 4}, DType::f32, kCpu, 2);
+  const Tensor v = test::random_tensor({1, 1, 2, 4}, DType::f32, kCpu, 3), dout = test::random_tensor({1, 1, 3, 4}, DType::f32, kCpu, 4);
+  const Grads br = run(q, k, v, dout, {.causal = true, .bottom_right = true, .scale = 0.5f});
+  const std::vector<double> out = test::to_doubles(br.out), lse = test::to_doubles(br.lse), dq = test::to_doubles(br.dq);
+  const std::vector<double> vv = test::to_doubles(v);
+  EXPECT_EQ(lse[0], -std::numeric_limits<double>::infinity());
+  for (int c = 0; c < 4; ++c) {
+    EXPECT_EQ(out[c], 0.0);
+    EXPECT_EQ(dq[c], 0.0);
+    EXPECT_NEAR(out[4 + c], vv[c], 1e-6);  // query 1 sees key 0 alone: out = v_0
+    EXPECT_NEAR(dq[4 + c], 0.0, 1e-6);     // and a softmax over one key has no gradient
+  }
+  const Grads tl = run(q, k, v, dout, {.causal = true, .scale = 0.5f});
+  for (int c = 0; c < 4; ++c) EXPECT_NEAR(test::to_doubles(tl.out)[c], vv[c], 1e-6);
+}
+
+struct OptionCase {
+  std::string name;
+  std::int64_t h, hk, sq, sk, d;
+  AttentionOptions opt;
+};
+
+class AttentionBackwardFd : public ::testing::TestWithParam<OptionCase> {};
+
+// L = sum(out ⊙ W): the backward with dout = W against central differences of the forward, on
+// every element of q, k and v (f32 tensors, the spec in double: h = 1e-3 leaves about 1e-6 of
+// truncation and 1e-7 / h of rounding).
+TEST_P(AttentionBackwardFd, MatchesFiniteDifferencesOfTheForward) {
+  const OptionCase& c = GetParam();
+  Tensor q = test::random_tensor({2, c.h, c.sq, c.d}, DType::f32, kCpu, 11);
+  Tensor k = test::random_tensor({2, c.hk, c.sk, c.d}, DType::f32, kCpu, 12);
+  Tensor v = test::random_tensor({2, c.hk, c.sk, c.d}, DType::f32, kCpu, 13);
+  const Tensor w = test::random_tensor({2, c.h, c.sq, c.d}, DType::f32, kCpu, 14);
+  const Grads g = run(q, k, v, w, c.opt);
+  const std::vector<double> wv = test::to_doubles(w);
+  auto loss = [&] {
+    Tensor out = Tensor::empty(q.shape(), DType::f32, kCpu), lse = Tensor::empty({2, c.h, c.sq}, DType::f32, kCpu);
+    attention_forward(q, k, v, out, lse, c.opt);
+    const std::vector<double> o = test::to_doubles(out);
+    double s = 0;
+    for (std::size_t i = 0; i < o.size(); ++i) s += o[i] * wv[i];
+    return s;
+  };
+  const double h = 1e-3;
+  for (auto [t, grad, name] : {std::tuple{&q, &g.dq, "dq"}, std::tuple{&k, &g.dk, "dk"}, std::tuple{&v, &g.dv, "dv"}}) {
+    const std::vector<double> want = test::to_doubles(*grad);
+    float* x = t->data_as<float>();
+    for (std::int64_t e = 0; e < t->numel(); ++e) {
+      const float keep = x[e];
+      x[e] = keep + static_cast<float>(h);
+      const double up = loss();
+      x[e] = keep - static_cast<float>(h);
+      const double down = loss();
+      x[e] = keep;
+      const double fd = (up - down) / (2 * h);
+      ASSERT_NEAR(want[static_cast<std::size_t>(e)], fd, 2e-3 + 2e-3 * std::abs(fd)) << c.name << " " << name << "[" << e << "]";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Options, AttentionBackwardFd,
+    ::testing::Values(OptionCase{"plain", 2, 2, 5, 7, 3, {.scale = 0.7f}},
+                      OptionCase{"causal_top_left", 2, 2, 7, 5, 4, {.causal = true, .scale = 0.5f}},
+                      OptionCase{"causal_bottom_right", 2, 2, 5, 7, 4, {.causal = true, .bottom_right = true, .scale = 0.5f}},
+                      OptionCase{"gqa_4_over_2", 4, 2, 6, 6, 3, {.causal = true, .scale = 0.6f}},
+                      OptionCase{"mqa_3_over_1", 3, 1, 4, 5, 2, {.scale = 0.9f}},
+                      OptionCase{"window_2_1", 2, 1, 7, 7, 3, {.window_left = 2, .window_right = 1, .scale = 0.8f}},
+                      OptionCase{"causal_window_3", 2, 2, 8, 8, 2, {.causal = true, .window_left = 3, .scale = 1.0f}},
+                      OptionCase{"softcap", 2, 2, 5, 6, 4, {.scale = 2.0f, .softcap = 1.5f}},
+                      OptionCase{"one_row_one_key", 1, 1, 1, 1, 5, {.scale = 1.0f}}),
+    [](const auto& info) { return info.param.name; });
+
+// Grouped-query attention is multi-head attention with each k/v head repeated over its group, and
+// a k/v head's gradient is the sum of its copies'.
+TEST(AttentionBackwardSpec, GroupedQueryIsTheExpandedHeads) {
+  const std::int64_t h = 6, hk = 2, sq = 5, sk = 4, d = 3, group = h / hk;
+  const Tensor q = test::random_tensor({1, h, sq, d}, DType::f32, kCpu, 21), dout = test::random_tensor({1, h, sq, d}, DType::f32, kCpu, 24);
+  const Tensor k = test::random_tensor({1, hk, sk, d}, DType::f32, kCpu, 22), v = test::random_tensor({1, hk, sk, d}, DType::f32, kCpu, 23);
+  Tensor ke = Tensor::empty({1, h, sk, d}, DType::f32, kCpu), ve = Tensor::empty({1, h, sk, d}, DType::f32, kCpu);
+  for (std::int64_t hh = 0; hh < h; ++hh)
+    for (std::int64_t e = 0; e < sk * d; ++e) {
+      ke.data_as<float>()[hh * sk * d + e] = k.data_as<const float>()[(hh / group) * sk * d + e];
+      ve.data_as<float>()[hh * sk * d + e] = v.data_as<const float>()[(hh / group) * sk * d + e];
+    }
+  const AttentionOptions opt{.causal = true, .bottom_right = true, .scale = 0.6f};
+  const Grads gq = run(q, k, v, dout, opt), mh = run(q, ke, ve, dout, opt);
+  EXPECT_EQ(test::to_doubles(gq.out), test::to_doubles(mh.out));
+  EXPECT_EQ(test::to_doubles(gq.dq), test::to_doubles(mh.dq));
+  const std::vector<double> dk = test::to_doubles(gq.dk), dke = test::to_doubles(mh.dk);
+  for (std::int64_t kh = 0; kh < hk; ++kh)
+    for (std::int64_t e = 0; e < sk * d; ++e) {
+      double s = 0;
+      for (std::int64_t j = 0; j < group; ++j) s += dke[static_cast<std::size_t>((kh * group + j) * sk * d + e)];
+      EXPECT_NEAR(dk[static_cast<std::size_t>(kh * sk * d + e)], s, 1e-6);
+    }
+}
+
+// The plain options through the new entry point are the old one's results, bit for bit.
+TEST(AttentionBackwardSpec, PlainOptionsAreTheOldForward) {
+  const Tensor q = test::random_tensor({2, 3, 9, 8}, DType::bf16, kCpu, 31), k = test::random_tensor({2, 3, 6, 8}, DType::bf16, kCpu, 32);
+  const Tensor v = test::random_tensor({2, 3, 6, 8}, DType::bf16, kCpu, 33);
+  for (bool causal : {false, true}) {
+    Tensor a = Tensor::empty(q.shape(), DType::bf16, kCpu), b = Tensor::empty(q.shape(), DType::bf16, kCpu);
+    Tensor la = Tensor::empty({2, 3, 9}, DType::f32, kCpu), lb = Tensor::empty({2, 3, 9}, DType::f32, kCpu);
+    attention_forward(q, k, v, a, la, causal, 0.3f);
+    attention_forward(q, k, v, b, lb, AttentionOptions{.causal = causal, .scale = 0.3f});
+    EXPECT_EQ(test::to_doubles(a), test::to_doubles(b));
+    EXPECT_EQ(test::to_doubles(la), test::to_doubles(lb));
+  }
+}
+
+TEST(AttentionBackwardErrors, BadArgumentsNameThemselves) {
+  const Tensor q = test::random_tensor({1, 4, 3, 2}, DType::f32, kCpu, 41), k = test::random_tensor({1, 2, 5, 2}, DType::f32, kCpu, 42);
+  const Tensor v = test::random_tensor({1, 2, 5, 2}, DType::f32, kCpu, 43), k3 = test::random_tensor({1, 3, 5, 2}, DType::f32, kCpu, 44);
+  Tensor out = Tensor::empty(q.shape(), DType::f32, kCpu), lse = Tensor::empty({1, 4, 3}, DType::f32, kCpu);
+  Tensor dq = Tensor::empty(q.shape(), DType::f32, kCpu), dk = Tensor::empty(k.shape(), DType::f32, kCpu);
+  Tensor dv = Tensor::empty(k.shape(), DType::f32, kCpu), dk_bad = Tensor::empty({1, 4, 5, 2}, DType::f32, kCpu);
+  const AttentionOptions ok{.scale = 1.0f};
+  test::expect_arg_error([&] { attention_forward(q, k3, k3, out, lse, ok); }, "attention_forward", "k");
+  test::expect_arg_error([&] { attention_forward(q, k, v, out, lse, {.scale = 1.0f, .softcap = -1.0f}); },
+                         "attention_forward", "softcap");
+  test::expect_arg_error([&] { attention_forward(q, k, v, out, lse, {.window_left = -2, .scale = 1.0f}); },
+                         "attention_forward", "window_left");
+  test::expect_arg_error([&] { attention_forward(q, k, v, out, lse, {.scale = NAN}); }, "attention_forward", "scale");
+  attention_forward(q, k, v, out, lse, ok);
+  test::expect_arg_error([&] { attention_backward(q, k, v, out, out, lse, dq, dk_bad, dv, ok); }, "attention_backward", "dk");
+  test::expect_arg_error([&] { attention_backward(q, k, v, out, out, lse, out, dk, dv, ok); }, "attention_backward", "dq");
+  test::expect_arg_error([&] { attention_backward(q, k, v, out, out, lse, dq, dk, dk, ok); }, "attention_backward", "dv");
+  EXPECT_NO_THROW(attention_backward(q, k, v, out, out, lse, dq, dk, dv, ok));
+}
+
+// On a GPU the forward runs the plain options and refuses the others by name; the backward has
+// no kernel yet and says so.
+TEST(AttentionBackwardGpu, RefusesWhatItDoesNotRunYet) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const Tensor q = test::random_tensor({1, 4, 3, 64}, DType::bf16, gpu, 51), k = test::random_tensor({1, 2, 5, 64}, DType::bf16, gpu, 52);
+  Tensor out = Tensor::empty(q.shape(), DType::bf16, gpu), lse = Tensor::empty({1, 4, 3}, DType::f32, gpu);
+  test::expect_arg_error([&] { attention_forward(q, k, k, out, lse, {.scale = 1.0f}); }, "attention_forward", "options");
+  const Tensor k4 = test::random_tensor({1, 4, 5, 64}, DType::bf16, gpu, 53);
+  attention_forward(q, k4, k4, out, lse, {.scale = 0.125f});
+  Tensor dq = Tensor::empty(q.shape(), DType::bf16, gpu), dk = Tensor::empty(k4.shape(), DType::bf16, gpu);
+  Tensor dv = Tensor::empty(k4.shape(), DType::bf16, gpu);
+  test::expect_arg_error([&] { attention_backward(q, k4, k4, out, out, lse, dq, dk, dv, {.scale = 0.125f}); },
+                         "attention_backward", "q");
+}
+
+}  // namespace
+}  // namespace fk
