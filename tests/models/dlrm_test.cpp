@@ -164,13 +164,24 @@ TEST(Dlrm, BadConfigurationAndInputRaiseErrors) {
   test::expect_arg_error([&] { model.forward(in, lv); }, "models::Dlrm", "offsets");
 }
 
-// n batches of 32 synthetic records (generated from sc), featurized by feat.
-std::vector<data::Batch> synthetic_batches(const data::SyntheticConfig& sc, const data::Featurizer& feat, std::size_t n) {
+// The tiny dot model over the featurizer's tables (max_ind_range 500) and n batches of 32
+// synthetic records (seed 4): what the resume tests train.
+struct SyntheticRun {
+  DlrmConfig config;
+  std::vector<data::Batch> batches;
+};
+
+SyntheticRun synthetic_run(std::size_t n) {
+  data::SyntheticConfig sc;
+  sc.seed = 4;
+  data::Featurizer feat;
+  feat.max_ind_range = 500;
+  SyntheticRun r{tiny_config(InteractionOp::dot), std::vector<data::Batch>(n)};
+  r.config.table_rows = feat.table_rows();
   std::vector<data::RawRecord> recs(n * 32);
   data::SyntheticCriteo(sc).generate(0, recs);
-  std::vector<data::Batch> batches(n);
-  for (std::size_t k = 0; k < n; ++k) data::make_batch(std::span(recs).subspan(k * 32, 32), feat, batches[k]);
-  return batches;
+  for (std::size_t k = 0; k < n; ++k) data::make_batch(std::span(recs).subspan(k * 32, 32), feat, r.batches[k]);
+  return r;
 }
 
 // The losses of training steps on batches [from, to).
@@ -183,14 +194,10 @@ std::vector<double> train_losses(Dlrm& m, const std::vector<data::Batch>& batche
 }
 
 TEST(Dlrm, ResumedFromSavedStateGivesBitIdenticalLosses) {
-  data::SyntheticConfig sc;
-  sc.seed = 4;
-  data::Featurizer feat;
-  feat.max_ind_range = 500;
-  DlrmConfig c = tiny_config(InteractionOp::dot);
-  c.table_rows = feat.table_rows();
+  const SyntheticRun r = synthetic_run(20);  // not a structured binding: the lambdas capture it
+  const DlrmConfig& c = r.config;
+  const std::vector<data::Batch>& batches = r.batches;
   const OptimizerConfig opt{.kind = OptimizerKind::adagrad, .learning_rate = 0.05f};
-  const std::vector<data::Batch> batches = synthetic_batches(sc, feat, 20);
   auto run = [&](Dlrm& m, std::size_t from, std::size_t to) { return train_losses(m, batches, from, to, opt); };
   Dlrm straight(c, Device::cpu());
   const std::vector<double> all = run(straight, 0, 20);
@@ -317,15 +324,11 @@ INSTANTIATE_TEST_SUITE_P(Impls, DlrmCompression, ::testing::Values(DlrmImpl::ref
 // seed and the step); the rounding steps travel with the state, so that a resumed run is the
 // unbroken one; and another seed rounds otherwise.
 TEST(DlrmCompressionRun, ReproducibleAndResumedExactly) {
-  data::SyntheticConfig sc;
-  sc.seed = 4;
-  data::Featurizer feat;
-  feat.max_ind_range = 500;
-  DlrmConfig c = tiny_config(InteractionOp::dot);
-  c.table_rows = feat.table_rows();
-  c.compress_activations_bits = 2;
+  SyntheticRun r = synthetic_run(12);
+  r.config.compress_activations_bits = 2;
+  const DlrmConfig& c = r.config;
+  const std::vector<data::Batch>& batches = r.batches;
   const OptimizerConfig opt{.kind = OptimizerKind::adagrad, .learning_rate = 0.05f};
-  const std::vector<data::Batch> batches = synthetic_batches(sc, feat, 12);
   auto run = [&](Dlrm& m, std::size_t from, std::size_t to) { return train_losses(m, batches, from, to, opt); };
   auto weights = [](Dlrm& m) {
     std::vector<float> v;

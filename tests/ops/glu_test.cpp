@@ -215,15 +215,26 @@ TEST(GluSpec, ActivateByHand) {
   EXPECT_NEAR(out.data_as<float>()[1], -3.0 / (1.0 + std::exp(1.0)), 1e-6);
 }
 
+// glu_forward (CPU, f32) of a random x [m, k] and prepared w [2n, k] (seeds seed, seed + 1),
+// keeping C: x, the prepared w, out and C.
+struct KeptForward {
+  Tensor x, wp, out, c;
+};
+
+KeptForward kept_forward(std::int64_t m, std::int64_t n, std::int64_t k, const GluOptions& opt, std::uint64_t seed) {
+  KeptForward f{test::random_tensor({m, k}, DType::f32, kCpu, seed),
+                glu_prepare_weight(test::random_tensor({2 * n, k}, DType::f32, kCpu, seed + 1)),
+                Tensor::empty({m, n}, DType::f32, kCpu), Tensor::empty({m, 2 * n}, DType::f32, kCpu)};
+  glu_forward({f.x, f.wp, std::nullopt, f.out, f.c.view()}, opt);
+  return f;
+}
+
 // glu_activate of the kept C is the forward's out (the CPU op, prepared layout, every kind).
 TEST(GluLayout, ActivateOfTheKeptPreactivationsIsTheForwardsOut) {
-  const std::int64_t m = 4, n = 5, k = 6;
+  const std::int64_t m = 4, n = 5;
   for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh, GluKind::geglu_erf, GluKind::reglu}) {
     const GluOptions opt{.kind = kind};
-    const Tensor x = test::random_tensor({m, k}, DType::f32, kCpu, 71);
-    const Tensor wp = glu_prepare_weight(test::random_tensor({2 * n, k}, DType::f32, kCpu, 72));
-    Tensor out = Tensor::empty({m, n}, DType::f32, kCpu), c = Tensor::empty({m, 2 * n}, DType::f32, kCpu);
-    glu_forward({x, wp, std::nullopt, out, c.view()}, opt);
+    const auto [x, wp, out, c] = kept_forward(m, n, 6, opt, 71);
     Tensor again = Tensor::empty({m, n}, DType::f32, kCpu);
     glu_activate({c, again}, opt);
     EXPECT_LE(rel_err(again, out), 1e-6) << glu_kind_name(kind);
@@ -259,11 +270,8 @@ TEST(GluLayout, PreactGradIsTheBackwardsDc) {
   const std::int64_t m = 5, n = 3, k = 4;
   for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh, GluKind::geglu_erf, GluKind::reglu}) {
     const GluOptions opt{.kind = kind};
-    const Tensor x = test::random_tensor({m, k}, DType::f32, kCpu, 81);
-    const Tensor wp = glu_prepare_weight(test::random_tensor({2 * n, k}, DType::f32, kCpu, 82));
+    const auto [x, wp, out, c] = kept_forward(m, n, k, opt, 81);
     const Tensor dy = test::random_tensor({m, n}, DType::f32, kCpu, 83);
-    Tensor out = Tensor::empty({m, n}, DType::f32, kCpu), c = Tensor::empty({m, 2 * n}, DType::f32, kCpu);
-    glu_forward({x, wp, std::nullopt, out, c.view()}, opt);
     Tensor dc = Tensor::empty({m, 2 * n}, DType::f32, kCpu);
     glu_preact_grad({dy, c, dc}, opt);
     Tensor dx = Tensor::empty({m, k}, DType::f32, kCpu), dw = Tensor::empty({2 * n, k}, DType::f32, kCpu);
@@ -428,47 +436,49 @@ TEST(GluGpu, ForwardKeepingPreactivationsMatchesSpec) {
       }
 }
 
-TEST(GluGpu, ActivateMatchesTheCpuOp) {
-  FK_SKIP_WITHOUT_GPU();
-  const Device gpu = Device::cuda(0);
-  int seed = 700;
+// Every elementwise case the GPU's pair pass takes: shapes (one row, odd widths, many rows) x
+// dtypes x kinds, each with its own seed; f(m, n, dtype, kind, seed).
+template <class F>
+void for_each_pairs_case(int seed, F&& f) {
   const std::int64_t shapes[][2] = {{1, 1}, {3, 5}, {64, 300}, {130, 257}, {1000, 4096}};
   for (const auto& sh : shapes)
     for (DType dt : {DType::bf16, DType::f16, DType::f32})
       for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh, GluKind::geglu_erf,
                            GluKind::reglu}) {
-        const std::int64_t m = sh[0], n = sh[1];
-        const Tensor c = test::random_tensor({m, 2 * n}, dt, kCpu, ++seed, -3.f, 3.f);
-        Tensor want = Tensor::empty({m, n}, dt, kCpu);
-        glu_activate({c, want}, {.kind = kind});
-        Tensor got = Tensor::empty({m, n}, dt, gpu);
-        test::poison(got);
-        glu_activate({c.copy_to(gpu), got}, {.kind = kind});
-        const double tol = dt == DType::f32 ? 1e-6 : 1e-2;
-        EXPECT_LE(rel_err(got, want), tol) << glu_kind_name(kind) << " " << dtype_name(dt) << " M" << m << " N" << n;
+        f(sh[0], sh[1], dt, kind, seed);
+        seed += 2;
       }
+}
+
+TEST(GluGpu, ActivateMatchesTheCpuOp) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  for_each_pairs_case(700, [&](std::int64_t m, std::int64_t n, DType dt, GluKind kind, int seed) {
+    const Tensor c = test::random_tensor({m, 2 * n}, dt, kCpu, seed, -3.f, 3.f);
+    Tensor want = Tensor::empty({m, n}, dt, kCpu);
+    glu_activate({c, want}, {.kind = kind});
+    Tensor got = Tensor::empty({m, n}, dt, gpu);
+    test::poison(got);
+    glu_activate({c.copy_to(gpu), got}, {.kind = kind});
+    const double tol = dt == DType::f32 ? 1e-6 : 1e-2;
+    EXPECT_LE(rel_err(got, want), tol) << glu_kind_name(kind) << " " << dtype_name(dt) << " M" << m << " N" << n;
+  });
 }
 
 TEST(GluGpu, PreactGradMatchesTheCpuOp) {
   FK_SKIP_WITHOUT_GPU();
   const Device gpu = Device::cuda(0);
-  int seed = 800;
-  const std::int64_t shapes[][2] = {{1, 1}, {3, 5}, {64, 300}, {130, 257}, {1000, 4096}};
-  for (const auto& sh : shapes)
-    for (DType dt : {DType::bf16, DType::f16, DType::f32})
-      for (GluKind kind : {GluKind::sigmoid_tanh, GluKind::swiglu, GluKind::geglu_tanh, GluKind::geglu_erf,
-                           GluKind::reglu}) {
-        const std::int64_t m = sh[0], n = sh[1];
-        const Tensor c = test::random_tensor({m, 2 * n}, dt, kCpu, ++seed, -3.f, 3.f);
-        const Tensor dy = test::random_tensor({m, n}, dt, kCpu, ++seed);
-        Tensor want = Tensor::empty({m, 2 * n}, dt, kCpu);
-        glu_preact_grad({dy, c, want}, {.kind = kind});
-        Tensor got = Tensor::empty({m, 2 * n}, dt, gpu);
-        test::poison(got);
-        glu_preact_grad({dy.copy_to(gpu), c.copy_to(gpu), got}, {.kind = kind});
-        const double tol = dt == DType::f32 ? 1e-6 : 1e-2;
-        EXPECT_LE(rel_err(got, want), tol) << glu_kind_name(kind) << " " << dtype_name(dt) << " M" << m << " N" << n;
-      }
+  for_each_pairs_case(800, [&](std::int64_t m, std::int64_t n, DType dt, GluKind kind, int seed) {
+    const Tensor c = test::random_tensor({m, 2 * n}, dt, kCpu, seed, -3.f, 3.f);
+    const Tensor dy = test::random_tensor({m, n}, dt, kCpu, seed + 1);
+    Tensor want = Tensor::empty({m, 2 * n}, dt, kCpu);
+    glu_preact_grad({dy, c, want}, {.kind = kind});
+    Tensor got = Tensor::empty({m, 2 * n}, dt, gpu);
+    test::poison(got);
+    glu_preact_grad({dy.copy_to(gpu), c.copy_to(gpu), got}, {.kind = kind});
+    const double tol = dt == DType::f32 ? 1e-6 : 1e-2;
+    EXPECT_LE(rel_err(got, want), tol) << glu_kind_name(kind) << " " << dtype_name(dt) << " M" << m << " N" << n;
+  });
 }
 
 TEST(GluGpu, BackwardFromPreactivationsMatchesSpecAndRecompute) {

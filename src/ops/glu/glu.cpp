@@ -4,6 +4,7 @@
 #include "fusekit/ops/glu.hpp"
 
 #include <cstring>
+#include <utility>
 
 #include "fusekit/ops/gemm.hpp"
 #include "ops/common/op_checks.hpp"
@@ -63,6 +64,15 @@ void permute_rows(const TensorView& src, const TensorView& dst, bool to_prepared
 
 // Moves the 2N columns of a host [M, 2N] matrix between the layouts: PyTorch column h N + j is
 // prepared column 2 j + h (h = 0 left, 1 right).
+// preact [M, 2N] (an even number of columns), a float dtype, on a device that runs: (M, N).
+std::pair<std::int64_t, std::int64_t> check_preact(const char* op, const TensorView& preact) {
+  checks::tensor(op, "preact", preact, 2);
+  checks::dtype_in(op, "preact", preact, kFloatTypes);
+  checks::cuda_available(op, preact.device());
+  FK_CHECK_ARG(preact.size(1) % 2 == 0, op, "preact", "[M, 2N] with an even number of columns", preact.shape().str());
+  return {preact.size(0), preact.size(1) / 2};
+}
+
 void permute_columns_host(const TensorView& src, const TensorView& dst, bool to_prepared) {
   const std::int64_t m = src.size(0), n2 = src.size(1), n = n2 / 2;
   const std::size_t e = dtype_size(src.dtype());
@@ -242,12 +252,7 @@ void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptio
 
 void glu_activate(const GluActivateArgs& a, const GluOptions& opt, [[maybe_unused]] const Stream* stream) {
   constexpr const char* op = "glu_activate";
-  checks::tensor(op, "preact", a.preact, 2);
-  checks::dtype_in(op, "preact", a.preact, kFloatTypes);
-  checks::cuda_available(op, a.preact.device());
-  FK_CHECK_ARG(a.preact.size(1) % 2 == 0, op, "preact", "[M, 2N] with an even number of columns",
-               a.preact.shape().str());
-  const std::int64_t m = a.preact.size(0), n = a.preact.size(1) / 2;
+  const auto [m, n] = check_preact(op, a.preact);
   checks::companion(op, "out", a.out, a.preact, Dims{m, n});
   checks::outputs_disjoint(op, {{"out", &a.out}}, {{"preact", &a.preact}});
   if (m == 0 || n == 0) return;
@@ -264,12 +269,7 @@ void glu_activate(const GluActivateArgs& a, const GluOptions& opt, [[maybe_unuse
 
 void glu_preact_grad(const GluPreactGradArgs& a, const GluOptions& opt, [[maybe_unused]] const Stream* stream) {
   constexpr const char* op = "glu_preact_grad";
-  checks::tensor(op, "preact", a.preact, 2);
-  checks::dtype_in(op, "preact", a.preact, kFloatTypes);
-  checks::cuda_available(op, a.preact.device());
-  FK_CHECK_ARG(a.preact.size(1) % 2 == 0, op, "preact", "[M, 2N] with an even number of columns",
-               a.preact.shape().str());
-  const std::int64_t m = a.preact.size(0), n = a.preact.size(1) / 2;
+  const auto [m, n] = check_preact(op, a.preact);
   checks::companion(op, "dy", a.dy, a.preact, Dims{m, n});
   checks::companion(op, "dpreact", a.dpreact, a.preact, Dims{m, 2 * n});
   const bool in_place = a.dpreact.data() == a.preact.data();
