@@ -1,5 +1,6 @@
-// The qgemm family's bindings: 4-bit weight quantization (on the host, handed out through DLPack),
-// dequantization and the weight-only quantized matmul.
+// The qgemm family's bindings: 4-bit weight quantization and the conversion of weights quantized
+// elsewhere (both on the host, handed out through DLPack), dequantization and the weight-only
+// quantized matmul.
 #include <nanobind/stl/string.h>
 
 #include <string>
@@ -63,6 +64,21 @@ void bind_qgemm(nb::module_& m) {
                               to_array(std::move(qw.zero)));
       },
       "w"_a, "group"_a);
+  m.def(
+      "from_puzzle_layout",
+      [](const Array& weight, const Array& scale, const Array& shift, int group, const std::string& dtype) {
+        constexpr const char* op = "from_puzzle_layout";
+        const TensorView wv = view(weight, op, "weight"), sv = view(scale, op, "scale"), zv = view(shift, op, "shift");
+        const DType dt = parse_dtype(dtype);
+        QuantizedWeight qw;
+        {
+          nb::gil_scoped_release unlocked;
+          qw = from_puzzle_layout(wv, sv, zv, group, dt);
+        }
+        return nb::make_tuple(to_array(std::move(qw.packed)), to_array(std::move(qw.scale)),
+                              to_array(std::move(qw.zero)));
+      },
+      "weight"_a, "scale"_a, "shift"_a, "group"_a, "dtype"_a);
   m.def(
       "dequantize_weights",
       [](const Array& packed, const Array& scale, const Array& zero, std::int64_t n, std::int64_t k, int group,

@@ -23,7 +23,7 @@ from .glu import glu, glu_backward, glu_swaps_halves, prepare_glu_weight, unprep
 from .glu import (glu_activate, glu_backward_from_preact, glu_mlp, glu_mlp_train, glu_preact_grad,  # noqa: F401
                   glu_prepared, glu_train)
 from .lora import lora, lora_backward  # noqa: F401
-from .qgemm import dequantize_weights, qgemm, quantize_weights  # noqa: F401
+from .qgemm import dequantize_weights, pack_weights, qgemm, quantize_weights  # noqa: F401
 from .mlp import fused_mlp, fused_mlp_backward, fused_mlp_train  # noqa: F401
 from .loss import linear_cross_entropy  # noqa: F401
 from .recsys import (EMBEDDING_UPDATES, dense_optimizer_update_, embedding_bag, embedding_bag_backward,  # noqa: F401
