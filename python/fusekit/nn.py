@@ -8,7 +8,8 @@
   and up projections run as one fused GEMM + gated activation (keeping its [M, 2N] pre-activations
   for the backward, or recomputing them with ``recompute=True``).
 - ``LoRALinear``, ``W4Linear``, ``FusedMLP``: a LoRA adapter on a frozen linear layer, a 4-bit
-  weight for inference, a narrow MLP as one kernel.
+  weight for inference (``W4Linear.from_gptq`` / ``from_awq``: one layer of a GPTQ or AWQ
+  checkpoint), a narrow MLP as one kernel.
 - ``EmbeddingBagCollection`` (the optimizer fused into the backward, as FBGEMM's TBE) and
   ``Interaction``: DLRM's sparse side.
 - ``RMSNorm``: LLaMA's (and, with offset 1, Gemma's) RMSNorm; ``forward(x, residual)`` fuses the
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from . import _C
 from . import functional as Fk
 from . import ops
+from . import w4_formats
 
 
 class _PackedLinearFn(torch.autograd.Function):
@@ -256,38 +258,95 @@ class LinearCrossEntropy(nn.Module):
 
 class W4Linear(nn.Module):
     """An nn.Linear for inference with its weight quantized to 4 bits per value (group-wise scale
-    and zero point, docs/qgemm.md); y = x w̃ᵀ + b computed from the 4-bit words. f16 / bf16."""
+    and zero point, docs/qgemm.md); y = x w̃ᵀ + b computed from the 4-bit words. The layer computes
+    in its dtype (its scales', f16 or bf16): x of another dtype is cast to it, and y is returned in
+    x's dtype. ``perm`` (i64 [K], or None) is the order of the inputs the packed weight expects,
+    set by act-order GPTQ checkpoints: x's columns are gathered in that order first, one extra pass
+    over x per call."""
 
     def __init__(self, packed: Tensor, scale: Tensor, zero: Tensor, out_features: int, in_features: int,
-                 group: int, bias: Optional[Tensor]):
+                 group: int, bias: Optional[Tensor], perm: Optional[Tensor] = None):
         super().__init__()
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
         self.register_buffer("zero", zero)
         self.register_buffer("bias", bias)
+        self.register_buffer("perm", perm)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> "W4Linear":
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, dtype: Optional[torch.dtype] = None) -> "W4Linear":
+        """Quantizes linear's weight (round to nearest, docs/qgemm.md). dtype: the layer's, f16 or
+        bf16; None is the weight's own (which must then be f16 or bf16)."""
         w = linear.weight.detach()
-        packed, scale, zero = ops.quantize_weights(w, group_size)
+        packed, scale, zero = ops.quantize_weights(w if dtype is None else w.to(dtype), group_size)
         b = None if linear.bias is None else linear.bias.detach().clone()
         return cls(packed, scale, zero, linear.out_features, linear.in_features, group_size, b)
 
+    @classmethod
+    def from_gptq(cls, qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Optional[Tensor] = None,
+                  bias: Optional[Tensor] = None, *, checkpoint_format: str = "gptq", bits: int = 4,
+                  dtype: torch.dtype = torch.float16, device=None) -> "W4Linear":
+        """One layer of a 4-bit GPTQ checkpoint as AutoGPTQ / GPTQModel store it (qweight i32
+        [K/8, N], qzeros i32 [G, N/8], scales [G, N], g_idx [K]; fusekit.w4_formats). checkpoint_format
+        "gptq" (v1: stored zero points are zero − 1) or "gptq_v2". Act-order (g_idx not k / group) is
+        sorted out here: the inputs are reordered once, and ``perm`` gathers x's columns per call.
+        dtype f16 keeps the checkpoint's f16 scales exactly; bf16 rounds them. device: qweight's
+        by default."""
+        values = w4_formats.gptq_values(qweight, qzeros, scales, g_idx, checkpoint_format=checkpoint_format,
+                                        bits=bits)
+        return cls._from_values(values, bias, dtype, qweight.device if device is None else device,
+                                "W4Linear.from_gptq")
+
+    @classmethod
+    def from_awq(cls, qweight: Tensor, qzeros: Tensor, scales: Tensor, bias: Optional[Tensor] = None, *,
+                 bits: int = 4, dtype: torch.dtype = torch.float16, device=None) -> "W4Linear":
+        """One layer of a 4-bit AWQ checkpoint as AutoAWQ's GEMM version stores it (qweight i32
+        [K, N/8] and qzeros i32 [G, N/8] packed along N in AWQ's interleaved order, scales [G, N];
+        fusekit.w4_formats). dtype and device as from_gptq's."""
+        values = w4_formats.awq_values(qweight, qzeros, scales, bits=bits)
+        return cls._from_values(values, bias, dtype, qweight.device if device is None else device,
+                                "W4Linear.from_awq")
+
+    @classmethod
+    def _from_values(cls, v: "w4_formats.W4Values", bias: Optional[Tensor], dtype: torch.dtype, device,
+                     op: str) -> "W4Linear":
+        n, k = v.q.shape
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise _C.Error(f"fk::{op}: argument 'dtype': expected torch.float16 or torch.bfloat16, got {dtype}")
+        if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (n,)):
+            got = f"{list(bias.shape)}" if isinstance(bias, Tensor) else type(bias).__name__
+            raise _C.Error(f"fk::{op}: argument 'bias': expected None or a vector [N = {n}], got {got}")
+        packed, scale, zero = ops.pack_weights(v.q, v.scale, v.zero, v.group, dtype)
+        to = dict(device=device)
+        b = None if bias is None else bias.detach().to(**to).clone()
+        perm = None if v.perm is None else v.perm.to(**to)
+        return cls(packed.to(**to), scale.to(**to), zero.to(**to), n, k, v.group, b, perm)
+
     def dequantized_weight(self) -> Tensor:
-        return ops.dequantize_weights(self.packed, self.scale, self.zero, self.out_features, self.in_features,
-                                      self.group)
+        """w̃ [N, K] in the layer's dtype, its inputs in the original order (x w̃ᵀ + b is the forward)."""
+        w = ops.dequantize_weights(self.packed, self.scale, self.zero, self.out_features, self.in_features,
+                                   self.group)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        y = ops.call("qgemm", x.reshape(-1, x.shape[-1]), self.packed, self.scale, self.zero, self.out_features,
-                      self.in_features, self.group)
+        lead, x_dtype = x.shape[:-1], x.dtype
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        x = x.reshape(-1, x.shape[-1]).to(self.scale.dtype)
+        y = ops.call("qgemm", x, self.packed, self.scale, self.zero, self.out_features, self.in_features,
+                     self.group).to(x_dtype)
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self.bias.to(x_dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
+                f"dtype={self.scale.dtype}, act_order={self.perm is not None}")
 
 
 class FusedMLP(nn.Module):
