@@ -28,6 +28,7 @@ if _torch is not None:
                              glu, glu_mlp, interaction, linear_cross_entropy, lora, outer, pack, relu_packed,
                              rms_norm, rope, row_sum, sigmoid_bce, softmax, unpack, weight_grad_from_packed)
     from . import nn  # noqa: F401,E402  (fusekit.nn after `import fusekit`, as torch.nn after `import torch`)
+    from .nn import load_quantized, quantize  # noqa: F401,E402
     from .patch import patch, patch_llama, unpatch  # noqa: F401,E402
     from .compress import compress_saved_tensors  # noqa: F401,E402
 

@@ -9,7 +9,9 @@
   for the backward, or recomputing them with ``recompute=True``).
 - ``LoRALinear``, ``W4Linear``, ``FusedMLP``: a LoRA adapter on a frozen linear layer, a 4-bit
   weight for inference (``W4Linear.from_gptq`` / ``from_awq``: one layer of a GPTQ or AWQ
-  checkpoint), a narrow MLP as one kernel.
+  checkpoint), a narrow MLP as one kernel. ``quantize(model)`` swaps a model's ``nn.Linear`` for
+  ``W4Linear``; ``load_quantized(model, state_dict, "gptq" | "awq")`` loads a GPTQ or AWQ
+  checkpoint into ``W4Linear`` layers.
 - ``EmbeddingBagCollection`` (the optimizer fused into the backward, as FBGEMM's TBE) and
   ``Interaction``: DLRM's sparse side.
 - ``RMSNorm``: LLaMA's (and, with offset 1, Gemma's) RMSNorm; ``forward(x, residual)`` fuses the
@@ -347,6 +349,88 @@ class W4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
                 f"dtype={self.scale.dtype}, act_order={self.perm is not None}")
+
+
+def _parent_of(model: nn.Module, qualified: str) -> tuple[nn.Module, str]:
+    parent, _, name = qualified.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), name
+
+
+def quantize(model: nn.Module, bits: int = 4, group_size: int = 128, *, dtype: Optional[torch.dtype] = None,
+             skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+    """Swaps every nn.Linear of model for a W4Linear quantizing its weight (W4Linear.from_linear:
+    round to nearest, group_size 32, 64, 128, or -1 for one group per row), in place; returns
+    model. A Linear whose attribute name or dotted path is in `skip` stays (by default the LM head,
+    which GPTQ and AWQ tools leave in 16 bits too). dtype: the layers' (f16 or bf16); None keeps an
+    f16 / bf16 weight's dtype and takes f16 for any other."""
+    if bits != 4:
+        raise _C.Error(f"fk::quantize: argument 'bits': expected 4 (fusekit's kernel reads 4-bit weights), got {bits}")
+    targets = [(name, m) for name, m in model.named_modules()
+               if type(m) is nn.Linear and name not in skip and name.rpartition(".")[2] not in skip]
+    for name, m in targets:
+        group = m.in_features if group_size == -1 else group_size
+        if group not in (32, 64, 128, m.in_features) or m.in_features % group:
+            raise _C.Error(f"fk::quantize: argument 'group_size': expected 32, 64, 128 or -1, dividing every "
+                           f"quantized layer's in_features, got {group_size} for {name} (in_features "
+                           f"{m.in_features}); pass -1 or name the layer in skip")
+    for name, m in targets:
+        group = m.in_features if group_size == -1 else group_size
+        dt = dtype or (m.weight.dtype if m.weight.dtype in (torch.float16, torch.bfloat16) else torch.float16)
+        parent, attr = _parent_of(model, name)
+        setattr(parent, attr, W4Linear.from_linear(m, group, dt))
+    return model
+
+
+def load_quantized(model: nn.Module, state_dict: dict, format: str = "gptq", *, checkpoint_format: str = "gptq",
+                   dtype: torch.dtype = torch.float16, strict: bool = True) -> nn.Module:
+    """Loads a 4-bit GPTQ or AWQ checkpoint's state dict (format "gptq" or "awq"; the tensors as
+    W4Linear.from_gptq / from_awq take them) into model, a model of the checkpoint's architecture
+    (e.g. transformers' LlamaForCausalLM(config)): every nn.Linear whose `<path>.qweight` is in
+    state_dict becomes a W4Linear built from `<path>.qweight`, `.qzeros`, `.scales`, `.g_idx` (GPTQ)
+    and `.bias`, on the device of the Linear's weight (the CPU for a meta weight), and every other
+    entry is loaded by model.load_state_dict. strict: a key of state_dict left unused, or a tensor of
+    model the state dict does not give, is an error (as load_state_dict's strict). In place; returns
+    model. checkpoint_format and dtype: as W4Linear.from_gptq's."""
+    if format not in ("gptq", "awq"):
+        raise _C.Error(f"fk::load_quantized: argument 'format': expected 'gptq' or 'awq', got {format!r}")
+    sd = dict(state_dict)
+    swapped = []
+    for name, m in list(model.named_modules()):
+        prefix = name + "." if name else ""
+        if type(m) is not nn.Linear or prefix + "qweight" not in sd:
+            continue
+        t = {key: sd.pop(prefix + key) for key in ("qweight", "qzeros", "scales", "g_idx", "bias")
+             if prefix + key in sd}
+        device = torch.device("cpu") if m.weight.device.type == "meta" else m.weight.device
+        try:
+            if format == "gptq":
+                w4 = W4Linear.from_gptq(t["qweight"], t.get("qzeros"), t.get("scales"), t.get("g_idx"), t.get("bias"),
+                                        checkpoint_format=checkpoint_format, dtype=dtype, device=device)
+            else:
+                w4 = W4Linear.from_awq(t["qweight"], t.get("qzeros"), t.get("scales"), t.get("bias"), dtype=dtype,
+                                       device=device)
+        except _C.Error as e:
+            raise _C.Error(f"fk::load_quantized: {name}: {e}") from e
+        if (w4.out_features, w4.in_features) != (m.out_features, m.in_features):
+            raise _C.Error(f"fk::load_quantized: argument 'state_dict': expected {name} of a 4-bit checkpoint for "
+                           f"an nn.Linear({m.in_features}, {m.out_features}), got tensors of a ({w4.in_features}, "
+                           f"{w4.out_features}) layer (a checkpoint of other than 4 bits, or of another model?)")
+        if strict and (m.bias is None) != (w4.bias is None):
+            raise _C.Error(f"fk::load_quantized: argument 'state_dict': expected {name}.bias "
+                           f"{'absent' if m.bias is None else 'present'}, as in the model, got it "
+                           f"{'present' if m.bias is None else 'absent'}")
+        parent, attr = _parent_of(model, name)
+        setattr(parent, attr, w4)
+        swapped.append(prefix)
+    if not swapped:
+        raise _C.Error("fk::load_quantized: argument 'state_dict': expected '<path>.qweight' entries of the model's "
+                       "nn.Linear layers, got none")
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [key for key in missing if not key.startswith(tuple(swapped))]
+    if strict and (missing or unexpected):
+        raise _C.Error(f"fk::load_quantized: argument 'state_dict': expected the model's other tensors and nothing "
+                       f"else, got missing {missing[:8]}, unexpected {unexpected[:8]}")
+    return model
 
 
 class FusedMLP(nn.Module):
