@@ -129,3 +129,40 @@ def test_the_gpu_runs_the_plain_forward_and_refuses_the_rest():
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True), rtol=2e-2, atol=2e-2)
     with pytest.raises(fusekit.Error, match="attention_backward: argument 'q'"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_matches_pytorch(dtype):
+    """bf16/f16 inputs (grouped-query, bottom-right causal, odd sizes) against the expression in
+    double, within the dtype's rounding of the inputs, out and the gradients."""
+    q = rand((1, 4, 13, 8), dtype, "cpu", 40, True)
+    k, v = rand((1, 2, 17, 8), dtype, "cpu", 41, True), rand((1, 2, 17, 8), dtype, "cpu", 42, True)
+    g = rand((1, 4, 13, 8), dtype, "cpu", 43)
+    out = fusekit.attention(q, k, v, causal=True, bottom_right=True)
+    assert out.dtype == dtype
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = reference(*ref_in, causal=True, bottom_right=True)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(out, ref, **tol)
+    out.backward(g)
+    ref.backward(g)
+    for got, want in zip((q, k, v), ref_in):
+        assert got.grad.dtype == dtype
+        torch.testing.assert_close(got.grad.float(), want.grad.float(), **tol)
+
+
+def test_compiles_without_graph_breaks_forward_and_backward():
+    q = rand((2, 4, 9, 8), torch.float32, "cpu", 44, True)
+    k, v = rand((2, 2, 9, 8), torch.float32, "cpu", 45, True), rand((2, 2, 9, 8), torch.float32, "cpu", 46, True)
+
+    def f(q, k, v):
+        return fusekit.attention(q, k, v, causal=True, window=(4, -1), softcap=2.0).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    loss.backward()
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    f(*ref_in).backward()
+    torch.testing.assert_close(loss, f(*ref_in).detach())
+    for got, want in zip((q, k, v), ref_in):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
