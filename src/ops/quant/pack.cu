@@ -208,11 +208,11 @@ __device__ __forceinline__ void quantize_lane(const PackArgs& a, const LaneSpan&
       float u = 0.0f;
       if constexpr (kStochastic) {
         const std::uint64_t e = static_cast<std::uint64_t>(sp.row * a.cols + sp.c0 + i);
-        if ((e >> 2) != cached) {
-          cached = e >> 2;
+        if ((e >> 3) != cached) {
+          cached = e >> 3;
           block = philox::random_block(a.seed, a.offset, cached);
         }
-        u = philox::to_unit_float(block.v[e & 3]);
+        u = quant::dither_from(block, e);
       }
       w[i / kVpw] |= quant::quantize(raw.get(i), st, BITS, kStochastic, u) << ((i % kVpw) * BITS);
     }
