@@ -211,12 +211,16 @@ TEST(LossErrors, EveryBadArgumentIsNamed) {
   test::expect_arg_error([&] { run(with([&](auto& a) { a.targets = t_neg; })); }, kOp, "targets");
 }
 
+// Chunks of about 256 MiB of logits, and of at least 4096 rows (the f32 dW accumulator's re-reads).
 TEST(LossChunks, AutomaticChunkKeepsLogitsNear256MiB) {
   EXPECT_EQ(linear_cross_entropy_chunk_rows(1, 32000), 1);
   EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000), 100);
-  const std::int64_t c = linear_cross_entropy_chunk_rows(8192, 32000);
-  EXPECT_LE(c * 32000 * 4, (std::int64_t{256} << 20) + 8 * 32000 * 4);
-  EXPECT_GE(c * 32000 * 4, std::int64_t{128} << 20);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 32000), 4096);           // f32: 2096 rows by bytes
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 128256, 0, DType::bf16), 4096);  // bf16: 1046 by bytes
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(6000, 128256, 0, DType::bf16), 3000);  // equal chunks
+  const std::int64_t c = linear_cross_entropy_chunk_rows(65536, 8000);
+  EXPECT_LE(c * 8000 * 4, (std::int64_t{256} << 20) + 8 * 8000 * 4);
+  EXPECT_GE(c * 8000 * 4, std::int64_t{128} << 20);
   EXPECT_EQ(c % 8, 0);
   const std::int64_t c16 = linear_cross_entropy_chunk_rows(65536, 32000, 0, DType::bf16);  // 2-byte logits
   EXPECT_LE(c16 * 32000 * 2, (std::int64_t{256} << 20) + 8 * 32000 * 2);
