@@ -106,6 +106,57 @@ double Context::time_us(const std::function<void(int)>& run, int rotations) {
   return 1000.0 * ms[ms.size() / 2];
 }
 
+std::optional<double> Context::graph_us(const std::function<void(int)>& run, int rotations, int calls) {
+  for (int i = 0; i < 3; ++i) run(i % rotations);  // warm-up outside the capture: allocations, heuristics
+  FK_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  cudaGraph_t graph = nullptr;
+  FK_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  bool captured = true;
+  try {
+    for (int i = 0; i < calls; ++i) run(i % rotations);
+  } catch (const std::exception& e) {
+    captured = false;
+    fmt::print(stderr, "graph_us: the run cannot be captured ({})\n", e.what());
+  }
+  const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+  if (!captured || end != cudaSuccess || graph == nullptr) {
+    if (captured) fmt::print(stderr, "graph_us: capture failed: {}\n", cudaGetErrorString(end));
+    if (graph) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();  // the capture's error is ours to clear, not the next case's
+    return std::nullopt;
+  }
+  cudaGraphExec_t exec = nullptr;
+  FK_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaGraphDestroy(graph);
+  FK_CUDA_CHECK(cudaGraphLaunch(exec, stream_));  // warm-up replay, which also estimates one
+  cudaEvent_t a, b;
+  FK_CUDA_CHECK(cudaEventCreate(&a));
+  FK_CUDA_CHECK(cudaEventCreate(&b));
+  FK_CUDA_CHECK(cudaEventRecord(a, stream_));
+  FK_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+  FK_CUDA_CHECK(cudaEventRecord(b, stream_));
+  FK_CUDA_CHECK(cudaEventSynchronize(b));
+  float est = 0;
+  FK_CUDA_CHECK(cudaEventElapsedTime(&est, a, b));
+  const int replays = static_cast<int>(std::clamp(std::ceil(opt_.min_ms / std::max(1e-3, double(est))), 20.0, 500.0));
+  std::vector<float> ms;
+  ms.reserve(static_cast<std::size_t>(replays));
+  for (int r = 0; r < replays; ++r) {
+    FK_CUDA_CHECK(cudaEventRecord(a, stream_));
+    FK_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+    FK_CUDA_CHECK(cudaEventRecord(b, stream_));
+    FK_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    FK_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaGraphExecDestroy(exec);
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  return 1000.0 * ms[ms.size() / 2] / calls;
+}
+
 std::vector<double> Context::time_us_interleaved(const std::vector<std::function<void(int)>>& fns, int rotations) {
   const std::size_t n = fns.size();
   cudaEvent_t a, b;
@@ -236,6 +287,7 @@ nlohmann::json to_json(const Record& r, const std::string& device, const std::st
                    {"rel_err", r.rel_err}, {"device", device},
                    {"commit", commit}};
   if (r.gemm_only_us) j["gemm_only_us"] = *r.gemm_only_us;
+  if (r.graph_us) j["graph_us"] = *r.graph_us;
   if (r.pct_of_copy) j["pct_of_copy"] = *r.pct_of_copy;
   if (r.pct_of_gemm) j["pct_of_gemm"] = *r.pct_of_gemm;
   for (const auto& [key, value] : r.extra) j[key] = value;

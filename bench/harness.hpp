@@ -25,6 +25,9 @@ struct Record {
   std::string family, name, impl, baseline;
   double median_us = 0, speedup_vs_baseline = 0, tflops = 0, gbps = 0, rel_err = 0;
   std::optional<double> gemm_only_us;
+  // Per call in a CUDA graph of back-to-back calls (Context::graph_us): what a decoder replaying
+  // its layers pays, without one call's launch and event overhead.
+  std::optional<double> graph_us;
   std::optional<double> pct_of_copy;  // gbps over the copy ceiling of the same run
   std::optional<double> pct_of_gemm;  // tflops over the gemm_bf16 ceiling of the same run
   std::vector<std::pair<std::string, double>> extra;  // case-specific figures, written as they are
@@ -69,6 +72,12 @@ class Context {
   int rotations_for(std::size_t bytes) const;
   // Median GPU time in microseconds of run(i), i cycling over [0, rotations).
   double time_us(const std::function<void(int)>& run, int rotations);
+  // GPU time per call of run(i), i cycling over [0, rotations), with `calls` calls captured back to
+  // back in one CUDA graph and the graph replayed (events around each replay, the median replay
+  // divided by calls): for latency-bound cases (under about 50 µs a call), which a decoder runs
+  // as graphs. nullopt, with a note on stderr, where run() cannot be captured (a host
+  // synchronisation or a non-stream-ordered allocation inside it).
+  std::optional<double> graph_us(const std::function<void(int)>& run, int rotations, int calls = 32);
   // The medians of several implementations timed in alternation (run 1 of each, then run 2 of
   // each, ...), so that all of them see the same clocks and temperature: for ratios between
   // GEMM-bound kernels, whose clocks drift by several percent over a run. Each call takes the next
