@@ -62,9 +62,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
     query heads, as F.scaled_dot_product_attention's enable_gqa), scale defaulting to 1/sqrt(D):
     causal top-left as SDPA's is_causal, or bottom-right (bottom_right=True, FlashAttention's);
     window = (left, right) keys around the diagonal (-1: unbounded); softcap c > 0 caps the scores
-    to c tanh(s / c). Differentiable (the backward on the CPU only for now); on a GPU the forward
-    takes the plain options only (q's heads in k and v, top-left causal or none, no window, no
-    softcap) and raises fusekit.Error naming the others."""
+    to c tanh(s / c). Differentiable. On a GPU the plain options (q's heads in k and v, top-left
+    causal or none, no window, no softcap) run the tensor-core forward where it applies; the rest,
+    and the backward, run on simple warp-per-row kernels (correct, not fast)."""
     left, right = window
     out, lse = ops.call("attention", q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
                         bottom_right, left, right, softcap)

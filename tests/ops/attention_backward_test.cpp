@@ -1,8 +1,8 @@
 // Tests of the attention options and attention_backward's spec (CPU): hand-worked gradients,
 // finite differences of the forward for every option (grouped-query heads, causal top-left and
 // bottom-right with Sq != Sk, sliding windows, softcap), grouped-query attention against the
-// heads expanded, rows that see no key, the GPU's refusal of what it does not run yet, and every
-// bad argument.
+// heads expanded, rows that see no key, the GPU kernels against the spec on every option, and
+// every bad argument.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -186,21 +186,49 @@ TEST(AttentionBackwardErrors, BadArgumentsNameThemselves) {
   EXPECT_NO_THROW(attention_backward(q, k, v, out, out, lse, dq, dk, dv, ok));
 }
 
-// On a GPU the forward runs the plain options and refuses the others by name; the backward has
-// no kernel yet and says so.
-TEST(AttentionBackwardGpu, RefusesWhatItDoesNotRunYet) {
+// The GPU's forward and backward (warp-per-row kernels for the options, the sm_90 kernel's forward
+// for the plain ones) against the spec, in f32 (tight) and bf16 (the dtype's rounding of the
+// inputs, outputs and gradients), on every option.
+class AttentionBackwardGpuVsSpec : public ::testing::TestWithParam<OptionCase> {};
+
+TEST_P(AttentionBackwardGpuVsSpec, MatchesTheSpec) {
   FK_SKIP_WITHOUT_GPU();
+  const OptionCase& c = GetParam();
   const Device gpu = Device::cuda(0);
-  const Tensor q = test::random_tensor({1, 4, 3, 64}, DType::bf16, gpu, 51), k = test::random_tensor({1, 2, 5, 64}, DType::bf16, gpu, 52);
-  Tensor out = Tensor::empty(q.shape(), DType::bf16, gpu), lse = Tensor::empty({1, 4, 3}, DType::f32, gpu);
-  test::expect_arg_error([&] { attention_forward(q, k, k, out, lse, {.scale = 1.0f}); }, "attention_forward", "options");
-  const Tensor k4 = test::random_tensor({1, 4, 5, 64}, DType::bf16, gpu, 53);
-  attention_forward(q, k4, k4, out, lse, {.scale = 0.125f});
-  Tensor dq = Tensor::empty(q.shape(), DType::bf16, gpu), dk = Tensor::empty(k4.shape(), DType::bf16, gpu);
-  Tensor dv = Tensor::empty(k4.shape(), DType::bf16, gpu);
-  test::expect_arg_error([&] { attention_backward(q, k4, k4, out, out, lse, dq, dk, dv, {.scale = 0.125f}); },
-                         "attention_backward", "q");
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const Tensor q = test::random_tensor({2, c.h, c.sq, c.d}, dt, kCpu, 61);
+    const Tensor k = test::random_tensor({2, c.hk, c.sk, c.d}, dt, kCpu, 62);
+    const Tensor v = test::random_tensor({2, c.hk, c.sk, c.d}, dt, kCpu, 63);
+    const Tensor dout = test::random_tensor({2, c.h, c.sq, c.d}, dt, kCpu, 64);
+    Tensor out = Tensor::empty(q.shape(), dt, kCpu), lse = Tensor::empty({2, c.h, c.sq}, DType::f32, kCpu);
+    Tensor dq = Tensor::empty(q.shape(), dt, kCpu), dk = Tensor::empty(k.shape(), dt, kCpu), dv = Tensor::empty(k.shape(), dt, kCpu);
+    attention_forward(q, k, v, out, lse, c.opt);
+    attention_backward(q, k, v, out, dout, lse, dq, dk, dv, c.opt);
+    const Tensor qg = q.copy_to(gpu), kg = k.copy_to(gpu), vg = v.copy_to(gpu), dog = dout.copy_to(gpu);
+    Tensor og = Tensor::empty(q.shape(), dt, gpu), lg = Tensor::empty({2, c.h, c.sq}, DType::f32, gpu);
+    Tensor dqg = Tensor::empty(q.shape(), dt, gpu), dkg = Tensor::empty(k.shape(), dt, gpu), dvg = Tensor::empty(k.shape(), dt, gpu);
+    for (Tensor* t : {&og, &dqg, &dkg, &dvg}) test::poison(*t);
+    attention_forward(qg, kg, vg, og, lg, c.opt);
+    // The backward from the spec's out and lse, so that it is checked on the same inputs.
+    attention_backward(qg, kg, vg, out.copy_to(gpu), dog, lse.copy_to(gpu), dqg, dkg, dvg, c.opt);
+    const double tol = dt == DType::f32 ? 1e-4 : 2e-2;
+    const std::string what = c.name + " " + std::string(dtype_name(dt));
+    EXPECT_LE(test::rel_err_normwise(test::to_host(og), out), tol) << what << " out";
+    EXPECT_LE(test::rel_err_normwise(test::to_host(dqg), dq), tol) << what << " dq";
+    EXPECT_LE(test::rel_err_normwise(test::to_host(dkg), dk), tol) << what << " dk";
+    EXPECT_LE(test::rel_err_normwise(test::to_host(dvg), dv), tol) << what << " dv";
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Options, AttentionBackwardGpuVsSpec,
+    ::testing::Values(OptionCase{"plain_d64", 2, 2, 70, 45, 64, {.scale = 0.125f}},
+                      OptionCase{"causal_bottom_right", 2, 2, 33, 50, 32, {.causal = true, .bottom_right = true, .scale = 0.2f}},
+                      OptionCase{"gqa_8_over_2_causal", 8, 2, 40, 40, 64, {.causal = true, .scale = 0.125f}},
+                      OptionCase{"window_softcap_d96", 2, 1, 37, 37, 96, {.window_left = 5, .window_right = 2, .scale = 0.1f, .softcap = 3.0f}},
+                      OptionCase{"d256_one_query", 2, 2, 1, 77, 256, {.scale = 0.06f}},
+                      OptionCase{"empty_rows", 2, 2, 9, 4, 16, {.causal = true, .bottom_right = true, .scale = 0.3f}}),
+    [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace fk

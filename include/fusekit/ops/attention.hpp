@@ -32,8 +32,9 @@ struct AttentionOptions {
 // q [B, H, Sq, D]; k, v [B, Hk, Sk, D] with H a multiple of Hk (grouped-query attention: q head h
 // reads k/v head h / (H / Hk)); out [B, H, Sq, D]; lse [B, H, Sq] f32 as attention_forward's
 // (-inf for a row that sees no key, whose out is 0). Contiguous, one float dtype, 1 <= D <= 256.
-// On a GPU only the plain options run (Hk = H, causal top-left or none, no window, no softcap):
-// the others raise fk::Error naming the option until the CUDA kernels take them.
+// On a GPU the plain options (Hk = H, causal top-left or none, no window, no softcap; bf16/f16,
+// D 64 or 128, sm_90) run on the tensor-core kernel, everything else on a warp-per-row kernel
+// (correct, not fast).
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                        const TensorView& lse, const AttentionOptions& opt, const Stream* stream = nullptr);
 
@@ -41,7 +42,8 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 // q heads of its group) from dout [B, H, Sq, D] and the forward's q, k, v, out and lse, without
 // the [Sq, Sk] matrices of a whole head in memory: P = exp(s - lse) recomputed, dP = dout vᵀ,
 // dS = P ⊙ (dP - rowsum(dout ⊙ out)) (times the softcap's 1 - tanh²), dq = scale dS k,
-// dk = scale dSᵀ q, dv = Pᵀ dout. CPU only for now: on a GPU it raises fk::Error.
+// dk = scale dSᵀ q, dv = Pᵀ dout. On a GPU: warp-per-row kernels (correct, not fast), a delta
+// [B, H, Sq] f32 scratch from the caching allocator.
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                         const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                         const TensorView& dv, const AttentionOptions& opt, const Stream* stream = nullptr);

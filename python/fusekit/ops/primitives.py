@@ -46,8 +46,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, botto
     softcap > 0) over the visible keys (causal top-left or, bottom_right, bottom-right; a sliding
     window of window_left keys before and window_right after the diagonal, -1 unbounded), q
     [B, H, Sq, D], k, v [B, Hk, Sk, D] with H a multiple of Hk (grouped-query heads); lse
-    [B, H, Sq] f32, the log-sum-exp of each row. The backward (attention_backward) runs on the CPU
-    only for now; on a GPU the forward takes the plain options only."""
+    [B, H, Sq] f32, the log-sum-exp of each row. Its backward is attention_backward."""
     _same_device("attention_forward", q=q, k=k, v=v)
     q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -67,7 +66,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        scale: float, bottom_right: bool, window_left: int, window_right: int,
                        softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention's out from dout and the forward's q, k, v, out, lse (dk and dv
-    summed over each group of q heads). CPU only for now."""
+    summed over each group of q heads)."""
     _same_device("attention_backward", dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     dout, q, k, v, out, lse = (t if t.is_contiguous() else t.contiguous() for t in (dout, q, k, v, out, lse))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

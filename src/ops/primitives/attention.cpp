@@ -1,5 +1,5 @@
 // Dispatch of attention_forward and attention_backward: argument checks, then the CPU spec or the
-// CUDA kernels (the forward's plain options only; the backward has no CUDA kernel yet).
+// CUDA kernels (the sm_90 tensor-core forward for the plain options, else the warp-per-row kernels).
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -75,9 +75,9 @@ void check_lse(const char* op, const TensorView& lse, const TensorView& q) {
   checks::same_device(op, "lse", lse, q.device());
 }
 
-// What the CUDA forward kernels compute: the plain options (a bottom-right causal mask is the
+// What the sm_90 forward kernel computes: the plain options (a bottom-right causal mask is the
 // top-left one when Sq = Sk).
-bool plain(const TensorView& q, const TensorView& k, const AttentionOptions& opt) {
+[[maybe_unused]] bool plain(const TensorView& q, const TensorView& k, const AttentionOptions& opt) {
   return k.size(1) == q.size(1) && opt.window_left < 0 && (opt.causal || opt.window_right < 0) &&
          opt.softcap == 0.0f && (!opt.causal || !opt.bottom_right || q.size(2) == k.size(2));
 }
@@ -94,14 +94,9 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
                "memory that overlaps neither q, k, v nor out", "an overlapping tensor");
   if (out.numel() == 0) return;
   if (dev.is_cpu()) return reference::attention_forward(q, k, v, out, lse, opt);
-  FK_CHECK_ARG(plain(q, k, opt), op, "options",
-               "on a GPU: k and v with q's heads, causal top-left (or Sq = Sk) or none, no window, no softcap "
-               "(the others run on the CPU spec only for now)",
-               fmt::format("Hk {} of H {}, causal {}, bottom_right {}, window ({}, {}), softcap {}", k.size(1), q.size(1),
-                           opt.causal, opt.bottom_right, opt.window_left, opt.window_right, opt.softcap));
 #if FUSEKIT_WITH_CUDA
-  if (!cuda::attention_forward_sm90(q, k, v, out, lse, opt.causal, opt.scale, stream))
-    cuda::attention_forward_rowwise(q, k, v, out, lse, opt.causal, opt.scale, stream);
+  if (!plain(q, k, opt) || !cuda::attention_forward_sm90(q, k, v, out, lse, opt.causal, opt.scale, stream))
+    cuda::attention_forward_rowwise(q, k, v, out, lse, opt, stream);
 #else
   (void)stream;
 #endif
@@ -131,8 +126,12 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   FK_CHECK_ARG(!overlaps(dv, dq) && !overlaps(dv, dk), op, "dv", "memory that overlaps neither dq nor dk",
                "a tensor overlapping dq or dk");
   if (dev.is_cpu()) return reference::attention_backward(q, k, v, out, dout, lse, dq, dk, dv, opt);
+#if FUSEKIT_WITH_CUDA
+  const Tensor delta = Tensor::empty({q.size(0), q.size(1), q.size(2)}, DType::f32, dev, stream);
+  cuda::attention_backward_rowwise(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), opt, stream);
+#else
   (void)stream;
-  throw Error(op, "q", "a CPU tensor: the backward's CUDA kernel does not exist yet", dev.str());
+#endif
 }
 
 }  // namespace fk

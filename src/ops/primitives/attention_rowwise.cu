@@ -1,13 +1,21 @@
-// attention_forward, the simple CUDA kernel: one warp per query row, for every dtype (f32, bf16,
-// f16), head_dim 1..256 and GPU. It is the path for what the sm_90 tensor-core kernel does not
-// take (puzzle 9's head_dim 1, f32, other head dims, GPUs before sm_90), written to be checked
-// at a glance rather than to be fast.
+// attention_forward and attention_backward, the simple CUDA kernels: one warp per query row (the
+// forward and dq) or per key row (dk and dv), for every dtype (f32, bf16, f16), head_dim 1..256,
+// every AttentionOptions (grouped-query heads, causal top-left or bottom-right, sliding window,
+// softcap) and GPU. They are the path for what the sm_90 tensor-core kernel does not take (puzzle
+// 9's head_dim 1, f32, other head dims, the options, GPUs before sm_90, and for now every
+// backward), written to be checked at a glance rather than to be fast.
 //
-// The warp streams the visible keys in chunks of 32, one key a lane: each lane computes its score
-// scale * q·k_j in fp32 (q staged once in shared memory), the warp takes the chunk maximum, folds
-// it into the running maximum m and sum l (online softmax: l = l e^(m_old - m) + sum_j e^(s_j - m))
-// and rescales its output accumulator, then adds p_j v_j, lane c owning columns c, c + 32, ... of
-// the output row. Nothing of size Sk is stored. Rows without keys (Sk = 0) get 0 and lse = -inf.
+// Forward: the warp streams the visible keys of its row in chunks of 32, one key a lane: each lane
+// computes its score in fp32 (q staged once in shared memory), the warp takes the chunk maximum,
+// folds it into the running maximum m and sum l (online softmax: l = l e^(m_old - m) +
+// sum_j e^(s_j - m)) and rescales its output accumulator, then adds p_j v_j, lane c owning columns
+// c, c + 32, ... of the output row. Nothing of size Sk is stored. Rows without keys get 0 and
+// lse = -inf.
+// Backward, two passes, nothing of size [Sq, Sk] stored: (1) a warp per query row: delta =
+// rowsum(dout ⊙ out), then over its visible keys, one a lane: p = exp(s - lse), dp = dout · v_j,
+// dS = p (dp - delta) s' scale, and dq += dS k_j; (2) a warp per key row of a k/v head: over the
+// q heads of its group and the queries that see the key, one a lane: p and dS again (delta from
+// pass 1), dv += p dout_i, dk += dS q_i.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -23,37 +31,78 @@ namespace {
 
 constexpr int kMaxD = 256, kWarps = 4, kColsPerLane = kMaxD / 32;
 
+// The geometry and options of one call, by value into the kernels.
+struct Geometry {
+  std::int64_t heads, kv_heads, sq, sk;  // H, Hk, Sq, Sk
+  int d;
+  bool causal, bottom_right;
+  std::int64_t window_left, window_right;
+  float scale, softcap;
+
+  // The keys [lo, hi) query i sees (AttentionOptions' rule).
+  __device__ void keys(std::int64_t i, std::int64_t& lo, std::int64_t& hi) const {
+    const std::int64_t offset = bottom_right ? sk - sq : 0;
+    const std::int64_t right = causal ? 0 : window_right;
+    lo = window_left >= 0 ? max(std::int64_t{0}, i + offset - window_left) : 0;
+    hi = right >= 0 ? min(sk, i + offset + right + 1) : sk;
+    if (hi < lo) hi = lo;
+  }
+  // The score from the raw scale * q·k, and its derivative with respect to the raw one.
+  __device__ float capped(float raw) const { return softcap > 0.0f ? softcap * tanhf(raw / softcap) : raw; }
+  __device__ float slope(float raw) const {
+    if (softcap <= 0.0f) return 1.0f;
+    const float t = tanhf(raw / softcap);
+    return 1.0f - t * t;
+  }
+  // The k/v head (b * Hk + h / group) of query head bh = b * H + h.
+  __device__ std::int64_t kv_head(std::int64_t bh) const {
+    return (bh / heads) * kv_heads + (bh % heads) / (heads / kv_heads);
+  }
+};
+
+template <class T>
+__device__ float dot_row(const float* a, const T* b, int d) {
+  float s = 0.0f;
+  for (int c = 0; c < d; ++c) s = fmaf(a[c], device::to_float(b[c]), s);
+  return s;
+}
+
+template <class T>
+__device__ float warp_dot(const T* a, const T* b, int d, int lane) {
+  float s = 0.0f;
+  for (int c = lane; c < d; c += 32) s = fmaf(device::to_float(a[c]), device::to_float(b[c]), s);
+  for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+  return s;
+}
+
 template <class T>
 __global__ void __launch_bounds__(kWarps * 32)
-    attention_rowwise_kernel(const T* __restrict__ q,  // (BH, Sq, D)
-                             const T* __restrict__ k,  // (BH, Sk, D)
-                             const T* __restrict__ v,  // (BH, Sk, D)
-                             T* __restrict__ out,      // (BH, Sq, D)
-                             float* __restrict__ lse,  // (BH, Sq)
-                             std::int64_t rows, std::int64_t sq, std::int64_t sk, int d, bool causal, float scale) {
+    attention_rowwise_kernel(const T* __restrict__ q,  // (B H, Sq, D)
+                             const T* __restrict__ k,  // (B Hk, Sk, D)
+                             const T* __restrict__ v,  // (B Hk, Sk, D)
+                             T* __restrict__ out,      // (B H, Sq, D)
+                             float* __restrict__ lse,  // (B H, Sq)
+                             std::int64_t rows, Geometry g) {
   __shared__ float q_row[kWarps][kMaxD];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;  // h * Sq + i
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;  // bh * Sq + i
   if (row >= rows) return;
-  const std::int64_t h = row / sq, i = row % sq;
+  const std::int64_t bh = row / g.sq, i = row % g.sq, kvh = g.kv_head(bh);
+  const int d = g.d;
   const T* qr = q + row * d;
-  const T* kh = k + h * sk * d;
-  const T* vh = v + h * sk * d;
+  const T* kh = k + kvh * g.sk * d;
+  const T* vh = v + kvh * g.sk * d;
   for (int c = lane; c < d; c += 32) q_row[warp][c] = device::to_float(qr[c]);
   __syncwarp();
 
-  const std::int64_t visible = causal ? std::min(sk, i + 1) : sk;
+  std::int64_t lo, hi;
+  g.keys(i, lo, hi);
   float m = -INFINITY, l = 0.0f, o[kColsPerLane];
 #pragma unroll
   for (int t = 0; t < kColsPerLane; ++t) o[t] = 0.0f;
-  for (std::int64_t j0 = 0; j0 < visible; j0 += 32) {
+  for (std::int64_t j0 = lo; j0 < hi; j0 += 32) {
     const std::int64_t j = j0 + lane;
-    float s = -INFINITY;
-    if (j < visible) {
-      float dot = 0.0f;
-      for (int c = 0; c < d; ++c) dot = fmaf(q_row[warp][c], device::to_float(kh[j * d + c]), dot);
-      s = scale * dot;
-    }
+    const float s = j < hi ? g.capped(g.scale * dot_row(q_row[warp], kh + j * d, d)) : -INFINITY;
     float chunk_max = s;
     for (int off = 16; off > 0; off /= 2) chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, off));
     const float m_new = fmaxf(m, chunk_max);  // finite: key j0 is visible
@@ -65,7 +114,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     m = m_new;
 #pragma unroll
     for (int t = 0; t < kColsPerLane; ++t) o[t] *= alpha;
-    const int n = static_cast<int>(std::min<std::int64_t>(32, visible - j0));
+    const int n = static_cast<int>(min(std::int64_t{32}, hi - j0));
     for (int jj = 0; jj < n; ++jj) {
       const float pj = __shfl_sync(0xffffffffu, p, jj);
       const T* vr = vh + (j0 + jj) * d;
@@ -76,31 +125,181 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
   }
-  const float inv = visible > 0 ? 1.0f / l : 0.0f;
+  const bool any = hi > lo;
+  const float inv = any ? 1.0f / l : 0.0f;
 #pragma unroll
   for (int t = 0; t < kColsPerLane; ++t) {
     const int c = lane + 32 * t;
     if (c < d) out[row * d + c] = device::from_float<T>(o[t] * inv);
   }
-  if (lane == 0) lse[row] = visible > 0 ? m + logf(l) : -INFINITY;
+  if (lane == 0) lse[row] = any ? m + logf(l) : -INFINITY;
 }
+
+// Pass 1: delta and dq, a warp per query row.
+template <class T>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                        const T* __restrict__ out, const T* __restrict__ dout, const float* __restrict__ lse,
+                        T* __restrict__ dq, float* __restrict__ delta, std::int64_t rows, Geometry g) {
+  __shared__ float q_row[kWarps][kMaxD], do_row[kWarps][kMaxD];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;
+  if (row >= rows) return;
+  const std::int64_t bh = row / g.sq, i = row % g.sq, kvh = g.kv_head(bh);
+  const int d = g.d;
+  const T* kh = k + kvh * g.sk * d;
+  const T* vh = v + kvh * g.sk * d;
+  for (int c = lane; c < d; c += 32) {
+    q_row[warp][c] = device::to_float(q[row * d + c]);
+    do_row[warp][c] = device::to_float(dout[row * d + c]);
+  }
+  __syncwarp();
+  const float dl = warp_dot(dout + row * d, out + row * d, d, lane);
+  if (lane == 0) delta[row] = dl;
+  const float li = lse[row];
+  std::int64_t lo, hi;
+  g.keys(i, lo, hi);
+  float acc[kColsPerLane];
+#pragma unroll
+  for (int t = 0; t < kColsPerLane; ++t) acc[t] = 0.0f;
+  for (std::int64_t j0 = lo; j0 < hi; j0 += 32) {
+    const std::int64_t j = j0 + lane;
+    float ds = 0.0f;
+    if (j < hi) {
+      const float raw = g.scale * dot_row(q_row[warp], kh + j * d, d);
+      const float p = expf(g.capped(raw) - li);
+      ds = p * (dot_row(do_row[warp], vh + j * d, d) - dl) * g.slope(raw) * g.scale;
+    }
+    const int n = static_cast<int>(min(std::int64_t{32}, hi - j0));
+    for (int jj = 0; jj < n; ++jj) {
+      const float dsj = __shfl_sync(0xffffffffu, ds, jj);
+      const T* kr = kh + (j0 + jj) * d;
+#pragma unroll
+      for (int t = 0; t < kColsPerLane; ++t) {
+        const int c = lane + 32 * t;
+        if (c < d) acc[t] = fmaf(dsj, device::to_float(kr[c]), acc[t]);
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kColsPerLane; ++t) {
+    const int c = lane + 32 * t;
+    if (c < d) dq[row * d + c] = device::from_float<T>(acc[t]);
+  }
+}
+
+// Pass 2: dk and dv, a warp per key row of a k/v head, over the q heads of its group and every
+// query that sees the key.
+template <class T>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                          const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                          T* __restrict__ dk, T* __restrict__ dv, std::int64_t kv_rows, Geometry g) {
+  __shared__ float k_row[kWarps][kMaxD], v_row[kWarps][kMaxD];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;  // (b Hk + kh) Sk + j
+  if (row >= kv_rows) return;
+  const std::int64_t bkh = row / g.sk, j = row % g.sk;
+  const std::int64_t b = bkh / g.kv_heads, kh = bkh % g.kv_heads, group = g.heads / g.kv_heads;
+  const int d = g.d;
+  for (int c = lane; c < d; c += 32) {
+    k_row[warp][c] = device::to_float(k[row * d + c]);
+    v_row[warp][c] = device::to_float(v[row * d + c]);
+  }
+  __syncwarp();
+  float dk_acc[kColsPerLane], dv_acc[kColsPerLane];
+#pragma unroll
+  for (int t = 0; t < kColsPerLane; ++t) dk_acc[t] = dv_acc[t] = 0.0f;
+  for (std::int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+    const std::int64_t bh = b * g.heads + h;
+    for (std::int64_t i0 = 0; i0 < g.sq; i0 += 32) {
+      const std::int64_t i = i0 + lane;
+      float p = 0.0f, ds = 0.0f;
+      if (i < g.sq) {
+        std::int64_t lo, hi;
+        g.keys(i, lo, hi);
+        if (lo <= j && j < hi) {
+          const std::int64_t qi = (bh * g.sq + i) * d;
+          float dot = 0.0f, dp = 0.0f;
+          for (int c = 0; c < d; ++c) {
+            dot = fmaf(device::to_float(q[qi + c]), k_row[warp][c], dot);
+            dp = fmaf(device::to_float(dout[qi + c]), v_row[warp][c], dp);
+          }
+          const float raw = g.scale * dot;
+          p = expf(g.capped(raw) - lse[bh * g.sq + i]);
+          ds = p * (dp - delta[bh * g.sq + i]) * g.slope(raw) * g.scale;
+        }
+      }
+      const int n = static_cast<int>(min(std::int64_t{32}, g.sq - i0));
+      for (int ii = 0; ii < n; ++ii) {
+        const float pi = __shfl_sync(0xffffffffu, p, ii), dsi = __shfl_sync(0xffffffffu, ds, ii);
+        if (pi == 0.0f && dsi == 0.0f) continue;  // not visible (or an underflowed weight): adds nothing
+        const std::int64_t qi = (bh * g.sq + i0 + ii) * d;
+#pragma unroll
+        for (int t = 0; t < kColsPerLane; ++t) {
+          const int c = lane + 32 * t;
+          if (c < d) {
+            dv_acc[t] = fmaf(pi, device::to_float(dout[qi + c]), dv_acc[t]);
+            dk_acc[t] = fmaf(dsi, device::to_float(q[qi + c]), dk_acc[t]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kColsPerLane; ++t) {
+    const int c = lane + 32 * t;
+    if (c < d) {
+      dk[row * d + c] = device::from_float<T>(dk_acc[t]);
+      dv[row * d + c] = device::from_float<T>(dv_acc[t]);
+    }
+  }
+}
+
+Geometry geometry(const TensorView& q, const TensorView& k, const AttentionOptions& opt) {
+  return {q.size(1), k.size(1), q.size(2), k.size(2), static_cast<int>(q.size(3)), opt.causal, opt.bottom_right,
+          opt.window_left, opt.window_right, opt.scale, opt.softcap};
+}
+
+unsigned blocks_for(std::int64_t rows) { return static_cast<unsigned>((rows + kWarps - 1) / kWarps); }
 
 }  // namespace
 
 void attention_forward_rowwise(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                               const TensorView& lse, bool causal, float scale, const Stream* stream) {
+                               const TensorView& lse, const AttentionOptions& opt, const Stream* stream) {
   fk::detail::DeviceScope on_device(q.device().index);
-  const std::int64_t sq = q.size(2), sk = k.size(2), rows = q.size(0) * q.size(1) * sq;
-  const int d = static_cast<int>(q.size(3));
+  const std::int64_t rows = q.size(0) * q.size(1) * q.size(2);
   const cudaStream_t s = fk::detail::cuda_stream(stream);
-  const auto blocks = static_cast<unsigned>((rows + kWarps - 1) / kWarps);
+  const Geometry g = geometry(q, k, opt);
   with_float_type(q.dtype(), [&](auto zero) {
     using T = decltype(zero);
-    attention_rowwise_kernel<T><<<blocks, kWarps * 32, 0, s>>>(q.data_as<T>(), k.data_as<T>(), v.data_as<T>(),
-                                                                out.data_as<T>(), lse.data_as<float>(), rows, sq, sk,
-                                                                d, causal, scale);
+    attention_rowwise_kernel<T><<<blocks_for(rows), kWarps * 32, 0, s>>>(
+        q.data_as<T>(), k.data_as<T>(), v.data_as<T>(), out.data_as<T>(), lse.data_as<float>(), rows, g);
   });
   FK_CUDA_CHECK_LAUNCH("attention_rowwise_kernel");
+}
+
+void attention_backward_rowwise(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                                const TensorView& dout, const TensorView& lse, const TensorView& dq,
+                                const TensorView& dk, const TensorView& dv, const TensorView& delta,
+                                const AttentionOptions& opt, const Stream* stream) {
+  fk::detail::DeviceScope on_device(q.device().index);
+  const std::int64_t rows = q.size(0) * q.size(1) * q.size(2), kv_rows = k.size(0) * k.size(1) * k.size(2);
+  const cudaStream_t s = fk::detail::cuda_stream(stream);
+  const Geometry g = geometry(q, k, opt);
+  with_float_type(q.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    if (rows > 0)
+      attention_dq_kernel<T><<<blocks_for(rows), kWarps * 32, 0, s>>>(
+          q.data_as<T>(), k.data_as<T>(), v.data_as<T>(), out.data_as<T>(), dout.data_as<T>(), lse.data_as<float>(),
+          dq.data_as<T>(), delta.data_as<float>(), rows, g);
+    FK_CUDA_CHECK_LAUNCH("attention_dq_kernel");
+    if (kv_rows > 0)
+      attention_dkdv_kernel<T><<<blocks_for(kv_rows), kWarps * 32, 0, s>>>(
+          q.data_as<T>(), k.data_as<T>(), v.data_as<T>(), dout.data_as<T>(), lse.data_as<float>(),
+          delta.data_as<float>(), dk.data_as<T>(), dv.data_as<T>(), kv_rows, g);
+    FK_CUDA_CHECK_LAUNCH("attention_dkdv_kernel");
+  });
 }
 
 }  // namespace fk::cuda
