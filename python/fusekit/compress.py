@@ -415,4 +415,6 @@ def gated_mlp(x: Tensor, w: Tensor, bias: Optional[Tensor], down_w: Tensor, down
     saved = hook._pack_tensor(x, reads=False)
     if saved is None:
         return None
+    if down_w.dtype != dtype:  # under autocast: down's GEMMs in x's dtype, the cast recorded by autograd
+        down_w, down_b = down_w.to(dtype), (None if down_b is None else down_b.to(dtype))
     return _PackedGluMlp.apply(x, w, bias, down_w, down_b, kind, allow_tf32, hook, saved)

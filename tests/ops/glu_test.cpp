@@ -476,7 +476,9 @@ TEST(GluGpu, PreactGradMatchesTheCpuOp) {
     Tensor got = Tensor::empty({m, 2 * n}, dt, gpu);
     test::poison(got);
     glu_preact_grad({dy.copy_to(gpu), c.copy_to(gpu), got}, {.kind = kind});
-    const double tol = dt == DType::f32 ? 1e-6 : 1e-2;
+    // f32: erf's gradient sums erff and expf terms (a few ulp each in CUDA's math library); at
+    // M1 N1 one element carries them whole.
+    const double tol = dt == DType::f32 ? 5e-6 : 1e-2;
     EXPECT_LE(rel_err(got, want), tol) << glu_kind_name(kind) << " " << dtype_name(dt) << " M" << m << " N" << n;
   });
 }
