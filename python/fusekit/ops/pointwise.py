@@ -124,24 +124,32 @@ def _rope_order(t: Tensor) -> list[int]:
     """The dimensions of a [B, H, T, D] tensor from outermost to innermost when it is a permutation
     of a dense tensor with D innermost (Hugging Face's q: [B, T, H, D] memory seen as [B, H, T, D]),
     else [] (contiguous). An output laid out in this order is what the caller's next op (SDPA, the
-    transpose back and the projection's backward) reads without a copy."""
-    if t.dim() != 4 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+    transpose back and the projection's backward) reads without a copy. (Called on every rope:
+    sizes and strides are read once, as tuples.)"""
+    if t.dim() != 4 or t.is_contiguous():
         return []
-    order = sorted(range(3), key=lambda d: (-t.stride(d), d)) + [3]
+    shape, stride = t.shape, t.stride()
+    if shape[3] > 1 and stride[3] != 1:
+        return []
+    order = sorted(range(3), key=lambda d: (-stride[d], d)) + [3]
     expected = 1
     for d in reversed(order):
-        if t.shape[d] > 1 and t.stride(d) != expected:
+        if shape[d] > 1 and stride[d] != expected:
             return []
-        expected *= t.shape[d]
+        expected *= shape[d]
     return [] if order == [0, 1, 2, 3] else order
 
 
 def _rope_empty(like: Tensor, order: list[int]) -> Tensor:
-    """An uninitialised tensor of like's shape and dtype, its dimensions laid out in `order`."""
+    """An uninitialised tensor of like's shape and dtype, its dimensions laid out in `order` (the
+    strides of a dense tensor of the permuted shape, seen back in like's order)."""
     if not order:
         return torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    t = torch.empty([like.shape[d] for d in order], dtype=like.dtype, device=like.device)
-    return t.permute([order.index(d) for d in range(like.dim())])
+    shape, strides, step = like.shape, [0, 0, 0, 0], 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= shape[d]
+    return torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device)
 
 
 def _rope_run(x: Tensor, y: Tensor, cos: Tensor, sin: Tensor, order_x: list[int], order_y: list[int],
