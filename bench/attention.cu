@@ -7,13 +7,18 @@
 // the gemm_bf16 ceiling of the run.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "bench/harness.hpp"
+#include "fusekit/ops/attention.hpp"
 #include "fusekit/ops/gemm.hpp"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/ops/primitives.hpp"
+#include "ops/primitives/attention_cuda.hpp"
 
 namespace fk::bench {
 namespace {
@@ -130,6 +135,103 @@ void attention_cases_all(Context& ctx) {
 }
 
 FK_BENCH_CASE("primitives", "attention_fwd", attention_cases_all);
+
+// Median of `runs` CUDA-event timings of f (which ran once already): for the warp-per-row
+// baseline, far slower than the tensor-core kernels, where the harness's 50 runs would take minutes.
+double time_few_us(Context& ctx, const std::function<void()>& f, int runs) {
+  cudaEvent_t a, b;
+  FK_CUDA_CHECK(cudaEventCreate(&a));
+  FK_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> us;
+  for (int r = 0; r < runs; ++r) {
+    FK_CUDA_CHECK(cudaEventRecord(a, ctx.stream()));
+    f();
+    FK_CUDA_CHECK(cudaEventRecord(b, ctx.stream()));
+    FK_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    FK_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    us.push_back(ms * 1e3);
+  }
+  FK_CUDA_CHECK(cudaEventDestroy(a));
+  FK_CUDA_CHECK(cudaEventDestroy(b));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+// attention_backward (bf16): the tensor-core kernels (mma.sync, FlashAttention-2's algorithm; the
+// default atomic-dq mode, and deterministic mode as its own impl) against the warp-per-row kernels
+// that ran before them, on the same forward's out and lse. FLOPs: five [S, S, D] GEMMs (S
+// recomputed, dP, dV, dK, dQ), 10 B H S² D = 2.5x the forward's 4 B H S² D, halved for causal.
+void attention_backward_cases(Context& ctx, std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d) {
+  const std::string shape = "bf16_b" + std::to_string(b) + "_h" + std::to_string(h) + "_s" + std::to_string(s) + "_d" +
+                            std::to_string(d);
+  for (const bool causal : {false, true}) {
+    const std::string name = "attention_bwd/" + shape + (causal ? "_causal" : "");
+    if (!ctx.selected("primitives", name)) continue;
+    const AttentionOptions opt{.causal = causal, .scale = 1.0f / std::sqrt(static_cast<float>(d))};
+    const Dims qs{b, h, s, d};
+    const std::size_t bytes = 8 * static_cast<std::size_t>(b * h * s * d) * 2;  // q k v out dout dq dk dv
+    const int rot = ctx.rotations_for(bytes);
+    struct Set {
+      Tensor q, k, v, out, lse, dout;
+    };
+    std::vector<Set> sets;
+    for (int i = 0; i < rot; ++i) {
+      Set x{ctx.random(qs, DType::bf16), ctx.random(qs, DType::bf16), ctx.random(qs, DType::bf16),
+            ctx.empty(qs, DType::bf16), ctx.empty({b, h, s}, DType::f32), ctx.random(qs, DType::bf16)};
+      attention_forward(x.q, x.k, x.v, x.out, x.lse, opt, &ctx.fk_stream());
+      sets.push_back(std::move(x));
+    }
+    const Tensor dq = ctx.empty(qs, DType::bf16), dk = ctx.empty(qs, DType::bf16), dv = ctx.empty(qs, DType::bf16);
+    const Tensor dq_ref = ctx.empty(qs, DType::bf16), dk_ref = ctx.empty(qs, DType::bf16);
+    const Tensor dv_ref = ctx.empty(qs, DType::bf16), delta = ctx.empty({b, h, s}, DType::f32);
+    auto fused = [&](int i, bool deterministic) {
+      AttentionOptions o = opt;
+      o.deterministic = deterministic;
+      const Set& x = sets[static_cast<std::size_t>(i)];
+      attention_backward(x.q, x.k, x.v, x.out, x.dout, x.lse, dq, dk, dv, o, &ctx.fk_stream());
+    };
+    auto rowwise = [&] {
+      const Set& x = sets[0];
+      cuda::attention_backward_rowwise(x.q, x.k, x.v, x.out, x.dout, x.lse, dq_ref, dk_ref, dv_ref, delta, opt,
+                                       &ctx.fk_stream());
+    };
+    rowwise();
+    fused(0, false);
+    // Both are checked against the spec by attention_test; here they must agree at bf16's level
+    // (the tensor-core path rounds P and dS to bf16, the rowwise one does not).
+    const double err = std::max({ctx.rel_err(dq, dq_ref), ctx.rel_err(dk, dk_ref), ctx.rel_err(dv, dv_ref)});
+    require_close(name, err, 2e-2);
+    fused(0, true);
+    const double err_det = std::max({ctx.rel_err(dq, dq_ref), ctx.rel_err(dk, dk_ref), ctx.rel_err(dv, dv_ref)});
+    require_close(name + " (deterministic)", err_det, 2e-2);
+
+    const double flops = 10.0 * static_cast<double>(b * h) * s * s * d / (causal ? 2.0 : 1.0);
+    Record f{"primitives", name, "fused", "rowwise"};
+    f.median_us = ctx.time_us([&](int i) { fused(i, false); }, rot);
+    f.tflops = flops / (f.median_us * 1e6);
+    f.rel_err = err;
+    Record fd{"primitives", name, "fused_deterministic", "rowwise"};
+    fd.median_us = ctx.time_us([&](int i) { fused(i, true); }, rot);
+    fd.tflops = flops / (fd.median_us * 1e6);
+    fd.rel_err = err_det;
+    Record r{"primitives", name, "rowwise", "rowwise"};
+    r.median_us = time_few_us(ctx, rowwise, 3);
+    r.tflops = flops / (r.median_us * 1e6);
+    r.extra.emplace_back("runs", 3.0);
+    ctx.add(f);
+    ctx.add(fd);
+    ctx.add(r);
+  }
+}
+
+// A long-sequence training shape (D = 128) and a shorter one at D = 64.
+void attention_backward_cases_all(Context& ctx) {
+  attention_backward_cases(ctx, 4, 16, 2048, 128);
+  attention_backward_cases(ctx, 8, 16, 1024, 64);
+}
+
+FK_BENCH_CASE("primitives", "attention_bwd", attention_backward_cases_all);
 
 }  // namespace
 }  // namespace fk::bench

@@ -3,9 +3,12 @@
 // bottom-right with Sq != Sk, sliding windows, softcap), grouped-query attention against the
 // heads expanded, rows that see no key, the GPU kernels against the spec on every option, and
 // every bad argument.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -186,16 +189,42 @@ TEST(AttentionBackwardErrors, BadArgumentsNameThemselves) {
   EXPECT_NO_THROW(attention_backward(q, k, v, out, out, lse, dq, dk, dv, ok));
 }
 
-// The GPU's forward and backward (warp-per-row kernels for the options, the sm_90 kernel's forward
-// for the plain ones) against the spec, in f32 (tight) and bf16 (the dtype's rounding of the
-// inputs, outputs and gradients), on every option.
+// Where got (a host tensor) is farthest from ref: "worst at [b, h, row, col] got x want y" over the
+// [B, heads, rows, D] layout, the first NaN if there is one (an element no kernel wrote).
+std::string worst_element(const Tensor& got, const Tensor& ref) {
+  const std::vector<double> a = test::to_doubles(got), r = test::to_doubles(ref);
+  std::size_t at = 0;
+  double err = -1.0;
+  for (std::size_t e = 0; e < a.size(); ++e) {
+    const double d = std::isnan(a[e]) ? std::numeric_limits<double>::infinity() : std::abs(a[e] - r[e]);
+    if (d > err) {
+      err = d;
+      at = e;
+    }
+    if (std::isnan(a[e])) break;
+  }
+  const std::int64_t d = ref.size(3), rows = ref.size(2), heads = ref.size(1);
+  const auto e = static_cast<std::int64_t>(at);
+  return fmt::format("worst at [b {}, h {}, row {}, col {}] got {} want {}", e / (d * rows * heads), e / (d * rows) % heads,
+                     e / d % rows, e % d, a[at], r[at]);
+}
+
+// The normwise relative error of dt results: f32 runs on the warp-per-row kernels (f32 arithmetic);
+// bf16 and f16 at D 64/96/128 on the tensor-core backward, which also rounds P and dS to the dtype
+// before their products (FlashAttention's choice), and every output is rounded once to the dtype:
+// about 5 unit roundoffs of bf16 (2^-8) covers that; f16's 8 units of 2^-11 likewise.
+double gpu_tolerance(DType dt) { return dt == DType::f32 ? 1e-4 : dt == DType::bf16 ? 2e-2 : 4e-3; }
+
+// The GPU's forward and backward against the spec, on every option, in f32, bf16 and f16 (bf16
+// and f16 at D 64, 96, 128 through the tensor-core backward, the rest through the warp-per-row
+// kernels). Each failure names the case, dtype, tensor, its error and its worst element.
 class AttentionBackwardGpuVsSpec : public ::testing::TestWithParam<OptionCase> {};
 
 TEST_P(AttentionBackwardGpuVsSpec, MatchesTheSpec) {
   FK_SKIP_WITHOUT_GPU();
   const OptionCase& c = GetParam();
   const Device gpu = Device::cuda(0);
-  for (DType dt : {DType::f32, DType::bf16}) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
     const Tensor q = test::random_tensor({2, c.h, c.sq, c.d}, dt, kCpu, 61);
     const Tensor k = test::random_tensor({2, c.hk, c.sk, c.d}, dt, kCpu, 62);
     const Tensor v = test::random_tensor({2, c.hk, c.sk, c.d}, dt, kCpu, 63);
@@ -206,17 +235,74 @@ TEST_P(AttentionBackwardGpuVsSpec, MatchesTheSpec) {
     attention_backward(q, k, v, out, dout, lse, dq, dk, dv, c.opt);
     const Tensor qg = q.copy_to(gpu), kg = k.copy_to(gpu), vg = v.copy_to(gpu), dog = dout.copy_to(gpu);
     Tensor og = Tensor::empty(q.shape(), dt, gpu), lg = Tensor::empty({2, c.h, c.sq}, DType::f32, gpu);
-    Tensor dqg = Tensor::empty(q.shape(), dt, gpu), dkg = Tensor::empty(k.shape(), dt, gpu), dvg = Tensor::empty(k.shape(), dt, gpu);
-    for (Tensor* t : {&og, &dqg, &dkg, &dvg}) test::poison(*t);
+    test::poison(og);
     attention_forward(qg, kg, vg, og, lg, c.opt);
-    // The backward from the spec's out and lse, so that it is checked on the same inputs.
-    attention_backward(qg, kg, vg, out.copy_to(gpu), dog, lse.copy_to(gpu), dqg, dkg, dvg, c.opt);
-    const double tol = dt == DType::f32 ? 1e-4 : 2e-2;
-    const std::string what = c.name + " " + std::string(dtype_name(dt));
-    EXPECT_LE(test::rel_err_normwise(test::to_host(og), out), tol) << what << " out";
-    EXPECT_LE(test::rel_err_normwise(test::to_host(dqg), dq), tol) << what << " dq";
-    EXPECT_LE(test::rel_err_normwise(test::to_host(dkg), dk), tol) << what << " dk";
-    EXPECT_LE(test::rel_err_normwise(test::to_host(dvg), dv), tol) << what << " dv";
+    const double tol = gpu_tolerance(dt);
+    auto check = [&](const Tensor& got, const Tensor& ref, const std::string& what) {
+      const Tensor host = test::to_host(got);
+      const double err = test::rel_err_normwise(host, ref);
+      EXPECT_LE(err, tol) << what << ": rel err " << err << ", " << worst_element(host, ref);
+      if (err > tol / 4) std::printf("  [note] %s rel err %.3g (tol %.3g)\n", what.c_str(), err, tol);
+    };
+    check(og, out, c.name + " " + std::string(dtype_name(dt)) + " out");
+    // The backward from the spec's out and lse, so that it is checked on the same inputs; bf16 and
+    // f16 in both dq modes (the tensor-core path's atomics and its separate dq kernel).
+    const Tensor outg = out.copy_to(gpu), lseg = lse.copy_to(gpu);
+    for (bool deterministic : {c.opt.deterministic, !c.opt.deterministic}) {
+      if (dt == DType::f32 && deterministic != c.opt.deterministic) continue;
+      AttentionOptions opt = c.opt;
+      opt.deterministic = deterministic;
+      Tensor dqg = Tensor::empty(q.shape(), dt, gpu), dkg = Tensor::empty(k.shape(), dt, gpu), dvg = Tensor::empty(k.shape(), dt, gpu);
+      for (Tensor* t : {&dqg, &dkg, &dvg}) test::poison(*t);
+      attention_backward(qg, kg, vg, outg, dog, lseg, dqg, dkg, dvg, opt);
+      const std::string what = c.name + " " + std::string(dtype_name(dt)) + (deterministic ? " deterministic" : "");
+      check(dqg, dq, what + " dq");
+      check(dkg, dk, what + " dk");
+      check(dvg, dv, what + " dv");
+    }
+  }
+}
+
+// The same inputs twice: with opt.deterministic the three gradients are the same bits; without,
+// dk and dv still are (summed in registers in a fixed order), dq only close (f32 atomics).
+TEST_P(AttentionBackwardGpuVsSpec, DeterministicModeRepeatsItsBits) {
+  FK_SKIP_WITHOUT_GPU();
+  const OptionCase& c = GetParam();
+  const Device gpu = Device::cuda(0);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    const Tensor q = test::random_tensor({2, c.h, c.sq, c.d}, dt, gpu, 71);
+    const Tensor k = test::random_tensor({2, c.hk, c.sk, c.d}, dt, gpu, 72);
+    const Tensor v = test::random_tensor({2, c.hk, c.sk, c.d}, dt, gpu, 73);
+    const Tensor dout = test::random_tensor({2, c.h, c.sq, c.d}, dt, gpu, 74);
+    const Tensor out = Tensor::empty(q.shape(), dt, gpu), lse = Tensor::empty({2, c.h, c.sq}, DType::f32, gpu);
+    attention_forward(q, k, v, out, lse, c.opt);
+    for (bool deterministic : {true, false}) {
+      AttentionOptions opt = c.opt;
+      opt.deterministic = deterministic;
+      std::vector<std::vector<double>> first;
+      for (int run = 0; run < 2; ++run) {
+        Tensor dq = Tensor::empty(q.shape(), dt, gpu), dk = Tensor::empty(k.shape(), dt, gpu), dv = Tensor::empty(k.shape(), dt, gpu);
+        for (Tensor* t : {&dq, &dk, &dv}) test::poison(*t);
+        attention_backward(q, k, v, out, dout, lse, dq, dk, dv, opt);
+        const std::vector<std::vector<double>> now = {test::to_doubles(dq), test::to_doubles(dk), test::to_doubles(dv)};
+        if (run == 0) {
+          first = now;
+          continue;
+        }
+        const std::string what = c.name + " " + std::string(dtype_name(dt)) + (deterministic ? " deterministic" : " default");
+        for (int i = 0; i < 3; ++i) {
+          const char* name = i == 0 ? "dq" : i == 1 ? "dk" : "dv";
+          std::size_t differ = 0, first_at = 0;
+          for (std::size_t e = 0; e < now[i].size(); ++e)
+            if (std::memcmp(&now[i][e], &first[i][e], sizeof(double)) != 0 && differ++ == 0) first_at = e;
+          if (deterministic || i > 0)
+            EXPECT_EQ(differ, 0u) << what << " " << name << ": " << differ << " elements differ between two runs, first at "
+                                  << first_at << " (" << first[i][first_at] << " then " << now[i][first_at] << ")";
+          else if (differ > 0)
+            std::printf("  [note] %s dq: %zu elements differ between runs (atomics)\n", what.c_str(), differ);
+        }
+      }
+    }
   }
 }
 
@@ -228,6 +314,33 @@ INSTANTIATE_TEST_SUITE_P(
                       OptionCase{"window_softcap_d96", 2, 1, 37, 37, 96, {.window_left = 5, .window_right = 2, .scale = 0.1f, .softcap = 3.0f}},
                       OptionCase{"d256_one_query", 2, 2, 1, 77, 256, {.scale = 0.06f}},
                       OptionCase{"empty_rows", 2, 2, 9, 4, 16, {.causal = true, .bottom_right = true, .scale = 0.3f}}),
+    [](const auto& info) { return info.param.name; });
+
+// Shapes for the tensor-core backward (bf16/f16 at D 64, 96, 128; 128-key CTAs, 64-query steps):
+// sequence lengths 1, 17, 129 and 1000 (tails of both tiles), grouped-query heads 8 over 2 and over
+// 1, causal top-left and bottom-right with Sq != Sk (query rows and whole key blocks that see
+// nothing), windows, softcap, and deterministic mode (every case also runs in the other mode).
+INSTANTIATE_TEST_SUITE_P(
+    TensorCore, AttentionBackwardGpuVsSpec,
+    ::testing::Values(
+        OptionCase{"d64_one_by_one", 1, 1, 1, 1, 64, {.scale = 0.125f}},
+        OptionCase{"d64_q17_k129", 2, 2, 17, 129, 64, {.scale = 0.125f}},
+        OptionCase{"d96_q129_k17", 2, 2, 129, 17, 96, {.scale = 0.1f}},
+        OptionCase{"d128_q1_k1000", 2, 2, 1, 1000, 128, {.scale = 0.088f}},
+        OptionCase{"d64_causal_top_left_q100_k1000", 2, 2, 100, 1000, 64, {.causal = true, .scale = 0.125f}},
+        OptionCase{"d128_q1000_causal", 2, 2, 1000, 1000, 128, {.causal = true, .scale = 0.088f}},
+        OptionCase{"d64_q1000_k129_gqa_2_over_1", 2, 1, 1000, 129, 64, {.scale = 0.125f}},
+        OptionCase{"d64_gqa_8_over_2_causal_bottom_right", 8, 2, 100, 300, 64, {.causal = true, .bottom_right = true, .scale = 0.125f}},
+        OptionCase{"d128_mqa_8_over_1_causal_top_left", 8, 1, 129, 257, 128, {.causal = true, .scale = 0.088f}},
+        OptionCase{"d96_causal_bottom_right_more_queries", 2, 2, 300, 129, 96, {.causal = true, .bottom_right = true, .scale = 0.1f}},
+        OptionCase{"d128_window_40_7", 2, 2, 257, 257, 128, {.window_left = 40, .window_right = 7, .scale = 0.088f}},
+        OptionCase{"d64_window_bottom_right", 2, 1, 50, 200, 64, {.bottom_right = true, .window_left = 30, .window_right = 10, .scale = 0.125f}},
+        OptionCase{"d64_causal_window_17", 4, 2, 200, 200, 64, {.causal = true, .window_left = 17, .scale = 0.125f}},
+        OptionCase{"d96_softcap", 2, 2, 130, 70, 96, {.scale = 0.5f, .softcap = 2.0f}},
+        OptionCase{"d128_softcap_causal_gqa", 4, 2, 129, 129, 128, {.causal = true, .scale = 0.3f, .softcap = 5.0f}},
+        OptionCase{"d64_deterministic_gqa", 8, 2, 129, 300, 64, {.scale = 0.125f, .deterministic = true}},
+        OptionCase{"d128_deterministic_causal_window", 2, 1, 300, 300, 128, {.causal = true, .window_left = 70, .scale = 0.088f, .deterministic = true}},
+        OptionCase{"d96_deterministic_bottom_right", 2, 2, 17, 1000, 96, {.causal = true, .bottom_right = true, .scale = 0.1f, .deterministic = true}}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

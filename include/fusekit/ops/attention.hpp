@@ -27,6 +27,11 @@ struct AttentionOptions {
   std::int64_t window_right = -1;
   float scale = 1.0f;
   float softcap = 0.0f;
+  // Backward only: dq summed in a fixed order, so that the same inputs give the same bits on every
+  // run, at the price of a second pass over the keys that recomputes the scores (tensor-core path).
+  // The default adds each key block's share of dq by f32 atomics, whose order varies between
+  // runs (a few ulps of f32 before the rounding to the dtype). dk and dv are deterministic either way.
+  bool deterministic = false;
 };
 
 // q [B, H, Sq, D]; k, v [B, Hk, Sk, D] with H a multiple of Hk (grouped-query attention: q head h
@@ -42,8 +47,11 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 // q heads of its group) from dout [B, H, Sq, D] and the forward's q, k, v, out and lse, without
 // the [Sq, Sk] matrices of a whole head in memory: P = exp(s - lse) recomputed, dP = dout vᵀ,
 // dS = P ⊙ (dP - rowsum(dout ⊙ out)) (times the softcap's 1 - tanh²), dq = scale dS k,
-// dk = scale dSᵀ q, dv = Pᵀ dout. On a GPU: warp-per-row kernels (correct, not fast), a delta
-// [B, H, Sq] f32 scratch from the caching allocator.
+// dk = scale dSᵀ q, dv = Pᵀ dout. On a GPU (sm_80 and later), bf16/f16 with D = 64, 96 or 128 run
+// on tensor cores (FlashAttention-2's algorithm, mma.sync; P and dS rounded to the dtype before
+// their products), every option; f32, other head dims (256 included) and older GPUs on warp-per-row
+// kernels (correct, not fast). Scratch from the caching allocator: delta [B, H, Sq] f32, and on the
+// tensor-core path without opt.deterministic a dq accumulator [B, H, Sq, D] f32.
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                         const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                         const TensorView& dv, const AttentionOptions& opt, const Stream* stream = nullptr);

@@ -1,5 +1,6 @@
 // Dispatch of attention_forward and attention_backward: argument checks, then the CPU spec or the
-// CUDA kernels (the sm_90 tensor-core forward for the plain options, else the warp-per-row kernels).
+// CUDA kernels (the sm_90 tensor-core forward for the plain options, else the warp-per-row kernel;
+// the mma.sync backward for bf16/f16 at D 64, 96, 128 on sm_80+, else the warp-per-row kernels).
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -128,6 +129,11 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   if (dev.is_cpu()) return reference::attention_backward(q, k, v, out, dout, lse, dq, dk, dv, opt);
 #if FUSEKIT_WITH_CUDA
   const Tensor delta = Tensor::empty({q.size(0), q.size(1), q.size(2)}, DType::f32, dev, stream);
+  if (cuda::attention_backward_mma_supports(q, k)) {
+    const Tensor dq_accum = opt.deterministic ? Tensor() : Tensor::empty(q.shape(), DType::f32, dev, stream);
+    if (cuda::attention_backward_mma(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), opt, stream))
+      return;
+  }
   cuda::attention_backward_rowwise(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), opt, stream);
 #else
   (void)stream;

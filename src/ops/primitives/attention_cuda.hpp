@@ -20,6 +20,19 @@ void attention_backward_rowwise(const TensorView& q, const TensorView& k, const 
                                 const TensorView& dk, const TensorView& dv, const TensorView& delta,
                                 const AttentionOptions& opt, const Stream* stream);
 
+// attention_mma_bwd.cu: whether the tensor-core backward (mma.sync, sm_80 and later) takes these
+// shapes: bf16/f16, D = 64, 96 or 128 (D = 256's dk/dv accumulators do not fit a thread's
+// registers in this design; it stays on the rowwise kernels), Sq, Sk in [1, 2^30), 1 <= B * H <= 65535.
+bool attention_backward_mma_supports(const TensorView& q, const TensorView& k);
+// attention_mma_bwd.cu: the backward on tensor cores, true when it was launched (also needs an sm_80+
+// device with the shared memory it asks for and 16-byte aligned tensors). delta: f32 [B, H, Sq]
+// scratch; dq_accum: f32 [B, H, Sq, D] scratch unless opt.deterministic (then unused, may be empty).
+// Every AttentionOptions; dq, dk, dv overwritten.
+bool attention_backward_mma(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                            const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                            const TensorView& dv, const TensorView& delta, const TensorView& dq_accum,
+                            const AttentionOptions& opt, const Stream* stream);
+
 // attention_sm90.cu: true when the wgmma/TMA kernel takes this call (sm_90 device, bf16/f16,
 // D = 64 or 128, Sk >= 1, 16-byte aligned bases, B * H * ceil(Sq / 128) < 2^31) and it was launched.
 bool attention_forward_sm90(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
