@@ -354,6 +354,53 @@ TEST(QgemmGpu, BenchShapesRepeatedOnTwoStreams) {
   }
 }
 
+// constant_weights (a programmatic dependent launch on sm_90: the weight loads start before the
+// kernel before it has finished; x is read only after): chains of small-M qgemms where each
+// one's x is the output of the kernel just before it, first x written by a dequantize kernel.
+// Every output must be the bytes of the same chain run without the promise (the kernel is
+// deterministic): an x read too early would differ.
+TEST(QgemmGpu, ConstantWeightsReadXOnlyAfterTheKernelBefore) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda();
+  const Stream s = Stream::create(gpu);
+  for (DType dt : {DType::f16, DType::bf16})
+    for (std::int64_t m : {1, 5, 16}) {
+      constexpr std::int64_t kDim = 4096;
+      constexpr int kSteps = 8;
+      // |w| <= 0.03: each step keeps y's scale near x's (K = 4096 terms), no overflow over the chain.
+      const Tensor w = test::random_tensor({kDim, kDim}, dt, kCpu, 71, -0.03f, 0.03f);
+      const QuantizedWeight qw = quantize_weights(w, 128).copy_to(gpu);
+      const Tensor x_src = test::random_tensor({m, kDim}, dt, kCpu, 72, -1.f, 1.f);
+      const QuantizedWeight qx = quantize_weights(x_src, 128).copy_to(gpu);
+      std::vector<Tensor> plain, promised;
+      for (bool constant : {false, true}) {
+        std::vector<Tensor>& ys = constant ? promised : plain;
+        Tensor x = Tensor::empty({m, kDim}, dt, gpu);
+        test::poison(x);
+        s.synchronize();
+        dequantize_weights(qx, x, &s);  // a kernel writes the first x
+        for (int i = 0; i < kSteps; ++i) {
+          ys.push_back(Tensor::empty({m, kDim}, dt, gpu));
+          test::poison(ys.back());
+        }
+        s.synchronize();
+        for (int i = 0; i < kSteps; ++i)
+          qgemm(i == 0 ? x : ys[static_cast<std::size_t>(i - 1)], qw, ys[static_cast<std::size_t>(i)], &s,
+                {.constant_weights = constant});
+        s.synchronize();
+      }
+      // The first step against the spec; then every step's bytes.
+      Tensor ref = Tensor::empty({m, kDim}, DType::f32, kCpu);
+      reference::qgemm(test::to_host(dequantize_weights(qx)), quantize_weights(w, 128), ref);
+      EXPECT_LE(rel_err(test::to_host(plain[0]), ref), 5e-3) << dtype_name(dt) << " M " << m;
+      for (int i = 0; i < kSteps; ++i) {
+        const Tensor a = test::to_host(plain[static_cast<std::size_t>(i)]);
+        const Tensor b = test::to_host(promised[static_cast<std::size_t>(i)]);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << dtype_name(dt) << " M " << m << " step " << i;
+      }
+    }
+}
+
 TEST(QgemmGpuLayout, QuantizeOnGpuMatchesHost) {
   FK_SKIP_WITHOUT_GPU();
   const Tensor w = test::random_tensor({33, 256}, DType::bf16, kCpu, 5);

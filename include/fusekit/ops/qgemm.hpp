@@ -71,8 +71,20 @@ QuantizedWeight from_puzzle_layout(const TensorView& weight, const TensorView& s
 // group and row, so y differs from x · w̃ᵀ by w̃'s rounding to 16 bits (within the family's 5e-3 bound).
 // Larger M: on sm_90, wgmma with the dequantized w̃ as the register-sourced operand; elsewhere
 // 64x256 or 128x128 mma.sync m16n8k16 tiles on the dequantized w̃ (docs/qgemm.md).
-void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream = nullptr);
-Tensor qgemm(const TensorView& x, const QuantizedWeight& qw, const Stream* stream = nullptr);
+//
+// QgemmOptions::constant_weights: a promise that no kernel before this call in the stream writes
+// the weight (packed, scale, zero) while it may still run, as in inference, where the weights are
+// written once at load. The small-M kernel is then launched as a programmatic dependent launch
+// (sm_90): its weight loads start while the kernel before it finishes, and it reads x and writes
+// y only after that kernel has completed. Without the promise (the default) every qgemm waits for
+// the kernel before it.
+struct QgemmOptions {
+  bool constant_weights = false;
+};
+void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream = nullptr,
+           const QgemmOptions& options = {});
+Tensor qgemm(const TensorView& x, const QuantizedWeight& qw, const Stream* stream = nullptr,
+             const QgemmOptions& options = {});
 
 namespace reference {
 QuantizedWeight quantize_weights(const TensorView& w, int group);

@@ -147,7 +147,8 @@ QuantizedWeight from_puzzle_layout(const TensorView& weight, const TensorView& s
   return qw;
 }
 
-void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
+void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
+           const QgemmOptions& options) {
   constexpr const char* op = "qgemm";
   check_weight(op, qw);
   checks::tensor(op, "x", x, 2);
@@ -172,16 +173,17 @@ void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, 
                  "16-byte aligned packed, scale and zero (the kernel copies them in 16-byte units)",
                  "a misaligned pointer");
 #if FUSEKIT_WITH_CUDA
-  cuda::qgemm(x, qw, y, stream);
+  cuda::qgemm(x, qw, y, stream, cuda::QgemmPath::automatic, options.constant_weights);
 #else
   (void)stream;
+  (void)options;
 #endif
 }
 
-Tensor qgemm(const TensorView& x, const QuantizedWeight& qw, const Stream* stream) {
+Tensor qgemm(const TensorView& x, const QuantizedWeight& qw, const Stream* stream, const QgemmOptions& options) {
   checks::tensor("qgemm", "x", x, 2);
   Tensor y = Tensor::empty({x.size(0), qw.n}, qw.dtype, qw.device(), stream);
-  qgemm(x, qw, y, stream);
+  qgemm(x, qw, y, stream, options);
   return y;
 }
 

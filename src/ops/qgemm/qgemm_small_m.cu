@@ -216,10 +216,20 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
     }
   };
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // A kernel after this one launched as a programmatic dependent may start now (it waits for this
+  // one to complete before it reads what this one writes).
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   Batch<KU, H> cur, nxt;
   // The first two batches are on their way while x is staged.
   load(cur, 0);
   load(nxt, KU);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent (constant weights): x is read and y written only after
+  // the kernel before this one has completed and its writes are visible. Otherwise a no-op.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 
   {  // x [m, kt_cta * 64 .. + tiles_cta * 64) -> xs in fragment order, zero beyond K; row m zero
     const int chunks_per_row = tiles_cta * 8;  // 16-byte chunks: 8 values, pairs 4 c .. 4 c + 3
@@ -524,7 +534,8 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
 }
 
 template <class T, int MT, int KU, bool GROUP64>
-bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
+bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
+                    bool constant_weights) {
   using C = CtaShape<MT>;
   const auto kernel = qgemm_small_m_kernel<T, MT, KU, GROUP64>;
   const int m = static_cast<int>(x.size(0)), n = static_cast<int>(qw.n);
@@ -554,15 +565,24 @@ bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const Tensor
   config.blockDim = dim3(kThreads, 1, 1);
   config.dynamicSmemBytes = plan.smem;
   config.stream = fk::detail::cuda_stream(stream);
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = static_cast<unsigned>(plan.splits);
-  attr.val.clusterDim.z = 1;
+  cudaLaunchAttribute attrs[2]{};
+  unsigned n_attrs = 0;
   if (plan.splits > 1) {
-    config.attrs = &attr;
-    config.numAttrs = 1;
+    cudaLaunchAttribute& a = attrs[n_attrs++];
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = 1;
+    a.val.clusterDim.y = static_cast<unsigned>(plan.splits);
+    a.val.clusterDim.z = 1;
   }
+  // Constant weights on sm_90: a programmatic dependent launch (the kernel waits with
+  // griddepcontrol.wait after its first weight loads, before it reads x).
+  if (constant_weights && device_facts(y.device().index).major >= 9) {
+    cudaLaunchAttribute& a = attrs[n_attrs++];
+    a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    a.val.programmaticStreamSerializationAllowed = 1;
+  }
+  config.attrs = n_attrs > 0 ? attrs : nullptr;
+  config.numAttrs = n_attrs;
   FK_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
   FK_CUDA_CHECK_LAUNCH("qgemm_small_m_kernel");
   return true;
@@ -570,7 +590,8 @@ bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const Tensor
 
 }  // namespace
 
-bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream) {
+bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
+                   bool constant_weights) {
   const std::int64_t m = x.size(0);
   if (m > 16) return false;
   // A group that is a multiple of 64 (or one group per row) has one scale per row and k-tile; one
@@ -585,14 +606,14 @@ bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorV
     } else {
       if (m <= 8) {
         if (group128)
-          done = launch_small_m<T, 1, 2, true>(x, qw, y, stream);
+          done = launch_small_m<T, 1, 2, true>(x, qw, y, stream, constant_weights);
         else
-          done = group64 ? launch_small_m<T, 1, 1, true>(x, qw, y, stream) : launch_small_m<T, 1, 1, false>(x, qw, y, stream);
+          done = group64 ? launch_small_m<T, 1, 1, true>(x, qw, y, stream, constant_weights) : launch_small_m<T, 1, 1, false>(x, qw, y, stream, constant_weights);
       } else {
         if (group128)
-          done = launch_small_m<T, 2, 2, true>(x, qw, y, stream);
+          done = launch_small_m<T, 2, 2, true>(x, qw, y, stream, constant_weights);
         else
-          done = group64 ? launch_small_m<T, 2, 1, true>(x, qw, y, stream) : launch_small_m<T, 2, 1, false>(x, qw, y, stream);
+          done = group64 ? launch_small_m<T, 2, 1, true>(x, qw, y, stream, constant_weights) : launch_small_m<T, 2, 1, false>(x, qw, y, stream, constant_weights);
       }
     }
   });
