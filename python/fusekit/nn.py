@@ -336,15 +336,23 @@ class W4Linear(nn.Module):
         return out
 
     def forward(self, x: Tensor) -> Tensor:
-        lead, x_dtype = x.shape[:-1], x.dtype
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
-        x = x.reshape(-1, x.shape[-1]).to(self.scale.dtype)
-        y = ops.call("qgemm", x, self.packed, self.scale, self.zero, self.out_features, self.in_features,
-                     self.group).to(x_dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x_dtype)
-        return y.reshape(*lead, self.out_features)
+        # A decode step calls this once per layer, eagerly, so it does only what the call needs:
+        # no reshape (the op takes [..., K]), no cast to a dtype x already has, the buffers read
+        # from the module's dict (nn.Module.__getattr__ costs about a microsecond a buffer).
+        buffers = self._buffers
+        scale, bias, perm = buffers["scale"], buffers["bias"], buffers["perm"]
+        x_dtype = x.dtype
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        if x_dtype != scale.dtype:
+            x = x.to(scale.dtype)
+        y = ops.call("qgemm", x, buffers["packed"], scale, buffers["zero"], self.out_features, self.in_features,
+                     self.group)
+        if y.dtype != x_dtype:
+            y = y.to(x_dtype)
+        if bias is not None:
+            y = y + (bias if bias.dtype == x_dtype else bias.to(x_dtype))
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
