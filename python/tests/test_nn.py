@@ -167,9 +167,9 @@ def _w4_through_the_registered_op(w4, x):
 
 
 @pytest.mark.parametrize("bias, perm", [(False, False), (True, True)], ids=["plain", "bias_act_order"])
-@pytest.mark.parametrize("shape, x_dtype", [((5, 128), torch.float16), ((3, 1, 128), torch.float16), ((128,), torch.float16),
-                                            ((2, 0, 128), torch.float16), ((4, 128), torch.float32),
-                                            ((2, 3, 128), torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("shape, x_dtype", [((5, 128), torch.float16), ((3, 1, 128), torch.float16),
+                                            ((128,), torch.float16), ((2, 0, 128), torch.float16),
+                                            ((4, 128), torch.float32), ((2, 3, 128), torch.bfloat16)], ids=str)
 def test_w4_linear_eager_call_is_the_registered_op_s_result(device, shape, x_dtype, bias, perm):
     """The eager call (the op's implementation run directly, [..., K] straight to the kernel, no
     cast or reshape it does not need) gives exactly what the registered op gives, for every rank,
