@@ -474,7 +474,7 @@ def host_overhead(device: torch.device, n: int, k: int, group: int, calls: int =
     of `rounds` loops of `calls` back-to-back calls, timed from the first call's start to the last
     call's return without waiting for the device (the launch queue holds them all), for x [rows, 1,
     K] as a decode step hands it over, rows 1 and 0 (0: the call's work without a kernel). On CUDA
-    also the device time per call (a CUDA graph of `calls` calls replayed). On the CPU the calls
+    also the device time per call at rows 1 (a CUDA graph of `calls` calls replayed). On the CPU the calls
     are synchronous: the time includes the CPU kernels' own work."""
     from ..overhead import _device_per_call
 
@@ -512,7 +512,7 @@ def host_overhead(device: torch.device, n: int, k: int, group: int, calls: int =
                     fn()
                 best = min(best, time.perf_counter() - t0)
             row["host_us"] = best / calls * 1e6
-            if cuda:
+            if cuda and m:  # (no rows: no kernel, nothing for a graph to hold)
                 torch.cuda.synchronize(device)
                 row["device_us"] = _device_per_call(fn, calls) * 1e6
             rows.append(row)

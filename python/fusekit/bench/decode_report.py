@@ -85,8 +85,8 @@ def host_table(doc: dict) -> str:
         if "note" in r:
             lines.append(f"| {r['case']} | {r['rows']} | {r['note']} |" + (" |" if device else ""))
             continue
-        lines.append(f"| {r['case']} | {r['rows']} | {r['host_us']:.1f} |" +
-                     (f" {r['device_us']:.1f} |" if device else ""))
+        dev = f" {r['device_us']:.1f} |" if "device_us" in r else " — |"
+        lines.append(f"| {r['case']} | {r['rows']} | {r['host_us']:.1f} |" + (dev if device else ""))
     return "\n".join(lines)
 
 
