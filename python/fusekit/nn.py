@@ -340,7 +340,7 @@ class W4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # A decode step calls this once per layer, eagerly, so it does only what the call needs:
         # no reshape (the op takes [..., K]), no cast to a dtype x already has, the buffers read
-        # from the module's dict (nn.Module.__getattr__ costs about a microsecond a buffer).
+        # from the module's dict (nn.Module.__getattr__ costs most of a microsecond a buffer).
         buffers = self._buffers
         scale, bias, perm = buffers["scale"], buffers["bias"], buffers["perm"]
         x_dtype = x.dtype
@@ -390,7 +390,7 @@ def quantize(model: nn.Module, bits: int = 4, group_size: int = 128, *, dtype: O
         return W4Linear.from_linear(m, group, dt)
 
     # The quantization runs on the host with the GIL released, one layer per thread: a 7B model's
-    # 224 layers take about a minute on one core.
+    # 224 layers take a minute or more on one core.
     with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1, len(targets)))) as pool:
         for (name, _), w4 in zip(targets, pool.map(quantized, [m for _, m in targets])):
             parent, attr = _parent_of(model, name)
