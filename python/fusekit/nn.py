@@ -19,6 +19,8 @@
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -336,15 +338,23 @@ class W4Linear(nn.Module):
         return out
 
     def forward(self, x: Tensor) -> Tensor:
-        lead, x_dtype = x.shape[:-1], x.dtype
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
-        x = x.reshape(-1, x.shape[-1]).to(self.scale.dtype)
-        y = ops.call("qgemm", x, self.packed, self.scale, self.zero, self.out_features, self.in_features,
-                     self.group).to(x_dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x_dtype)
-        return y.reshape(*lead, self.out_features)
+        # A decode step calls this once per layer, eagerly, so it does only what the call needs:
+        # no reshape (the op takes [..., K]), no cast to a dtype x already has, the buffers read
+        # from the module's dict (nn.Module.__getattr__ costs most of a microsecond a buffer).
+        buffers = self._buffers
+        scale, bias, perm = buffers["scale"], buffers["bias"], buffers["perm"]
+        x_dtype = x.dtype
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        if x_dtype != scale.dtype:
+            x = x.to(scale.dtype)
+        y = ops.call("qgemm", x, buffers["packed"], scale, buffers["zero"], self.out_features, self.in_features,
+                     self.group)
+        if y.dtype != x_dtype:
+            y = y.to(x_dtype)
+        if bias is not None:
+            y = y + (bias if bias.dtype == x_dtype else bias.to(x_dtype))
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
@@ -373,11 +383,18 @@ def quantize(model: nn.Module, bits: int = 4, group_size: int = 128, *, dtype: O
             raise _C.Error(f"fk::quantize: argument 'group_size': expected 32, 64, 128 or -1, dividing every "
                            f"quantized layer's in_features, got {group_size} for {name} (in_features "
                            f"{m.in_features}); pass -1 or name the layer in skip")
-    for name, m in targets:
+
+    def quantized(m: nn.Linear) -> W4Linear:
         group = m.in_features if group_size == -1 else group_size
         dt = dtype or (m.weight.dtype if m.weight.dtype in (torch.float16, torch.bfloat16) else torch.float16)
-        parent, attr = _parent_of(model, name)
-        setattr(parent, attr, W4Linear.from_linear(m, group, dt))
+        return W4Linear.from_linear(m, group, dt)
+
+    # The quantization runs on the host with the GIL released, one layer per thread: a 7B model's
+    # 224 layers take a minute or more on one core.
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1, len(targets)))) as pool:
+        for (name, _), w4 in zip(targets, pool.map(quantized, [m for _, m in targets])):
+            parent, attr = _parent_of(model, name)
+            setattr(parent, attr, w4)
     return model
 
 

@@ -1,6 +1,6 @@
 // The qgemm family's bindings: 4-bit weight quantization and the conversion of weights quantized
 // elsewhere (both on the host, handed out through DLPack), dequantization and the weight-only
-// quantized matmul.
+// quantized matmul (x [..., K] and y [..., N], contiguous, taken as [rows, K] and [rows, N]).
 #include <nanobind/stl/string.h>
 
 #include <string>
@@ -44,6 +44,16 @@ QuantizedWeight quantized_view(const Array& packed, const Array& scale, const Ar
   qw.group = group;
   qw.dtype = qw.scale.dtype();
   return qw;
+}
+
+// A contiguous [..., C] (rank 1 or more) as the [rows, C] view the op takes, so that a caller
+// need not reshape a decode step's [B, 1, C] activations (two PyTorch calls, about a microsecond
+// each); any other view unchanged, for the op's own checks to name.
+TensorView as_rows(const TensorView& v) {
+  if (v.rank() == 0 || v.rank() == 2 || !v.is_contiguous()) return v;
+  std::int64_t rows = 1;
+  for (int i = 0; i + 1 < v.rank(); ++i) rows *= v.size(i);
+  return v.reshape(Dims{rows, v.size(-1)});
 }
 
 }  // namespace
@@ -91,9 +101,9 @@ void bind_qgemm(nb::module_& m) {
       "qgemm",
       [](const Array& x, const Array& packed, const Array& scale, const Array& zero, std::int64_t n, std::int64_t k,
          int group, const Array& y, std::uintptr_t stream) {
-        const TensorView xv = view(x, "qgemm", "x");
+        const TensorView xv = as_rows(view(x, "qgemm", "x"));
         const QuantizedWeight qw = quantized_view(packed, scale, zero, n, k, group, "qgemm");
-        qgemm(xv, qw, view(y, "qgemm", "y"), StreamArg(stream, xv).get());
+        qgemm(xv, qw, as_rows(view(y, "qgemm", "y")), StreamArg(stream, xv).get());
       },
       "x"_a, "packed"_a, "scale"_a, "zero"_a, "n"_a, "k"_a, "group"_a, "y"_a, "stream"_a, kNoGil);
 }

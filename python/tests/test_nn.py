@@ -154,6 +154,58 @@ def test_w4_linear_is_within_the_quantization_of_the_weight(device):
     del dtype
 
 
+def _w4_through_the_registered_op(w4, x):
+    """W4Linear's function spelled out on torch.ops.fusekit.qgemm, the op torch.compile records."""
+    lead = x.shape[:-1]
+    rows = x if w4.perm is None else x.index_select(-1, w4.perm)
+    rows = rows.reshape(-1, w4.in_features).to(w4.scale.dtype)
+    y = torch.ops.fusekit.qgemm(rows, w4.packed, w4.scale, w4.zero, w4.out_features, w4.in_features, w4.group)
+    y = y.to(x.dtype)
+    if w4.bias is not None:
+        y = y + w4.bias.to(x.dtype)
+    return y.reshape(*lead, w4.out_features)
+
+
+@pytest.mark.parametrize("bias, perm", [(False, False), (True, True)], ids=["plain", "bias_act_order"])
+@pytest.mark.parametrize("shape, x_dtype", [((5, 128), torch.float16), ((3, 1, 128), torch.float16),
+                                            ((128,), torch.float16), ((2, 0, 128), torch.float16),
+                                            ((4, 128), torch.float32), ((2, 3, 128), torch.bfloat16)], ids=str)
+def test_w4_linear_eager_call_is_the_registered_op_s_result(device, shape, x_dtype, bias, perm):
+    """The eager call (the op's implementation run directly, [..., K] straight to the kernel, no
+    cast or reshape it does not need) gives exactly what the registered op gives, for every rank,
+    an empty batch, x of another dtype than the layer's, a bias and an act-order permutation."""
+    torch.manual_seed(8)
+    lin = nn.Linear(128, 40, bias=bias).to(device=device, dtype=torch.float16)
+    w4 = fnn.W4Linear.from_linear(lin, group_size=64)
+    if perm:
+        w4.perm = torch.randperm(128, device=device)
+    x = torch.randn(shape, device=device).to(x_dtype)
+    with torch.no_grad():
+        assert fusekit.ops._registry._route("qgemm", (x.to(torch.float16), w4.packed, w4.scale, w4.zero, 40, 128, 64)) \
+            == fusekit.ops._registry._PLAIN_CALL
+        got = w4(x)
+    want = _w4_through_the_registered_op(w4, x)
+    assert got.shape == want.shape == (*shape[:-1], 40) and got.dtype == x_dtype
+    assert torch.equal(got, want)
+    xt = torch.randn(128, 6, device=device, dtype=torch.float16).t()  # not contiguous: copied for the kernel
+    assert torch.equal(w4(xt), _w4_through_the_registered_op(w4, xt))
+
+
+def test_w4_linear_compiles_without_graph_breaks(device):
+    """torch.compile(fullgraph=True) traces W4Linear to the registered op and matches the eager call."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    torch.manual_seed(9)
+    w4 = fnn.W4Linear.from_linear(nn.Linear(128, 40).to(device=device, dtype=torch.float16), group_size=64)
+    x = torch.randn(3, 1, 128, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        eager = w4(x)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(w4, fullgraph=True, backend="aot_eager")(x), eager)
+        assert torch._dynamo.explain(w4)(x).graph_break_count == 0
+        graph = make_fx(w4)(x).graph
+    assert "fusekit.qgemm.default" in {str(n.target) for n in graph.nodes if n.op == "call_function"}
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

@@ -10,9 +10,20 @@ from fusekit import ops  # noqa: E402
 from helpers import rand  # noqa: E402
 
 
-def test_opcheck_qgemm(device):
-    torch.library.opcheck(ops.qgemm, (rand((3, 64), torch.float16, device, 29),
+@pytest.mark.parametrize("shape", [(3, 64), (2, 1, 64), (64,), (0, 64)], ids=str)
+def test_opcheck_qgemm(device, shape):
+    """x [..., K] of any rank from 1 (as nn.Linear takes it): y [..., N]."""
+    torch.library.opcheck(ops.qgemm, (rand(shape, torch.float16, device, 29),
                                       *ops.quantize_weights(rand((16, 64), torch.float16, device, 30), 32), 16, 64, 32))
+
+
+def test_qgemm_takes_any_layout_of_x_and_names_a_wrong_device(device):
+    w = ops.quantize_weights(rand((16, 64), torch.float16, device, 32), 32)
+    x = rand((64, 3), torch.float16, device, 33).t()  # rows not contiguous: copied first
+    torch.testing.assert_close(ops.qgemm(x, *w, 16, 64, 32), ops.qgemm(x.contiguous(), *w, 16, 64, 32), rtol=0, atol=0)
+    if device == "cuda":
+        with pytest.raises(fusekit.Error, match="fk::qgemm: argument 'x': expected a tensor on cuda"):
+            ops.qgemm(x.cpu(), *w, 16, 64, 32)
 
 
 def test_pack_weights_holds_the_values_it_is_given(device):

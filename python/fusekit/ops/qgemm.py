@@ -6,21 +6,26 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._registry import _custom_op, _stream, _same_device, _d
+from ._registry import _custom_op, _d, _dlpack, _stream
 
 
 @_custom_op("qgemm")
 def qgemm(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, n: int, k: int, group: int) -> Tensor:
-    """y [M, n] = x [M, k] · w̃ᵀ, w̃ the 4-bit weight quantize_weights made (docs/qgemm.md)."""
-    _same_device("qgemm", x=x, packed=packed, scale=scale, zero=zero)
-    y = x.new_empty((x.shape[0], n))
-    _C.qgemm(_d(x), _d(packed), _d(scale), _d(zero), n, k, group, _d(y), _stream(x))
+    """y [..., n] = x [..., k] · w̃ᵀ, w̃ the 4-bit weight quantize_weights made (docs/qgemm.md); x of
+    any layout (a contiguous copy where it is not contiguous). The kernel's own checks
+    (fusekit._C) name any argument of the wrong shape, dtype or device: a decode step calls this
+    once per linear layer, so it adds no check of its own, and x's leading dimensions reach the
+    kernel as rows without a reshape."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = x.new_empty(x.shape[:-1] + (n,))
+    _C.qgemm(_dlpack(x), _dlpack(packed), _dlpack(scale), _dlpack(zero), n, k, group, _dlpack(y), _stream(x))
     return y
 
 
 @qgemm.register_fake
 def _(x, packed, scale, zero, n, k, group):
-    return x.new_empty((x.shape[0], n))
+    return x.new_empty((*x.shape[:-1], n))
 
 
 def quantize_weights(w: Tensor, group: int = 128) -> tuple[Tensor, Tensor, Tensor]:
