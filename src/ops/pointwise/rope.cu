@@ -127,8 +127,8 @@ __device__ __forceinline__ Vec<T, V> shuffle_xor(unsigned mask, const Vec<T, V>&
 // vector (column c -/+ D/2) by a shuffle. Its own output column is
 //   y = x c + x_partner s',  s' = -s1 (first half) and s2 (second half) forward, from its own
 //   column; s2 and -s1 backward, from the partner's column.
-template <class T, class TC, int V>
-__global__ void __launch_bounds__(kThreads, (kMinBlocks<T, TC, V>)) rope_row_kernel(RopeParams p) {
+template <class T, class TC, int V, int R, int MinBlocks>
+__global__ void __launch_bounds__(kThreads, MinBlocks) rope_row_kernel(RopeParams p) {
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   T* q_out = static_cast<T*>(p.q_out);
@@ -152,33 +152,33 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, TC, V>)) rope_row_ker
     const Vec<TC, V> c = load_vec<TC, V>(cos + col);
     const Vec<TC, V> s_loaded = load_vec<TC, V>(sin + sin_col);
     const Vec<TC, V> sv = negate ? negated(s_loaded) : s_loaded;
-    // Two heads a round, so that two loads are in flight before the first shuffle.
-    for (int h0 = threadIdx.z; h0 < p.heads; h0 += 2 * blockDim.z) {
-      const T* x[2];
-      T* y[2];
-      Vec<T, V> xv[2];
-      const int n = h0 + static_cast<int>(blockDim.z) < p.heads ? 2 : 1;
+    // R heads a round (h0, h0 + bz, ..): R loads in flight before the first shuffle. Per token, the
+    // (b, t) part of each operand's offset; per head, its h part.
+    const std::int64_t q_base = b * p.q_stride[0] + t * p.q_stride[2], k_base = b * p.k_stride[0] + t * p.k_stride[2];
+    const std::int64_t qo_base = b * p.qo_stride[0] + t * p.qo_stride[2];
+    const std::int64_t ko_base = b * p.ko_stride[0] + t * p.ko_stride[2];
+    const int bz = static_cast<int>(blockDim.z);
+    for (int h0 = threadIdx.z; h0 < p.heads; h0 += R * bz) {
+      Vec<T, V> xv[R];
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        if (u < n) {
-          const int h = h0 + u * static_cast<int>(blockDim.z);
-          const bool is_k = h >= p.q_heads;
-          const std::int64_t hh = is_k ? h - p.q_heads : h;
-          x[u] = is_k ? k + b * p.k_stride[0] + hh * p.k_stride[1] + t * p.k_stride[2]
-                      : q + b * p.q_stride[0] + hh * p.q_stride[1] + t * p.q_stride[2];
-          y[u] = is_k ? k_out + b * p.ko_stride[0] + hh * p.ko_stride[1] + t * p.ko_stride[2]
-                      : q_out + b * p.qo_stride[0] + hh * p.qo_stride[1] + t * p.qo_stride[2];
-          xv[u] = load_vec<T, V>(x[u] + col);
+      for (int u = 0; u < R; ++u) {
+        const int h = h0 + u * bz;
+        if (h < p.heads) {
+          const T* x = h >= p.q_heads ? k + k_base + (h - p.q_heads) * p.k_stride[1] : q + q_base + h * p.q_stride[1];
+          xv[u] = load_vec<T, V>(x + col);
         }
       }
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        if (u < n) {
+      for (int u = 0; u < R; ++u) {
+        const int h = h0 + u * bz;
+        if (h < p.heads) {
           const Vec<T, V> xp = shuffle_xor(mask, xv[u], half_lanes);
           Vec<T, V> yv;
 #pragma unroll
           for (int j = 0; j < V; ++j) yv.set(j, fmaf(xv[u].get(j), c.get(j), xp.get(j) * sv.get(j)));
-          store_vec<T, V>(y[u] + col, yv);
+          T* y = h >= p.q_heads ? k_out + ko_base + (h - p.q_heads) * p.ko_stride[1]
+                                : q_out + qo_base + h * p.qo_stride[1];
+          store_vec<T, V>(y + col, yv);
         }
       }
     }
@@ -193,34 +193,58 @@ bool vector_friendly(const TensorView& t, int v, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(t.data()) % (v * bytes) == 0;
 }
 
+// Blocks of (bx, bt, bh) threads: bx lanes along a row, bh heads in as few equal rounds as fit the
+// block, bt tokens to fill the rest; the grid strides over the tokens.
+inline dim3 rope_block(int bx, int heads_a_block, std::int64_t tokens) {
+  const int bt = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(kThreads / (bx * heads_a_block), tokens)));
+  return dim3(bx, bt, heads_a_block);
+}
+inline unsigned rope_grid(const dim3& block, std::int64_t tokens) {
+  return static_cast<unsigned>(std::min<std::int64_t>((tokens + block.y - 1) / block.y, std::int64_t{multiprocessor_count()} * 32));
+}
+inline int equal_rounds(int heads, int most) {
+  const int rounds = (heads + most - 1) / most;
+  return (heads + rounds - 1) / rounds;
+}
+
+// rope_row_kernel with R heads a round (at most heads / R a block) and registers for MinBlocks
+// blocks of 256 an SM: a lane a 16-byte vector, whole rows.
+template <class T, class TC, int R, int MinBlocks>
+void launch_rows(const RopeParams& p, cudaStream_t s) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int bx = static_cast<int>(2 * p.half / kVec);
+  const int most = std::min({kMaxBlockZ, kThreads / bx, std::max(1, (p.heads + R - 1) / R)});
+  const dim3 block = rope_block(bx, equal_rounds(p.heads, most), p.batch * p.seq);
+  rope_row_kernel<T, TC, kVec, R, MinBlocks><<<rope_grid(block, p.batch * p.seq), block, 0, s>>>(p);
+}
+
+// Heads a round and registers of the whole-row kernel: 4 heads a round (4 loads of 16 bytes in
+// flight a thread) at 64 registers (4 blocks of 256 an SM). On the H100 at the LLM bench's bf16
+// shapes (q, k as Hugging Face hands them) 4 heads a round took 142.6 and 62.5 µs where 2 took
+// 146.8 and 66.3 (B64 H12 T1024 D64; B8 H32 KV8 T2048 D64); 8 heads, or more registers, no better.
+// 16-bit q with f32 tables (twice the table registers) is given 3 blocks' worth: no spills.
+constexpr int kRowHeads = 4;
+template <class T, class TC>
+inline constexpr int kRowMinBlocks = sizeof(TC) == 4 && sizeof(T) == 2 ? 3 : 4;
+
 template <class T, class TC>
 void launch(const RopeParams& p, const RopeArgs& a, cudaStream_t s) {
   constexpr int kVec = 16 / sizeof(T);
   bool vec = p.half % kVec == 0;
   for (const TensorView* t : {&a.q, &a.k, &a.q_out, &a.k_out}) vec = vec && vector_friendly(*t, kVec, sizeof(T));
   for (const TensorView* t : {&a.cos, &a.sin}) vec = vec && vector_friendly(*t, kVec, sizeof(TC));
-  const int v = vec ? kVec : 1;
-  const std::int64_t vectors = p.half / v, tokens = p.batch * p.seq;
   // Whole rows, a lane a vector, where half a row is under 128 bytes (a power-of-two number of
   // vectors), else half a row's vectors (pairs), up to a warp (where half a row is 128 bytes or
-  // more the pairs' accesses already cover whole lines, and measured faster). bx: those lanes; bh: the heads in as few equal
-  // rounds as fit the block; bt: tokens to fill the rest.
-  const std::int64_t row_vectors = 2 * vectors;
-  const bool whole_rows = vec && vectors < 8 && (row_vectors & (row_vectors - 1)) == 0;
-  const int bx = static_cast<int>(whole_rows ? row_vectors : std::min<std::int64_t>(vectors, 32));
-  // (rope_row_kernel takes two heads a round: at most half of them a block)
-  const int most_heads = std::min({kMaxBlockZ, kThreads / bx, whole_rows ? std::max(1, (p.heads + 1) / 2) : p.heads});
-  const int rounds = (p.heads + most_heads - 1) / most_heads;
-  const int bh = (p.heads + rounds - 1) / rounds;
-  const int bt = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(kThreads / (bx * bh), tokens)));
-  const std::int64_t blocks = std::min<std::int64_t>((tokens + bt - 1) / bt, std::int64_t{multiprocessor_count()} * 32);
-  const dim3 block(bx, bt, bh);
-  if (whole_rows)
-    rope_row_kernel<T, TC, kVec><<<static_cast<unsigned>(blocks), block, 0, s>>>(p);
-  else if (vec)
-    rope_kernel<T, TC, kVec><<<static_cast<unsigned>(blocks), block, 0, s>>>(p);
+  // more the pairs' accesses already cover whole lines, and measured faster).
+  const std::int64_t vectors = p.half / (vec ? kVec : 1), row_vectors = 2 * vectors;
+  if (vec && vectors < 8 && (row_vectors & (row_vectors - 1)) == 0) return launch_rows<T, TC, kRowHeads, kRowMinBlocks<T, TC>>(p, s);
+  const int bx = static_cast<int>(std::min<std::int64_t>(vectors, 32));
+  const dim3 block = rope_block(bx, equal_rounds(p.heads, std::min(kMaxBlockZ, kThreads / bx)), p.batch * p.seq);
+  const unsigned grid = rope_grid(block, p.batch * p.seq);
+  if (vec)
+    rope_kernel<T, TC, kVec><<<grid, block, 0, s>>>(p);
   else
-    rope_kernel<T, TC, 1><<<static_cast<unsigned>(blocks), block, 0, s>>>(p);
+    rope_kernel<T, TC, 1><<<grid, block, 0, s>>>(p);
 }
 
 }  // namespace
