@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -348,13 +349,36 @@ class W4Linear(nn.Module):
             x = x.index_select(-1, perm)
         if x_dtype != scale.dtype:
             x = x.to(scale.dtype)
-        y = ops.call("qgemm", x, buffers["packed"], scale, buffers["zero"], self.out_features, self.in_features,
-                     self.group)
+        packed, zero = buffers["packed"], buffers["zero"]
+        y = ops.call("qgemm", x, packed, scale, zero, self.out_features, self.in_features, self.group,
+                     self._weights_unchanged(packed, scale, zero))
         if y.dtype != x_dtype:
             y = y.to(x_dtype)
         if bias is not None:
             y = y + (bias if bias.dtype == x_dtype else bias.to(x_dtype))
         return y
+
+    def _weights_unchanged(self, packed: Tensor, scale: Tensor, zero: Tensor) -> bool:
+        """Whether the weight's buffers are the tensors of this layer's previous call (weak
+        references: .to() and load_state_dict's assignments make new ones) and no in-place write
+        reached them since (their version counters, shared with every view of them): then the
+        kernel before this call did not write them, and the call may promise constant weights
+        (qgemm's constant_weights). The first call after a load or a change does not. Under
+        torch.compile, no promise."""
+        if torch.compiler.is_compiling():
+            return False
+        versions = (packed._version, scale._version, zero._version)
+        seen = self.__dict__.get("_w4_seen")
+        if seen is not None and seen[0]() is packed and seen[1]() is scale and seen[2]() is zero \
+                and seen[3] == versions:
+            return True
+        self.__dict__["_w4_seen"] = (weakref.ref(packed), weakref.ref(scale), weakref.ref(zero), versions)
+        return False
+
+    def __getstate__(self):
+        state = super().__getstate__()  # a copy of __dict__
+        state.pop("_w4_seen", None)  # weak references do not pickle; a loaded layer starts unseen
+        return state
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "

@@ -100,12 +100,14 @@ void bind_qgemm(nb::module_& m) {
   m.def(
       "qgemm",
       [](const Array& x, const Array& packed, const Array& scale, const Array& zero, std::int64_t n, std::int64_t k,
-         int group, const Array& y, std::uintptr_t stream) {
+         int group, const Array& y, std::uintptr_t stream, bool constant_weights) {
         const TensorView xv = as_rows(view(x, "qgemm", "x"));
         const QuantizedWeight qw = quantized_view(packed, scale, zero, n, k, group, "qgemm");
-        qgemm(xv, qw, as_rows(view(y, "qgemm", "y")), StreamArg(stream, xv).get());
+        qgemm(xv, qw, as_rows(view(y, "qgemm", "y")), StreamArg(stream, xv).get(),
+              QgemmOptions{.constant_weights = constant_weights});
       },
-      "x"_a, "packed"_a, "scale"_a, "zero"_a, "n"_a, "k"_a, "group"_a, "y"_a, "stream"_a, kNoGil);
+      "x"_a, "packed"_a, "scale"_a, "zero"_a, "n"_a, "k"_a, "group"_a, "y"_a, "stream"_a,
+      "constant_weights"_a = false, kNoGil);
 }
 
 }  // namespace fk::py

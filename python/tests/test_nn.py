@@ -206,6 +206,42 @@ def test_w4_linear_compiles_without_graph_breaks(device):
     assert "fusekit.qgemm.default" in {str(n.target) for n in graph.nodes if n.op == "call_function"}
 
 
+def test_w4_linear_promises_constant_weights_only_when_its_buffers_are_unchanged(device, monkeypatch, tmp_path):
+    """W4Linear passes qgemm's constant_weights only where no write can have reached its buffers
+    since its previous call: not on the first call, after an in-place write (the version counter),
+    after .to() or load_state_dict (new tensors), nor after unpickling; the result is the same."""
+    import pickle
+    torch.manual_seed(10)
+    w4 = fnn.W4Linear.from_linear(nn.Linear(128, 40).to(device=device, dtype=torch.float16), group_size=64)
+    x = torch.randn(2, 128, device=device, dtype=torch.float16)
+    promises = []
+    call = fusekit.ops.call
+    monkeypatch.setattr(fusekit.ops, "call", lambda name, *a: promises.append(a[-1]) or call(name, *a))
+    with torch.no_grad():
+        first = w4(x)
+        assert torch.equal(w4(x), first)
+        w4(x)
+        assert promises == [False, True, True]
+        w4.scale.mul_(1.0)  # an in-place write: a new version
+        w4(x)
+        w4(x)
+        w4.load_state_dict({k: v.clone() for k, v in w4.state_dict().items()})  # copies in place
+        w4(x)
+        w4.to(torch.float16)  # no conversion needed: the same tensors
+        w4(x)
+        assert promises[3:] == [False, True, False, True]
+        w4.scale = w4.scale.clone()  # a new tensor, version 0 like the packed words'
+        w4(x)
+        assert promises[-1] is False
+        loaded = pickle.loads(pickle.dumps(w4))
+        promises.clear()
+        loaded(x)
+        loaded(x)
+        assert promises == [False, True]
+        assert torch.equal(loaded(x), first)
+    torch.library.opcheck(torch.ops.fusekit.qgemm, (x, w4.packed, w4.scale, w4.zero, 40, 128, 64, True))
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

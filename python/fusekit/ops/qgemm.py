@@ -10,21 +10,25 @@ from ._registry import _custom_op, _d, _dlpack, _stream
 
 
 @_custom_op("qgemm")
-def qgemm(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, n: int, k: int, group: int) -> Tensor:
+def qgemm(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, n: int, k: int, group: int,
+          constant_weights: bool = False) -> Tensor:
     """y [..., n] = x [..., k] · w̃ᵀ, w̃ the 4-bit weight quantize_weights made (docs/qgemm.md); x of
     any layout (a contiguous copy where it is not contiguous). The kernel's own checks
     (fusekit._C) name any argument of the wrong shape, dtype or device: a decode step calls this
     once per linear layer, so it adds no check of its own, and x's leading dimensions reach the
-    kernel as rows without a reshape."""
+    kernel as rows without a reshape. constant_weights: the caller's promise that the kernel just
+    before this call in the stream did not write packed, scale or zero (QgemmOptions in
+    docs/qgemm.md: the weight loads may then start before that kernel has finished)."""
     if not x.is_contiguous():
         x = x.contiguous()
     y = x.new_empty(x.shape[:-1] + (n,))
-    _C.qgemm(_dlpack(x), _dlpack(packed), _dlpack(scale), _dlpack(zero), n, k, group, _dlpack(y), _stream(x))
+    _C.qgemm(_dlpack(x), _dlpack(packed), _dlpack(scale), _dlpack(zero), n, k, group, _dlpack(y), _stream(x),
+             constant_weights)
     return y
 
 
 @qgemm.register_fake
-def _(x, packed, scale, zero, n, k, group):
+def _(x, packed, scale, zero, n, k, group, constant_weights=False):
     return x.new_empty((*x.shape[:-1], n))
 
 
