@@ -702,6 +702,15 @@ std::vector<Dlrm::LinearParams> Dlrm::linear_layers() {
   return v;
 }
 
+std::vector<Dlrm::ParamAndGrad> Dlrm::cross_parameters() {
+  std::vector<ParamAndGrad> v;
+  if (s_->cross)
+    for (const nn::CrossNet::Layer& l : s_->cross->layers())
+      for (const nn::ParameterArena::Parameter* p : {l.u, l.v, l.bias})
+        v.push_back({const_cast<Tensor*>(&p->value), const_cast<Tensor*>(&p->grad)});
+  return v;
+}
+
 std::vector<Tensor*> Dlrm::tables() {
   std::vector<Tensor*> v;
   for (Tensor& t : s_->embeddings.tables) v.push_back(&t);

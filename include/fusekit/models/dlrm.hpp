@@ -171,6 +171,13 @@ class Dlrm {
     Tensor* bias_grad;
   };
   std::vector<LinearParams> linear_layers();
+  // dcn: the cross network's parameters and gradients, layer by layer U [N, r], V [r, N], b [N]
+  // (empty for the other interactions).
+  struct ParamAndGrad {
+    Tensor* value;
+    Tensor* grad;
+  };
+  std::vector<ParamAndGrad> cross_parameters();
   std::vector<Tensor*> tables();
   // The tables' gradients of the last backward, [total_rows, D] on the model's device (zero for
   // untouched rows), formed on demand (the fused implementation never needs them).
