@@ -479,7 +479,7 @@ void train(Run& r) {
   const Schedule& s = r.schedule;
   data::BatchLoader loader(data::slice_source(r.data.split.train, 0, s.epoch_records), r.data.featurizer,
                            {.batch_size = s.batch, .workers = static_cast<int>(r.c.data_workers),
-                            .allocate = batch_allocator(r.model), .bags = r.model.impl() != models::DlrmImpl::fused,
+                            .allocate = batch_allocator(r.model), .bags = r.model.impl() != models::DlrmImpl::fused || r.data.featurizer.multi_hot(),
                             .epochs = s.total / s.per_epoch + (s.total % s.per_epoch != 0) - r.step / s.per_epoch,
                             .first_batch = r.step % s.per_epoch});
   while (r.step < r.schedule.total && train_epoch(r, loader)) {

@@ -117,7 +117,11 @@ const std::vector<Setting>& train_settings() {
       {"model.arch_sparse_feature_size",   &C::arch_sparse_feature_size,   at_least(1),
        "--arch-sparse-feature-size",      "Embedding dimension"},
       {"model.arch_interaction_op",        &C::arch_interaction_op,        parsed_by(parse_interaction_op),
-       "--arch-interaction-op",           "dot | cat | outer"},
+       "--arch-interaction-op",           "dot | cat | outer | dcn (DCNv2's low-rank cross network)"},
+      {"model.dcn_num_layers",             &C::dcn_num_layers,             at_least(1),
+       "--dcn-num-layers",                "dcn: cross layers"},
+      {"model.dcn_low_rank_dim",           &C::dcn_low_rank_dim,           at_least(1),
+       "--dcn-low-rank-dim",              "dcn: rank r of each cross layer's U [F*D, r] and V [r, F*D]"},
       {"model.arch_interaction_itself",    &C::arch_interaction_itself,    {},
        "--arch-interaction-itself",       "dot: include each feature's dot with itself"},
       {"model.fused_mlp",                  &C::fused_mlp,                  {},
@@ -136,6 +140,9 @@ const std::vector<Setting>& train_settings() {
                                           "TSV (.gz) / fusekit binary file"},
       {"data.cardinalities",               &C::cardinalities,              {},
        "",                                "Rows of each table (empty: the Criteo Kaggle ones)"},
+      {"data.multi_hot_sizes",             &C::multi_hot_sizes,            {},
+       "",                                "Multi-hot bag size of each of the 26 features (empty: one-hot); see "
+                                          "docs/dlrm.md for how the extra rows are drawn"},
       {"data.max_ind_range",               &C::max_ind_range,              at_least(0),
        "--max-ind-range",                 "Cap on rows per table (0: the full cardinalities)"},
       {"data.hash",                        &C::data_hash,                  parsed_by(parse_hash_mode),
@@ -169,6 +176,9 @@ const std::vector<Setting>& train_settings() {
        "--data-workers,--num-workers",    "Threads preparing batches"},
       {"training.optimizer",               &C::optimizer,                  parsed_by(parse_optimizer),
        "--optimizer",                     "sgd | adagrad"},
+      {"training.rowwise_adagrad",         &C::rowwise_adagrad,            {},
+       "--rowwise-adagrad",               "adagrad: the tables keep one accumulator per row (FBGEMM's row-wise "
+                                          "Adagrad, the MLPerf DLRM-DCNv2 recipe); the MLPs stay element-wise"},
       {"training.learning_rate",           &C::learning_rate,              positive_finite(),
        "--learning-rate",                 "Learning rate"},
       {"training.mini_batch_size",         &C::mini_batch_size,            at_least(1),
@@ -469,6 +479,7 @@ data::Featurizer make_featurizer(const TrainConfig& c, std::shared_ptr<const dat
                                  bool premapped) {
   data::Featurizer feat;
   if (!c.cardinalities.empty()) feat.cardinalities = c.cardinalities;
+  feat.multi_hot_sizes = c.multi_hot_sizes;
   feat.validate();
   feat.max_ind_range = c.max_ind_range;
   feat.hash = data::parse_hash_mode(c.data_hash);
@@ -489,6 +500,11 @@ models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurize
   mc.embedding_dim = c.arch_sparse_feature_size;
   mc.interaction = models::parse_interaction_op(c.arch_interaction_op);
   mc.interaction_itself = c.arch_interaction_itself;
+  mc.dcn_num_layers = c.dcn_num_layers;
+  mc.dcn_low_rank_dim = c.dcn_low_rank_dim;
+  FK_CHECK_ARG(!c.rowwise_adagrad || c.optimizer == "adagrad", "fusekit train", "training.rowwise_adagrad (--rowwise-adagrad)",
+               "training.optimizer adagrad", c.optimizer);
+  mc.rowwise_adagrad = c.rowwise_adagrad;
   mc.fused_mlp = c.fused_mlp;
   FK_CHECK_ARG(c.compress_activations == 0 || !c.fused_mlp, "fusekit train",
                "model.compress_activations (--compress-activations)",

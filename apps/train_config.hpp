@@ -31,12 +31,15 @@ struct TrainConfig {
   std::int64_t arch_sparse_feature_size = 16;
   std::string arch_interaction_op = "dot";
   bool arch_interaction_itself = false;
+  std::int64_t dcn_num_layers = 3;      // dcn: cross layers
+  std::int64_t dcn_low_rank_dim = 512;  // dcn: rank of each cross layer
   bool fused_mlp = false;  // GPU fused: MLPs whose widths fit run through fused_mlp (bf16)
   std::int64_t compress_activations = 0;  // 8, 4 or 2: the MLPs keep their activations packed (0: off)
   std::uint64_t model_seed = 1;
   // data
   std::string data = "synthetic";           // "synthetic", or what data::open_source opens: a Criteo TSV (.gz too), a fusekit binary file, a preprocessed directory
   std::vector<std::int64_t> cardinalities;  // empty: the Kaggle ones
+  std::vector<std::int64_t> multi_hot_sizes;  // empty: one-hot; else 26 bag sizes
   std::int64_t max_ind_range = 100000;      // cap on table rows (0: none). See docs/dlrm.md.
   std::string data_hash = "seed";           // "seed": (v + 1) % rows, "reference": v % rows
   std::string vocabulary;                   // a vocabulary file: dense ids, tables sized by it
@@ -53,6 +56,7 @@ struct TrainConfig {
   std::int64_t data_workers = 1;            // threads preparing batches
   // training
   std::string optimizer = "sgd";
+  bool rowwise_adagrad = false;  // adagrad: one accumulator per table row
   double learning_rate = 0.1;
   std::int64_t mini_batch_size = 128;
   std::int64_t test_mini_batch_size = 4096;

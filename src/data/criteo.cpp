@@ -42,6 +42,22 @@ void Featurizer::validate() const {
                "reference with a vocabulary (ids pass through v % rows unchanged)", std::string(hash_mode_name(hash)));
   FK_CHECK_ARG(!premapped || vocabulary, "data::Featurizer", "premapped", "a vocabulary (the ids' tables)",
                "none");
+  FK_CHECK_ARG(multi_hot_sizes.empty() || multi_hot_sizes.size() == kNumSparse, "data::Featurizer", "multi_hot_sizes",
+               "none (one-hot) or 26 bag sizes", fmt::format("{} sizes", multi_hot_sizes.size()));
+  for (std::size_t t = 0; t < multi_hot_sizes.size(); ++t)
+    FK_CHECK_ARG(multi_hot_sizes[t] >= 1, "data::Featurizer", "multi_hot_sizes", "bag sizes >= 1",
+                 fmt::format("{} for table {}", multi_hot_sizes[t], t));
+}
+
+std::int64_t Featurizer::multi_hot_row(int table, std::int64_t row, std::int64_t k) const {
+  if (k == 0) return row;
+  // splitmix64 of (table, k): a fixed offset per bag position.
+  std::uint64_t x = (static_cast<std::uint64_t>(table) << 32 | static_cast<std::uint64_t>(k)) + 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  const auto rows_t = static_cast<std::uint64_t>(rows(table));
+  return static_cast<std::int64_t>((static_cast<std::uint64_t>(row) + x % rows_t) % rows_t);
 }
 
 std::int64_t Featurizer::rows(int table) const {

@@ -28,6 +28,42 @@ void ensure(Tensor& t, Dims shape, DType dtype, const HostAllocator& allocate) {
                fmt::format("host {} {}", dtype_name(dtype), shape.str()), t.view().str());
 }
 
+// Multi-hot bags (Featurizer::multi_hot_sizes): CSR only, bag (t, i) at indices
+// [B * start_t + i * size_t, + size_t), start_t the sizes of the tables before t.
+void make_multi_hot_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch,
+                          const HostAllocator& allocate) {
+  const std::int64_t b = batch.size;
+  const std::vector<std::int64_t>& sizes = featurizer.multi_hot_sizes;
+  std::int64_t per_sample = 0;
+  for (std::int64_t m : sizes) per_sample += m;
+  ensure(batch.indices, {per_sample * b}, DType::i64, allocate);
+  ensure(batch.offsets, {kNumSparse * b + 1}, DType::i64, allocate);
+  batch.raw_sparse = Tensor();
+  float* labels = batch.labels.data_as<float>();
+  float* dense = batch.dense.data_as<float>();
+  std::int64_t* idx = batch.indices.data_as<std::int64_t>();
+  std::int64_t* off = batch.offsets.data_as<std::int64_t>();
+  std::int64_t start = 0;  // B * the sizes of the tables before t
+  for (int t = 0; t < kNumSparse; ++t) {
+    const std::int64_t m = sizes[static_cast<std::size_t>(t)];
+    for (std::int64_t i = 0; i < b; ++i) {
+      const RawRecord& r = records[static_cast<std::size_t>(i)];
+      const std::int64_t row = featurizer.hash_index(t, r.sparse[static_cast<std::size_t>(t)]);
+      off[t * b + i] = start + i * m;
+      for (std::int64_t k = 0; k < m; ++k) idx[start + i * m + k] = featurizer.multi_hot_row(t, row, k);
+    }
+    start += b * m;
+  }
+  off[kNumSparse * b] = start;
+  for (std::int64_t i = 0; i < b; ++i) {
+    const RawRecord& r = records[static_cast<std::size_t>(i)];
+    FK_CHECK_ARG(r.label == 0 || r.label == 1, "data::make_batch", "records", "labels 0 or 1",
+                 fmt::format("{} in record {} of the batch", r.label, i));
+    labels[i] = static_cast<float>(r.label);
+    for (int j = 0; j < kNumDense; ++j) dense[i * kNumDense + j] = Featurizer::dense_transform(r.dense[j]);
+  }
+}
+
 }  // namespace
 
 void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer, Batch& batch,
@@ -37,6 +73,7 @@ void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer
   batch.size = b;
   ensure(batch.labels, {b}, DType::f32, allocate);
   ensure(batch.dense, {b, kNumDense}, DType::f32, allocate);
+  if (featurizer.multi_hot()) return make_multi_hot_batch(records, featurizer, batch, allocate);
   if (bags) {
     ensure(batch.indices, {kNumSparse * b}, DType::i64, allocate);
     ensure(batch.offsets, {kNumSparse * b + 1}, DType::i64, allocate);

@@ -35,7 +35,8 @@ InteractionOp parse_interaction_op(std::string_view name) {
   if (name == "dot") return InteractionOp::dot;
   if (name == "cat") return InteractionOp::cat;
   if (name == "outer") return InteractionOp::outer;
-  throw Error("models::parse_interaction_op", "name", "dot | cat | outer", std::string(name));
+  if (name == "dcn") return InteractionOp::dcn;
+  throw Error("models::parse_interaction_op", "name", "dot | cat | outer | dcn", std::string(name));
 }
 
 std::string_view interaction_op_name(InteractionOp op) {
@@ -43,6 +44,7 @@ std::string_view interaction_op_name(InteractionOp op) {
     case InteractionOp::dot: return "dot";
     case InteractionOp::cat: return "cat";
     case InteractionOp::outer: return "outer";
+    case InteractionOp::dcn: return "dcn";
   }
   return "?";
 }
@@ -59,7 +61,8 @@ std::int64_t DlrmConfig::interaction_size() const {
   const std::int64_t f = num_features(), d = embedding_dim;
   switch (interaction) {
     case InteractionOp::dot: return d + f * (f - 1) / 2 + (interaction_itself ? f : 0);
-    case InteractionOp::cat: return f * d;
+    case InteractionOp::cat:
+    case InteractionOp::dcn: return f * d;
     case InteractionOp::outer: return (f * d) * (f * d);
   }
   return 0;
@@ -79,6 +82,10 @@ void DlrmConfig::validate() const {
   for (std::size_t t = 0; t < table_rows.size(); ++t)
     FK_CHECK_ARG(table_rows[t] >= 1, op, "table_rows", "tables of >= 1 row",
                  fmt::format("table {} with {} rows", t, table_rows[t]));
+  if (interaction == InteractionOp::dcn) {
+    FK_CHECK_ARG(dcn_num_layers >= 1, op, "dcn_num_layers", ">= 1 cross layers", fmt::format("{}", dcn_num_layers));
+    FK_CHECK_ARG(dcn_low_rank_dim >= 1, op, "dcn_low_rank_dim", ">= 1", fmt::format("{}", dcn_low_rank_dim));
+  }
   const int bits = compress_activations_bits;
   FK_CHECK_ARG(bits == 0 || bits == 8 || bits == 4 || bits == 2, op, "compress_activations_bits", "0 (off), 8, 4 or 2",
                std::to_string(bits));
@@ -94,6 +101,7 @@ std::int64_t DlrmConfig::parameter_count() const {
     n += (in + 1) * s;
     in = s;
   }
+  if (interaction == InteractionOp::dcn) n += dcn_num_layers * (2 * dcn_low_rank_dim + 1) * interaction_size();
   for (std::int64_t r : table_rows) n += r * embedding_dim;
   return n;
 }
@@ -115,8 +123,9 @@ InteractionKind interaction_kind(InteractionOp op) {
     case InteractionOp::dot: return InteractionKind::dot;
     case InteractionOp::cat: return InteractionKind::cat;
     case InteractionOp::outer: return InteractionKind::outer;
+    case InteractionOp::dcn: break;  // nn::CrossNet, not an Interaction
   }
-  throw_internal("models::Dlrm: unknown interaction");
+  throw_internal("models::Dlrm: no Interaction for this interaction op");
 }
 
 std::vector<std::int64_t> top_sizes(const DlrmConfig& c) {
@@ -133,9 +142,14 @@ std::int64_t top_pad(const DlrmConfig& c, std::int64_t pad) {
   return c.interaction == InteractionOp::outer && c.interaction_size() % pad != 0 ? 1 : pad;
 }
 
+nn::CrossNetOptions cross_options(const DlrmConfig& c) {
+  return {c.dcn_num_layers, c.dcn_low_rank_dim, c.allow_tf32};
+}
+
 std::int64_t arena_floats(const DlrmConfig& c, std::int64_t pad) {
   return nn::MLP::arena_floats(c.bottom_mlp, kernel(c, c.bottom_mlp) ? 1 : pad) +
-         nn::MLP::arena_floats(top_sizes(c), kernel(c, top_sizes(c)) ? 1 : top_pad(c, pad));
+         nn::MLP::arena_floats(top_sizes(c), kernel(c, top_sizes(c)) ? 1 : top_pad(c, pad)) +
+         (c.interaction == InteractionOp::dcn ? nn::CrossNet::arena_floats(c.interaction_size(), cross_options(c)) : 0);
 }
 
 // Whether an MLP of these sizes runs as one fused_mlp kernel (DlrmConfig::fused_mlp).
@@ -143,10 +157,10 @@ bool kernel(const DlrmConfig& c, const std::vector<std::int64_t>& sizes) {
   return c.fused_mlp && nn::MLP::fits_fused_kernel(sizes);
 }
 
-// Philox subsequences: bottom layers from 0, top layers from 1000, tables from 2^40; the MLPs'
+// Philox subsequences: bottom layers from 0, top layers from 1000, cross layers from 2000, tables from 2^40; the MLPs'
 // stochastic rounding (compress_activations_bits) from 2^62 (bottom) and 2^62 + 2^61 (top), to
 // which nn::MLP adds layer * 2^40 + step.
-constexpr std::uint64_t kTopStream = 1000, kTableStream = std::uint64_t{1} << 40;
+constexpr std::uint64_t kTopStream = 1000, kCrossStream = 2000, kTableStream = std::uint64_t{1} << 40;
 constexpr std::uint64_t kBottomRounding = std::uint64_t{1} << 62, kTopRounding = kBottomRounding + (std::uint64_t{1} << 61);
 
 // The MLPs' activation compression: group at most 256 (the quant family's default), bf16
@@ -169,7 +183,8 @@ struct DlrmState {
   nn::ParameterArena arena;
   nn::MLP bottom, top;
   nn::EmbeddingBagCollection embeddings;
-  nn::Interaction interaction;
+  std::optional<nn::Interaction> interaction;  // dot, cat, outer
+  std::optional<nn::CrossNet> cross;           // dcn
   nn::BCEWithLogits loss;
 
   // Batch buffers for the largest batch seen. GPU: the input is copied into one of two slots
@@ -220,10 +235,14 @@ struct DlrmState {
             {Activation::relu, false, c.allow_tf32, fused, top_pad(c, pad), kernel(c, top_sizes(c)),
              compression(c, kTopRounding)},
             {c.seed, kTopStream}, arena),
-        embeddings(c.table_rows, c.embedding_dim, {Pooling::sum, c.raw_hash, fused}, d, {c.seed, kTableStream}),
-        interaction(c.num_features(), c.embedding_dim,
-                    {interaction_kind(c.interaction), c.interaction_itself, fused}, d),
+        embeddings(c.table_rows, c.embedding_dim, {Pooling::sum, c.raw_hash, fused, c.rowwise_adagrad}, d,
+                   {c.seed, kTableStream}),
         loss(d, fused) {
+    if (c.interaction == InteractionOp::dcn)
+      cross.emplace(c.interaction_size(), cross_options(c), RandomParams{c.seed, kCrossStream}, arena);
+    else
+      interaction.emplace(c.num_features(), c.embedding_dim,
+                          nn::InteractionOptions{interaction_kind(c.interaction), c.interaction_itself, fused}, d);
     // The MLPs run one after the other on one stream: their compressed activations' scratch is one.
     if (c.compress_activations_bits != 0) bottom.share_scratch(top);
     if (d.is_cuda())
@@ -276,6 +295,7 @@ struct DlrmState {
     return TensorView(t.data(), DType::f32, shape, strides, dev);
   }
   TensorView z_all(const Tensor& t) const { return f32(t, {batch, features, dim}, {features * dim, dim, 1}); }
+  TensorView z_flat(const Tensor& t) const { return f32(t, {batch, features * dim}, {features * dim, 1}); }
   TensorView z_first(const Tensor& t) const { return f32(t, {batch, dim}, {features * dim, 1}); }
   TensorView z_tables(const Tensor& t) const {
     return TensorView(t.data_as<float>() + dim, DType::f32, {batch, num_tables(), dim}, {features * dim, dim, 1}, dev);
@@ -324,7 +344,17 @@ struct DlrmState {
     bottom.reserve(cap, st);
     top.reserve(cap, st);
     embeddings.reserve(cap_nnz, st);
-    interaction.reserve(cap, st);
+    if (interaction) interaction->reserve(cap, st);
+    if (cross) {
+      cross->reserve(cap, st);
+      // The cross network writes and reads R's first I columns only: its padding stays zero.
+      if (ldr != inter) {
+        for (const Tensor* t : {&r, &dr}) {
+          if (stream_) zero_async(*t, *stream_);
+          else fill(*t, 0.0);
+        }
+      }
+    }
     loss.reserve(cap, st);
   }
 
@@ -401,7 +431,10 @@ struct DlrmState {
     mark("embeddings.fwd");
     embeddings.forward(bags, batch, z_tables(z), st);
     mark("interaction.fwd");
-    interaction.forward(z_all(z), r_full(r), st);
+    if (cross)
+      cross->forward(z_flat(z), r_rows(r), st);
+    else
+      interaction->forward(z_all(z), r_full(r), st);
     mark("top_mlp.fwd");
     top.forward(r_rows(r), column(logits), st);
   }
@@ -418,7 +451,10 @@ struct DlrmState {
     mark("interaction.bwd");
     // Fused dot: the bottom MLP's last ReLU derivative is applied here (again by its backward,
     // a no-op on an already masked gradient).
-    interaction.backward(z_all(z), r_full(dr), z_all(dz), fused && config.interaction == InteractionOp::dot, st);
+    if (cross)  // dr is overwritten: it carries the gradient down the cross layers
+      cross->backward(z_flat(z), r_rows(dr), z_flat(dz), st);
+    else
+      interaction->backward(z_all(z), r_full(dr), z_all(dz), fused && config.interaction == InteractionOp::dot, st);
     mark("embeddings.bwd");
     embeddings.backward(z_tables(dz), st);
     mark("bottom_mlp.bwd");
@@ -486,13 +522,20 @@ struct DlrmState {
       v.push_back(l->weight);
       v.push_back(l->bias);
     }
+    if (cross)
+      for (const nn::CrossNet::Layer& l : cross->layers())
+        for (const auto* p : {l.u, l.v, l.bias}) v.push_back(p->value);
     for (const Tensor& t : embeddings.tables) v.push_back(t);
     if (with_adagrad) {
       for (std::size_t i = 0; i < arena.parameters().size(); ++i) v.push_back(*arena.state(i));
       for (int t = 0; t < num_tables(); ++t) {
         const TensorView& tv = embeddings.tables[static_cast<std::size_t>(t)].view();
-        v.push_back(TensorView(embeddings.state.data_as<float>() + embeddings.layout().base(t) * dim, DType::f32,
-                               tv.shape(), dev));
+        if (config.rowwise_adagrad)  // one accumulator per row
+          v.push_back(TensorView(embeddings.state.data_as<float>() + embeddings.layout().base(t), DType::f32,
+                                 {tv.size(0)}, dev));
+        else
+          v.push_back(TensorView(embeddings.state.data_as<float>() + embeddings.layout().base(t) * dim, DType::f32,
+                                 tv.shape(), dev));
       }
     }
     return v;
@@ -656,6 +699,15 @@ nn::MLP::SavedActivationBytes Dlrm::mlp_activation_bytes(std::int64_t batch) con
 std::vector<Dlrm::LinearParams> Dlrm::linear_layers() {
   std::vector<LinearParams> v;
   for (nn::Linear* l : s_->linears()) v.push_back({&l->weight, &l->bias, &l->weight_grad, &l->bias_grad});
+  return v;
+}
+
+std::vector<Dlrm::ParamAndGrad> Dlrm::cross_parameters() {
+  std::vector<ParamAndGrad> v;
+  if (s_->cross)
+    for (const nn::CrossNet::Layer& l : s_->cross->layers())
+      for (const nn::ParameterArena::Parameter* p : {l.u, l.v, l.bias})
+        v.push_back({const_cast<Tensor*>(&p->value), const_cast<Tensor*>(&p->grad)});
   return v;
 }
 

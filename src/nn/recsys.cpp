@@ -107,16 +107,21 @@ void EmbeddingBagCollection::backward(const TensorView& dout, const Stream* stre
 
 void EmbeddingBagCollection::ensure_state(float initial_accumulator, const Stream* stream) {
   if (state.data()) return;
-  state = Tensor::empty(weights.shape(), DType::f32, weights.device(), stream);
+  state = options_.rowwise_adagrad ? Tensor::empty({weights.size(0)}, DType::f32, weights.device(), stream)
+                                   : Tensor::empty(weights.shape(), DType::f32, weights.device(), stream);
   fill_uniform(state, initial_accumulator, initial_accumulator, {}, stream);  // [a, a] writes a exactly
 }
 
 void EmbeddingBagCollection::step(const OptimizerConfig& opt, const Stream* stream) {
   const bool adagrad = opt.kind == OptimizerKind::adagrad;
   if (adagrad) ensure_state(opt.initial_accumulator, stream);
-  if (options_.fused) {
+  const bool rowwise = adagrad && options_.rowwise_adagrad;
+  if (options_.fused || rowwise) {
     backward_update(weights, adagrad ? std::optional<TensorView>(state.view()) : std::nullopt,
-                    adagrad ? EmbeddingUpdate::adagrad : EmbeddingUpdate::sgd, opt.learning_rate, opt.eps, stream);
+                    rowwise    ? EmbeddingUpdate::rowwise_adagrad
+                    : adagrad ? EmbeddingUpdate::adagrad
+                              : EmbeddingUpdate::sgd,
+                    opt.learning_rate, opt.eps, stream);
     return;
   }
   FK_CHECK_ARG(dense_grad_.data() != nullptr, "nn::EmbeddingBagCollection::step", "backward",
@@ -243,6 +248,86 @@ double BCEWithLogits::drain(const Stream* stream) {
     fill(sums, 0.0);
   }
   return acc[1] > 0 ? acc[0] / acc[1] : 0.0;
+}
+
+// ---- CrossNet ----------------------------------------------------------------------------------
+
+std::int64_t CrossNet::arena_floats(std::int64_t n, const CrossNetOptions& o) {
+  return o.layers * (ParameterArena::floats_for({n, o.rank}) + ParameterArena::floats_for({o.rank, n}) +
+                     ParameterArena::floats_for({n}));
+}
+
+CrossNet::CrossNet(std::int64_t n, CrossNetOptions options, RandomParams init, ParameterArena& arena)
+    : n_(n), options_(options), device_(arena.device()) {
+  constexpr const char* op = "nn::CrossNet";
+  FK_CHECK_ARG(n >= 1, op, "n", ">= 1 features", fmt::format("{}", n));
+  FK_CHECK_ARG(options.layers >= 1, op, "layers", ">= 1", fmt::format("{}", options.layers));
+  FK_CHECK_ARG(options.rank >= 1, op, "rank", ">= 1", fmt::format("{}", options.rank));
+  // torch.nn.init.xavier_normal_ on U [N, r] and V [r, N]: std = sqrt(2 / (fan_in + fan_out)).
+  const auto std_dev = static_cast<float>(std::sqrt(2.0 / static_cast<double>(n + options.rank)));
+  for (std::int64_t l = 0; l < options.layers; ++l) {
+    Layer layer{&arena.add({n, options.rank}), &arena.add({options.rank, n}), &arena.add({n})};
+    const auto sub = init.subsequence + 2 * static_cast<std::uint64_t>(l);
+    fill_normal(layer.u->value, 0.0f, std_dev, {init.seed, sub});
+    fill_normal(layer.v->value, 0.0f, std_dev, {init.seed, sub + 1});
+    layers_.push_back(layer);  // the bias stays zero, as the arena made it
+  }
+}
+
+void CrossNet::reserve(std::int64_t batch, const Stream* stream) {
+  if (batch <= capacity_) return;
+  const std::int64_t l = options_.layers;
+  xs_ = Tensor::empty({std::max<std::int64_t>((l - 1) * batch * n_, 1)}, DType::f32, device_, stream);
+  hs_ = Tensor::empty({l * batch * options_.rank}, DType::f32, device_, stream);
+  if (device_.is_cuda())
+    workspace_ = Tensor::empty({cross_layer_workspace_floats(batch, n_, options_.rank)}, DType::f32, device_, stream);
+  capacity_ = batch;
+}
+
+// x_l: x0 for l = 0, out for l = L, the kept x_l between.
+TensorView CrossNet::x_of(std::int64_t l, const TensorView& x0, const TensorView& out) const {
+  if (l == 0) return x0;
+  if (l == options_.layers) return out;
+  return TensorView(xs_.data_as<float>() + (l - 1) * capacity_ * n_, DType::f32, {batch_, n_}, device_);
+}
+
+TensorView CrossNet::h_of(std::int64_t l) const {
+  return TensorView(hs_.data_as<float>() + l * capacity_ * options_.rank, DType::f32, {batch_, options_.rank}, device_);
+}
+
+void CrossNet::forward(const TensorView& x0, const TensorView& out, const Stream* stream) {
+  FK_CHECK_ARG(x0.rank() == 2, "nn::CrossNet::forward", "x0", fmt::format("[B, {}]", n_), x0.str());
+  reserve(x0.size(0), stream);
+  batch_ = x0.size(0);
+  const CrossLayerParams p{options_.allow_tf32};
+  for (std::int64_t l = 0; l < options_.layers; ++l) {
+    const Layer& w = layers_[static_cast<std::size_t>(l)];
+    cross_layer_forward({x0, x_of(l, x0, out), w.u->value, w.v->value, w.bias->value, h_of(l), x_of(l + 1, x0, out)}, p,
+                        stream);
+  }
+}
+
+void CrossNet::backward(const TensorView& x0, const TensorView& dout, const TensorView& dx0, const Stream* stream) {
+  constexpr const char* op = "nn::CrossNet::backward";
+  FK_CHECK_ARG(x0.rank() == 2 && x0.size(0) == batch_, op, "x0", fmt::format("the last forward's [{}, {}]", batch_, n_),
+               x0.str());
+  FK_CHECK_ARG(dx0.is_contiguous(), op, "dx0", "a contiguous tensor", dx0.str());
+  if (stream != nullptr && device_.is_cuda())
+    zero_async(dx0, *stream);
+  else
+    fill(dx0, 0.0);
+  const CrossLayerParams p{options_.allow_tf32};
+  const std::optional<TensorView> ws =
+      workspace_.data() ? std::optional<TensorView>(TensorView(workspace_.data(), DType::f32,
+                                                               {cross_layer_workspace_floats(batch_, n_, options_.rank)},
+                                                               device_))
+                        : std::nullopt;
+  for (std::int64_t l = options_.layers - 1; l >= 0; --l) {
+    const Layer& w = layers_[static_cast<std::size_t>(l)];
+    cross_layer_backward({x0, x_of(l, x0, TensorView()), w.u->value, w.v->value, w.bias->value, h_of(l), dout, dx0,
+                          w.u->grad, w.v->grad, w.bias->grad, l == 0, ws},
+                         p, stream);
+  }
 }
 
 }  // namespace fk::nn

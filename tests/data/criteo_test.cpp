@@ -731,5 +731,51 @@ TEST(ReferenceSplit, OrderedAndSlicedSourcesReadWhatTheySayAndNothingElse) {
   EXPECT_THROW(train->read(7, two), Error);
 }
 
+// Multi-hot bags (Featurizer::multi_hot_sizes): bag (t, i) holds sizes[t] rows, table-major, its
+// first row the one-hot row, every row inside its table, the same rows on every call.
+TEST(MakeBatch, MultiHotBagsHaveTheirSizesAndStartWithTheOneHotRow) {
+  std::vector<RawRecord> recs(5);
+  SyntheticCriteo(SyntheticConfig{}).generate(0, recs);
+  Featurizer one_hot;
+  one_hot.max_ind_range = 50;
+  Featurizer multi = one_hot;
+  multi.multi_hot_sizes.assign(kNumSparse, 1);
+  multi.multi_hot_sizes[0] = 3;
+  multi.multi_hot_sizes[25] = 7;
+  Batch a, b, c;
+  make_batch(recs, one_hot, a);
+  make_batch(recs, multi, b);
+  make_batch(recs, multi, c);
+  const std::int64_t n = 5;
+  ASSERT_EQ(b.indices.numel(), n * (24 + 3 + 7));
+  ASSERT_EQ(b.offsets.numel(), kNumSparse * n + 1);
+  EXPECT_EQ(b.raw_sparse.data(), nullptr);
+  const auto* off = b.offsets.data_as<std::int64_t>();
+  const auto* idx = b.indices.data_as<std::int64_t>();
+  const auto* one = a.indices.data_as<std::int64_t>();
+  for (int t = 0; t < kNumSparse; ++t)
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t q = t * n + i;
+      EXPECT_EQ(off[q + 1] - off[q], multi.multi_hot_sizes[static_cast<std::size_t>(t)]) << "bag " << q;
+      EXPECT_EQ(idx[off[q]], one[q]) << "bag " << q;
+      for (std::int64_t k = off[q]; k < off[q + 1]; ++k) {
+        EXPECT_GE(idx[k], 0);
+        EXPECT_LT(idx[k], multi.rows(t));
+      }
+    }
+  EXPECT_EQ(std::memcmp(b.indices.data(), c.indices.data(), b.indices.nbytes()), 0);
+  // Entry k of a bag is (row + offset(t, k)) % rows: bags of different rows differ in every entry.
+  EXPECT_EQ(multi.multi_hot_row(0, 7, 0), 7);
+  EXPECT_EQ((multi.multi_hot_row(0, 8, 1) - multi.multi_hot_row(0, 7, 1) + 50) % 50, 1);
+  EXPECT_EQ(std::memcmp(a.dense.data(), b.dense.data(), a.dense.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(a.labels.data(), b.labels.data(), a.labels.nbytes()), 0);
+  Featurizer bad = one_hot;
+  bad.multi_hot_sizes = {1, 2};
+  test::expect_arg_error([&] { bad.validate(); }, "data::Featurizer", "multi_hot_sizes");
+  bad.multi_hot_sizes.assign(kNumSparse, 1);
+  bad.multi_hot_sizes[4] = 0;
+  test::expect_arg_error([&] { bad.validate(); }, "data::Featurizer", "multi_hot_sizes");
+}
+
 }  // namespace
 }  // namespace fk::data

@@ -76,15 +76,24 @@ struct Featurizer {
   // The records' categorical values are this vocabulary's ids already (preprocessed shards):
   // each is checked to be below its table's rows and passed through.
   bool premapped = false;
+  // Multi-hot bags (the MLPerf DLRM-DCNv2 model's): empty for one-hot, else 26 bag sizes >= 1.
+  // Bag (t, b) holds multi_hot_sizes[t] rows: the record's row r (as one-hot), then
+  // (r + offset(t, k)) % rows(t) for k = 1 .. size - 1, the offsets a fixed pseudo-random
+  // function of (t, k). The extra rows are a function of the first, so the labels stay as learnable
+  // as the one-hot data's. Batches then carry CSR bags only (no raw_sparse).
+  std::vector<std::int64_t> multi_hot_sizes;
 
   // Throws fk::Error unless there are 26 cardinalities, all >= 1 (and, with a vocabulary, the
-  // hash is reference; premapped needs a vocabulary).
+  // hash is reference; premapped needs a vocabulary; multi_hot_sizes empty or 26 sizes >= 1).
   void validate() const;
   std::int64_t rows(int table) const;      // min(cardinality, max_ind_range), or the vocabulary's
   std::vector<std::int64_t> table_rows() const;
   // The row of value v; premapped: v itself, or fk::Error when v is not below rows(table).
   std::int64_t hash_index(int table, std::uint32_t v) const;
   static float dense_transform(std::int32_t x);  // log(1 + max(x, 0))
+  bool multi_hot() const noexcept { return !multi_hot_sizes.empty(); }
+  // Entry k of a multi-hot bag of `table` whose first row is `row` (k = 0: row itself).
+  std::int64_t multi_hot_row(int table, std::int64_t row, std::int64_t k) const;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -7,12 +7,16 @@
 //        dot:   [x, <Z_i, Z_j> for i in 0..F-1, j < i]    D + F(F-1)/2 features (367 for Kaggle)
 //        cat:   Z flattened                                F*D
 //        outer: flatten(c cᵀ), c = Z flattened  (F*D)^2 (186,624 for Kaggle)
+//        dcn:   x_L of DCNv2's low-rank cross network on x0 = Z flattened: F*D (3456 for MLPerf)
+//               x_{l+1} = x0 ⊙ (U_l (V_l x_l) + b_l) + x_l, U_l [F*D, r], V_l [r, F*D] (nn::CrossNet,
+//               TorchRec's LowRankCrossNet as the MLPerf DLRM-DCNv2 reference runs it)
 //   p  = sigmoid(top_mlp(R))                     ReLU after every top layer but the last
 //   loss = BCE(p, label), mean over the batch (computed from the logit, stably)
 //
 // Initialisation as the reference: a Linear(n -> m) has W ~ N(0, sqrt(2 / (m + n))),
 // b ~ N(0, sqrt(1 / m)); table t has rows ~ U(-sqrt(1 / rows_t), sqrt(1 / rows_t)); all from the
-// Philox stream of `seed` (one subsequence per parameter), so a model is reproducible.
+// Philox stream of `seed` (one subsequence per parameter), so a model is reproducible. The cross
+// network's U and V are Xavier normal (std sqrt(2 / (F*D + r))), its biases zero (TorchRec's).
 //
 // Training: forward() keeps what backward() needs; backward() overwrites (=) the dense gradients
 // and the sparse embedding gradients (per table: the distinct rows touched and their summed
@@ -57,8 +61,8 @@ class TraceRecorder;
 
 namespace fk::models {
 
-enum class InteractionOp { dot, cat, outer };
-InteractionOp parse_interaction_op(std::string_view name);  // "dot" | "cat" | "outer"
+enum class InteractionOp { dot, cat, outer, dcn };
+InteractionOp parse_interaction_op(std::string_view name);  // "dot" | "cat" | "outer" | "dcn"
 std::string_view interaction_op_name(InteractionOp op);
 
 enum class DlrmImpl { reference, fused };
@@ -77,6 +81,12 @@ struct DlrmConfig {
   std::vector<std::int64_t> table_rows;  // one table per categorical feature
   InteractionOp interaction = InteractionOp::dot;
   bool interaction_itself = false;  // dot: include the diagonal <Z_i, Z_i>
+  std::int64_t dcn_num_layers = 3;     // dcn: cross layers L (the reference's --dcn-num-layers)
+  std::int64_t dcn_low_rank_dim = 512; // dcn: rank r of U and V (--dcn-low-rank-dim)
+  // With Adagrad: the tables keep one accumulator per row, FBGEMM's row-wise Adagrad (state +=
+  // mean_d g^2; the MLPerf DLRM-DCNv2 recipe's sparse optimizer), applied in the sparse backward;
+  // the MLPs (and the cross network) keep element-wise Adagrad. The saved state follows it.
+  bool rowwise_adagrad = false;
   std::uint64_t seed = 1;
   RowHash raw_hash = RowHash::seed;  // how DlrmInput::raw_sparse becomes rows (fused)
   bool allow_tf32 = true;            // GPU: MLP GEMMs on TF32 tensor cores (CPU: ignored)
@@ -161,6 +171,13 @@ class Dlrm {
     Tensor* bias_grad;
   };
   std::vector<LinearParams> linear_layers();
+  // dcn: the cross network's parameters and gradients, layer by layer U [N, r], V [r, N], b [N]
+  // (empty for the other interactions).
+  struct ParamAndGrad {
+    Tensor* value;
+    Tensor* grad;
+  };
+  std::vector<ParamAndGrad> cross_parameters();
   std::vector<Tensor*> tables();
   // The tables' gradients of the last backward, [total_rows, D] on the model's device (zero for
   // untouched rows), formed on demand (the fused implementation never needs them).

@@ -4,6 +4,7 @@
 //                           launch, the hash of raw one-hot values fused in; the backward fused
 //                           with SGD / Adagrad (no table gradient ever stored)
 //   Interaction             Z [B, F, D] -> R [B, I]: dot, cat or outer
+//   CrossNet                DCNv2's low-rank cross network: x0 [B, N] -> x_L [B, N], N = F * D
 //   BCEWithLogits           sigmoid + binary cross-entropy + its gradient in one pass, the loss
 //                           summed on the device (read once per many steps)
 //
@@ -32,6 +33,10 @@ struct EmbeddingBagCollectionOptions {
   Pooling pooling = Pooling::sum;
   RowHash hash = RowHash::seed;  // raw one-hot input
   bool fused = true;
+  // Adagrad keeps one accumulator per row (FBGEMM's ROWWISE_ADAGRAD: state += mean_d g^2), state
+  // [total_rows]; applied inside the sparse backward whether fused or not (there is no unfused
+  // row-wise baseline).
+  bool rowwise_adagrad = false;
 };
 
 // A batch of bags on the tables' device (the GPU trusts CSR input: check it on the host first with
@@ -70,7 +75,7 @@ class EmbeddingBagCollection {
 
   Tensor weights;              // [total_rows, D]: the tables, stacked
   std::vector<Tensor> tables;  // views [rows[t], D] of weights
-  Tensor state;                // Adagrad [total_rows, D], allocated by the first Adagrad step
+  Tensor state;                // Adagrad [total_rows, D] (rowwise_adagrad: [total_rows]), allocated by the first Adagrad step
   // Allocates the Adagrad state at `initial_accumulator` when there is none.
   void ensure_state(float initial_accumulator, const Stream* stream = nullptr);
 
@@ -119,6 +124,53 @@ class Interaction {
   Device device_;
   std::int64_t capacity_ = 0;
   Tensor workspace_;  // unfused dot: [capacity, F, F]
+};
+
+struct CrossNetOptions {
+  std::int64_t layers = 3;  // L >= 1
+  std::int64_t rank = 512;  // r >= 1
+  bool allow_tf32 = true;   // GPU GEMMs on TF32 tensor cores
+};
+
+// DCNv2's low-rank cross network (TorchRec's LowRankCrossNet, as the MLPerf DLRM-DCNv2 reference
+// builds it): x_{l+1} = x0 ⊙ (U_l (V_l x_l) + b_l) + x_l for l < L, one ops/recsys cross_layer
+// per layer. Parameters in a ParameterArena (so that one optimizer launch updates them with the
+// MLPs), per layer U [N, r], V [r, N], b [N], initialised as TorchRec does: U and V Xavier normal
+// (std sqrt(2 / (N + r))), b zero; U_l from Philox (init.seed, init.subsequence + 2l), V_l from
+// + 2l + 1. Keeps x_1 .. x_{L-1} and each layer's h = V x_l [B, r] for the backward (the backward
+// recomputes U h).
+class CrossNet {
+ public:
+  CrossNet(std::int64_t n, CrossNetOptions options, RandomParams init, ParameterArena& arena);
+  // The floats of the arena the parameters take (ParameterArena::floats_for of each).
+  static std::int64_t arena_floats(std::int64_t n, const CrossNetOptions& options);
+  std::int64_t size() const noexcept { return n_; }
+  const CrossNetOptions& options() const noexcept { return options_; }
+
+  struct Layer {
+    const ParameterArena::Parameter* u;     // [N, r]
+    const ParameterArena::Parameter* v;     // [r, N]
+    const ParameterArena::Parameter* bias;  // [N]
+  };
+  const std::vector<Layer>& layers() const noexcept { return layers_; }
+
+  void reserve(std::int64_t batch, const Stream* stream = nullptr);
+  // x0 [B, N] (unit column stride, any row stride) must stay unchanged until backward(); out
+  // [B, N] (=) x_L, apart from x0.
+  void forward(const TensorView& x0, const TensorView& out, const Stream* stream = nullptr);
+  // dout [B, N]: dL/dx_L on entry, overwritten (it carries dL/dx_l down the layers). dx0 [B, N],
+  // contiguous: written (=) with dL/dx0. The parameters' gradients in the arena: written (=).
+  void backward(const TensorView& x0, const TensorView& dout, const TensorView& dx0, const Stream* stream = nullptr);
+
+ private:
+  std::int64_t n_;
+  CrossNetOptions options_;
+  std::vector<Layer> layers_;
+  Device device_;
+  std::int64_t capacity_ = 0, batch_ = 0;
+  Tensor xs_, hs_, workspace_;  // x_1 .. x_{L-1} [L - 1, cap, N]; h [L, cap, r]; the GPU backward's
+  TensorView x_of(std::int64_t l, const TensorView& x0, const TensorView& out) const;
+  TensorView h_of(std::int64_t l) const;
 };
 
 class BCEWithLogits {

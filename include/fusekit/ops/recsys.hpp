@@ -6,6 +6,8 @@
 //                                  table gradient), or stored into a dense gradient buffer
 //   dense_optimizer_update         SGD / Adagrad over a whole parameter buffer from its gradient
 //   interaction_forward/backward   Z [B, F, D] -> R [B, I]: dot (pairwise dot products), cat, outer
+//   cross_layer_forward/backward   one layer of DCNv2's low-rank cross network:
+//                                  x_{l+1} = x0 ⊙ (U (V x_l) + b) + x_l
 //   sigmoid_bce_forward_backward   mean BCE of sigmoid(logits) and dlogits in one pass
 //
 // Each op also offers the unfused path a plain PyTorch port runs (the baseline the fused kernels
@@ -231,6 +233,57 @@ void interaction_forward(const InteractionForwardArgs& a, const InteractionParam
 void interaction_backward(const InteractionBackwardArgs& a, const InteractionParams& p,
                           const Stream* stream = nullptr);
 
+// ---- DCNv2 cross layer (low rank) -------------------------------------------------------------
+// One layer of the low-rank cross network of DCNv2 (Wang et al. 2021), the interaction of the
+// MLPerf DLRM-DCNv2 model. N = F * D inputs (x0 = Z flattened: the bottom MLP's output, then the
+// pooled embeddings), rank r:
+//   h       = V x_l                  h [B, r]
+//   x_{l+1} = x0 ⊙ (U h + b) + x_l   x [B, N]
+// with U [N, r], V [r, N], b [N]: TorchRec's LowRankCrossNet (torchrec/modules/crossnet.py, which
+// the MLPerf recommendation_v2 reference runs), its W_kernels[l] our U, its V_kernels[l] our V.
+// The backward, from dy = dL/dx_{l+1} (p = U h recomputed from the kept h: one GEMM, instead of
+// keeping a [B, N] activation per layer):
+//   dp = dy ⊙ x0;  db = Σ_b dp;  dU = dpᵀ h;  dh = dp U;  dV = dhᵀ x_l
+//   dx0 += dy ⊙ (p + b);  dx_l = dy + dh V
+// The GPU runs the GEMMs through fk::gemm (cuBLAS / cuBLASLt, dU and db in one call) and the
+// elementwise parts as one pass each way: forward out = x0 ⊙ (out + b) + x_l in place over the
+// second GEMM's output; backward dp and dx0 from (dy, x0, p, b) in one pass over p.
+struct CrossLayerForwardArgs {
+  TensorView x0;    // f32 [B, N], unit column stride, row stride >= N
+  TensorView xl;    // f32 [B, N], likewise; may be x0 itself (the first layer)
+  TensorView u;     // f32 [N, r], unit column stride, row stride >= r
+  TensorView v;     // f32 [r, N], likewise
+  TensorView bias;  // f32 [N]
+  TensorView h;     // f32 [B, r]: written (=) with V x_l (the backward's input)
+  TensorView out;   // f32 [B, N]: written (=) with x_{l+1}; overlaps no input
+};
+
+struct CrossLayerBackwardArgs {
+  TensorView x0, xl, u, v, bias, h;  // the forward's (h as it wrote it)
+  // f32 [B, N]: on entry dL/dx_{l+1}; on return (=) dL/dx_l, the layer below's dy, except with
+  // first_layer, where it is left as it was (its gradient goes to dx0).
+  TensorView dy;
+  // f32 [B, N]: += dy ⊙ (U h + b); with first_layer (x_l is x0) also += dL/dx_l.
+  TensorView dx0;
+  TensorView du;     // f32 [N, r]: written (=)
+  TensorView dv;     // f32 [r, N]: written (=)
+  TensorView dbias;  // f32 [N]: written (=)
+  bool first_layer = false;
+  // GPU: f32 [cross_layer_workspace_floats(B, N, r)], contiguous, on x0's device (p and dh). Its
+  // contents need no initialisation and are garbage afterwards. The CPU ignores it.
+  std::optional<TensorView> workspace = std::nullopt;
+};
+
+struct CrossLayerParams {
+  bool allow_tf32 = false;  // GPU: the GEMMs on TF32 tensor cores
+};
+
+std::int64_t cross_layer_workspace_floats(std::int64_t batch, std::int64_t n, std::int64_t rank);
+
+void cross_layer_forward(const CrossLayerForwardArgs& a, const CrossLayerParams& p = {}, const Stream* stream = nullptr);
+void cross_layer_backward(const CrossLayerBackwardArgs& a, const CrossLayerParams& p = {},
+                          const Stream* stream = nullptr);
+
 // ---- Loss -------------------------------------------------------------------------------------
 // Doubles of the accumulator sigmoid_bce_forward_backward adds to: [0] the sum of the mean losses,
 // [1] the number of calls, then scratch (the per-block partials of the fixed-order reduction).
@@ -270,6 +323,8 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
 void interaction_forward(const InteractionForwardArgs& a, const InteractionParams& p);
 void interaction_backward(const InteractionBackwardArgs& a, const InteractionParams& p);
 void dense_optimizer_update(const DenseOptimizerArgs& a, const DenseOptimizerParams& p);
+void cross_layer_forward(const CrossLayerForwardArgs& a);
+void cross_layer_backward(const CrossLayerBackwardArgs& a);
 void sigmoid_bce_forward_backward(const SigmoidBceArgs& a);  // the fused loss
 void sigmoid_bce_forward_backward(const SigmoidBceArgs& a, const SigmoidBceParams& p);
 // The row a raw value selects.

@@ -114,6 +114,19 @@ void interaction_outer_forward(const float* z, std::int64_t n, std::int64_t batc
 void interaction_outer_backward(const float* z, const float* dr, std::int64_t n, std::int64_t batch, float* dz,
                                 cudaStream_t s);
 
+// ---- DCNv2 cross layer (cross_layer.cu) ------------------------------------------------------------
+// The elementwise halves of cross_layer_forward / backward, each one pass over [B, N] (row strides
+// ld_*, unit column stride). Forward, in place over out, which holds p = U h on entry:
+//   out = x0 ⊙ (out + b) + xl
+void cross_forward_epilogue(const float* x0, std::int64_t ld_x0, const float* xl, std::int64_t ld_xl,
+                            const float* bias, float* out, std::int64_t ld_out, std::int64_t batch, std::int64_t n,
+                            cudaStream_t s);
+// Backward, in place over p [B, N] (contiguous), which holds U h on entry:
+//   dx0 += dy ⊙ (p + b)  (+ dy with first_layer);  p = dy ⊙ x0  (dp, what the GEMMs read next)
+void cross_backward_epilogue(const float* x0, std::int64_t ld_x0, const float* dy, std::int64_t ld_dy,
+                             const float* bias, float* p, float* dx0, std::int64_t ld_dx0, std::int64_t batch,
+                             std::int64_t n, bool first_layer, cudaStream_t s);
+
 // ---- Loss ---------------------------------------------------------------------------------------
 // fused: one pass: loss from the logits (stable), dlogit = (sigmoid(x) - y) / B, and
 // loss_acc[0] += mean loss, loss_acc[1] += 1 (doubles; fixed-order reductions). loss_acc holds

@@ -245,4 +245,86 @@ void sigmoid_bce_forward_backward(const SigmoidBceArgs& a) {
   acc[1] += 1.0;
 }
 
+// ---- DCNv2 cross layer ----------------------------------------------------------------------------
+// Sample by sample, everything in double from the f32 inputs; one rounding at each store. The
+// backward reads a row of dy before it writes that row of dL/dx_l over it.
+
+namespace {
+// Element (i, j) of a matrix view with unit column stride.
+inline float at(const TensorView& m, std::int64_t i, std::int64_t j) {
+  return m.data_as<float>()[i * m.strides()[0] + j];
+}
+inline float* row_of(const TensorView& m, std::int64_t i) { return m.data_as<float>() + i * m.strides()[0]; }
+}  // namespace
+
+void cross_layer_forward(const CrossLayerForwardArgs& a) {
+  const std::int64_t batch = a.x0.size(0), n = a.x0.size(1), rank = a.u.size(1);
+  const float* bias = a.bias.data_as<float>();
+  std::vector<double> h(static_cast<std::size_t>(rank));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t k = 0; k < rank; ++k) {
+      double acc = 0;
+      for (std::int64_t j = 0; j < n; ++j) acc += double{at(a.v, k, j)} * at(a.xl, b, j);
+      h[static_cast<std::size_t>(k)] = acc;
+      row_of(a.h, b)[k] = static_cast<float>(acc);
+    }
+    float* out = row_of(a.out, b);
+    for (std::int64_t j = 0; j < n; ++j) {
+      double p = 0;
+      for (std::int64_t k = 0; k < rank; ++k) p += double{at(a.u, j, k)} * h[static_cast<std::size_t>(k)];
+      out[j] = static_cast<float>(double{at(a.x0, b, j)} * (p + bias[j]) + at(a.xl, b, j));
+    }
+  }
+}
+
+void cross_layer_backward(const CrossLayerBackwardArgs& a) {
+  const std::int64_t batch = a.x0.size(0), n = a.x0.size(1), rank = a.u.size(1);
+  const auto un = static_cast<std::size_t>(n), ur = static_cast<std::size_t>(rank);
+  const float* bias = a.bias.data_as<float>();
+  std::vector<double> du(un * ur, 0.0), dv(ur * un, 0.0), db(un, 0.0);
+  std::vector<double> dy(un), pb(un), dh(ur);
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const float* hb = row_of(a.h, b);
+    float* dyb = row_of(a.dy, b);
+    float* dx0 = row_of(a.dx0, b);
+    for (std::size_t j = 0; j < un; ++j) dy[j] = dyb[j];
+    std::fill(dh.begin(), dh.end(), 0.0);
+    for (std::int64_t j = 0; j < n; ++j) {
+      const auto uj = static_cast<std::size_t>(j);
+      double p = 0;
+      for (std::int64_t k = 0; k < rank; ++k) p += double{at(a.u, j, k)} * hb[k];
+      pb[uj] = p + bias[j];
+      const double dp = dy[uj] * at(a.x0, b, j);
+      db[uj] += dp;
+      for (std::int64_t k = 0; k < rank; ++k) {
+        du[uj * ur + static_cast<std::size_t>(k)] += dp * hb[k];
+        dh[static_cast<std::size_t>(k)] += dp * at(a.u, j, k);
+      }
+    }
+    for (std::int64_t j = 0; j < n; ++j) {
+      double dxl = 0;  // (dh V)_j; dL/dx_l = dy + (dh V)
+      for (std::int64_t k = 0; k < rank; ++k) {
+        const double dhk = dh[static_cast<std::size_t>(k)];
+        dxl += dhk * at(a.v, k, j);
+        dv[static_cast<std::size_t>(k) * un + static_cast<std::size_t>(j)] += dhk * at(a.xl, b, j);
+      }
+      const double dyj = dy[static_cast<std::size_t>(j)];
+      const double own = dyj * pb[static_cast<std::size_t>(j)];
+      if (a.first_layer) {
+        dx0[j] = static_cast<float>(dx0[j] + own + dyj + dxl);
+      } else {
+        dx0[j] = static_cast<float>(dx0[j] + own);
+        dyb[j] = static_cast<float>(dyj + dxl);
+      }
+    }
+  }
+  for (std::int64_t j = 0; j < n; ++j) {
+    a.dbias.data_as<float>()[j] = static_cast<float>(db[static_cast<std::size_t>(j)]);
+    for (std::int64_t k = 0; k < rank; ++k) {
+      row_of(a.du, j)[k] = static_cast<float>(du[static_cast<std::size_t>(j) * ur + static_cast<std::size_t>(k)]);
+      row_of(a.dv, k)[j] = static_cast<float>(dv[static_cast<std::size_t>(k) * un + static_cast<std::size_t>(j)]);
+    }
+  }
+}
+
 }  // namespace fk::reference
