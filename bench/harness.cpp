@@ -132,24 +132,20 @@ std::optional<double> Context::graph_us(const std::function<void(int)>& run, int
   cudaEvent_t a, b;
   FK_CUDA_CHECK(cudaEventCreate(&a));
   FK_CUDA_CHECK(cudaEventCreate(&b));
-  FK_CUDA_CHECK(cudaEventRecord(a, stream_));
-  FK_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-  FK_CUDA_CHECK(cudaEventRecord(b, stream_));
-  FK_CUDA_CHECK(cudaEventSynchronize(b));
-  float est = 0;
-  FK_CUDA_CHECK(cudaEventElapsedTime(&est, a, b));
-  const int replays = static_cast<int>(std::clamp(std::ceil(opt_.min_ms / std::max(1e-3, double(est))), 20.0, 500.0));
-  std::vector<float> ms;
-  ms.reserve(static_cast<std::size_t>(replays));
-  for (int r = 0; r < replays; ++r) {
+  auto replay_ms = [&] {  // one replay between two events
     FK_CUDA_CHECK(cudaEventRecord(a, stream_));
     FK_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
     FK_CUDA_CHECK(cudaEventRecord(b, stream_));
     FK_CUDA_CHECK(cudaEventSynchronize(b));
     float t = 0;
     FK_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
+    return t;
+  };
+  const float est = replay_ms();
+  const int replays = static_cast<int>(std::clamp(std::ceil(opt_.min_ms / std::max(1e-3, double(est))), 20.0, 500.0));
+  std::vector<float> ms;
+  ms.reserve(static_cast<std::size_t>(replays));
+  for (int r = 0; r < replays; ++r) ms.push_back(replay_ms());
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   cudaGraphExecDestroy(exec);
