@@ -40,11 +40,8 @@ tokens/s per run and batch (scripts/decode-chart.py redraws it from the JSON).
 from __future__ import annotations
 
 import argparse
-import gc
 import inspect
-import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -56,7 +53,8 @@ from torch import nn
 import fusekit
 
 from . import decode_report
-from .lm_runs import RunUnavailable, versions
+from .bench_base import BenchBase
+from .lm_runs import RunUnavailable
 from .torch_int4 import Int4Linear, Int4Unavailable, quantize_model
 
 SCHEMA = "fusekit-bench-decode/1"
@@ -299,12 +297,9 @@ def compare(run: dict, ref: dict, dtype: torch.dtype) -> dict:
             "tokens": tokens.numel(), "tokens_equal": int((tokens == ref_tokens).sum()), "diverged_at": diverged}
 
 
-class Bench:
+class Bench(BenchBase):
     def __init__(self, args):
-        self.args = args
-        self.device = torch.device(args.device)
-        self.cuda = self.device.type == "cuda"
-        self.t0 = time.time()
+        super().__init__(args)
         self.cfg = llama_config(args.config, args.layers)
         c = self.cfg
         gen = torch.Generator().manual_seed(args.seed)
@@ -319,37 +314,6 @@ class Bench:
             "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"warmup_steps": WARMUP},
             "runs": [], "decode": [], "check": [],
         }
-
-    def environment(self) -> dict:
-        env = {"device": str(self.device), "python": platform.python_version(), "versions": versions(),
-               "fusekit": fusekit.build_info(), "torch_cuda": torch.version.cuda}
-        if self.cuda:
-            p = torch.cuda.get_device_properties(self.device)
-            env |= {"gpu": p.name, "gpu_memory_bytes": p.total_memory, "capability": f"{p.major}.{p.minor}"}
-        return env
-
-    @staticmethod
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
-    def write(self) -> None:
-        self.doc["seconds"] = round(time.time() - self.t0, 1)
-        if not self.args.out:
-            return
-        tmp = self.args.out + ".tmp"
-        os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(self.doc, f, indent=1)
-        os.replace(tmp, self.args.out)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def free(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
 
     @staticmethod
     def failure(e: BaseException) -> dict:

@@ -32,11 +32,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
-import json
 import math
 import os
-import platform
 import re
 import sys
 import time
@@ -47,9 +44,10 @@ import torch
 import fusekit
 
 from . import lm_report
+from .bench_base import BenchBase
 from .lm_data import Batches, Corpus
 from .lm_runs import (DEFAULTS, HOOK_RUNS, LORA_RUNS, RUNS, RunUnavailable, is_run, llama_config, param_count, prepare,
-                      prepare_lora, versions)
+                      prepare_lora)
 
 SCHEMA = "fusekit-bench-lm/1"
 
@@ -72,14 +70,11 @@ def precisions(s: str) -> list[str]:
     return ["autocast", "bf16"] if s == "both" else csv(s)
 
 
-class Bench:
+class Bench(BenchBase):
     def __init__(self, args):
-        self.args = args
-        self.device = torch.device(args.device)
-        self.cuda = self.device.type == "cuda"
+        super().__init__(args)
         self.cfg, self.context = llama_config(args.config, args.vocab)
         self.params = param_count(self.cfg)
-        self.t0 = time.time()
         self.hook_stats = None  # the last step's fusekit.compress_saved_tensors stats, in hook runs
         self.corpus = Corpus(args.cache, vocab=self.cfg.vocab_size, limit=args.corpus_limit, log=self.log)
         self.train_data = Batches(self.corpus.train_tokens, self.context, seed=args.seed)
@@ -108,35 +103,6 @@ class Bench:
                  f"{self.corpus.info['val_tokens'] / 1e6:.3f}M validation tokens "
                  f"({'cached' if self.corpus.cached else 'built'} in {self.corpus.seconds:.1f} s)")
         self.write()
-
-    def environment(self) -> dict:
-        env = {"device": str(self.device), "python": platform.python_version(), "versions": versions(),
-               "fusekit": fusekit.build_info(), "torch_cuda": torch.version.cuda}
-        if self.cuda:
-            p = torch.cuda.get_device_properties(self.device)
-            env |= {"gpu": p.name, "gpu_memory_bytes": p.total_memory, "capability": f"{p.major}.{p.minor}"}
-        return env
-
-    @staticmethod
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
-    def write(self) -> None:
-        self.doc["seconds"] = round(time.time() - self.t0, 1)
-        tmp = self.args.out + ".tmp"
-        os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(self.doc, f, indent=1)
-        os.replace(tmp, self.args.out)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def free(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
 
     def reset_peak(self) -> int | None:
         if not self.cuda:
