@@ -545,6 +545,13 @@ void finish(Run& r) {
 int run_train(const TrainFlags& flags) {
   const Settings s = resolve_settings(flags);
   if (flags.run.dry_run) return dry_run(s.config);
+  if (flags.run.distributed) {
+    FK_CHECK_ARG(s.start.path.empty() && s.train && s.config.checkpoint.empty() && s.config.metrics_json.empty() &&
+                     s.config.trace.empty(),
+                 kOp, "--distributed", "no checkpoint, resume, --load-model, --inference-only, metrics JSON or trace (not yet)",
+                 "one of them");
+    return run_train_distributed(s.config);
+  }
   const auto [device, impl] = pick_device(s.config, kOp);
   Run r(s, device, impl, open_data(s.config));
   start(r, s, flags.run.resume_override);

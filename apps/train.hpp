@@ -21,6 +21,8 @@ struct TrainFlags {
 
 CLI::App* add_train_command(CLI::App& app, TrainFlags& flags);
 int run_train(const TrainFlags& flags);
+// --distributed: the run over MPI's ranks (apps/train_distributed.cpp).
+int run_train_distributed(const TrainConfig& config);
 
 // `fusekit eval --checkpoint PATH`: the test metrics of a saved model, on the data of its run or
 // on --data; --predictions FILE also writes each test sample's label and probability.

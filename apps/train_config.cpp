@@ -430,6 +430,9 @@ TrainConfig resolve(const ConfigFlags& f) {
 
 void add_run_flags(CLI::App& cmd, RunFlags& f) {
   cmd.add_flag("--dry-run", f.dry_run, "Check the configuration, print the model and data it describes, exit");
+  cmd.add_flag("--distributed", f.distributed,
+               "Train over the ranks of `mpirun -np N` (CPU; tables sharded over the ranks, MLPs data-parallel; "
+               "one process in a build without MPI)");
   cmd.add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
   cmd.add_flag("--resume-override", f.resume_override,
                "Resume (or --load-model) even when settings differ from those stored in the checkpoint (the run is "

@@ -169,6 +169,7 @@ bool set_explicitly(const ConfigFlags& flags, const std::string& key);
 // initialised one, on the test set and trains nothing.
 struct RunFlags {
   bool dry_run = false, resume = false, resume_override = false, inference_only = false;
+  bool distributed = false;  // the run over MPI's ranks (apps/train_distributed.cpp)
   std::string load_model;
 };
 void add_run_flags(CLI::App& cmd, RunFlags& flags);

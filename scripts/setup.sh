@@ -10,8 +10,10 @@ cd "$(dirname "$0")/.."
 
 BUILD_DIR=${FUSEKIT_BUILD_DIR:-build}
 
+# Open MPI: the multi-rank tests (mpirun -np 2 and 4) and `fusekit train --distributed`.
 packages=(build-essential cmake ninja-build git libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev
-          libdlpack-dev libxxhash-dev zlib1g-dev python3-pip python3-venv python3-dev ccache)
+          libdlpack-dev libxxhash-dev zlib1g-dev python3-pip python3-venv python3-dev ccache
+          libopenmpi-dev openmpi-bin)
 # The sanitizer / fuzz build (scripts/fuzz.sh --cmake-args) compiles with clang and its libFuzzer.
 [[ " ${FUSEKIT_CMAKE_ARGS:-} " == *"-DCMAKE_CXX_COMPILER=clang++"* ]] && packages+=(clang libclang-rt-dev)
 missing=()

@@ -128,6 +128,8 @@ InteractionKind interaction_kind(InteractionOp op) {
   throw_internal("models::Dlrm: no Interaction for this interaction op");
 }
 
+RandomParams table_init(const DlrmConfig& c);
+
 std::vector<std::int64_t> top_sizes(const DlrmConfig& c) {
   std::vector<std::int64_t> s{c.interaction_size()};
   s.insert(s.end(), c.top_mlp.begin(), c.top_mlp.end());
@@ -163,6 +165,8 @@ bool kernel(const DlrmConfig& c, const std::vector<std::int64_t>& sizes) {
 constexpr std::uint64_t kTopStream = 1000, kCrossStream = 2000, kTableStream = std::uint64_t{1} << 40;
 constexpr std::uint64_t kBottomRounding = std::uint64_t{1} << 62, kTopRounding = kBottomRounding + (std::uint64_t{1} << 61);
 
+RandomParams table_init(const DlrmConfig& c) { return {c.seed, kTableStream}; }
+
 // The MLPs' activation compression: group at most 256 (the quant family's default), bf16
 // statistics (weight_grad_from_packed's register-sourced path on sm_90).
 std::optional<PackParams> compression(const DlrmConfig& c, std::uint64_t stream) {
@@ -182,7 +186,7 @@ struct DlrmState {
   std::int64_t pad, features, dim, inter, ldr, ld_dense;
   nn::ParameterArena arena;
   nn::MLP bottom, top;
-  nn::EmbeddingBagCollection embeddings;
+  std::optional<nn::EmbeddingBagCollection> embeddings;  // none with DlrmTables::external
   std::optional<nn::Interaction> interaction;  // dot, cat, outer
   std::optional<nn::CrossNet> cross;           // dcn
   nn::BCEWithLogits loss;
@@ -202,6 +206,7 @@ struct DlrmState {
   int slot = 0;
   nn::EmbeddingBagInput bags;
   TensorView dense, labels;
+  TensorView pooled;  // external tables: the batch's pooled bags [B, T, D] (host)
   std::int64_t steps = 0;
   std::map<std::tuple<int, std::int64_t, int, float, float>, Graph> graphs;
   std::set<std::int64_t> warm;  // batch sizes that ran one eager step
@@ -214,7 +219,7 @@ struct DlrmState {
   std::vector<const char*> marks;
   double step_start_us = 0;
 
-  DlrmState(const DlrmConfig& c, DlrmImpl im, Device d)
+  DlrmState(const DlrmConfig& c, DlrmImpl im, Device d, DlrmTables tables)
       : config(c),
         impl(im),
         dev(d),
@@ -235,9 +240,11 @@ struct DlrmState {
             {Activation::relu, false, c.allow_tf32, fused, top_pad(c, pad), kernel(c, top_sizes(c)),
              compression(c, kTopRounding)},
             {c.seed, kTopStream}, arena),
-        embeddings(c.table_rows, c.embedding_dim, {Pooling::sum, c.raw_hash, fused, c.rowwise_adagrad}, d,
-                   {c.seed, kTableStream}),
         loss(d, fused) {
+    if (tables == DlrmTables::local)
+      embeddings.emplace(c.table_rows, c.embedding_dim,
+                         nn::EmbeddingBagCollectionOptions{Pooling::sum, c.raw_hash, fused, c.rowwise_adagrad}, d,
+                         table_init(c));
     if (c.interaction == InteractionOp::dcn)
       cross.emplace(c.interaction_size(), cross_options(c), RandomParams{c.seed, kCrossStream}, arena);
     else
@@ -291,6 +298,16 @@ struct DlrmState {
   }
 
   // ---- views of the batch buffers -------------------------------------------------------------
+  // External tables: [B, T, D] between the caller's contiguous pooled bags and Z's (or dZ's)
+  // table columns (host memory: the model is on the CPU).
+  void copy_pooled(const TensorView& dst, const TensorView& src) const {
+    const std::int64_t row = num_tables() * dim;
+    auto rows = [&](const TensorView& v) {
+      return TensorView(v.data(), DType::f32, {batch, row}, {v.strides()[0], 1}, dev);
+    };
+    copy(rows(dst), rows(src));
+  }
+
   TensorView f32(const Tensor& t, Dims shape, Dims strides) const {
     return TensorView(t.data(), DType::f32, shape, strides, dev);
   }
@@ -343,7 +360,7 @@ struct DlrmState {
     }
     bottom.reserve(cap, st);
     top.reserve(cap, st);
-    embeddings.reserve(cap_nnz, st);
+    if (embeddings) embeddings->reserve(cap_nnz, st);
     if (interaction) interaction->reserve(cap, st);
     if (cross) {
       cross->reserve(cap, st);
@@ -378,19 +395,29 @@ struct DlrmState {
     }
     const bool raw = fused && in.raw_sparse.data() != nullptr;
     std::int64_t nnz = t * b;
-    if (raw) {
+    FK_CHECK_ARG(embeddings.has_value() != (in.pooled.data() != nullptr), kOp, "pooled",
+                 embeddings ? "none (the model holds its tables)" : "the pooled bags (the model's tables are external)",
+                 in.pooled.str());
+    if (!embeddings) {
+      FK_CHECK_ARG(in.pooled.dtype() == DType::f32 && in.pooled.rank() == 3 && in.pooled.size(0) == b &&
+                       in.pooled.size(1) == t && in.pooled.size(2) == dim && in.pooled.is_contiguous(),
+                   kOp, "pooled", fmt::format("f32 [{}, {}, {}], contiguous", b, t, dim), in.pooled.str());
+      checks_host(in.pooled, "pooled");
+      nnz = 0;
+    } else if (raw) {
       FK_CHECK_ARG(in.raw_sparse.dtype() == DType::i32 && in.raw_sparse.numel() == t * b && in.raw_sparse.is_contiguous(),
                    kOp, "raw_sparse", fmt::format("i32 [{}] (tables * batch)", t * b), in.raw_sparse.str());
       if (!stream_) checks_host(in.raw_sparse, "raw_sparse");
     } else {
       FK_CHECK_ARG(in.offsets.device().is_cpu() && in.indices.device().is_cpu(), kOp, "indices/offsets",
                    "host tensors (checked before they are used)", in.indices.str() + " " + in.offsets.str());
-      check_embedding_input(embeddings.layout(), in.indices, in.offsets, b, kOp);
+      check_embedding_input(embeddings->layout(), in.indices, in.offsets, b, kOp);
       nnz = in.indices.numel();
     }
     ensure_capacity(b, nnz);
     batch = b;
     slot = si;
+    pooled = in.pooled;
     if (!stream_) {  // the CPU reads the caller's tensors
       dense = in.dense;
       labels = label ? *label : TensorView();
@@ -429,7 +456,8 @@ struct DlrmState {
     mark("bottom_mlp.fwd");
     bottom.forward(dense, z_first(z), st);
     mark("embeddings.fwd");
-    embeddings.forward(bags, batch, z_tables(z), st);
+    if (embeddings) embeddings->forward(bags, batch, z_tables(z), st);
+    else copy_pooled(z_tables(z), pooled);
     mark("interaction.fwd");
     if (cross)
       cross->forward(z_flat(z), r_rows(r), st);
@@ -456,7 +484,7 @@ struct DlrmState {
     else
       interaction->backward(z_all(z), r_full(dr), z_all(dz), fused && config.interaction == InteractionOp::dot, st);
     mark("embeddings.bwd");
-    embeddings.backward(z_tables(dz), st);
+    if (embeddings) embeddings->backward(z_tables(dz), st);
     mark("bottom_mlp.bwd");
     bottom.backward(z_first(z), z_first(dz), std::nullopt, st);
   }
@@ -464,7 +492,7 @@ struct DlrmState {
   void step_body(const OptimizerConfig& opt) {
     const Stream* st = s();
     mark("optimizer.embeddings");
-    embeddings.step(opt, st);
+    if (embeddings) embeddings->step(opt, st);
     mark("optimizer.mlp");
     arena.step(opt, fused, st);
   }
@@ -472,7 +500,7 @@ struct DlrmState {
   void ensure_optimizer_state(const OptimizerConfig& opt) {
     if (opt.kind != OptimizerKind::adagrad) return;
     arena.ensure_state(opt.initial_accumulator, s());
-    embeddings.ensure_state(opt.initial_accumulator, s());
+    if (embeddings) embeddings->ensure_state(opt.initial_accumulator, s());
   }
 
   void finish_step() {
@@ -525,16 +553,17 @@ struct DlrmState {
     if (cross)
       for (const nn::CrossNet::Layer& l : cross->layers())
         for (const auto* p : {l.u, l.v, l.bias}) v.push_back(p->value);
-    for (const Tensor& t : embeddings.tables) v.push_back(t);
+    if (embeddings)
+      for (const Tensor& t : embeddings->tables) v.push_back(t);
     if (with_adagrad) {
       for (std::size_t i = 0; i < arena.parameters().size(); ++i) v.push_back(*arena.state(i));
-      for (int t = 0; t < num_tables(); ++t) {
-        const TensorView& tv = embeddings.tables[static_cast<std::size_t>(t)].view();
+      for (int t = 0; embeddings && t < num_tables(); ++t) {
+        const TensorView& tv = embeddings->tables[static_cast<std::size_t>(t)].view();
         if (config.rowwise_adagrad)  // one accumulator per row
-          v.push_back(TensorView(embeddings.state.data_as<float>() + embeddings.layout().base(t), DType::f32,
+          v.push_back(TensorView(embeddings->state.data_as<float>() + embeddings->layout().base(t), DType::f32,
                                  {tv.size(0)}, dev));
         else
-          v.push_back(TensorView(embeddings.state.data_as<float>() + embeddings.layout().base(t) * dim, DType::f32,
+          v.push_back(TensorView(embeddings->state.data_as<float>() + embeddings->layout().base(t) * dim, DType::f32,
                                  tv.shape(), dev));
       }
     }
@@ -543,6 +572,8 @@ struct DlrmState {
 };
 
 }  // namespace detail
+
+RandomParams dlrm_table_init(const DlrmConfig& config) { return detail::table_init(config); }
 
 namespace {
 
@@ -571,7 +602,7 @@ void check_vector(const TensorView& t, std::int64_t n, const char* arg) {
 
 }  // namespace
 
-Dlrm::Dlrm(DlrmConfig config, Device device, DlrmImpl impl) {
+Dlrm::Dlrm(DlrmConfig config, Device device, DlrmImpl impl, DlrmTables tables) {
   config.validate();
   if (device.is_cuda()) {
 #if FUSEKIT_WITH_CUDA
@@ -586,7 +617,9 @@ Dlrm::Dlrm(DlrmConfig config, Device device, DlrmImpl impl) {
   FK_CHECK_ARG(!config.fused_mlp || impl == DlrmImpl::fused, kOp, "config.fused_mlp", "impl fused",
                std::string(impl_name(impl)));
   const OnDevice on(device);
-  s_ = std::make_unique<detail::DlrmState>(config, impl, device);
+  FK_CHECK_ARG(tables == DlrmTables::local || device.is_cpu(), kOp, "tables",
+               "local on a GPU (external tables are host-side for now)", "external");
+  s_ = std::make_unique<detail::DlrmState>(config, impl, device, tables);
   s_->sync();
 }
 
@@ -608,14 +641,22 @@ void Dlrm::forward(const DlrmInput& input, const TensorView& logits) {
   copy(logits, s.vec(s.logits));
 }
 
-void Dlrm::backward(const TensorView& dlogits) {
+void Dlrm::backward(const TensorView& dlogits, const TensorView& dpooled) {
   detail::DlrmState& s = *s_;
   const OnDevice on(s.dev);
   FK_CHECK_ARG(s.batch > 0, kOp, "backward", "a forward() first", "none");
   check_vector(dlogits, s.batch, "dlogits");
+  const std::int64_t t = s.num_tables();
+  if (!s.embeddings)
+    FK_CHECK_ARG(dpooled.dtype() == DType::f32 && dpooled.rank() == 3 && dpooled.size(0) == s.batch &&
+                     dpooled.size(1) == t && dpooled.size(2) == s.dim && dpooled.is_contiguous() &&
+                     dpooled.data() != nullptr && dpooled.device().is_cpu(),
+                 kOp, "dpooled", fmt::format("f32 [{}, {}, {}], contiguous, on the host", s.batch, t, s.dim),
+                 dpooled.str());
   copy(s.vec(s.dlogits), dlogits);
   s.backward_body();
   s.sync();
+  if (!s.embeddings) s.copy_pooled(dpooled, s.z_tables(s.dz));
 }
 
 void Dlrm::step(const OptimizerConfig& opt) {
@@ -713,13 +754,17 @@ std::vector<Dlrm::ParamAndGrad> Dlrm::cross_parameters() {
 
 std::vector<Tensor*> Dlrm::tables() {
   std::vector<Tensor*> v;
-  for (Tensor& t : s_->embeddings.tables) v.push_back(&t);
+  if (s_->embeddings)
+    for (Tensor& t : s_->embeddings->tables) v.push_back(&t);
   return v;
 }
 
+TensorView Dlrm::dense_gradients() { return s_->arena.gradients(); }
+
 Tensor Dlrm::table_gradient() {
   const OnDevice on(s_->dev);
-  return s_->embeddings.gradient(s_->s());
+  FK_CHECK_ARG(s_->embeddings.has_value(), kOp, "table_gradient", "a model holding its tables", "external tables");
+  return s_->embeddings->gradient(s_->s());
 }
 
 void Dlrm::save_state(std::ostream& out) const {
@@ -743,10 +788,10 @@ void Dlrm::load_state(std::istream& in) {
   std::uint64_t count = 0;
   const bool adagrad = detail::read_state_header(in, count);
   s.arena.drop_state();
-  s.embeddings.state = Tensor();
+  if (s.embeddings) s.embeddings->state = Tensor();
   if (adagrad) {  // allocated here, the values read below
     s.arena.ensure_state(0.0f, s.s());
-    s.embeddings.ensure_state(0.0f, s.s());
+    if (s.embeddings) s.embeddings->ensure_state(0.0f, s.s());
     s.sync();
   }
   std::vector<TensorView> arrays = s.state_arrays(adagrad);

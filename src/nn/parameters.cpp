@@ -68,6 +68,10 @@ const ParameterArena::Parameter& ParameterArena::add(const Dims& shape, std::int
   return params_.back();
 }
 
+TensorView ParameterArena::gradients() const {
+  return TensorView(grads_.data(), DType::f32, {used_}, device_);
+}
+
 std::optional<TensorView> ParameterArena::state(std::size_t i) const {
   if (!has_state()) return std::nullopt;
   return view_of(state_, params_.at(i));

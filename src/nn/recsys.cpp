@@ -20,10 +20,13 @@ TensorView head(const Tensor& t, std::int64_t n) { return TensorView(t.data(), t
 // ---- EmbeddingBagCollection ------------------------------------------------------------------
 
 EmbeddingBagCollection::EmbeddingBagCollection(std::vector<std::int64_t> rows, std::int64_t dim,
-                                               EmbeddingBagCollectionOptions options, Device device, RandomParams init)
+                                               EmbeddingBagCollectionOptions options, Device device, RandomParams init,
+                                               const std::vector<std::int64_t>& init_ids)
     : dim_(dim), options_(options) {
   constexpr const char* op = "nn::EmbeddingBagCollection";
   FK_CHECK_ARG(dim >= 1, op, "dim", ">= 1", fmt::format("{}", dim));
+  FK_CHECK_ARG(init_ids.empty() || init_ids.size() == rows.size(), op, "init_ids",
+               fmt::format("none or one per table ({})", rows.size()), fmt::format("{}", init_ids.size()));
   for (std::size_t t = 0; t < rows.size(); ++t)
     FK_CHECK_ARG(rows[t] >= 1, op, "rows", "tables of >= 1 row", fmt::format("table {} with {} rows", t, rows[t]));
   layout_ = TableLayout(std::move(rows), device);
@@ -34,7 +37,8 @@ EmbeddingBagCollection::EmbeddingBagCollection(std::vector<std::int64_t> rows, s
         TensorView(weights.data_as<float>() + layout_.base(t) * dim, DType::f32, {r, dim}, device),
         [keep = weights.storage()] {});
     const float bound = static_cast<float>(std::sqrt(1.0 / static_cast<double>(r)));
-    fill_uniform(view, -bound, bound, {init.seed, init.subsequence + static_cast<std::uint64_t>(t)});
+    const std::int64_t id = init_ids.empty() ? t : init_ids[static_cast<std::size_t>(t)];
+    fill_uniform(view, -bound, bound, {init.seed, init.subsequence + static_cast<std::uint64_t>(id)});
     tables.push_back(std::move(view));
   }
 }

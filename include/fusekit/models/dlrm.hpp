@@ -50,6 +50,7 @@
 #include <string_view>
 #include <vector>
 
+#include "fusekit/core/random.hpp"
 #include "fusekit/core/tensor.hpp"
 #include "fusekit/nn/linear.hpp"
 #include "fusekit/nn/parameters.hpp"
@@ -117,12 +118,25 @@ struct DlrmConfig {
 //                            fused implementation then hashes them in its lookup (config
 //                            raw_hash) and ignores indices/offsets
 // On CUDA the tensors may be host (page-locked for asynchronous copies) or device tensors.
+//   pooled  f32 [B, T, D]   a model with DlrmTables::external only, instead of ids: the bags
+//                            pooled elsewhere (model-parallel tables, models::DistributedDlrm)
 struct DlrmInput {
   TensorView dense;
   TensorView indices;
   TensorView offsets;
   TensorView raw_sparse;
+  TensorView pooled;
 };
+
+// Where the embedding tables live. local: in the model. external: elsewhere (on the ranks of a
+// model-parallel model, models::DistributedDlrm); the model is then the dense part (MLPs and the
+// interaction), its input carries the pooled bags (DlrmInput::pooled), its backward gives their
+// gradient, and step() updates the dense parameters only. External tables are CPU-only for now.
+enum class DlrmTables { local, external };
+
+// The Philox stream the tables start from (table t: subsequence + t), for a model-parallel shard
+// that must hold the values the whole model would.
+RandomParams dlrm_table_init(const DlrmConfig& config);
 
 namespace detail {
 struct DlrmState;
@@ -131,7 +145,7 @@ struct DlrmState;
 class Dlrm {
  public:
   // Throws fk::Error for an inconsistent config or a device that does not exist.
-  Dlrm(DlrmConfig config, Device device, DlrmImpl impl = DlrmImpl::reference);
+  Dlrm(DlrmConfig config, Device device, DlrmImpl impl = DlrmImpl::reference, DlrmTables tables = DlrmTables::local);
   ~Dlrm();
   Dlrm(Dlrm&&) noexcept;
   Dlrm& operator=(Dlrm&&) noexcept;
@@ -143,8 +157,9 @@ class Dlrm {
   // logits f32 [B] (the sigmoid is applied by the loss and by predict()). input.dense must stay
   // valid and unchanged until backward() (the bottom MLP reads it there).
   void forward(const DlrmInput& input, const TensorView& logits);
-  // From dlogits f32 [B] (dL/dlogit): every gradient, for the last forward().
-  void backward(const TensorView& dlogits);
+  // From dlogits f32 [B] (dL/dlogit): every gradient, for the last forward(). External tables:
+  // dpooled f32 [B, T, D] (=) dL/dpooled, the gradient the tables' owners apply.
+  void backward(const TensorView& dlogits, const TensorView& dpooled = {});
   void step(const OptimizerConfig& opt);
 
   // forward + BCE loss + backward + step; returns the mean loss of the batch.
@@ -178,7 +193,10 @@ class Dlrm {
     Tensor* grad;
   };
   std::vector<ParamAndGrad> cross_parameters();
-  std::vector<Tensor*> tables();
+  std::vector<Tensor*> tables();  // empty with external tables
+  // The dense parameters' gradients (MLPs, cross network) of the last backward as one contiguous
+  // f32 buffer on the model's device: what data-parallel ranks all-reduce (in place) before step().
+  TensorView dense_gradients();
   // The tables' gradients of the last backward, [total_rows, D] on the model's device (zero for
   // untouched rows), formed on demand (the fused implementation never needs them).
   Tensor table_gradient();

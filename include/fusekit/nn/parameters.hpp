@@ -61,6 +61,9 @@ class ParameterArena {
   // Adagrad step or ensure_state().
   std::optional<TensorView> state(std::size_t i) const;
   bool has_state() const noexcept { return state_.data() != nullptr; }
+  // Every parameter's gradient as one contiguous f32 [floats used] buffer (the alignment gaps
+  // zero): what data-parallel ranks all-reduce in one call.
+  TensorView gradients() const;
   // Allocates the Adagrad state at `initial_accumulator` when there is none; drop_state frees it.
   void ensure_state(float initial_accumulator, const Stream* stream = nullptr);
   void drop_state() noexcept { state_ = Tensor(); }

@@ -50,9 +50,11 @@ struct EmbeddingBagInput {
 class EmbeddingBagCollection {
  public:
   // Table t [rows[t], dim] ~ U(-sqrt(1 / rows[t]), sqrt(1 / rows[t])) from Philox
-  // (init.seed, init.subsequence + t): the same values on every device.
+  // (init.seed, init.subsequence + id_t): the same values on every device. id_t = t, or
+  // init_ids[t] when given (one per table): a collection holding some tables of a larger one (a
+  // rank's shard of a model-parallel model) then holds the values the larger one has.
   EmbeddingBagCollection(std::vector<std::int64_t> rows, std::int64_t dim, EmbeddingBagCollectionOptions options,
-                         Device device, RandomParams init);
+                         Device device, RandomParams init, const std::vector<std::int64_t>& init_ids = {});
 
   int num_tables() const noexcept { return layout_.num_tables(); }
   std::int64_t dim() const noexcept { return dim_; }

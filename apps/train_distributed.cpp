@@ -1,0 +1,191 @@
+// `fusekit train --distributed`: the run on several ranks (models::DistributedDlrm), launched by
+// `mpirun -np N build/fusekit train --distributed ...` in a build with MPI (one process without).
+// Every rank reads the same global batches and keeps its slice (the first B % N ranks one sample
+// more); rank 0 prints the plan, the progress lines, the final evaluation and the summary. A rank
+// that fails prints its error and aborts every rank (MPI_Abort), so none waits in a collective.
+// What it does not do yet (the single-process run does): checkpoints, resume, periodic
+// evaluation, metrics JSON, traces, learning-rate schedules.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+
+#include "apps/train.hpp"
+#include "apps/train_data.hpp"
+#include "fusekit/core/error.hpp"
+#include "fusekit/data/criteo.hpp"
+#include "fusekit/dist/communicator.hpp"
+#include "fusekit/models/dlrm_distributed.hpp"
+#include "fusekit/models/metrics.hpp"
+
+namespace fk::app {
+namespace {
+
+constexpr const char* kOp = "fusekit train --distributed";
+using Clock = std::chrono::steady_clock;
+
+// Samples [begin, end) of a batch (CSR bags re-based), into `out`.
+void slice_batch(const data::Batch& b, std::int64_t begin, std::int64_t end, data::Batch& out) {
+  const std::int64_t n = end - begin, tables = b.offsets.numel() > 0 ? (b.offsets.numel() - 1) / b.size : 0;
+  const std::int64_t dense = b.dense.size(1);
+  const auto* off = b.offsets.data_as<const std::int64_t>();
+  const auto* idx = b.indices.data_as<const std::int64_t>();
+  std::int64_t nnz = 0;
+  for (std::int64_t t = 0; t < tables; ++t) nnz += off[t * b.size + end] - off[t * b.size + begin];
+  out.size = n;
+  out.labels = Tensor::empty({n}, DType::f32, Device::cpu());
+  out.dense = Tensor::empty({n, dense}, DType::f32, Device::cpu());
+  out.indices = Tensor::empty({std::max<std::int64_t>(nnz, 1)}, DType::i64, Device::cpu());
+  out.offsets = Tensor::empty({tables * n + 1}, DType::i64, Device::cpu());
+  std::memcpy(out.labels.data(), b.labels.data_as<const float>() + begin, static_cast<std::size_t>(n) * sizeof(float));
+  std::memcpy(out.dense.data(), b.dense.data_as<const float>() + begin * dense,
+              static_cast<std::size_t>(n * dense) * sizeof(float));
+  auto* o = out.offsets.data_as<std::int64_t>();
+  auto* i = out.indices.data_as<std::int64_t>();
+  std::int64_t at = 0;
+  o[0] = 0;
+  for (std::int64_t t = 0; t < tables; ++t)
+    for (std::int64_t s = begin; s < end; ++s) {
+      for (std::int64_t k = off[t * b.size + s]; k < off[t * b.size + s + 1]; ++k) i[at++] = idx[k];
+      o[t * n + (s - begin) + 1] = at;
+    }
+  out.indices = Tensor::adopt(TensorView(out.indices.data(), DType::i64, {nnz}, Device::cpu()),
+                              [keep = out.indices.storage()] {});
+}
+
+std::pair<std::int64_t, std::int64_t> slice_of(std::int64_t n, int rank, int ranks) {
+  const std::int64_t base = n / ranks, extra = n % ranks;
+  const std::int64_t begin = rank * base + std::min<std::int64_t>(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
+
+int run(const TrainConfig& c, dist::Communicator& comm) {
+  const int ranks = comm.size(), me = comm.rank();
+  const bool lead = me == 0;
+  FK_CHECK_ARG(c.device == "cpu", kOp, "--device", "cpu (the distributed path runs on host memory for now)", c.device);
+  FK_CHECK_ARG(c.mini_batch_size >= ranks && c.test_mini_batch_size >= ranks, kOp, "--mini-batch-size",
+               fmt::format("global batches of at least one sample per rank ({})", ranks),
+               fmt::format("{} and test {}", c.mini_batch_size, c.test_mini_batch_size));
+  const RunData data = open_data(c);
+  const models::DlrmConfig mc = make_model_config(c, data.featurizer);
+  const models::DlrmImpl impl = models::parse_impl(c.impl);
+  const models::OptimizerConfig opt{.kind = models::parse_optimizer(c.optimizer),
+                                    .learning_rate = static_cast<float>(c.learning_rate)};
+  dist::ShardingPlan plan =
+      models::plan_dlrm_sharding(mc, ranks, c.mini_batch_size, opt.kind, data.featurizer.multi_hot_sizes);
+  if (lead) {
+    fmt::print("fusekit train --distributed: DLRM bot {} top {} D {} interaction {}, {} tables, {:.1f}M parameters, "
+               "{} lr {}, impl {}; {} ranks ({}), global batch {} ({} to {} samples a rank)\n",
+               c.arch_mlp_bot, c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op, mc.table_rows.size(),
+               static_cast<double>(mc.parameter_count()) / 1e6, c.optimizer, c.learning_rate, c.impl, ranks,
+               comm.backend(), c.mini_batch_size, c.mini_batch_size / ranks, (c.mini_batch_size + ranks - 1) / ranks);
+    fmt::print("data: {}\n{}", data.split.description, plan.str());
+    std::fflush(stdout);
+  }
+  models::DistributedDlrm model(mc, comm, std::move(plan), impl);
+
+  // Training: every rank reads the same global batches, and trains on its slice.
+  const std::int64_t n_train = data.split.train->size();
+  const std::int64_t per_epoch = (n_train + c.mini_batch_size - 1) / c.mini_batch_size;
+  const std::int64_t total = c.steps > 0 ? c.steps : per_epoch * c.epochs;
+  data::BatchLoader loader(data.split.train, data.featurizer,
+                           {.batch_size = c.mini_batch_size, .epochs = (total + per_epoch - 1) / per_epoch});
+  std::int64_t step = 0, samples = 0, window_steps = 0, last_steps = 0;
+  double window_loss = 0, last_loss = 0, train_seconds = 0;
+  auto window_start = Clock::now();
+  data::Batch mine;
+  while (step < total) {
+    const data::Batch* b = loader.next();
+    if (!b) break;
+    if (b->size < ranks) continue;  // an epoch's last batch smaller than the ranks
+    const auto [begin, end] = slice_of(b->size, me, ranks);
+    slice_batch(*b, begin, end, mine);
+    const auto t0 = Clock::now();
+    const double loss = model.train_step({mine.dense, mine.indices, mine.offsets}, mine.labels, opt);
+    train_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    FK_CHECK_ARG(std::isfinite(loss), kOp, "loss", "a finite training loss", fmt::format("{} at step {}", loss, step + 1));
+    ++step;
+    samples += b->size;
+    window_loss += loss;
+    ++window_steps;
+    if (step > total - per_epoch || c.steps > 0) {  // the last epoch's (or a --steps run's) mean
+      last_loss += loss;
+      ++last_steps;
+    }
+    if (lead && c.print_every > 0 && (step % c.print_every == 0 || step == total)) {
+      const double secs = std::chrono::duration<double>(Clock::now() - window_start).count();
+      fmt::print("step {}/{}  loss {:.5f}  {:.0f} samples/s\n", step, total, window_loss / static_cast<double>(window_steps),
+                 static_cast<double>(window_steps * c.mini_batch_size) / secs);
+      std::fflush(stdout);
+      window_loss = 0;
+      window_steps = 0;
+      window_start = Clock::now();
+    }
+  }
+
+  // The final evaluation: each rank predicts its slice; rank 0 gathers every slice (an
+  // all-to-all in which only rank 0 receives) and computes the metrics.
+  data::BatchLoader test(data.split.test, data.featurizer, {.batch_size = c.test_mini_batch_size});
+  std::vector<float> probs, labels;
+  std::int64_t skipped = 0;
+  while (const data::Batch* b = test.next()) {
+    if (b->size < ranks) {
+      skipped += b->size;
+      continue;
+    }
+    const auto [begin, end] = slice_of(b->size, me, ranks);
+    slice_batch(*b, begin, end, mine);
+    std::vector<float> out(static_cast<std::size_t>(2 * mine.size));  // probabilities, then labels
+    model.predict({mine.dense, mine.indices, mine.offsets}, TensorView(out.data(), DType::f32, {mine.size}, Device::cpu()));
+    std::memcpy(out.data() + mine.size, mine.labels.data(), static_cast<std::size_t>(mine.size) * sizeof(float));
+    std::vector<std::int64_t> send(static_cast<std::size_t>(ranks), 0), recv(static_cast<std::size_t>(ranks), 0);
+    send[0] = 2 * mine.size;
+    for (int r = 0; lead && r < ranks; ++r) {
+      const auto [rb, re] = slice_of(b->size, r, ranks);
+      recv[static_cast<std::size_t>(r)] = 2 * (re - rb);
+    }
+    std::vector<float> all(static_cast<std::size_t>(lead ? 2 * b->size : 0));
+    comm.all_to_all_v(TensorView(out.data(), DType::f32, {2 * mine.size}, Device::cpu()), send,
+                      TensorView(all.data(), DType::f32, {static_cast<std::int64_t>(all.size())}, Device::cpu()), recv);
+    for (int r = 0; lead && r < ranks; ++r) {
+      const auto [rb, re] = slice_of(b->size, r, ranks);
+      const float* p = all.data() + 2 * rb;
+      probs.insert(probs.end(), p, p + (re - rb));
+      labels.insert(labels.end(), p + (re - rb), p + 2 * (re - rb));
+    }
+  }
+  if (lead) {
+    const models::BinaryMetrics m = models::evaluate_binary(probs, labels);
+    fmt::print("eval final, step {}: test logloss {:.5f}, AUC {:.5f}, accuracy {:.5f} ({} samples{})\n", step, m.log_loss,
+               m.auc, m.accuracy, m.samples,
+               skipped > 0 ? fmt::format("; {} in a last batch smaller than the ranks not evaluated", skipped) : "");
+    fmt::print("summary: train loss {:.5f} (mean over the last {} steps), test logloss {:.5f}, AUC {:.5f}, "
+               "{:.0f} samples/s over {} ranks ({} steps, {} samples, {:.1f} s training)\n",
+               last_steps > 0 ? last_loss / static_cast<double>(last_steps) : 0.0, last_steps, m.log_loss, m.auc,
+               static_cast<double>(samples) / train_seconds, ranks, step, samples, train_seconds);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int run_train_distributed(const TrainConfig& c) {
+  std::unique_ptr<dist::Communicator> comm =
+      FUSEKIT_WITH_MPI ? dist::make_mpi_communicator() : dist::make_single_communicator();
+  try {
+    return run(c, *comm);
+  } catch (const std::exception& e) {
+    if (comm->size() == 1) throw;
+    std::fprintf(stderr, "fusekit train --distributed: rank %d of %d: %s\n", comm->rank(), comm->size(), e.what());
+    std::fflush(stderr);
+    comm->abort(1);
+  }
+  return 1;  // not reached: abort ends the process
+}
+
+}  // namespace fk::app

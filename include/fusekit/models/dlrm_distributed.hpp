@@ -1,0 +1,63 @@
+// DLRM over several ranks (TorchRec's layout): data-parallel dense part, model-parallel tables.
+//
+//   each rank  a Dlrm with DlrmTables::external (bottom MLP, interaction or cross network, top MLP,
+//              the same initial values on every rank) on its slice of the global batch
+//   tables     spread over the ranks by a table-wise dist::ShardingPlan (dist::ShardedEmbeddingBags:
+//              ids to the owners, pooled rows back, their gradients to the owners again)
+//   gradients  the dense gradients summed over the ranks (one all-reduce of the parameter arena's
+//              gradient buffer) before the optimizer step, so every rank's replica stays the same
+//
+// Loss normalisation: the single-process loss is the mean over the global batch B, so
+// dL/dlogit = (p - y) / B. Each rank scales its slice's gradient (p - y) / b by b / B; the
+// all-reduced sum is then the single-process gradient, and the table owners get the gradient of
+// each pooled row the single-process model computes. The returned loss is the global mean.
+//
+// N ranks on the same global batches follow the one-process model up to the rounding of the
+// reductions, whose order changes (a weight gradient's sum over the batch becomes N partial sums
+// added by the all-reduce). Host memory (the CPU build with MPI, or one process) for now.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "fusekit/dist/communicator.hpp"
+#include "fusekit/dist/sharded_embeddings.hpp"
+#include "fusekit/dist/sharding.hpp"
+#include "fusekit/models/dlrm.hpp"
+
+namespace fk::models {
+
+// The table-wise plan of a DLRM's tables (dist::plan_sharding): bytes with the optimizer's state
+// (Adagrad: D floats a row, row-wise Adagrad one), lookups from the bag sizes (empty: one-hot).
+dist::ShardingPlan plan_dlrm_sharding(const DlrmConfig& config, int ranks, std::int64_t global_batch,
+                                      OptimizerKind optimizer, const std::vector<std::int64_t>& bag_sizes = {});
+
+class DistributedDlrm {
+ public:
+  // Collective in effect: every rank builds it with the same config and plan. CPU only. The
+  // communicator must outlive the model.
+  DistributedDlrm(DlrmConfig config, dist::Communicator& comm, dist::ShardingPlan plan,
+                  DlrmImpl impl = DlrmImpl::reference);
+
+  // Collective. This rank's slice of the global batch (the slices in rank order: every rank's
+  // dense, CSR bags over all tables, labels f32 [b]); returns the global batch's mean loss, the
+  // same on every rank.
+  double train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt);
+  // Collective. Click probabilities f32 [b] of this rank's slice.
+  void predict(const DlrmInput& input, const TensorView& probabilities);
+
+  const dist::ShardingPlan& plan() const noexcept { return embeddings_.plan(); }
+  dist::Communicator& communicator() noexcept { return comm_; }
+  // The dense part (its linear_layers(), cross_parameters()), the same on every rank.
+  Dlrm& dense() noexcept { return dense_; }
+  dist::ShardedEmbeddingBags& embeddings() noexcept { return embeddings_; }
+
+ private:
+  void lookup(const DlrmInput& input, std::int64_t batch);
+  dist::Communicator& comm_;
+  Dlrm dense_;
+  dist::ShardedEmbeddingBags embeddings_;
+  Tensor pooled_, dpooled_, logits_, dlogits_;  // [b, T, D], [b, T, D], [b], [b]
+};
+
+}  // namespace fk::models

@@ -1,0 +1,95 @@
+// The single-process communicator and what every communicator shares.
+#include "fusekit/dist/communicator.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "dist/communicator_checks.hpp"
+#include "fusekit/core/error.hpp"
+#include "fusekit/core/stream.hpp"
+
+namespace fk::dist {
+
+void Communicator::exchange_counts(std::span<const std::int64_t> send, std::span<std::int64_t> recv) {
+  const auto n = static_cast<std::size_t>(size());
+  FK_CHECK_ARG(send.size() == n && recv.size() == n, "dist::Communicator::exchange_counts", "send/recv",
+               fmt::format("{} values each (one per rank)", n), fmt::format("{} and {}", send.size(), recv.size()));
+  const std::vector<std::int64_t> ones(n, 1);
+  const TensorView s(const_cast<std::int64_t*>(send.data()), DType::i64, {static_cast<std::int64_t>(n)}, device());
+  const TensorView r(recv.data(), DType::i64, {static_cast<std::int64_t>(n)}, device());
+  all_to_all_v(s, ones, r, ones);
+}
+
+namespace detail {
+
+void check_collective_buffer(const TensorView& t, const char* op, const char* arg) {
+  FK_CHECK_ARG(t.device().is_cpu(), op, arg, "host memory (this communicator is host-side)", t.str());
+  FK_CHECK_ARG(t.is_contiguous() && t.defined(), op, arg, "a contiguous tensor with data", t.str());
+}
+
+std::int64_t check_counts(const TensorView& t, std::span<const std::int64_t> counts, int ranks, const char* op,
+                          const char* arg) {
+  FK_CHECK_ARG(counts.size() == static_cast<std::size_t>(ranks), op, arg, fmt::format("{} counts (one per rank)", ranks),
+               fmt::format("{}", counts.size()));
+  std::int64_t total = 0;
+  for (std::int64_t c : counts) {
+    FK_CHECK_ARG(c >= 0, op, arg, "counts >= 0", fmt::format("{}", c));
+    total += c;
+  }
+  FK_CHECK_ARG(total <= t.numel(), op, arg, fmt::format("counts that fit the buffer of {} elements", t.numel()),
+               fmt::format("{} elements in all", total));
+  return total;
+}
+
+}  // namespace detail
+
+namespace {
+
+class SingleCommunicator final : public Communicator {
+ public:
+  int rank() const noexcept override { return 0; }
+  int size() const noexcept override { return 1; }
+  std::string_view backend() const noexcept override { return "single"; }
+  Device device() const noexcept override { return Device::cpu(); }
+
+  void all_to_all_v(const TensorView& send, std::span<const std::int64_t> send_counts, const TensorView& recv,
+                    std::span<const std::int64_t> recv_counts, const Stream* stream) override {
+    constexpr const char* op = "dist::Communicator::all_to_all_v";
+    detail::check_collective_buffer(send, op, "send");
+    detail::check_collective_buffer(recv, op, "recv");
+    FK_CHECK_ARG(send.dtype() == recv.dtype(), op, "recv", fmt::format("dtype {}", dtype_name(send.dtype())),
+                 std::string(dtype_name(recv.dtype())));
+    const std::int64_t n = detail::check_counts(send, send_counts, 1, op, "send_counts");
+    detail::check_counts(recv, recv_counts, 1, op, "recv_counts");
+    FK_CHECK_ARG(recv_counts[0] == n, op, "recv_counts", fmt::format("{} (what this rank sends itself)", n),
+                 fmt::format("{}", recv_counts[0]));
+    if (stream) stream->synchronize();
+    if (n > 0 && send.data() != recv.data())
+      std::memcpy(recv.data(), send.data(), static_cast<std::size_t>(n) * dtype_size(send.dtype()));
+  }
+
+  void all_reduce_sum(const TensorView& data, const Stream* stream) override {
+    detail::check_collective_buffer(data, "dist::Communicator::all_reduce_sum", "data");
+    FK_CHECK_ARG(data.dtype() == DType::f32, "dist::Communicator::all_reduce_sum",
+                 "data", "f32", std::string(dtype_name(data.dtype())));
+    if (stream) stream->synchronize();
+  }
+
+  void barrier() override {}
+  [[noreturn]] void abort(int code) override { std::exit(code); }
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_single_communicator() { return std::make_unique<SingleCommunicator>(); }
+
+#if !FUSEKIT_WITH_MPI
+std::unique_ptr<Communicator> make_mpi_communicator() {
+  throw Error("dist::make_mpi_communicator", "build", "fusekit built with MPI (-DFUSEKIT_MPI=ON)",
+              "a build without MPI");
+}
+#endif
+
+}  // namespace fk::dist

@@ -1,0 +1,132 @@
+// A real distributed run: this binary is launched by ctest under mpirun (-np 2 and -np 4). The MPI
+// communicator's collectives with uneven counts, then DistributedDlrm on every rank against the
+// one-process model each rank also trains (tests/dist/distributed_run.hpp). Every rank runs every
+// test (each test is collective); only rank 0 prints gtest's progress, every rank its failures.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <numeric>
+
+#include "distributed_run.hpp"
+#include "fusekit/dist/communicator.hpp"
+
+namespace fk::dist {
+namespace {
+
+Communicator* g_comm = nullptr;
+
+TEST(MpiCommunicator, AllToAllVWithUnevenCounts) {
+  Communicator& c = *g_comm;
+  const int n = c.size(), me = c.rank();
+  ASSERT_GE(n, 2) << "run under mpirun -np 2 or more";
+  // Rank s sends rank r (s + r) % 3 values (some zero), each value 1000 s + 10 r + k.
+  auto count = [](int s, int r) { return static_cast<std::int64_t>((s + r) % 3); };
+  std::vector<std::int64_t> send_counts, recv_counts;
+  std::vector<float> send;
+  for (int r = 0; r < n; ++r) {
+    send_counts.push_back(count(me, r));
+    recv_counts.push_back(count(r, me));
+    for (std::int64_t k = 0; k < count(me, r); ++k) send.push_back(static_cast<float>(1000 * me + 10 * r + k));
+  }
+  std::vector<float> recv(static_cast<std::size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), std::int64_t{0})) + 1);
+  c.all_to_all_v(TensorView(send.data(), DType::f32, {static_cast<std::int64_t>(send.size())}, Device::cpu()), send_counts,
+                 TensorView(recv.data(), DType::f32, {static_cast<std::int64_t>(recv.size())}, Device::cpu()), recv_counts);
+  std::size_t at = 0;
+  for (int s = 0; s < n; ++s)
+    for (std::int64_t k = 0; k < count(s, me); ++k) EXPECT_EQ(recv[at++], static_cast<float>(1000 * s + 10 * me + k));
+  // i64 and bytes too; and the counts exchange.
+  std::vector<std::int64_t> mine(static_cast<std::size_t>(n)), theirs(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) mine[static_cast<std::size_t>(r)] = 100 * me + r;
+  c.exchange_counts(mine, theirs);
+  for (int s = 0; s < n; ++s) EXPECT_EQ(theirs[static_cast<std::size_t>(s)], 100 * s + me);
+  std::vector<std::uint8_t> bytes_out(static_cast<std::size_t>(2 * n)), bytes_in(static_cast<std::size_t>(2 * n));
+  for (int i = 0; i < 2 * n; ++i) bytes_out[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(16 * me + i);
+  const std::vector<std::int64_t> twos(static_cast<std::size_t>(n), 2);
+  c.all_to_all_v(TensorView(bytes_out.data(), DType::u8, {2 * n}, Device::cpu()), twos,
+                 TensorView(bytes_in.data(), DType::u8, {2 * n}, Device::cpu()), twos);
+  for (int s = 0; s < n; ++s)
+    for (int k = 0; k < 2; ++k) EXPECT_EQ(bytes_in[static_cast<std::size_t>(2 * s + k)], 16 * s + 2 * me + k);
+}
+
+TEST(MpiCommunicator, AllReduceSumIsTheSameOnEveryRank) {
+  Communicator& c = *g_comm;
+  const int n = c.size(), me = c.rank();
+  // Small integers: exact in any order.
+  std::vector<float> v(1000);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(me + 1) * static_cast<float>(i % 7);
+  c.all_reduce_sum(TensorView(v.data(), DType::f32, {1000}, Device::cpu()));
+  const float ranks_sum = static_cast<float>(n * (n + 1) / 2);
+  for (std::size_t i = 0; i < v.size(); ++i) ASSERT_EQ(v[i], ranks_sum * static_cast<float>(i % 7)) << i;
+  // Values that round: every rank gets the same bits (rank 0's result, exchanged as counts).
+  float x = 0.1f * static_cast<float>(me + 1) + 1e-3f;
+  c.all_reduce_sum(TensorView(&x, DType::f32, {1}, Device::cpu()));
+  std::int64_t bits = 0;
+  std::memcpy(&bits, &x, sizeof x);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(n), bits), in(static_cast<std::size_t>(n));
+  c.exchange_counts(out, in);
+  for (int s = 0; s < n; ++s) EXPECT_EQ(in[static_cast<std::size_t>(s)], bits) << "rank " << s;
+  c.barrier();
+}
+
+class Ranks : public ::testing::TestWithParam<test::DistCase> {};
+
+TEST_P(Ranks, DistributedDlrmFollowsTheOneProcessModel) { test::compare_with_one_process(GetParam(), *g_comm); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, Ranks, ::testing::ValuesIn(test::dist_cases()),
+                         [](const auto& info) { return test::dist_case_name(info.param); });
+
+// The replicas of the dense part hold the same bits on every rank after training.
+TEST(DistributedDlrm, DenseReplicasStayIdentical) {
+  Communicator& c = *g_comm;
+  const test::DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused};
+  const data::Featurizer feat = test::dist_featurizer(true);
+  const models::DlrmConfig config = test::dist_config(dc, feat);
+  const models::OptimizerConfig opt = test::dist_optimizer(dc);
+  models::DistributedDlrm m(config, c, models::plan_dlrm_sharding(config, c.size(), 30, opt.kind, feat.multi_hot_sizes));
+  data::SyntheticConfig sc;
+  sc.seed = 5;
+  std::vector<data::RawRecord> recs(90);
+  data::SyntheticCriteo(sc).generate(0, recs);
+  for (int k = 0; k < 3; ++k) {
+    const auto [b, e] = test::slice_of(30, c.rank(), c.size());
+    data::Batch mine;
+    data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(30 * k + b), static_cast<std::size_t>(e - b)), feat, mine);
+    m.train_step({mine.dense, mine.indices, mine.offsets}, mine.labels, opt);
+  }
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a over every dense parameter's bytes
+  auto mix = [&](const Tensor& t) {
+    const auto* p = static_cast<const unsigned char*>(t.data());
+    for (std::size_t i = 0; i < t.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  };
+  for (const auto& l : m.dense().linear_layers()) {
+    mix(*l.weight);
+    mix(*l.bias);
+  }
+  for (const auto& p : m.dense().cross_parameters()) mix(*p.value);
+  const auto mine = static_cast<std::int64_t>(h);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(c.size()), mine), in(static_cast<std::size_t>(c.size()));
+  c.exchange_counts(out, in);
+  for (int s = 0; s < c.size(); ++s) EXPECT_EQ(in[static_cast<std::size_t>(s)], mine) << "rank " << s;
+}
+
+}  // namespace
+}  // namespace fk::dist
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  std::unique_ptr<fk::dist::Communicator> comm = fk::dist::make_mpi_communicator();
+  fk::dist::g_comm = comm.get();
+  if (comm->rank() != 0) {  // one progress log; the other ranks still report their failures
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+  // Every rank's verdict: a rank whose test failed makes the whole run fail on rank 0 too.
+  std::vector<std::int64_t> out(static_cast<std::size_t>(comm->size()), rc), in(static_cast<std::size_t>(comm->size()));
+  comm->exchange_counts(out, in);
+  int failed = 0;
+  for (std::int64_t r : in) failed += r != 0;
+  if (comm->rank() == 0 && failed > 0) std::printf("%d of %d ranks had failures\n", failed, comm->size());
+  return failed > 0 ? 1 : 0;
+}

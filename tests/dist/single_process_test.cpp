@@ -1,0 +1,66 @@
+// The distributed path in one process (the build without MPI runs these): the size-1
+// communicator, and DistributedDlrm over it against the one-process Dlrm.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "distributed_run.hpp"
+#include "fusekit/dist/communicator.hpp"
+#include "test_util.hpp"
+
+namespace fk::dist {
+namespace {
+
+TEST(SingleCommunicator, CopiesAndChecks) {
+  auto comm = make_single_communicator();
+  EXPECT_EQ(comm->rank(), 0);
+  EXPECT_EQ(comm->size(), 1);
+  EXPECT_EQ(comm->backend(), "single");
+  std::vector<float> send{1, 2, 3}, recv(3, 0);
+  const std::vector<std::int64_t> three{3};
+  comm->all_to_all_v(TensorView(send.data(), DType::f32, {3}, Device::cpu()), three,
+                     TensorView(recv.data(), DType::f32, {3}, Device::cpu()), three);
+  EXPECT_EQ(recv, send);
+  comm->all_reduce_sum(TensorView(send.data(), DType::f32, {3}, Device::cpu()));
+  EXPECT_EQ(send, (std::vector<float>{1, 2, 3}));
+  std::vector<std::int64_t> counts{7}, got{0};
+  comm->exchange_counts(counts, got);
+  EXPECT_EQ(got[0], 7);
+  const std::vector<std::int64_t> four{4};
+  test::expect_arg_error([&] {
+    comm->all_to_all_v(TensorView(send.data(), DType::f32, {3}, Device::cpu()), four,
+                       TensorView(recv.data(), DType::f32, {3}, Device::cpu()), four);
+  }, "dist::Communicator::all_to_all_v", "send_counts");
+  std::vector<std::int32_t> ints(3);
+  test::expect_arg_error([&] {
+    comm->all_to_all_v(TensorView(send.data(), DType::f32, {3}, Device::cpu()), three,
+                       TensorView(ints.data(), DType::i32, {3}, Device::cpu()), three);
+  }, "dist::Communicator::all_to_all_v", "recv");
+  test::expect_arg_error([&] { comm->all_reduce_sum(TensorView(ints.data(), DType::i32, {3}, Device::cpu())); },
+                         "dist::Communicator::all_reduce_sum", "data");
+}
+
+class OneRank : public ::testing::TestWithParam<test::DistCase> {};
+
+TEST_P(OneRank, DistributedDlrmFollowsTheOneProcessModel) {
+  auto comm = make_single_communicator();
+  test::compare_with_one_process(GetParam(), *comm);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, OneRank, ::testing::ValuesIn(test::dist_cases()),
+                         [](const auto& info) { return test::dist_case_name(info.param); });
+
+TEST(DistributedDlrm, RowWisePlansAndRawInputAreRefused) {
+  auto comm = make_single_communicator();
+  const data::Featurizer feat = test::dist_featurizer(false);
+  const models::DlrmConfig config = test::dist_config({models::InteractionOp::dot, false, models::DlrmImpl::reference}, feat);
+  std::vector<TableInfo> tables;
+  for (std::int64_t r : config.table_rows) tables.push_back({r, config.embedding_dim, 1});
+  const ShardingPlan split = plan_sharding(tables, 1, {.batch = 8, .max_shard_bytes = 64});
+  test::expect_arg_error([&] { models::DistributedDlrm m(config, *comm, split); }, "dist::ShardedEmbeddingBags", "plan");
+  const ShardingPlan two = plan_sharding(tables, 2, {.batch = 8});
+  test::expect_arg_error([&] { models::DistributedDlrm m(config, *comm, two); }, "dist::ShardedEmbeddingBags", "plan");
+}
+
+}  // namespace
+}  // namespace fk::dist
