@@ -545,12 +545,14 @@ void finish(Run& r) {
 int run_train(const TrainFlags& flags) {
   const Settings s = resolve_settings(flags);
   if (flags.run.dry_run) return dry_run(s.config);
+  FK_CHECK_ARG(flags.run.distributed || flags.run.max_shard_rows == 0, kOp, "--max-shard-rows", "--distributed",
+               "a one-process run");
   if (flags.run.distributed) {
     FK_CHECK_ARG(s.start.path.empty() && s.train && s.config.checkpoint.empty() && s.config.metrics_json.empty() &&
                      s.config.trace.empty(),
                  kOp, "--distributed", "no checkpoint, resume, --load-model, --inference-only, metrics JSON or trace (not yet)",
                  "one of them");
-    return run_train_distributed(s.config);
+    return run_train_distributed(s.config, flags.run.max_shard_rows);
   }
   const auto [device, impl] = pick_device(s.config, kOp);
   Run r(s, device, impl, open_data(s.config));

@@ -22,7 +22,8 @@ struct TrainFlags {
 CLI::App* add_train_command(CLI::App& app, TrainFlags& flags);
 int run_train(const TrainFlags& flags);
 // --distributed: the run over MPI's ranks (apps/train_distributed.cpp).
-int run_train_distributed(const TrainConfig& config);
+// max_shard_rows > 0: tables of more rows split by rows over several ranks (--max-shard-rows).
+int run_train_distributed(const TrainConfig& config, std::int64_t max_shard_rows = 0);
 
 // `fusekit eval --checkpoint PATH`: the test metrics of a saved model, on the data of its run or
 // on --data; --predictions FILE also writes each test sample's label and probability.

@@ -433,6 +433,10 @@ void add_run_flags(CLI::App& cmd, RunFlags& f) {
   cmd.add_flag("--distributed", f.distributed,
                "Train over the ranks of `mpirun -np N` (CPU; tables sharded over the ranks, MLPs data-parallel; "
                "one process in a build without MPI)");
+  cmd.add_option("--max-shard-rows", f.max_shard_rows,
+                 "With --distributed: split every table of more rows into row ranges of at most this many, placed "
+                 "on several ranks (0, the default: tables whole, one rank each)")
+      ->check(CLI::NonNegativeNumber);
   cmd.add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
   cmd.add_flag("--resume-override", f.resume_override,
                "Resume (or --load-model) even when settings differ from those stored in the checkpoint (the run is "

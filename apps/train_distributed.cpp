@@ -63,7 +63,7 @@ std::pair<std::int64_t, std::int64_t> slice_of(std::int64_t n, int rank, int ran
   return {begin, begin + base + (rank < extra ? 1 : 0)};
 }
 
-int run(const TrainConfig& c, dist::Communicator& comm) {
+int run(const TrainConfig& c, std::int64_t max_shard_rows, dist::Communicator& comm) {
   const int ranks = comm.size(), me = comm.rank();
   const bool lead = me == 0;
   FK_CHECK_ARG(c.device == "cpu", kOp, "--device", "cpu (the distributed path runs on host memory for now)", c.device);
@@ -76,7 +76,8 @@ int run(const TrainConfig& c, dist::Communicator& comm) {
   const models::OptimizerConfig opt{.kind = models::parse_optimizer(c.optimizer),
                                     .learning_rate = static_cast<float>(c.learning_rate)};
   dist::ShardingPlan plan =
-      models::plan_dlrm_sharding(mc, ranks, c.mini_batch_size, opt.kind, data.featurizer.multi_hot_sizes);
+      models::plan_dlrm_sharding(mc, ranks, c.mini_batch_size, opt.kind, data.featurizer.multi_hot_sizes,
+                                 {.max_shard_rows = max_shard_rows});
   if (lead) {
     fmt::print("fusekit train --distributed: DLRM bot {} top {} D {} interaction {}, {} tables, {:.1f}M parameters, "
                "{} lr {}, impl {}; {} ranks ({}), global batch {} ({} to {} samples a rank)\n",
@@ -174,11 +175,11 @@ int run(const TrainConfig& c, dist::Communicator& comm) {
 
 }  // namespace
 
-int run_train_distributed(const TrainConfig& c) {
+int run_train_distributed(const TrainConfig& c, std::int64_t max_shard_rows) {
   std::unique_ptr<dist::Communicator> comm =
       FUSEKIT_WITH_MPI ? dist::make_mpi_communicator() : dist::make_single_communicator();
   try {
-    return run(c, *comm);
+    return run(c, max_shard_rows, *comm);
   } catch (const std::exception& e) {
     if (comm->size() == 1) throw;
     std::fprintf(stderr, "fusekit train --distributed: rank %d of %d: %s\n", comm->rank(), comm->size(), e.what());

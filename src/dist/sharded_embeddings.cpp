@@ -4,10 +4,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
 #include "fusekit/core/error.hpp"
+#include "fusekit/core/random.hpp"
 #include "fusekit/ops/recsys.hpp"
 
 namespace fk::dist {
@@ -36,31 +38,56 @@ ShardedEmbeddingBags::ShardedEmbeddingBags(std::vector<std::int64_t> rows, std::
   FK_CHECK_ARG(plan_.num_tables() == num_tables() && plan_.ranks == comm.size(), kOp, "plan",
                fmt::format("{} tables over {} ranks", num_tables(), comm.size()),
                fmt::format("{} tables over {} ranks", plan_.num_tables(), plan_.ranks));
-  FK_CHECK_ARG(plan_.table_wise(), kOp, "plan", "a table-wise plan (row-wise shards are not routed yet)",
-               "tables split by rows");
   FK_CHECK_ARG(comm.device().is_cpu(), kOp, "comm", "a host communicator", comm.device().str());
-  for (int t = 0; t < num_tables(); ++t)
-    FK_CHECK_ARG(plan_.tables[static_cast<std::size_t>(t)][0].row_begin == 0 &&
-                     plan_.tables[static_cast<std::size_t>(t)][0].row_end == rows_[static_cast<std::size_t>(t)],
-                 kOp, "plan", fmt::format("table {} with {} rows", t, rows_[static_cast<std::size_t>(t)]),
-                 fmt::format("rows [{}, {})", plan_.tables[static_cast<std::size_t>(t)][0].row_begin,
-                             plan_.tables[static_cast<std::size_t>(t)][0].row_end));
-  for (int r = 0; r < comm.size(); ++r) tables_of_.push_back(plan_.tables_of(r));
-  local_tables_ = tables_of_[static_cast<std::size_t>(comm.rank())];
-  if (!local_tables_.empty()) {
+  shards_of_.resize(static_cast<std::size_t>(comm.size()));
+  for (int t = 0; t < num_tables(); ++t) {
+    const std::vector<Shard>& shards = plan_.tables[static_cast<std::size_t>(t)];
+    // The shards must tile the table's rows, in order.
+    std::int64_t next = 0;
+    for (const Shard& sh : shards) {
+      FK_CHECK_ARG(sh.table == t && sh.row_begin == next && sh.row_end > sh.row_begin && sh.rank >= 0 &&
+                       sh.rank < comm.size(),
+                   kOp, "plan", fmt::format("table {}'s shards tiling its {} rows in order, on ranks [0, {})", t,
+                                            rows_[static_cast<std::size_t>(t)], comm.size()),
+                   fmt::format("table {} rows [{}, {}) on rank {}", sh.table, sh.row_begin, sh.row_end, sh.rank));
+      next = sh.row_end;
+      shards_of_[static_cast<std::size_t>(sh.rank)].push_back(sh);
+    }
+    FK_CHECK_ARG(next == rows_[static_cast<std::size_t>(t)], kOp, "plan",
+                 fmt::format("table {}'s shards covering its {} rows", t, rows_[static_cast<std::size_t>(t)]),
+                 fmt::format("rows [0, {})", next));
+    FK_CHECK_ARG(shards.size() == 1 || options.pooling == Pooling::sum, kOp, "plan",
+                 "tables split by rows only with sum pooling (partial sums add up; partial means do not)",
+                 fmt::format("table {} in {} shards", t, shards.size()));
+  }
+  const std::vector<Shard>& mine = local_shards();
+  if (!mine.empty()) {
     std::vector<std::int64_t> local_rows, ids;
-    for (int t : local_tables_) {
-      local_rows.push_back(rows_[static_cast<std::size_t>(t)]);
-      ids.push_back(t);
+    for (const Shard& sh : mine) {
+      local_rows.push_back(sh.row_end - sh.row_begin);
+      ids.push_back(sh.table);
     }
     local_.emplace(std::move(local_rows), dim, options, Device::cpu(), init, ids);
+    // A split table's shard: its rows of the whole table's values. The whole table is drawn and
+    // its rows copied (transient memory of one table; drawing from an offset of the Philox stream
+    // would avoid it).
+    for (std::size_t s = 0; s < mine.size(); ++s) {
+      const Shard& sh = mine[s];
+      const std::int64_t table_rows = rows_[static_cast<std::size_t>(sh.table)];
+      if (sh.row_end - sh.row_begin == table_rows) continue;
+      Tensor whole = Tensor::empty({table_rows, dim}, DType::f32, Device::cpu());
+      const float bound = static_cast<float>(std::sqrt(1.0 / static_cast<double>(table_rows)));
+      fill_uniform(whole, -bound, bound, {init.seed, init.subsequence + static_cast<std::uint64_t>(sh.table)});
+      std::memcpy(local_->tables[s].data(), whole.data_as<const float>() + sh.row_begin * dim,
+                  static_cast<std::size_t>((sh.row_end - sh.row_begin) * dim) * sizeof(float));
+    }
   }
 }
 
-Tensor* ShardedEmbeddingBags::table(int t) {
-  const auto it = std::find(local_tables_.begin(), local_tables_.end(), t);
-  if (it == local_tables_.end()) return nullptr;
-  return &local_->tables[static_cast<std::size_t>(it - local_tables_.begin())];
+Tensor& ShardedEmbeddingBags::shard_values(std::size_t s) {
+  FK_CHECK_ARG(s < local_shards().size(), "dist::ShardedEmbeddingBags::shard_values", "s",
+               fmt::format("a local shard in [0, {})", local_shards().size()), fmt::format("{}", s));
+  return local_->tables[s];
 }
 
 std::int64_t ShardedEmbeddingBags::slice_start() const noexcept {
@@ -70,7 +97,7 @@ std::int64_t ShardedEmbeddingBags::slice_start() const noexcept {
 void ShardedEmbeddingBags::forward(const TensorView& indices, const TensorView& offsets, std::int64_t batch,
                                    const TensorView& pooled) {
   const int ranks = comm_.size();
-  const std::int64_t t_all = num_tables(), t_me = static_cast<std::int64_t>(local_tables_.size()), d = dim_;
+  const std::int64_t t_all = num_tables(), s_me = static_cast<std::int64_t>(local_shards().size()), d = dim_;
   FK_CHECK_ARG(batch >= 1, kOp, "batch", ">= 1 sample on every rank", fmt::format("{}", batch));
   check_embedding_input(all_, indices, offsets, batch, kOp);
   check_pooled(pooled, batch, t_all, d, "pooled");
@@ -86,11 +113,13 @@ void ShardedEmbeddingBags::forward(const TensorView& indices, const TensorView& 
   batch_ = batch;
   global_batch_ = start_of_.back() + batch_of_.back();
 
-  // 1. The bag lengths of each owner's tables, table by table, this rank's samples in order.
+  // 1. The bag lengths within each owner's shards, shard by shard, this rank's samples in order;
+  //    and how many ids each owner gets.
   std::vector<std::int64_t> send_counts(static_cast<std::size_t>(ranks)), recv_counts(static_cast<std::size_t>(ranks));
+  std::vector<std::int64_t> id_send_counts(static_cast<std::size_t>(ranks), 0);
   for (int o = 0; o < ranks; ++o) {
-    send_counts[static_cast<std::size_t>(o)] = batch * static_cast<std::int64_t>(tables_of_[static_cast<std::size_t>(o)].size());
-    recv_counts[static_cast<std::size_t>(o)] = batch_of_[static_cast<std::size_t>(o)] * t_me;
+    send_counts[static_cast<std::size_t>(o)] = batch * static_cast<std::int64_t>(shards_of_[static_cast<std::size_t>(o)].size());
+    recv_counts[static_cast<std::size_t>(o)] = batch_of_[static_cast<std::size_t>(o)] * s_me;
   }
   const TensorView send_len = host_view(send_i64_, std::accumulate(send_counts.begin(), send_counts.end(), std::int64_t{0}), DType::i64);
   const std::int64_t n_len = std::accumulate(recv_counts.begin(), recv_counts.end(), std::int64_t{0});
@@ -98,60 +127,62 @@ void ShardedEmbeddingBags::forward(const TensorView& indices, const TensorView& 
   {
     std::int64_t* p = send_len.data_as<std::int64_t>();
     for (int o = 0; o < ranks; ++o)
-      for (int t : tables_of_[static_cast<std::size_t>(o)])
-        for (std::int64_t i = 0; i < batch; ++i) *p++ = off[t * batch + i + 1] - off[t * batch + i];
+      for (const Shard& sh : shards_of_[static_cast<std::size_t>(o)])
+        for (std::int64_t i = 0; i < batch; ++i) {
+          const std::int64_t* b0 = idx + off[sh.table * batch + i];
+          const std::int64_t* b1 = idx + off[sh.table * batch + i + 1];
+          const auto n = static_cast<std::int64_t>(
+              std::count_if(b0, b1, [&](std::int64_t id) { return id >= sh.row_begin && id < sh.row_end; }));
+          *p++ = n;
+          id_send_counts[static_cast<std::size_t>(o)] += n;
+        }
   }
   comm_.all_to_all_v(send_len, send_counts, TensorView(lengths.data(), DType::i64, {n_len}, Device::cpu()), recv_counts);
 
-  // 2. The ids, in the same order.
+  // 2. The ids, in the same order, as rows of their shard.
   std::vector<std::int64_t> id_recv_counts(static_cast<std::size_t>(ranks), 0);
-  for (int o = 0; o < ranks; ++o) {
-    std::int64_t n = 0;
-    for (int t : tables_of_[static_cast<std::size_t>(o)]) n += off[(t + 1) * batch] - off[t * batch];
-    send_counts[static_cast<std::size_t>(o)] = n;
-  }
   {
     const std::int64_t* len = lengths.data();
     for (int r = 0; r < ranks; ++r) {
-      const std::int64_t n = batch_of_[static_cast<std::size_t>(r)] * t_me;
+      const std::int64_t n = batch_of_[static_cast<std::size_t>(r)] * s_me;
       id_recv_counts[static_cast<std::size_t>(r)] = std::accumulate(len, len + n, std::int64_t{0});
       len += n;
     }
   }
-  const TensorView send_ids = host_view(send_i64_, std::accumulate(send_counts.begin(), send_counts.end(), std::int64_t{0}), DType::i64);
+  const TensorView send_ids =
+      host_view(send_i64_, std::accumulate(id_send_counts.begin(), id_send_counts.end(), std::int64_t{0}), DType::i64);
   {
     std::int64_t* p = send_ids.data_as<std::int64_t>();
     for (int o = 0; o < ranks; ++o)
-      for (int t : tables_of_[static_cast<std::size_t>(o)]) {
-        const std::int64_t b0 = off[t * batch], b1 = off[(t + 1) * batch];
-        p = std::copy(idx + b0, idx + b1, p);
-      }
+      for (const Shard& sh : shards_of_[static_cast<std::size_t>(o)])
+        for (std::int64_t k = off[sh.table * batch], k1 = off[(sh.table + 1) * batch]; k < k1; ++k)
+          if (idx[k] >= sh.row_begin && idx[k] < sh.row_end) *p++ = idx[k] - sh.row_begin;
   }
   const std::int64_t n_ids = std::accumulate(id_recv_counts.begin(), id_recv_counts.end(), std::int64_t{0});
   const TensorView recv_ids = host_view(recv_i64_, n_ids, DType::i64);
-  comm_.all_to_all_v(send_ids, send_counts, recv_ids, id_recv_counts);
+  comm_.all_to_all_v(send_ids, id_send_counts, recv_ids, id_recv_counts);
 
-  // 3. The owner's bags for the global batch: local table j, then ranks in order, then samples.
+  // 3. The owner's bags for the global batch: local shard j, then ranks in order, then samples.
   const std::int64_t gb = global_batch_;
-  if (t_me > 0) {
-    local_offsets_.assign(static_cast<std::size_t>(t_me * gb + 1), 0);
+  if (s_me > 0) {
+    local_offsets_.assign(static_cast<std::size_t>(s_me * gb + 1), 0);
     local_indices_.resize(static_cast<std::size_t>(std::max<std::int64_t>(n_ids, 1)));
-    // Where rank r's lengths and ids start in the received buffers, and its ids of table j.
+    // Where rank r's lengths and ids start in the received buffers.
     std::vector<std::int64_t> len_at(static_cast<std::size_t>(ranks)), ids_at(static_cast<std::size_t>(ranks));
     std::int64_t l = 0, i = 0;
     for (int r = 0; r < ranks; ++r) {
       len_at[static_cast<std::size_t>(r)] = l;
       ids_at[static_cast<std::size_t>(r)] = i;
-      l += batch_of_[static_cast<std::size_t>(r)] * t_me;
+      l += batch_of_[static_cast<std::size_t>(r)] * s_me;
       i += id_recv_counts[static_cast<std::size_t>(r)];
     }
     const std::int64_t* all_ids = recv_ids.data_as<const std::int64_t>();
     std::int64_t q = 0, at = 0;
-    for (std::int64_t j = 0; j < t_me; ++j)
+    for (std::int64_t j = 0; j < s_me; ++j)
       for (int r = 0; r < ranks; ++r) {
         const std::int64_t br = batch_of_[static_cast<std::size_t>(r)];
         const std::int64_t* len = lengths.data() + len_at[static_cast<std::size_t>(r)] + j * br;
-        std::int64_t& src = ids_at[static_cast<std::size_t>(r)];  // rank r's ids are table by table: consumed in order
+        std::int64_t& src = ids_at[static_cast<std::size_t>(r)];  // rank r's ids are shard by shard: consumed in order
         for (std::int64_t i = 0; i < br; ++i) {
           std::copy(all_ids + src, all_ids + src + len[i], local_indices_.data() + at);
           src += len[i];
@@ -160,28 +191,31 @@ void ShardedEmbeddingBags::forward(const TensorView& indices, const TensorView& 
         }
       }
     const TensorView li(local_indices_.data(), DType::i64, {n_ids}, Device::cpu());
-    const TensorView lo(local_offsets_.data(), DType::i64, {t_me * gb + 1}, Device::cpu());
-    const TensorView out = host_view(local_out_, gb * t_me * d, DType::f32).reshape({gb, t_me, d});
+    const TensorView lo(local_offsets_.data(), DType::i64, {s_me * gb + 1}, Device::cpu());
+    const TensorView out = host_view(local_out_, gb * s_me * d, DType::f32).reshape({gb, s_me, d});
     local_->reserve(n_ids);
     local_->forward({li, lo, std::nullopt}, gb, out);
   }
 
   // 4. The pooled rows back to the ranks whose samples they are: rank r's are rows
-  //    [start_r, start_r + b_r) of the owner's [B, T_local, D], contiguous.
+  //    [start_r, start_r + b_r) of the owner's [B, S_local, D], contiguous. Each rank sums the
+  //    partials of a bag by owner rank, then shard order (a whole table's single partial: 0 + x).
   for (int r = 0; r < ranks; ++r) {
-    send_counts[static_cast<std::size_t>(r)] = batch_of_[static_cast<std::size_t>(r)] * t_me * d;
-    recv_counts[static_cast<std::size_t>(r)] = batch * static_cast<std::int64_t>(tables_of_[static_cast<std::size_t>(r)].size()) * d;
+    send_counts[static_cast<std::size_t>(r)] = batch_of_[static_cast<std::size_t>(r)] * s_me * d;
+    recv_counts[static_cast<std::size_t>(r)] = batch * static_cast<std::int64_t>(shards_of_[static_cast<std::size_t>(r)].size()) * d;
   }
-  const TensorView send_out = host_view(local_out_, gb * t_me * d, DType::f32);
-  const TensorView recv_out = host_view(recv_f32_, batch * t_all * d, DType::f32);
+  const TensorView send_out = host_view(local_out_, gb * s_me * d, DType::f32);
+  const TensorView recv_out = host_view(recv_f32_, std::accumulate(recv_counts.begin(), recv_counts.end(), std::int64_t{0}), DType::f32);
   comm_.all_to_all_v(send_out, send_counts, recv_out, recv_counts);
   float* dst = pooled.data_as<float>();
+  std::fill(dst, dst + batch * t_all * d, 0.0f);
   const float* src = recv_out.data_as<const float>();
   for (int o = 0; o < ranks; ++o) {
-    const std::vector<int>& ts = tables_of_[static_cast<std::size_t>(o)];
+    const std::vector<Shard>& ss = shards_of_[static_cast<std::size_t>(o)];
     for (std::int64_t i = 0; i < batch; ++i)
-      for (int t : ts) {
-        std::memcpy(dst + (i * t_all + t) * d, src, static_cast<std::size_t>(d) * sizeof(float));
+      for (const Shard& sh : ss) {
+        float* row = dst + (i * t_all + sh.table) * d;
+        for (std::int64_t k = 0; k < d; ++k) row[k] += src[k];
         src += d;
       }
   }
@@ -189,24 +223,27 @@ void ShardedEmbeddingBags::forward(const TensorView& indices, const TensorView& 
 
 void ShardedEmbeddingBags::backward(const TensorView& dpooled) {
   const int ranks = comm_.size();
-  const std::int64_t t_all = num_tables(), t_me = static_cast<std::int64_t>(local_tables_.size()), d = dim_;
+  const std::int64_t t_all = num_tables(), s_me = static_cast<std::int64_t>(local_shards().size()), d = dim_;
   FK_CHECK_ARG(batch_ > 0, kOp, "backward", "a forward() first", "none");
   check_pooled(dpooled, batch_, t_all, d, "dpooled");
   std::vector<std::int64_t> send_counts(static_cast<std::size_t>(ranks)), recv_counts(static_cast<std::size_t>(ranks));
-  const TensorView send = host_view(send_f32_, batch_ * t_all * d, DType::f32);
+  // A bag's gradient goes to every shard of its table (a shard its bag did not reach pooled zero
+  // there, and its backward touches no row for it).
+  for (int o = 0; o < ranks; ++o) {
+    send_counts[static_cast<std::size_t>(o)] = batch_ * static_cast<std::int64_t>(shards_of_[static_cast<std::size_t>(o)].size()) * d;
+    recv_counts[static_cast<std::size_t>(o)] = batch_of_[static_cast<std::size_t>(o)] * s_me * d;
+  }
+  const TensorView send = host_view(send_f32_, std::accumulate(send_counts.begin(), send_counts.end(), std::int64_t{0}), DType::f32);
   float* p = send.data_as<float>();
   const float* g = dpooled.data_as<const float>();
-  for (int o = 0; o < ranks; ++o) {
-    const std::vector<int>& ts = tables_of_[static_cast<std::size_t>(o)];
-    send_counts[static_cast<std::size_t>(o)] = batch_ * static_cast<std::int64_t>(ts.size()) * d;
-    recv_counts[static_cast<std::size_t>(o)] = batch_of_[static_cast<std::size_t>(o)] * t_me * d;
+  for (int o = 0; o < ranks; ++o)
     for (std::int64_t i = 0; i < batch_; ++i)
-      for (int t : ts) p = std::copy(g + (i * t_all + t) * d, g + (i * t_all + t + 1) * d, p);
-  }
-  // The owner's gradient of [B, T_local, D], the ranks' slices in order: the global batch's.
-  const TensorView grad = host_view(local_grad_, global_batch_ * t_me * d, DType::f32);
+      for (const Shard& sh : shards_of_[static_cast<std::size_t>(o)])
+        p = std::copy(g + (i * t_all + sh.table) * d, g + (i * t_all + sh.table + 1) * d, p);
+  // The owner's gradient of [B, S_local, D], the ranks' slices in order: the global batch's.
+  const TensorView grad = host_view(local_grad_, global_batch_ * s_me * d, DType::f32);
   comm_.all_to_all_v(send, send_counts, grad, recv_counts);
-  if (local_) local_->backward(grad.reshape({global_batch_, t_me, d}));
+  if (local_) local_->backward(grad.reshape({global_batch_, s_me, d}));
 }
 
 void ShardedEmbeddingBags::step(const nn::OptimizerConfig& opt) {

@@ -69,10 +69,11 @@ ShardingPlan plan_sharding(std::span<const TableInfo> tables, int ranks, const P
   FK_CHECK_ARG(ranks >= 1, kOp, "ranks", ">= 1", fmt::format("{}", ranks));
   FK_CHECK_ARG(!tables.empty(), kOp, "tables", "at least one table", "none");
   FK_CHECK_ARG(options.batch >= 1 && options.state_bytes_per_row >= 0 && options.max_shard_bytes >= 0 &&
-                   options.bytes_slack >= 0,
-               kOp, "options", "batch >= 1, state_bytes_per_row >= 0, max_shard_bytes >= 0, bytes_slack >= 0",
-               fmt::format("{}, {}, {}, {}", options.batch, options.state_bytes_per_row, options.max_shard_bytes,
-                           options.bytes_slack));
+                   options.max_shard_rows >= 0 && options.bytes_slack >= 0,
+               kOp, "options",
+               "batch >= 1, state_bytes_per_row >= 0, max_shard_bytes >= 0, max_shard_rows >= 0, bytes_slack >= 0",
+               fmt::format("{}, {}, {}, {}, {}", options.batch, options.state_bytes_per_row, options.max_shard_bytes,
+                           options.max_shard_rows, options.bytes_slack));
   std::vector<Shard> shards;
   for (std::size_t t = 0; t < tables.size(); ++t) {
     const TableInfo& ti = tables[t];
@@ -80,10 +81,13 @@ ShardingPlan plan_sharding(std::span<const TableInfo> tables, int ranks, const P
                  fmt::format("table {}: {} rows, dim {}, bag size {}", t, ti.rows, ti.dim, ti.bag_size));
     const std::int64_t row_bytes = ti.dim * 4 + options.state_bytes_per_row;
     const std::int64_t bytes = ti.rows * row_bytes;
-    // Row-wise: the fewest near-equal row ranges of at most max_shard_bytes (at most one per row).
+    // Row-wise: the fewest near-equal row ranges of at most max_shard_bytes and max_shard_rows (at
+    // most one per row).
     std::int64_t pieces = 1;
     if (options.max_shard_bytes > 0 && bytes > options.max_shard_bytes)
       pieces = std::min(ti.rows, (bytes + options.max_shard_bytes - 1) / options.max_shard_bytes);
+    if (options.max_shard_rows > 0)
+      pieces = std::max(pieces, (ti.rows + options.max_shard_rows - 1) / options.max_shard_rows);
     const double lookups = static_cast<double>(options.batch) * ti.bag_size;
     for (std::int64_t p = 0; p < pieces; ++p) {
       Shard s;

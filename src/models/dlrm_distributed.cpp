@@ -13,7 +13,8 @@ constexpr const char* kOp = "models::DistributedDlrm";
 }  // namespace
 
 dist::ShardingPlan plan_dlrm_sharding(const DlrmConfig& config, int ranks, std::int64_t global_batch,
-                                      OptimizerKind optimizer, const std::vector<std::int64_t>& bag_sizes) {
+                                      OptimizerKind optimizer, const std::vector<std::int64_t>& bag_sizes,
+                                      const dist::PlannerOptions& split) {
   const std::size_t n = config.table_rows.size();
   FK_CHECK_ARG(bag_sizes.empty() || bag_sizes.size() == n, "models::plan_dlrm_sharding", "bag_sizes",
                fmt::format("none (one-hot) or one per table ({})", n), fmt::format("{}", bag_sizes.size()));
@@ -23,7 +24,11 @@ dist::ShardingPlan plan_dlrm_sharding(const DlrmConfig& config, int ranks, std::
                       bag_sizes.empty() ? 1.0 : static_cast<double>(bag_sizes[t])});
   std::int64_t state = 0;
   if (optimizer == OptimizerKind::adagrad) state = config.rowwise_adagrad ? 4 : 4 * config.embedding_dim;
-  return dist::plan_sharding(tables, ranks, {.batch = global_batch, .state_bytes_per_row = state});
+  return dist::plan_sharding(tables, ranks,
+                             {.batch = global_batch,
+                              .state_bytes_per_row = state,
+                              .max_shard_bytes = split.max_shard_bytes,
+                              .max_shard_rows = split.max_shard_rows});
 }
 
 DistributedDlrm::DistributedDlrm(DlrmConfig config, dist::Communicator& comm, dist::ShardingPlan plan, DlrmImpl impl)

@@ -16,6 +16,9 @@
 
 #include "fusekit/data/criteo.hpp"
 #include "fusekit/dist/communicator.hpp"
+#include "fusekit/dist/sharded_embeddings.hpp"
+#include "fusekit/dist/sharding.hpp"
+#include "fusekit/nn/recsys.hpp"
 #include "fusekit/models/dlrm.hpp"
 #include "fusekit/models/dlrm_distributed.hpp"
 
@@ -25,19 +28,47 @@ struct DistCase {
   models::InteractionOp op;
   bool multi_hot;
   models::DlrmImpl impl;
+  std::int64_t max_shard_rows = 0;  // > 0: tables with more rows split by rows (0: table-wise)
 };
 
 inline std::string dist_case_name(const DistCase& c) {
   return std::string(models::interaction_op_name(c.op)) + (c.multi_hot ? "_multihot_" : "_onehot_") +
-         std::string(models::impl_name(c.impl));
+         std::string(models::impl_name(c.impl)) +
+         (c.max_shard_rows > 0 ? "_rows" + std::to_string(c.max_shard_rows) : std::string());
 }
 
+// Table-wise, then row-wise: at most 14 rows a shard (the 40-row tables in 3 shards of 13, 13 and
+// 14 rows; 27 rows as 13 + 14, 15 as 7 + 8) and at most 11 (40 rows in 4 shards, 27 in 3); the
+// tables of 10 rows and fewer stay whole.
 inline std::vector<DistCase> dist_cases() {
   std::vector<DistCase> v;
   for (auto op : {models::InteractionOp::dot, models::InteractionOp::dcn})
     for (bool mh : {false, true})
       for (auto impl : {models::DlrmImpl::reference, models::DlrmImpl::fused}) v.push_back({op, mh, impl});
+  for (std::int64_t rows : {14, 11})
+    for (auto op : {models::InteractionOp::dot, models::InteractionOp::dcn})
+      for (bool mh : {false, true}) v.push_back({op, mh, models::DlrmImpl::fused, rows});
+  v.push_back({models::InteractionOp::dcn, true, models::DlrmImpl::reference, 14});
   return v;
+}
+
+// The most ranks any one table is spread over.
+inline int widest_split(const dist::ShardingPlan& plan) {
+  int widest = 0;
+  for (const auto& shards : plan.tables) {
+    std::vector<int> ranks;
+    for (const dist::Shard& s : shards) ranks.push_back(s.rank);
+    std::sort(ranks.begin(), ranks.end());
+    widest = std::max(widest, static_cast<int>(std::unique(ranks.begin(), ranks.end()) - ranks.begin()));
+  }
+  return widest;
+}
+
+// Rows [begin, end) of a table [rows, D], as a view.
+inline TensorView table_rows(const Tensor& table, std::int64_t begin, std::int64_t end) {
+  const std::int64_t d = table.size(1);
+  return TensorView(const_cast<float*>(table.data_as<const float>()) + begin * d, DType::f32, {end - begin, d},
+                    Device::cpu());
 }
 
 // Global batches of 30 (uneven slices on 4 ranks: 8, 8, 7, 7); tables capped at 40 rows so that
@@ -110,8 +141,10 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
   const models::OptimizerConfig opt = dist_optimizer(c);
   const std::vector<std::int64_t> bags =
       c.multi_hot ? feat.multi_hot_sizes : std::vector<std::int64_t>{};
-  models::DistributedDlrm dist(config, comm,
-                               models::plan_dlrm_sharding(config, comm.size(), kGlobalBatch, opt.kind, bags), c.impl);
+  models::DistributedDlrm dist(
+      config, comm,
+      models::plan_dlrm_sharding(config, comm.size(), kGlobalBatch, opt.kind, bags, {.max_shard_rows = c.max_shard_rows}),
+      c.impl);
   models::Dlrm one(config, Device::cpu(), c.impl);
 
   data::SyntheticConfig sc;
@@ -143,12 +176,93 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
   for (std::size_t p = 0; p < dc.size(); ++p)
     expect_close(*dc[p].value, *oc[p].value, kDistAtol, kDistRtol, "cross parameter " + std::to_string(p), worst);
   const std::vector<Tensor*> tables = one.tables();
-  for (int t : dist.embeddings().local_tables())
-    expect_close(*dist.embeddings().table(t), *tables[static_cast<std::size_t>(t)], kDistAtol, kDistRtol,
-                 "table " + std::to_string(t), worst);
-  EXPECT_EQ(dist.embeddings().local_tables(), dist.plan().tables_of(comm.rank()));
-  std::printf("rank %d/%d %s: worst error / tolerance %.3g\n", comm.rank(), comm.size(), dist_case_name(c).c_str(),
-              worst);
+  const std::vector<dist::Shard>& shards = dist.embeddings().local_shards();
+  std::vector<int> shard_tables;
+  for (std::size_t s = 0; s < shards.size(); ++s) {
+    const dist::Shard& sh = shards[s];
+    EXPECT_EQ(sh.rank, comm.rank());
+    shard_tables.push_back(sh.table);
+    expect_close(dist.embeddings().shard_values(s),
+                 table_rows(*tables[static_cast<std::size_t>(sh.table)], sh.row_begin, sh.row_end), kDistAtol, kDistRtol,
+                 "table " + std::to_string(sh.table) + " rows [" + std::to_string(sh.row_begin) + ", " +
+                     std::to_string(sh.row_end) + ")",
+                 worst);
+  }
+  shard_tables.erase(std::unique(shard_tables.begin(), shard_tables.end()), shard_tables.end());
+  EXPECT_EQ(shard_tables, dist.plan().tables_of(comm.rank()));
+  // Row-wise cases spread a table over every rank up to 4 (the 40-row tables' 3 or 4 shards).
+  const int widest = widest_split(dist.plan());
+  if (c.max_shard_rows > 0 && comm.size() > 1) {
+    EXPECT_FALSE(dist.plan().table_wise());
+    EXPECT_EQ(widest, std::min(comm.size(), c.max_shard_rows == 14 ? 3 : 4)) << dist.plan().str();
+  }
+  std::printf("rank %d/%d %s: %zu shards here, a table over at most %d ranks; worst error / tolerance %.3g\n",
+              comm.rank(), comm.size(), dist_case_name(c).c_str(), shards.size(), widest, worst);
+}
+
+// ShardedEmbeddingBags alone against the one-process nn::EmbeddingBagCollection on hand-made bags:
+// tables of 9, 5 and 7 rows cut into shards of at most 3 rows (3 + 3 + 3, 2 + 3, 2 + 2 + 3: uneven),
+// a global batch of 7 whose bags hold 0 to 3 ids (empty bags; bags whose ids all fall in one shard,
+// bags spread over several; repeated ids). Pooled rows, then the tables after two steps of `opt`
+// (SGD, or Adagrad: row-wise when `rowwise`), within the DLRM comparison's tolerance.
+inline void compare_sharded_bags(dist::Communicator& comm, const nn::OptimizerConfig& opt, bool rowwise) {
+  const std::vector<std::int64_t> rows{9, 5, 7};
+  constexpr std::int64_t kT = 3, kD = 4, kB = 7;
+  const nn::EmbeddingBagCollectionOptions options{.pooling = Pooling::sum, .rowwise_adagrad = rowwise};
+  const RandomParams init{17, 3};
+  std::vector<dist::TableInfo> infos;
+  for (std::int64_t r : rows) infos.push_back({r, kD, 1.5});
+  dist::ShardingPlan plan = dist::plan_sharding(infos, comm.size(), {.batch = kB, .max_shard_rows = 3});
+  dist::ShardedEmbeddingBags sharded(rows, kD, options, init, plan, comm);
+  nn::EmbeddingBagCollection one(rows, kD, options, Device::cpu(), init);
+  const auto [begin, end] = slice_of(kB, comm.rank(), comm.size());
+  const std::int64_t b = end - begin;
+  double worst = 0;
+  for (int step = 0; step < 2; ++step) {
+    // Bag (t, i): (i + t + step) % 4 ids, id k being (5 i + 3 t + 2 k + step) % rows_t.
+    std::vector<std::int64_t> idx, off{0}, my_idx, my_off{0};
+    for (std::int64_t t = 0; t < kT; ++t)
+      for (std::int64_t i = 0; i < kB; ++i) {
+        for (std::int64_t k = 0; k < (i + t + step) % 4; ++k) {
+          const std::int64_t id = (5 * i + 3 * t + 2 * k + step) % rows[static_cast<std::size_t>(t)];
+          idx.push_back(id);
+          if (i >= begin && i < end) my_idx.push_back(id);
+        }
+        off.push_back(static_cast<std::int64_t>(idx.size()));
+        if (i >= begin && i < end) my_off.push_back(static_cast<std::int64_t>(my_idx.size()));
+      }
+    auto view = [](std::vector<std::int64_t>& v) {
+      return TensorView(v.data(), DType::i64, {static_cast<std::int64_t>(v.size())}, Device::cpu());
+    };
+    Tensor pooled_one = Tensor::empty({kB, kT, kD}, DType::f32, Device::cpu());
+    Tensor pooled = Tensor::empty({b, kT, kD}, DType::f32, Device::cpu());
+    one.reserve(static_cast<std::int64_t>(idx.size()));
+    one.forward({view(idx), view(off), std::nullopt}, kB, pooled_one);
+    sharded.forward(view(my_idx), view(my_off), b, pooled);
+    expect_close(pooled, TensorView(pooled_one.data_as<float>() + begin * kT * kD, DType::f32, {b, kT, kD}, Device::cpu()),
+                 kDistAtol, kDistRtol, "pooled, step " + std::to_string(step), worst);
+    // dpooled: small distinct values; this rank's rows of the global one.
+    Tensor grad_one = Tensor::empty({kB, kT, kD}, DType::f32, Device::cpu());
+    for (std::int64_t i = 0; i < grad_one.numel(); ++i)
+      grad_one.data_as<float>()[i] = 0.01f * static_cast<float>((i * 7) % 13) - 0.05f;
+    Tensor grad = Tensor::empty({b, kT, kD}, DType::f32, Device::cpu());
+    std::copy_n(grad_one.data_as<const float>() + begin * kT * kD, b * kT * kD, grad.data_as<float>());
+    one.backward(grad_one);
+    sharded.backward(grad);
+    if (opt.kind == nn::OptimizerKind::adagrad) {
+      one.ensure_state(opt.initial_accumulator);
+      sharded.ensure_state(opt.initial_accumulator);
+    }
+    one.step(opt);
+    sharded.step(opt);
+  }
+  const std::vector<dist::Shard>& shards = sharded.local_shards();
+  for (std::size_t s = 0; s < shards.size(); ++s)
+    expect_close(sharded.shard_values(s),
+                 table_rows(one.tables[static_cast<std::size_t>(shards[s].table)], shards[s].row_begin, shards[s].row_end),
+                 kDistAtol, kDistRtol, "table " + std::to_string(shards[s].table) + " shard " + std::to_string(s), worst);
+  std::printf("rank %d/%d sharded bags (%s): %zu shards here, worst error / tolerance %.3g\n", comm.rank(), comm.size(),
+              opt.kind == nn::OptimizerKind::sgd ? "sgd" : rowwise ? "row-wise adagrad" : "adagrad", shards.size(), worst);
 }
 
 }  // namespace fk::test

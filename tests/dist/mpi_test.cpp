@@ -69,6 +69,12 @@ TEST(MpiCommunicator, AllReduceSumIsTheSameOnEveryRank) {
   c.barrier();
 }
 
+TEST(ShardedEmbeddingBags, RowWiseShardsFollowTheOneProcessLayer) {
+  test::compare_sharded_bags(*g_comm, {.kind = nn::OptimizerKind::sgd, .learning_rate = 0.1f}, false);
+  test::compare_sharded_bags(*g_comm, {.kind = nn::OptimizerKind::adagrad, .learning_rate = 0.05f}, true);
+  test::compare_sharded_bags(*g_comm, {.kind = nn::OptimizerKind::adagrad, .learning_rate = 0.05f}, false);
+}
+
 class Ranks : public ::testing::TestWithParam<test::DistCase> {};
 
 TEST_P(Ranks, DistributedDlrmFollowsTheOneProcessModel) { test::compare_with_one_process(GetParam(), *g_comm); }

@@ -50,16 +50,29 @@ TEST_P(OneRank, DistributedDlrmFollowsTheOneProcessModel) {
 INSTANTIATE_TEST_SUITE_P(Cases, OneRank, ::testing::ValuesIn(test::dist_cases()),
                          [](const auto& info) { return test::dist_case_name(info.param); });
 
-TEST(DistributedDlrm, RowWisePlansAndRawInputAreRefused) {
+TEST(ShardedEmbeddingBags, RowWiseShardsFollowTheOneProcessLayer) {
+  auto comm = make_single_communicator();
+  test::compare_sharded_bags(*comm, {.kind = nn::OptimizerKind::sgd, .learning_rate = 0.1f}, false);
+  test::compare_sharded_bags(*comm, {.kind = nn::OptimizerKind::adagrad, .learning_rate = 0.05f}, true);
+}
+
+TEST(DistributedDlrm, PlansThatDoNotFitAreRefused) {
   auto comm = make_single_communicator();
   const data::Featurizer feat = test::dist_featurizer(false);
   const models::DlrmConfig config = test::dist_config({models::InteractionOp::dot, false, models::DlrmImpl::reference}, feat);
   std::vector<TableInfo> tables;
   for (std::int64_t r : config.table_rows) tables.push_back({r, config.embedding_dim, 1});
-  const ShardingPlan split = plan_sharding(tables, 1, {.batch = 8, .max_shard_bytes = 64});
-  test::expect_arg_error([&] { models::DistributedDlrm m(config, *comm, split); }, "dist::ShardedEmbeddingBags", "plan");
   const ShardingPlan two = plan_sharding(tables, 2, {.batch = 8});
   test::expect_arg_error([&] { models::DistributedDlrm m(config, *comm, two); }, "dist::ShardedEmbeddingBags", "plan");
+  ShardingPlan gap = plan_sharding(tables, 1, {.batch = 8, .max_shard_rows = 16});
+  gap.tables[0].erase(gap.tables[0].begin());  // table 0's first rows on no rank
+  test::expect_arg_error([&] { models::DistributedDlrm m(config, *comm, gap); }, "dist::ShardedEmbeddingBags", "plan");
+  std::vector<std::int64_t> rows;
+  for (const TableInfo& t : tables) rows.push_back(t.rows);
+  const ShardingPlan split = plan_sharding(tables, 1, {.batch = 8, .max_shard_rows = 16});
+  test::expect_arg_error([&] {
+    ShardedEmbeddingBags m(rows, config.embedding_dim, {.pooling = Pooling::mean}, {}, split, *comm);
+  }, "dist::ShardedEmbeddingBags", "plan");
 }
 
 }  // namespace

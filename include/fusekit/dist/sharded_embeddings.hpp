@@ -1,20 +1,29 @@
-// Model-parallel embedding bags: the tables spread over the ranks by a table-wise ShardingPlan,
-// each rank's batch a slice of the global batch (the slices in rank order make the global batch).
+// Model-parallel embedding bags: the tables spread over the ranks by a ShardingPlan (a table whole
+// on one rank, or split by rows into shards on several), each rank's batch a slice of the global
+// batch (the slices in rank order make the global batch). Each rank holds its shards, in
+// (table, first row) order, as the tables of one nn::EmbeddingBagCollection (the single-process
+// layer), shard s's row r being its table's row row_begin + r.
 //
-//   forward   every rank sends each owner the bag lengths and ids of the owner's tables for its
-//             samples (two all-to-alls: i64 lengths, then i64 ids); each owner pools the bags of
-//             its tables for the whole global batch (one nn::EmbeddingBagCollection, the
-//             single-process layer) and sends every rank the pooled rows of its samples (f32
-//             all-to-all); each rank then holds pooled [b, T, D] for its samples, every table.
-//   backward  each rank sends the owners the gradient of its pooled rows (f32 all-to-all); the
-//             owner keeps [B, T_local, D] for the global batch and step() applies the optimizer
-//             to the rows it touched (the fused sparse backward + optimizer, or the unfused path).
+//   forward   every rank sends each owner, for each of the owner's shards, the lengths of its
+//             samples' bags restricted to the shard's rows, then those ids less the shard's first
+//             row (two all-to-alls: i64 lengths, then i64 ids); each owner pools its shards' bags
+//             for the whole global batch (a partial sum for a split table; zero for a bag with no
+//             id in the shard) and sends every rank the pooled rows of its samples (f32
+//             all-to-all); each rank sums the partials of each bag by owner rank, then shard order
+//             (deterministic), into pooled [b, T, D], every table.
+//   backward  each rank sends every shard's owner the gradient of its pooled rows of that shard's
+//             table (f32 all-to-all; every shard, as the forward returned every shard's partial:
+//             fixed-size messages, and a bag with no id in a shard updates nothing there); the
+//             owner keeps [B, S_local, D] for the global batch and step() applies the optimizer to
+//             the rows it touched (the fused sparse backward + optimizer, or the unfused path).
 //
-// The owner's pooling sees the bags in global-batch order, so a table's rows get the sums the
-// single-process model computes, in the same order. Host memory only (the packing into and out of
-// the send buffers is host code; a GPU version packs on the device and sends through NCCL).
-// Row-wise shards (a table split by rows) are refused: their routing (ids by row range, partial
-// pools summed on the way back) is not built yet.
+// The owner's pooling sees the bags in global-batch order, so a row's gradient is summed in the
+// single-process order, and every row's optimizer state (Adagrad's, row-wise Adagrad's
+// accumulator) lives with the row. A whole table's pooled bags are the single-process sums; a
+// split table's are the sums of its shards' partial sums, which round differently. Sum pooling
+// only for split tables (a mean of partial means is not the mean). Host memory only (the packing
+// into and out of the send buffers is host code; a GPU version packs on the device and sends
+// through NCCL).
 #pragma once
 
 #include <cstdint>
@@ -32,19 +41,20 @@ namespace fk::dist {
 class ShardedEmbeddingBags {
  public:
   // rows: every table's rows (the plan's tables); table t holds the values the single-process
-  // nn::EmbeddingBagCollection(rows, dim, options, cpu, init) would (init subsequence + t). The
-  // communicator must outlive this object.
+  // nn::EmbeddingBagCollection(rows, dim, options, cpu, init) would (init subsequence + t), each
+  // shard its rows of them. The communicator must outlive this object.
   ShardedEmbeddingBags(std::vector<std::int64_t> rows, std::int64_t dim, nn::EmbeddingBagCollectionOptions options,
                        RandomParams init, ShardingPlan plan, Communicator& comm);
 
   const ShardingPlan& plan() const noexcept { return plan_; }
   int num_tables() const noexcept { return static_cast<int>(rows_.size()); }
   std::int64_t dim() const noexcept { return dim_; }
-  // This rank's tables, ascending, and the layer holding them (none when the rank owns no table).
-  const std::vector<int>& local_tables() const noexcept { return local_tables_; }
+  // This rank's shards in (table, first row) order, and the layer holding them (its table s is
+  // shard s; none when the rank owns no shard).
+  const std::vector<Shard>& local_shards() const noexcept { return shards_of_[static_cast<std::size_t>(comm_.rank())]; }
   nn::EmbeddingBagCollection* local() noexcept { return local_ ? &*local_ : nullptr; }
-  // Table t's values [rows_t, D] when this rank holds it, else null.
-  Tensor* table(int t);
+  // Local shard s's values [row_end - row_begin, D]: rows [row_begin, row_end) of its table.
+  Tensor& shard_values(std::size_t s);
 
   // Collective. This rank's `batch` (>= 1) samples: indices i64 [nnz] and offsets i64 [T * batch + 1]
   // (CSR, table-major, rows within each table; checked). pooled f32 [batch, T, D], contiguous:
@@ -64,15 +74,14 @@ class ShardedEmbeddingBags {
   std::int64_t dim_;
   ShardingPlan plan_;
   Communicator& comm_;
-  std::vector<int> local_tables_;
-  std::vector<std::vector<int>> tables_of_;  // per rank
+  std::vector<std::vector<Shard>> shards_of_;  // per rank, in (table, first row) order
   TableLayout all_;                          // every table (host), for checking the input
   std::optional<nn::EmbeddingBagCollection> local_;
   // The last forward's batch: per rank its samples and first sample in the global batch.
   std::vector<std::int64_t> batch_of_, start_of_;
   std::int64_t batch_ = 0, global_batch_ = 0;
   // Host buffers, grown to the largest batch seen: the local bags (CSR), the local pooled rows
-  // and their gradient [B, T_local, D] (kept until step()), and the exchange buffers.
+  // and their gradient [B, S_local, D] (kept until step()), and the exchange buffers.
   std::vector<std::int64_t> local_indices_, local_offsets_, send_i64_, recv_i64_;
   std::vector<float> local_out_, local_grad_, send_f32_, recv_f32_;
 };

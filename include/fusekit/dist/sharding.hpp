@@ -1,7 +1,7 @@
 // Where each embedding table lives when the tables are spread over ranks (TorchRec's planner in
 // its simplest form). A table is cut into shards, each a row range [row_begin, row_end) on one
 // rank: table-wise placement gives every table one shard; row-wise splitting (a table larger than
-// max_shard_bytes) gives it several, of near-equal rows.
+// max_shard_bytes, or with more rows than max_shard_rows) gives it several, of near-equal rows.
 //
 // Greedy, largest first, memory first (a rank's tables must fit; lookups only cost time): shards
 // sorted by bytes (then lookups, then table and row), each placed, among the ranks whose bytes
@@ -30,6 +30,7 @@ struct PlannerOptions {
   std::int64_t batch = 1;                // global batch (lookups per step = batch x bag size)
   std::int64_t state_bytes_per_row = 0;  // SGD 0, row-wise Adagrad 4, Adagrad 4 x dim
   std::int64_t max_shard_bytes = 0;      // > 0: split larger tables by rows; 0: table-wise only
+  std::int64_t max_shard_rows = 0;       // > 0: split tables with more rows too (small tests force splits)
   double bytes_slack = 0.05;             // of an even share of the bytes: room traded for lookups
 };
 

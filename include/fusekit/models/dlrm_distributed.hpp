@@ -2,8 +2,9 @@
 //
 //   each rank  a Dlrm with DlrmTables::external (bottom MLP, interaction or cross network, top MLP,
 //              the same initial values on every rank) on its slice of the global batch
-//   tables     spread over the ranks by a table-wise dist::ShardingPlan (dist::ShardedEmbeddingBags:
-//              ids to the owners, pooled rows back, their gradients to the owners again)
+//   tables     spread over the ranks by a dist::ShardingPlan, whole or split by rows
+//              (dist::ShardedEmbeddingBags: ids to the owners of their rows, pooled rows or partial
+//              sums back, their gradients to the owners again)
 //   gradients  the dense gradients summed over the ranks (one all-reduce of the parameter arena's
 //              gradient buffer) before the optimizer step, so every rank's replica stays the same
 //
@@ -27,10 +28,13 @@
 
 namespace fk::models {
 
-// The table-wise plan of a DLRM's tables (dist::plan_sharding): bytes with the optimizer's state
-// (Adagrad: D floats a row, row-wise Adagrad one), lookups from the bag sizes (empty: one-hot).
+// The plan of a DLRM's tables (dist::plan_sharding): bytes with the optimizer's state (Adagrad: D
+// floats a row, row-wise Adagrad one), lookups from the bag sizes (empty: one-hot). Table-wise
+// unless `split` asks for row-wise shards (max_shard_bytes, max_shard_rows; its other fields are
+// ignored).
 dist::ShardingPlan plan_dlrm_sharding(const DlrmConfig& config, int ranks, std::int64_t global_batch,
-                                      OptimizerKind optimizer, const std::vector<std::int64_t>& bag_sizes = {});
+                                      OptimizerKind optimizer, const std::vector<std::int64_t>& bag_sizes = {},
+                                      const dist::PlannerOptions& split = {});
 
 class DistributedDlrm {
  public:
