@@ -12,10 +12,12 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <iostream>
 #include <memory>
 
 #include "apps/checkpoint.hpp"
+#include "apps/checkpoint_distributed.hpp"
 #include "apps/host_stats.hpp"
 #include "apps/output_file.hpp"
 #include "apps/train_data.hpp"
@@ -300,7 +302,13 @@ void start(Run& r, const Settings& s, bool resume_override) {
     FK_CHECK_ARG(!s.train || r.step <= r.schedule.total, kOp, start.flag,
                  fmt::format("a checkpoint at most at step {} (the run's end)", r.schedule.total),
                  fmt::format("{} at step {}", start.path, r.step));
-    r.model.load_state(in);
+    if (apps::is_distributed(h)) {  // a --distributed run's: its shards gathered into one state
+      std::stringstream whole;
+      apps::consolidate_checkpoint(start.path, h, in, r.model.config(), whole, kOp, start.flag.c_str());
+      r.model.load_state(whole);
+    } else {
+      r.model.load_state(in);
+    }
     fmt::print("{} {} at step {}\n", start.must_exist ? "loaded" : "resumed from", start.path, r.step);
   }
   if (s.train && !r.c.trace.empty()) {
@@ -548,11 +556,9 @@ int run_train(const TrainFlags& flags) {
   FK_CHECK_ARG(flags.run.distributed || flags.run.max_shard_rows == 0, kOp, "--max-shard-rows", "--distributed",
                "a one-process run");
   if (flags.run.distributed) {
-    FK_CHECK_ARG(s.start.path.empty() && s.train && s.config.checkpoint.empty() && s.config.metrics_json.empty() &&
-                     s.config.trace.empty(),
-                 kOp, "--distributed", "no checkpoint, resume, --load-model, --inference-only, metrics JSON or trace (not yet)",
-                 "one of them");
-    return run_train_distributed(s.config, flags.run.max_shard_rows);
+    FK_CHECK_ARG(s.train && s.config.metrics_json.empty() && s.config.trace.empty(), kOp, "--distributed",
+                 "no --inference-only, metrics JSON or trace (not yet)", "one of them");
+    return run_train_distributed(s.config, flags.run.max_shard_rows, s.start, flags.run.resume_override);
   }
   const auto [device, impl] = pick_device(s.config, kOp);
   Run r(s, device, impl, open_data(s.config));
@@ -587,7 +593,9 @@ int run_eval(const EvalFlags& f) {
   std::ifstream in;
   const apps::CheckpointHeader h = apps::open_checkpoint(f.checkpoint, in, "fusekit eval");
   TrainConfig c;
-  from_json(h.config, c);
+  nlohmann::json stored = h.config;
+  stored.erase("distributed");  // a --distributed run's manifest: its plan and shard files
+  from_json(stored, c);
   if (f.data) c.data = *f.data;
   if (f.test_mini_batch_size) c.test_mini_batch_size = *f.test_mini_batch_size;
   c.device = f.device;
@@ -598,7 +606,13 @@ int run_eval(const EvalFlags& f) {
   const auto [device, impl] = pick_device(c, "fusekit eval");
   const RunData data = open_data(c);
   models::Dlrm model(make_model_config(c, data.featurizer), device, impl);
-  model.load_state(in);
+  if (apps::is_distributed(h)) {
+    std::stringstream whole;
+    apps::consolidate_checkpoint(f.checkpoint, h, in, model.config(), whole, "fusekit eval", "--checkpoint");
+    model.load_state(whole);
+  } else {
+    model.load_state(in);
+  }
   fmt::print("fusekit eval: {} (step {}), {}, device {}\n", f.checkpoint, h.step, data.split.description,
              device.str());
   const Predictions p = predict(model, data.split.test, data.featurizer, c.test_mini_batch_size,

@@ -3,8 +3,10 @@
 // Every rank reads the same global batches and keeps its slice (the first B % N ranks one sample
 // more); rank 0 prints the plan, the progress lines, the final evaluation and the summary. A rank
 // that fails prints its error and aborts every rank (MPI_Abort), so none waits in a collective.
-// What it does not do yet (the single-process run does): checkpoints, resume, periodic
-// evaluation, metrics JSON, traces, learning-rate schedules.
+// --checkpoint PATH saves a manifest and one shard file per rank (apps/checkpoint_distributed.hpp)
+// at the end and every --checkpoint-every steps; --resume / --load-model continue from one saved
+// on the same number of ranks and plan. What it does not do yet (the single-process run does):
+// periodic evaluation, metrics JSON, traces, learning-rate schedules.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -12,8 +14,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 
+#include "apps/checkpoint_distributed.hpp"
 #include "apps/train.hpp"
 #include "apps/train_data.hpp"
 #include "fusekit/core/error.hpp"
@@ -63,7 +67,67 @@ std::pair<std::int64_t, std::int64_t> slice_of(std::int64_t n, int rank, int ran
   return {begin, begin + base + (rank < extra ? 1 : 0)};
 }
 
-int run(const TrainConfig& c, std::int64_t max_shard_rows, dist::Communicator& comm) {
+// --resume / --load-model: the dense state from the manifest, this rank's shards from its file;
+// the step the checkpoint was saved at (0 without one).
+std::int64_t start_from(const StartState& start, bool resume_override, const TrainConfig& c,
+                        models::DistributedDlrm& model, std::int64_t total) {
+  if (start.path.empty() || (!start.must_exist && !std::filesystem::exists(start.path))) return 0;
+  const char* flag = start.flag.c_str();
+  std::ifstream in;
+  apps::CheckpointHeader h;
+  try {
+    h = apps::open_checkpoint(start.path, in, kOp);
+  } catch (const Error& e) {
+    throw Error(e.op(), flag, e.expected(), e.got());
+  }
+  const std::string diff = apps::config_differences(h.config, to_json(c), to_json(TrainConfig{}));
+  FK_CHECK_ARG(diff.empty() || resume_override, kOp, flag,
+               fmt::format("the configuration stored in {} (--resume-override resumes with the new settings)", start.path),
+               diff);
+  const int ranks = model.communicator().size();
+  const dist::ShardingPlan stored =
+      apps::manifest_plan(start.path, h, model.dense().config().table_rows, kOp, flag);
+  FK_CHECK_ARG(stored.ranks == ranks, kOp, flag,
+               fmt::format("a checkpoint of {} ranks, as this run (another number of ranks is not supported yet; "
+                           "the one-process fusekit train reads it)", ranks),
+               fmt::format("{} of {} ranks", start.path, stored.ranks));
+  for (std::size_t t = 0; t < stored.tables.size(); ++t) {
+    const auto& a = stored.tables[t];
+    const auto& b = model.plan().tables[t];
+    bool same = a.size() == b.size();
+    for (std::size_t i = 0; same && i < a.size(); ++i)
+      same = a[i].row_begin == b[i].row_begin && a[i].row_end == b[i].row_end && a[i].rank == b[i].rank;
+    FK_CHECK_ARG(same, kOp, flag, fmt::format("the sharding plan of this run (--max-shard-rows as when it was saved)"),
+                 fmt::format("{}: table {} sharded otherwise", start.path, t));
+  }
+  FK_CHECK_ARG(h.step <= total, kOp, flag, fmt::format("a checkpoint at most at step {} (the run's end)", total),
+               fmt::format("{} at step {}", start.path, h.step));
+  model.dense().load_state(in);
+  std::ifstream shards;
+  apps::open_shard_file(start.path, h, model.communicator().rank(), shards, kOp, flag);
+  model.load_shards(shards);
+  return h.step;
+}
+
+// Every rank its shard file, then (after a barrier) rank 0 the manifest with the dense state.
+void save(const TrainConfig& c, models::DistributedDlrm& model, std::int64_t step) {
+  if (c.checkpoint.empty()) return;
+  dist::Communicator& comm = model.communicator();
+  const nlohmann::json config = to_json(c);
+  apps::write_shard_file(c.checkpoint, step, config, model.plan(), comm.rank(),
+                         [&](std::ostream& out) { model.save_shards(out); });
+  comm.barrier();
+  if (comm.rank() == 0) {
+    apps::write_manifest(c.checkpoint, step, config, model.plan(),
+                         [&](std::ostream& out) { model.dense().save_state(out); });
+    fmt::print("checkpoint: step {} saved to {} (+ {} shard files)\n", step, c.checkpoint, comm.size());
+    std::fflush(stdout);
+  }
+  comm.barrier();
+}
+
+int run(const TrainConfig& c, std::int64_t max_shard_rows, const StartState& start, bool resume_override,
+        dist::Communicator& comm) {
   const int ranks = comm.size(), me = comm.rank();
   const bool lead = me == 0;
   FK_CHECK_ARG(c.device == "cpu", kOp, "--device", "cpu (the distributed path runs on host memory for now)", c.device);
@@ -93,9 +157,19 @@ int run(const TrainConfig& c, std::int64_t max_shard_rows, dist::Communicator& c
   const std::int64_t n_train = data.split.train->size();
   const std::int64_t per_epoch = (n_train + c.mini_batch_size - 1) / c.mini_batch_size;
   const std::int64_t total = c.steps > 0 ? c.steps : per_epoch * c.epochs;
+  std::int64_t step = start_from(start, resume_override, c, model, total);
+  if (lead && step > 0) {
+    fmt::print("{} {} at step {}\n", start.must_exist ? "loaded" : "resumed from", start.path, step);
+    std::fflush(stdout);
+  }
+  // Step k is batch k of the epochs' batches less any last batch smaller than the ranks (skipped).
+  const std::int64_t last_batch = n_train - (per_epoch - 1) * c.mini_batch_size;
+  const std::int64_t trained_per_epoch = std::max<std::int64_t>(1, per_epoch - (last_batch < ranks ? 1 : 0));
   data::BatchLoader loader(data.split.train, data.featurizer,
-                           {.batch_size = c.mini_batch_size, .epochs = (total + per_epoch - 1) / per_epoch});
-  std::int64_t step = 0, samples = 0, window_steps = 0, last_steps = 0;
+                           {.batch_size = c.mini_batch_size,
+                            .epochs = (total + per_epoch - 1) / per_epoch - step / trained_per_epoch,
+                            .first_batch = step % trained_per_epoch});
+  std::int64_t samples = 0, window_steps = 0, last_steps = 0;
   double window_loss = 0, last_loss = 0, train_seconds = 0;
   auto window_start = Clock::now();
   data::Batch mine;
@@ -126,7 +200,9 @@ int run(const TrainConfig& c, std::int64_t max_shard_rows, dist::Communicator& c
       window_steps = 0;
       window_start = Clock::now();
     }
+    if (c.checkpoint_every > 0 && step % c.checkpoint_every == 0 && step < total) save(c, model, step);
   }
+  save(c, model, step);
 
   // The final evaluation: each rank predicts its slice; rank 0 gathers every slice (an
   // all-to-all in which only rank 0 receives) and computes the metrics.
@@ -175,11 +251,12 @@ int run(const TrainConfig& c, std::int64_t max_shard_rows, dist::Communicator& c
 
 }  // namespace
 
-int run_train_distributed(const TrainConfig& c, std::int64_t max_shard_rows) {
+int run_train_distributed(const TrainConfig& c, std::int64_t max_shard_rows, const StartState& start,
+                          bool resume_override) {
   std::unique_ptr<dist::Communicator> comm =
       FUSEKIT_WITH_MPI ? dist::make_mpi_communicator() : dist::make_single_communicator();
   try {
-    return run(c, max_shard_rows, *comm);
+    return run(c, max_shard_rows, start, resume_override, *comm);
   } catch (const std::exception& e) {
     if (comm->size() == 1) throw;
     std::fprintf(stderr, "fusekit train --distributed: rank %d of %d: %s\n", comm->rank(), comm->size(), e.what());

@@ -81,5 +81,15 @@ void read_state_arrays(std::istream& in, std::uint64_t count, const std::vector<
   }
 }
 
+std::vector<float> read_state_array(std::istream& in, std::uint64_t max_floats, const char* op, const char* arg) {
+  std::uint64_t len = 0;
+  in.read(reinterpret_cast<char*>(&len), 8);
+  FK_CHECK_ARG(in && len <= max_floats, op, arg, fmt::format("an array of at most {} floats", max_floats),
+               in ? fmt::format("{}", len) : std::string("a truncated stream"));
+  std::vector<float> v(static_cast<std::size_t>(len));
+  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(len * sizeof(float)));
+  FK_CHECK_ARG(static_cast<bool>(in), op, arg, "a complete state", "a truncated stream");
+  return v;
+}
 
 }  // namespace fk::models::detail

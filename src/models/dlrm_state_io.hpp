@@ -17,5 +17,8 @@ void write_state(std::ostream& out, bool adagrad, const std::vector<TensorView>&
 bool read_state_header(std::istream& in, std::uint64_t& count);
 // Reads the arrays into `arrays` (this configuration's): fk::Error when their number or sizes differ.
 void read_state_arrays(std::istream& in, std::uint64_t count, const std::vector<TensorView>& arrays);
+// The next array of a state whose sizes are not known in advance: fk::Error (op, argument `arg`)
+// for one of more than `max_floats` values or a truncated stream.
+std::vector<float> read_state_array(std::istream& in, std::uint64_t max_floats, const char* op, const char* arg);
 
 }  // namespace fk::models::detail

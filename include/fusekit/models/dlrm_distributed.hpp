@@ -19,6 +19,8 @@
 #pragma once
 
 #include <cstdint>
+#include <istream>
+#include <ostream>
 #include <vector>
 
 #include "fusekit/dist/communicator.hpp"
@@ -50,6 +52,14 @@ class DistributedDlrm {
   // Collective. Click probabilities f32 [b] of this rank's slice.
   void predict(const DlrmInput& input, const TensorView& probabilities);
 
+  // Local: this rank's shards (its tables of the plan, in (table, first row) order) as a DLRM
+  // state stream ("FKDLRMS1", models/dlrm_state_io.hpp): each shard's values [rows, D], then, once
+  // Adagrad has state, each shard's accumulators ([rows] row-wise, else [rows, D]). load_shards
+  // reads the same (fk::Error naming `in` for another plan's shards or a truncated stream). The
+  // dense part is dense().save_state / load_state, the same on every rank.
+  void save_shards(std::ostream& out);
+  void load_shards(std::istream& in);
+
   const dist::ShardingPlan& plan() const noexcept { return embeddings_.plan(); }
   dist::Communicator& communicator() noexcept { return comm_; }
   // The dense part (its linear_layers(), cross_parameters()), the same on every rank.
@@ -63,5 +73,12 @@ class DistributedDlrm {
   dist::ShardedEmbeddingBags embeddings_;
   Tensor pooled_, dpooled_, logits_, dlogits_;  // [b, T, D], [b, T, D], [b], [b]
 };
+
+// A distributed checkpoint as the single-process Dlrm's state (what Dlrm::load_state reads): the
+// dense state (DistributedDlrm::dense().save_state) and, per rank r of plan.ranks, shards[r]
+// (that rank's save_shards), each table's rows gathered from the shards that hold them. Written
+// to `out`; fk::Error naming `dense` or `shards` for a part that does not match config and plan.
+void consolidate_distributed_state(const DlrmConfig& config, const dist::ShardingPlan& plan, std::istream& dense,
+                                   const std::vector<std::istream*>& shards, std::ostream& out);
 
 }  // namespace fk::models

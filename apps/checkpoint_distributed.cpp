@@ -1,0 +1,147 @@
+#include "apps/checkpoint_distributed.hpp"
+
+#include <fmt/format.h>
+#include <zlib.h>
+
+#include <filesystem>
+#include <memory>
+
+#include "fusekit/core/error.hpp"
+#include "fusekit/models/dlrm_distributed.hpp"
+
+namespace fk::apps {
+
+namespace {
+
+std::uint32_t config_crc(const nlohmann::json& config) {
+  nlohmann::json c = config;
+  c.erase("distributed");
+  const std::string s = c.dump();
+  return static_cast<std::uint32_t>(::crc32(0, reinterpret_cast<const Bytef*>(s.data()), static_cast<uInt>(s.size())));
+}
+
+nlohmann::json shards_json(const dist::ShardingPlan& plan, int rank) {  // rank < 0: every shard
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& table : plan.tables)
+    for (const dist::Shard& sh : table)
+      if (rank < 0 || sh.rank == rank) out.push_back({sh.table, sh.row_begin, sh.row_end, sh.rank});
+  return out;
+}
+
+[[noreturn]] void bad(const char* op, const char* flag, const std::string& path, const std::string& what) {
+  throw Error(op, flag, "a distributed fusekit DLRM checkpoint (manifest and shard files)", fmt::format("{}: {}", path, what));
+}
+
+const nlohmann::json& section(const std::string& path, const CheckpointHeader& h, const char* op, const char* flag) {
+  if (!is_distributed(h)) bad(op, flag, path, "no \"distributed\" section (a one-process checkpoint)");
+  const nlohmann::json& d = h.config["distributed"];
+  if (!d.contains("world_size") || !d["world_size"].is_number_integer() || !d.contains("shards") ||
+      !d["shards"].is_array() || !d.contains("config_crc") || !d["config_crc"].is_number_unsigned())
+    bad(op, flag, path, "a \"distributed\" section without world_size, shards or config_crc");
+  if (d["config_crc"].get<std::uint32_t>() != config_crc(h.config))
+    bad(op, flag, path, "a configuration that does not match its config_crc");
+  return d;
+}
+
+}  // namespace
+
+std::string shard_file_path(const std::string& manifest, std::int64_t step, int rank, int ranks) {
+  return fmt::format("{}.step{}.rank{}-of-{}", manifest, step, rank, ranks);
+}
+
+void write_shard_file(const std::string& manifest, std::int64_t step, const nlohmann::json& config,
+                      const dist::ShardingPlan& plan, int rank, const std::function<void(std::ostream&)>& state) {
+  const nlohmann::json meta = {{"world_size", plan.ranks},
+                               {"rank", rank},
+                               {"shards", shards_json(plan, rank)},
+                               {"config_crc", config_crc(config)}};
+  write_checkpoint(shard_file_path(manifest, step, rank, plan.ranks), step, meta, state);
+}
+
+void write_manifest(const std::string& manifest, std::int64_t step, const nlohmann::json& config,
+                    const dist::ShardingPlan& plan, const std::function<void(std::ostream&)>& dense) {
+  nlohmann::json c = config;
+  nlohmann::json files = nlohmann::json::array();
+  for (int r = 0; r < plan.ranks; ++r)
+    files.push_back(std::filesystem::path(shard_file_path(manifest, step, r, plan.ranks)).filename().string());
+  c["distributed"] = {{"world_size", plan.ranks},
+                      {"shards", shards_json(plan, -1)},
+                      {"files", files},
+                      {"config_crc", config_crc(config)}};
+  write_checkpoint(manifest, step, c, dense);
+  // The previous checkpoints' shard files (the new manifest names none of them).
+  const std::filesystem::path m(manifest);
+  const std::filesystem::path dir = m.has_parent_path() ? m.parent_path() : std::filesystem::path(".");
+  const std::string prefix = m.filename().string() + ".step", mine = fmt::format("{}{}.", prefix, step);
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.starts_with(prefix) && !name.starts_with(mine) && name.find(".rank") != std::string::npos)
+      std::filesystem::remove(e.path(), ec);
+  }
+}
+
+bool is_distributed(const CheckpointHeader& h) { return h.config.is_object() && h.config.contains("distributed"); }
+
+dist::ShardingPlan manifest_plan(const std::string& path, const CheckpointHeader& h,
+                                 const std::vector<std::int64_t>& table_rows, const char* op, const char* flag) {
+  const nlohmann::json& d = section(path, h, op, flag);
+  dist::ShardingPlan plan;
+  plan.ranks = d["world_size"].get<int>();
+  if (plan.ranks < 1 || plan.ranks > 1 << 20) bad(op, flag, path, fmt::format("world size {}", plan.ranks));
+  plan.tables.resize(table_rows.size());
+  for (const nlohmann::json& s : d["shards"]) {
+    if (!s.is_array() || s.size() != 4 || !s[0].is_number_integer() || !s[1].is_number_integer() ||
+        !s[2].is_number_integer() || !s[3].is_number_integer())
+      bad(op, flag, path, fmt::format("a shard {} (expected [table, row_begin, row_end, rank])", s.dump()));
+    const dist::Shard sh{.table = s[0].get<int>(), .row_begin = s[1].get<std::int64_t>(),
+                         .row_end = s[2].get<std::int64_t>(), .rank = s[3].get<int>()};
+    if (sh.table < 0 || static_cast<std::size_t>(sh.table) >= table_rows.size() || sh.rank < 0 || sh.rank >= plan.ranks)
+      bad(op, flag, path, fmt::format("a shard {} of a table or rank that does not exist", s.dump()));
+    auto& shards = plan.tables[static_cast<std::size_t>(sh.table)];
+    const std::int64_t next = shards.empty() ? 0 : shards.back().row_end;
+    if (sh.row_begin != next || sh.row_end <= sh.row_begin || sh.row_end > table_rows[static_cast<std::size_t>(sh.table)])
+      bad(op, flag, path, fmt::format("a shard {} that does not continue its table's rows", s.dump()));
+    shards.push_back(sh);
+  }
+  for (std::size_t t = 0; t < table_rows.size(); ++t)
+    if (plan.tables[t].empty() || plan.tables[t].back().row_end != table_rows[t])
+      bad(op, flag, path, fmt::format("table {}'s shards not covering its {} rows", t, table_rows[t]));
+  return plan;
+}
+
+void open_shard_file(const std::string& path, const CheckpointHeader& h, int rank, std::ifstream& in, const char* op,
+                     const char* flag) {
+  const nlohmann::json& d = section(path, h, op, flag);
+  const int ranks = d["world_size"].get<int>();
+  const std::string file = shard_file_path(path, h.step, rank, ranks);
+  CheckpointHeader s;
+  try {
+    s = open_checkpoint(file, in, op);
+  } catch (const Error& e) {
+    throw Error(e.op(), flag, fmt::format("the shard file of rank {} that {} names", rank, path), e.got());
+  }
+  nlohmann::json mine = nlohmann::json::array();
+  for (const nlohmann::json& sh : d["shards"])
+    if (sh.is_array() && sh.size() == 4 && sh[3] == rank) mine.push_back(sh);
+  const nlohmann::json& m = s.config;
+  if (s.step != h.step || !m.is_object() || m.value("world_size", -1) != ranks || m.value("rank", -1) != rank ||
+      !m.contains("shards") || m["shards"] != mine || !m.contains("config_crc") || m["config_crc"] != d["config_crc"])
+    throw Error(op, flag, fmt::format("rank {}'s shard file of {} (step {}, {} ranks)", rank, path, h.step, ranks),
+                fmt::format("{}: another checkpoint's (step {}, {})", file, s.step, m.dump()));
+}
+
+void consolidate_checkpoint(const std::string& path, const CheckpointHeader& h, std::istream& dense,
+                            const models::DlrmConfig& config, std::ostream& out, const char* op, const char* flag) {
+  const dist::ShardingPlan plan = manifest_plan(path, h, config.table_rows, op, flag);
+  std::vector<std::unique_ptr<std::ifstream>> files;
+  std::vector<std::istream*> shards;
+  for (int r = 0; r < plan.ranks; ++r) {
+    files.push_back(std::make_unique<std::ifstream>());
+    open_shard_file(path, h, r, *files.back(), op, flag);
+    shards.push_back(files.back().get());
+  }
+  models::consolidate_distributed_state(config, plan, dense, shards, out);
+}
+
+}  // namespace fk::apps
