@@ -38,7 +38,7 @@ struct CrossCase {
     du = Tensor::empty({n, r}, DType::f32, d);
     dv = Tensor::empty({r, n}, DType::f32, d);
     dbias = Tensor::empty({n}, DType::f32, d);
-    ws = Tensor::empty({std::max<std::int64_t>(cross_layer_workspace_floats(b, n, r), 1)}, DType::f32, d);
+    ws = Tensor::empty({cross_layer_workspace_floats(b, n, r)}, DType::f32, d);  // [0] for an empty batch
     for (const Tensor* t : {&h, &out, &du, &dv, &dbias}) test::poison(*t);
   }
   TensorView x_l() const { return first ? x0.view() : xl.view(); }
