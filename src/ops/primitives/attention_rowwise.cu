@@ -78,9 +78,11 @@ __device__ float warp_dot(const T* a, const T* b, int d, int lane) {
 struct QueryRow {
   std::int64_t b, h, i;
 };
+// h = bh - b H and i = row - bh Sq (not remainders), so that the dense rows' (b H + h) Sq + i fold
+// back to row.
 __device__ QueryRow query_row(std::int64_t row, const Layout& L) {
-  const std::int64_t bh = row / L.sq;
-  return {bh / L.heads, bh % L.heads, row % L.sq};
+  const std::int64_t bh = row / L.sq, b = bh / L.heads;
+  return {b, bh - b * L.heads, row - bh * L.sq};
 }
 
 template <class T, bool kPacked>
