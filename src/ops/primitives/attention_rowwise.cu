@@ -3,9 +3,10 @@
 // every AttentionOptions (grouped-query heads, causal top-left or bottom-right, sliding window,
 // softcap) and GPU. They are the path for what the sm_90 tensor-core kernel does not take (puzzle
 // 9's head_dim 1, f32, other head dims, the options, GPUs before sm_90, packed batches) and for
-// the backward where the tensor-core one does not apply (f32, other head dims), written to be checked at a glance rather than to be fast. Dense [B, H, S, D] batches
-// and packed (varlen) ones alike (attention_layout.cuh): a warp per row of the grid's
-// B x H x max_seqlen rows, the rows past a sequence's length leaving at once.
+// the backward where the tensor-core one does not apply (f32, other head dims), written to be
+// checked at a glance rather than to be fast. Dense [B, H, S, D] batches and packed (varlen) ones
+// alike (attention_layout.cuh): a warp per row of the grid's B x H x max_seqlen rows, the rows
+// past a sequence's length leaving at once.
 //
 // Forward: the warp streams the visible keys of its row in chunks of 32, one key a lane: each lane
 // computes its score in fp32 (q staged once in shared memory), the warp takes the chunk maximum,
