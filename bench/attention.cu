@@ -193,8 +193,8 @@ void attention_backward_cases(Context& ctx, std::int64_t b, std::int64_t h, std:
     };
     auto rowwise = [&] {
       const Set& x = sets[0];
-      cuda::attention_backward_rowwise(x.q, x.k, x.v, x.out, x.dout, x.lse, dq_ref, dk_ref, dv_ref, delta, opt,
-                                       &ctx.fk_stream());
+      cuda::attention_backward_rowwise(x.q, x.k, x.v, x.out, x.dout, x.lse, dq_ref, dk_ref, dv_ref, delta, nullptr,
+                                       opt, &ctx.fk_stream());
     };
     rowwise();
     fused(0, false);

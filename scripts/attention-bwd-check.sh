@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The tensor-core attention backward on a GPU, in one call: its tests against the spec (every
-# AttentionBackward* test), compute-sanitizer memcheck, racecheck and synccheck on four small
-# cases that between them cover tails, GQA, both causal alignments, a window, the softcap and both
-# dq modes, then (unless --skip-bench) `fusekit bench --filter attention_bwd/`. Logs go to $OUT (the
+# AttentionBackward* and AttentionVarlen* test), compute-sanitizer memcheck, racecheck and
+# synccheck on four small dense cases that between them cover tails, GQA, both causal alignments, a
+# window, the softcap and both dq modes, and on the varlen San/ cases (packed sequences of 0, 1 and
+# a few tiles), then (unless --skip-bench) `fusekit bench --filter attention_bwd/`. Logs go to $OUT (the
 # device tool's folder) or out/attention-bwd; a summary prints last.
 #
 #   scripts/attention-bwd-check.sh [--bin DIR] [--skip-bench] [--skip-sanitizer]
@@ -25,7 +26,7 @@ else test_bin=$bin/attention_test; fusekit=$bin/fusekit; fi
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
 
-timeout 400 "$test_bin" --gtest_filter='*AttentionBackward*' >"$out/tests.log" 2>&1
+timeout 900 "$test_bin" --gtest_filter='*AttentionBackward*:*AttentionVarlen*' >"$out/tests.log" 2>&1
 rc=$?
 grep -a -E '^\[  (FAILED|PASSED|SKIPPED) ' "$out/tests.log" | sort -u | head -40
 grep -a -E 'Failure|rel err|differ|\[note\]' "$out/tests.log" | head -60
@@ -35,6 +36,7 @@ if ((sanitize)); then
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   p='TensorCore/AttentionBackwardGpuVsSpec.MatchesTheSpec/'
   f="$p"d64_q17_k129:"$p"d64_gqa_8_over_2_causal_bottom_right:"$p"d96_softcap:"$p"d128_deterministic_causal_window
+  f="$f:San/AttentionVarlenGpuVsSpec.*"
   for tool in memcheck racecheck synccheck; do
     extra=()
     [ $tool = memcheck ] && extra=(--leak-check no)

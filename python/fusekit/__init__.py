@@ -23,10 +23,11 @@ if _torch is not None:
     # Every device buffer fusekit allocates (scratch included) comes from PyTorch's caching
     # allocator: torch.cuda.max_memory_allocated() counts it, CUDA graph capture pools it.
     ops.use_torch_caching_allocator()
-    from .functional import (add_rms_norm, apply_rotary_pos_emb, attention, batched_matmul, bias_act,  # noqa: F401
-                             broadcast_binary, check_bags, conv2d, convert, dense_optimizer_update_, embedding_bags,
-                             glu, glu_mlp, interaction, linear_cross_entropy, lora, outer, pack, relu_packed,
-                             rms_norm, rope, row_sum, sigmoid_bce, softmax, unpack, weight_grad_from_packed)
+    from .functional import (add_rms_norm, apply_rotary_pos_emb, attention, attention_varlen,  # noqa: F401
+                             batched_matmul, bias_act, broadcast_binary, check_bags, conv2d, convert,
+                             dense_optimizer_update_, embedding_bags, glu, glu_mlp, interaction, linear_cross_entropy,
+                             lora, outer, pack, relu_packed, rms_norm, rope, row_sum, sigmoid_bce, softmax, unpack,
+                             weight_grad_from_packed)
     from . import nn  # noqa: F401,E402  (fusekit.nn after `import fusekit`, as torch.nn after `import torch`)
     from .nn import load_quantized, quantize  # noqa: F401,E402
     from .patch import patch, patch_llama, unpatch  # noqa: F401,E402

@@ -71,6 +71,27 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
     return (out, lse) if return_lse else out
 
 
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = False, scale: Optional[float] = None,
+                     return_lse: bool = False, bottom_right: bool = False, window: tuple[int, int] = (-1, -1),
+                     softcap: float = 0.0, deterministic: bool = False):
+    """attention over a batch of sequences packed without padding, as flash_attn_varlen_func takes
+    it: q [total_q, H, D], k, v [total_k, Hk, D]; sequence b is rows cu_seqlens_q[b] to
+    cu_seqlens_q[b + 1] of q and cu_seqlens_k[b] to cu_seqlens_k[b + 1] of k and v (cu_seqlens
+    [B + 1] int32 on q's device, max_seqlen_* at least every length) and sees only its own keys.
+    Options as attention's, per sequence: causal is top-left unless bottom_right (FlashAttention's
+    causal=True is bottom_right=True; the two agree where a sequence has as many queries as keys).
+    deterministic: the backward's dq summed in a fixed order. lse (return_lse) is [H, total_q] f32.
+    On a GPU cu_seqlens are trusted as FlashAttention trusts them (checked on the CPU).
+    Differentiable; on a GPU the forward runs on the warp-per-row kernel (correct, not fast), the
+    backward on tensor cores for bf16/f16 at D 64/96/128."""
+    left, right = window
+    out, lse = ops.call("attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                        1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, bottom_right, left, right, softcap,
+                        deterministic)
+    return (out, lse) if return_lse else out
+
+
 class Packed(NamedTuple):
     """A tensor packed by fusekit.pack: the words and per-group statistics, and how to read them."""
     words: Tensor

@@ -1,5 +1,5 @@
 // The primitives' bindings: broadcast binary ops (forward and backward), 2-D convolution, batched
-// matmul, softmax, the long row sum and the attention forward.
+// matmul, softmax, the long row sum, and attention forward and backward (dense and varlen).
 #include <nanobind/stl/string.h>
 
 #include <string>
@@ -108,6 +108,42 @@ void bind_primitives(nb::module_& m) {
       },
       "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a, "causal"_a, "bottom_right"_a,
       "window_left"_a, "window_right"_a, "scale"_a, "softcap"_a, "stream"_a, kNoGil);
+  m.def(
+      "attention_forward_varlen",
+      [](const Array& q, const Array& k, const Array& v, const Array& out, const Array& lse, const Array& cu_seqlens_q,
+         const Array& cu_seqlens_k, std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, bool causal,
+         bool bottom_right, std::int64_t window_left, std::int64_t window_right, float scale, float softcap,
+         std::uintptr_t stream) {
+        constexpr const char* op = "attention_forward_varlen";
+        const TensorView qv = view(q, op, "q");
+        const AttentionVarlen seqs{view(cu_seqlens_q, op, "cu_seqlens_q"), view(cu_seqlens_k, op, "cu_seqlens_k"),
+                                   max_seqlen_q, max_seqlen_k};
+        attention_forward_varlen(qv, view(k, op, "k"), view(v, op, "v"), view(out, op, "out"), view(lse, op, "lse"),
+                                 seqs, AttentionOptions{causal, bottom_right, window_left, window_right, scale, softcap},
+                                 StreamArg(stream, qv).get());
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "max_seqlen_q"_a, "max_seqlen_k"_a,
+      "causal"_a, "bottom_right"_a, "window_left"_a, "window_right"_a, "scale"_a, "softcap"_a, "stream"_a, kNoGil);
+  m.def(
+      "attention_backward_varlen",
+      [](const Array& q, const Array& k, const Array& v, const Array& out, const Array& dout, const Array& lse,
+         const Array& dq, const Array& dk, const Array& dv, const Array& cu_seqlens_q, const Array& cu_seqlens_k,
+         std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, bool causal, bool bottom_right,
+         std::int64_t window_left, std::int64_t window_right, float scale, float softcap, bool deterministic,
+         std::uintptr_t stream) {
+        constexpr const char* op = "attention_backward_varlen";
+        const TensorView qv = view(q, op, "q");
+        const AttentionVarlen seqs{view(cu_seqlens_q, op, "cu_seqlens_q"), view(cu_seqlens_k, op, "cu_seqlens_k"),
+                                   max_seqlen_q, max_seqlen_k};
+        attention_backward_varlen(
+            qv, view(k, op, "k"), view(v, op, "v"), view(out, op, "out"), view(dout, op, "dout"), view(lse, op, "lse"),
+            view(dq, op, "dq"), view(dk, op, "dk"), view(dv, op, "dv"), seqs,
+            AttentionOptions{causal, bottom_right, window_left, window_right, scale, softcap, deterministic},
+            StreamArg(stream, qv).get());
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a,
+      "max_seqlen_q"_a, "max_seqlen_k"_a, "causal"_a, "bottom_right"_a, "window_left"_a, "window_right"_a, "scale"_a,
+      "softcap"_a, "deterministic"_a, "stream"_a, kNoGil);
 }
 
 }  // namespace fk::py

@@ -1,5 +1,6 @@
 // Attention with the options training needs (grouped-query heads, causal masks aligned top-left or
-// bottom-right, sliding windows, a softcap) and its backward. The plain forward,
+// bottom-right, sliding windows, a softcap) and its backward, on dense [B, H, S, D] batches or on
+// variable-length sequences packed without padding. The plain forward,
 // attention_forward(q, k, v, out, lse, causal, scale), is in primitives.hpp; the forward here
 // computes the same function where the options are the plain ones.
 #pragma once
@@ -56,6 +57,44 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                         const TensorView& dv, const AttentionOptions& opt, const Stream* stream = nullptr);
 
+// A batch of sequences of different lengths packed without padding (FlashAttention's varlen
+// layout, as flash_attn_varlen_func takes it): sequence b is the query tokens
+// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and the key tokens [cu_seqlens_k[b],
+// cu_seqlens_k[b + 1]) of k and v, and sees only its own keys. Every AttentionOptions applies per
+// sequence, with that sequence's Sq and Sk (bottom-right causal aligns each sequence's last query
+// with its last key). Lengths may be 0.
+struct AttentionVarlen {
+  TensorView cu_seqlens_q;        // [B + 1] i32, B >= 1: 0, then the running total of the query lengths
+  TensorView cu_seqlens_k;        // [B + 1] i32: the same for the keys
+  std::int64_t max_seqlen_q = 0;  // >= every query length: the GPU grid's extent over a sequence
+  std::int64_t max_seqlen_k = 0;  // >= every key length
+};
+
+// attention_forward on a packed batch: q [total_q, H, D], k and v [total_k, Hk, D], out
+// [total_q, H, D], lse [H, total_q] f32 (FlashAttention's varlen lse layout); contiguous, one float
+// dtype, 1 <= D <= 256, H a multiple of Hk. cu_seqlens on the tensors' device (host memory on the
+// CPU, device memory on a GPU). On the CPU their values are checked: 0 first, non-decreasing,
+// total_q (total_k) last, no length above max_seqlen. On a GPU only their shape, dtype and device
+// are (reading B + 1 ints back would synchronise every call): the values are trusted, as
+// FlashAttention trusts them. Wrong values there read out of bounds, and a sequence longer than its
+// max_seqlen has its rows past max_seqlen left unwritten. On a GPU every dtype, head dim and option
+// runs on the warp-per-row kernel (correct, not fast; the sm_90 tensor-core forward takes dense
+// batches only).
+void attention_forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                              const TensorView& lse, const AttentionVarlen& seqs, const AttentionOptions& opt,
+                              const Stream* stream = nullptr);
+
+// attention_backward on a packed batch: dq [total_q, H, D], dk and dv [total_k, Hk, D] (overwritten)
+// from dout [total_q, H, D] and the varlen forward's q, k, v, out and lse [H, total_q]; seqs as
+// attention_forward_varlen takes them (the same checks, the same trust on a GPU). The kernels are
+// attention_backward's (tensor cores for bf16/f16 at D 64, 96, 128 on sm_80+, every option and
+// deterministic mode; warp-per-row otherwise). Scratch: delta [H, total_q] f32, and the f32 dq
+// accumulator [total_q, H, D] on the tensor-core path without opt.deterministic.
+void attention_backward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                               const TensorView& dout, const TensorView& lse, const TensorView& dq,
+                               const TensorView& dk, const TensorView& dv, const AttentionVarlen& seqs,
+                               const AttentionOptions& opt, const Stream* stream = nullptr);
+
 namespace reference {
 // The spec, in double on host tensors, one query row at a time.
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -63,6 +102,14 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                         const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                         const TensorView& dv, const AttentionOptions& opt);
+// The packed layout: each sequence as the dense spec computes it alone (cu_seqlens on the host,
+// their values as attention_forward_varlen checks them).
+void attention_forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                              const TensorView& lse, const AttentionVarlen& seqs, const AttentionOptions& opt);
+void attention_backward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                               const TensorView& dout, const TensorView& lse, const TensorView& dq,
+                               const TensorView& dk, const TensorView& dv, const AttentionVarlen& seqs,
+                               const AttentionOptions& opt);
 }  // namespace reference
 
 }  // namespace fk

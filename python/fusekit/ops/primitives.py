@@ -1,5 +1,5 @@
-"""primitives: softmax, attention forward, broadcast binary ops, row sum, 2-D convolution,
-batched matmul."""
+"""primitives: softmax, attention (dense and varlen) with its backward, broadcast binary ops, row
+sum, 2-D convolution, batched matmul."""
 from __future__ import annotations
 
 import torch
@@ -97,6 +97,81 @@ def _attention_bwd(ctx, dout, _dlse):
 
 _autograd("attention", _attention_bwd, _attention_setup)
 _autocast("attention")
+
+
+@_custom_op("attention_varlen")
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, causal: bool, scale: float, bottom_right: bool = False, window_left: int = -1,
+                     window_right: int = -1, softcap: float = 0.0,
+                     deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """(out, lse) of attention over sequences packed without padding (flash_attn_varlen_func's
+    layout): sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q [total_q, H, D] and rows
+    cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k, v [total_k, Hk, D], and sees only its own keys; the
+    options as attention's, per sequence. cu_seqlens [B + 1] int32 on q's device; lse [H, total_q]
+    f32. deterministic is for the backward (dq summed in a fixed order)."""
+    _same_device("attention_forward_varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    q, k, v, cu_seqlens_q, cu_seqlens_k = (t if t.is_contiguous() else t.contiguous()
+                                           for t in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(_varlen_lse_shape(q), dtype=torch.float32)
+    _C.attention_forward_varlen(_d(q), _d(k), _d(v), _d(out), _d(lse), _d(cu_seqlens_q), _d(cu_seqlens_k), max_seqlen_q,
+                                max_seqlen_k, causal, bottom_right, window_left, window_right, scale, softcap, _stream(q))
+    return out, lse
+
+
+def _varlen_lse_shape(q: Tensor) -> tuple:
+    """lse's [H, total_q] (anything for a q of the wrong rank: the kernel's check names q)."""
+    return (q.shape[1], q.shape[0]) if q.dim() == 3 else (0,)
+
+
+@attention_varlen.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, bottom_right=False,
+      window_left=-1, window_right=-1, softcap=0.0, deterministic=False):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(_varlen_lse_shape(q), dtype=torch.float32))
+
+
+@_custom_op("attention_backward_varlen")
+def attention_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              causal: bool, scale: float, bottom_right: bool, window_left: int, window_right: int,
+                              softcap: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of attention_varlen's out from dout and the forward's tensors (dk and dv summed
+    over each group of q heads)."""
+    _same_device("attention_backward_varlen", dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                 cu_seqlens_k=cu_seqlens_k)
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = (
+        t if t.is_contiguous() else t.contiguous() for t in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _C.attention_backward_varlen(_d(q), _d(k), _d(v), _d(out), _d(dout), _d(lse), _d(dq), _d(dk), _d(dv),
+                                 _d(cu_seqlens_q), _d(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal, bottom_right,
+                                 window_left, window_right, scale, softcap, deterministic, _stream(q))
+    return dq, dk, dv
+
+
+@attention_backward_varlen.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, bottom_right,
+      window_left, window_right, softcap, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, *rest = inputs  # eager: defaults not passed are absent
+    ctx.options = (max_q, max_k, causal, scale, *rest, *(False, -1, -1, 0.0, False)[len(rest):])
+    ctx.set_materialize_grads(False)  # lse carries no gradient
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, output[0], output[1])
+
+
+def _attention_varlen_bwd(ctx, dout, _dlse):
+    if dout is None:
+        return (None,) * 14
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd(ctx, "attention_backward_varlen", dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
+    return (dq, dk, dv) + (None,) * 11
+
+
+_autograd("attention_varlen", _attention_varlen_bwd, _attention_varlen_setup)
+_autocast("attention_varlen")
 
 
 @_custom_op("broadcast_binary")

@@ -1,9 +1,12 @@
-// Dispatch of attention_forward and attention_backward: argument checks, then the CPU spec or the
-// CUDA kernels (the sm_90 tensor-core forward for the plain options, else the warp-per-row kernel;
-// the mma.sync backward for bf16/f16 at D 64, 96, 128 on sm_80+, else the warp-per-row kernels).
+// Dispatch of attention_forward and attention_backward, dense and packed (varlen): argument checks,
+// then the CPU spec or the CUDA kernels (the sm_90 tensor-core forward for dense batches with the
+// plain options, else the warp-per-row kernel; the mma.sync backward for bf16/f16 at D 64, 96, 128
+// on sm_80+, dense or packed, else the warp-per-row kernels).
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
+#include <utility>
 
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/attention.hpp"
@@ -23,24 +26,31 @@ bool overlaps(const TensorView& x, const TensorView& y) {
   return std::less<>{}(x0, y0 + y.nbytes()) && std::less<>{}(y0, x0 + x.nbytes());
 }
 
-// q [B, H, Sq, D], k and v [B, Hk, Sk, D] (H a multiple of Hk), one float dtype, one device; the
-// options' values. Returns the device.
+// Dense: q [B, H, Sq, D], k and v [B, Hk, Sk, D]; packed: q [total_q, H, D], k and v
+// [total_k, Hk, D]. H a multiple of Hk, one float dtype, one device; the options' values. Returns
+// the device.
 Device check_inputs(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
-                    const AttentionOptions& opt, const Stream* stream) {
-  checks::tensor(op, "q", q, 4);
+                    const AttentionOptions& opt, const Stream* stream, bool packed = false) {
+  const int rank = packed ? 3 : 4;
+  checks::tensor(op, "q", q, rank);
   checks::dtype_in(op, "q", q, {DType::f32, DType::bf16, DType::f16});
   const Device dev = q.device();
   checks::cuda_available(op, dev);
-  const std::int64_t b = q.size(0), h = q.size(1), d = q.size(3);
+  const std::int64_t h = q.size(1), d = q.size(rank - 1);
   FK_CHECK_ARG(d >= 1 && d <= 256, op, "q", "head_dim (last dimension) in [1, 256]", q.shape().str());
 
-  checks::tensor(op, "k", k, 4);
+  checks::tensor(op, "k", k, rank);
   checks::same_dtype(op, "k", k, q);
-  FK_CHECK_ARG(k.size(0) == b && k.size(1) >= 1 && h % k.size(1) == 0 && k.size(3) == d, op, "k",
-               fmt::format("shape [{}, Hk, Sk, {}] with {} heads a multiple of Hk", b, d, h), k.shape().str());
+  const bool heads_ok = k.size(1) >= 1 && h % k.size(1) == 0 && k.size(rank - 1) == d;
+  if (packed)
+    FK_CHECK_ARG(heads_ok, op, "k", fmt::format("shape [total_k, Hk, {}] with {} heads a multiple of Hk", d, h),
+                 k.shape().str());
+  else
+    FK_CHECK_ARG(heads_ok && k.size(0) == q.size(0), op, "k",
+                 fmt::format("shape [{}, Hk, Sk, {}] with {} heads a multiple of Hk", q.size(0), d, h), k.shape().str());
   checks::same_device(op, "k", k, dev);
 
-  checks::tensor(op, "v", v, 4);
+  checks::tensor(op, "v", v, rank);
   checks::same_dtype(op, "v", v, q);
   checks::shape_is(op, "v", v, k.shape());
   checks::same_device(op, "v", v, dev);
@@ -58,6 +68,45 @@ Device check_inputs(const char* op, const TensorView& q, const TensorView& k, co
   return dev;
 }
 
+// One cu_seqlens on the host: 0 first, non-decreasing, `total` last, no step above max_len.
+void check_seqlen_values(const char* op, const char* arg, const TensorView& cu, std::int64_t total, const char* of,
+                         std::int64_t max_len, const char* max_arg) {
+  const auto* c = cu.data_as<const std::int32_t>();
+  FK_CHECK_ARG(c[0] == 0, op, arg, "0 as its first entry", fmt::format("{}[0] = {}", arg, c[0]));
+  for (std::int64_t i = 1; i < cu.numel(); ++i) {
+    FK_CHECK_ARG(c[i] >= c[i - 1], op, arg, "non-decreasing entries (sequence lengths >= 0)",
+                 fmt::format("{}[{}] = {} after {}", arg, i, c[i], c[i - 1]));
+    FK_CHECK_ARG(c[i] - c[i - 1] <= max_len, op, max_arg, "at least the longest sequence's length",
+                 fmt::format("{} with sequence {} of length {}", max_len, i - 1, c[i] - c[i - 1]));
+  }
+  FK_CHECK_ARG(c[cu.numel() - 1] == total, op, arg, fmt::format("{} as its last entry ({}'s tokens)", total, of),
+               fmt::format("{}[{}] = {}", arg, cu.numel() - 1, c[cu.numel() - 1]));
+}
+
+// cu_seqlens_q and cu_seqlens_k [B + 1] i32 on q's device, B >= 1; the max_seqlens in [0, 2^31);
+// on the host also the values (on a GPU they are trusted, as the header says).
+void check_seqlens(const char* op, const TensorView& q, const TensorView& k, const AttentionVarlen& seqs) {
+  const Device dev = q.device();
+  for (auto [name, cu] : {std::pair{"cu_seqlens_q", &seqs.cu_seqlens_q}, std::pair{"cu_seqlens_k", &seqs.cu_seqlens_k}}) {
+    checks::tensor(op, name, *cu, 1);
+    checks::dtype_in(op, name, *cu, {DType::i32});
+    FK_CHECK_ARG(cu->size(0) >= 2, op, name, "shape [B + 1] with B >= 1 sequences", cu->shape().str());
+    checks::same_device(op, name, *cu, dev);
+  }
+  checks::shape_is(op, "cu_seqlens_k", seqs.cu_seqlens_k, seqs.cu_seqlens_q.shape());
+  constexpr std::int64_t kMaxI32 = std::numeric_limits<std::int32_t>::max();
+  FK_CHECK_ARG(q.size(0) <= kMaxI32, op, "q", "at most 2^31 - 1 tokens (cu_seqlens are i32)", q.shape().str());
+  FK_CHECK_ARG(k.size(0) <= kMaxI32, op, "k", "at most 2^31 - 1 tokens (cu_seqlens are i32)", k.shape().str());
+  FK_CHECK_ARG(seqs.max_seqlen_q >= 0 && seqs.max_seqlen_q <= kMaxI32, op, "max_seqlen_q", "a length in [0, 2^31)",
+               std::to_string(seqs.max_seqlen_q));
+  FK_CHECK_ARG(seqs.max_seqlen_k >= 0 && seqs.max_seqlen_k <= kMaxI32, op, "max_seqlen_k", "a length in [0, 2^31)",
+               std::to_string(seqs.max_seqlen_k));
+  if (dev.is_cpu()) {
+    check_seqlen_values(op, "cu_seqlens_q", seqs.cu_seqlens_q, q.size(0), "q", seqs.max_seqlen_q, "max_seqlen_q");
+    check_seqlen_values(op, "cu_seqlens_k", seqs.cu_seqlens_k, k.size(0), "k", seqs.max_seqlen_k, "max_seqlen_k");
+  }
+}
+
 // An output: dtype, shape and device of `like`'s kind, overlapping none of `inputs`.
 void check_output(const char* op, const char* name, const TensorView& t, const TensorView& like, const Dims& shape,
                   std::initializer_list<const TensorView*> inputs) {
@@ -69,11 +118,44 @@ void check_output(const char* op, const char* name, const TensorView& t, const T
     FK_CHECK_ARG(!overlaps(t, *in), op, name, "memory that overlaps no input or other output", "an overlapping tensor");
 }
 
-void check_lse(const char* op, const TensorView& lse, const TensorView& q) {
-  checks::tensor(op, "lse", lse, 3);
+// lse f32 of `shape` ([B, H, Sq] dense, [H, total_q] packed) on q's device.
+void check_lse(const char* op, const TensorView& lse, const TensorView& q, const Dims& shape) {
+  checks::tensor(op, "lse", lse, static_cast<int>(shape.size()));
   checks::dtype_in(op, "lse", lse, {DType::f32});
-  checks::shape_is(op, "lse", lse, Dims{q.size(0), q.size(1), q.size(2)});
+  checks::shape_is(op, "lse", lse, shape);
   checks::same_device(op, "lse", lse, q.device());
+}
+
+Dims lse_shape(const TensorView& q, bool packed) {
+  return packed ? Dims{q.size(1), q.size(0)} : Dims{q.size(0), q.size(1), q.size(2)};
+}
+
+// The outputs of a forward: out like q, lse, overlapping no input and each other.
+void check_forward_outputs(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
+                           const TensorView& out, const TensorView& lse, bool packed) {
+  check_output(op, "out", out, q, q.shape(), {&q, &k, &v});
+  check_lse(op, lse, q, lse_shape(q, packed));
+  FK_CHECK_ARG(!overlaps(lse, out) && !overlaps(lse, q) && !overlaps(lse, k) && !overlaps(lse, v), op, "lse",
+               "memory that overlaps neither q, k, v nor out", "an overlapping tensor");
+}
+
+// The backward's further inputs (out, dout, lse) and its outputs dq, dk, dv.
+void check_backward_tensors(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
+                            const TensorView& out, const TensorView& dout, const TensorView& lse, const TensorView& dq,
+                            const TensorView& dk, const TensorView& dv, bool packed) {
+  check_output(op, "out", out, q, q.shape(), {});  // an input here: the forward's out
+  checks::tensor(op, "dout", dout, q.rank());
+  checks::same_dtype(op, "dout", dout, q);
+  checks::shape_is(op, "dout", dout, q.shape());
+  checks::same_device(op, "dout", dout, q.device());
+  check_lse(op, lse, q, lse_shape(q, packed));
+  const std::initializer_list<const TensorView*> inputs = {&q, &k, &v, &out, &dout, &lse};
+  check_output(op, "dq", dq, q, q.shape(), inputs);
+  check_output(op, "dk", dk, q, k.shape(), inputs);
+  check_output(op, "dv", dv, q, k.shape(), inputs);
+  FK_CHECK_ARG(!overlaps(dk, dq), op, "dk", "memory that overlaps neither dq nor dv", "a tensor overlapping dq");
+  FK_CHECK_ARG(!overlaps(dv, dq) && !overlaps(dv, dk), op, "dv", "memory that overlaps neither dq nor dk",
+               "a tensor overlapping dq or dk");
 }
 
 // What the sm_90 forward kernel computes: the plain options (a bottom-right causal mask is the
@@ -83,21 +165,39 @@ void check_lse(const char* op, const TensorView& lse, const TensorView& q) {
          opt.softcap == 0.0f && (!opt.causal || !opt.bottom_right || q.size(2) == k.size(2));
 }
 
+// The CUDA backward, dense (varlen null) or packed: the tensor-core kernels where they take the
+// call, else the warp-per-row ones. delta takes lse's layout.
+void backward_on_gpu(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                     const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                     const TensorView& dv, const AttentionVarlen* varlen, const AttentionOptions& opt,
+                     const Stream* stream) {
+#if FUSEKIT_WITH_CUDA
+  const Tensor delta = Tensor::empty(lse.shape(), DType::f32, q.device(), stream);
+  if (cuda::attention_backward_mma_supports(q, k, varlen)) {
+    const Tensor dq_accum = opt.deterministic ? Tensor() : Tensor::empty(q.shape(), DType::f32, q.device(), stream);
+    if (cuda::attention_backward_mma(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), varlen, opt,
+                                     stream))
+      return;
+  }
+  cuda::attention_backward_rowwise(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), varlen, opt, stream);
+#else
+  (void)q, (void)k, (void)v, (void)out, (void)dout, (void)lse, (void)dq, (void)dk, (void)dv, (void)varlen, (void)opt,
+      (void)stream;
+#endif
+}
+
 }  // namespace
 
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                        const TensorView& lse, const AttentionOptions& opt, const Stream* stream) {
   constexpr const char* op = "attention_forward";
   const Device dev = check_inputs(op, q, k, v, opt, stream);
-  check_output(op, "out", out, q, q.shape(), {&q, &k, &v});
-  check_lse(op, lse, q);
-  FK_CHECK_ARG(!overlaps(lse, out) && !overlaps(lse, q) && !overlaps(lse, k) && !overlaps(lse, v), op, "lse",
-               "memory that overlaps neither q, k, v nor out", "an overlapping tensor");
+  check_forward_outputs(op, q, k, v, out, lse, false);
   if (out.numel() == 0) return;
   if (dev.is_cpu()) return reference::attention_forward(q, k, v, out, lse, opt);
 #if FUSEKIT_WITH_CUDA
   if (!plain(q, k, opt) || !cuda::attention_forward_sm90(q, k, v, out, lse, opt.causal, opt.scale, stream))
-    cuda::attention_forward_rowwise(q, k, v, out, lse, opt, stream);
+    cuda::attention_forward_rowwise(q, k, v, out, lse, nullptr, opt, stream);
 #else
   (void)stream;
 #endif
@@ -113,31 +213,37 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& dv, const AttentionOptions& opt, const Stream* stream) {
   constexpr const char* op = "attention_backward";
   const Device dev = check_inputs(op, q, k, v, opt, stream);
-  check_output(op, "out", out, q, q.shape(), {});  // an input here: the forward's out
-  checks::tensor(op, "dout", dout, 4);
-  checks::same_dtype(op, "dout", dout, q);
-  checks::shape_is(op, "dout", dout, q.shape());
-  checks::same_device(op, "dout", dout, dev);
-  check_lse(op, lse, q);
-  const std::initializer_list<const TensorView*> inputs = {&q, &k, &v, &out, &dout, &lse};
-  check_output(op, "dq", dq, q, q.shape(), inputs);
-  check_output(op, "dk", dk, q, k.shape(), inputs);
-  check_output(op, "dv", dv, q, k.shape(), inputs);
-  FK_CHECK_ARG(!overlaps(dk, dq), op, "dk", "memory that overlaps neither dq nor dv", "a tensor overlapping dq");
-  FK_CHECK_ARG(!overlaps(dv, dq) && !overlaps(dv, dk), op, "dv", "memory that overlaps neither dq nor dk",
-               "a tensor overlapping dq or dk");
+  check_backward_tensors(op, q, k, v, out, dout, lse, dq, dk, dv, false);
   if (dev.is_cpu()) return reference::attention_backward(q, k, v, out, dout, lse, dq, dk, dv, opt);
+  backward_on_gpu(q, k, v, out, dout, lse, dq, dk, dv, nullptr, opt, stream);
+}
+
+void attention_forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                              const TensorView& lse, const AttentionVarlen& seqs, const AttentionOptions& opt,
+                              const Stream* stream) {
+  constexpr const char* op = "attention_forward_varlen";
+  const Device dev = check_inputs(op, q, k, v, opt, stream, true);
+  check_seqlens(op, q, k, seqs);
+  check_forward_outputs(op, q, k, v, out, lse, true);
+  if (out.numel() == 0) return;
+  if (dev.is_cpu()) return reference::attention_forward_varlen(q, k, v, out, lse, seqs, opt);
 #if FUSEKIT_WITH_CUDA
-  const Tensor delta = Tensor::empty({q.size(0), q.size(1), q.size(2)}, DType::f32, dev, stream);
-  if (cuda::attention_backward_mma_supports(q, k)) {
-    const Tensor dq_accum = opt.deterministic ? Tensor() : Tensor::empty(q.shape(), DType::f32, dev, stream);
-    if (cuda::attention_backward_mma(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), opt, stream))
-      return;
-  }
-  cuda::attention_backward_rowwise(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), opt, stream);
+  cuda::attention_forward_rowwise(q, k, v, out, lse, &seqs, opt, stream);
 #else
   (void)stream;
 #endif
+}
+
+void attention_backward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                               const TensorView& dout, const TensorView& lse, const TensorView& dq,
+                               const TensorView& dk, const TensorView& dv, const AttentionVarlen& seqs,
+                               const AttentionOptions& opt, const Stream* stream) {
+  constexpr const char* op = "attention_backward_varlen";
+  const Device dev = check_inputs(op, q, k, v, opt, stream, true);
+  check_seqlens(op, q, k, seqs);
+  check_backward_tensors(op, q, k, v, out, dout, lse, dq, dk, dv, true);
+  if (dev.is_cpu()) return reference::attention_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, seqs, opt);
+  backward_on_gpu(q, k, v, out, dout, lse, dq, dk, dv, &seqs, opt, stream);
 }
 
 }  // namespace fk

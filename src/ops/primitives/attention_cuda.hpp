@@ -1,7 +1,9 @@
-// The CUDA launchers of attention_forward, called by attention.cpp (sm_90 kernel first, else the
-// warp-per-row kernel) after every argument was
-// checked: q [B, H, Sq, D], k and v [B, Hk, Sk, D], out like q, lse [B, H, Sq] f32, contiguous, on
-// one CUDA device, one float dtype, 1 <= D <= 256, out overlapping no input, Sq >= 1.
+// The CUDA launchers of attention_forward and attention_backward (dense and varlen), called by
+// attention.cpp after every argument was checked: dense q [B, H, Sq, D], k and v [B, Hk, Sk, D],
+// lse [B, H, Sq] f32; packed (varlen non-null) q [total_q, H, D], k and v [total_k, Hk, D], lse
+// [H, total_q] f32, varlen's cu_seqlens [B + 1] i32 on the device. out and the gradients like their
+// inputs; contiguous, on one CUDA device, one float dtype, 1 <= D <= 256, outputs overlapping no
+// input. delta scratch takes lse's shape.
 #pragma once
 
 #include "fusekit/ops/attention.hpp"
@@ -10,30 +12,32 @@
 namespace fk::cuda {
 
 // attention_rowwise.cu: one warp per query row, any dtype, D <= 256, every AttentionOptions, any
-// GPU (the fallback).
+// GPU, dense or packed (the fallback, and the varlen forward).
 void attention_forward_rowwise(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                               const TensorView& lse, const AttentionOptions& opt, const Stream* stream);
+                               const TensorView& lse, const AttentionVarlen* varlen, const AttentionOptions& opt,
+                               const Stream* stream);
 // attention_rowwise.cu: the backward, a warp per query row (delta, dq) then a warp per key row (dk,
-// dv); delta: f32 [B, H, Sq] scratch. Every AttentionOptions; dq, dk, dv overwritten.
+// dv). Every AttentionOptions; dq, dk, dv overwritten.
 void attention_backward_rowwise(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                                 const TensorView& dout, const TensorView& lse, const TensorView& dq,
                                 const TensorView& dk, const TensorView& dv, const TensorView& delta,
-                                const AttentionOptions& opt, const Stream* stream);
+                                const AttentionVarlen* varlen, const AttentionOptions& opt, const Stream* stream);
 
 // attention_mma_bwd.cu: whether the tensor-core backward (mma.sync, sm_80 and later) takes these
 // shapes: bf16/f16, D = 64, 96 or 128 (D = 256's dk/dv accumulators do not fit a thread's
-// registers in this design; it stays on the rowwise kernels), Sq, Sk in [1, 2^30), 1 <= B * H <= 65535.
-bool attention_backward_mma_supports(const TensorView& q, const TensorView& k);
+// registers in this design; it stays on the rowwise kernels), Sq, Sk (packed: max_seqlen_q,
+// max_seqlen_k) in [1, 2^30), 1 <= B * H <= 65535.
+bool attention_backward_mma_supports(const TensorView& q, const TensorView& k, const AttentionVarlen* varlen);
 // attention_mma_bwd.cu: the backward on tensor cores, true when it was launched (also needs an sm_80+
-// device with the shared memory it asks for and 16-byte aligned tensors). delta: f32 [B, H, Sq]
-// scratch; dq_accum: f32 [B, H, Sq, D] scratch unless opt.deterministic (then unused, may be empty).
-// Every AttentionOptions; dq, dk, dv overwritten.
+// device with the shared memory it asks for and 16-byte aligned tensors). dq_accum: f32 like q,
+// scratch unless opt.deterministic (then unused, may be empty). Every AttentionOptions; dq, dk, dv
+// overwritten.
 bool attention_backward_mma(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                             const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                             const TensorView& dv, const TensorView& delta, const TensorView& dq_accum,
-                            const AttentionOptions& opt, const Stream* stream);
+                            const AttentionVarlen* varlen, const AttentionOptions& opt, const Stream* stream);
 
-// attention_sm90.cu: true when the wgmma/TMA kernel takes this call (sm_90 device, bf16/f16,
+// attention_sm90.cu: true when the wgmma/TMA kernel takes this dense call (sm_90 device, bf16/f16,
 // D = 64 or 128, Sk >= 1, 16-byte aligned bases, B * H * ceil(Sq / 128) < 2^31) and it was launched.
 bool attention_forward_sm90(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                             const TensorView& lse, bool causal, float scale, const Stream* stream);

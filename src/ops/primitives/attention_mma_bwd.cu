@@ -20,6 +20,11 @@
 // P and dS are rounded to the input dtype before their GEMMs, as in FlashAttention. lse is the
 // forward's natural-log log-sum-exp. Shared rows are padded by 16 bytes, so the eight rows an
 // ldmatrix reads fall in eight different bank groups.
+// Dense [B, H, S, D] and packed (varlen) batches alike (attention_layout.cuh, a template parameter
+// kPacked): a CTA reads its sequence's place and lengths, the grid spans max_seqlen, and CTAs past
+// their sequence's keys (dk/dv) or queries (dq) leave at once; tiles read from global memory with
+// the layout's row stride (D dense, H D or Hk D packed) and zero-fill past the sequence's end, so a
+// tile never sees the next sequence's tokens.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -30,6 +35,7 @@
 #include <type_traits>
 
 #include "attention_cuda.hpp"
+#include "attention_layout.cuh"
 #include "fusekit/core/cuda_check.hpp"
 #include "ops/common/cuda_common.cuh"
 #include "ops/common/mma_sm80.cuh"
@@ -82,23 +88,37 @@ struct Mask {
   }
 };
 
+// Shapes dense / packed (attention_layout.cuh).
 template <class T>
 struct BwdParams {
-  const T* q;           // [B, H, Sq, D]
-  const T* k;           // [B, Hk, Sk, D]
-  const T* v;           // [B, Hk, Sk, D]
-  const T* out;         // [B, H, Sq, D]
-  const T* dout;        // [B, H, Sq, D]
-  const float* lse;     // [B, H, Sq], natural log
-  float* delta;         // [B, H, Sq], rowsum(dout ⊙ out)
-  float* dq_accum;      // [B, H, Sq, D] f32, zeroed; the dk/dv kernel adds dq into it (default mode)
-  T* dq;                // [B, H, Sq, D]
-  T* dk;                // [B, Hk, Sk, D]
-  T* dv;                // [B, Hk, Sk, D]
+  const T* q;           // [B, H, Sq, D] / [total_q, H, D]
+  const T* k;           // [B, Hk, Sk, D] / [total_k, Hk, D]
+  const T* v;           // like k
+  const T* out;         // like q
+  const T* dout;        // like q
+  const float* lse;     // [B, H, Sq] / [H, total_q], natural log
+  float* delta;         // like lse, rowsum(dout ⊙ out)
+  float* dq_accum;      // like q, f32, zeroed; the dk/dv kernel adds dq into it (default mode)
+  T* dq;                // like q
+  T* dk;                // like k
+  T* dv;                // like k
   int heads, kv_heads;  // H, Hk
   float scale, softcap;
-  Mask mask;
+  Layout layout;
+  Mask mask;          // dense: the call's; packed: left and right only (sq, sk, offset are per sequence)
+  bool bottom_right;  // packed: a sequence's offset is its Sk - Sq
 };
+
+// The mask of one sequence: dense, the call's (read from the kernel parameters, as the dense
+// kernels always did); packed, AttentionOptions' rule with the sequence's own Sq and Sk.
+template <bool kPacked, class T>
+__device__ __forceinline__ Mask mask_of(const BwdParams<T>& p, const SeqRows<kPacked>& seq) {
+  if constexpr (kPacked)
+    return Mask{static_cast<int>(seq.sq), static_cast<int>(seq.sk), p.bottom_right ? seq.sk - seq.sq : 0,
+                p.mask.left, p.mask.right};
+  else
+    return p.mask;
+}
 
 __device__ __forceinline__ unsigned smem_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -162,9 +182,10 @@ __device__ __forceinline__ const T* b_kn(const T* s, int ld, int k0, int n0, int
   return s + (k0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * ld + n0 + 8 * (lane >> 4);
 }
 
-// rows x D elements from g (row stride D) into s (row stride D + kPad); rows >= valid_rows read as 0.
+// rows x D elements from g (row stride g_ld elements) into s (row stride D + kPad); rows >=
+// valid_rows read as 0.
 template <class T, int D, int Rows, int Threads>
-__device__ __forceinline__ void load_tile(T* s, const T* g, int valid_rows) {
+__device__ __forceinline__ void load_tile(T* s, const T* g, std::int64_t g_ld, int valid_rows) {
   constexpr int kChunks = D / 8;  // 16-byte pieces of a row
   static_assert(Rows * kChunks % Threads == 0);
 #pragma unroll
@@ -172,7 +193,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int valid_rows) {
     const int c = it * Threads + static_cast<int>(threadIdx.x);
     const int r = c / kChunks, col = c % kChunks * 8;
     const bool ok = r < valid_rows;
-    cp_async16(s + r * (D + kPad) + col, ok ? g + static_cast<std::ptrdiff_t>(r) * D + col : g, ok);
+    cp_async16(s + r * (D + kPad) + col, ok ? g + r * g_ld + col : g, ok);
   }
 }
 
@@ -192,13 +213,16 @@ __device__ __forceinline__ void score_grad(float& acc, float& dp, float lse, flo
   dp = p * (dp - delta) * slope * scale;
 }
 
-template <class T>
+// A warp per row of out and dout (dense: row (b H + h) Sq + i; packed: token H + h); delta in
+// lse's layout (packed: [H, total_q]).
+template <class T, bool kPacked>
 __global__ void __launch_bounds__(256)
     attention_bwd_delta_kernel(const T* __restrict__ out, const T* __restrict__ dout, float* __restrict__ delta,
-                               std::int64_t rows, int d) {
+                               std::int64_t rows, int d, std::int64_t heads, std::int64_t total_q) {
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (row >= rows) return;
+  const std::int64_t at = kPacked ? row % heads * total_q + row / heads : row;
   float s = 0.0f;
   for (int c = lane * 8; c < d; c += 32 * 8) {  // d % 8 == 0, 16-byte aligned rows
     const uint4 o = *reinterpret_cast<const uint4*>(out + row * d + c);
@@ -209,7 +233,7 @@ __global__ void __launch_bounds__(256)
     for (int e = 0; e < 8; ++e) s = fmaf(to_f32(oe[e]), to_f32(ge[e]), s);
   }
   for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if (lane == 0) delta[row] = s;
+  if (lane == 0) delta[at] = s;
 }
 
 template <class T>
@@ -232,7 +256,7 @@ constexpr int dkdv_smem_bytes() {
          2 * 2 * kBlockQueries * static_cast<int>(sizeof(float));        // lse, delta twice
 }
 
-template <class T, int D, bool kAtomicDq>
+template <class T, int D, bool kAtomicDq, bool kPacked>
 __global__ void __launch_bounds__(kThreadsKv, 1) attention_bwd_dkdv_kernel(const BwdParams<T> p) {
   static_assert(D % 32 == 0 && D <= 128, "the accumulators of D > 128 do not fit the registers");
   constexpr int kLd = D + kPad, kLdS = kBlockQueries + kPad;
@@ -249,8 +273,15 @@ __global__ void __launch_bounds__(kThreadsKv, 1) attention_bwd_dkdv_kernel(const
   const int g = lane / 4, t = lane % 4;
   const int j0 = static_cast<int>(blockIdx.x) * kBlockKeys;
   const int bkh = static_cast<int>(blockIdx.y);  // b * Hk + kv head
-  const int b = bkh / p.kv_heads, group = p.heads / p.kv_heads, h0 = (bkh % p.kv_heads) * group;
-  const Mask& mask = p.mask;
+  // kvh = bkh - b Hk (not bkh % Hk), so that the dense rows' b Hk + kvh folds back to bkh.
+  const std::int64_t b = bkh / p.kv_heads, kvh = bkh - b * p.layout.kv_heads;
+  const int group = p.heads / p.kv_heads, h0 = static_cast<int>(kvh) * group;
+  const auto seq = p.layout.template seq<kPacked>(b);
+  if constexpr (kPacked)
+    if (j0 >= seq.sk) return;  // past this sequence's keys: no rows of dk and dv here
+  const Mask seq_mask = mask_of<kPacked>(p, seq);
+  const Mask& mask = kPacked ? seq_mask : p.mask;  // dense: the kernel parameter, as always
+  const std::int64_t q_ld = seq.q_tok() * D, kv_ld = seq.kv_tok() * D;  // row strides in global memory
   const int keys_here = min(kBlockKeys, mask.sk - j0);
 
   int q_begin, q_end;
@@ -267,22 +298,23 @@ __global__ void __launch_bounds__(kThreadsKv, 1) attention_bwd_dkdv_kernel(const
     for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.0f;
 
   if (steps > 0) {
-    const std::int64_t kv_row0 = static_cast<std::int64_t>(bkh) * mask.sk + j0;
-    load_tile<T, D, kBlockKeys, kThreadsKv>(ks, p.k + kv_row0 * D, keys_here);
-    load_tile<T, D, kBlockKeys, kThreadsKv>(vs, p.v + kv_row0 * D, keys_here);
+    const std::int64_t kv_row0 = seq.kv_row(kvh, j0);
+    load_tile<T, D, kBlockKeys, kThreadsKv>(ks, p.k + kv_row0 * D, kv_ld, keys_here);
+    load_tile<T, D, kBlockKeys, kThreadsKv>(vs, p.v + kv_row0 * D, kv_ld, keys_here);
   }
   // Step s: q head h0 + s / blocks_per_head, queries from (qb0 + s % blocks_per_head) Br.
   auto step_head = [&](int s) { return h0 + s / blocks_per_head; };
   auto step_i0 = [&](int s) { return (qb0 + s % blocks_per_head) * kBlockQueries; };
   auto load_step = [&](int s, int buf) {
-    const int i0 = step_i0(s);
-    const std::int64_t row0 = (static_cast<std::int64_t>(b) * p.heads + step_head(s)) * mask.sq + i0;
-    load_tile<T, D, kBlockQueries, kThreadsKv>(qs + buf * kBlockQueries * kLd, p.q + row0 * D, mask.sq - i0);
-    load_tile<T, D, kBlockQueries, kThreadsKv>(dos + buf * kBlockQueries * kLd, p.dout + row0 * D, mask.sq - i0);
+    const int i0 = step_i0(s), h = step_head(s);
+    const std::int64_t row0 = seq.q_row(h, i0), stat0 = seq.stat(h, i0);  // i0 < Sq: valid addresses
+    load_tile<T, D, kBlockQueries, kThreadsKv>(qs + buf * kBlockQueries * kLd, p.q + row0 * D, q_ld, mask.sq - i0);
+    load_tile<T, D, kBlockQueries, kThreadsKv>(dos + buf * kBlockQueries * kLd, p.dout + row0 * D, q_ld,
+                                               mask.sq - i0);
     for (int r = static_cast<int>(threadIdx.x); r < kBlockQueries; r += kThreadsKv) {
       const bool ok = i0 + r < mask.sq;
-      cp_async4(lses + buf * kBlockQueries + r, p.lse + row0 + (ok ? r : 0), ok);
-      cp_async4(deltas + buf * kBlockQueries + r, p.delta + row0 + (ok ? r : 0), ok);
+      cp_async4(lses + buf * kBlockQueries + r, p.lse + stat0 + (ok ? r : 0), ok);
+      cp_async4(deltas + buf * kBlockQueries + r, p.delta + stat0 + (ok ? r : 0), ok);
     }
   };
   if (steps > 0) load_step(0, 0);
@@ -398,25 +430,24 @@ __global__ void __launch_bounds__(kThreadsKv, 1) attention_bwd_dkdv_kernel(const
           mma<T>(acc[2 * n + 1], a, kb[2], kb[3]);
         }
       }
-      float* dqa = p.dq_accum + ((static_cast<std::int64_t>(b) * p.heads + step_head(s)) * mask.sq + i0) * D;
+      float* dqa = p.dq_accum + seq.q_row(step_head(s), i0) * D;
 #pragma unroll
       for (int n = 0; n < kCols / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = m0 + g + 8 * (e >> 1), col = n0 + 8 * n + 2 * t + (e & 1);
-          if (i0 + row < mask.sq) atomicAdd(dqa + row * D + col, acc[n][e]);
+          if (i0 + row < mask.sq) atomicAdd(dqa + row * q_ld + col, acc[n][e]);
         }
     }
   }
 
-  // dK and dV, rows j0 + kr0 + g (+ 8).
-  const std::int64_t out_row0 = static_cast<std::int64_t>(bkh) * mask.sk + j0 + kr0;
+  // dK and dV, keys j0 + kr0 + g (+ 8).
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = kr0 + g + 8 * half;
     if (row >= keys_here) continue;
-    T* dkr = p.dk + (out_row0 + g + 8 * half) * D;
-    T* dvr = p.dv + (out_row0 + g + 8 * half) * D;
+    T* dkr = p.dk + seq.kv_row(kvh, j0 + row) * D;
+    T* dvr = p.dv + seq.kv_row(kvh, j0 + row) * D;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       *reinterpret_cast<std::uint32_t*>(dkr + 8 * n + 2 * t) = pack2<T>(dk_acc[n][2 * half], dk_acc[n][2 * half + 1]);
@@ -431,7 +462,7 @@ constexpr int dq_smem_bytes() {
 }
 
 // Deterministic mode's dq: a CTA per (batch, q head, 64 queries), its visible key blocks in order.
-template <class T, int D>
+template <class T, int D, bool kPacked>
 __global__ void __launch_bounds__(kThreadsDq) attention_bwd_dq_kernel(const BwdParams<T> p) {
   constexpr int kLd = D + kPad;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -444,10 +475,17 @@ __global__ void __launch_bounds__(kThreadsDq) attention_bwd_dq_kernel(const BwdP
   const int g = lane / 4, t = lane % 4;
   const int i0 = static_cast<int>(blockIdx.x) * kDqQueries;
   const int bh = static_cast<int>(blockIdx.y), group = p.heads / p.kv_heads;
-  const int bkh = (bh / p.heads) * p.kv_heads + (bh % p.heads) / group;
-  const Mask& mask = p.mask;
+  // h = bh - b H (not bh % H), so that the dense rows' b H + h folds back to bh.
+  const std::int64_t b = bh / p.heads, h = bh - b * p.layout.heads;
+  const int kvh = static_cast<int>(h) / group;
+  const auto seq = p.layout.template seq<kPacked>(b);
+  if constexpr (kPacked)
+    if (i0 >= seq.sq) return;  // past this sequence's queries
+  const Mask seq_mask = mask_of<kPacked>(p, seq);
+  const Mask& mask = kPacked ? seq_mask : p.mask;  // dense: the kernel parameter, as always
   const int queries_here = min(kDqQueries, mask.sq - i0);
-  const std::int64_t row0 = static_cast<std::int64_t>(bh) * mask.sq + i0;
+  const std::int64_t row0 = seq.q_row(h, i0), stat0 = seq.stat(h, i0);
+  const std::int64_t q_ld = seq.q_tok() * D, kv_ld = seq.kv_tok() * D;  // row strides in global memory
   const int m0 = 16 * warp;
 
   int k_begin, k_end;
@@ -461,13 +499,13 @@ __global__ void __launch_bounds__(kThreadsDq) attention_bwd_dq_kernel(const BwdP
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
 
   if (kb0 < kb1) {
-    load_tile<T, D, kDqQueries, kThreadsDq>(qs, p.q + row0 * D, queries_here);
-    load_tile<T, D, kDqQueries, kThreadsDq>(dos, p.dout + row0 * D, queries_here);
+    load_tile<T, D, kDqQueries, kThreadsDq>(qs, p.q + row0 * D, q_ld, queries_here);
+    load_tile<T, D, kDqQueries, kThreadsDq>(dos, p.dout + row0 * D, q_ld, queries_here);
   }
   auto load_keys = [&](int kb, int buf) {
-    const std::int64_t kv_row0 = static_cast<std::int64_t>(bkh) * mask.sk + kb * kDqKeys;
-    load_tile<T, D, kDqKeys, kThreadsDq>(ks + buf * kDqKeys * kLd, p.k + kv_row0 * D, mask.sk - kb * kDqKeys);
-    load_tile<T, D, kDqKeys, kThreadsDq>(vs + buf * kDqKeys * kLd, p.v + kv_row0 * D, mask.sk - kb * kDqKeys);
+    const std::int64_t kv_row0 = seq.kv_row(kvh, kb * kDqKeys);
+    load_tile<T, D, kDqKeys, kThreadsDq>(ks + buf * kDqKeys * kLd, p.k + kv_row0 * D, kv_ld, mask.sk - kb * kDqKeys);
+    load_tile<T, D, kDqKeys, kThreadsDq>(vs + buf * kDqKeys * kLd, p.v + kv_row0 * D, kv_ld, mask.sk - kb * kDqKeys);
   };
   if (kb0 < kb1) load_keys(kb0, 0);
   cp_async_commit();
@@ -475,8 +513,8 @@ __global__ void __launch_bounds__(kThreadsDq) attention_bwd_dq_kernel(const BwdP
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const bool ok = m0 + g + 8 * half < queries_here;
-    lse[half] = ok ? p.lse[row0 + m0 + g + 8 * half] : 0.0f;
-    delta[half] = ok ? p.delta[row0 + m0 + g + 8 * half] : 0.0f;
+    lse[half] = ok ? p.lse[stat0 + m0 + g + 8 * half] : 0.0f;
+    delta[half] = ok ? p.delta[stat0 + m0 + g + 8 * half] : 0.0f;
   }
 
   for (int kb = kb0; kb < kb1; ++kb) {
@@ -541,7 +579,7 @@ __global__ void __launch_bounds__(kThreadsDq) attention_bwd_dq_kernel(const BwdP
   for (int half = 0; half < 2; ++half) {
     const int row = m0 + g + 8 * half;
     if (row >= queries_here) continue;
-    T* dqr = p.dq + (row0 + row) * D;
+    T* dqr = p.dq + row0 * D + row * q_ld;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
       *reinterpret_cast<std::uint32_t*>(dqr + 8 * n + 2 * t) = pack2<T>(acc[n][2 * half], acc[n][2 * half + 1]);
@@ -554,36 +592,43 @@ int max_optin_smem(int device) {
   return bytes;
 }
 
-template <class T, int D>
-void launch(const BwdParams<T>& p, std::int64_t batch, bool deterministic, cudaStream_t s) {
-  const std::int64_t rows = batch * p.heads * p.mask.sq;
-  attention_bwd_delta_kernel<T><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, s>>>(p.out, p.dout, p.delta, rows, D);
-  FK_CUDA_CHECK_LAUNCH("attention_bwd_delta_kernel");
-  const dim3 kv_grid(static_cast<unsigned>((p.mask.sk + kBlockKeys - 1) / kBlockKeys),
-                     static_cast<unsigned>(batch * p.kv_heads));
+// rows: the rows of out (B H Sq dense; total_q H packed, 0 when every sequence is without queries,
+// which still writes dk = dv = 0).
+template <class T, int D, bool kPacked>
+void launch(const BwdParams<T>& p, std::int64_t rows, bool deterministic, cudaStream_t s) {
+  const Layout& L = p.layout;
+  if (rows > 0) {
+    attention_bwd_delta_kernel<T, kPacked><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, s>>>(
+        p.out, p.dout, p.delta, rows, D, L.heads, L.total_q);
+    FK_CUDA_CHECK_LAUNCH("attention_bwd_delta_kernel");
+  }
+  const dim3 kv_grid(static_cast<unsigned>((L.sk + kBlockKeys - 1) / kBlockKeys),
+                     static_cast<unsigned>(L.batch * L.kv_heads));
   if (deterministic) {
     constexpr int kv_bytes = dkdv_smem_bytes<D, false>(), dq_bytes = dq_smem_bytes<D>();
-    FK_CUDA_CHECK(cudaFuncSetAttribute(attention_bwd_dkdv_kernel<T, D, false>,
+    FK_CUDA_CHECK(cudaFuncSetAttribute(attention_bwd_dkdv_kernel<T, D, false, kPacked>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kv_bytes));
-    attention_bwd_dkdv_kernel<T, D, false><<<kv_grid, kThreadsKv, kv_bytes, s>>>(p);
+    attention_bwd_dkdv_kernel<T, D, false, kPacked><<<kv_grid, kThreadsKv, kv_bytes, s>>>(p);
     FK_CUDA_CHECK_LAUNCH("attention_bwd_dkdv_kernel");
-    FK_CUDA_CHECK(cudaFuncSetAttribute(attention_bwd_dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       dq_bytes));
-    const dim3 q_grid(static_cast<unsigned>((p.mask.sq + kDqQueries - 1) / kDqQueries),
-                      static_cast<unsigned>(batch * p.heads));
-    attention_bwd_dq_kernel<T, D><<<q_grid, kThreadsDq, dq_bytes, s>>>(p);
+    FK_CUDA_CHECK(cudaFuncSetAttribute(attention_bwd_dq_kernel<T, D, kPacked>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, dq_bytes));
+    const dim3 q_grid(static_cast<unsigned>((L.sq + kDqQueries - 1) / kDqQueries),
+                      static_cast<unsigned>(L.batch * L.heads));
+    attention_bwd_dq_kernel<T, D, kPacked><<<q_grid, kThreadsDq, dq_bytes, s>>>(p);
     FK_CUDA_CHECK_LAUNCH("attention_bwd_dq_kernel");
   } else {
     constexpr int kv_bytes = dkdv_smem_bytes<D, true>();
-    FK_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, static_cast<std::size_t>(rows) * D * sizeof(float), s));
-    FK_CUDA_CHECK(cudaFuncSetAttribute(attention_bwd_dkdv_kernel<T, D, true>,
+    if (rows > 0) FK_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, static_cast<std::size_t>(rows) * D * sizeof(float), s));
+    FK_CUDA_CHECK(cudaFuncSetAttribute(attention_bwd_dkdv_kernel<T, D, true, kPacked>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kv_bytes));
-    attention_bwd_dkdv_kernel<T, D, true><<<kv_grid, kThreadsKv, kv_bytes, s>>>(p);
+    attention_bwd_dkdv_kernel<T, D, true, kPacked><<<kv_grid, kThreadsKv, kv_bytes, s>>>(p);
     FK_CUDA_CHECK_LAUNCH("attention_bwd_dkdv_kernel");
-    const std::int64_t n4 = rows * D / 4;
-    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((n4 + 255) / 256, 8 * multiprocessor_count()));
-    attention_bwd_dq_convert_kernel<T><<<blocks, 256, 0, s>>>(p.dq_accum, p.dq, n4);
-    FK_CUDA_CHECK_LAUNCH("attention_bwd_dq_convert_kernel");
+    if (rows > 0) {
+      const std::int64_t n4 = rows * D / 4;
+      const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((n4 + 255) / 256, 8 * multiprocessor_count()));
+      attention_bwd_dq_convert_kernel<T><<<blocks, 256, 0, s>>>(p.dq_accum, p.dq, n4);
+      FK_CUDA_CHECK_LAUNCH("attention_bwd_dq_convert_kernel");
+    }
   }
 }
 
@@ -597,11 +642,10 @@ int smem_needed(bool deterministic) {
 bool attention_backward_mma(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                             const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                             const TensorView& dv, const TensorView& delta, const TensorView& dq_accum,
-                            const AttentionOptions& opt, const Stream* stream) {
+                            const AttentionVarlen* varlen, const AttentionOptions& opt, const Stream* stream) {
   const DType t = q.dtype();
-  const std::int64_t batch = q.size(0), heads = q.size(1), sq = q.size(2), d = q.size(3);
-  const std::int64_t kv_heads = k.size(1), sk = k.size(2);
-  if (!attention_backward_mma_supports(q, k)) return false;
+  const std::int64_t d = q.size(q.rank() - 1), rows = q.numel() / d;
+  if (!attention_backward_mma_supports(q, k, varlen)) return false;
   for (const TensorView* x : {&q, &k, &v, &out, &dout, &dq, &dk, &dv, &dq_accum})
     if (!aligned16(x->data())) return false;
   const int device = q.device().index;
@@ -614,32 +658,40 @@ bool attention_backward_mma(const TensorView& q, const TensorView& k, const Tens
                              : smem_needed<128>(opt.deterministic);
   if (need > max_optin_smem(device)) return false;
 
+  const Layout L = layout_of(q, k, varlen);
   const cudaStream_t s = fk::detail::cuda_stream(stream);
   with_float_type(t, [&](auto zero) {
     using T = decltype(zero);
     if constexpr (!std::is_same_v<T, float>) {
-      BwdParams<T> p{q.data_as<T>(), k.data_as<T>(), v.data_as<T>(), out.data_as<T>(), dout.data_as<T>(),
-                     lse.data_as<float>(), delta.data_as<float>(), dq_accum.data_as<float>(), dq.data_as<T>(),
-                     dk.data_as<T>(), dv.data_as<T>(), static_cast<int>(heads), static_cast<int>(kv_heads),
-                     opt.scale, opt.softcap,
-                     Mask{static_cast<int>(sq), static_cast<int>(sk), opt.bottom_right ? sk - sq : 0,
-                          opt.window_left, opt.causal ? 0 : opt.window_right}};
-      if (d == 64) launch<T, 64>(p, batch, opt.deterministic, s);
-      else if (d == 96) launch<T, 96>(p, batch, opt.deterministic, s);
-      else launch<T, 128>(p, batch, opt.deterministic, s);
+      const BwdParams<T> p{q.data_as<T>(),        k.data_as<T>(),     v.data_as<T>(),
+                           out.data_as<T>(),      dout.data_as<T>(),  lse.data_as<float>(),
+                           delta.data_as<float>(), dq_accum.data_as<float>(), dq.data_as<T>(),
+                           dk.data_as<T>(),       dv.data_as<T>(),    static_cast<int>(L.heads),
+                           static_cast<int>(L.kv_heads), opt.scale, opt.softcap, L,
+                           Mask{static_cast<int>(L.sq), static_cast<int>(L.sk), opt.bottom_right ? L.sk - L.sq : 0,
+                                opt.window_left, opt.causal ? 0 : opt.window_right},
+                           opt.bottom_right};
+      auto run = [&](auto packed) {
+        constexpr bool kPacked = decltype(packed)::value;
+        if (d == 64) launch<T, 64, kPacked>(p, rows, opt.deterministic, s);
+        else if (d == 96) launch<T, 96, kPacked>(p, rows, opt.deterministic, s);
+        else launch<T, 128, kPacked>(p, rows, opt.deterministic, s);
+      };
+      if (varlen) run(std::true_type{});
+      else run(std::false_type{});
     }
   });
   return true;
 }
 
-bool attention_backward_mma_supports(const TensorView& q, const TensorView& k) {
+bool attention_backward_mma_supports(const TensorView& q, const TensorView& k, const AttentionVarlen* varlen) {
   const DType t = q.dtype();
-  const std::int64_t d = q.size(3);
+  const std::int64_t d = q.size(q.rank() - 1);
   if ((t != DType::bf16 && t != DType::f16) || (d != 64 && d != 96 && d != 128)) return false;
   // 32-bit query and key indices inside the kernels; B * H within the grid's y extent, and >= 1.
-  const std::int64_t sq = q.size(2), sk = k.size(2);
-  if (sq < 1 || sk < 1 || sq > INT_MAX / 2 || sk > INT_MAX / 2) return false;
-  const std::int64_t bh = q.size(0) * q.size(1);
+  const Layout L = layout_of(q, k, varlen);
+  if (L.sq < 1 || L.sk < 1 || L.sq > INT_MAX / 2 || L.sk > INT_MAX / 2) return false;
+  const std::int64_t bh = L.batch * L.heads;
   return bh >= 1 && bh <= 65535;
 }
 

@@ -2,8 +2,11 @@
 // forward and dq) or per key row (dk and dv), for every dtype (f32, bf16, f16), head_dim 1..256,
 // every AttentionOptions (grouped-query heads, causal top-left or bottom-right, sliding window,
 // softcap) and GPU. They are the path for what the sm_90 tensor-core kernel does not take (puzzle
-// 9's head_dim 1, f32, other head dims, the options, GPUs before sm_90, and for now every
-// backward), written to be checked at a glance rather than to be fast.
+// 9's head_dim 1, f32, other head dims, the options, GPUs before sm_90, packed batches) and for
+// the backward where the tensor-core one does not apply (f32, other head dims), written to be
+// checked at a glance rather than to be fast. Dense [B, H, S, D] batches and packed (varlen) ones
+// alike (attention_layout.cuh): a warp per row of the grid's B x H x max_seqlen rows, the rows
+// past a sequence's length leaving at once.
 //
 // Forward: the warp streams the visible keys of its row in chunks of 32, one key a lane: each lane
 // computes its score in fp32 (q staged once in shared memory), the warp takes the chunk maximum,
@@ -20,8 +23,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_cuda.hpp"
+#include "attention_layout.cuh"
 #include "fusekit/core/cuda_check.hpp"
 #include "ops/common/cuda_common.cuh"
 #include "ops/common/activations.cuh"
@@ -29,18 +34,17 @@
 namespace fk::cuda {
 namespace {
 
-constexpr int kMaxD = 256, kWarps = 4, kColsPerLane = kMaxD / 32;
+constexpr int kWarps = 4, kMaxD = 256, kColsPerLane = kMaxD / 32;
 
-// The geometry and options of one call, by value into the kernels.
+// The head dim and options of one call, by value into the kernels.
 struct Geometry {
-  std::int64_t heads, kv_heads, sq, sk;  // H, Hk, Sq, Sk
   int d;
   bool causal, bottom_right;
   std::int64_t window_left, window_right;
   float scale, softcap;
 
-  // The keys [lo, hi) query i sees (AttentionOptions' rule).
-  __device__ void keys(std::int64_t i, std::int64_t& lo, std::int64_t& hi) const {
+  // The keys [lo, hi) query i of a sequence of sq queries and sk keys sees (AttentionOptions' rule).
+  __device__ void keys(std::int64_t i, std::int64_t sq, std::int64_t sk, std::int64_t& lo, std::int64_t& hi) const {
     const std::int64_t offset = bottom_right ? sk - sq : 0;
     const std::int64_t right = causal ? 0 : window_right;
     lo = window_left >= 0 ? max(std::int64_t{0}, i + offset - window_left) : 0;
@@ -53,10 +57,6 @@ struct Geometry {
     if (softcap <= 0.0f) return 1.0f;
     const float t = tanhf(raw / softcap);
     return 1.0f - t * t;
-  }
-  // The k/v head (b * Hk + h / group) of query head bh = b * H + h.
-  __device__ std::int64_t kv_head(std::int64_t bh) const {
-    return (bh / heads) * kv_heads + (bh % heads) / (heads / kv_heads);
   }
 };
 
@@ -75,39 +75,53 @@ __device__ float warp_dot(const T* a, const T* b, int d, int lane) {
   return s;
 }
 
-template <class T>
+// A query row of the grid: grid row (b H + h) L.sq + i.
+struct QueryRow {
+  std::int64_t b, h, i;
+};
+// h = bh - b H and i = row - bh Sq (not remainders), so that the dense rows' (b H + h) Sq + i fold
+// back to row.
+__device__ QueryRow query_row(std::int64_t row, const Layout& L) {
+  const std::int64_t bh = row / L.sq, b = bh / L.heads;
+  return {b, bh - b * L.heads, row - bh * L.sq};
+}
+
+template <class T, bool kPacked>
 __global__ void __launch_bounds__(kWarps * 32)
-    attention_rowwise_kernel(const T* __restrict__ q,  // (B H, Sq, D)
-                             const T* __restrict__ k,  // (B Hk, Sk, D)
-                             const T* __restrict__ v,  // (B Hk, Sk, D)
-                             T* __restrict__ out,      // (B H, Sq, D)
-                             float* __restrict__ lse,  // (B H, Sq)
-                             std::int64_t rows, Geometry g) {
+    attention_rowwise_kernel(const T* __restrict__ q,  // dense (B H, Sq, D); packed (total_q, H, D)
+                             const T* __restrict__ k,  // dense (B Hk, Sk, D); packed (total_k, Hk, D)
+                             const T* __restrict__ v,  // like k
+                             T* __restrict__ out,      // like q
+                             float* __restrict__ lse,  // dense (B H, Sq); packed (H, total_q)
+                             std::int64_t rows, Layout L, Geometry g) {
   __shared__ float q_row[kWarps][kMaxD];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;  // bh * Sq + i
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;
   if (row >= rows) return;
-  const std::int64_t bh = row / g.sq, i = row % g.sq, kvh = g.kv_head(bh);
+  const QueryRow r = query_row(row, L);
+  const auto s = L.seq<kPacked>(r.b);
+  if (r.i >= s.sq) return;  // packed: past this sequence's queries
+  const std::int64_t kvh = r.h / (L.heads / L.kv_heads), qr = s.q_row(r.h, r.i);
   const int d = g.d;
-  const T* qr = q + row * d;
-  const T* kh = k + kvh * g.sk * d;
-  const T* vh = v + kvh * g.sk * d;
-  for (int c = lane; c < d; c += 32) q_row[warp][c] = device::to_float(qr[c]);
+  const T* kh = k + s.kv_row(kvh, 0) * d;  // key j at kh + j * kv_step
+  const T* vh = v + s.kv_row(kvh, 0) * d;
+  const std::int64_t kv_step = s.kv_tok() * d;
+  for (int c = lane; c < d; c += 32) q_row[warp][c] = device::to_float(q[qr * d + c]);
   __syncwarp();
 
   std::int64_t lo, hi;
-  g.keys(i, lo, hi);
+  g.keys(r.i, s.sq, s.sk, lo, hi);
   float m = -INFINITY, l = 0.0f, o[kColsPerLane];
 #pragma unroll
   for (int t = 0; t < kColsPerLane; ++t) o[t] = 0.0f;
   for (std::int64_t j0 = lo; j0 < hi; j0 += 32) {
     const std::int64_t j = j0 + lane;
-    const float s = j < hi ? g.capped(g.scale * dot_row(q_row[warp], kh + j * d, d)) : -INFINITY;
-    float chunk_max = s;
+    const float sc = j < hi ? g.capped(g.scale * dot_row(q_row[warp], kh + j * kv_step, d)) : -INFINITY;
+    float chunk_max = sc;
     for (int off = 16; off > 0; off /= 2) chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, off));
     const float m_new = fmaxf(m, chunk_max);  // finite: key j0 is visible
     const float alpha = expf(m - m_new);      // 0 on the first chunk (m = -inf)
-    const float p = expf(s - m_new);          // 0 for keys past the visible ones
+    const float p = expf(sc - m_new);         // 0 for keys past the visible ones
     float p_sum = p;
     for (int off = 16; off > 0; off /= 2) p_sum += __shfl_xor_sync(0xffffffffu, p_sum, off);
     l = l * alpha + p_sum;
@@ -117,7 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int n = static_cast<int>(min(std::int64_t{32}, hi - j0));
     for (int jj = 0; jj < n; ++jj) {
       const float pj = __shfl_sync(0xffffffffu, p, jj);
-      const T* vr = vh + (j0 + jj) * d;
+      const T* vr = vh + (j0 + jj) * kv_step;
 #pragma unroll
       for (int t = 0; t < kColsPerLane; ++t) {
         const int c = lane + 32 * t;
@@ -130,35 +144,39 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int t = 0; t < kColsPerLane; ++t) {
     const int c = lane + 32 * t;
-    if (c < d) out[row * d + c] = device::from_float<T>(o[t] * inv);
+    if (c < d) out[qr * d + c] = device::from_float<T>(o[t] * inv);
   }
-  if (lane == 0) lse[row] = any ? m + logf(l) : -INFINITY;
+  if (lane == 0) lse[s.stat(r.h, r.i)] = any ? m + logf(l) : -INFINITY;
 }
 
 // Pass 1: delta and dq, a warp per query row.
-template <class T>
+template <class T, bool kPacked>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ out, const T* __restrict__ dout, const float* __restrict__ lse,
-                        T* __restrict__ dq, float* __restrict__ delta, std::int64_t rows, Geometry g) {
+                        T* __restrict__ dq, float* __restrict__ delta, std::int64_t rows, Layout L, Geometry g) {
   __shared__ float q_row[kWarps][kMaxD], do_row[kWarps][kMaxD];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;
   if (row >= rows) return;
-  const std::int64_t bh = row / g.sq, i = row % g.sq, kvh = g.kv_head(bh);
+  const QueryRow r = query_row(row, L);
+  const auto s = L.seq<kPacked>(r.b);
+  if (r.i >= s.sq) return;
+  const std::int64_t kvh = r.h / (L.heads / L.kv_heads), qr = s.q_row(r.h, r.i), st = s.stat(r.h, r.i);
   const int d = g.d;
-  const T* kh = k + kvh * g.sk * d;
-  const T* vh = v + kvh * g.sk * d;
+  const T* kh = k + s.kv_row(kvh, 0) * d;
+  const T* vh = v + s.kv_row(kvh, 0) * d;
+  const std::int64_t kv_step = s.kv_tok() * d;
   for (int c = lane; c < d; c += 32) {
-    q_row[warp][c] = device::to_float(q[row * d + c]);
-    do_row[warp][c] = device::to_float(dout[row * d + c]);
+    q_row[warp][c] = device::to_float(q[qr * d + c]);
+    do_row[warp][c] = device::to_float(dout[qr * d + c]);
   }
   __syncwarp();
-  const float dl = warp_dot(dout + row * d, out + row * d, d, lane);
-  if (lane == 0) delta[row] = dl;
-  const float li = lse[row];
+  const float dl = warp_dot(dout + qr * d, out + qr * d, d, lane);
+  if (lane == 0) delta[st] = dl;
+  const float li = lse[st];
   std::int64_t lo, hi;
-  g.keys(i, lo, hi);
+  g.keys(r.i, s.sq, s.sk, lo, hi);
   float acc[kColsPerLane];
 #pragma unroll
   for (int t = 0; t < kColsPerLane; ++t) acc[t] = 0.0f;
@@ -166,14 +184,14 @@ __global__ void __launch_bounds__(kWarps * 32)
     const std::int64_t j = j0 + lane;
     float ds = 0.0f;
     if (j < hi) {
-      const float raw = g.scale * dot_row(q_row[warp], kh + j * d, d);
+      const float raw = g.scale * dot_row(q_row[warp], kh + j * kv_step, d);
       const float p = expf(g.capped(raw) - li);
-      ds = p * (dot_row(do_row[warp], vh + j * d, d) - dl) * g.slope(raw) * g.scale;
+      ds = p * (dot_row(do_row[warp], vh + j * kv_step, d) - dl) * g.slope(raw) * g.scale;
     }
     const int n = static_cast<int>(min(std::int64_t{32}, hi - j0));
     for (int jj = 0; jj < n; ++jj) {
       const float dsj = __shfl_sync(0xffffffffu, ds, jj);
-      const T* kr = kh + (j0 + jj) * d;
+      const T* kr = kh + (j0 + jj) * kv_step;
 #pragma unroll
       for (int t = 0; t < kColsPerLane; ++t) {
         const int c = lane + 32 * t;
@@ -184,57 +202,59 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int t = 0; t < kColsPerLane; ++t) {
     const int c = lane + 32 * t;
-    if (c < d) dq[row * d + c] = device::from_float<T>(acc[t]);
+    if (c < d) dq[qr * d + c] = device::from_float<T>(acc[t]);
   }
 }
 
-// Pass 2: dk and dv, a warp per key row of a k/v head, over the q heads of its group and every
-// query that sees the key.
-template <class T>
+// Pass 2: dk and dv, a warp per key row of a k/v head (grid row (b Hk + kh) L.sk + j), over the
+// q heads of its group and every query of its sequence that sees the key.
+template <class T, bool kPacked>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                           const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                          T* __restrict__ dk, T* __restrict__ dv, std::int64_t kv_rows, Geometry g) {
+                          T* __restrict__ dk, T* __restrict__ dv, std::int64_t kv_rows, Layout L, Geometry g) {
   __shared__ float k_row[kWarps][kMaxD], v_row[kWarps][kMaxD];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;  // (b Hk + kh) Sk + j
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kWarps + warp;
   if (row >= kv_rows) return;
-  const std::int64_t bkh = row / g.sk, j = row % g.sk;
-  const std::int64_t b = bkh / g.kv_heads, kh = bkh % g.kv_heads, group = g.heads / g.kv_heads;
+  const std::int64_t bkh = row / L.sk, j = row % L.sk;
+  const std::int64_t b = bkh / L.kv_heads, kh = bkh % L.kv_heads, group = L.heads / L.kv_heads;
+  const auto s = L.seq<kPacked>(b);
+  if (j >= s.sk) return;  // packed: past this sequence's keys
+  const std::int64_t kr = s.kv_row(kh, j);
   const int d = g.d;
   for (int c = lane; c < d; c += 32) {
-    k_row[warp][c] = device::to_float(k[row * d + c]);
-    v_row[warp][c] = device::to_float(v[row * d + c]);
+    k_row[warp][c] = device::to_float(k[kr * d + c]);
+    v_row[warp][c] = device::to_float(v[kr * d + c]);
   }
   __syncwarp();
   float dk_acc[kColsPerLane], dv_acc[kColsPerLane];
 #pragma unroll
   for (int t = 0; t < kColsPerLane; ++t) dk_acc[t] = dv_acc[t] = 0.0f;
   for (std::int64_t h = kh * group; h < (kh + 1) * group; ++h) {
-    const std::int64_t bh = b * g.heads + h;
-    for (std::int64_t i0 = 0; i0 < g.sq; i0 += 32) {
+    for (std::int64_t i0 = 0; i0 < s.sq; i0 += 32) {
       const std::int64_t i = i0 + lane;
       float p = 0.0f, ds = 0.0f;
-      if (i < g.sq) {
+      if (i < s.sq) {
         std::int64_t lo, hi;
-        g.keys(i, lo, hi);
+        g.keys(i, s.sq, s.sk, lo, hi);
         if (lo <= j && j < hi) {
-          const std::int64_t qi = (bh * g.sq + i) * d;
+          const std::int64_t qi = s.q_row(h, i) * d;
           float dot = 0.0f, dp = 0.0f;
           for (int c = 0; c < d; ++c) {
             dot = fmaf(device::to_float(q[qi + c]), k_row[warp][c], dot);
             dp = fmaf(device::to_float(dout[qi + c]), v_row[warp][c], dp);
           }
           const float raw = g.scale * dot;
-          p = expf(g.capped(raw) - lse[bh * g.sq + i]);
-          ds = p * (dp - delta[bh * g.sq + i]) * g.slope(raw) * g.scale;
+          p = expf(g.capped(raw) - lse[s.stat(h, i)]);
+          ds = p * (dp - delta[s.stat(h, i)]) * g.slope(raw) * g.scale;
         }
       }
-      const int n = static_cast<int>(min(std::int64_t{32}, g.sq - i0));
+      const int n = static_cast<int>(min(std::int64_t{32}, s.sq - i0));
       for (int ii = 0; ii < n; ++ii) {
         const float pi = __shfl_sync(0xffffffffu, p, ii), dsi = __shfl_sync(0xffffffffu, ds, ii);
         if (pi == 0.0f && dsi == 0.0f) continue;  // not visible (or an underflowed weight): adds nothing
-        const std::int64_t qi = (bh * g.sq + i0 + ii) * d;
+        const std::int64_t qi = s.q_row(h, i0 + ii) * d;
 #pragma unroll
         for (int t = 0; t < kColsPerLane; ++t) {
           const int c = lane + 32 * t;
@@ -250,31 +270,43 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int t = 0; t < kColsPerLane; ++t) {
     const int c = lane + 32 * t;
     if (c < d) {
-      dk[row * d + c] = device::from_float<T>(dk_acc[t]);
-      dv[row * d + c] = device::from_float<T>(dv_acc[t]);
+      dk[kr * d + c] = device::from_float<T>(dk_acc[t]);
+      dv[kr * d + c] = device::from_float<T>(dv_acc[t]);
     }
   }
 }
 
-Geometry geometry(const TensorView& q, const TensorView& k, const AttentionOptions& opt) {
-  return {q.size(1), k.size(1), q.size(2), k.size(2), static_cast<int>(q.size(3)), opt.causal, opt.bottom_right,
-          opt.window_left, opt.window_right, opt.scale, opt.softcap};
+Geometry geometry(const TensorView& q, const AttentionOptions& opt) {
+  return {static_cast<int>(q.size(q.rank() - 1)), opt.causal, opt.bottom_right, opt.window_left, opt.window_right,
+          opt.scale, opt.softcap};
 }
 
 unsigned blocks_for(std::int64_t rows) { return static_cast<unsigned>((rows + kWarps - 1) / kWarps); }
 
+// f(std::bool_constant<packed>) for the layout's kind.
+template <class F>
+void with_layout_kind(const AttentionVarlen* varlen, F&& f) {
+  if (varlen) f(std::true_type{});
+  else f(std::false_type{});
+}
+
 }  // namespace
 
 void attention_forward_rowwise(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                               const TensorView& lse, const AttentionOptions& opt, const Stream* stream) {
+                               const TensorView& lse, const AttentionVarlen* varlen, const AttentionOptions& opt,
+                               const Stream* stream) {
   fk::detail::DeviceScope on_device(q.device().index);
-  const std::int64_t rows = q.size(0) * q.size(1) * q.size(2);
+  const Layout L = layout_of(q, k, varlen);
+  const std::int64_t rows = L.batch * L.heads * L.sq;
+  if (rows == 0) return;
   const cudaStream_t s = fk::detail::cuda_stream(stream);
-  const Geometry g = geometry(q, k, opt);
+  const Geometry g = geometry(q, opt);
   with_float_type(q.dtype(), [&](auto zero) {
     using T = decltype(zero);
-    attention_rowwise_kernel<T><<<blocks_for(rows), kWarps * 32, 0, s>>>(
-        q.data_as<T>(), k.data_as<T>(), v.data_as<T>(), out.data_as<T>(), lse.data_as<float>(), rows, g);
+    with_layout_kind(varlen, [&](auto packed) {
+      attention_rowwise_kernel<T, decltype(packed)::value><<<blocks_for(rows), kWarps * 32, 0, s>>>(
+          q.data_as<T>(), k.data_as<T>(), v.data_as<T>(), out.data_as<T>(), lse.data_as<float>(), rows, L, g);
+    });
   });
   FK_CUDA_CHECK_LAUNCH("attention_rowwise_kernel");
 }
@@ -282,23 +314,27 @@ void attention_forward_rowwise(const TensorView& q, const TensorView& k, const T
 void attention_backward_rowwise(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                                 const TensorView& dout, const TensorView& lse, const TensorView& dq,
                                 const TensorView& dk, const TensorView& dv, const TensorView& delta,
-                                const AttentionOptions& opt, const Stream* stream) {
+                                const AttentionVarlen* varlen, const AttentionOptions& opt, const Stream* stream) {
   fk::detail::DeviceScope on_device(q.device().index);
-  const std::int64_t rows = q.size(0) * q.size(1) * q.size(2), kv_rows = k.size(0) * k.size(1) * k.size(2);
+  const Layout L = layout_of(q, k, varlen);
+  const std::int64_t rows = L.batch * L.heads * L.sq, kv_rows = L.batch * L.kv_heads * L.sk;
   const cudaStream_t s = fk::detail::cuda_stream(stream);
-  const Geometry g = geometry(q, k, opt);
+  const Geometry g = geometry(q, opt);
   with_float_type(q.dtype(), [&](auto zero) {
     using T = decltype(zero);
-    if (rows > 0)
-      attention_dq_kernel<T><<<blocks_for(rows), kWarps * 32, 0, s>>>(
-          q.data_as<T>(), k.data_as<T>(), v.data_as<T>(), out.data_as<T>(), dout.data_as<T>(), lse.data_as<float>(),
-          dq.data_as<T>(), delta.data_as<float>(), rows, g);
-    FK_CUDA_CHECK_LAUNCH("attention_dq_kernel");
-    if (kv_rows > 0)
-      attention_dkdv_kernel<T><<<blocks_for(kv_rows), kWarps * 32, 0, s>>>(
-          q.data_as<T>(), k.data_as<T>(), v.data_as<T>(), dout.data_as<T>(), lse.data_as<float>(),
-          delta.data_as<float>(), dk.data_as<T>(), dv.data_as<T>(), kv_rows, g);
-    FK_CUDA_CHECK_LAUNCH("attention_dkdv_kernel");
+    with_layout_kind(varlen, [&](auto packed) {
+      constexpr bool kPacked = decltype(packed)::value;
+      if (rows > 0)
+        attention_dq_kernel<T, kPacked><<<blocks_for(rows), kWarps * 32, 0, s>>>(
+            q.data_as<T>(), k.data_as<T>(), v.data_as<T>(), out.data_as<T>(), dout.data_as<T>(),
+            lse.data_as<float>(), dq.data_as<T>(), delta.data_as<float>(), rows, L, g);
+      FK_CUDA_CHECK_LAUNCH("attention_dq_kernel");
+      if (kv_rows > 0)
+        attention_dkdv_kernel<T, kPacked><<<blocks_for(kv_rows), kWarps * 32, 0, s>>>(
+            q.data_as<T>(), k.data_as<T>(), v.data_as<T>(), dout.data_as<T>(), lse.data_as<float>(),
+            delta.data_as<float>(), dk.data_as<T>(), dv.data_as<T>(), kv_rows, L, g);
+      FK_CUDA_CHECK_LAUNCH("attention_dkdv_kernel");
+    });
   });
 }
 
