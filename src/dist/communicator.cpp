@@ -90,6 +90,22 @@ class SingleCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_single_communicator() { return std::make_unique<SingleCommunicator>(); }
 
+bool built_with_nccl() noexcept { return FUSEKIT_WITH_NCCL != 0; }
+
+#if !FUSEKIT_WITH_NCCL
+namespace {
+[[noreturn]] void no_nccl(const char* op) {
+  throw Error(op, "build", "fusekit built with NCCL (a CUDA build, -DFUSEKIT_NCCL=ON)", "a build without NCCL");
+}
+}  // namespace
+std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator>, const NcclOptions&) {
+  no_nccl("dist::make_nccl_communicator");
+}
+std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(std::span<const int>, const NcclOptions&) {
+  no_nccl("dist::make_nccl_communicators");
+}
+#endif
+
 #if !FUSEKIT_WITH_MPI
 std::unique_ptr<Communicator> make_mpi_communicator() {
   throw Error("dist::make_mpi_communicator", "build", "fusekit built with MPI (-DFUSEKIT_MPI=ON)",
