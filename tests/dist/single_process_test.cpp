@@ -40,6 +40,14 @@ TEST(SingleCommunicator, CopiesAndChecks) {
                          "dist::Communicator::all_reduce_sum", "data");
 }
 
+TEST(NcclCommunicator, WithoutNcclTheFactoriesSayHowToGetIt) {
+  if (built_with_nccl()) GTEST_SKIP() << "fusekit was built with NCCL: dist_nccl_test tests it";
+  test::expect_arg_error([] { make_nccl_communicator(make_single_communicator()); }, "dist::make_nccl_communicator",
+                         "build");
+  test::expect_arg_error([] { make_nccl_communicators(std::vector<int>{0}); }, "dist::make_nccl_communicators",
+                         "build");
+}
+
 class OneRank : public ::testing::TestWithParam<test::DistCase> {};
 
 TEST_P(OneRank, DistributedDlrmFollowsTheOneProcessModel) {
