@@ -3,7 +3,8 @@
 # Looks, in this order, in NCCL_ROOT (a folder holding include/nccl.h and lib/libnccl.so*), the
 # nvidia/nccl folder of the configuring Python's site-packages (PyPI's nvidia-nccl-cu13 / -cu12
 # wheel, which PyTorch installs), then the system's folders (Debian's libnccl-dev) and the CUDA
-# toolkit's. The wheel ships lib/libnccl.so.2 and no libnccl.so, so that name is searched too.
+# toolkit's. The wheel ships lib/libnccl.so.2 and no libnccl.so, so that name is searched too, in
+# each folder before the next (NAMES_PER_DIR: the library comes from the header's folder).
 #
 # Gives NCCL_FOUND, NCCL_INCLUDE_DIR, NCCL_LIBRARY, NCCL_VERSION (from nccl.h) and the imported
 # target NCCL::NCCL (a shared library: programs need libnccl.so.2 at run time, from the folder it
@@ -26,7 +27,7 @@ if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
 endif()
 
 find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
-find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
+find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
              PATH_SUFFIXES lib lib64)
 
 if(NCCL_INCLUDE_DIR AND EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")
