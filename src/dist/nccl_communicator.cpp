@@ -364,12 +364,12 @@ class NcclCommunicator final : public Communicator {
     while (true) {
       const cudaError_t q = cudaStreamQuery(s);
       if (q == cudaSuccess) break;
-      if (q != cudaErrorNotReady) fk::detail::check_cuda(q, "cudaStreamQuery");
       cudaGetLastError();  // cudaErrorNotReady is recorded as the thread's last error: not a failure
       {
         const std::lock_guard lock(mutex_);
-        throw_if_failed(op);
+        throw_if_failed(op);  // an abort's reason before the CUDA error it may cause
       }
+      if (q != cudaErrorNotReady) fk::detail::check_cuda(q, "cudaStreamQuery");
       backoff.pause();
     }
     const std::lock_guard lock(mutex_);
