@@ -77,3 +77,73 @@ function(fusekit_find_cutlass out)
   endif()
   set(${out} "${dest}/include" PARENT_SCOPE)
 endfunction()
+
+# NCCL (a CUDA build only; FUSEKIT_NCCL = AUTO | ON | OFF): sets FUSEKIT_WITH_NCCL and the target
+# NCCL::NCCL. AUTO uses an NCCL that is already there (FindNCCL.cmake: NCCL_ROOT, the configuring
+# Python's nvidia-nccl wheel, Debian's libnccl-dev) and never downloads, so that the CPU-only and
+# CUDA configurations of CI stay as they were where NCCL is not installed. ON requires it: when
+# none is installed, the build downloads PyPI's nvidia-nccl-cu13 wheel (about 200 MB; pip's cache
+# serves repeats, PIP_FIND_LINKS a local copy) and unpacks nccl.h and libnccl.so.2 into the build
+# folder, as it does the CUTLASS headers; configuration fails when that fails too.
+set(FUSEKIT_NCCL_WHEEL_VERSION 2.32.6)
+# A shared library linked only into the programs that use one of its symbols: fusekit is a static
+# library, and without this every program linking it would need libnccl.so.2 to start.
+# fusekitConfig.cmake defines the same feature for the programs that find_package(fusekit).
+set(CMAKE_LINK_LIBRARY_USING_fusekit_as_needed "LINKER:--push-state,--as-needed" "<LINK_ITEM>" "LINKER:--pop-state")
+set(CMAKE_LINK_LIBRARY_USING_fusekit_as_needed_SUPPORTED TRUE)
+macro(fusekit_find_nccl)
+  set(FUSEKIT_WITH_NCCL OFF)
+  if(NOT FUSEKIT_NCCL STREQUAL "OFF")
+    if(NOT FUSEKIT_WITH_CUDA)
+      if(FUSEKIT_NCCL STREQUAL "ON")
+        message(FATAL_ERROR "FUSEKIT_NCCL=ON needs the CUDA build (FUSEKIT_CUDA and a CUDA toolkit)")
+      endif()
+    else()
+      set(_nccl_dest "${PROJECT_BINARY_DIR}/_deps/nccl")
+      if(NOT NCCL_ROOT AND EXISTS "${_nccl_dest}/include/nccl.h")
+        set(NCCL_ROOT "${_nccl_dest}")  # unpacked by an earlier configuration
+      endif()
+      find_package(NCCL QUIET)
+      if(NOT NCCL_FOUND AND FUSEKIT_NCCL STREQUAL "ON")
+        fusekit_fetch_nccl_wheel("${_nccl_dest}")
+        set(NCCL_ROOT "${_nccl_dest}")
+        find_package(NCCL QUIET)
+      endif()
+      if(NCCL_FOUND)
+        set(FUSEKIT_WITH_NCCL ON)
+        get_filename_component(FUSEKIT_NCCL_ROOT "${NCCL_INCLUDE_DIR}" DIRECTORY)  # for fusekitConfig.cmake
+        message(STATUS "fusekit: NCCL ${NCCL_VERSION} found (${NCCL_LIBRARY}): building the NCCL communicator")
+      elseif(FUSEKIT_NCCL STREQUAL "ON")
+        message(FATAL_ERROR "FUSEKIT_NCCL=ON but no NCCL was found nor unpacked into ${_nccl_dest} "
+                            "(pass -DNCCL_ROOT=<folder with include/nccl.h and lib/libnccl.so*>, or install "
+                            "Debian's libnccl-dev or PyPI's nvidia-nccl-cu13)")
+      else()
+        message(STATUS "fusekit: no NCCL found: no NCCL communicator (-DFUSEKIT_NCCL=ON downloads it)")
+      endif()
+    endif()
+  endif()
+endmacro()
+
+function(fusekit_fetch_nccl_wheel dest)
+  find_package(Python3 COMPONENTS Interpreter QUIET)
+  if(NOT Python3_Interpreter_FOUND)
+    message(FATAL_ERROR "fusekit: FUSEKIT_NCCL=ON found no NCCL and no Python with pip to download PyPI's "
+                        "nvidia-nccl-cu13==${FUSEKIT_NCCL_WHEEL_VERSION}; pass -DNCCL_ROOT=<its folder>")
+  endif()
+  message(STATUS "fusekit: downloading NCCL ${FUSEKIT_NCCL_WHEEL_VERSION} (PyPI nvidia-nccl-cu13, about 200 MB)")
+  file(REMOVE_RECURSE "${dest}")
+  execute_process(COMMAND "${Python3_EXECUTABLE}" -m pip download --quiet --no-deps --disable-pip-version-check
+                          --only-binary=:all: --dest "${dest}/wheel" "nvidia-nccl-cu13==${FUSEKIT_NCCL_WHEEL_VERSION}"
+                  RESULT_VARIABLE rc ERROR_VARIABLE err)
+  file(GLOB wheel "${dest}/wheel/nvidia_nccl_cu13-*.whl")
+  if(NOT rc EQUAL 0 OR NOT wheel)
+    message(FATAL_ERROR "fusekit: could not download nvidia-nccl-cu13==${FUSEKIT_NCCL_WHEEL_VERSION} with "
+                        "${Python3_EXECUTABLE} -m pip (${err}); pass -DNCCL_ROOT=<folder with include/nccl.h and "
+                        "lib/libnccl.so*>, or -DFUSEKIT_NCCL=AUTO to build without NCCL")
+  endif()
+  file(ARCHIVE_EXTRACT INPUT "${wheel}" DESTINATION "${dest}/wheel/unpacked"
+       PATTERNS "nvidia/nccl/include/nccl.h" "nvidia/nccl/lib/libnccl.so.2")
+  file(RENAME "${dest}/wheel/unpacked/nvidia/nccl/include" "${dest}/include")
+  file(RENAME "${dest}/wheel/unpacked/nvidia/nccl/lib" "${dest}/lib")
+  file(REMOVE_RECURSE "${dest}/wheel")
+endfunction()

@@ -24,8 +24,11 @@ void Communicator::exchange_counts(std::span<const std::int64_t> send, std::span
 
 namespace detail {
 
-void check_collective_buffer(const TensorView& t, const char* op, const char* arg) {
-  FK_CHECK_ARG(t.device().is_cpu(), op, arg, "host memory (this communicator is host-side)", t.str());
+void check_collective_buffer(const TensorView& t, Device where, const char* op, const char* arg) {
+  FK_CHECK_ARG(t.device() == where, op, arg,
+               where.is_cpu() ? std::string("host memory (this communicator is host-side)")
+                              : fmt::format("memory on {} (this communicator's GPU)", where.str()),
+               t.str());
   FK_CHECK_ARG(t.is_contiguous() && t.defined(), op, arg, "a contiguous tensor with data", t.str());
 }
 
@@ -34,12 +37,14 @@ std::int64_t check_counts(const TensorView& t, std::span<const std::int64_t> cou
   FK_CHECK_ARG(counts.size() == static_cast<std::size_t>(ranks), op, arg, fmt::format("{} counts (one per rank)", ranks),
                fmt::format("{}", counts.size()));
   std::int64_t total = 0;
-  for (std::int64_t c : counts) {
-    FK_CHECK_ARG(c >= 0, op, arg, "counts >= 0", fmt::format("{}", c));
-    total += c;
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    FK_CHECK_ARG(counts[r] >= 0, op, arg, "counts >= 0", fmt::format("{} for rank {}", counts[r], r));
+    // Compared before the sum, which could overflow.
+    FK_CHECK_ARG(counts[r] <= t.numel() - total, op, arg,
+                 fmt::format("counts that fit the buffer of {} elements", t.numel()),
+                 fmt::format("{} for rank {} after {} for the ranks before it", counts[r], r, total));
+    total += counts[r];
   }
-  FK_CHECK_ARG(total <= t.numel(), op, arg, fmt::format("counts that fit the buffer of {} elements", t.numel()),
-               fmt::format("{} elements in all", total));
   return total;
 }
 
@@ -57,8 +62,8 @@ class SingleCommunicator final : public Communicator {
   void all_to_all_v(const TensorView& send, std::span<const std::int64_t> send_counts, const TensorView& recv,
                     std::span<const std::int64_t> recv_counts, const Stream* stream) override {
     constexpr const char* op = "dist::Communicator::all_to_all_v";
-    detail::check_collective_buffer(send, op, "send");
-    detail::check_collective_buffer(recv, op, "recv");
+    detail::check_collective_buffer(send, device(), op, "send");
+    detail::check_collective_buffer(recv, device(), op, "recv");
     FK_CHECK_ARG(send.dtype() == recv.dtype(), op, "recv", fmt::format("dtype {}", dtype_name(send.dtype())),
                  std::string(dtype_name(recv.dtype())));
     const std::int64_t n = detail::check_counts(send, send_counts, 1, op, "send_counts");
@@ -71,7 +76,7 @@ class SingleCommunicator final : public Communicator {
   }
 
   void all_reduce_sum(const TensorView& data, const Stream* stream) override {
-    detail::check_collective_buffer(data, "dist::Communicator::all_reduce_sum", "data");
+    detail::check_collective_buffer(data, device(), "dist::Communicator::all_reduce_sum", "data");
     FK_CHECK_ARG(data.dtype() == DType::f32, "dist::Communicator::all_reduce_sum",
                  "data", "f32", std::string(dtype_name(data.dtype())));
     if (stream) stream->synchronize();
@@ -84,6 +89,22 @@ class SingleCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> make_single_communicator() { return std::make_unique<SingleCommunicator>(); }
+
+bool built_with_nccl() noexcept { return FUSEKIT_WITH_NCCL != 0; }
+
+#if !FUSEKIT_WITH_NCCL
+namespace {
+[[noreturn]] void no_nccl(const char* op) {
+  throw Error(op, "build", "fusekit built with NCCL (a CUDA build, -DFUSEKIT_NCCL=ON)", "a build without NCCL");
+}
+}  // namespace
+std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator>, const NcclOptions&) {
+  no_nccl("dist::make_nccl_communicator");
+}
+std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(std::span<const int>, const NcclOptions&) {
+  no_nccl("dist::make_nccl_communicators");
+}
+#endif
 
 #if !FUSEKIT_WITH_MPI
 std::unique_ptr<Communicator> make_mpi_communicator() {

@@ -1,4 +1,4 @@
-// Argument checks every host communicator shares (src/dist/).
+// Argument checks every communicator shares (src/dist/).
 #pragma once
 
 #include <cstdint>
@@ -8,9 +8,9 @@
 
 namespace fk::dist::detail {
 
-// Host memory, contiguous, with data.
-void check_collective_buffer(const TensorView& t, const char* op, const char* arg);
-// One count >= 0 per rank, their sum within t; returns the sum.
+// Memory on `where` (the communicator's device()), contiguous, with data.
+void check_collective_buffer(const TensorView& t, Device where, const char* op, const char* arg);
+// One count >= 0 per rank, their sum within t (no overflow on the way); returns the sum.
 std::int64_t check_counts(const TensorView& t, std::span<const std::int64_t> counts, int ranks, const char* op,
                           const char* arg);
 

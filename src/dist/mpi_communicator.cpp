@@ -92,8 +92,8 @@ class MpiCommunicator final : public Communicator {
 
   void all_to_all_v(const TensorView& send, std::span<const std::int64_t> send_counts, const TensorView& recv,
                     std::span<const std::int64_t> recv_counts, const Stream* stream) override {
-    detail::check_collective_buffer(send, kA2a, "send");
-    detail::check_collective_buffer(recv, kA2a, "recv");
+    detail::check_collective_buffer(send, device(), kA2a, "send");
+    detail::check_collective_buffer(recv, device(), kA2a, "recv");
     FK_CHECK_ARG(send.dtype() == recv.dtype(), kA2a, "recv", fmt::format("dtype {}", dtype_name(send.dtype())),
                  std::string(dtype_name(recv.dtype())));
     detail::check_counts(send, send_counts, size_, kA2a, "send_counts");
@@ -110,7 +110,7 @@ class MpiCommunicator final : public Communicator {
 
   void all_reduce_sum(const TensorView& data, const Stream* stream) override {
     constexpr const char* op = "dist::MpiCommunicator::all_reduce_sum";
-    detail::check_collective_buffer(data, op, "data");
+    detail::check_collective_buffer(data, device(), op, "data");
     FK_CHECK_ARG(data.dtype() == DType::f32, op, "data", "f32",
                  std::string(dtype_name(data.dtype())));
     const MPI_Datatype type = mpi_type(data.dtype(), op);

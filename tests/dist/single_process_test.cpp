@@ -40,6 +40,18 @@ TEST(SingleCommunicator, CopiesAndChecks) {
                          "dist::Communicator::all_reduce_sum", "data");
 }
 
+// Only in a build without NCCL: calling the factories here would make this program need
+// libnccl.so.2 to start (dist_nccl_test tests them in a build with NCCL).
+#if !FUSEKIT_WITH_NCCL
+TEST(NcclCommunicator, WithoutNcclTheFactoriesSayHowToGetIt) {
+  EXPECT_FALSE(built_with_nccl());
+  test::expect_arg_error([] { make_nccl_communicator(make_single_communicator()); }, "dist::make_nccl_communicator",
+                         "build");
+  test::expect_arg_error([] { make_nccl_communicators(std::vector<int>{0}); }, "dist::make_nccl_communicators",
+                         "build");
+}
+#endif
+
 class OneRank : public ::testing::TestWithParam<test::DistCase> {};
 
 TEST_P(OneRank, DistributedDlrmFollowsTheOneProcessModel) {

@@ -5,19 +5,26 @@
 //   single   one process (size 1): all_to_all_v copies, all_reduce_sum leaves the data as it is;
 //            what a build without MPI runs
 //   mpi      MPI's collectives on host memory (FUSEKIT_WITH_MPI; ranks launched by mpirun)
+//   nccl     NCCL's on device memory, one GPU a rank (a CUDA build with NCCL: FUSEKIT_NCCL), in
+//            two setups: one process a GPU, launched by mpirun, with the MPI communicator to start
+//            it; or one process driving N GPUs, one thread each (make_nccl_communicators)
 //
 // Every call is collective: all ranks make the same calls in the same order. Buffers are
 // TensorViews, so each implementation checks they live where it can reach them (host memory for
-// these two). A device implementation (NCCL) takes the same calls with the `stream` argument the
-// collective is queued on; the host implementations synchronise it first, if given, and return
-// when the collective is done. Errors throw fk::Error; a rank that fails should call abort(), so
-// that the others stop instead of waiting in their next collective.
+// single and mpi, this rank's GPU for nccl). The device implementation queues each collective
+// on the `stream` argument and returns once it is queued; without a stream it uses a stream of
+// its own and returns when the collective is done. The host implementations synchronise the
+// stream first, if given, and return when the collective is done. Errors throw fk::Error; a rank
+// that fails should call abort(), so that the others stop instead of waiting in their next
+// collective.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "fusekit/core/tensor.hpp"
 
@@ -36,8 +43,8 @@ class Communicator {
 
   virtual int rank() const noexcept = 0;
   virtual int size() const noexcept = 0;
-  virtual std::string_view backend() const noexcept = 0;  // "single" | "mpi"
-  // Where the buffers of the calls must live (host memory: Device::cpu()).
+  virtual std::string_view backend() const noexcept = 0;  // "single" | "mpi" | "nccl"
+  // Where the buffers of the calls must live (host memory: Device::cpu(); nccl: the rank's GPU).
   virtual Device device() const noexcept = 0;
 
   // send: contiguous, send_counts[r] elements for rank r, one block per rank in rank order; recv:
@@ -49,12 +56,15 @@ class Communicator {
   // data (f32, contiguous) = the elementwise sum over the ranks, the same on every rank.
   virtual void all_reduce_sum(const TensorView& data, const Stream* stream = nullptr) = 0;
   virtual void barrier() = 0;
-  // Ends every rank's process with `code` (MPI_Abort); size 1: std::exit. Not for library code:
-  // for the program's top level, after a rank has reported an error.
+  // Ends every rank's process with `code` (MPI_Abort); size 1: std::exit; nccl: aborts the NCCL
+  // communicator, then its MPI communicator's abort, or ends this process (all its GPUs' threads)
+  // when it has none. Not for library code: for the program's top level, after a rank has reported
+  // an error.
   [[noreturn]] virtual void abort(int code) = 0;
 
-  // What each rank sends to this one: recv[r] = rank r's send[rank()] (send and recv: size() values).
-  void exchange_counts(std::span<const std::int64_t> send, std::span<std::int64_t> recv);
+  // What each rank sends to this one: recv[r] = rank r's send[rank()] (send and recv: size() values,
+  // host memory, for every backend); returns when they are there.
+  virtual void exchange_counts(std::span<const std::int64_t> send, std::span<std::int64_t> recv);
 };
 
 // Size 1, for a build or a run without MPI.
@@ -64,5 +74,48 @@ std::unique_ptr<Communicator> make_single_communicator();
 // when the last communicator it made is destroyed. Throws fk::Error when fusekit was built
 // without MPI (FUSEKIT_WITH_MPI).
 std::unique_ptr<Communicator> make_mpi_communicator();
+
+// ---------------------------------------------------------------------------------------------
+// NCCL (device memory). Built when CMake finds NCCL in a CUDA build (FUSEKIT_NCCL, docs/dlrm.md);
+// otherwise the factories throw fk::Error. Programs link libnccl.so.2 dynamically: at run time it
+// is found through the build's RPATH or LD_LIBRARY_PATH (e.g. PyTorch's nvidia-nccl wheel).
+//
+// Never waits forever: the communicators are NCCL's nonblocking ones (ncclConfig_t::blocking = 0),
+// and a watchdog thread per communicator follows every queued collective (an event recorded after
+// it on its stream) with ncclCommGetAsyncError. When one fails or is not done within `timeout` (a
+// dead or diverged rank), the communicator is aborted (ncclCommAbort: its kernels stop, so the
+// streams drain) and the waiting call, or the next call, throws fk::Error naming the collective,
+// the rank and NCCL's error; the communicator stays unusable. Creation is bounded by the same
+// timeout. A collective that returns without waiting (one given a stream) can leave garbage in its
+// outputs if it is aborted later: the next call's error says so.
+//
+// NVLink multicast (NVLS) is off unless the caller says otherwise: the factories set
+// NCCL_NVLS_ENABLE=0 when the environment does not set it (the GPU hosts fusekit is tested on
+// require it off; a launcher that wants NVLS sets NCCL_NVLS_ENABLE=1). NCCL reads its other
+// NCCL_* variables as usual.
+struct NcclOptions {
+  // How long a collective may take from being queued to being done on its GPU, and creation.
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  // make_nccl_communicator: this rank's GPU; -1 picks its local rank (its place among the ranks
+  // on its host, by host name), which must be below the host's GPU count.
+  int device = -1;
+};
+
+// True when fusekit was built with NCCL (FUSEKIT_WITH_NCCL).
+bool built_with_nccl() noexcept;
+
+// One process a GPU: one NCCL rank for each rank of `bootstrap` (make_mpi_communicator() under
+// mpirun; any host communicator, size 1 included), with the same rank and size. Collective over
+// `bootstrap`: rank 0 makes NCCL's unique id and sends it to the others through it. The NCCL
+// communicator keeps `bootstrap` (its abort() is MPI_Abort, and MPI stays initialised).
+std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> bootstrap,
+                                                     const NcclOptions& options = {});
+
+// One process, one thread a GPU: communicator r is rank r of devices.size(), on GPU devices[r]
+// (distinct GPUs), created together from this thread. Use each from its own thread (all ranks'
+// calls must be in flight together) and destroy them in any order from any thread: NCCL's
+// resources go when the last one goes.
+std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(std::span<const int> devices,
+                                                                   const NcclOptions& options = {});
 
 }  // namespace fk::dist
