@@ -228,6 +228,14 @@ TEST(LossChunks, AutomaticChunkKeepsLogitsNear256MiB) {
   EXPECT_EQ(c16 % 8, 0);
   EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 32000, 100), 100);
   EXPECT_EQ(linear_cross_entropy_chunk_rows(10, 32000, 100), 10);
+  // One chunk where its logits fit in the chunks' logits plus the f32 accumulators it does not
+  // need: V 128256, H 2048 at 8192 rows (exactly: 2 x 4096 rows), not at 8200 nor at V 32000's
+  // 16384 rows (1 GB of logits against 268 + 262 MB).
+  const std::int64_t acc = 4 * 128256 * 2048;
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 128256, 0, DType::bf16, acc), 8192);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8200, 128256, 0, DType::bf16, acc), 2736);  // 3 equal chunks
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(16384, 32000, 0, DType::bf16, 4 * 32000 * 2048), 4096);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 128256, 100, DType::bf16, acc), 100);  // chunk_rows decides
 }
 
 // ---------------------------------------------------------------------------------------------

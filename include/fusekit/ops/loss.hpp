@@ -57,7 +57,8 @@ struct LinearCrossEntropyParams {
   float label_smoothing = 0.0f;  // ε in [0, 1]
   float z_loss = 0.0f;           // ζ >= 0, finite; 0 = off
   LossReduction reduction = LossReduction::mean;
-  // Rows per chunk on the GPU; 0 picks them so that the chunk's logits take about 256 MiB.
+  // Rows per chunk on the GPU; 0 picks them so that the chunk's logits take about 256 MiB (at
+  // least 4096 rows), or one chunk where that takes no more memory (linear_cross_entropy_chunk_rows).
   std::int64_t chunk_rows = 0;
   bool allow_tf32 = false;  // f32 operands on TF32 tensor cores (GPU)
   // GPU: read back, before queuing the work, whether every target is in [0, V) or ignore_index,
@@ -83,9 +84,11 @@ void linear_cross_entropy(const LinearCrossEntropyArgs& args, const LinearCrossE
                           const Stream* stream = nullptr);
 
 // The chunk rows the GPU path uses for N rows and V classes with logits of dtype `logits` (the
-// operands'), p.chunk_rows when set.
+// operands'), p.chunk_rows when set. accumulator_bytes: the f32 accumulators that several chunks
+// of 16-bit dw and dbias need (4 V H + 4 V) and one chunk does not; N rows are one chunk when
+// their logits fit in the chunks' logits and those accumulators together.
 std::int64_t linear_cross_entropy_chunk_rows(std::int64_t n, std::int64_t v, std::int64_t chunk_rows = 0,
-                                             DType logits = DType::f32);
+                                             DType logits = DType::f32, std::int64_t accumulator_bytes = 0);
 
 namespace reference {
 // The spec: plain loops over host tensors in double, one rounding per output.

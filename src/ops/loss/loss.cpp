@@ -112,11 +112,15 @@ void run_cuda(const LinearCrossEntropyArgs& a, const LinearCrossEntropyParams& p
   cuda::loss_count_targets(a.targets, v, p.ignore_index, status.view(), stream);
   if (p.check_targets && n > 0) check_targets_on_host(a, p, status, stream);
 
-  // f32 accumulators for 16-bit dw and dbias; f32 ones are accumulated in place.
+  // Several chunks accumulate 16-bit dw and dbias in f32 (f32 ones in place); one chunk writes
+  // them with its GEMMs, one rounding each, and may use the accumulators' memory for its logits.
   const bool wide = dt == DType::f32;
+  const std::int64_t accumulator_bytes = wide ? 0 : (a.dw ? 4 * v * hd : 0) + (a.dbias ? 4 * v : 0);
+  const std::int64_t c = n == 0 ? 1 : linear_cross_entropy_chunk_rows(n, v, p.chunk_rows, dt, accumulator_bytes);
+  const bool accumulate = !wide && c < n;
   std::optional<Tensor> dw_acc, dbias_acc;
-  if (a.dw && !wide) dw_acc = Tensor::empty({v, hd}, DType::f32, dev, stream);
-  if (a.dbias && !wide) dbias_acc = Tensor::empty({v}, DType::f32, dev, stream);
+  if (a.dw && accumulate) dw_acc = Tensor::empty({v, hd}, DType::f32, dev, stream);
+  if (a.dbias && accumulate) dbias_acc = Tensor::empty({v}, DType::f32, dev, stream);
   const std::optional<TensorView> dw = a.dw ? std::optional(dw_acc ? dw_acc->view() : *a.dw) : std::nullopt;
   const std::optional<TensorView> dbias =
       a.dbias ? std::optional((dbias_acc ? dbias_acc->view() : *a.dbias).reshape({1, v})) : std::nullopt;
@@ -127,7 +131,6 @@ void run_cuda(const LinearCrossEntropyArgs& a, const LinearCrossEntropyParams& p
     if (dbias) zero_async(*dbias, stream ? *stream : Stream::default_stream());
   } else {
     const std::int64_t vp = padded_classes(v);
-    const std::int64_t c = linear_cross_entropy_chunk_rows(n, v, p.chunk_rows, dt);
     const Tensor logits = Tensor::empty({c, vp}, dt, dev, stream);  // [C, Vp]: z, then g over it
     std::optional<Tensor> ones;                                             // [1, C] for dbias += 1ᵀ g
     if (dbias) {
@@ -166,14 +169,18 @@ void run_cuda(const LinearCrossEntropyArgs& a, const LinearCrossEntropyParams& p
 
 }  // namespace
 
-std::int64_t linear_cross_entropy_chunk_rows(std::int64_t n, std::int64_t v, std::int64_t chunk_rows, DType logits) {
+std::int64_t linear_cross_entropy_chunk_rows(std::int64_t n, std::int64_t v, std::int64_t chunk_rows, DType logits,
+                                             std::int64_t accumulator_bytes) {
   if (n <= 0) return 1;
   if (chunk_rows > 0) return std::min(chunk_rows, n);
   // At least kMinChunkRows: each chunk re-reads and re-writes the f32 dW accumulator (8 V H
   // bytes), which against the chunk's 6 C V H flops costs about (8 / 6) (peak FLOP/s / bandwidth)
   // / C of the GEMM time, about 311 / C on an H100: 8% at 4096 rows, 30% at V 128256's 1046.
-  const std::int64_t cap = std::max<std::int64_t>(
-      kMinChunkRows, kChunkLogitBytes / (static_cast<std::int64_t>(dtype_size(logits)) * padded_classes(v)));
+  const std::int64_t row_bytes = static_cast<std::int64_t>(dtype_size(logits)) * padded_classes(v);
+  const std::int64_t cap = std::max<std::int64_t>(kMinChunkRows, kChunkLogitBytes / row_bytes);
+  // One chunk needs no accumulator: it may take the memory of the chunks' logits and the
+  // accumulator together (no more memory, no accumulator traffic, one rounding of dw).
+  if (n <= cap || n <= (cap * row_bytes + std::max<std::int64_t>(accumulator_bytes, 0)) / row_bytes) return n;
   // Equal chunks, rounded up to 8 rows (the GEMMs' M), at most about cap rows.
   const std::int64_t chunks = (n + cap - 1) / cap;
   const std::int64_t c = ((n + chunks - 1) / chunks + 7) / 8 * 8;
