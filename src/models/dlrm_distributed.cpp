@@ -101,7 +101,7 @@ double DistributedDlrm::train_step(const DlrmInput& input, const TensorView& lab
 
 void DistributedDlrm::save_shards(std::ostream& out) {
   const nn::EmbeddingBagCollection* l = embeddings_.local();
-  const bool adagrad = l != nullptr && l->state.numel() > 0;
+  const bool adagrad = l != nullptr && l->state.data() != nullptr;  // none before an Adagrad step
   std::vector<TensorView> arrays;
   for (int s = 0; l && s < l->num_tables(); ++s) arrays.push_back(l->tables[static_cast<std::size_t>(s)]);
   for (int s = 0; adagrad && s < l->num_tables(); ++s) arrays.push_back(shard_state(*l, s, dense_.config().rowwise_adagrad));
