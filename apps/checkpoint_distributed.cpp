@@ -131,17 +131,52 @@ void open_shard_file(const std::string& path, const CheckpointHeader& h, int ran
                 fmt::format("{}: another checkpoint's (step {}, {})", file, s.step, m.dump()));
 }
 
+namespace {
+
+// The shard files of the manifest `h` at `path` as models::SavedTables, each opened (and checked
+// by open_shard_file) when first wanted; `files` holds them.
+models::SavedTables shard_files(const std::string& path, const CheckpointHeader& h, dist::ShardingPlan plan,
+                                std::vector<std::unique_ptr<std::ifstream>>& files, const char* op, const char* flag) {
+  files.resize(static_cast<std::size_t>(plan.ranks));
+  return {std::move(plan), models::SavedTables::Layout::shards, [&path, &h, &files, op, flag](int r) -> std::istream& {
+            auto& f = files[static_cast<std::size_t>(r)];
+            f = std::make_unique<std::ifstream>();
+            open_shard_file(path, h, r, *f, op, flag);
+            return *f;
+          }};
+}
+
+}  // namespace
+
 void consolidate_checkpoint(const std::string& path, const CheckpointHeader& h, std::istream& dense,
                             const models::DlrmConfig& config, std::ostream& out, const char* op, const char* flag) {
-  const dist::ShardingPlan plan = manifest_plan(path, h, config.table_rows, op, flag);
   std::vector<std::unique_ptr<std::ifstream>> files;
-  std::vector<std::istream*> shards;
-  for (int r = 0; r < plan.ranks; ++r) {
-    files.push_back(std::make_unique<std::ifstream>());
-    open_shard_file(path, h, r, *files.back(), op, flag);
-    shards.push_back(files.back().get());
+  const models::SavedTables tables =
+      shard_files(path, h, manifest_plan(path, h, config.table_rows, op, flag), files, op, flag);
+  models::consolidate_distributed_state(config, dense, tables, out);
+}
+
+dist::ShardingPlan load_distributed(const std::string& path, const CheckpointHeader& h, std::ifstream& in,
+                                    models::DistributedDlrm& model, const char* op, const char* flag) {
+  const std::vector<std::int64_t>& rows = model.dense().config().table_rows;
+  std::vector<std::unique_ptr<std::ifstream>> files;
+  const std::streamoff start = in.tellg();
+  // A one-process checkpoint: the dense arrays read first, then the tables' rows from the same file.
+  const models::SavedTables tables =
+      is_distributed(h) ? shard_files(path, h, manifest_plan(path, h, rows, op, flag), files, op, flag)
+                        : models::SavedTables{models::one_process_plan(rows), models::SavedTables::Layout::one_process,
+                                              [&in, start](int) -> std::istream& {
+                                                in.clear();
+                                                in.seekg(start);
+                                                return in;
+                                              }};
+  try {
+    model.load(in, tables);
+  } catch (const Error& e) {
+    if (e.arg() == flag) throw;  // a shard file's, already named
+    throw Error(op, flag, fmt::format("{} ({}, {})", e.expected(), e.op(), e.arg()), fmt::format("{}: {}", path, e.got()));
   }
-  models::consolidate_distributed_state(config, plan, dense, shards, out);
+  return tables.plan;
 }
 
 }  // namespace fk::apps

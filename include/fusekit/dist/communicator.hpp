@@ -5,10 +5,11 @@
 //   single   one process (size 1): all_to_all_v copies, all_reduce_sum leaves the data as it is;
 //            what a build without MPI runs
 //   mpi      MPI's collectives on host memory (FUSEKIT_WITH_MPI; ranks launched by mpirun)
+//   offline  one rank of N without its peers (no collective), for a rank's state without a run
 //
 // Every call is collective: all ranks make the same calls in the same order. Buffers are
 // TensorViews, so each implementation checks they live where it can reach them (host memory for
-// these two). A device implementation (NCCL) takes the same calls with the `stream` argument the
+// these). A device implementation (NCCL) takes the same calls with the `stream` argument the
 // collective is queued on; the host implementations synchronise it first, if given, and return
 // when the collective is done. Errors throw fk::Error; a rank that fails should call abort(), so
 // that the others stop instead of waiting in their next collective.
@@ -36,7 +37,7 @@ class Communicator {
 
   virtual int rank() const noexcept = 0;
   virtual int size() const noexcept = 0;
-  virtual std::string_view backend() const noexcept = 0;  // "single" | "mpi"
+  virtual std::string_view backend() const noexcept = 0;  // "single" | "mpi" | "offline"
   // Where the buffers of the calls must live (host memory: Device::cpu()).
   virtual Device device() const noexcept = 0;
 
@@ -59,6 +60,11 @@ class Communicator {
 
 // Size 1, for a build or a run without MPI.
 std::unique_ptr<Communicator> make_single_communicator();
+
+// Rank `rank` of `size` on its own, with no peers: for building one rank's part of a sharded model
+// and saving or loading its state without running it (re-sharding tools, tests, the fuzz seeds).
+// Every collective throws fk::Error; abort() ends the process. fk::Error for rank outside [0, size).
+std::unique_ptr<Communicator> make_offline_communicator(int rank, int size);
 
 // MPI_COMM_WORLD; initialises MPI (MPI_THREAD_FUNNELED) unless it is already, and finalises it
 // when the last communicator it made is destroyed. Throws fk::Error when fusekit was built
