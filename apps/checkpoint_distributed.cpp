@@ -137,12 +137,10 @@ namespace {
 // by open_shard_file) when first wanted; `files` holds them.
 models::SavedTables shard_files(const std::string& path, const CheckpointHeader& h, dist::ShardingPlan plan,
                                 std::vector<std::unique_ptr<std::ifstream>>& files, const char* op, const char* flag) {
-  files.resize(static_cast<std::size_t>(plan.ranks));
   return {std::move(plan), models::SavedTables::Layout::shards, [&path, &h, &files, op, flag](int r) -> std::istream& {
-            auto& f = files[static_cast<std::size_t>(r)];
-            f = std::make_unique<std::ifstream>();
-            open_shard_file(path, h, r, *f, op, flag);
-            return *f;
+            files.push_back(std::make_unique<std::ifstream>());
+            open_shard_file(path, h, r, *files.back(), op, flag);
+            return *files.back();
           }};
 }
 

@@ -11,7 +11,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <optional>
+#include <map>
 #include <sstream>
 
 #include "fusekit/core/error.hpp"
@@ -71,12 +71,9 @@ class RowGatherer {
               const char* op)
       : config_(config), saved_(saved), adagrad_(adagrad), dense_arrays_(dense_arrays), op_(op) {
     check_plan();
-    streams_.resize(static_cast<std::size_t>(saved_.plan.ranks));
     local_.resize(config_.table_rows.size());
-    std::vector<std::int64_t> next(static_cast<std::size_t>(saved_.plan.ranks), 0);
     for (std::size_t t = 0; t < saved_.plan.tables.size(); ++t)
-      for (const dist::Shard& sh : saved_.plan.tables[t]) local_[t].push_back(next[static_cast<std::size_t>(sh.rank)]++);
-    shard_count_ = std::move(next);
+      for (const dist::Shard& sh : saved_.plan.tables[t]) local_[t].push_back(shard_count_[sh.rank]++);
   }
 
   void gather(const RowsWanted& w) {
@@ -133,14 +130,13 @@ class RowGatherer {
       const std::size_t p = dense_arrays_, t = static_cast<std::size_t>(table), n = config_.table_rows.size();
       return {p + t, 2 * p + n + t};
     }
-    const auto s = static_cast<std::size_t>(shard_count_[static_cast<std::size_t>(r)]);
+    const auto s = static_cast<std::size_t>(shard_count_.at(r));
     return {static_cast<std::size_t>(k), s + static_cast<std::size_t>(k)};
   }
 
   // Saved rank r's stream, opened and its lengths checked on first use.
   SavedStream& stream(int r) {
-    std::optional<SavedStream>& slot = streams_[static_cast<std::size_t>(r)];
-    if (slot) return *slot;
+    if (const auto it = streams_.find(r); it != streams_.end()) return it->second;
     SavedStream s;
     s.in = &saved_.open(r);
     std::istream& in = *s.in;
@@ -187,8 +183,7 @@ class RowGatherer {
       s.at.push_back(at + 8);
       at += 8 + static_cast<std::streamoff>(len) * 4;
     }
-    slot = std::move(s);
-    return *slot;
+    return streams_.emplace(r, std::move(s)).first->second;
   }
 
   void read_rows(SavedStream& s, int r, std::size_t array, std::int64_t first, std::int64_t rows, std::int64_t width,
@@ -203,9 +198,10 @@ class RowGatherer {
   bool adagrad_;
   std::uint64_t dense_arrays_;
   const char* op_;
-  std::vector<std::optional<SavedStream>> streams_;  // per saved rank, once opened
-  std::vector<std::vector<std::int64_t>> local_;      // per table, per saved shard: its index on its rank
-  std::vector<std::int64_t> shard_count_;             // per saved rank
+  // Per saved rank (a plan may name many ranks; only those holding shards count here).
+  std::map<int, SavedStream> streams_;          // once opened
+  std::map<int, std::int64_t> shard_count_;     // its shards
+  std::vector<std::vector<std::int64_t>> local_;  // per table, per saved shard: its index on its rank
 };
 
 // The dense part of a one-process state (Dlrm::save_state of a model holding its tables) as the
