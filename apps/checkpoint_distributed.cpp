@@ -125,8 +125,10 @@ void open_shard_file(const std::string& path, const CheckpointHeader& h, int ran
   for (const nlohmann::json& sh : d["shards"])
     if (sh.is_array() && sh.size() == 4 && sh[3] == rank) mine.push_back(sh);
   const nlohmann::json& m = s.config;
-  if (s.step != h.step || !m.is_object() || m.value("world_size", -1) != ranks || m.value("rank", -1) != rank ||
-      !m.contains("shards") || m["shards"] != mine || !m.contains("config_crc") || m["config_crc"] != d["config_crc"])
+  // Compared as JSON values: a field of another type is another checkpoint's, not an exception.
+  const auto field = [&m](const char* key) { return m.contains(key) ? m[key] : nlohmann::json(); };
+  if (s.step != h.step || !m.is_object() || field("world_size") != ranks || field("rank") != rank ||
+      field("shards") != mine || field("config_crc") != d["config_crc"])
     throw Error(op, flag, fmt::format("rank {}'s shard file of {} (step {}, {} ranks)", rank, path, h.step, ranks),
                 fmt::format("{}: another checkpoint's (step {}, {})", file, s.step, m.dump()));
 }

@@ -30,7 +30,7 @@ for t in "${targets[@]}"; do
     tsv_reader_fuzz) seeds=(fuzz/corpus/tsv "$build/fuzz-seeds/tsv") ;;
     binary_reader_fuzz) seeds=("$build/fuzz-seeds/binary") ;;
     checkpoint_fuzz) seeds=("$build/fuzz-seeds/checkpoint") ;;
-    dist_checkpoint_fuzz) seeds=("$build/fuzz-seeds/dist_checkpoint") ;;
+    dist_checkpoint_fuzz) seeds=(fuzz/corpus/dist_checkpoint "$build/fuzz-seeds/dist_checkpoint") ;;
     vocabulary_fuzz) seeds=(fuzz/corpus/vocabulary "$build/fuzz-seeds/vocabulary") ;;
     shards_fuzz) seeds=("$build/fuzz-seeds/shards") ;;
     *) echo "fuzz: no target $t" >&2; exit 2 ;;
