@@ -83,6 +83,12 @@ void write_manifest(const std::string& manifest, std::int64_t step, const nlohma
 
 bool is_distributed(const CheckpointHeader& h) { return h.config.is_object() && h.config.contains("distributed"); }
 
+nlohmann::json stored_run_config(const CheckpointHeader& h) {
+  nlohmann::json c = h.config;
+  if (c.is_object()) c.erase("distributed");
+  return c;
+}
+
 dist::ShardingPlan manifest_plan(const std::string& path, const CheckpointHeader& h,
                                  const std::vector<std::int64_t>& table_rows, const char* op, const char* flag) {
   const nlohmann::json& d = section(path, h, op, flag);

@@ -44,6 +44,9 @@ void write_manifest(const std::string& manifest, std::int64_t step, const nlohma
 
 // Whether a checkpoint's header is a distributed manifest's.
 bool is_distributed(const CheckpointHeader& h);
+// The run's configuration stored in a checkpoint, as app::from_json reads it back: a manifest's
+// without its "distributed" section; any other JSON (a damaged or foreign file's) as it is.
+nlohmann::json stored_run_config(const CheckpointHeader& h);
 // The manifest's world size and plan (its tables' shards), checked (fk::Error, argument `flag`,
 // naming the path) against the configuration's tables `table_rows`.
 dist::ShardingPlan manifest_plan(const std::string& path, const CheckpointHeader& h,

@@ -83,10 +83,8 @@ void load(const std::vector<std::uint8_t>& bytes) {
                   ? rowwise
                   : elementwise;
   try {  // fusekit eval: the stored configuration, without the distributed section
-    nlohmann::json stored = h.config;
-    if (stored.is_object()) stored.erase("distributed");
     app::TrainConfig c;
-    app::from_json(stored, c);
+    app::from_json(apps::stored_run_config(h), c);
     app::validate(c);
   } catch (const Error&) {
   }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "apps/checkpoint_distributed.hpp"
+#include "apps/train_config.hpp"
 #include "fusekit/core/error.hpp"
 
 namespace fk::apps {
@@ -67,6 +68,22 @@ TEST(DistributedCheckpoint, ShardFileFieldsOfAnotherTypeAreRefused) {
       EXPECT_NE(std::string(e.what()).find("another checkpoint's"), std::string::npos) << e.what();
     }
   }
+}
+
+// fusekit eval reads the run's configuration from any checkpoint: one whose configuration is not
+// a JSON object is refused by the configuration's reader (fk::Error), where removing the
+// manifest's section escaped as a JSON type error.
+TEST(DistributedCheckpoint, AStoredConfigurationThatIsNotAnObjectIsRefused) {
+  for (const nlohmann::json& config : {nlohmann::json::array({1, 2}), nlohmann::json(7), nlohmann::json("x")}) {
+    const CheckpointHeader h{.step = 1, .config = config};
+    EXPECT_FALSE(is_distributed(h));
+    const nlohmann::json stored = stored_run_config(h);
+    EXPECT_EQ(stored, config);
+    app::TrainConfig c;
+    EXPECT_THROW(app::from_json(stored, c), Error) << config.dump();
+  }
+  const CheckpointHeader manifest{.step = 1, .config = {{"model", {{"seed", 2}}}, {"distributed", {{"world_size", 2}}}}};
+  EXPECT_EQ(stored_run_config(manifest), (nlohmann::json{{"model", {{"seed", 2}}}}));
 }
 
 }  // namespace
