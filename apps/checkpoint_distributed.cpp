@@ -180,7 +180,8 @@ dist::ShardingPlan load_distributed(const std::string& path, const CheckpointHea
     model.load(in, tables);
   } catch (const Error& e) {
     if (e.arg() == flag) throw;  // a shard file's, already named
-    throw Error(op, flag, fmt::format("{} ({}, {})", e.expected(), e.op(), e.arg()), fmt::format("{}: {}", path, e.got()));
+    throw Error(op, flag, fmt::format("{} ({}, {})", e.expected(), e.op(), e.arg()),
+                fmt::format("{}: {}", path, e.got()));
   }
   return tables.plan;
 }
