@@ -83,6 +83,12 @@ void write_manifest(const std::string& manifest, std::int64_t step, const nlohma
 
 bool is_distributed(const CheckpointHeader& h) { return h.config.is_object() && h.config.contains("distributed"); }
 
+nlohmann::json stored_run_config(const CheckpointHeader& h) {
+  nlohmann::json c = h.config;
+  if (c.is_object()) c.erase("distributed");
+  return c;
+}
+
 dist::ShardingPlan manifest_plan(const std::string& path, const CheckpointHeader& h,
                                  const std::vector<std::int64_t>& table_rows, const char* op, const char* flag) {
   const nlohmann::json& d = section(path, h, op, flag);
@@ -125,23 +131,59 @@ void open_shard_file(const std::string& path, const CheckpointHeader& h, int ran
   for (const nlohmann::json& sh : d["shards"])
     if (sh.is_array() && sh.size() == 4 && sh[3] == rank) mine.push_back(sh);
   const nlohmann::json& m = s.config;
-  if (s.step != h.step || !m.is_object() || m.value("world_size", -1) != ranks || m.value("rank", -1) != rank ||
-      !m.contains("shards") || m["shards"] != mine || !m.contains("config_crc") || m["config_crc"] != d["config_crc"])
+  // Compared as JSON values: a field of another type is another checkpoint's, not an exception.
+  const auto field = [&m](const char* key) { return m.contains(key) ? m[key] : nlohmann::json(); };
+  if (s.step != h.step || !m.is_object() || field("world_size") != ranks || field("rank") != rank ||
+      field("shards") != mine || field("config_crc") != d["config_crc"])
     throw Error(op, flag, fmt::format("rank {}'s shard file of {} (step {}, {} ranks)", rank, path, h.step, ranks),
                 fmt::format("{}: another checkpoint's (step {}, {})", file, s.step, m.dump()));
 }
 
+namespace {
+
+// The shard files of the manifest `h` at `path` as models::SavedTables, each opened (and checked
+// by open_shard_file) when first wanted; `files` holds them.
+models::SavedTables shard_files(const std::string& path, const CheckpointHeader& h, dist::ShardingPlan plan,
+                                std::vector<std::unique_ptr<std::ifstream>>& files, const char* op, const char* flag) {
+  return {std::move(plan), models::SavedTables::Layout::shards, [&path, &h, &files, op, flag](int r) -> std::istream& {
+            files.push_back(std::make_unique<std::ifstream>());
+            open_shard_file(path, h, r, *files.back(), op, flag);
+            return *files.back();
+          }};
+}
+
+}  // namespace
+
 void consolidate_checkpoint(const std::string& path, const CheckpointHeader& h, std::istream& dense,
                             const models::DlrmConfig& config, std::ostream& out, const char* op, const char* flag) {
-  const dist::ShardingPlan plan = manifest_plan(path, h, config.table_rows, op, flag);
   std::vector<std::unique_ptr<std::ifstream>> files;
-  std::vector<std::istream*> shards;
-  for (int r = 0; r < plan.ranks; ++r) {
-    files.push_back(std::make_unique<std::ifstream>());
-    open_shard_file(path, h, r, *files.back(), op, flag);
-    shards.push_back(files.back().get());
+  const models::SavedTables tables =
+      shard_files(path, h, manifest_plan(path, h, config.table_rows, op, flag), files, op, flag);
+  models::consolidate_distributed_state(config, dense, tables, out);
+}
+
+dist::ShardingPlan load_distributed(const std::string& path, const CheckpointHeader& h, std::ifstream& in,
+                                    models::DistributedDlrm& model, const char* op, const char* flag) {
+  const std::vector<std::int64_t>& rows = model.dense().config().table_rows;
+  std::vector<std::unique_ptr<std::ifstream>> files;
+  const std::streamoff start = in.tellg();
+  // A one-process checkpoint: the dense arrays read first, then the tables' rows from the same file.
+  const models::SavedTables tables =
+      is_distributed(h) ? shard_files(path, h, manifest_plan(path, h, rows, op, flag), files, op, flag)
+                        : models::SavedTables{models::one_process_plan(rows), models::SavedTables::Layout::one_process,
+                                              [&in, start](int) -> std::istream& {
+                                                in.clear();
+                                                in.seekg(start);
+                                                return in;
+                                              }};
+  try {
+    model.load(in, tables);
+  } catch (const Error& e) {
+    if (e.arg() == flag) throw;  // a shard file's, already named
+    throw Error(op, flag, fmt::format("{} ({}, {})", e.expected(), e.op(), e.arg()),
+                fmt::format("{}: {}", path, e.got()));
   }
-  models::consolidate_distributed_state(config, plan, dense, shards, out);
+  return tables.plan;
 }
 
 }  // namespace fk::apps

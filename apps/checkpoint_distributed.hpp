@@ -28,6 +28,7 @@
 #include "apps/checkpoint.hpp"
 #include "fusekit/dist/sharding.hpp"
 #include "fusekit/models/dlrm.hpp"
+#include "fusekit/models/dlrm_distributed.hpp"
 
 namespace fk::apps {
 
@@ -43,6 +44,9 @@ void write_manifest(const std::string& manifest, std::int64_t step, const nlohma
 
 // Whether a checkpoint's header is a distributed manifest's.
 bool is_distributed(const CheckpointHeader& h);
+// The run's configuration stored in a checkpoint, as app::from_json reads it back: a manifest's
+// without its "distributed" section; any other JSON (a damaged or foreign file's) as it is.
+nlohmann::json stored_run_config(const CheckpointHeader& h);
 // The manifest's world size and plan (its tables' shards), checked (fk::Error, argument `flag`,
 // naming the path) against the configuration's tables `table_rows`.
 dist::ShardingPlan manifest_plan(const std::string& path, const CheckpointHeader& h,
@@ -53,9 +57,16 @@ dist::ShardingPlan manifest_plan(const std::string& path, const CheckpointHeader
 void open_shard_file(const std::string& path, const CheckpointHeader& h, int rank, std::ifstream& in, const char* op,
                      const char* flag);
 // N -> 1: the single-process state (models::Dlrm::load_state's) of the distributed checkpoint at
-// `path`, whose manifest `h` was opened with `dense` left at the dense state, gathered from every
-// shard file.
+// `path`, whose manifest `h` was opened with `dense` left at the dense state, gathered from the
+// shard files (each opened with open_shard_file).
 void consolidate_checkpoint(const std::string& path, const CheckpointHeader& h, std::istream& dense,
                             const models::DlrmConfig& config, std::ostream& out, const char* op, const char* flag);
+// N -> M and 1 -> M: `model`'s whole state (the dense part, this rank's shards of its plan) from
+// the checkpoint at `path` opened as `h` with `in` at its state: a manifest of any number of ranks
+// and plan (the shard files holding rows of this rank's shards opened with open_shard_file, each
+// checked whole, then read only where those rows are), or a one-process checkpoint (its tables'
+// rows read from its state). Returns the saved plan (a one-process checkpoint's: one rank).
+dist::ShardingPlan load_distributed(const std::string& path, const CheckpointHeader& h, std::ifstream& in,
+                                    models::DistributedDlrm& model, const char* op, const char* flag);
 
 }  // namespace fk::apps

@@ -593,9 +593,7 @@ int run_eval(const EvalFlags& f) {
   std::ifstream in;
   const apps::CheckpointHeader h = apps::open_checkpoint(f.checkpoint, in, "fusekit eval");
   TrainConfig c;
-  nlohmann::json stored = h.config;
-  stored.erase("distributed");  // a --distributed run's manifest: its plan and shard files
-  from_json(stored, c);
+  from_json(apps::stored_run_config(h), c);
   if (f.data) c.data = *f.data;
   if (f.test_mini_batch_size) c.test_mini_batch_size = *f.test_mini_batch_size;
   c.device = f.device;

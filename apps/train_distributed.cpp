@@ -5,8 +5,9 @@
 // that fails prints its error and aborts every rank (MPI_Abort), so none waits in a collective.
 // --checkpoint PATH saves a manifest and one shard file per rank (apps/checkpoint_distributed.hpp)
 // at the end and every --checkpoint-every steps; --resume / --load-model continue from one saved
-// on the same number of ranks and plan. What it does not do yet (the single-process run does):
-// periodic evaluation, metrics JSON, traces, learning-rate schedules.
+// on any number of ranks and plan (N -> M), or by the one-process run (1 -> M). What it does not
+// do yet (the single-process run does): periodic evaluation, metrics JSON, traces, learning-rate
+// schedules.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -67,11 +68,31 @@ std::pair<std::int64_t, std::int64_t> slice_of(std::int64_t n, int rank, int ran
   return {begin, begin + base + (rank < extra ? 1 : 0)};
 }
 
-// --resume / --load-model: the dense state from the manifest, this rank's shards from its file;
-// the step the checkpoint was saved at (0 without one).
-std::int64_t start_from(const StartState& start, bool resume_override, const TrainConfig& c,
-                        models::DistributedDlrm& model, std::int64_t total) {
-  if (start.path.empty() || (!start.must_exist && !std::filesystem::exists(start.path))) return 0;
+bool same_plan(const dist::ShardingPlan& a, const dist::ShardingPlan& b) {
+  if (a.ranks != b.ranks || a.tables.size() != b.tables.size()) return false;
+  for (std::size_t t = 0; t < a.tables.size(); ++t) {
+    if (a.tables[t].size() != b.tables[t].size()) return false;
+    for (std::size_t i = 0; i < a.tables[t].size(); ++i) {
+      const dist::Shard &x = a.tables[t][i], &y = b.tables[t][i];
+      if (x.row_begin != y.row_begin || x.row_end != y.row_end || x.rank != y.rank) return false;
+    }
+  }
+  return true;
+}
+
+// Where a resumed run starts: the checkpoint's step, and the ranks that saved it (1 for none, or a
+// one-process checkpoint), whose count of steps per epoch places the step in the data.
+struct Resume {
+  std::int64_t step = 0;
+  int saved_ranks = 1;
+};
+
+// --resume / --load-model: the dense state from the checkpoint, this rank's shards of its plan
+// gathered from the shard files that hold their rows (any number of ranks, any plan: N -> M), or
+// from a one-process checkpoint's tables (1 -> M).
+Resume start_from(const StartState& start, bool resume_override, const TrainConfig& c, models::DistributedDlrm& model,
+                  std::int64_t total) {
+  if (start.path.empty() || (!start.must_exist && !std::filesystem::exists(start.path))) return {};
   const char* flag = start.flag.c_str();
   std::ifstream in;
   apps::CheckpointHeader h;
@@ -84,29 +105,16 @@ std::int64_t start_from(const StartState& start, bool resume_override, const Tra
   FK_CHECK_ARG(diff.empty() || resume_override, kOp, flag,
                fmt::format("the configuration stored in {} (--resume-override resumes with the new settings)", start.path),
                diff);
-  const int ranks = model.communicator().size();
-  const dist::ShardingPlan stored =
-      apps::manifest_plan(start.path, h, model.dense().config().table_rows, kOp, flag);
-  FK_CHECK_ARG(stored.ranks == ranks, kOp, flag,
-               fmt::format("a checkpoint of {} ranks, as this run (another number of ranks is not supported yet; "
-                           "the one-process fusekit train reads it)", ranks),
-               fmt::format("{} of {} ranks", start.path, stored.ranks));
-  for (std::size_t t = 0; t < stored.tables.size(); ++t) {
-    const auto& a = stored.tables[t];
-    const auto& b = model.plan().tables[t];
-    bool same = a.size() == b.size();
-    for (std::size_t i = 0; same && i < a.size(); ++i)
-      same = a[i].row_begin == b[i].row_begin && a[i].row_end == b[i].row_end && a[i].rank == b[i].rank;
-    FK_CHECK_ARG(same, kOp, flag, fmt::format("the sharding plan of this run (--max-shard-rows as when it was saved)"),
-                 fmt::format("{}: table {} sharded otherwise", start.path, t));
-  }
   FK_CHECK_ARG(h.step <= total, kOp, flag, fmt::format("a checkpoint at most at step {} (the run's end)", total),
                fmt::format("{} at step {}", start.path, h.step));
-  model.dense().load_state(in);
-  std::ifstream shards;
-  apps::open_shard_file(start.path, h, model.communicator().rank(), shards, kOp, flag);
-  model.load_shards(shards);
-  return h.step;
+  const dist::ShardingPlan saved = apps::load_distributed(start.path, h, in, model, kOp, flag);
+  if (model.communicator().rank() == 0 && !same_plan(saved, model.plan())) {
+    fmt::print("re-sharded: {} saved on {} rank{}{}, loaded onto this run's plan of {} rank{}\n", start.path,
+               saved.ranks, saved.ranks == 1 ? "" : "s", apps::is_distributed(h) ? "" : " (one process)",
+               model.plan().ranks, model.plan().ranks == 1 ? "" : "s");
+    std::fflush(stdout);
+  }
+  return {h.step, saved.ranks};
 }
 
 // Every rank its shard file, then (after a barrier) rank 0 the manifest with the dense state.
@@ -157,18 +165,21 @@ int run(const TrainConfig& c, std::int64_t max_shard_rows, const StartState& sta
   const std::int64_t n_train = data.split.train->size();
   const std::int64_t per_epoch = (n_train + c.mini_batch_size - 1) / c.mini_batch_size;
   const std::int64_t total = c.steps > 0 ? c.steps : per_epoch * c.epochs;
-  std::int64_t step = start_from(start, resume_override, c, model, total);
+  const Resume resume = start_from(start, resume_override, c, model, total);
+  std::int64_t step = resume.step;
   if (lead && step > 0) {
     fmt::print("{} {} at step {}\n", start.must_exist ? "loaded" : "resumed from", start.path, step);
     std::fflush(stdout);
   }
-  // Step k is batch k of the epochs' batches less any last batch smaller than the ranks (skipped).
+  // Step k is batch k of the epochs' batches less any last batch smaller than the ranks (skipped):
+  // a resumed run starts where the ranks that saved it were.
   const std::int64_t last_batch = n_train - (per_epoch - 1) * c.mini_batch_size;
-  const std::int64_t trained_per_epoch = std::max<std::int64_t>(1, per_epoch - (last_batch < ranks ? 1 : 0));
+  const std::int64_t saved_per_epoch =
+      std::max<std::int64_t>(1, per_epoch - (last_batch < resume.saved_ranks ? 1 : 0));
   data::BatchLoader loader(data.split.train, data.featurizer,
                            {.batch_size = c.mini_batch_size,
-                            .epochs = (total + per_epoch - 1) / per_epoch - step / trained_per_epoch,
-                            .first_batch = step % trained_per_epoch});
+                            .epochs = (total + per_epoch - 1) / per_epoch - step / saved_per_epoch,
+                            .first_batch = step % saved_per_epoch});
   std::int64_t samples = 0, window_steps = 0, last_steps = 0;
   double window_loss = 0, last_loss = 0, train_seconds = 0;
   auto window_start = Clock::now();

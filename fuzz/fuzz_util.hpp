@@ -1,5 +1,6 @@
 // What the fuzz targets share: a scratch folder for the files they hand to the readers (which
-// take paths), and the small DLRM whose checkpoints the checkpoint target loads.
+// take paths), the small DLRM whose checkpoints the checkpoint targets load, and the repairs that
+// recompute an input's checksums.
 #pragma once
 
 #include <zlib.h>
@@ -15,6 +16,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "apps/train_config.hpp"
 #include "fusekit/core/device.hpp"
@@ -49,6 +52,19 @@ inline app::TrainConfig fuzz_train_config() {
   c.arch_sparse_feature_size = 4;
   c.max_ind_range = 7;
   c.impl = "fused";
+  return c;
+}
+
+// The distributed checkpoint target's run: the same tables with one-layer MLPs (a dense state of
+// 1.6 KB, so that mutations land in the manifest's and shard files' headers more often), trained
+// with Adagrad, element-wise or row-wise (whose accumulators have a float a row).
+inline app::TrainConfig fuzz_dist_train_config(bool rowwise) {
+  app::TrainConfig c = fuzz_train_config();
+  c.arch_mlp_bot = "13-4";
+  c.arch_mlp_top = "1";
+  c.optimizer = "adagrad";
+  c.rowwise_adagrad = rowwise;
+  c.mini_batch_size = 16;
   return c;
 }
 
@@ -112,6 +128,76 @@ inline void repair_checkpoint(std::vector<std::uint8_t>& b) {
   std::memcpy(b.data() + b.size() - 20, &state_bytes, 8);
   std::memcpy(b.data() + b.size() - 12, &c, 4);
   std::memcpy(b.data() + b.size() - 8, "FKCKEND2", 8);
+}
+
+// A fuzz input holding several files (dist_checkpoint_fuzz: a manifest and its shard files):
+// pieces of a u32 length (little-endian) and that many bytes, the last piece cut short where the
+// input ends; at most `max_pieces`, any bytes after them ignored.
+inline std::vector<std::vector<std::uint8_t>> split_pieces(const std::vector<std::uint8_t>& b, std::size_t max_pieces) {
+  std::vector<std::vector<std::uint8_t>> out;
+  for (std::size_t at = 0; at + 4 <= b.size() && out.size() < max_pieces;) {
+    const std::size_t n = std::min<std::size_t>(load<std::uint32_t>(b, at), b.size() - at - 4);
+    out.emplace_back(b.begin() + static_cast<std::ptrdiff_t>(at + 4), b.begin() + static_cast<std::ptrdiff_t>(at + 4 + n));
+    at += 4 + n;
+  }
+  return out;
+}
+inline std::vector<std::uint8_t> join_pieces(const std::vector<std::vector<std::uint8_t>>& pieces) {
+  std::vector<std::uint8_t> out;
+  for (const auto& p : pieces) {
+    out.resize(out.size() + 4);
+    store(out, out.size() - 4, static_cast<std::uint32_t>(p.size()));
+    out.insert(out.end(), p.begin(), p.end());
+  }
+  return out;
+}
+
+// A distributed checkpoint's pieces (the manifest, then shard files; apps/checkpoint_distributed.hpp)
+// with the manifest's config_crc recomputed and copied into every shard file's, then each piece's
+// FKCKPT02 checksums (repair_checkpoint), so that the fuzzer reaches the plan, the shard files'
+// identity checks and the states behind them. Pieces whose configuration is not a JSON object are
+// left as they are.
+inline void repair_distributed_checkpoint(std::vector<std::uint8_t>& b) {
+  auto pieces = split_pieces(b, SIZE_MAX);
+  // A piece's configuration as JSON (the FKCKPT02 header's), or null.
+  const auto config_of = [](const std::vector<std::uint8_t>& p) -> nlohmann::json {
+    if (p.size() < 24 || std::memcmp(p.data(), "FKCKPT02", 8) != 0) return nullptr;
+    const std::uint64_t len = load<std::uint64_t>(p, 16);
+    if (len > p.size() - 24) return nullptr;
+    const nlohmann::json j = nlohmann::json::parse(p.begin() + 24, p.begin() + 24 + static_cast<std::ptrdiff_t>(len),
+                                                   nullptr, false);
+    return j.is_object() ? j : nlohmann::json();
+  };
+  const auto with_config = [](std::vector<std::uint8_t>& p, const nlohmann::json& j) {
+    const std::uint64_t old = load<std::uint64_t>(p, 16);
+    const std::string text = j.dump();
+    std::vector<std::uint8_t> q(p.begin(), p.begin() + 16);
+    q.resize(24);
+    store<std::uint64_t>(q, 16, text.size());
+    q.insert(q.end(), text.begin(), text.end());
+    q.insert(q.end(), p.begin() + 24 + static_cast<std::ptrdiff_t>(old), p.end());
+    p = std::move(q);
+  };
+  nlohmann::json crc_value;
+  if (!pieces.empty()) {
+    nlohmann::json m = config_of(pieces[0]);
+    if (m.is_object() && m.contains("distributed") && m["distributed"].is_object()) {
+      nlohmann::json rest = m;
+      rest.erase("distributed");
+      const std::string text = rest.dump();
+      crc_value = crc(reinterpret_cast<const std::uint8_t*>(text.data()), text.size());
+      m["distributed"]["config_crc"] = crc_value;
+      with_config(pieces[0], m);
+    }
+  }
+  for (std::size_t i = 1; i < pieces.size() && !crc_value.is_null(); ++i) {
+    nlohmann::json s = config_of(pieces[i]);
+    if (!s.is_object()) continue;
+    s["config_crc"] = crc_value;
+    with_config(pieces[i], s);
+  }
+  for (auto& p : pieces) repair_checkpoint(p);
+  b = join_pieces(pieces);
 }
 
 // A target's whole run: `run` on the input as it is (mostly refused by its checksums, which tests

@@ -1,7 +1,9 @@
-// Writes the fuzz targets' generated seed corpus into OUT/{tsv,binary,checkpoint,vocabulary,shards}:
-// files made by fusekit's own writers (synthetic TSV records plain and gzip-compressed, binary
-// files of both versions and several block sizes, checkpoints of both formats of the checkpoint
-// target's model, vocabularies of the synthetic records). The hand-written edge cases are committed under fuzz/corpus/.
+// Writes the fuzz targets' generated seed corpus into
+// OUT/{tsv,binary,checkpoint,vocabulary,shards,dist_checkpoint}: files made by fusekit's own writers
+// (synthetic TSV records plain and gzip-compressed, binary files of both versions and several block
+// sizes, checkpoints of both formats of the checkpoint target's model, vocabularies of the
+// synthetic records, distributed checkpoints of 2 and 3 ranks). The hand-written edge cases are
+// committed under fuzz/corpus/.
 //
 //   fuzz_make_seeds OUT criteo_malformed.tsv
 #include <zlib.h>
@@ -15,6 +17,9 @@
 #include <vector>
 
 #include "apps/checkpoint.hpp"
+#include "apps/checkpoint_distributed.hpp"
+#include "fusekit/dist/communicator.hpp"
+#include "fusekit/models/dlrm_distributed.hpp"
 #include "fusekit/data/preprocess.hpp"
 #include "fusekit/data/vocabulary.hpp"
 #include "fusekit/data/criteo.hpp"
@@ -45,6 +50,60 @@ void gzip(const fs::path& from, const fs::path& to, std::size_t keep = SIZE_MAX)
   }
 }
 
+// A distributed checkpoint of the one-process state `state` (config `c`), saved as fusekit train
+// --distributed saves it on `ranks` ranks with tables split at `max_shard_rows`: each rank's shards
+// gathered from the state (ranks built offline), its shard file, then the manifest; the files as
+// dist_checkpoint_fuzz's pieces (manifest first).
+std::vector<std::uint8_t> distributed_seed(const app::TrainConfig& c, const std::string& state, int ranks,
+                                           std::int64_t max_shard_rows, const fs::path& dir) {
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string manifest = (dir / "state.ckpt").string();
+  const models::DlrmConfig mc = app::make_model_config(c, app::make_featurizer(c));
+  const dist::ShardingPlan plan = models::plan_dlrm_sharding(mc, ranks, c.mini_batch_size, models::OptimizerKind::adagrad,
+                                                             {}, {.max_shard_rows = max_shard_rows});
+  std::string dense;
+  for (int r = 0; r < ranks; ++r) {
+    auto comm = dist::make_offline_communicator(r, ranks);
+    models::DistributedDlrm m(mc, *comm, plan, models::DlrmImpl::fused);
+    std::istringstream in(state);
+    m.load(in, {models::one_process_plan(mc.table_rows), models::SavedTables::Layout::one_process,
+                [&in](int) -> std::istream& {
+                  in.clear();
+                  in.seekg(0);
+                  return in;
+                }});
+    apps::write_shard_file(manifest, 2, app::to_json(c), plan, r, [&](std::ostream& out) { m.save_shards(out); });
+    std::ostringstream d;
+    m.dense().save_state(d);
+    dense = d.str();
+  }
+  apps::write_manifest(manifest, 2, app::to_json(c), plan, [&](std::ostream& out) { out << dense; });
+  std::vector<std::vector<std::uint8_t>> pieces{slurp(manifest)};
+  for (int r = 0; r < ranks; ++r) pieces.push_back(slurp(apps::shard_file_path(manifest, 2, r, ranks)));
+  fs::remove_all(dir);
+  return fuzz::join_pieces(pieces);
+}
+
+// The one-process state of the fuzz model with Adagrad after `steps` steps on synthetic records.
+std::string trained_state(const app::TrainConfig& c, int steps) {
+  const data::Featurizer feat = app::make_featurizer(c);
+  models::Dlrm model(app::make_model_config(c, feat), Device::cpu(), models::DlrmImpl::fused);
+  std::vector<data::RawRecord> recs(static_cast<std::size_t>(c.mini_batch_size * steps));
+  data::SyntheticCriteo(data::SyntheticConfig{}).generate(0, recs);
+  for (int k = 0; k < steps; ++k) {
+    data::Batch b;
+    data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(k * c.mini_batch_size),
+                                             static_cast<std::size_t>(c.mini_batch_size)),
+                     feat, b);
+    model.train_step({b.dense, b.indices, b.offsets}, b.labels,
+                     {.kind = models::OptimizerKind::adagrad, .learning_rate = 0.05f});
+  }
+  std::ostringstream out;
+  model.save_state(out);
+  return out.str();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -53,7 +112,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path out = argv[1];
-  for (const char* d : {"tsv", "binary", "checkpoint", "vocabulary", "shards"}) fs::create_directories(out / d);
+  for (const char* d : {"tsv", "binary", "checkpoint", "vocabulary", "shards", "dist_checkpoint"})
+    fs::create_directories(out / d);
 
   data::SyntheticConfig sc;
   sc.seed = 7;
@@ -129,6 +189,26 @@ int main(int argc, char** argv) {
     v1.write(reinterpret_cast<const char*>(&step), 8);
     v1.write(reinterpret_cast<const char*>(&len), 8);
     v1 << cfg << st;
+  }
+  // Distributed checkpoints (manifest and shard files as dist_checkpoint_fuzz's pieces) of the
+  // fuzz model trained with Adagrad: 2 ranks, tables whole, element-wise accumulators; 2 and 3
+  // ranks with the 7-row tables split (row-wise); 2 ranks before any step (no optimizer state);
+  // and a one-process checkpoint on its own (1 -> M).
+  for (const bool rowwise : {false, true}) {
+    const app::TrainConfig dc = fuzz::fuzz_dist_train_config(rowwise);
+    const std::string state = trained_state(dc, 2);
+    const fs::path scratch = out / "dist_checkpoint/scratch";
+    if (!rowwise) {
+      spill(out / "dist_checkpoint/r2_whole.fz", distributed_seed(dc, state, 2, 0, scratch));
+      spill(out / "dist_checkpoint/r2_step0.fz", distributed_seed(dc, trained_state(dc, 0), 2, 4, scratch));
+      apps::write_checkpoint((scratch.parent_path() / "one.ckpt").string(), 2, app::to_json(dc),
+                             [&](std::ostream& s) { s << state; });
+      spill(out / "dist_checkpoint/one_process.fz", fuzz::join_pieces({slurp(scratch.parent_path() / "one.ckpt")}));
+      fs::remove(scratch.parent_path() / "one.ckpt");
+    } else {
+      spill(out / "dist_checkpoint/r2_rowwise_split.fz", distributed_seed(dc, state, 2, 4, scratch));
+      spill(out / "dist_checkpoint/r3_rowwise_split.fz", distributed_seed(dc, state, 3, 3, scratch));
+    }
   }
   std::printf("fuzz seeds written to %s\n", out.c_str());
   return 0;

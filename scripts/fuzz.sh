@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs each fuzz target (fuzz/: the TSV / gzip reader, the binary format reader, the checkpoint
-# loader) for SECONDS (default 60) on the sanitizer build, from the seed corpus: fuzz/corpus/ and
-# the files fuzz_make_seeds writes. New inputs the fuzzer finds are kept in BUILD/fuzz-corpus/ (a
+# loader, the distributed checkpoint's readers, the vocabulary reader, the data set's manifest)
+# for SECONDS (default 60) on the sanitizer build, from the seed corpus: fuzz/corpus/ and the
+# files fuzz_make_seeds writes. New inputs the fuzzer finds are kept in BUILD/fuzz-corpus/ (a
 # longer run continues from them); a finding stops the run with the fuzzer's report and the input
 # that triggers it, saved as BUILD/fuzz-findings/<target>-crash-*.
 #
@@ -18,7 +19,8 @@ if [ "${1:-}" = "--cmake-args" ]; then echo "$cmake_args"; exit 0; fi
 seconds=${1:-60}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(tsv_reader_fuzz binary_reader_fuzz checkpoint_fuzz vocabulary_fuzz shards_fuzz)
+((${#targets[@]})) || targets=(tsv_reader_fuzz binary_reader_fuzz checkpoint_fuzz dist_checkpoint_fuzz vocabulary_fuzz
+                                shards_fuzz)
 build=${FUSEKIT_SANITIZE_BUILD_DIR:-build-asan}
 
 "$build/fuzz/fuzz_make_seeds" "$build/fuzz-seeds" tests/data/criteo_malformed.tsv >/dev/null
@@ -28,14 +30,17 @@ for t in "${targets[@]}"; do
     tsv_reader_fuzz) seeds=(fuzz/corpus/tsv "$build/fuzz-seeds/tsv") ;;
     binary_reader_fuzz) seeds=("$build/fuzz-seeds/binary") ;;
     checkpoint_fuzz) seeds=("$build/fuzz-seeds/checkpoint") ;;
+    dist_checkpoint_fuzz) seeds=(fuzz/corpus/dist_checkpoint "$build/fuzz-seeds/dist_checkpoint") ;;
     vocabulary_fuzz) seeds=(fuzz/corpus/vocabulary "$build/fuzz-seeds/vocabulary") ;;
     shards_fuzz) seeds=("$build/fuzz-seeds/shards") ;;
     *) echo "fuzz: no target $t" >&2; exit 2 ;;
   esac
   mkdir -p "$build/fuzz-corpus/$t"
   log="$build/fuzz-findings/$t.log"
+  dict=()  # fuzz/<target>.dict: tokens of the format, where a target has one
+  [ -f "fuzz/$t.dict" ] && dict=(-dict="fuzz/$t.dict")
   if ! "$build/fuzz/$t" -max_total_time="$seconds" -max_len=65536 -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 \
-       -artifact_prefix="$build/fuzz-findings/$t-" "$build/fuzz-corpus/$t" "${seeds[@]}" >"$log" 2>&1; then
+       "${dict[@]}" -artifact_prefix="$build/fuzz-findings/$t-" "$build/fuzz-corpus/$t" "${seeds[@]}" >"$log" 2>&1; then
     tail -n 60 "$log"
     echo "fuzz: $t found a fault in ${seconds} s (the input is in $build/fuzz-findings/)" >&2
     exit 1

@@ -86,9 +86,39 @@ class SingleCommunicator final : public Communicator {
   [[noreturn]] void abort(int code) override { std::exit(code); }
 };
 
+class OfflineCommunicator final : public Communicator {
+ public:
+  OfflineCommunicator(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override { return size_; }
+  std::string_view backend() const noexcept override { return "offline"; }
+  Device device() const noexcept override { return Device::cpu(); }
+
+  void all_to_all_v(const TensorView&, std::span<const std::int64_t>, const TensorView&, std::span<const std::int64_t>,
+                    const Stream*) override {
+    no_peers("dist::Communicator::all_to_all_v");
+  }
+  void all_reduce_sum(const TensorView&, const Stream*) override { no_peers("dist::Communicator::all_reduce_sum"); }
+  void barrier() override { no_peers("dist::Communicator::barrier"); }
+  [[noreturn]] void abort(int code) override { std::exit(code); }
+
+ private:
+  [[noreturn]] void no_peers(const char* op) const {
+    throw Error(op, "communicator", "a communicator with peers (not an offline one)",
+                fmt::format("rank {} of {} offline", rank_, size_));
+  }
+  int rank_, size_;
+};
+
 }  // namespace
 
 std::unique_ptr<Communicator> make_single_communicator() { return std::make_unique<SingleCommunicator>(); }
+
+std::unique_ptr<Communicator> make_offline_communicator(int rank, int size) {
+  FK_CHECK_ARG(size >= 1 && rank >= 0 && rank < size, "dist::make_offline_communicator", "rank",
+               "a rank in [0, size) of size >= 1", fmt::format("rank {} of {}", rank, size));
+  return std::make_unique<OfflineCommunicator>(rank, size);
+}
 
 bool built_with_nccl() noexcept { return FUSEKIT_WITH_NCCL != 0; }
 

@@ -1,35 +1,15 @@
 // DLRM over several ranks: the external-table Dlrm, dist::ShardedEmbeddingBags and one all-reduce.
+// Its saved state (shards, N -> M loads, consolidation): dlrm_distributed_state.cpp.
 #include "fusekit/models/dlrm_distributed.hpp"
 
 #include <fmt/format.h>
 
-#include <sstream>
-
 #include "fusekit/core/error.hpp"
-#include "models/dlrm_state_io.hpp"
 
 namespace fk::models {
 namespace {
 
 constexpr const char* kOp = "models::DistributedDlrm";
-
-// A shard's optimizer state inside a collection's state buffer: [rows] row-wise, else [rows, D].
-TensorView shard_state(const nn::EmbeddingBagCollection& l, int s, bool rowwise) {
-  const TensorView& tv = l.tables[static_cast<std::size_t>(s)].view();
-  const std::int64_t base = l.layout().base(s);
-  auto* state = const_cast<float*>(l.state.data_as<const float>());
-  if (rowwise) return TensorView(state + base, DType::f32, {tv.size(0)}, Device::cpu());
-  return TensorView(state + base * tv.size(1), DType::f32, tv.shape(), Device::cpu());
-}
-
-// Rank r's shards in (table, first row) order, as dist::ShardedEmbeddingBags holds them.
-std::vector<dist::Shard> shards_of(const dist::ShardingPlan& plan, int r) {
-  std::vector<dist::Shard> out;
-  for (const auto& table : plan.tables)
-    for (const dist::Shard& sh : table)
-      if (sh.rank == r) out.push_back(sh);
-  return out;
-}
 
 }  // namespace
 
@@ -97,91 +77,6 @@ double DistributedDlrm::train_step(const DlrmInput& input, const TensorView& lab
   parts[1] = static_cast<float>(sum - static_cast<double>(parts[0]));
   comm_.all_reduce_sum(TensorView(parts, DType::f32, {2}, Device::cpu()));
   return (static_cast<double>(parts[0]) + static_cast<double>(parts[1])) / static_cast<double>(gb);
-}
-
-void DistributedDlrm::save_shards(std::ostream& out) {
-  const nn::EmbeddingBagCollection* l = embeddings_.local();
-  const bool adagrad = l != nullptr && l->state.numel() > 0;
-  std::vector<TensorView> arrays;
-  for (int s = 0; l && s < l->num_tables(); ++s) arrays.push_back(l->tables[static_cast<std::size_t>(s)]);
-  for (int s = 0; adagrad && s < l->num_tables(); ++s) arrays.push_back(shard_state(*l, s, dense_.config().rowwise_adagrad));
-  detail::write_state(out, adagrad, arrays);
-}
-
-void DistributedDlrm::load_shards(std::istream& in) {
-  nn::EmbeddingBagCollection* l = embeddings_.local();
-  std::uint64_t count = 0;
-  const bool adagrad = detail::read_state_header(in, count);
-  FK_CHECK_ARG(l != nullptr || count == 0, kOp, "in", "no shard (this rank holds none)",
-               fmt::format("{} arrays", count));
-  if (l == nullptr) return;
-  l->state = Tensor();
-  if (adagrad) l->ensure_state(0.0f);
-  std::vector<TensorView> arrays;
-  for (int s = 0; s < l->num_tables(); ++s) arrays.push_back(l->tables[static_cast<std::size_t>(s)]);
-  for (int s = 0; adagrad && s < l->num_tables(); ++s) arrays.push_back(shard_state(*l, s, dense_.config().rowwise_adagrad));
-  detail::read_state_arrays(in, count, arrays);
-}
-
-void consolidate_distributed_state(const DlrmConfig& config, const dist::ShardingPlan& plan, std::istream& dense,
-                                   const std::vector<std::istream*>& shards, std::ostream& out) {
-  const char* op = "models::consolidate_distributed_state";
-  const std::size_t tables = config.table_rows.size();
-  const std::int64_t d = config.embedding_dim;
-  FK_CHECK_ARG(static_cast<std::size_t>(plan.num_tables()) == tables, op, "plan", fmt::format("{} tables", tables),
-               fmt::format("{}", plan.num_tables()));
-  FK_CHECK_ARG(shards.size() == static_cast<std::size_t>(plan.ranks), op, "shards",
-               fmt::format("one stream per rank ({})", plan.ranks), fmt::format("{}", shards.size()));
-  // The dense state: parameters (P arrays), with Adagrad their accumulators (P more), then the
-  // MLPs' rounding steps when compressing.
-  std::uint64_t count = 0;
-  const bool adagrad = detail::read_state_header(dense, count);
-  const std::uint64_t extra = config.compress_activations_bits > 0 ? 1 : 0;
-  FK_CHECK_ARG(count >= extra && (!adagrad || (count - extra) % 2 == 0), op, "dense",
-               "a dense DLRM state of this configuration", fmt::format("{} arrays", count));
-  const std::uint64_t params = adagrad ? (count - extra) / 2 : count - extra;
-  const auto limit = static_cast<std::uint64_t>(config.parameter_count()) + 64;
-  std::vector<std::vector<float>> dense_arrays;
-  for (std::uint64_t i = 0; i < count; ++i) dense_arrays.push_back(detail::read_state_array(dense, limit, op, "dense"));
-  // Every table whole, and its accumulators, filled from the shards that hold its rows.
-  std::vector<Tensor> values, states;
-  for (std::size_t t = 0; t < tables; ++t) {
-    values.push_back(Tensor::empty({config.table_rows[t], d}, DType::f32, Device::cpu()));
-    if (adagrad)
-      states.push_back(config.rowwise_adagrad ? Tensor::empty({config.table_rows[t]}, DType::f32, Device::cpu())
-                                              : Tensor::empty({config.table_rows[t], d}, DType::f32, Device::cpu()));
-  }
-  const auto rows_of = [&](const Tensor& full, const dist::Shard& sh) {
-    auto* base = const_cast<float*>(full.data_as<const float>());
-    const std::int64_t n = sh.row_end - sh.row_begin;
-    if (full.view().rank() == 1) return TensorView(base + sh.row_begin, DType::f32, {n}, Device::cpu());
-    return TensorView(base + sh.row_begin * d, DType::f32, {n, d}, Device::cpu());
-  };
-  for (int r = 0; r < plan.ranks; ++r) {
-    const std::vector<dist::Shard> mine = shards_of(plan, r);
-    std::uint64_t n = 0;
-    const bool with_state = detail::read_state_header(*shards[static_cast<std::size_t>(r)], n);
-    FK_CHECK_ARG(mine.empty() || with_state == adagrad, op, "shards",
-                 fmt::format("rank {}'s shards {} optimizer state, as the dense state", r, adagrad ? "with" : "without"),
-                 with_state ? "with" : "without");
-    std::vector<TensorView> arrays;
-    for (const dist::Shard& sh : mine) arrays.push_back(rows_of(values[static_cast<std::size_t>(sh.table)], sh));
-    for (std::size_t i = 0; with_state && i < mine.size(); ++i)
-      arrays.push_back(rows_of(states[static_cast<std::size_t>(mine[i].table)], mine[i]));
-    detail::read_state_arrays(*shards[static_cast<std::size_t>(r)], n, arrays);
-  }
-  // The single-process order (Dlrm's state_arrays): parameters, tables, parameters' and tables'
-  // accumulators, rounding steps.
-  const auto view = [](std::vector<float>& v) {
-    return TensorView(v.data(), DType::f32, {static_cast<std::int64_t>(v.size())}, Device::cpu());
-  };
-  std::vector<TensorView> all;
-  for (std::uint64_t i = 0; i < params; ++i) all.push_back(view(dense_arrays[i]));
-  for (const Tensor& v : values) all.push_back(v);
-  for (std::uint64_t i = 0; adagrad && i < params; ++i) all.push_back(view(dense_arrays[params + i]));
-  for (const Tensor& s : states) all.push_back(s);
-  if (extra) all.push_back(view(dense_arrays.back()));
-  detail::write_state(out, adagrad, all);
 }
 
 void DistributedDlrm::predict(const DlrmInput& input, const TensorView& probabilities) {

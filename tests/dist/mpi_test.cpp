@@ -154,6 +154,78 @@ TEST(DistributedDlrm, SavedStateResumesBitForBit) {
   }
 }
 
+// N -> 1 and 1 -> N with real ranks: the N-rank state loaded into a one-rank model (another
+// split) on every rank, and a one-rank model's state loaded onto the N ranks; each continues for 3
+// steps as the model that saved it does, within the distributed comparison's tolerance.
+TEST(DistributedDlrm, StateMovesBetweenRanksAndOneProcess) {
+  Communicator& c = *g_comm;
+  auto single = make_single_communicator();
+  const test::DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
+  const data::Featurizer feat = test::dist_featurizer(true);
+  const models::DlrmConfig config = test::dist_config(dc, feat);
+  const models::OptimizerConfig opt = test::dist_optimizer(dc);
+  const auto plan = [&](int ranks, std::int64_t rows) {
+    return models::plan_dlrm_sharding(config, ranks, 30, opt.kind, feat.multi_hot_sizes, {.max_shard_rows = rows});
+  };
+  data::SyntheticConfig sc;
+  sc.seed = 9;
+  std::vector<data::RawRecord> recs(180);
+  data::SyntheticCriteo(sc).generate(0, recs);
+  const auto step = [&](models::DistributedDlrm& m, int k) {
+    const auto [b, e] = m.communicator().size() == 1 ? std::pair<std::int64_t, std::int64_t>{0, 30}
+                                                     : test::slice_of(30, c.rank(), c.size());
+    data::Batch mine;
+    data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(30 * k + b), static_cast<std::size_t>(e - b)), feat, mine);
+    return m.train_step({mine.dense, mine.indices, mine.offsets}, mine.labels, opt);
+  };
+  const auto save = [](models::DistributedDlrm& m, std::string& dense, std::string& shards) {
+    std::ostringstream d, s;
+    m.dense().save_state(d);
+    m.save_shards(s);
+    dense = d.str();
+    shards = s.str();
+  };
+  models::DistributedDlrm ranks(config, c, plan(c.size(), 11)), solo(config, *single, plan(1, 0));
+  for (int k = 0; k < 3; ++k) {
+    step(ranks, k);
+    step(solo, k);
+  }
+  std::string dense, mine, solo_dense, solo_shards;
+  save(ranks, dense, mine);
+  save(solo, solo_dense, solo_shards);
+  // Every rank's shard stream to every rank (all_to_all_v of bytes, each rank's sent to all).
+  const auto n = static_cast<std::size_t>(c.size());
+  const std::vector<std::int64_t> send_counts(n, static_cast<std::int64_t>(mine.size()));
+  std::vector<std::int64_t> recv_counts(n);
+  c.exchange_counts(send_counts, recv_counts);
+  std::string send, recv(static_cast<std::size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), std::int64_t{0})), '\0');
+  for (std::size_t r = 0; r < n; ++r) send += mine;
+  c.all_to_all_v(TensorView(send.data(), DType::u8, {static_cast<std::int64_t>(send.size())}, Device::cpu()), send_counts,
+                 TensorView(recv.data(), DType::u8, {static_cast<std::int64_t>(recv.size())}, Device::cpu()), recv_counts);
+  std::vector<std::string> shards;
+  for (std::size_t r = 0, at = 0; r < n; at += static_cast<std::size_t>(recv_counts[r]), ++r)
+    shards.push_back(recv.substr(at, static_cast<std::size_t>(recv_counts[r])));
+  std::vector<std::unique_ptr<std::istringstream>> opened;
+  const auto from = [&](const dist::ShardingPlan& p, const std::vector<std::string>& streams) {
+    return models::SavedTables{p, models::SavedTables::Layout::shards, [&opened, &streams](int r) -> std::istream& {
+                                 opened.push_back(std::make_unique<std::istringstream>(streams[static_cast<std::size_t>(r)]));
+                                 return *opened.back();
+                               }};
+  };
+  models::DistributedDlrm one(config, *single, plan(1, 14)), onto_ranks(config, c, plan(c.size(), 0));
+  std::istringstream d1(dense), d2(solo_dense);
+  one.load(d1, from(ranks.plan(), shards));
+  const std::vector<std::string> solo_streams{solo_shards};
+  onto_ranks.load(d2, from(solo.plan(), solo_streams));
+  for (int k = 3; k < 6; ++k) {
+    const double want = step(ranks, k), got = step(one, k);
+    EXPECT_NEAR(got, want, test::kDistAtol + test::kDistRtol * std::fabs(want)) << c.size() << " -> 1, step " << k;
+    const double want_solo = step(solo, k), got_ranks = step(onto_ranks, k);
+    EXPECT_NEAR(got_ranks, want_solo, test::kDistAtol + test::kDistRtol * std::fabs(want_solo))
+        << "1 -> " << c.size() << ", step " << k;
+  }
+}
+
 }  // namespace
 }  // namespace fk::dist
 

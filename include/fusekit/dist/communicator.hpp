@@ -8,10 +8,11 @@
 //   nccl     NCCL's on device memory, one GPU a rank (a CUDA build with NCCL: FUSEKIT_NCCL), in
 //            two setups: one process a GPU, launched by mpirun, with the MPI communicator to start
 //            it; or one process driving N GPUs, one thread each (make_nccl_communicators)
+//   offline  one rank of N without its peers (no collective), for a rank's state without a run
 //
 // Every call is collective: all ranks make the same calls in the same order. Buffers are
 // TensorViews, so each implementation checks they live where it can reach them (host memory for
-// single and mpi, this rank's GPU for nccl). The device implementation queues each collective
+// single, mpi and offline, this rank's GPU for nccl). The device implementation queues each collective
 // on the `stream` argument and returns once it is queued; without a stream it uses a stream of
 // its own and returns when the collective is done. The host implementations synchronise the
 // stream first, if given, and return when the collective is done. Errors throw fk::Error; a rank
@@ -43,7 +44,7 @@ class Communicator {
 
   virtual int rank() const noexcept = 0;
   virtual int size() const noexcept = 0;
-  virtual std::string_view backend() const noexcept = 0;  // "single" | "mpi" | "nccl"
+  virtual std::string_view backend() const noexcept = 0;  // "single" | "mpi" | "offline" | "nccl"
   // Where the buffers of the calls must live (host memory: Device::cpu(); nccl: the rank's GPU).
   virtual Device device() const noexcept = 0;
 
@@ -69,6 +70,11 @@ class Communicator {
 
 // Size 1, for a build or a run without MPI.
 std::unique_ptr<Communicator> make_single_communicator();
+
+// Rank `rank` of `size` on its own, with no peers: for building one rank's part of a sharded model
+// and saving or loading its state without running it (re-sharding tools, tests, the fuzz seeds).
+// Every collective throws fk::Error; abort() ends the process. fk::Error for rank outside [0, size).
+std::unique_ptr<Communicator> make_offline_communicator(int rank, int size);
 
 // MPI_COMM_WORLD; initialises MPI (MPI_THREAD_FUNNELED) unless it is already, and finalises it
 // when the last communicator it made is destroyed. Throws fk::Error when fusekit was built

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <istream>
 #include <ostream>
 #include <vector>
@@ -38,6 +39,26 @@ dist::ShardingPlan plan_dlrm_sharding(const DlrmConfig& config, int ranks, std::
                                       OptimizerKind optimizer, const std::vector<std::int64_t>& bag_sizes = {},
                                       const dist::PlannerOptions& split = {});
 
+// Where a saved state keeps its tables' rows, for loading them under any plan: the same plan, another
+// of any number of ranks (N -> M), one process (N -> 1), or from a one-process state (1 -> M).
+// `open(r)` gives saved rank r's stream, at the start of its state ("FKDLRMS1"):
+//   shards       what rank r of `plan` wrote with DistributedDlrm::save_shards
+//   one_process  a one-process Dlrm::save_state (`plan`: one rank, every table one shard); its dense
+//                arrays are skipped
+// A load calls open(r) at most once per rank, and only for the ranks holding rows it needs. It
+// reads a stream's header and every array's length first (checked against what `plan` gives,
+// before anything is skipped or read), then seeks to the row ranges it needs and reads only those.
+// Rows are copied, so a state loaded under another plan holds the saved bits.
+struct SavedTables {
+  enum class Layout { shards, one_process };
+  dist::ShardingPlan plan;
+  Layout layout = Layout::shards;
+  std::function<std::istream&(int rank)> open;
+};
+
+// The plan of a one-process state: one rank, every table one shard (SavedTables::one_process).
+dist::ShardingPlan one_process_plan(const std::vector<std::int64_t>& table_rows);
+
 class DistributedDlrm {
  public:
   // Collective in effect: every rank builds it with the same config and plan. CPU only. The
@@ -55,10 +76,16 @@ class DistributedDlrm {
   // Local: this rank's shards (its tables of the plan, in (table, first row) order) as a DLRM
   // state stream ("FKDLRMS1", models/dlrm_state_io.hpp): each shard's values [rows, D], then, once
   // Adagrad has state, each shard's accumulators ([rows] row-wise, else [rows, D]). load_shards
-  // reads the same (fk::Error naming `in` for another plan's shards or a truncated stream). The
+  // reads the same (fk::Error naming `tables` for another plan's shards or a truncated stream). The
   // dense part is dense().save_state / load_state, the same on every rank.
   void save_shards(std::ostream& out);
   void load_shards(std::istream& in);
+  // Local: the whole training state saved under any plan (N -> M): the dense state from `dense`
+  // (dense().save_state's; with SavedTables::one_process, the one-process state itself, read before
+  // `tables` opens it), and this rank's shards, optimizer state included, gathered from `tables`.
+  // fk::Error (op models::DistributedDlrm::load) naming the saved rank whose stream does not
+  // match its plan or the dense state (with or without optimizer state).
+  void load(std::istream& dense, const SavedTables& tables);
 
   const dist::ShardingPlan& plan() const noexcept { return embeddings_.plan(); }
   dist::Communicator& communicator() noexcept { return comm_; }
@@ -68,6 +95,10 @@ class DistributedDlrm {
 
  private:
   void lookup(const DlrmInput& input, std::int64_t batch);
+  // This rank's shards from `tables` (with optimizer state when `adagrad`); errors name `op`.
+  void load_tables(const SavedTables& tables, bool adagrad, const char* op);
+  // The dense part's parameter arrays in its state (weights and biases, cross-layer parameters).
+  std::uint64_t dense_arrays();
   dist::Communicator& comm_;
   Dlrm dense_;
   dist::ShardedEmbeddingBags embeddings_;
@@ -75,10 +106,10 @@ class DistributedDlrm {
 };
 
 // A distributed checkpoint as the single-process Dlrm's state (what Dlrm::load_state reads): the
-// dense state (DistributedDlrm::dense().save_state) and, per rank r of plan.ranks, shards[r]
-// (that rank's save_shards), each table's rows gathered from the shards that hold them. Written
-// to `out`; fk::Error naming `dense` or `shards` for a part that does not match config and plan.
-void consolidate_distributed_state(const DlrmConfig& config, const dist::ShardingPlan& plan, std::istream& dense,
-                                   const std::vector<std::istream*>& shards, std::ostream& out);
+// dense state (DistributedDlrm::dense().save_state) and every table's rows gathered from `tables`
+// (SavedTables::shards). Written to `out`; fk::Error naming `dense` or `tables` for a part that
+// does not match config and plan.
+void consolidate_distributed_state(const DlrmConfig& config, std::istream& dense, const SavedTables& tables,
+                                   std::ostream& out);
 
 }  // namespace fk::models
