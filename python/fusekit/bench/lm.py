@@ -3,7 +3,8 @@ way a user speeds it up or fits it in memory, in one process on one GPU, on the 
 
 Runs (--runs): eager, compile (torch.compile over the model), liger (Liger-Kernel's RMSNorm,
 SwiGLU, rotary and fused linear cross-entropy), liger_compile, checkpoint (every block),
-fusekit (fusekit.patch), fusekit_compile. Precisions (--precision): autocast (f32 parameters,
+fusekit (fusekit.patch), fusekit_compile, fusekit_attn (fusekit.patch(attention=True): fusekit
+attention in place of SDPA as well), fusekit_attn_compile. Precisions (--precision): autocast (f32 parameters,
 bf16 autocast) and bf16 (bf16 parameters, no autocast). Every run: AdamW (fused on CUDA), the loss
 as Hugging Face computes it (model(input_ids, labels=input_ids).loss), the same initial weights.
 
