@@ -47,7 +47,7 @@ import fusekit
 from . import lm_report
 from .bench_base import BenchBase
 from .lm_data import Batches, Corpus
-from .lm_runs import (DEFAULTS, HOOK_RUNS, LORA_RUNS, RUNS, RunUnavailable, is_run, llama_config, param_count, prepare,
+from .lm_runs import (DEFAULT_RUNS, DEFAULTS, HOOK_RUNS, LORA_RUNS, RUNS, RunUnavailable, is_run, llama_config, param_count, prepare,
                       prepare_lora)
 
 SCHEMA = "fusekit-bench-lm/1"
@@ -390,7 +390,7 @@ def parse(argv=None):
     ap.add_argument("--cache", default="lm-cache", help="folder for the tokenizer and token streams")
     ap.add_argument("--corpus-limit", default=None, help="first N stdlib files (300) or bytes (2MB); default all")
     ap.add_argument("--vocab", type=int, default=None, help="tokenizer and model vocabulary (default the config's)")
-    ap.add_argument("--runs", default=",".join(RUNS),
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS),
                     help=f"comma-separated, of {','.join(RUNS)}; with compressed saved activations: "
                          f"{','.join(HOOK_RUNS)} (any eager run + _hook<bits>)")
     ap.add_argument("--precision", default="both", help="autocast, bf16 or both")

@@ -33,6 +33,8 @@ DEFAULTS = {"tiny": {"batches": "2", "train_batch": 2}, "small": {"batches": "64
             "1b": {"batches": "8,16", "train_batch": 8}}
 RUNS = ["eager", "compile", "liger", "liger_compile", "checkpoint", "fusekit", "fusekit_compile", "fusekit_attn",
         "fusekit_attn_compile"]
+# The runs of a bare command: fusekit attention only when asked for (--runs).
+DEFAULT_RUNS = [r for r in RUNS if not r.startswith("fusekit_attn")]
 # fusekit.compress_saved_tensors(bits) around the forward of a run: "hook<bits>" (the unmodified
 # model), "<run>_hook<bits>" (fusekit_hook4, checkpoint_hook4, ...); eager autograd only.
 HOOK_RUNS = ["hook8", "hook4", "hook2", "fusekit_hook8", "fusekit_hook4", "fusekit_hook2", "checkpoint_hook4"]
