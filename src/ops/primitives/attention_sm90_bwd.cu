@@ -9,7 +9,10 @@
 //   - producer (warp 0 of the first warpgroup): K and V of the CTA's keys once, then each step's Q
 //     and dO into a 2-stage ring by TMA (128-byte swizzle, 3-D maps over (D, S, B*H) so that rows
 //     past S read as zeros), and the step's lse (in log2 units) and delta into shared memory by
-//     plain stores; a stage's full barrier completes on the 32 lanes' arrivals and the TMA bytes.
+//     plain stores, handed over by named barriers (per stage: the producer warp's bar.arrive on
+//     "stats full" after its stores, the consumers' bar.sync before reading; the consumers'
+//     bar.arrive on "stats empty" after reading, the producer's bar.sync before the next stores):
+//     generic stores ordered by barriers compute-sanitizer's racecheck follows.
 //   - two consumers, 64 keys each (warpgroup w: keys [64 w, 64 w + 64)), per step:
 //       Sᵀ = K Qᵀ and dPᵀ = V dOᵀ          wgmma 64x64x16, both operands K-major in shared memory
 //       Pᵀ = exp2(s·scale·log2 e - lse₂), dSᵀ = Pᵀ ⊙ (dPᵀ - delta) · scale   in registers (fp32)
@@ -70,6 +73,9 @@ constexpr int kBlockN = 128;  // keys of a CTA
 constexpr int kBlockM = 64;   // queries of a step
 constexpr int kStages = 2;
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
+// Named barriers of the lse/delta stages (1 and 2 order the dS tile): the producer warp and the
+// consumers.
+[[maybe_unused]] constexpr int kStatsFullBarrier = 3, kStatsEmptyBarrier = 3 + kStages, kStatsThreads = 32 + kConsumerThreads;
 // Register budget of a consumer thread at D = 128: dK and dV accumulators 2 x 64 fp32, Sᵀ and dPᵀ
 // 2 x 32, Pᵀ and dSᵀ rounded 2 x 16, dQ's 32 (once Sᵀ and dPᵀ are dead): about 224 at the peak,
 // hence 240 for the consumers and 24 for the producer (128 x 24 + 256 x 240 <= 384 x 168).
@@ -210,6 +216,7 @@ __device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMa
     const int s = n % kStages, free_parity = ((n / kStages) & 1) ^ 1;
     const int i0 = st.i0(n), bh = b * p.heads + st.head(n, h0);
     mbar_wait(bars.empty(s), free_parity);
+    if (n >= kStages) named_barrier_sync(kStatsEmptyBarrier + s, kStatsThreads);  // step n - kStages read them
     const std::int64_t stat0 = static_cast<std::int64_t>(bh) * p.sq + i0;
 #pragma unroll
     for (int r = lane; r < kBlockM; r += 32) {
@@ -217,6 +224,7 @@ __device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMa
       lse_s[s * kBlockM + r] = ok ? p.lse[stat0 + r] * kLog2e : 0.0f;
       delta_s[s * kBlockM + r] = ok ? p.delta[stat0 + r] : 0.0f;
     }
+    named_barrier_arrive(kStatsFullBarrier + s, kStatsThreads);
     if (lane == 0) {
       // Arrives after this lane's stores and adds the TMA bytes; the other 31 lanes arrive below.
       mbar_arrive_expect_tx(bars.full(s), 2 * Tr::kBytesQ);
@@ -319,6 +327,7 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
     // Pᵀ while dPᵀ is on the tensor cores.
     warpgroup_wait<1>();
     warpgroup_fence_operand(tSrS);
+    named_barrier_sync(kStatsFullBarrier + s, kStatsThreads);
     const float* lse_t = lse_s + s * kBlockM;
     const float* delta_t = delta_s + s * kBlockM;
     const bool masked = i0 + kBlockM > p.sq || j0 + kBlockN > p.sk || (p.causal && j0 + kBlockN - 1 > i0 + p.offset);
@@ -342,6 +351,8 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
       rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
       rdS(i) = pack2<T>(tSrdP(2 * i), tSrdP(2 * i + 1));
     }
+    // lse and delta of stage s are read; the producer waits for this only where it stores again
+    if (n + kStages < st.count) named_barrier_arrive(kStatsEmptyBarrier + s, kStatsThreads);
 
     // dV += Pᵀ dO, dK += dSᵀ Q: one batch.
     warpgroup_fence_operand(tdVrdV);

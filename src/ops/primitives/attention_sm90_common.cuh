@@ -43,6 +43,12 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// bar.arrive on named barrier `id` among `threads` threads: counts this thread without waiting
+// (the producer side of a barrier other threads bar.sync on).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // A (D, S, B*H) map of a [B, H, S, D] tensor (bf16/f16, D a multiple of 64), boxes of
 // {64, box_rows, 1} with the 128-byte swizzle: a box is one 64-column slab of box_rows rows,
 // the layout of CuTe's GMMA K-major SW128 atoms stacked along the rows. Rows past S read as zeros
