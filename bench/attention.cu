@@ -159,7 +159,7 @@ double time_few_us(Context& ctx, const std::function<void()>& f, int runs) {
 }
 
 // attention_backward (bf16): the sm_90 wgmma kernel (FlashAttention-3's design; on an sm_90 GPU
-// only), the mma.sync kernels (FlashAttention-2's algorithm; the default atomic-dq mode, and
+// only; dq by atomics, and by TMA reduces as wgmma_sm90_tma_dq), the mma.sync kernels (FlashAttention-2's algorithm; the default atomic-dq mode, and
 // deterministic mode), each forced through AttentionOptions::backward_kernel, against the
 // warp-per-row kernels that ran before them, on the same forward's out and lse. FLOPs: five
 // [S, S, D] GEMMs (S recomputed, dP, dV, dK, dQ), 10 B H S² D = 2.5x the forward's 4 B H S² D,
@@ -218,7 +218,10 @@ void attention_backward_cases(Context& ctx, std::int64_t b, std::int64_t h, std:
     FK_CUDA_CHECK(cudaGetDevice(&device));
     FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    if (major == 9 && minor == 0) measure("wgmma_sm90", AttentionBackwardKernel::wgmma_sm90, false);
+    if (major == 9 && minor == 0) {
+      measure("wgmma_sm90", AttentionBackwardKernel::wgmma_sm90, false);
+      measure("wgmma_sm90_tma_dq", AttentionBackwardKernel::wgmma_sm90_tma_dq, false);
+    }
     measure("mma_sync", AttentionBackwardKernel::mma_sync, false);
     measure("mma_sync_deterministic", AttentionBackwardKernel::mma_sync, true);
 

@@ -359,7 +359,8 @@ INSTANTIATE_TEST_SUITE_P(
 // CTAs and of the 64-query steps, in both), causal top-left and bottom-right with Sq != Sk (query
 // rows and whole key blocks that see nothing), grouped-query heads 4 over 1, D 64 and 128, bf16 and
 // f16, batches of 1 and 2 (the 2048-long cases with few heads: the spec is a single-threaded CPU
-// loop, about 8 s a dtype at D 128, 2048 x 2048, one head). Skipped off sm_90.
+// loop, about 8 s a dtype at D 128, 2048 x 2048, one head). Skipped off sm_90. The same cases
+// forced to wgmma_sm90_tma_dq (dq by TMA reduces) in the suite Sm90TmaDq.
 struct Sm90Case {
   std::string name;
   std::int64_t b, h, hk, sq, sk, d;
@@ -379,11 +380,9 @@ bool on_sm90() {
 }
 
 class AttentionBackwardSm90VsSpec : public ::testing::TestWithParam<Sm90Case> {};
+class AttentionBackwardSm90TmaDqVsSpec : public ::testing::TestWithParam<Sm90Case> {};
 
-TEST_P(AttentionBackwardSm90VsSpec, MatchesTheSpec) {
-  FK_SKIP_WITHOUT_GPU();
-  if (!on_sm90()) GTEST_SKIP() << "the wgmma backward runs on sm_90 (H100/H200) only";
-  const Sm90Case& c = GetParam();
+void check_sm90_case(const Sm90Case& c, AttentionBackwardKernel kind, const char* kind_name) {
   const Device gpu = Device::cuda(0);
   for (DType dt : {DType::bf16, DType::f16}) {
     const Tensor q = test::random_tensor({c.b, c.h, c.sq, c.d}, dt, kCpu, 81);
@@ -397,12 +396,12 @@ TEST_P(AttentionBackwardSm90VsSpec, MatchesTheSpec) {
     const Tensor qg = q.copy_to(gpu), kg = k.copy_to(gpu), vg = v.copy_to(gpu), dog = dout.copy_to(gpu);
     const Tensor outg = out.copy_to(gpu), lseg = lse.copy_to(gpu);
     AttentionOptions opt = c.opt;
-    opt.backward_kernel = AttentionBackwardKernel::wgmma_sm90;
+    opt.backward_kernel = kind;
     Tensor dqg = Tensor::empty(q.shape(), dt, gpu), dkg = Tensor::empty(k.shape(), dt, gpu), dvg = Tensor::empty(k.shape(), dt, gpu);
     for (Tensor* t : {&dqg, &dkg, &dvg}) test::poison(*t);
     attention_backward(qg, kg, vg, outg, dog, lseg, dqg, dkg, dvg, opt);
     const double tol = gpu_tolerance(dt);
-    const std::string what = c.name + " " + std::string(dtype_name(dt)) + " wgmma_sm90";
+    const std::string what = c.name + " " + std::string(dtype_name(dt)) + " " + kind_name;
     for (auto [got, ref, name] : {std::tuple{&dqg, &dq, "dq"}, std::tuple{&dkg, &dk, "dk"}, std::tuple{&dvg, &dv, "dv"}}) {
       const Tensor host = test::to_host(*got);
       const double err = test::rel_err_normwise(host, *ref);
@@ -412,8 +411,19 @@ TEST_P(AttentionBackwardSm90VsSpec, MatchesTheSpec) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Sm90, AttentionBackwardSm90VsSpec,
+TEST_P(AttentionBackwardSm90VsSpec, MatchesTheSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  if (!on_sm90()) GTEST_SKIP() << "the wgmma backward runs on sm_90 (H100/H200) only";
+  check_sm90_case(GetParam(), AttentionBackwardKernel::wgmma_sm90, "wgmma_sm90");
+}
+
+TEST_P(AttentionBackwardSm90TmaDqVsSpec, MatchesTheSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  if (!on_sm90()) GTEST_SKIP() << "the wgmma backward runs on sm_90 (H100/H200) only";
+  check_sm90_case(GetParam(), AttentionBackwardKernel::wgmma_sm90_tma_dq, "wgmma_sm90_tma_dq");
+}
+
+const auto kSm90Cases =
     ::testing::Values(
         Sm90Case{"d64_one_by_one_gqa_4_over_1", 2, 4, 1, 1, 1, 64, {.scale = 0.125f}},
         Sm90Case{"d128_q17_k129", 2, 2, 2, 17, 129, 128, {.scale = 0.088f}},
@@ -425,8 +435,10 @@ INSTANTIATE_TEST_SUITE_P(
         Sm90Case{"d128_q129_k2048_causal_bottom_right_gqa_4_over_1", 1, 4, 1, 129, 2048, 128, {.causal = true, .bottom_right = true, .scale = 0.088f}},
         Sm90Case{"d64_q2048_k1000_causal_bottom_right_gqa_4_over_1", 1, 4, 1, 2048, 1000, 64, {.causal = true, .bottom_right = true, .scale = 0.125f}},
         Sm90Case{"d128_q2048_k2048_causal", 1, 1, 1, 2048, 2048, 128, {.causal = true, .scale = 0.088f}},
-        Sm90Case{"d128_q1000_k129", 2, 2, 2, 1000, 129, 128, {.scale = 0.088f}}),
-    [](const auto& info) { return info.param.name; });
+        Sm90Case{"d128_q1000_k129", 2, 2, 2, 1000, 129, 128, {.scale = 0.088f}});
+INSTANTIATE_TEST_SUITE_P(Sm90, AttentionBackwardSm90VsSpec, kSm90Cases, [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Sm90TmaDq, AttentionBackwardSm90TmaDqVsSpec, kSm90Cases,
+                         [](const auto& info) { return info.param.name; });
 
 // Forcing a kernel that cannot take the call names backward_kernel.
 TEST(AttentionBackwardErrors, ForcedKernelThatCannotTakeTheCall) {
@@ -437,7 +449,8 @@ TEST(AttentionBackwardErrors, ForcedKernelThatCannotTakeTheCall) {
   const Tensor dq = Tensor::empty(q.shape(), DType::f32, gpu), dk = Tensor::empty(q.shape(), DType::f32, gpu);
   const Tensor dv = Tensor::empty(q.shape(), DType::f32, gpu);
   attention_forward(q, k, k, out, lse, AttentionOptions{});
-  for (auto kind : {AttentionBackwardKernel::wgmma_sm90, AttentionBackwardKernel::mma_sync})
+  for (auto kind : {AttentionBackwardKernel::wgmma_sm90, AttentionBackwardKernel::wgmma_sm90_tma_dq,
+                    AttentionBackwardKernel::mma_sync})
     test::expect_arg_error([&] { attention_backward(q, k, k, out, out, lse, dq, dk, dv, {.backward_kernel = kind}); },
                            "attention_backward", "backward_kernel");
   EXPECT_NO_THROW(attention_backward(q, k, k, out, out, lse, dq, dk, dv, {.backward_kernel = AttentionBackwardKernel::rowwise}));

@@ -24,8 +24,9 @@ class Stream;
 // Which GPU kernel runs attention_backward, for tests and benchmarks that compare them. automatic
 // picks the fastest that takes the call (sm_90 wgmma, then mma.sync, then warp-per-row); the others
 // force one and throw fk::Error naming backward_kernel when it cannot take the call. A CPU call
-// runs the spec whatever this says.
-enum class AttentionBackwardKernel { automatic, wgmma_sm90, mma_sync, rowwise };
+// runs the spec whatever this says. wgmma_sm90_tma_dq is the sm_90 kernel with dq added by TMA
+// reduces of shared-memory tiles instead of f32 atomics from registers (automatic: the atomics).
+enum class AttentionBackwardKernel { automatic, wgmma_sm90, mma_sync, rowwise, wgmma_sm90_tma_dq };
 
 struct AttentionOptions {
   bool causal = false;

@@ -178,16 +178,16 @@ void backward_on_gpu(const char* op, const TensorView& q, const TensorView& k, c
   using K = AttentionBackwardKernel;
   const K which = opt.backward_kernel;
   const Tensor delta = Tensor::empty(lse.shape(), DType::f32, q.device(), stream);
-  if (which == K::automatic || which == K::wgmma_sm90) {
+  if (which == K::automatic || which == K::wgmma_sm90 || which == K::wgmma_sm90_tma_dq) {
     if (!varlen && cuda::attention_backward_sm90_supports(q, k, v, out, dout, dq, dk, dv, opt)) {
       const Tensor dq_accum = Tensor::empty(q.shape(), DType::f32, q.device(), stream);
       return cuda::attention_backward_sm90(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), opt,
                                            stream);
     }
     FK_CHECK_ARG(which == K::automatic, op, "backward_kernel",
-                 "wgmma_sm90 only for a dense bf16/f16 call with D 64 or 128, no window, no softcap, not "
-                 "deterministic, 16-byte aligned tensors, on an sm_90 GPU",
-                 "wgmma_sm90 for a call it does not take");
+                 "wgmma_sm90 (and wgmma_sm90_tma_dq) only for a dense bf16/f16 call with D 64 or 128, no "
+                 "window, no softcap, not deterministic, 16-byte aligned tensors, on an sm_90 GPU",
+                 "a wgmma_sm90 kernel for a call it does not take");
   }
   if (which != K::rowwise && cuda::attention_backward_mma_supports(q, k, varlen)) {
     const Tensor dq_accum = opt.deterministic ? Tensor() : Tensor::empty(q.shape(), DType::f32, q.device(), stream);

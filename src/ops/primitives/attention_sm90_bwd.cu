@@ -21,7 +21,12 @@
 //       dSᵀ -> shared memory as dS (64 queries x 128 keys, MN-major), then
 //       dQ (64 x D) = dS K                   wgmma 64x(D/2)x16, warpgroup w takes columns
 //                                            [w D/2, w D/2 + D/2), K MN-major, added to dq_accum
-//                                            by f32 atomics (not bitwise reproducible).
+//                                            by f32 atomics (not bitwise reproducible), or (TmaDq,
+//                                            AttentionBackwardKernel::wgmma_sm90_tma_dq) staged
+//                                            in a swizzled fp32 buffer and added by one thread's
+//                                            TMA reduce-adds (cp.reduce.async.bulk.tensor), the
+//                                            buffer reused once they read it (wait_group.read,
+//                                            then the dS barrier below).
 //     A stage goes back to the producer (a barrier of the 8 consumer warps) once every wgmma
 //     reading it retired. Two named barriers order the dS tile: written after both warpgroups'
 //     previous dQ retired, read after both wrote it.
@@ -76,6 +81,9 @@ constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProduc
 // Named barriers of the lse/delta stages (1 and 2 order the dS tile): the producer warp and the
 // consumers.
 [[maybe_unused]] constexpr int kStatsFullBarrier = 3, kStatsEmptyBarrier = 3 + kStages, kStatsThreads = 32 + kConsumerThreads;
+// TMA-reduce dq: named barrier kdQBarrier + w (one warpgroup's 128 threads) orders its dQ tile's
+// shared-memory stores before the reduce that reads them.
+[[maybe_unused]] constexpr int kdQBarrier = 3 + 2 * kStages, kWarpgroupThreads = 128;
 // Register budget of a consumer thread at D = 128: dK and dV accumulators 2 x 64 fp32, Sᵀ and dPᵀ
 // 2 x 32, Pᵀ and dSᵀ rounded 2 x 16, dQ's 32 (once Sᵀ and dPᵀ are dead): about 224 at the peak,
 // hence 240 for the consumers and 24 for the producer (128 x 24 + 256 x 240 <= 384 x 168).
@@ -120,15 +128,20 @@ struct Traits {
   static constexpr int kBytesKV = kBlockN * D * 2;  // K (or V)
   static constexpr int kBytesQ = kBlockM * D * 2;   // one stage of Q (or of dO)
   static constexpr int kBytesdS = kBlockM * kBlockN * 2;
+  // dQ (BLK_M, D) fp32 for the TMA reduce (the tma_dq variant; reserved by both): warpgroup w's
+  // D/2 columns at w * kBytesdQ / 2, in slabs of 32 columns (BLK_M rows of 128 bytes, 128-byte
+  // swizzle: the 16-byte chunk c of row r at chunk c ^ (r % 8)), one TMA box each.
+  static constexpr int kBytesdQ = kBlockM * D * 4;
   static constexpr int kOffV = kBytesKV, kOffQ = 2 * kBytesKV, kOffdO = kOffQ + kStages * kBytesQ,
-                       kOffdS = kOffdO + kStages * kBytesQ, kOffLse = kOffdS + kBytesdS,
+                       kOffdS = kOffdO + kStages * kBytesQ, kOffdQ = kOffdS + kBytesdS, kOffLse = kOffdQ + kBytesdQ,
                        kOffDelta = kOffLse + kStages * kBlockM * 4, kOffBars = kOffDelta + kStages * kBlockM * 4;
   static constexpr int kBarriers = 1 + 2 * kStages;  // kv_full, full[s], empty[s]
   static constexpr int kSmemBytes = kOffBars + 8 * kBarriers + 1024;  // + slack for the 1024-byte alignment
   static_assert(cosize_v<SmemLayoutK> * 2 == kBytesKV && cosize_v<SmemLayoutQ> * 2 == kStages * kBytesQ &&
                 cosize_v<SmemLayoutKt> * 2 == kBytesKV && cosize_v<SmemLayoutQt> * 2 == kStages * kBytesQ &&
                 cosize_v<SmemLayoutdS> * 2 == kBytesdS);
-  static_assert(kOffV % 1024 == 0 && kOffQ % 1024 == 0 && kOffdO % 1024 == 0 && kOffdS % 1024 == 0,
+  static_assert(kOffV % 1024 == 0 && kOffQ % 1024 == 0 && kOffdO % 1024 == 0 && kOffdS % 1024 == 0 &&
+                    kOffdQ % 1024 == 0 && (kBytesdQ / 2) % 1024 == 0,
                 "the 128-byte swizzle repeats every 1024 bytes: each tile starts on a repeat");
   static_assert(kSmemBytes <= 227 * 1024);
   static_assert(decltype(size(MmaSdP{}))::value == kConsumerThreads &&
@@ -194,6 +207,24 @@ struct Bars {
   __device__ std::uint32_t empty(int s) const { return base + 8 * (1 + kStages + s); }
 };
 
+// The TMA reduce of the tma_dq variant (PTX ISA 8.0, sm_90; CUTLASS's SM90_TMA_REDUCE_ADD_3D):
+// the box of `map` at (c0, c1, c2) += the shared-memory tile at `src` (f32 add, elements outside
+// the tensor not written), completing in this thread's bulk async-group.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, std::uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+// Closes this thread's bulk async-group of the copies issued since the last one.
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until this thread's bulk async-groups have read their shared-memory sources (the
+// buffers may be written again) / have completed (their global writes performed).
+__device__ __forceinline__ void bulk_wait_group_read_all() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 // Warp 0 of the producer warpgroup (all 32 lanes; lane 0 issues the TMA).
 template <class T, int D>
 __device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv,
@@ -239,9 +270,11 @@ __device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMa
   }
 }
 
-template <class T, int D>
-__device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, int j0, int bkh, int b, int h0,
-                        const Steps& st) {
+// TmaDq: dq added by TMA reduces of each warpgroup's dQ tile staged in shared memory (map tdq over
+// dq_accum), else by f32 atomics from registers.
+template <class T, int D, bool TmaDq>
+__device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* smem, const Bars& bars, int j0,
+                        int bkh, int b, int h0, const Steps& st) {
   using Tr = Traits<T, D>;
   const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
   typename Tr::MmaSdP mma_sdp;
@@ -365,6 +398,11 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
     warpgroup_commit_batch();
 
     // dS into shared memory once both warpgroups' previous dQ wgmmas retired; read once both wrote.
+    // TmaDq: the barrier also hands the dQ buffer back, once each warpgroup's issuing thread saw
+    // its previous reduce read it.
+    if constexpr (TmaDq) {
+      if (ct % kWarpgroupThreads == 0) bulk_wait_group_read_all();
+    }
     named_barrier_sync(1, kConsumerThreads);
     CUTE_UNROLL
     for (int i = 0; i < size(tdKrdS); ++i) sdS(get<1>(tScS(i)), get<0>(tScS(i))) = tdKrdS(i);
@@ -392,12 +430,37 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
     }
     if (ct % 32 == 0) mbar_arrive(bars.empty(s));  // Q, dO, lse, delta of stage s are read
 
-    float* dqa = p.dq_accum + (static_cast<std::int64_t>(b) * p.heads + h) * p.sq * D;
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdQrdQ); ++i) {
-      const int row = i0 + get<0>(tdQc(i)), col = get<1>(tdQc(i));
-      if (row < p.sq) atomicAdd(dqa + static_cast<std::int64_t>(row) * D + col, tdQrdQ(i));
+    if constexpr (TmaDq) {
+      // This warpgroup's 64 x D/2 tile into its swizzled buffer (pairs of adjacent columns), then
+      // one thread adds it to dq_accum, a box per 32 columns; rows past Sq are clipped by the map.
+      const int wg = ct / kWarpgroupThreads;
+      float* dq_s = reinterpret_cast<float*>(smem + Tr::kOffdQ + wg * (Tr::kBytesdQ / 2));
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdQrdQ); i += 2) {
+        const int r = get<0>(tdQc(i)), c = get<1>(tdQc(i)) - wg * (D / 2);
+        const int at = (c / 32) * (kBlockM * 32) + r * 32 + ((((c % 32) / 4) ^ (r % 8)) * 4) + c % 4;
+        *reinterpret_cast<float2*>(dq_s + at) = make_float2(tdQrdQ(i), tdQrdQ(i + 1));
+      }
+      fence_proxy_async_shared();  // the generic-proxy stores, visible to the TMA
+      named_barrier_sync(kdQBarrier + wg, kWarpgroupThreads);
+      if (ct % kWarpgroupThreads == 0) {
+        const std::uint32_t src = smem_addr(dq_s);
+        const int bh = b * p.heads + h;
+        CUTE_UNROLL
+        for (int j = 0; j < D / 64; ++j) tma_reduce_add_3d(tdq, src + j * kBlockM * 128, wg * (D / 2) + 32 * j, i0, bh);
+        bulk_commit_group();
+      }
+    } else {
+      float* dqa = p.dq_accum + (static_cast<std::int64_t>(b) * p.heads + h) * p.sq * D;
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdQrdQ); ++i) {
+        const int row = i0 + get<0>(tdQc(i)), col = get<1>(tdQc(i));
+        if (row < p.sq) atomicAdd(dqa + static_cast<std::int64_t>(row) * D + col, tdQrdQ(i));
+      }
     }
+  }
+  if constexpr (TmaDq) {
+    if (ct % kWarpgroupThreads == 0) bulk_wait_group_all();  // no exit with a reduce in flight
   }
 
   // dK and dV, keys j0 + key: pairs of adjacent columns.
@@ -416,11 +479,11 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
 
 #endif  // FK_ATTN_BWD_SM90
 
-template <class T, int D>
+template <class T, int D, bool TmaDq>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_sm90_bwd_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tq,
                               const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
-                              const __grid_constant__ CUtensorMap tdo) {
+                              const __grid_constant__ CUtensorMap tdo, const __grid_constant__ CUtensorMap tdq) {
 #if FK_ATTN_BWD_SM90
   using Tr = Traits<T, D>;
   extern __shared__ std::uint8_t smem_raw[];
@@ -445,27 +508,38 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x < 32) produce<T, D>(p, &tq, &tk, &tv, &tdo, smem, base, bars, j0, bkh, b, h0, st);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume<T, D>(p, smem, bars, j0, bkh, b, h0, st);
+    consume<T, D, TmaDq>(p, &tdq, smem, bars, j0, bkh, b, h0, st);
   }
 #else
   __trap();  // the launcher never starts this kernel off sm_90
 #endif
 }
 
-template <class T, int D>
+template <class T, int D, bool TmaDq>
 void launch(const Params& p, int bkh, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
-            const CUtensorMap& tdo, cudaStream_t s) {
+            const CUtensorMap& tdo, const CUtensorMap& tdq, cudaStream_t s) {
   using Tr = Traits<T, D>;
   static_assert(same_bytes<typename Tr::SmemLayoutK, typename Tr::SmemLayoutKt, kBlockN, D, 1>(),
                 "K's K-major and MN-major views differ");
   static_assert(same_bytes<typename Tr::SmemLayoutQ, typename Tr::SmemLayoutQt, kBlockM, D, kStages>(),
                 "Q's and dO's K-major and MN-major views differ");
-  auto kernel = attention_sm90_bwd_kernel<T, D>;
+  auto kernel = attention_sm90_bwd_kernel<T, D, TmaDq>;
   constexpr int smem = Tr::kSmemBytes;
   FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>((p.sk + kBlockN - 1) / kBlockN), static_cast<unsigned>(bkh));
-  kernel<<<grid, kThreads, smem, s>>>(p, tq, tk, tv, tdo);
+  kernel<<<grid, kThreads, smem, s>>>(p, tq, tk, tv, tdo, tdq);
   FK_CUDA_CHECK_LAUNCH("attention_sm90_bwd_kernel");
+}
+
+// The (D, Sq, B*H) map of dq_accum [B, H, Sq, D] f32 that the tma_dq variant reduces into: boxes
+// of {32, BLK_M, 1} (128 bytes a row) with the 128-byte swizzle of the dQ buffer; rows past Sq are
+// outside the tensor, so a reduce never writes them (nor the next head's).
+CUtensorMap dq_accum_map(const TensorView& t) {
+  const std::int64_t bh = t.size(0) * t.size(1), s = t.size(2), d = t.size(3);
+  return tensor_map<3>(kOp, "dq_accum", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, t.data(),
+                       {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(s), static_cast<cuuint64_t>(bh)},
+                       {static_cast<cuuint64_t>(d) * 4, static_cast<cuuint64_t>(s * d) * 4}, {32, kBlockM, 1},
+                       CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 }  // namespace
@@ -514,13 +588,19 @@ void attention_backward_sm90(const TensorView& q, const TensorView& k, const Ten
   const int bkh = static_cast<int>(k.size(0) * k.size(1));
   const CUtensorMap tq = head_map(kOp, "q", q, kBlockM), tdo = head_map(kOp, "dout", dout, kBlockM);
   const CUtensorMap tk = head_map(kOp, "k", k, kBlockN), tv = head_map(kOp, "v", v, kBlockN);
+  const bool tma_dq = opt.backward_kernel == AttentionBackwardKernel::wgmma_sm90_tma_dq;
+  const CUtensorMap tdq = tma_dq ? dq_accum_map(dq_accum) : CUtensorMap{};
   const bool bf16 = q.dtype() == DType::bf16;
+  auto run = [&]<int D, bool TmaDq>() {
+    if (bf16) launch<cute::bfloat16_t, D, TmaDq>(p, bkh, tq, tk, tv, tdo, tdq, s);
+    else launch<cute::half_t, D, TmaDq>(p, bkh, tq, tk, tv, tdo, tdq, s);
+  };
   if (q.size(3) == 64) {
-    if (bf16) launch<cute::bfloat16_t, 64>(p, bkh, tq, tk, tv, tdo, s);
-    else launch<cute::half_t, 64>(p, bkh, tq, tk, tv, tdo, s);
+    if (tma_dq) run.template operator()<64, true>();
+    else run.template operator()<64, false>();
   } else {
-    if (bf16) launch<cute::bfloat16_t, 128>(p, bkh, tq, tk, tv, tdo, s);
-    else launch<cute::half_t, 128>(p, bkh, tq, tk, tv, tdo, s);
+    if (tma_dq) run.template operator()<128, true>();
+    else run.template operator()<128, false>();
   }
   attention_backward_dq_from_accum(dq_accum, dq, stream);
 }
