@@ -10,6 +10,7 @@
 
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/random.hpp"
+#include "fusekit/dist/bag_routing.hpp"
 #include "fusekit/ops/recsys.hpp"
 
 namespace fk::dist {
@@ -115,29 +116,13 @@ void ShardedEmbeddingBags::forward(const TensorView& indices, const TensorView& 
 
   // 1. The bag lengths within each owner's shards, shard by shard, this rank's samples in order;
   //    and how many ids each owner gets.
+  route_ids(shards_of_, idx, off, batch, routed_);
   std::vector<std::int64_t> send_counts(static_cast<std::size_t>(ranks)), recv_counts(static_cast<std::size_t>(ranks));
-  std::vector<std::int64_t> id_send_counts(static_cast<std::size_t>(ranks), 0);
-  for (int o = 0; o < ranks; ++o) {
-    send_counts[static_cast<std::size_t>(o)] = batch * static_cast<std::int64_t>(shards_of_[static_cast<std::size_t>(o)].size());
-    recv_counts[static_cast<std::size_t>(o)] = batch_of_[static_cast<std::size_t>(o)] * s_me;
-  }
-  const TensorView send_len = host_view(send_i64_, std::accumulate(send_counts.begin(), send_counts.end(), std::int64_t{0}), DType::i64);
+  for (int o = 0; o < ranks; ++o) recv_counts[static_cast<std::size_t>(o)] = batch_of_[static_cast<std::size_t>(o)] * s_me;
   const std::int64_t n_len = std::accumulate(recv_counts.begin(), recv_counts.end(), std::int64_t{0});
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(n_len));
-  {
-    std::int64_t* p = send_len.data_as<std::int64_t>();
-    for (int o = 0; o < ranks; ++o)
-      for (const Shard& sh : shards_of_[static_cast<std::size_t>(o)])
-        for (std::int64_t i = 0; i < batch; ++i) {
-          const std::int64_t* b0 = idx + off[sh.table * batch + i];
-          const std::int64_t* b1 = idx + off[sh.table * batch + i + 1];
-          const auto n = static_cast<std::int64_t>(
-              std::count_if(b0, b1, [&](std::int64_t id) { return id >= sh.row_begin && id < sh.row_end; }));
-          *p++ = n;
-          id_send_counts[static_cast<std::size_t>(o)] += n;
-        }
-  }
-  comm_.all_to_all_v(send_len, send_counts, TensorView(lengths.data(), DType::i64, {n_len}, Device::cpu()), recv_counts);
+  comm_.all_to_all_v(host_view(routed_.lengths, std::ssize(routed_.lengths), DType::i64), routed_.length_counts,
+                     TensorView(lengths.data(), DType::i64, {n_len}, Device::cpu()), recv_counts);
 
   // 2. The ids, in the same order, as rows of their shard.
   std::vector<std::int64_t> id_recv_counts(static_cast<std::size_t>(ranks), 0);
@@ -149,47 +134,24 @@ void ShardedEmbeddingBags::forward(const TensorView& indices, const TensorView& 
       len += n;
     }
   }
-  const TensorView send_ids =
-      host_view(send_i64_, std::accumulate(id_send_counts.begin(), id_send_counts.end(), std::int64_t{0}), DType::i64);
-  {
-    std::int64_t* p = send_ids.data_as<std::int64_t>();
-    for (int o = 0; o < ranks; ++o)
-      for (const Shard& sh : shards_of_[static_cast<std::size_t>(o)])
-        for (std::int64_t k = off[sh.table * batch], k1 = off[(sh.table + 1) * batch]; k < k1; ++k)
-          if (idx[k] >= sh.row_begin && idx[k] < sh.row_end) *p++ = idx[k] - sh.row_begin;
-  }
   const std::int64_t n_ids = std::accumulate(id_recv_counts.begin(), id_recv_counts.end(), std::int64_t{0});
   const TensorView recv_ids = host_view(recv_i64_, n_ids, DType::i64);
-  comm_.all_to_all_v(send_ids, id_send_counts, recv_ids, id_recv_counts);
+  comm_.all_to_all_v(host_view(routed_.ids, std::ssize(routed_.ids), DType::i64), routed_.id_counts, recv_ids,
+                     id_recv_counts);
 
   // 3. The owner's bags for the global batch: local shard j, then ranks in order, then samples.
   const std::int64_t gb = global_batch_;
   if (s_me > 0) {
-    local_offsets_.assign(static_cast<std::size_t>(s_me * gb + 1), 0);
-    local_indices_.resize(static_cast<std::size_t>(std::max<std::int64_t>(n_ids, 1)));
-    // Where rank r's lengths and ids start in the received buffers.
-    std::vector<std::int64_t> len_at(static_cast<std::size_t>(ranks)), ids_at(static_cast<std::size_t>(ranks));
-    std::int64_t l = 0, i = 0;
-    for (int r = 0; r < ranks; ++r) {
-      len_at[static_cast<std::size_t>(r)] = l;
-      ids_at[static_cast<std::size_t>(r)] = i;
-      l += batch_of_[static_cast<std::size_t>(r)] * s_me;
-      i += id_recv_counts[static_cast<std::size_t>(r)];
+    if (order_batch_of_ != batch_of_) {
+      order_ = owner_bag_order(batch_of_, s_me);
+      order_batch_of_ = batch_of_;
     }
-    const std::int64_t* all_ids = recv_ids.data_as<const std::int64_t>();
-    std::int64_t q = 0, at = 0;
-    for (std::int64_t j = 0; j < s_me; ++j)
-      for (int r = 0; r < ranks; ++r) {
-        const std::int64_t br = batch_of_[static_cast<std::size_t>(r)];
-        const std::int64_t* len = lengths.data() + len_at[static_cast<std::size_t>(r)] + j * br;
-        std::int64_t& src = ids_at[static_cast<std::size_t>(r)];  // rank r's ids are shard by shard: consumed in order
-        for (std::int64_t i = 0; i < br; ++i) {
-          std::copy(all_ids + src, all_ids + src + len[i], local_indices_.data() + at);
-          src += len[i];
-          at += len[i];
-          local_offsets_[static_cast<std::size_t>(++q)] = at;
-        }
-      }
+    local_offsets_.resize(static_cast<std::size_t>(s_me * gb + 1));
+    local_indices_.resize(static_cast<std::size_t>(std::max<std::int64_t>(n_ids, 1)));
+    permute_bags({TensorView(lengths.data(), DType::i64, {n_len}, Device::cpu()), recv_ids,
+                  TensorView(order_.data(), DType::i64, {s_me * gb}, Device::cpu()),
+                  TensorView(local_offsets_.data(), DType::i64, {s_me * gb + 1}, Device::cpu()),
+                  TensorView(local_indices_.data(), DType::i64, {n_ids}, Device::cpu())});
     const TensorView li(local_indices_.data(), DType::i64, {n_ids}, Device::cpu());
     const TensorView lo(local_offsets_.data(), DType::i64, {s_me * gb + 1}, Device::cpu());
     const TensorView out = host_view(local_out_, gb * s_me * d, DType::f32).reshape({gb, s_me, d});
@@ -207,18 +169,23 @@ void ShardedEmbeddingBags::forward(const TensorView& indices, const TensorView& 
   const TensorView send_out = host_view(local_out_, gb * s_me * d, DType::f32);
   const TensorView recv_out = host_view(recv_f32_, std::accumulate(recv_counts.begin(), recv_counts.end(), std::int64_t{0}), DType::f32);
   comm_.all_to_all_v(send_out, send_counts, recv_out, recv_counts);
+  const std::vector<std::int64_t>& row_of = partial_rows(batch);
   float* dst = pooled.data_as<float>();
   std::fill(dst, dst + batch * t_all * d, 0.0f);
   const float* src = recv_out.data_as<const float>();
-  for (int o = 0; o < ranks; ++o) {
-    const std::vector<Shard>& ss = shards_of_[static_cast<std::size_t>(o)];
-    for (std::int64_t i = 0; i < batch; ++i)
-      for (const Shard& sh : ss) {
-        float* row = dst + (i * t_all + sh.table) * d;
-        for (std::int64_t k = 0; k < d; ++k) row[k] += src[k];
-        src += d;
-      }
+  for (const std::int64_t row : row_of) {
+    float* to = dst + row * d;
+    for (std::int64_t k = 0; k < d; ++k) to[k] += src[k];
+    src += d;
   }
+}
+
+const std::vector<std::int64_t>& ShardedEmbeddingBags::partial_rows(std::int64_t batch) {
+  if (rows_batch_ != batch) {
+    row_of_ = pooled_row_of_partials(shards_of_, batch, num_tables());
+    rows_batch_ = batch;
+  }
+  return row_of_;
 }
 
 void ShardedEmbeddingBags::backward(const TensorView& dpooled) {
@@ -236,10 +203,7 @@ void ShardedEmbeddingBags::backward(const TensorView& dpooled) {
   const TensorView send = host_view(send_f32_, std::accumulate(send_counts.begin(), send_counts.end(), std::int64_t{0}), DType::f32);
   float* p = send.data_as<float>();
   const float* g = dpooled.data_as<const float>();
-  for (int o = 0; o < ranks; ++o)
-    for (std::int64_t i = 0; i < batch_; ++i)
-      for (const Shard& sh : shards_of_[static_cast<std::size_t>(o)])
-        p = std::copy(g + (i * t_all + sh.table) * d, g + (i * t_all + sh.table + 1) * d, p);
+  for (const std::int64_t row : partial_rows(batch_)) p = std::copy(g + row * d, g + (row + 1) * d, p);
   // The owner's gradient of [B, S_local, D], the ranks' slices in order: the global batch's.
   const TensorView grad = host_view(local_grad_, global_batch_ * s_me * d, DType::f32);
   comm_.all_to_all_v(send, send_counts, grad, recv_counts);

@@ -32,6 +32,7 @@
 
 #include "fusekit/core/random.hpp"
 #include "fusekit/core/tensor.hpp"
+#include "fusekit/dist/bag_routing.hpp"
 #include "fusekit/dist/communicator.hpp"
 #include "fusekit/dist/sharding.hpp"
 #include "fusekit/nn/recsys.hpp"
@@ -80,9 +81,16 @@ class ShardedEmbeddingBags {
   // The last forward's batch: per rank its samples and first sample in the global batch.
   std::vector<std::int64_t> batch_of_, start_of_;
   std::int64_t batch_ = 0, global_batch_ = 0;
+  // The index work (bag_routing.hpp): this batch's ids routed to the owners; the owner's regrouping
+  // of the bags it receives, made for batch sizes order_batch_of_; the pooled row of each partial
+  // a rank gets back, for rows_batch_ samples.
+  RoutedIds routed_;
+  std::vector<std::int64_t> order_, order_batch_of_, row_of_;
+  std::int64_t rows_batch_ = -1;
+  const std::vector<std::int64_t>& partial_rows(std::int64_t batch);
   // Host buffers, grown to the largest batch seen: the local bags (CSR), the local pooled rows
   // and their gradient [B, S_local, D] (kept until step()), and the exchange buffers.
-  std::vector<std::int64_t> local_indices_, local_offsets_, send_i64_, recv_i64_;
+  std::vector<std::int64_t> local_indices_, local_offsets_, recv_i64_;
   std::vector<float> local_out_, local_grad_, send_f32_, recv_f32_;
 };
 
