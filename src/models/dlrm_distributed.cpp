@@ -5,7 +5,9 @@
 
 #include <sstream>
 
+#include "core/on_device.hpp"
 #include "fusekit/core/error.hpp"
+#include "fusekit/core/stream.hpp"
 #include "models/dlrm_state_io.hpp"
 
 namespace fk::models {
@@ -18,8 +20,8 @@ TensorView shard_state(const nn::EmbeddingBagCollection& l, int s, bool rowwise)
   const TensorView& tv = l.tables[static_cast<std::size_t>(s)].view();
   const std::int64_t base = l.layout().base(s);
   auto* state = const_cast<float*>(l.state.data_as<const float>());
-  if (rowwise) return TensorView(state + base, DType::f32, {tv.size(0)}, Device::cpu());
-  return TensorView(state + base * tv.size(1), DType::f32, tv.shape(), Device::cpu());
+  if (rowwise) return TensorView(state + base, DType::f32, {tv.size(0)}, l.state.device());
+  return TensorView(state + base * tv.size(1), DType::f32, tv.shape(), l.state.device());
 }
 
 // Rank r's shards in (table, first row) order, as dist::ShardedEmbeddingBags holds them.
@@ -54,7 +56,7 @@ dist::ShardingPlan plan_dlrm_sharding(const DlrmConfig& config, int ranks, std::
 
 DistributedDlrm::DistributedDlrm(DlrmConfig config, dist::Communicator& comm, dist::ShardingPlan plan, DlrmImpl impl)
     : comm_(comm),
-      dense_(config, Device::cpu(), impl, DlrmTables::external),
+      dense_(config, comm.device(), impl, DlrmTables::external),
       embeddings_(config.table_rows, config.embedding_dim,
                   {Pooling::sum, config.raw_hash, impl == DlrmImpl::fused, config.rowwise_adagrad},
                   dlrm_table_init(config), std::move(plan), comm) {}
@@ -64,8 +66,10 @@ void DistributedDlrm::lookup(const DlrmInput& input, std::int64_t batch) {
                "CSR bags (indices and offsets; raw values are not routed)", "none");
   const std::int64_t t = embeddings_.num_tables(), d = embeddings_.dim();
   if (pooled_.numel() != batch * t * d) {
-    pooled_ = Tensor::empty({batch, t, d}, DType::f32, Device::cpu());
-    dpooled_ = Tensor::empty({batch, t, d}, DType::f32, Device::cpu());
+    const Device dev = comm_.device();
+    const fk::detail::OnDevice on(dev);
+    pooled_ = Tensor::empty({batch, t, d}, DType::f32, dev);
+    dpooled_ = Tensor::empty({batch, t, d}, DType::f32, dev);
     logits_ = Tensor::empty({batch}, DType::f32, Device::cpu());
     dlogits_ = Tensor::empty({batch}, DType::f32, Device::cpu());
   }
@@ -86,6 +90,9 @@ double DistributedDlrm::train_step(const DlrmInput& input, const TensorView& lab
   for (std::int64_t i = 0; i < b; ++i) g[i] *= scale;
   dense_.backward(dlogits_, dpooled_);
   embeddings_.backward(dpooled_);
+  // One flat bucket, after the whole backward (dense_gradients() is the parameter arena's one
+  // buffer, on the model's device); overlapping it with the backward needs the MLPs' layers to hand
+  // out their gradients as they are made, and stream-ordered all-reduces of buckets of them.
   comm_.all_reduce_sum(dense_.dense_gradients());
   if (opt.kind == OptimizerKind::adagrad) embeddings_.ensure_state(opt.initial_accumulator);
   dense_.step(opt);
@@ -95,8 +102,21 @@ double DistributedDlrm::train_step(const DlrmInput& input, const TensorView& lab
   const double sum = loss * static_cast<double>(b);
   float parts[2] = {static_cast<float>(sum), 0.0f};
   parts[1] = static_cast<float>(sum - static_cast<double>(parts[0]));
-  comm_.all_reduce_sum(TensorView(parts, DType::f32, {2}, Device::cpu()));
+  sum_over_ranks(parts);
   return (static_cast<double>(parts[0]) + static_cast<double>(parts[1])) / static_cast<double>(gb);
+}
+
+void DistributedDlrm::sum_over_ranks(float (&parts)[2]) {
+  const TensorView host(parts, DType::f32, {2}, Device::cpu());
+  const Stream* st = embeddings_.stream();
+  if (st == nullptr) return comm_.all_reduce_sum(host);
+  // A device collective: through two floats on the GPU, ordered on the embeddings' stream.
+  const fk::detail::OnDevice on(comm_.device());
+  if (!loss_parts_.data()) loss_parts_ = Tensor::empty({2}, DType::f32, comm_.device(), st);
+  copy_async(loss_parts_, host, *st);
+  comm_.all_reduce_sum(loss_parts_, st);
+  copy_async(host, loss_parts_, *st);
+  st->synchronize();
 }
 
 void DistributedDlrm::save_shards(std::ostream& out) {
