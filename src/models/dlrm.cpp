@@ -423,32 +423,41 @@ struct DlrmState {
     batch = b;
     slot = si;
     pooled = in.pooled;
-    if (!stream_) {  // the CPU reads the caller's tensors
-      dense = in.dense;
-      labels = label ? *label : TensorView();
-      bags = raw ? nn::EmbeddingBagInput{std::nullopt, std::nullopt, in.raw_sparse}
-                 : nn::EmbeddingBagInput{in.indices, in.offsets, std::nullopt};
-      return;
-    }
-    Slot& sl = slots[static_cast<std::size_t>(si)];
-    const Stream& copy = *copy_stream_;
-    sl.free.wait_on(copy);
-    dense = TensorView(sl.dense.data(), DType::f32, {b, n_in}, {ld_dense, 1}, dev);
-    copy_async(dense, in.dense, copy);
-    auto head = [&](const Tensor& buf, const TensorView& src) {
-      const TensorView dst(buf.data(), src.dtype(), {src.numel()}, dev);
-      copy_async(dst, src.reshape({src.numel()}), copy);
+    Slot* sl = stream_ ? &slots[static_cast<std::size_t>(si)] : nullptr;
+    if (sl) sl->free.wait_on(*copy_stream_);
+    // An input array as the step reads it: on the CPU the caller's; on a GPU its copy at the start
+    // of the slot's buffer `buf`, on the copy stream. The same checks on both, so that the CPU
+    // tests catch an array taken that the input does not have (a default TensorView is one
+    // element of no memory).
+    auto take = [&](Tensor Slot::*buf, const TensorView& src, const char* arg) {
+      FK_CHECK_ARG((src.data() != nullptr || src.numel() == 0) && src.is_contiguous(), kOp, arg,
+                   "a contiguous tensor with data",
+                   src.str() + (src.data() ? "" : " with no data"));
+      if (!sl) return src;
+      const Tensor& to = sl->*buf;
+      FK_CHECK_ARG(src.nbytes() <= to.nbytes(), kOp, arg,
+                   fmt::format("at most {} bytes (the batch buffer's, for batches of {})", to.nbytes(), cap),
+                   src.str());
+      const TensorView dst(to.data(), src.dtype(), {src.numel()}, dev);
+      copy_async(dst, src.reshape({src.numel()}), *copy_stream_);
       return dst;
     };
-    labels = label ? head(sl.labels, *label) : TensorView();
-    if (raw) {
-      bags = {std::nullopt, std::nullopt, head(sl.raw, in.raw_sparse)};
+    if (sl) {
+      dense = TensorView(sl->dense.data(), DType::f32, {b, n_in}, {ld_dense, 1}, dev);
+      copy_async(dense, in.dense, *copy_stream_);
     } else {
-      bags = {head(sl.indices, in.indices), head(sl.offsets, in.offsets), std::nullopt};
+      dense = in.dense;
     }
-    sl.copied.record(copy);
-    sl.copied.wait_on(*stream_);
-    sl.copied.synchronize();
+    labels = label ? take(&Slot::labels, *label, "labels") : TensorView();
+    // The bags: none with external tables (the pooled rows come instead: copy_pooled), else the
+    // raw ids or the CSR bags.
+    if (!embeddings) bags = {};
+    else if (raw) bags = {std::nullopt, std::nullopt, take(&Slot::raw, in.raw_sparse, "raw_sparse")};
+    else bags = {take(&Slot::indices, in.indices, "indices"), take(&Slot::offsets, in.offsets, "offsets"), std::nullopt};
+    if (!sl) return;  // the CPU reads the caller's tensors
+    sl->copied.record(*copy_stream_);
+    sl->copied.wait_on(*stream_);
+    sl->copied.synchronize();
   }
 
   static void checks_host(const TensorView& t, const char* arg) {
