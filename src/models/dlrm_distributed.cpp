@@ -24,6 +24,13 @@ TensorView shard_state(const nn::EmbeddingBagCollection& l, int s, bool rowwise)
   return TensorView(state + base * tv.size(1), DType::f32, tv.shape(), l.state.device());
 }
 
+// A host vector the step reads or writes through a raw pointer: f32 [n], contiguous, on the CPU.
+void check_host_vector(const TensorView& t, std::int64_t n, const char* arg) {
+  FK_CHECK_ARG(t.dtype() == DType::f32 && t.numel() == n && t.is_contiguous() && t.data() != nullptr &&
+                   t.device().is_cpu(),
+               kOp, arg, fmt::format("f32 [{}], contiguous, on the host", n), t.str() + (t.data() ? "" : " with no data"));
+}
+
 // Rank r's shards in (table, first row) order, as dist::ShardedEmbeddingBags holds them.
 std::vector<dist::Shard> shards_of(const dist::ShardingPlan& plan, int r) {
   std::vector<dist::Shard> out;
@@ -64,6 +71,11 @@ DistributedDlrm::DistributedDlrm(DlrmConfig config, dist::Communicator& comm, di
 void DistributedDlrm::lookup(const DlrmInput& input, std::int64_t batch) {
   FK_CHECK_ARG(input.indices.data() != nullptr && input.offsets.data() != nullptr, kOp, "input",
                "CSR bags (indices and offsets; raw values are not routed)", "none");
+  FK_CHECK_ARG(input.dense.device().is_cpu() && input.indices.device().is_cpu() && input.offsets.device().is_cpu(), kOp,
+               "input", "host tensors (the loader's batch)",
+               input.dense.str() + ", " + input.indices.str() + ", " + input.offsets.str());
+  FK_CHECK_ARG(input.raw_sparse.data() == nullptr && input.pooled.data() == nullptr, kOp, "input",
+               "dense and CSR bags only (no raw_sparse or pooled)", input.raw_sparse.str() + ", " + input.pooled.str());
   const std::int64_t t = embeddings_.num_tables(), d = embeddings_.dim();
   if (pooled_.numel() != batch * t * d) {
     const Device dev = comm_.device();
@@ -73,12 +85,20 @@ void DistributedDlrm::lookup(const DlrmInput& input, std::int64_t batch) {
     logits_ = Tensor::empty({batch}, DType::f32, Device::cpu());
     dlogits_ = Tensor::empty({batch}, DType::f32, Device::cpu());
   }
+  // The step's buffers against the batch (the host ones are written through raw pointers).
+  FK_CHECK_ARG(pooled_.numel() == batch * t * d && dpooled_.numel() == pooled_.numel() &&
+                   pooled_.view().device() == comm_.device() && dpooled_.view().device() == comm_.device(),
+               kOp, "pooled", fmt::format("f32 [{}, {}, {}] on {}", batch, t, d, comm_.device().str()),
+               pooled_.view().str() + ", " + dpooled_.view().str());
+  check_host_vector(logits_, batch, "logits");
+  check_host_vector(dlogits_, batch, "dlogits");
   embeddings_.forward(input.indices, input.offsets, batch, pooled_);
 }
 
 double DistributedDlrm::train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt) {
   FK_CHECK_ARG(input.dense.rank() == 2, kOp, "dense", "f32 [B, inputs]", input.dense.str());
   const std::int64_t b = input.dense.size(0);
+  check_host_vector(labels, b, "labels");
   lookup(input, b);
   dense_.forward({input.dense, {}, {}, {}, pooled_}, logits_);
   // This slice's mean loss and (p - y) / b, rescaled to the global batch's (p - y) / B.
@@ -120,6 +140,7 @@ void DistributedDlrm::sum_over_ranks(float (&parts)[2]) {
 }
 
 void DistributedDlrm::save_shards(std::ostream& out) {
+  const fk::detail::OnDevice on(comm_.device());
   const nn::EmbeddingBagCollection* l = embeddings_.local();
   const bool adagrad = l != nullptr && l->state.numel() > 0;
   std::vector<TensorView> arrays;
@@ -129,6 +150,7 @@ void DistributedDlrm::save_shards(std::ostream& out) {
 }
 
 void DistributedDlrm::load_shards(std::istream& in) {
+  const fk::detail::OnDevice on(comm_.device());
   nn::EmbeddingBagCollection* l = embeddings_.local();
   std::uint64_t count = 0;
   const bool adagrad = detail::read_state_header(in, count);
@@ -136,7 +158,8 @@ void DistributedDlrm::load_shards(std::istream& in) {
                fmt::format("{} arrays", count));
   if (l == nullptr) return;
   l->state = Tensor();
-  if (adagrad) l->ensure_state(0.0f);
+  // On the embeddings' stream and device, done when it returns (the copies below are synchronous).
+  if (adagrad) embeddings_.ensure_state(0.0f);
   std::vector<TensorView> arrays;
   for (int s = 0; s < l->num_tables(); ++s) arrays.push_back(l->tables[static_cast<std::size_t>(s)]);
   for (int s = 0; adagrad && s < l->num_tables(); ++s) arrays.push_back(shard_state(*l, s, dense_.config().rowwise_adagrad));
@@ -206,6 +229,7 @@ void consolidate_distributed_state(const DlrmConfig& config, const dist::Shardin
 
 void DistributedDlrm::predict(const DlrmInput& input, const TensorView& probabilities) {
   FK_CHECK_ARG(input.dense.rank() == 2, kOp, "dense", "f32 [B, inputs]", input.dense.str());
+  check_host_vector(probabilities, input.dense.size(0), "probabilities");
   lookup(input, input.dense.size(0));
   dense_.predict({input.dense, {}, {}, {}, pooled_}, probabilities);
 }
