@@ -1,8 +1,12 @@
 // `fusekit train --distributed`: the run on several ranks (models::DistributedDlrm), launched by
-// `mpirun -np N build/fusekit train --distributed ...` in a build with MPI (one process without).
-// Every rank reads the same global batches and keeps its slice (the first B % N ranks one sample
-// more); rank 0 prints the plan, the progress lines, the final evaluation and the summary. A rank
-// that fails prints its error and aborts every rank (MPI_Abort), so none waits in a collective.
+// `mpirun -np N build/fusekit train --distributed ...` in a build with MPI (one process without):
+// on the CPU through MPI's collectives, or with --device cuda a GPU a rank through NCCL (the MPI
+// communicator starting it). `fusekit train --gpus N`: the same run in one process, a thread, a GPU
+// and an NCCL communicator a rank. Every rank reads the same global batches and keeps its slice
+// (the first B % N ranks one sample more); rank 0 prints the plan, the progress lines, the final
+// evaluation and the summary. A rank that fails prints its error and aborts every rank
+// (MPI_Abort; with --gpus, the communicators are aborted and the process ends), so none waits in
+// a collective.
 // --checkpoint PATH saves a manifest and one shard file per rank (apps/checkpoint_distributed.hpp)
 // at the end and every --checkpoint-every steps; --resume / --load-model continue from one saved
 // on any number of ranks and plan (N -> M), or by the one-process run (1 -> M). What it does not
@@ -15,17 +19,25 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "apps/checkpoint_distributed.hpp"
 #include "apps/train.hpp"
 #include "apps/train_data.hpp"
 #include "fusekit/core/error.hpp"
+#include "fusekit/core/stream.hpp"
 #include "fusekit/data/criteo.hpp"
 #include "fusekit/dist/communicator.hpp"
 #include "fusekit/models/dlrm_distributed.hpp"
 #include "fusekit/models/metrics.hpp"
+
+#if FUSEKIT_WITH_CUDA
+#include "fusekit/core/cuda_check.hpp"
+#endif
 
 namespace fk::app {
 namespace {
@@ -134,11 +146,34 @@ void save(const TrainConfig& c, models::DistributedDlrm& model, std::int64_t ste
   comm.barrier();
 }
 
+// An all-to-all of host floats in which only rank 0 receives (the evaluation's gather); a device
+// communicator's goes through buffers on its GPU.
+void gather_to_rank0(dist::Communicator& comm, std::vector<float>& out, std::span<const std::int64_t> send,
+                     std::vector<float>& all, std::span<const std::int64_t> recv) {
+  const auto host = [](std::vector<float>& v) {
+    return TensorView(v.data(), DType::f32, {std::ssize(v)}, Device::cpu());
+  };
+  if (comm.device().is_cpu()) return comm.all_to_all_v(host(out), send, host(all), recv);
+  // Allocated on the default stream (a block goes back to the stream it was ordered on, and this
+  // stream goes at the end of the call); nothing else uses them meanwhile.
+  const Tensor d_out = Tensor::empty({std::max<std::int64_t>(std::ssize(out), 1)}, DType::f32, comm.device());
+  const Tensor d_all = Tensor::empty({std::max<std::int64_t>(std::ssize(all), 1)}, DType::f32, comm.device());
+  const Stream stream = Stream::create(comm.device());
+  const TensorView o(d_out.data(), DType::f32, {std::ssize(out)}, comm.device());
+  const TensorView a(d_all.data(), DType::f32, {std::ssize(all)}, comm.device());
+  copy_async(o, host(out), stream);
+  comm.all_to_all_v(o, send, a, recv, &stream);
+  copy_async(host(all), a, stream);
+  stream.synchronize();
+}
+
 int run(const TrainConfig& c, std::int64_t max_shard_rows, const StartState& start, bool resume_override,
         dist::Communicator& comm) {
   const int ranks = comm.size(), me = comm.rank();
   const bool lead = me == 0;
-  FK_CHECK_ARG(c.device == "cpu", kOp, "--device", "cpu (the distributed path runs on host memory for now)", c.device);
+  FK_CHECK_ARG(comm.device().is_cuda() == Device::parse(c.device).is_cuda(), kOp, "--device",
+               comm.device().is_cuda() ? "cuda (the ranks' GPUs)" : "cpu (this run's collectives are MPI's, on the host)",
+               c.device);
   FK_CHECK_ARG(c.mini_batch_size >= ranks && c.test_mini_batch_size >= ranks, kOp, "--mini-batch-size",
                fmt::format("global batches of at least one sample per rank ({})", ranks),
                fmt::format("{} and test {}", c.mini_batch_size, c.test_mini_batch_size));
@@ -237,8 +272,7 @@ int run(const TrainConfig& c, std::int64_t max_shard_rows, const StartState& sta
       recv[static_cast<std::size_t>(r)] = 2 * (re - rb);
     }
     std::vector<float> all(static_cast<std::size_t>(lead ? 2 * b->size : 0));
-    comm.all_to_all_v(TensorView(out.data(), DType::f32, {2 * mine.size}, Device::cpu()), send,
-                      TensorView(all.data(), DType::f32, {static_cast<std::int64_t>(all.size())}, Device::cpu()), recv);
+    gather_to_rank0(comm, out, send, all, recv);
     for (int r = 0; lead && r < ranks; ++r) {
       const auto [rb, re] = slice_of(b->size, r, ranks);
       const float* p = all.data() + 2 * rb;
@@ -266,6 +300,8 @@ int run_train_distributed(const TrainConfig& c, std::int64_t max_shard_rows, con
                           bool resume_override) {
   std::unique_ptr<dist::Communicator> comm =
       FUSEKIT_WITH_MPI ? dist::make_mpi_communicator() : dist::make_single_communicator();
+  // --device cuda: a GPU a rank (its local rank's), NCCL started through the host communicator.
+  if (Device::parse(c.device).is_cuda()) comm = dist::make_nccl_communicator(std::move(comm));
   try {
     return run(c, max_shard_rows, start, resume_override, *comm);
   } catch (const std::exception& e) {
@@ -275,6 +311,46 @@ int run_train_distributed(const TrainConfig& c, std::int64_t max_shard_rows, con
     comm->abort(1);
   }
   return 1;  // not reached: abort ends the process
+}
+
+int run_train_gpus(const TrainConfig& c, int gpus, std::int64_t max_shard_rows, const StartState& start,
+                   bool resume_override) {
+  constexpr const char* op = "fusekit train --gpus";
+  FK_CHECK_ARG(gpus >= 1, op, "--gpus", ">= 1", std::to_string(gpus));
+  FK_CHECK_ARG(c.device == "cuda", op, "--device", "cuda (--gpus N takes GPUs 0 to N-1)", c.device);
+  std::vector<int> devices(static_cast<std::size_t>(gpus));
+  for (int r = 0; r < gpus; ++r) devices[static_cast<std::size_t>(r)] = r;
+  std::vector<std::unique_ptr<dist::Communicator>> comms = dist::make_nccl_communicators(devices);
+  // A rank that fails prints its error and aborts its communicator, which ends the process: the
+  // other threads may be waiting in a collective it will never join. One rank has no one to
+  // wait for: its error is thrown here, as a one-process run's.
+  std::exception_ptr only_rank_error;
+  std::mutex print;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < gpus; ++r)
+    threads.emplace_back([&, r] {
+      dist::Communicator& comm = *comms[static_cast<std::size_t>(r)];
+      try {
+#if FUSEKIT_WITH_CUDA
+        fk::detail::check_cuda(cudaSetDevice(r), "cudaSetDevice");  // this thread's GPU, for all it calls
+#endif
+        run(c, max_shard_rows, start, resume_override, comm);
+      } catch (const std::exception& e) {
+        if (gpus == 1) {
+          only_rank_error = std::current_exception();
+          return;
+        }
+        {
+          const std::lock_guard lock(print);
+          std::fprintf(stderr, "%s: rank %d of %d (cuda:%d): %s\n", op, r, gpus, r, e.what());
+          std::fflush(stderr);
+        }
+        comm.abort(1);
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  if (only_rank_error) std::rethrow_exception(only_rank_error);
+  return 0;
 }
 
 }  // namespace fk::app

@@ -4,12 +4,21 @@
 
 #include <fmt/format.h>
 
+#include "core/on_device.hpp"
 #include "fusekit/core/error.hpp"
+#include "fusekit/core/stream.hpp"
 
 namespace fk::models {
 namespace {
 
 constexpr const char* kOp = "models::DistributedDlrm";
+
+// A host vector the step reads or writes through a raw pointer: f32 [n], contiguous, on the CPU.
+void check_host_vector(const TensorView& t, std::int64_t n, const char* arg) {
+  FK_CHECK_ARG(t.dtype() == DType::f32 && t.numel() == n && t.is_contiguous() && t.data() != nullptr &&
+                   t.device().is_cpu(),
+               kOp, arg, fmt::format("f32 [{}], contiguous, on the host", n), t.str() + (t.data() ? "" : " with no data"));
+}
 
 }  // namespace
 
@@ -34,7 +43,7 @@ dist::ShardingPlan plan_dlrm_sharding(const DlrmConfig& config, int ranks, std::
 
 DistributedDlrm::DistributedDlrm(DlrmConfig config, dist::Communicator& comm, dist::ShardingPlan plan, DlrmImpl impl)
     : comm_(comm),
-      dense_(config, Device::cpu(), impl, DlrmTables::external),
+      dense_(config, comm.device(), impl, DlrmTables::external),
       embeddings_(config.table_rows, config.embedding_dim,
                   {Pooling::sum, config.raw_hash, impl == DlrmImpl::fused, config.rowwise_adagrad},
                   dlrm_table_init(config), std::move(plan), comm) {}
@@ -42,19 +51,34 @@ DistributedDlrm::DistributedDlrm(DlrmConfig config, dist::Communicator& comm, di
 void DistributedDlrm::lookup(const DlrmInput& input, std::int64_t batch) {
   FK_CHECK_ARG(input.indices.data() != nullptr && input.offsets.data() != nullptr, kOp, "input",
                "CSR bags (indices and offsets; raw values are not routed)", "none");
+  FK_CHECK_ARG(input.dense.device().is_cpu() && input.indices.device().is_cpu() && input.offsets.device().is_cpu(), kOp,
+               "input", "host tensors (the loader's batch)",
+               input.dense.str() + ", " + input.indices.str() + ", " + input.offsets.str());
+  FK_CHECK_ARG(input.raw_sparse.data() == nullptr && input.pooled.data() == nullptr, kOp, "input",
+               "dense and CSR bags only (no raw_sparse or pooled)", input.raw_sparse.str() + ", " + input.pooled.str());
   const std::int64_t t = embeddings_.num_tables(), d = embeddings_.dim();
   if (pooled_.numel() != batch * t * d) {
-    pooled_ = Tensor::empty({batch, t, d}, DType::f32, Device::cpu());
-    dpooled_ = Tensor::empty({batch, t, d}, DType::f32, Device::cpu());
+    const Device dev = comm_.device();
+    const fk::detail::OnDevice on(dev);
+    pooled_ = Tensor::empty({batch, t, d}, DType::f32, dev);
+    dpooled_ = Tensor::empty({batch, t, d}, DType::f32, dev);
     logits_ = Tensor::empty({batch}, DType::f32, Device::cpu());
     dlogits_ = Tensor::empty({batch}, DType::f32, Device::cpu());
   }
+  // The step's buffers against the batch (the host ones are written through raw pointers).
+  FK_CHECK_ARG(pooled_.numel() == batch * t * d && dpooled_.numel() == pooled_.numel() &&
+                   pooled_.view().device() == comm_.device() && dpooled_.view().device() == comm_.device(),
+               kOp, "pooled", fmt::format("f32 [{}, {}, {}] on {}", batch, t, d, comm_.device().str()),
+               pooled_.view().str() + ", " + dpooled_.view().str());
+  check_host_vector(logits_, batch, "logits");
+  check_host_vector(dlogits_, batch, "dlogits");
   embeddings_.forward(input.indices, input.offsets, batch, pooled_);
 }
 
 double DistributedDlrm::train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt) {
   FK_CHECK_ARG(input.dense.rank() == 2, kOp, "dense", "f32 [B, inputs]", input.dense.str());
   const std::int64_t b = input.dense.size(0);
+  check_host_vector(labels, b, "labels");
   lookup(input, b);
   dense_.forward({input.dense, {}, {}, {}, pooled_}, logits_);
   // This slice's mean loss and (p - y) / b, rescaled to the global batch's (p - y) / B.
@@ -66,6 +90,9 @@ double DistributedDlrm::train_step(const DlrmInput& input, const TensorView& lab
   for (std::int64_t i = 0; i < b; ++i) g[i] *= scale;
   dense_.backward(dlogits_, dpooled_);
   embeddings_.backward(dpooled_);
+  // One flat bucket, after the whole backward (dense_gradients() is the parameter arena's one
+  // buffer, on the model's device); overlapping it with the backward needs the MLPs' layers to hand
+  // out their gradients as they are made, and stream-ordered all-reduces of buckets of them.
   comm_.all_reduce_sum(dense_.dense_gradients());
   if (opt.kind == OptimizerKind::adagrad) embeddings_.ensure_state(opt.initial_accumulator);
   dense_.step(opt);
@@ -75,12 +102,26 @@ double DistributedDlrm::train_step(const DlrmInput& input, const TensorView& lab
   const double sum = loss * static_cast<double>(b);
   float parts[2] = {static_cast<float>(sum), 0.0f};
   parts[1] = static_cast<float>(sum - static_cast<double>(parts[0]));
-  comm_.all_reduce_sum(TensorView(parts, DType::f32, {2}, Device::cpu()));
+  sum_over_ranks(parts);
   return (static_cast<double>(parts[0]) + static_cast<double>(parts[1])) / static_cast<double>(gb);
+}
+
+void DistributedDlrm::sum_over_ranks(float (&parts)[2]) {
+  const TensorView host(parts, DType::f32, {2}, Device::cpu());
+  const Stream* st = embeddings_.stream();
+  if (st == nullptr) return comm_.all_reduce_sum(host);
+  // A device collective: through two floats on the GPU, ordered on the embeddings' stream.
+  const fk::detail::OnDevice on(comm_.device());
+  if (!loss_parts_.data()) loss_parts_ = Tensor::empty({2}, DType::f32, comm_.device(), st);
+  copy_async(loss_parts_, host, *st);
+  comm_.all_reduce_sum(loss_parts_, st);
+  copy_async(host, loss_parts_, *st);
+  st->synchronize();
 }
 
 void DistributedDlrm::predict(const DlrmInput& input, const TensorView& probabilities) {
   FK_CHECK_ARG(input.dense.rank() == 2, kOp, "dense", "f32 [B, inputs]", input.dense.str());
+  check_host_vector(probabilities, input.dense.size(0), "probabilities");
   lookup(input, input.dense.size(0));
   dense_.predict({input.dense, {}, {}, {}, pooled_}, probabilities);
 }

@@ -1,8 +1,9 @@
 // The distributed DLRM against the one-process model, shared by the single-process test
-// (dist_test) and the MPI one (dist_mpi_test, under mpirun): the same tiny model, the same global
-// batches of synthetic records; each rank trains DistributedDlrm on its slice of every global
-// batch and trains the one-process Dlrm on the whole batches itself, then compares the losses, the
-// dense parameters and the tables it owns.
+// (dist_test), the MPI one (dist_mpi_test, under mpirun) and the NCCL one (dist_nccl_dlrm_test: a
+// GPU a rank, a thread each): the same tiny model, the same global batches of synthetic records;
+// each rank trains DistributedDlrm (on its communicator's device) on its slice of every global
+// batch and trains the one-process Dlrm (on the CPU, or on a GPU) on the whole batches itself,
+// then compares the losses, the dense parameters and the tables it owns.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -64,7 +65,14 @@ inline int widest_split(const dist::ShardingPlan& plan) {
   return widest;
 }
 
-// Rows [begin, end) of a table [rows, D], as a view.
+// A host copy of a tensor on any device (a padded GPU weight's rows come back contiguous).
+inline Tensor host_copy(const TensorView& t) {
+  Tensor h = Tensor::empty(t.shape(), t.dtype(), Device::cpu());
+  copy(h, t);
+  return h;
+}
+
+// Rows [begin, end) of a host table [rows, D], as a view.
 inline TensorView table_rows(const Tensor& table, std::int64_t begin, std::int64_t end) {
   const std::int64_t d = table.size(1);
   return TensorView(const_cast<float*>(table.data_as<const float>()) + begin * d, DType::f32, {end - begin, d},
@@ -96,6 +104,9 @@ inline models::DlrmConfig dist_config(const DistCase& c, const data::Featurizer&
   m.dcn_low_rank_dim = 4;
   m.rowwise_adagrad = c.op == models::InteractionOp::dcn;
   m.seed = 11;
+  // GPU: fp32 GEMMs, so that the fp32 tolerance below holds (TF32 rounds a GEMM's inputs to 10
+  // bits: an fp32 rounding difference upstream can then move a product by 2^-11).
+  m.allow_tf32 = false;
   return m;
 }
 
@@ -111,10 +122,12 @@ inline std::pair<std::int64_t, std::int64_t> slice_of(std::int64_t n, int rank, 
   return {begin, begin + base + (rank < extra ? 1 : 0)};
 }
 
-// |got - ref| <= atol + rtol |ref|; records the worst ratio of error to bound in `worst`.
-inline void expect_close(const TensorView& got, const TensorView& ref, double atol, double rtol, const std::string& what,
-                         double& worst) {
-  ASSERT_EQ(got.numel(), ref.numel()) << what;
+// |got - ref| <= atol + rtol |ref| (tensors on any device); records the worst ratio of error to
+// bound in `worst`.
+inline void expect_close(const TensorView& got_any, const TensorView& ref_any, double atol, double rtol,
+                         const std::string& what, double& worst) {
+  ASSERT_EQ(got_any.numel(), ref_any.numel()) << what;
+  const Tensor got = host_copy(got_any), ref = host_copy(ref_any);
   const auto* g = got.data_as<const float>();
   const auto* r = ref.data_as<const float>();
   std::int64_t bad = 0;
@@ -132,10 +145,14 @@ inline void expect_close(const TensorView& got, const TensorView& ref, double at
 // f32 roundings (2^-24 relative each) of its terms' magnitude, and 4 steps carry them on (Adagrad
 // divides by the root of the summed squares, which keeps them relative). 1e-5 relative with 1e-6
 // absolute (parameters of order 0.1-1) leaves a margin of about 20x over what these runs show (the
-// worst error is 0.043 of the bound, on 4 ranks; each case prints its own).
+// worst error is 0.043 of the bound, on 4 ranks; each case prints its own). On GPUs (fp32 GEMMs)
+// the same argument holds for the same arithmetic, with one more difference: the one-process GPU
+// model computes its loss gradient on the GPU, the distributed one on the host (a rounding of
+// (p - y) / B apart).
 constexpr double kDistAtol = 1e-6, kDistRtol = 1e-5;
 
-inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm) {
+// `one`: where the one-process model runs (the CPU's spec, or a GPU: the single-GPU model).
+inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm, Device one_device = Device::cpu()) {
   const data::Featurizer feat = dist_featurizer(c.multi_hot);
   const models::DlrmConfig config = dist_config(c, feat);
   const models::OptimizerConfig opt = dist_optimizer(c);
@@ -145,7 +162,7 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
       config, comm,
       models::plan_dlrm_sharding(config, comm.size(), kGlobalBatch, opt.kind, bags, {.max_shard_rows = c.max_shard_rows}),
       c.impl);
-  models::Dlrm one(config, Device::cpu(), c.impl);
+  models::Dlrm one(config, one_device, c.impl);
 
   data::SyntheticConfig sc;
   sc.seed = 21;
@@ -175,7 +192,8 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
   ASSERT_EQ(dc.size(), oc.size());
   for (std::size_t p = 0; p < dc.size(); ++p)
     expect_close(*dc[p].value, *oc[p].value, kDistAtol, kDistRtol, "cross parameter " + std::to_string(p), worst);
-  const std::vector<Tensor*> tables = one.tables();
+  std::vector<Tensor> tables;
+  for (const Tensor* t : one.tables()) tables.push_back(host_copy(*t));
   const std::vector<dist::Shard>& shards = dist.embeddings().local_shards();
   std::vector<int> shard_tables;
   for (std::size_t s = 0; s < shards.size(); ++s) {
@@ -183,7 +201,7 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
     EXPECT_EQ(sh.rank, comm.rank());
     shard_tables.push_back(sh.table);
     expect_close(dist.embeddings().shard_values(s),
-                 table_rows(*tables[static_cast<std::size_t>(sh.table)], sh.row_begin, sh.row_end), kDistAtol, kDistRtol,
+                 table_rows(tables[static_cast<std::size_t>(sh.table)], sh.row_begin, sh.row_end), kDistAtol, kDistRtol,
                  "table " + std::to_string(sh.table) + " rows [" + std::to_string(sh.row_begin) + ", " +
                      std::to_string(sh.row_end) + ")",
                  worst);
@@ -196,15 +214,17 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
     EXPECT_FALSE(dist.plan().table_wise());
     EXPECT_EQ(widest, std::min(comm.size(), c.max_shard_rows == 14 ? 3 : 4)) << dist.plan().str();
   }
-  std::printf("rank %d/%d %s: %zu shards here, a table over at most %d ranks; worst error / tolerance %.3g\n",
-              comm.rank(), comm.size(), dist_case_name(c).c_str(), shards.size(), widest, worst);
+  std::printf("rank %d/%d (%s) %s: %zu shards here, a table over at most %d ranks; worst error / tolerance %.3g\n",
+              comm.rank(), comm.size(), comm.device().str().c_str(), dist_case_name(c).c_str(), shards.size(), widest,
+              worst);
 }
 
 // ShardedEmbeddingBags alone against the one-process nn::EmbeddingBagCollection on hand-made bags:
 // tables of 9, 5 and 7 rows cut into shards of at most 3 rows (3 + 3 + 3, 2 + 3, 2 + 2 + 3: uneven),
 // a global batch of 7 whose bags hold 0 to 3 ids (empty bags; bags whose ids all fall in one shard,
 // bags spread over several; repeated ids). Pooled rows, then the tables after two steps of `opt`
-// (SGD, or Adagrad: row-wise when `rowwise`), within the DLRM comparison's tolerance.
+// (SGD, or Adagrad: row-wise when `rowwise`), within the DLRM comparison's tolerance. The sharded
+// layer on the communicator's device, the one-process layer on the CPU (the spec).
 inline void compare_sharded_bags(dist::Communicator& comm, const nn::OptimizerConfig& opt, bool rowwise) {
   const std::vector<std::int64_t> rows{9, 5, 7};
   constexpr std::int64_t kT = 3, kD = 4, kB = 7;
@@ -235,7 +255,7 @@ inline void compare_sharded_bags(dist::Communicator& comm, const nn::OptimizerCo
       return TensorView(v.data(), DType::i64, {static_cast<std::int64_t>(v.size())}, Device::cpu());
     };
     Tensor pooled_one = Tensor::empty({kB, kT, kD}, DType::f32, Device::cpu());
-    Tensor pooled = Tensor::empty({b, kT, kD}, DType::f32, Device::cpu());
+    Tensor pooled = Tensor::empty({b, kT, kD}, DType::f32, comm.device());
     one.reserve(static_cast<std::int64_t>(idx.size()));
     one.forward({view(idx), view(off), std::nullopt}, kB, pooled_one);
     sharded.forward(view(my_idx), view(my_off), b, pooled);
@@ -245,8 +265,9 @@ inline void compare_sharded_bags(dist::Communicator& comm, const nn::OptimizerCo
     Tensor grad_one = Tensor::empty({kB, kT, kD}, DType::f32, Device::cpu());
     for (std::int64_t i = 0; i < grad_one.numel(); ++i)
       grad_one.data_as<float>()[i] = 0.01f * static_cast<float>((i * 7) % 13) - 0.05f;
-    Tensor grad = Tensor::empty({b, kT, kD}, DType::f32, Device::cpu());
-    std::copy_n(grad_one.data_as<const float>() + begin * kT * kD, b * kT * kD, grad.data_as<float>());
+    Tensor grad_host = Tensor::empty({b, kT, kD}, DType::f32, Device::cpu());
+    std::copy_n(grad_one.data_as<const float>() + begin * kT * kD, b * kT * kD, grad_host.data_as<float>());
+    const Tensor grad = grad_host.copy_to(comm.device());
     one.backward(grad_one);
     sharded.backward(grad);
     if (opt.kind == nn::OptimizerKind::adagrad) {

@@ -119,7 +119,9 @@ struct DlrmConfig {
 //                            raw_hash) and ignores indices/offsets
 // On CUDA the tensors may be host (page-locked for asynchronous copies) or device tensors.
 //   pooled  f32 [B, T, D]   a model with DlrmTables::external only, instead of ids: the bags
-//                            pooled elsewhere (model-parallel tables, models::DistributedDlrm)
+//                            pooled elsewhere (model-parallel tables, models::DistributedDlrm),
+//                            contiguous, on the model's device (a GPU's: written before the call,
+//                            the writer's stream synchronised)
 struct DlrmInput {
   TensorView dense;
   TensorView indices;
@@ -131,7 +133,7 @@ struct DlrmInput {
 // Where the embedding tables live. local: in the model. external: elsewhere (on the ranks of a
 // model-parallel model, models::DistributedDlrm); the model is then the dense part (MLPs and the
 // interaction), its input carries the pooled bags (DlrmInput::pooled), its backward gives their
-// gradient, and step() updates the dense parameters only. External tables are CPU-only for now.
+// gradient, and step() updates the dense parameters only.
 enum class DlrmTables { local, external };
 
 // The Philox stream the tables start from (table t: subsequence + t), for a model-parallel shard
@@ -158,7 +160,8 @@ class Dlrm {
   // valid and unchanged until backward() (the bottom MLP reads it there).
   void forward(const DlrmInput& input, const TensorView& logits);
   // From dlogits f32 [B] (dL/dlogit): every gradient, for the last forward(). External tables:
-  // dpooled f32 [B, T, D] (=) dL/dpooled, the gradient the tables' owners apply.
+  // dpooled f32 [B, T, D] (=) dL/dpooled, the gradient the tables' owners apply, contiguous on the
+  // model's device (written when backward() returns).
   void backward(const TensorView& dlogits, const TensorView& dpooled = {});
   void step(const OptimizerConfig& opt);
 

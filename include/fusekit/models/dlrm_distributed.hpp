@@ -15,7 +15,13 @@
 //
 // N ranks on the same global batches follow the one-process model up to the rounding of the
 // reductions, whose order changes (a weight gradient's sum over the batch becomes N partial sums
-// added by the all-reduce). Host memory (the CPU build with MPI, or one process) for now.
+// added by the all-reduce).
+//
+// Devices: the communicator's. A host communicator (mpi, single) runs everything on the CPU; the
+// NCCL one (one GPU a rank) puts the dense replica, the shards, the pooled rows and their
+// gradients on the rank's GPU, and the all-reduces run there. The batch comes from the host (the
+// loader's), and the loss and its gradient dL/dlogit are computed on the host from the logits
+// (b floats each way a step), as on the CPU, so that one code path scales them.
 #pragma once
 
 #include <cstdint>
@@ -61,30 +67,34 @@ dist::ShardingPlan one_process_plan(const std::vector<std::int64_t>& table_rows)
 
 class DistributedDlrm {
  public:
-  // Collective in effect: every rank builds it with the same config and plan. CPU only. The
-  // communicator must outlive the model.
+  // Collective in effect: every rank builds it with the same config and plan, on the
+  // communicator's device. The communicator must outlive the model.
   DistributedDlrm(DlrmConfig config, dist::Communicator& comm, dist::ShardingPlan plan,
                   DlrmImpl impl = DlrmImpl::reference);
 
   // Collective. This rank's slice of the global batch (the slices in rank order: every rank's
-  // dense, CSR bags over all tables, labels f32 [b]); returns the global batch's mean loss, the
-  // same on every rank.
+  // dense, CSR bags over all tables, labels f32 [b]; host tensors); returns the global batch's mean
+  // loss, the same on every rank.
   double train_step(const DlrmInput& input, const TensorView& labels, const OptimizerConfig& opt);
-  // Collective. Click probabilities f32 [b] of this rank's slice.
+  // Collective. Click probabilities f32 [b] of this rank's slice (host).
   void predict(const DlrmInput& input, const TensorView& probabilities);
 
   // Local: this rank's shards (its tables of the plan, in (table, first row) order) as a DLRM
   // state stream ("FKDLRMS1", models/dlrm_state_io.hpp): each shard's values [rows, D], then, once
   // Adagrad has state, each shard's accumulators ([rows] row-wise, else [rows, D]). load_shards
   // reads the same (fk::Error naming `tables` for another plan's shards or a truncated stream). The
-  // dense part is dense().save_state / load_state, the same on every rank.
+  // dense part is dense().save_state / load_state, the same on every rank. On a GPU (the NCCL
+  // communicator) they run on the communicator's device, through host memory on the embeddings'
+  // stream, and return once the copies are done.
   void save_shards(std::ostream& out);
   void load_shards(std::istream& in);
   // Local: the whole training state saved under any plan (N -> M): the dense state from `dense`
   // (dense().save_state's; with SavedTables::one_process, the one-process state itself, read before
   // `tables` opens it), and this rank's shards, optimizer state included, gathered from `tables`.
   // fk::Error (op models::DistributedDlrm::load) naming the saved rank whose stream does not
-  // match its plan or the dense state (with or without optimizer state).
+  // match its plan or the dense state (with or without optimizer state). On a GPU the rows are
+  // gathered into host staging (a bounded chunk of a shard at a time) and copied to the shard's
+  // values and accumulators on the embeddings' stream, so N -> M works there too.
   void load(std::istream& dense, const SavedTables& tables);
 
   const dist::ShardingPlan& plan() const noexcept { return embeddings_.plan(); }
@@ -99,10 +109,14 @@ class DistributedDlrm {
   void load_tables(const SavedTables& tables, bool adagrad, const char* op);
   // The dense part's parameter arrays in its state (weights and biases, cross-layer parameters).
   std::uint64_t dense_arrays();
+  // parts (host) = their sum over the ranks.
+  void sum_over_ranks(float (&parts)[2]);
   dist::Communicator& comm_;
   Dlrm dense_;
   dist::ShardedEmbeddingBags embeddings_;
-  Tensor pooled_, dpooled_, logits_, dlogits_;  // [b, T, D], [b, T, D], [b], [b]
+  Tensor pooled_, dpooled_;   // [b, T, D] on the communicator's device
+  Tensor logits_, dlogits_;   // [b], host
+  Tensor loss_parts_;         // [2] on the GPU: the loss's all-reduce (NCCL)
 };
 
 // A distributed checkpoint as the single-process Dlrm's state (what Dlrm::load_state reads): the

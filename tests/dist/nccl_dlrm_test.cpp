@@ -1,0 +1,211 @@
+// The distributed DLRM on GPUs through the NCCL communicator (dist_nccl_dlrm_test; a build with
+// NCCL). One GPU: a 1-rank communicator, DistributedDlrm on cuda:0 against the single-GPU model
+// (the fused and the reference implementation, dot and DCNv2, one-hot and multi-hot, table-wise
+// and row-split tables) on the same batches, ShardedEmbeddingBags against the CPU layer, a saved
+// state that resumes bit for bit, states of other plans (N -> M, 1 -> M) loaded onto the GPU, and
+// predictions. Two GPUs or more (up to 4): one thread and
+// communicator a GPU, each rank against the one-process model on its GPU. A test without the
+// GPUs it needs skips, saying why.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <sstream>
+#include <thread>
+
+#include "distributed_run.hpp"
+#include "fusekit/dist/communicator.hpp"
+#include "test_util.hpp"
+
+namespace fk::dist {
+namespace {
+
+#define FK_SKIP_WITHOUT_GPUS(n)                                                                        \
+  do {                                                                                                  \
+    if (cuda_device_count() < (n))                                                                      \
+      GTEST_SKIP() << "needs " << (n) << " GPU(s), found " << cuda_device_count()                       \
+                   << (cuda_device_count() == 0 ? ": " + cuda_unavailable_reason() : std::string());   \
+  } while (0)
+
+// One rank on cuda:0, made once for the whole program (NCCL's set-up takes a while).
+Communicator& one_gpu() {
+  static std::unique_ptr<Communicator> comm = std::move(make_nccl_communicators(std::vector<int>{0}).front());
+  return *comm;
+}
+
+// Runs f on one thread a communicator, all at once (NCCL needs every rank's call in flight).
+void on_every_rank(std::vector<std::unique_ptr<Communicator>>& comms, const std::function<void(Communicator&)>& f) {
+  std::vector<std::thread> threads;
+  for (auto& c : comms)
+    threads.emplace_back([&f, comm = c.get()] {
+      try {
+        f(*comm);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << comm->rank() << ": " << e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+}
+
+class OneGpu : public ::testing::TestWithParam<test::DistCase> {};
+
+TEST_P(OneGpu, DistributedDlrmFollowsTheSingleGpuModel) {
+  FK_SKIP_WITHOUT_GPUS(1);
+  test::compare_with_one_process(GetParam(), one_gpu(), Device::cuda(0));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, OneGpu, ::testing::ValuesIn(test::dist_cases()),
+                         [](const auto& info) { return test::dist_case_name(info.param); });
+
+TEST(OneGpuShardedBags, RowWiseShardsFollowTheCpuLayer) {
+  FK_SKIP_WITHOUT_GPUS(1);
+  test::compare_sharded_bags(one_gpu(), {.kind = nn::OptimizerKind::sgd, .learning_rate = 0.1f}, false);
+  test::compare_sharded_bags(one_gpu(), {.kind = nn::OptimizerKind::adagrad, .learning_rate = 0.05f}, true);
+  test::compare_sharded_bags(one_gpu(), {.kind = nn::OptimizerKind::adagrad, .learning_rate = 0.05f}, false);
+}
+
+// Split tables with row-wise Adagrad: a state saved after 3 steps (dense part and shards, from
+// the GPU) and loaded into a fresh model continues bit for bit; and the trained model's
+// probabilities are the single-GPU model's within the comparison's tolerance.
+TEST(OneGpuDistributedDlrm, SavedStateResumesAndPredictionsFollow) {
+  FK_SKIP_WITHOUT_GPUS(1);
+  Communicator& c = one_gpu();
+  const test::DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
+  const data::Featurizer feat = test::dist_featurizer(true);
+  const models::DlrmConfig config = test::dist_config(dc, feat);
+  const models::OptimizerConfig opt = test::dist_optimizer(dc);
+  const auto plan = [&] {
+    return models::plan_dlrm_sharding(config, 1, 30, opt.kind, feat.multi_hot_sizes, {.max_shard_rows = 11});
+  };
+  models::DistributedDlrm straight(config, c, plan()), resumed(config, c, plan());
+  models::Dlrm one(config, Device::cuda(0), models::DlrmImpl::fused);
+  data::SyntheticConfig sc;
+  sc.seed = 7;
+  std::vector<data::RawRecord> recs(210);
+  data::SyntheticCriteo(sc).generate(0, recs);
+  const auto batch = [&](int k) {
+    data::Batch b;
+    data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(30 * k), 30), feat, b);
+    return b;
+  };
+  for (int k = 0; k < 3; ++k) {
+    const data::Batch b = batch(k);
+    straight.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
+    one.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
+  }
+  std::stringstream dense, shards;
+  straight.dense().save_state(dense);
+  straight.save_shards(shards);
+  resumed.dense().load_state(dense);
+  resumed.load_shards(shards);
+  for (int k = 3; k < 6; ++k) {
+    const data::Batch b = batch(k);
+    EXPECT_EQ(resumed.train_step({b.dense, b.indices, b.offsets}, b.labels, opt),
+              straight.train_step({b.dense, b.indices, b.offsets}, b.labels, opt))
+        << "step " << k;
+    one.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
+  }
+  for (std::size_t s = 0; s < straight.embeddings().local_shards().size(); ++s) {
+    const Tensor a = test::host_copy(straight.embeddings().shard_values(s));
+    const Tensor b = test::host_copy(resumed.embeddings().shard_values(s));
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << "shard " << s;
+  }
+  const data::Batch b = batch(6);
+  Tensor p_dist = Tensor::empty({30}, DType::f32, Device::cpu()), p_one = Tensor::empty({30}, DType::f32, Device::cpu());
+  straight.predict({b.dense, b.indices, b.offsets}, p_dist);
+  one.predict({b.dense, b.indices, b.offsets}, p_one);
+  double worst = 0;
+  test::expect_close(p_dist, p_one, test::kDistAtol, test::kDistRtol, "probabilities", worst);
+}
+
+// N -> M onto the GPU (models::DistributedDlrm::load, whose rows go through host staging and are
+// copied on the embeddings' stream): a state trained on the CPU under shards of at most 11 rows,
+// loaded onto cuda:0 under shards of at most 7 (and table-wise), saved again from the GPU,
+// consolidates to the same bytes; and the one-process state (1 -> M) likewise. Row-wise and full
+// Adagrad (accumulators [rows] and [rows, D]).
+TEST(OneGpuDistributedDlrm, StatesOfOtherPlansLoadOntoTheGpuBitForBit) {
+  FK_SKIP_WITHOUT_GPUS(1);
+  Communicator& c = one_gpu();
+  const test::DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
+  const data::Featurizer feat = test::dist_featurizer(true);
+  const models::OptimizerConfig opt = test::dist_optimizer(dc);
+  data::SyntheticConfig sc;
+  sc.seed = 13;
+  std::vector<data::RawRecord> recs(90);
+  data::SyntheticCriteo(sc).generate(0, recs);
+  for (const bool rowwise : {true, false}) {
+    models::DlrmConfig config = test::dist_config(dc, feat);
+    config.rowwise_adagrad = rowwise;
+    const auto plan = [&](std::int64_t rows) {
+      return models::plan_dlrm_sharding(config, 1, 30, opt.kind, feat.multi_hot_sizes, {.max_shard_rows = rows});
+    };
+    auto host = make_single_communicator();
+    models::DistributedDlrm cpu(config, *host, plan(11), dc.impl);
+    for (int k = 0; k < 3; ++k) {
+      data::Batch b;
+      data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(30 * k), 30), feat, b);
+      cpu.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
+    }
+    std::ostringstream dense_out, shards_out;
+    cpu.dense().save_state(dense_out);
+    cpu.save_shards(shards_out);
+    const std::string dense = dense_out.str(), shards = shards_out.str();
+    const auto tables_of = [](const dist::ShardingPlan& p, const std::string& bytes, std::istringstream& in) {
+      return models::SavedTables{p, models::SavedTables::Layout::shards, [&in, bytes](int) -> std::istream& {
+                                   in.str(bytes);
+                                   in.clear();
+                                   return in;
+                                 }};
+    };
+    const auto consolidated = [&](const dist::ShardingPlan& p, const std::string& d, const std::string& sh) {
+      std::istringstream dense_in(d), shards_in;
+      std::ostringstream out;
+      models::consolidate_distributed_state(config, dense_in, tables_of(p, sh, shards_in), out);
+      return out.str();
+    };
+    const std::string whole = consolidated(plan(11), dense, shards);
+    for (const std::int64_t rows : {std::int64_t{7}, std::int64_t{0}}) {
+      models::DistributedDlrm gpu(config, c, plan(rows), dc.impl);
+      std::istringstream dense_in(dense), shards_in;
+      gpu.load(dense_in, tables_of(plan(11), shards, shards_in));
+      std::ostringstream d, sh;
+      gpu.dense().save_state(d);
+      gpu.save_shards(sh);
+      EXPECT_EQ(consolidated(plan(rows), d.str(), sh.str()), whole)
+          << (rowwise ? "row-wise" : "full") << " Adagrad, 11 -> " << rows << " rows a shard";
+    }
+    // 1 -> M: the consolidated (one-process) state onto the GPU under shards of at most 7 rows.
+    models::DistributedDlrm gpu(config, c, plan(7), dc.impl);
+    std::istringstream in(whole);
+    gpu.load(in, {models::one_process_plan(config.table_rows), models::SavedTables::Layout::one_process,
+                  [&in](int) -> std::istream& {
+                    in.clear();
+                    in.seekg(0);
+                    return in;
+                  }});
+    std::ostringstream d, sh;
+    gpu.dense().save_state(d);
+    gpu.save_shards(sh);
+    EXPECT_EQ(consolidated(plan(7), d.str(), sh.str()), whole) << (rowwise ? "row-wise" : "full") << " Adagrad, 1 -> M";
+  }
+}
+
+// Every GPU up to 4, a thread and an NCCL communicator each: every rank against the one-process
+// model, which each rank trains on its own GPU.
+TEST(ThreadsAGpu, DistributedDlrmFollowsTheOneProcessModel) {
+  FK_SKIP_WITHOUT_GPUS(2);
+  const int n = std::min(cuda_device_count(), 4);
+  std::vector<int> devices(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) devices[static_cast<std::size_t>(r)] = r;
+  auto comms = make_nccl_communicators(devices);
+  for (const test::DistCase& dc : test::dist_cases())
+    on_every_rank(comms, [&](Communicator& c) { test::compare_with_one_process(dc, c, c.device()); });
+  on_every_rank(comms, [](Communicator& c) {
+    test::compare_sharded_bags(c, {.kind = nn::OptimizerKind::sgd, .learning_rate = 0.1f}, false);
+    test::compare_sharded_bags(c, {.kind = nn::OptimizerKind::adagrad, .learning_rate = 0.05f}, true);
+  });
+}
+
+}  // namespace
+}  // namespace fk::dist
