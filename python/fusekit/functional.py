@@ -57,17 +57,20 @@ def convert(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
               return_lse: bool = False, bottom_right: bool = False, window: tuple[int, int] = (-1, -1),
-              softcap: float = 0.0):
+              softcap: float = 0.0, deterministic: bool = False):
     """softmax(scale q kᵀ) v, q [B, H, Sq, D], k, v [B, Hk, Sk, D] (H a multiple of Hk: grouped-
     query heads, as F.scaled_dot_product_attention's enable_gqa), scale defaulting to 1/sqrt(D):
     causal top-left as SDPA's is_causal, or bottom-right (bottom_right=True, FlashAttention's);
     window = (left, right) keys around the diagonal (-1: unbounded); softcap c > 0 caps the scores
-    to c tanh(s / c). Differentiable. On a GPU the plain options (q's heads in k and v, top-left
-    causal or none, no window, no softcap) run the tensor-core forward where it applies; the rest,
-    and the backward, run on simple warp-per-row kernels (correct, not fast)."""
+    to c tanh(s / c). Differentiable; deterministic=True sums the backward's dq in a fixed order
+    (the same bits on every run, at some cost in speed; dk and dv are deterministic either way).
+    On a GPU the plain options (q's heads in k and v, top-left causal or none, no window, no
+    softcap) run the tensor-core forward where it applies, and the backward in bf16/f16 at head
+    dims 64, 96 and 128 the tensor-core backward (every option); the rest run on simple
+    warp-per-row kernels (correct, not fast)."""
     left, right = window
     out, lse = ops.call("attention", q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
-                        bottom_right, left, right, softcap)
+                        bottom_right, left, right, softcap, deterministic)
     return (out, lse) if return_lse else out
 
 

@@ -98,16 +98,16 @@ void bind_primitives(nb::module_& m) {
       "attention_backward",
       [](const Array& q, const Array& k, const Array& v, const Array& out, const Array& dout, const Array& lse,
          const Array& dq, const Array& dk, const Array& dv, bool causal, bool bottom_right, std::int64_t window_left,
-         std::int64_t window_right, float scale, float softcap, std::uintptr_t stream) {
+         std::int64_t window_right, float scale, float softcap, bool deterministic, std::uintptr_t stream) {
         constexpr const char* op = "attention_backward";
         const TensorView qv = view(q, op, "q");
         attention_backward(qv, view(k, op, "k"), view(v, op, "v"), view(out, op, "out"), view(dout, op, "dout"),
                            view(lse, op, "lse"), view(dq, op, "dq"), view(dk, op, "dk"), view(dv, op, "dv"),
-                           AttentionOptions{causal, bottom_right, window_left, window_right, scale, softcap},
+                           AttentionOptions{causal, bottom_right, window_left, window_right, scale, softcap, deterministic},
                            StreamArg(stream, qv).get());
       },
       "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a, "causal"_a, "bottom_right"_a,
-      "window_left"_a, "window_right"_a, "scale"_a, "softcap"_a, "stream"_a, kNoGil);
+      "window_left"_a, "window_right"_a, "scale"_a, "softcap"_a, "deterministic"_a, "stream"_a, kNoGil);
   m.def(
       "attention_forward_varlen",
       [](const Array& q, const Array& k, const Array& v, const Array& out, const Array& lse, const Array& cu_seqlens_q,

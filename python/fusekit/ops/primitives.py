@@ -41,12 +41,14 @@ _autograd("softmax", _softmax_backward, _softmax_setup)
 
 @_custom_op("attention")
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, bottom_right: bool = False,
-              window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+              window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+              deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """(out, lse): softmax(s) v per (batch, head), s = scale q kᵀ (softcap tanh(s / softcap) when
     softcap > 0) over the visible keys (causal top-left or, bottom_right, bottom-right; a sliding
     window of window_left keys before and window_right after the diagonal, -1 unbounded), q
     [B, H, Sq, D], k, v [B, Hk, Sk, D] with H a multiple of Hk (grouped-query heads); lse
-    [B, H, Sq] f32, the log-sum-exp of each row. Its backward is attention_backward."""
+    [B, H, Sq] f32, the log-sum-exp of each row. Its backward is attention_backward; deterministic
+    is for it (dq summed in a fixed order: the same bits on every run)."""
     _same_device("attention_forward", q=q, k=k, v=v)
     q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -57,42 +59,42 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, botto
 
 
 @attention.register_fake
-def _(q, k, v, causal, scale, bottom_right=False, window_left=-1, window_right=-1, softcap=0.0):
+def _(q, k, v, causal, scale, bottom_right=False, window_left=-1, window_right=-1, softcap=0.0, deterministic=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @_custom_op("attention_backward")
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                        scale: float, bottom_right: bool, window_left: int, window_right: int,
-                       softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+                       softcap: float, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attention's out from dout and the forward's q, k, v, out, lse (dk and dv
-    summed over each group of q heads)."""
+    summed over each group of q heads); deterministic: dq summed in a fixed order."""
     _same_device("attention_backward", dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     dout, q, k, v, out, lse = (t if t.is_contiguous() else t.contiguous() for t in (dout, q, k, v, out, lse))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _C.attention_backward(_d(q), _d(k), _d(v), _d(out), _d(dout), _d(lse), _d(dq), _d(dk), _d(dv), causal,
-                          bottom_right, window_left, window_right, scale, softcap, _stream(q))
+                          bottom_right, window_left, window_right, scale, softcap, deterministic, _stream(q))
     return dq, dk, dv
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, causal, scale, bottom_right, window_left, window_right, softcap):
+def _(dout, q, k, v, out, lse, causal, scale, bottom_right, window_left, window_right, softcap, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _attention_setup(ctx, inputs, output):
     q, k, v, causal, scale, *rest = inputs  # the eager path passes what the caller passed: defaults for the rest
-    ctx.options = (causal, scale, *rest, *(False, -1, -1, 0.0)[len(rest):])
+    ctx.options = (causal, scale, *rest, *(False, -1, -1, 0.0, False)[len(rest):])
     ctx.set_materialize_grads(False)  # lse carries no gradient
     ctx.save_for_backward(q, k, v, output[0], output[1])
 
 
 def _attention_bwd(ctx, dout, _dlse):
     if dout is None:
-        return (None,) * 9
+        return (None,) * 10
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _bwd(ctx, "attention_backward", dout, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 7
 
 
 _autograd("attention", _attention_bwd, _attention_setup)
