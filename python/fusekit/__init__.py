@@ -31,6 +31,7 @@ if _torch is not None:
     from . import nn  # noqa: F401,E402  (fusekit.nn after `import fusekit`, as torch.nn after `import torch`)
     from .nn import load_quantized, quantize  # noqa: F401,E402
     from .patch import patch, patch_llama, unpatch  # noqa: F401,E402
+    from .hf_attention import hf_attention_forward, register_hf_attention  # noqa: F401,E402
     from .compress import compress_saved_tensors  # noqa: F401,E402
 
 __all__ = ["Error", "build_info", "cuda_device_count"]

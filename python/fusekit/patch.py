@@ -20,6 +20,11 @@ and optimizers, hooks and checkpoints made before or after keep working. What is
 - LM head loss: a ``*ForCausalLM`` with ``lm_head`` and ``model``, when called with ``labels`` ->
   ``fusekit.linear_cross_entropy`` on the last hidden states: the loss, with the logits never
   materialised (``logits`` is None in the output). Without labels, the model's own forward runs.
+- attention (only with ``attention=True``): every Hugging Face model (``PreTrainedModel``) in it
+  whose attention implementation is "sdpa" switches to "fusekit" (``fusekit.hf_attention_forward``,
+  registered with SDPA's masks): ``fusekit.attention`` where the mask is None (no padding, plain
+  causal), transformers' SDPA function for everything else. Off by default: on Hopper fusekit's
+  attention backward is slower than SDPA's (FlashAttention / cuDNN), so a training step can lose.
 """
 from __future__ import annotations
 
@@ -35,9 +40,13 @@ from torch import Tensor, nn
 
 from . import compress as _compress
 from . import functional as Fk
+from . import hf_attention as _hf_attention
 from .ops._registry import _autocast_dtype, _autocast_enabled
 
-__all__ = ["patch", "patch_llama", "unpatch", "patched_modules"]
+__all__ = ["patch", "patch_llama", "unpatch", "patched_modules", "hf_attention_forward", "register_hf_attention"]
+
+hf_attention_forward = _hf_attention.hf_attention_forward
+register_hf_attention = _hf_attention.register_hf_attention
 
 _ORIGINAL = "_fusekit_original_class"
 _LOCK = threading.Lock()
@@ -279,13 +288,52 @@ def _is_causal_lm(m: nn.Module) -> bool:
             and "labels" in inspect.signature(type(m).forward).parameters)
 
 
+# The attention switch: the attribute of a switched Hugging Face model holding {id(config):
+# (config, its attention implementation before)} for every config switch_attention changed.
+_ATTN_PREVIOUS = "_fusekit_attn_previous"
+
+
+def _switch_attention(model: nn.Module) -> None:
+    """Every outermost Hugging Face model in `model` on "sdpa" -> "fusekit" (sub-models included,
+    as set_attn_implementation does it); the previous implementations kept for unpatch."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return
+    name = _hf_attention.register_hf_attention()
+    inside: list[str] = []
+    for path, m in model.named_modules():
+        if not isinstance(m, PreTrainedModel) or any(path.startswith(p) for p in inside):
+            continue
+        inside.append(path + "." if path else "")
+        if _ATTN_PREVIOUS in m.__dict__ or getattr(m.config, "_attn_implementation", None) != "sdpa":
+            continue
+        previous = {id(s.config): (s.config, s.config._attn_implementation_internal)
+                    for s in m.modules() if isinstance(s, PreTrainedModel)}
+        m.set_attn_implementation(name)
+        if m.config._attn_implementation == name:
+            object.__setattr__(m, _ATTN_PREVIOUS, previous)
+
+
+def _restore_attention(model: nn.Module) -> None:
+    for m in model.modules():
+        previous = m.__dict__.pop(_ATTN_PREVIOUS, None)
+        for config, impl in (previous or {}).values():
+            config._attn_implementation_internal = impl
+
+
 def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bool = True,
-          cross_entropy: bool = True, decoder_layer: bool = True, recompute_mlp: bool = False) -> nn.Module:
+          cross_entropy: bool = True, decoder_layer: bool = True, recompute_mlp: bool = False,
+          attention: bool = False) -> nn.Module:
     """Patch `model` in place (see the module's docstring) and return it. `recompute_mlp` makes the
     MLPs recompute their [tokens, 2 x intermediate] pre-activations in the backward instead of
     keeping them (less memory, one more GEMM). `decoder_layer` (with `rms_norm`) fuses each
     decoder layer's first residual add into its second norm, the norms' forwards then called by
-    the layer's, not through the norm modules (hooks on those modules do not run). Patching a
+    the layer's, not through the norm modules (hooks on those modules do not run). `attention`
+    switches Hugging Face models on "sdpa" to fusekit attention (fusekit.hf_attention_forward:
+    fusekit.attention without a mask, SDPA for padding, dropout, attention weights and the other
+    cases fusekit.hf_attention.fallback_reason lists); off by default, because on Hopper fusekit's
+    attention backward is slower than SDPA's and a training step would lose by it. Patching a
     patched module does nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusekit.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
@@ -316,6 +364,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bo
         elif rope and type(m).__name__.endswith("Attention") and hasattr(sys.modules.get(type(m).__module__),
                                                                           "apply_rotary_pos_emb"):
             rope_modules.add(type(m).__module__)
+    if attention:
+        _switch_attention(model)
     if rope_modules and model not in _ROPE_MODELS:
         names = tuple(sorted(rope_modules))
         for name in names:
@@ -341,7 +391,9 @@ def patch_llama(model: nn.Module, **options) -> nn.Module:
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Restore every module patch() swapped (and the rotary function it replaced) and return model."""
+    """Restore every module patch() swapped (and the rotary function and attention implementation
+    it replaced) and return model."""
+    _restore_attention(model)
     for m in model.modules():
         cls = m.__dict__.get(_ORIGINAL)
         if cls is not None:

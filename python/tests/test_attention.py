@@ -180,6 +180,27 @@ def test_compiles_without_graph_breaks_forward_and_backward():
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_backward_of_transposed_inputs():
+    """q, k, v as Hugging Face's attention makes them ([B, S, H, D] projections transposed to
+    [B, H, S, D]) under torch.compile: the gradients the compiled graph reshapes back are laid out
+    as the op writes them (contiguous), as its fake kernel says."""
+    x = rand((2, 9, 64), torch.float32, "cpu", 47, True)
+
+    def f(x):
+        q = x.view(2, 9, 4, 16).transpose(1, 2)
+        k, v = ((x[..., :32] * c).view(2, 9, 2, 16).transpose(1, 2) for c in (0.5, 2.0))
+        return fusekit.attention(q, k, v, causal=True).transpose(1, 2).reshape(2, 9, 64)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    (g,) = torch.autograd.grad(y.square().sum(), x)
+    xr = x.detach().clone().requires_grad_()
+    yr = f(xr)
+    (gr,) = torch.autograd.grad(yr.square().sum(), xr)
+    torch.testing.assert_close(y, yr)
+    torch.testing.assert_close(g, gr, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d, hk, causal, bottom_right", [(64, 2, True, False), (96, 4, False, False),

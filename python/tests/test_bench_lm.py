@@ -102,3 +102,23 @@ def test_hook_runs_compress_the_saved_activations(tmp_path):
         lm.parse(["--runs", "compile_hook4"])
     assert lm_runs.split_hook("fusekit_hook2") == ("fusekit", 2) and lm_runs.split_hook("hook8") == ("eager", 8)
     assert lm_runs.split_hook("compile") == ("compile", None)
+
+
+def test_fusekit_attn_run_uses_fusekit_attention():
+    """fusekit_attn: fusekit.patch(attention=True) on the bench's model; the first loss is the
+    fusekit run's (SDPA attention) and eager's."""
+    import torch
+
+    cfg, _ = lm_runs.llama_config("tiny")
+    x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for run in ("eager", "fusekit", "fusekit_attn"):
+        prep = lm_runs.prepare(run, cfg, "cpu", "bf16", 0, None)
+        want = "fusekit" if run == "fusekit_attn" else "sdpa"
+        assert prep.model.config._attn_implementation == want
+        with torch.no_grad():
+            losses[run] = float(prep.step_model(input_ids=x, labels=x).loss)
+        prep.restore()
+    assert losses["fusekit_attn"] == pytest.approx(losses["fusekit"], rel=1e-2)
+    assert losses["fusekit_attn"] == pytest.approx(losses["eager"], rel=1e-2)
+    assert lm_runs.is_run("fusekit_attn") and lm_runs.is_run("fusekit_attn_compile")

@@ -266,3 +266,219 @@ def test_patched_llama_layer_compiles_fullgraph(device):
     want = want[0] if isinstance(want, tuple) else want
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     y.sum().backward()
+
+
+# ---- fusekit.patch(model, attention=True): fusekit attention as a transformers implementation -----
+
+class AttentionCalls:
+    """Counts the calls of hf_attention_forward that ran fusekit.attention and those that went to
+    transformers' SDPA function."""
+
+    def __init__(self, monkeypatch):
+        from fusekit import hf_attention
+        self.fusekit = self.sdpa = 0
+        sdpa, attention = hf_attention._sdpa(), hf_attention.Fk.attention
+
+        def counted_sdpa(*args, **kwargs):
+            self.sdpa += 1
+            return sdpa(*args, **kwargs)
+
+        def counted_attention(*args, **kwargs):
+            self.fusekit += 1
+            return attention(*args, **kwargs)
+        monkeypatch.setattr(hf_attention, "_sdpa", lambda: counted_sdpa)
+        monkeypatch.setattr(hf_attention.Fk, "attention", counted_attention)
+
+
+ONLY_ATTENTION = dict(rms_norm=False, mlp=False, rope=False, cross_entropy=False, decoder_layer=False)
+
+
+def compare_training(model, ref, ids, labels, attention_mask=None, rtol=1e-3, atol=1e-5):
+    with torch.no_grad():
+        got, want = model(ids, attention_mask=attention_mask).logits, ref(ids, attention_mask=attention_mask).logits
+    if attention_mask is not None:  # padded queries: compare the real tokens
+        keep = attention_mask.bool()
+        got, want = got[keep], want[keep]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    out, want = model(ids, labels=labels, attention_mask=attention_mask), ref(ids, labels=labels,
+                                                                              attention_mask=attention_mask)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    want.loss.backward()
+    g, gw = grads(model), grads(ref)
+    assert g.keys() == gw.keys()
+    for n in g:
+        torch.testing.assert_close(g[n], gw[n], rtol=rtol, atol=atol, msg=n)
+
+
+@pytest.mark.parametrize("others", [True, False], ids=["all_patches", "attention_only"])
+def test_patched_attention_equals_sdpa(device, monkeypatch, others):
+    """attention=True on a GQA LLaMA (4 query heads, 2 key heads): fusekit.attention runs in every
+    layer (no padding: no mask), logits, loss and gradients are SDPA's."""
+    calls = AttentionCalls(monkeypatch)
+    ref = tiny_llama(device)
+    assert ref.config.num_key_value_heads < ref.config.num_attention_heads
+    model = fusekit.patch(copy.deepcopy(ref), attention=True, **({} if others else ONLY_ATTENTION))
+    assert model.config._attn_implementation == "fusekit" and ref.config._attn_implementation == "sdpa"
+    ids, labels = batch(device)
+    compare_training(model, ref, ids, labels)
+    assert calls.fusekit == 2 * 2 and calls.sdpa == 0  # logits, then loss: 2 layers each
+    # an all-ones attention_mask is no padding: still no mask, still fusekit
+    compare_training(model, ref, ids, labels, attention_mask=torch.ones_like(ids))
+    assert calls.sdpa == 0
+
+
+def test_patched_attention_padded_batch_falls_back(device, monkeypatch):
+    calls = AttentionCalls(monkeypatch)
+    ref = tiny_llama(device)
+    model = fusekit.patch(copy.deepcopy(ref), attention=True)
+    ids, labels = batch(device)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding, as the labels' -100
+    compare_training(model, ref, ids, labels, attention_mask=mask)
+    assert calls.fusekit == 0 and calls.sdpa == 2 * 2  # logits, then loss: 2 layers each
+
+
+def test_patched_attention_default_is_off(device):
+    model = fusekit.patch(tiny_llama(device))
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_patched_attention_unpatch_restores(device):
+    ref = tiny_llama(device)
+    model = fusekit.patch(copy.deepcopy(ref), attention=True)
+    fusekit.patch(model, attention=True)  # twice: nothing more
+    assert model.config._attn_implementation == "fusekit"
+    fusekit.unpatch(model)
+    assert model.config._attn_implementation == "sdpa" and model.model.config._attn_implementation == "sdpa"
+    assert patched_modules(model) == {} and "_fusekit_attn_previous" not in model.__dict__
+    ids, _ = batch(device)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_patched_attention_leaves_other_implementations(device):
+    ref = tiny_llama(device)
+    ref.set_attn_implementation("eager")
+    fusekit.patch(ref, attention=True)
+    assert ref.config._attn_implementation == "eager"
+
+
+def test_patched_attention_generation(device, monkeypatch):
+    """Greedy decoding with a KV cache (prefill causal, then single queries over the cache)."""
+    calls = AttentionCalls(monkeypatch)
+    ref = tiny_llama(device)
+    model = fusekit.patch(copy.deepcopy(ref), attention=True, **ONLY_ATTENTION)
+    ids, _ = batch(device, b=2, t=6)
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+        want = ref.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(got, want)
+    assert calls.fusekit > 0
+
+
+def sdpa_args(device, dtype=torch.float32, b=2, h=4, hk=2, s=7, d=16):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, s, d, generator=g).to(device=device, dtype=dtype) for n in (h, hk, hk))
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = h // hk, True
+    return module, q, k, v
+
+
+@pytest.mark.parametrize("case", ["plain", "mask", "dropout", "output_attentions", "float64", "head_dim_320",
+                                  "window", "position_bias", "batch_1_query"])
+def test_hf_attention_forward_falls_back(device, monkeypatch, case):
+    """Each case the kernel does not take goes to transformers' SDPA function (the same result);
+    the plain causal case runs fusekit and matches it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    calls = AttentionCalls(monkeypatch)
+    dtype = torch.float64 if case == "float64" else torch.float32
+    module, q, k, v = sdpa_args(device, dtype, d=320 if case == "head_dim_320" else 16)
+    mask, kwargs = None, {}
+    if case == "mask":
+        mask = torch.ones(2, 1, 7, 7, dtype=torch.bool, device=device).tril()
+        mask[0, :, :, :2] = False
+        mask[0, :, :2, 0] = True
+    elif case == "dropout":
+        kwargs["dropout"] = 0.5
+    elif case == "output_attentions":
+        kwargs["output_attentions"] = True
+    elif case == "window":
+        kwargs["sliding_window"] = 4
+    elif case == "position_bias":
+        kwargs["position_bias"] = torch.randn(1, 4, 7, 7, device=device)
+    elif case == "batch_1_query":
+        q = q[:, :, :1]
+    got, weights = fusekit.hf_attention_forward(module, q, k, v, mask, scaling=0.3, **kwargs)
+    assert weights is None and got.shape == (2, q.shape[2], 4, q.shape[-1]) and got.is_contiguous()
+    taken = case in ("plain", "batch_1_query")
+    assert (calls.fusekit, calls.sdpa) == ((1, 0) if taken else (0, 1))
+    if case != "dropout":
+        want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_attention_forward_refuses_masks_it_cannot_trust(device):
+    """Registered without SDPA's mask function, a model's padding masks never reach the attention
+    function (transformers passes None): hf_attention_forward raises rather than drop them."""
+    from transformers import AttentionInterface
+    AttentionInterface.register("fusekit_no_masks", fusekit.hf_attention_forward)
+    model = tiny_llama(device)
+    model.set_attn_implementation("fusekit_no_masks")
+    ids, _ = batch(device)
+    with pytest.raises(ValueError, match="register_hf_attention"):
+        model(ids)
+
+
+def test_attn_implementation_by_name(device):
+    """A user's own switch: register_hf_attention(), then attn_implementation="fusekit"."""
+    fusekit.register_hf_attention()
+    ref = tiny_llama(device)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("fusekit")
+    ids, _ = batch(device)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+        got, want = model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-4)
+
+
+def test_patched_attention_layer_compiles_fullgraph(device, monkeypatch):
+    calls = AttentionCalls(monkeypatch)
+    model = fusekit.patch(tiny_llama(device), attention=True)
+    layer = model.model.layers[0]
+    x = torch.randn(2, 9, 64, device=device, requires_grad=True)
+    pos = torch.arange(9, device=device)[None]
+    cos_sin = model.model.rotary_emb(x, pos)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    y = compiled(x, position_embeddings=cos_sin, position_ids=pos)
+    want = layer(x, position_embeddings=cos_sin, position_ids=pos)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    assert calls.sdpa == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_patched_attention_bf16_cuda_matches_sdpa():
+    """bf16 on a GPU, head dim 64 (the tensor-core forward and backward): loss and gradients close to
+    SDPA's (FlashAttention / cuDNN / efficient)."""
+    if not fusekit.build_info()["cuda"]:
+        pytest.skip("fusekit built without CUDA")
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=256, intermediate_size=344, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    model = fusekit.patch(copy.deepcopy(ref), attention=True, **ONLY_ATTENTION)
+    ids, labels = batch("cuda", b=4, t=200)
+    out, want = model(ids, labels=labels), ref(ids, labels=labels)
+    torch.testing.assert_close(out.loss, want.loss, rtol=2e-2, atol=2e-2)
+    out.loss.backward()
+    want.loss.backward()
+    for n, p in model.named_parameters():
+        q = dict(ref.named_parameters())[n]
+        scale = q.grad.float().abs().max().clamp_min(1e-6)
+        assert float((p.grad.float() - q.grad.float()).abs().max() / scale) < 5e-2, n

@@ -3,7 +3,8 @@ way a user speeds it up or fits it in memory, in one process on one GPU, on the 
 
 Runs (--runs): eager, compile (torch.compile over the model), liger (Liger-Kernel's RMSNorm,
 SwiGLU, rotary and fused linear cross-entropy), liger_compile, checkpoint (every block),
-fusekit (fusekit.patch), fusekit_compile. Precisions (--precision): autocast (f32 parameters,
+fusekit (fusekit.patch), fusekit_compile, fusekit_attn (fusekit.patch(attention=True): fusekit
+attention in place of SDPA as well), fusekit_attn_compile. Precisions (--precision): autocast (f32 parameters,
 bf16 autocast) and bf16 (bf16 parameters, no autocast). Every run: AdamW (fused on CUDA), the loss
 as Hugging Face computes it (model(input_ids, labels=input_ids).loss), the same initial weights.
 
@@ -46,7 +47,7 @@ import fusekit
 from . import lm_report
 from .bench_base import BenchBase
 from .lm_data import Batches, Corpus
-from .lm_runs import (DEFAULTS, HOOK_RUNS, LORA_RUNS, RUNS, RunUnavailable, is_run, llama_config, param_count, prepare,
+from .lm_runs import (DEFAULT_RUNS, DEFAULTS, HOOK_RUNS, LORA_RUNS, RUNS, RunUnavailable, is_run, llama_config, param_count, prepare,
                       prepare_lora)
 
 SCHEMA = "fusekit-bench-lm/1"
@@ -389,7 +390,7 @@ def parse(argv=None):
     ap.add_argument("--cache", default="lm-cache", help="folder for the tokenizer and token streams")
     ap.add_argument("--corpus-limit", default=None, help="first N stdlib files (300) or bytes (2MB); default all")
     ap.add_argument("--vocab", type=int, default=None, help="tokenizer and model vocabulary (default the config's)")
-    ap.add_argument("--runs", default=",".join(RUNS),
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS),
                     help=f"comma-separated, of {','.join(RUNS)}; with compressed saved activations: "
                          f"{','.join(HOOK_RUNS)} (any eager run + _hook<bits>)")
     ap.add_argument("--precision", default="both", help="autocast, bf16 or both")

@@ -1,7 +1,8 @@
 """The language-model benchmark's models and runs: a Hugging Face LLaMA built from
 ``transformers.LlamaConfig`` (SDPA attention, the same seeded initialisation in every run), and
 what each run does to it before training: nothing (eager), ``torch.compile``, Liger-Kernel's
-``apply_liger_kernel_to_llama``, gradient checkpointing of every block, ``fusekit.patch``; for
+``apply_liger_kernel_to_llama``, gradient checkpointing of every block, ``fusekit.patch``,
+``fusekit.patch(attention=True)`` (fusekit attention in place of SDPA, the rest as ``fusekit``); for
 LoRA, fusekit's ``LoRALinear`` or PEFT on every projection of a frozen model.
 
 A run that cannot be set up (a package missing, ``fusekit.patch`` not in this build, Liger on a
@@ -30,7 +31,10 @@ CONFIGS = {
 # What each config measures unless told: batches, training batch (about 16k tokens a step).
 DEFAULTS = {"tiny": {"batches": "2", "train_batch": 2}, "small": {"batches": "64,128", "train_batch": 16},
             "1b": {"batches": "8,16", "train_batch": 8}}
-RUNS = ["eager", "compile", "liger", "liger_compile", "checkpoint", "fusekit", "fusekit_compile"]
+RUNS = ["eager", "compile", "liger", "liger_compile", "checkpoint", "fusekit", "fusekit_compile", "fusekit_attn",
+        "fusekit_attn_compile"]
+# The runs of a bare command: fusekit attention only when asked for (--runs).
+DEFAULT_RUNS = [r for r in RUNS if not r.startswith("fusekit_attn")]
 # fusekit.compress_saved_tensors(bits) around the forward of a run: "hook<bits>" (the unmodified
 # model), "<run>_hook<bits>" (fusekit_hook4, checkpoint_hook4, ...); eager autograd only.
 HOOK_RUNS = ["hook8", "hook4", "hook2", "fusekit_hook8", "fusekit_hook4", "fusekit_hook2", "checkpoint_hook4"]
@@ -125,15 +129,22 @@ def _apply_liger(prep: Prepared, device) -> None:
                                 swiglu=True, model=prep.model)
 
 
-def _apply_fusekit(prep: Prepared) -> None:
+def _apply_fusekit(prep: Prepared, attention: bool = False) -> None:
     import fusekit
 
     patch = getattr(fusekit, "patch", None)
     if patch is None:
         raise RunUnavailable(f"fusekit.patch does not exist in this build ({fusekit.build_info().get('commit')})")
-    out = patch(prep.model)
+    if attention and not hasattr(fusekit, "hf_attention_forward"):
+        raise RunUnavailable(f"fusekit.patch(attention=True) does not exist in this build "
+                             f"({fusekit.build_info().get('commit')})")
+    out = patch(prep.model, attention=True) if attention else patch(prep.model)
     if isinstance(out, nn.Module):
         prep.model = prep.step_model = out
+    if attention:
+        impl = prep.model.config._attn_implementation
+        if impl != "fusekit":
+            raise RunUnavailable(f"fusekit.patch(attention=True) left the model on attention {impl!r}")
 
 
 def split_hook(run: str) -> tuple[str, int | None]:
@@ -174,6 +185,8 @@ def prepare(run: str, cfg, device, precision: str, seed: int, compile_dynamic, h
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         elif base == "fusekit":
             _apply_fusekit(prep)
+        elif base == "fusekit_attn":  # the batch has no padding: every layer runs fusekit.attention
+            _apply_fusekit(prep, attention=True)
         elif base not in ("eager", "compile"):
             raise ValueError(f"unknown run {run!r}; runs: {', '.join(RUNS)}")
         if run.endswith("compile"):

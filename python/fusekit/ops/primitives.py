@@ -79,7 +79,9 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, causal, scale, bottom_right, window_left, window_right, softcap, deterministic=False):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as the implementation writes them (it reads contiguous copies of its inputs)
+    c = torch.contiguous_format
+    return tuple(torch.empty_like(t, memory_format=c) for t in (q, k, v))
 
 
 def _attention_setup(ctx, inputs, output):
@@ -154,7 +156,9 @@ def attention_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 @attention_backward_varlen.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, bottom_right,
       window_left, window_right, softcap, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as the implementation writes them (it reads contiguous copies of its inputs)
+    c = torch.contiguous_format
+    return tuple(torch.empty_like(t, memory_format=c) for t in (q, k, v))
 
 
 def _attention_varlen_setup(ctx, inputs, output):
