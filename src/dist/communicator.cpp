@@ -48,6 +48,17 @@ std::int64_t check_counts(const TensorView& t, std::span<const std::int64_t> cou
   return total;
 }
 
+AllToAllTotals check_all_to_all(const TensorView& send, std::span<const std::int64_t> send_counts,
+                                const TensorView& recv, std::span<const std::int64_t> recv_counts, Device where,
+                                int ranks, const char* op) {
+  check_collective_buffer(send, where, op, "send");
+  check_collective_buffer(recv, where, op, "recv");
+  FK_CHECK_ARG(send.dtype() == recv.dtype(), op, "recv", fmt::format("dtype {}", dtype_name(send.dtype())),
+               std::string(dtype_name(recv.dtype())));
+  return {check_counts(send, send_counts, ranks, op, "send_counts"),
+          check_counts(recv, recv_counts, ranks, op, "recv_counts")};
+}
+
 }  // namespace detail
 
 namespace {
@@ -62,12 +73,7 @@ class SingleCommunicator final : public Communicator {
   void all_to_all_v(const TensorView& send, std::span<const std::int64_t> send_counts, const TensorView& recv,
                     std::span<const std::int64_t> recv_counts, const Stream* stream) override {
     constexpr const char* op = "dist::Communicator::all_to_all_v";
-    detail::check_collective_buffer(send, device(), op, "send");
-    detail::check_collective_buffer(recv, device(), op, "recv");
-    FK_CHECK_ARG(send.dtype() == recv.dtype(), op, "recv", fmt::format("dtype {}", dtype_name(send.dtype())),
-                 std::string(dtype_name(recv.dtype())));
-    const std::int64_t n = detail::check_counts(send, send_counts, 1, op, "send_counts");
-    detail::check_counts(recv, recv_counts, 1, op, "recv_counts");
+    const std::int64_t n = detail::check_all_to_all(send, send_counts, recv, recv_counts, device(), 1, op).sent;
     FK_CHECK_ARG(recv_counts[0] == n, op, "recv_counts", fmt::format("{} (what this rank sends itself)", n),
                  fmt::format("{}", recv_counts[0]));
     if (stream) stream->synchronize();

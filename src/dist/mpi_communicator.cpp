@@ -92,12 +92,7 @@ class MpiCommunicator final : public Communicator {
 
   void all_to_all_v(const TensorView& send, std::span<const std::int64_t> send_counts, const TensorView& recv,
                     std::span<const std::int64_t> recv_counts, const Stream* stream) override {
-    detail::check_collective_buffer(send, device(), kA2a, "send");
-    detail::check_collective_buffer(recv, device(), kA2a, "recv");
-    FK_CHECK_ARG(send.dtype() == recv.dtype(), kA2a, "recv", fmt::format("dtype {}", dtype_name(send.dtype())),
-                 std::string(dtype_name(recv.dtype())));
-    detail::check_counts(send, send_counts, size_, kA2a, "send_counts");
-    detail::check_counts(recv, recv_counts, size_, kA2a, "recv_counts");
+    detail::check_all_to_all(send, send_counts, recv, recv_counts, device(), size_, kA2a);
     const MPI_Datatype type = mpi_type(send.dtype(), kA2a);
     std::vector<int> sdispl, rdispl;
     const std::vector<int> sc = counts_and_displacements(send_counts, sdispl, "send_counts");

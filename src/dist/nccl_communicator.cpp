@@ -218,13 +218,8 @@ class NcclCommunicator final : public Communicator {
 
   void all_to_all_v(const TensorView& send, std::span<const std::int64_t> send_counts, const TensorView& recv,
                     std::span<const std::int64_t> recv_counts, const Stream* stream) override {
-    detail::check_collective_buffer(send, device(), kA2a, "send");
-    detail::check_collective_buffer(recv, device(), kA2a, "recv");
-    FK_CHECK_ARG(send.dtype() == recv.dtype(), kA2a, "recv", fmt::format("dtype {}", dtype_name(send.dtype())),
-                 std::string(dtype_name(recv.dtype())));
+    const auto [sent, received] = detail::check_all_to_all(send, send_counts, recv, recv_counts, device(), size_, kA2a);
     const ncclDataType_t type = nccl_type(send.dtype(), kA2a);
-    const std::int64_t sent = detail::check_counts(send, send_counts, size_, kA2a, "send_counts");
-    const std::int64_t received = detail::check_counts(recv, recv_counts, size_, kA2a, "recv_counts");
     const std::size_t esize = dtype_size(send.dtype());
     // Peers read and write the blocks at any time during the call: the buffers must be apart.
     const auto* s0 = static_cast<const unsigned char*>(send.data());
