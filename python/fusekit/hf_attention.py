@@ -150,11 +150,13 @@ def computes_own_positions(forward) -> bool:
     except (OSError, TypeError):
         return False
     params = inspect.signature(forward).parameters
-    lines = {line.strip() for line in source.splitlines()}
-    own = ("position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens"
-           in lines or ("position_ids = cache_position.unsqueeze(0)" in lines
-                        and any(line.startswith("cache_position = torch.arange(") for line in lines)))
-    return "position_ids" in params and "causal_mask = create_causal_mask(" in lines and own
+    code = "".join(line.split("#")[0] for line in source.splitlines()).replace(" ", "")  # no spaces, no comments
+    past = ("past_seen_tokens=cache.get_seq_length()ifcacheisnotNoneelse0" in code
+            or "past_seen_tokens=past_key_values.get_seq_length()ifpast_key_valuesisnotNoneelse0" in code)
+    own = ("position_ids=torch.arange(inputs_embeds.shape[1],device=inputs_embeds.device)+past_seen_tokens" in code
+           or ("position_ids=cache_position.unsqueeze(0)" in code
+               and "cache_position=torch.arange(past_seen_tokens,past_seen_tokens+inputs_embeds.shape[1]," in code))
+    return "position_ids" in params and "create_causal_mask" in code and past and own
 
 
 _OVERLAY_ARGS = ("or_mask_function", "and_mask_function", "block_sequence_ids")

@@ -236,3 +236,43 @@ def test_unpatch_restores_create_causal_mask():
     fusekit.unpatch(a)
     assert modeling_llama.create_causal_mask is original
     assert "model" not in patched_modules(a)
+
+
+OLDER_FORWARD = '''
+import torch
+
+
+def create_causal_mask(**kwargs):
+    return None
+
+
+class OlderModel:
+    def forward(self, input_ids=None, position_ids=None, past_key_values=None, cache_position=None,
+                inputs_embeds=None):
+        if cache_position is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            cache_position = torch.arange(
+                past_seen_tokens, past_seen_tokens + inputs_embeds.shape[1], device=inputs_embeds.device
+            )
+        if position_ids is None:
+            position_ids = cache_position.unsqueeze(0)
+        causal_mask = create_causal_mask(config=self.config, position_ids=position_ids)
+'''
+
+
+def test_computes_own_positions(tmp_path, monkeypatch):
+    """transformers 5's LLaMA family computes its positions (arange from the cache's length), as the
+    older form (cache_position first) does; a *ForCausalLM (no mask of its own) and a forward that
+    takes its positions from elsewhere do not."""
+    import importlib
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.qwen2 import modeling_qwen2
+    for cls in (modeling_llama.LlamaModel, modeling_mistral.MistralModel, modeling_qwen2.Qwen2Model):
+        assert hf_attention.computes_own_positions(cls.forward), cls
+    assert not hf_attention.computes_own_positions(modeling_llama.LlamaForCausalLM.forward)
+    (tmp_path / "older_model.py").write_text(OLDER_FORWARD)
+    (tmp_path / "other_model.py").write_text(OLDER_FORWARD.replace("past_seen_tokens + inputs_embeds", "7 + inputs_embeds"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert hf_attention.computes_own_positions(importlib.import_module("older_model").OlderModel.forward)
+    assert not hf_attention.computes_own_positions(importlib.import_module("other_model").OlderModel.forward)
