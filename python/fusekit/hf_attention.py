@@ -120,8 +120,8 @@ _POSITIONS = _Positions()
 # The forward names whose values, when the caller gives any, are the model's positions.
 _POSITION_ARGS = ("position_ids", "cache_position")
 # create_causal_mask's arguments that the wrapper knows; a call with any other goes through as it is.
-_MASK_ARGS = {"config", "inputs_embeds", "attention_mask", "cache", "past_key_values", "position_ids",
-              "cache_position", "or_mask_function", "and_mask_function", "block_sequence_ids"}
+_MASK_ARGS = ("config", "inputs_embeds", "input_embeds", "attention_mask", "cache", "past_key_values", "position_ids",
+              "cache_position", "or_mask_function", "and_mask_function", "block_sequence_ids")
 
 
 def positions_forward(base):
@@ -168,7 +168,7 @@ def create_causal_mask_wrapper(original):
     overlay, called without position_ids, which then can only be the model's arange (one sequence a
     row: what transformers finds when it may look, eager); every other call as it is."""
     def create_causal_mask(*args, **kwargs):
-        if (not args and torch.compiler.is_compiling() and _POSITIONS.implicit and set(kwargs) <= _MASK_ARGS
+        if (not args and torch.compiler.is_compiling() and _POSITIONS.implicit and all(k in _MASK_ARGS for k in kwargs)
                 and kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None
                 and kwargs.get("cache") is None and kwargs.get("past_key_values") is None
                 and all(kwargs.get(n) is None for n in _OVERLAY_ARGS)):
@@ -259,6 +259,7 @@ def register_hf_attention(name: str = NAME) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    _sdpa_mask_defaults()  # here, not first inside a traced call
     AttentionInterface.register(name, hf_attention_forward)
     AttentionMaskInterface.register(name, causal_skip_mask)
     return name
@@ -271,6 +272,7 @@ def register_sdpa_causal_skip(name: str = SDPA_NAME) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    _sdpa_mask_defaults()
     AttentionInterface.register(name, _sdpa())
     AttentionMaskInterface.register(name, causal_skip_mask)
     return name

@@ -272,7 +272,8 @@ def test_computes_own_positions(tmp_path, monkeypatch):
         assert hf_attention.computes_own_positions(cls.forward), cls
     assert not hf_attention.computes_own_positions(modeling_llama.LlamaForCausalLM.forward)
     (tmp_path / "older_model.py").write_text(OLDER_FORWARD)
-    (tmp_path / "other_model.py").write_text(OLDER_FORWARD.replace("past_seen_tokens + inputs_embeds", "7 + inputs_embeds"))
+    other = OLDER_FORWARD.replace("past_seen_tokens + inputs_embeds", "7 + inputs_embeds")  # not from the cache
+    (tmp_path / "other_model.py").write_text(other)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert hf_attention.computes_own_positions(importlib.import_module("older_model").OlderModel.forward)
     assert not hf_attention.computes_own_positions(importlib.import_module("other_model").OlderModel.forward)
