@@ -158,10 +158,12 @@ double time_few_us(Context& ctx, const std::function<void()>& f, int runs) {
   return us[us.size() / 2];
 }
 
-// attention_backward (bf16): the tensor-core kernels (mma.sync, FlashAttention-2's algorithm; the
-// default atomic-dq mode, and deterministic mode as its own impl) against the warp-per-row kernels
-// that ran before them, on the same forward's out and lse. FLOPs: five [S, S, D] GEMMs (S
-// recomputed, dP, dV, dK, dQ), 10 B H S² D = 2.5x the forward's 4 B H S² D, halved for causal.
+// attention_backward (bf16): the sm_90 wgmma kernel (FlashAttention-3's design; on an sm_90 GPU
+// only), the mma.sync kernels (FlashAttention-2's algorithm; the default atomic-dq mode, and
+// deterministic mode), each forced through AttentionOptions::backward_kernel, against the
+// warp-per-row kernels that ran before them, on the same forward's out and lse. FLOPs: five
+// [S, S, D] GEMMs (S recomputed, dP, dV, dK, dQ), 10 B H S² D = 2.5x the forward's 4 B H S² D,
+// halved for causal.
 void attention_backward_cases(Context& ctx, std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d) {
   const std::string shape = "bf16_b" + std::to_string(b) + "_h" + std::to_string(h) + "_s" + std::to_string(s) + "_d" +
                             std::to_string(d);
@@ -185,9 +187,10 @@ void attention_backward_cases(Context& ctx, std::int64_t b, std::int64_t h, std:
     const Tensor dq = ctx.empty(qs, DType::bf16), dk = ctx.empty(qs, DType::bf16), dv = ctx.empty(qs, DType::bf16);
     const Tensor dq_ref = ctx.empty(qs, DType::bf16), dk_ref = ctx.empty(qs, DType::bf16);
     const Tensor dv_ref = ctx.empty(qs, DType::bf16), delta = ctx.empty({b, h, s}, DType::f32);
-    auto fused = [&](int i, bool deterministic) {
+    auto fused = [&](int i, AttentionBackwardKernel kernel, bool deterministic) {
       AttentionOptions o = opt;
       o.deterministic = deterministic;
+      o.backward_kernel = kernel;
       const Set& x = sets[static_cast<std::size_t>(i)];
       attention_backward(x.q, x.k, x.v, x.out, x.dout, x.lse, dq, dk, dv, o, &ctx.fk_stream());
     };
@@ -197,37 +200,40 @@ void attention_backward_cases(Context& ctx, std::int64_t b, std::int64_t h, std:
                                        opt, &ctx.fk_stream());
     };
     rowwise();
-    fused(0, false);
-    // Both are checked against the spec by attention_test; here they must agree at bf16's level
-    // (the tensor-core path rounds P and dS to bf16, the rowwise one does not).
-    const double err = std::max({ctx.rel_err(dq, dq_ref), ctx.rel_err(dk, dk_ref), ctx.rel_err(dv, dv_ref)});
-    require_close(name, err, 2e-2);
-    fused(0, true);
-    const double err_det = std::max({ctx.rel_err(dq, dq_ref), ctx.rel_err(dk, dk_ref), ctx.rel_err(dv, dv_ref)});
-    require_close(name + " (deterministic)", err_det, 2e-2);
-
     const double flops = 10.0 * static_cast<double>(b * h) * s * s * d / (causal ? 2.0 : 1.0);
-    Record f{"primitives", name, "fused", "rowwise"};
-    f.median_us = ctx.time_us([&](int i) { fused(i, false); }, rot);
-    f.tflops = flops / (f.median_us * 1e6);
-    f.rel_err = err;
-    Record fd{"primitives", name, "fused_deterministic", "rowwise"};
-    fd.median_us = ctx.time_us([&](int i) { fused(i, true); }, rot);
-    fd.tflops = flops / (fd.median_us * 1e6);
-    fd.rel_err = err_det;
+    // Each tensor-core kernel is checked against the spec by attention_test; here it must agree
+    // with the rowwise one at bf16's level (the tensor-core paths round P and dS to bf16, the
+    // rowwise one does not).
+    auto measure = [&](const char* impl, AttentionBackwardKernel kernel, bool deterministic) {
+      fused(0, kernel, deterministic);
+      const double err = std::max({ctx.rel_err(dq, dq_ref), ctx.rel_err(dk, dk_ref), ctx.rel_err(dv, dv_ref)});
+      require_close(name + " (" + impl + ")", err, 2e-2);
+      Record f{"primitives", name, impl, "rowwise"};
+      f.median_us = ctx.time_us([&](int i) { fused(i, kernel, deterministic); }, rot);
+      f.tflops = flops / (f.median_us * 1e6);
+      f.rel_err = err;
+      ctx.add(f);
+    };
+    int device = 0, major = 0, minor = 0;
+    FK_CUDA_CHECK(cudaGetDevice(&device));
+    FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    if (major == 9 && minor == 0) measure("wgmma_sm90", AttentionBackwardKernel::wgmma_sm90, false);
+    measure("mma_sync", AttentionBackwardKernel::mma_sync, false);
+    measure("mma_sync_deterministic", AttentionBackwardKernel::mma_sync, true);
+
     Record r{"primitives", name, "rowwise", "rowwise"};
     r.median_us = time_few_us(ctx, rowwise, 3);
     r.tflops = flops / (r.median_us * 1e6);
     r.extra.emplace_back("runs", 3.0);
-    ctx.add(f);
-    ctx.add(fd);
     ctx.add(r);
   }
 }
 
-// A long-sequence training shape (D = 128) and a shorter one at D = 64.
+// A long-sequence training shape at D = 128 and D = 64, and a shorter one at D = 64.
 void attention_backward_cases_all(Context& ctx) {
   attention_backward_cases(ctx, 4, 16, 2048, 128);
+  attention_backward_cases(ctx, 4, 16, 2048, 64);
   attention_backward_cases(ctx, 8, 16, 1024, 64);
 }
 

@@ -12,10 +12,14 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fusekit/fusekit.hpp"
 #include "test_util.hpp"
+#if FUSEKIT_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace fk {
 namespace {
@@ -248,14 +252,20 @@ TEST_P(AttentionBackwardGpuVsSpec, MatchesTheSpec) {
     // The backward from the spec's out and lse, so that it is checked on the same inputs; bf16 and
     // f16 in both dq modes (the tensor-core path's atomics and its separate dq kernel).
     const Tensor outg = out.copy_to(gpu), lseg = lse.copy_to(gpu);
-    for (bool deterministic : {c.opt.deterministic, !c.opt.deterministic}) {
-      if (dt == DType::f32 && deterministic != c.opt.deterministic) continue;
+    // bf16/f16 also with the mma.sync kernel forced (automatic takes the sm_90 wgmma kernel on an
+    // H100 where it applies).
+    for (int mode = 0; mode < 3; ++mode) {
+      const bool deterministic = mode == 1 ? !c.opt.deterministic : c.opt.deterministic;
+      if (dt == DType::f32 && mode > 0) continue;
+      if (mode == 2 && c.d != 64 && c.d != 96 && c.d != 128) continue;  // mma.sync's head dims only
       AttentionOptions opt = c.opt;
       opt.deterministic = deterministic;
+      if (mode == 2) opt.backward_kernel = AttentionBackwardKernel::mma_sync;
       Tensor dqg = Tensor::empty(q.shape(), dt, gpu), dkg = Tensor::empty(k.shape(), dt, gpu), dvg = Tensor::empty(k.shape(), dt, gpu);
       for (Tensor* t : {&dqg, &dkg, &dvg}) test::poison(*t);
       attention_backward(qg, kg, vg, outg, dog, lseg, dqg, dkg, dvg, opt);
-      const std::string what = c.name + " " + std::string(dtype_name(dt)) + (deterministic ? " deterministic" : "");
+      const std::string what = c.name + " " + std::string(dtype_name(dt)) + (deterministic ? " deterministic" : "") +
+                               (mode == 2 ? " mma_sync" : "");
       check(dqg, dq, what + " dq");
       check(dkg, dk, what + " dk");
       check(dvg, dv, what + " dv");
@@ -342,6 +352,96 @@ INSTANTIATE_TEST_SUITE_P(
         OptionCase{"d128_deterministic_causal_window", 2, 1, 300, 300, 128, {.causal = true, .window_left = 70, .scale = 0.088f, .deterministic = true}},
         OptionCase{"d96_deterministic_bottom_right", 2, 2, 17, 1000, 96, {.causal = true, .bottom_right = true, .scale = 0.1f, .deterministic = true}}),
     [](const auto& info) { return info.param.name; });
+
+
+// The sm_90 wgmma backward (AttentionBackwardKernel::wgmma_sm90 forces it; a call it does not take
+// would throw) against the spec: sequence lengths 1, 17, 129, 1000 and 2048 (tails of the 128-key
+// CTAs and of the 64-query steps, in both), causal top-left and bottom-right with Sq != Sk (query
+// rows and whole key blocks that see nothing), grouped-query heads 4 over 1, D 64 and 128, bf16 and
+// f16, batches of 1 and 2 (the 2048-long cases with few heads: the spec is a single-threaded CPU
+// loop, about 8 s a dtype at D 128, 2048 x 2048, one head). Skipped off sm_90.
+struct Sm90Case {
+  std::string name;
+  std::int64_t b, h, hk, sq, sk, d;
+  AttentionOptions opt;
+};
+
+bool on_sm90() {
+#if FUSEKIT_WITH_CUDA
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess)
+    return false;
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
+class AttentionBackwardSm90VsSpec : public ::testing::TestWithParam<Sm90Case> {};
+
+TEST_P(AttentionBackwardSm90VsSpec, MatchesTheSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  if (!on_sm90()) GTEST_SKIP() << "the wgmma backward runs on sm_90 (H100/H200) only";
+  const Sm90Case& c = GetParam();
+  const Device gpu = Device::cuda(0);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    const Tensor q = test::random_tensor({c.b, c.h, c.sq, c.d}, dt, kCpu, 81);
+    const Tensor k = test::random_tensor({c.b, c.hk, c.sk, c.d}, dt, kCpu, 82);
+    const Tensor v = test::random_tensor({c.b, c.hk, c.sk, c.d}, dt, kCpu, 83);
+    const Tensor dout = test::random_tensor({c.b, c.h, c.sq, c.d}, dt, kCpu, 84);
+    Tensor out = Tensor::empty(q.shape(), dt, kCpu), lse = Tensor::empty({c.b, c.h, c.sq}, DType::f32, kCpu);
+    Tensor dq = Tensor::empty(q.shape(), dt, kCpu), dk = Tensor::empty(k.shape(), dt, kCpu), dv = Tensor::empty(k.shape(), dt, kCpu);
+    attention_forward(q, k, v, out, lse, c.opt);
+    attention_backward(q, k, v, out, dout, lse, dq, dk, dv, c.opt);
+    const Tensor qg = q.copy_to(gpu), kg = k.copy_to(gpu), vg = v.copy_to(gpu), dog = dout.copy_to(gpu);
+    const Tensor outg = out.copy_to(gpu), lseg = lse.copy_to(gpu);
+    AttentionOptions opt = c.opt;
+    opt.backward_kernel = AttentionBackwardKernel::wgmma_sm90;
+    Tensor dqg = Tensor::empty(q.shape(), dt, gpu), dkg = Tensor::empty(k.shape(), dt, gpu), dvg = Tensor::empty(k.shape(), dt, gpu);
+    for (Tensor* t : {&dqg, &dkg, &dvg}) test::poison(*t);
+    attention_backward(qg, kg, vg, outg, dog, lseg, dqg, dkg, dvg, opt);
+    const double tol = gpu_tolerance(dt);
+    const std::string what = c.name + " " + std::string(dtype_name(dt)) + " wgmma_sm90";
+    for (auto [got, ref, name] : {std::tuple{&dqg, &dq, "dq"}, std::tuple{&dkg, &dk, "dk"}, std::tuple{&dvg, &dv, "dv"}}) {
+      const Tensor host = test::to_host(*got);
+      const double err = test::rel_err_normwise(host, *ref);
+      EXPECT_LE(err, tol) << what << " " << name << ": rel err " << err << ", " << worst_element(host, *ref);
+      if (err > tol / 4) std::printf("  [note] %s %s rel err %.3g (tol %.3g)\n", what.c_str(), name, err, tol);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sm90, AttentionBackwardSm90VsSpec,
+    ::testing::Values(
+        Sm90Case{"d64_one_by_one_gqa_4_over_1", 2, 4, 1, 1, 1, 64, {.scale = 0.125f}},
+        Sm90Case{"d128_q17_k129", 2, 2, 2, 17, 129, 128, {.scale = 0.088f}},
+        Sm90Case{"d64_q129_k17_gqa_4_over_1", 2, 4, 1, 129, 17, 64, {.scale = 0.125f}},
+        Sm90Case{"d128_q1_k1000_causal_bottom_right", 2, 2, 2, 1, 1000, 128, {.causal = true, .bottom_right = true, .scale = 0.088f}},
+        Sm90Case{"d64_q1000_causal_gqa_4_over_1", 1, 4, 1, 1000, 1000, 64, {.causal = true, .scale = 0.125f}},
+        Sm90Case{"d128_q129_k1000_causal_top_left_gqa_4_over_1", 2, 4, 1, 129, 1000, 128, {.causal = true, .scale = 0.088f}},
+        Sm90Case{"d64_q17_k2048_causal_bottom_right", 2, 2, 2, 17, 2048, 64, {.causal = true, .bottom_right = true, .scale = 0.125f}},
+        Sm90Case{"d128_q129_k2048_causal_bottom_right_gqa_4_over_1", 1, 4, 1, 129, 2048, 128, {.causal = true, .bottom_right = true, .scale = 0.088f}},
+        Sm90Case{"d64_q2048_k1000_causal_bottom_right_gqa_4_over_1", 1, 4, 1, 2048, 1000, 64, {.causal = true, .bottom_right = true, .scale = 0.125f}},
+        Sm90Case{"d128_q2048_k2048_causal", 1, 1, 1, 2048, 2048, 128, {.causal = true, .scale = 0.088f}},
+        Sm90Case{"d128_q1000_k129", 2, 2, 2, 1000, 129, 128, {.scale = 0.088f}}),
+    [](const auto& info) { return info.param.name; });
+
+// Forcing a kernel that cannot take the call names backward_kernel.
+TEST(AttentionBackwardErrors, ForcedKernelThatCannotTakeTheCall) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const Tensor q = test::random_tensor({1, 2, 5, 32}, DType::f32, gpu, 1), k = test::random_tensor({1, 2, 5, 32}, DType::f32, gpu, 2);
+  const Tensor out = Tensor::empty(q.shape(), DType::f32, gpu), lse = Tensor::empty({1, 2, 5}, DType::f32, gpu);
+  const Tensor dq = Tensor::empty(q.shape(), DType::f32, gpu), dk = Tensor::empty(q.shape(), DType::f32, gpu);
+  const Tensor dv = Tensor::empty(q.shape(), DType::f32, gpu);
+  attention_forward(q, k, k, out, lse, AttentionOptions{});
+  for (auto kind : {AttentionBackwardKernel::wgmma_sm90, AttentionBackwardKernel::mma_sync})
+    test::expect_arg_error([&] { attention_backward(q, k, k, out, out, lse, dq, dk, dv, {.backward_kernel = kind}); },
+                           "attention_backward", "backward_kernel");
+  EXPECT_NO_THROW(attention_backward(q, k, k, out, out, lse, dq, dk, dv, {.backward_kernel = AttentionBackwardKernel::rowwise}));
+}
 
 }  // namespace
 }  // namespace fk

@@ -21,6 +21,12 @@ class Stream;
 //   s_ij = scale * q_i · k_j, or softcap * tanh(scale * q_i · k_j / softcap) when softcap > 0
 // Top-left causal is torch SDPA's is_causal; bottom-right is FlashAttention's (2.1 and later) and
 // what a decoder's last Sq queries against a cache of Sk keys need.
+// Which GPU kernel runs attention_backward, for tests and benchmarks that compare them. automatic
+// picks the fastest that takes the call (sm_90 wgmma, then mma.sync, then warp-per-row); the others
+// force one and throw fk::Error naming backward_kernel when it cannot take the call. A CPU call
+// runs the spec whatever this says.
+enum class AttentionBackwardKernel { automatic, wgmma_sm90, mma_sync, rowwise };
+
 struct AttentionOptions {
   bool causal = false;
   bool bottom_right = false;
@@ -33,6 +39,7 @@ struct AttentionOptions {
   // The default adds each key block's share of dq by f32 atomics, whose order varies between
   // runs (a few ulps of f32 before the rounding to the dtype). dk and dv are deterministic either way.
   bool deterministic = false;
+  AttentionBackwardKernel backward_kernel = AttentionBackwardKernel::automatic;
 };
 
 // q [B, H, Sq, D]; k, v [B, Hk, Sk, D] with H a multiple of Hk (grouped-query attention: q head h
@@ -50,7 +57,8 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 // dS = P ⊙ (dP - rowsum(dout ⊙ out)) (times the softcap's 1 - tanh²), dq = scale dS k,
 // dk = scale dSᵀ q, dv = Pᵀ dout. On a GPU (sm_80 and later), bf16/f16 with D = 64, 96 or 128 run
 // on tensor cores (FlashAttention-2's algorithm, mma.sync; P and dS rounded to the dtype before
-// their products), every option; f32, other head dims (256 included) and older GPUs on warp-per-row
+// their products), every option; on sm_90 the dense calls with D 64 or 128, no window, no
+// softcap and not deterministic run on the wgmma/TMA kernel (FlashAttention-3's) instead; f32, other head dims (256 included) and older GPUs on warp-per-row
 // kernels (correct, not fast). Scratch from the caching allocator: delta [B, H, Sq] f32, and on the
 // tensor-core path without opt.deterministic a dq accumulator [B, H, Sq, D] f32.
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,

@@ -1,7 +1,9 @@
 // Dispatch of attention_forward and attention_backward, dense and packed (varlen): argument checks,
 // then the CPU spec or the CUDA kernels (the sm_90 tensor-core forward for dense batches with the
-// plain options, else the warp-per-row kernel; the mma.sync backward for bf16/f16 at D 64, 96, 128
-// on sm_80+, dense or packed, else the warp-per-row kernels).
+// plain options, else the warp-per-row kernel; the sm_90 wgmma backward for dense bf16/f16 at D 64,
+// 128 without window, softcap or deterministic mode, else the mma.sync backward for bf16/f16 at D
+// 64, 96, 128 on sm_80+, dense or packed, else the warp-per-row kernels; AttentionOptions::
+// backward_kernel forces one).
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -165,24 +167,41 @@ void check_backward_tensors(const char* op, const TensorView& q, const TensorVie
          opt.softcap == 0.0f && (!opt.causal || !opt.bottom_right || q.size(2) == k.size(2));
 }
 
-// The CUDA backward, dense (varlen null) or packed: the tensor-core kernels where they take the
-// call, else the warp-per-row ones. delta takes lse's layout.
-void backward_on_gpu(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                     const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
-                     const TensorView& dv, const AttentionVarlen* varlen, const AttentionOptions& opt,
-                     const Stream* stream) {
+// The CUDA backward, dense (varlen null) or packed: the kernel opt.backward_kernel names, or
+// (automatic) the sm_90 wgmma kernel, else the mma.sync one, where they take the call, else the
+// warp-per-row ones. delta takes lse's layout.
+void backward_on_gpu(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
+                     const TensorView& out, const TensorView& dout, const TensorView& lse, const TensorView& dq,
+                     const TensorView& dk, const TensorView& dv, const AttentionVarlen* varlen,
+                     const AttentionOptions& opt, const Stream* stream) {
 #if FUSEKIT_WITH_CUDA
+  using K = AttentionBackwardKernel;
+  const K which = opt.backward_kernel;
   const Tensor delta = Tensor::empty(lse.shape(), DType::f32, q.device(), stream);
-  if (cuda::attention_backward_mma_supports(q, k, varlen)) {
+  if (which == K::automatic || which == K::wgmma_sm90) {
+    if (!varlen && cuda::attention_backward_sm90_supports(q, k, v, out, dout, dq, dk, dv, opt)) {
+      const Tensor dq_accum = Tensor::empty(q.shape(), DType::f32, q.device(), stream);
+      return cuda::attention_backward_sm90(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), opt,
+                                           stream);
+    }
+    FK_CHECK_ARG(which == K::automatic, op, "backward_kernel",
+                 "wgmma_sm90 only for a dense bf16/f16 call with D 64 or 128, no window, no softcap, not "
+                 "deterministic, 16-byte aligned tensors, on an sm_90 GPU",
+                 "wgmma_sm90 for a call it does not take");
+  }
+  if (which != K::rowwise && cuda::attention_backward_mma_supports(q, k, varlen)) {
     const Tensor dq_accum = opt.deterministic ? Tensor() : Tensor::empty(q.shape(), DType::f32, q.device(), stream);
     if (cuda::attention_backward_mma(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), varlen, opt,
                                      stream))
       return;
   }
+  FK_CHECK_ARG(which != K::mma_sync, op, "backward_kernel",
+               "mma_sync only for bf16/f16 with D 64, 96 or 128 on an sm_80+ GPU (16-byte aligned tensors)",
+               "mma_sync for a call it does not take");
   cuda::attention_backward_rowwise(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), varlen, opt, stream);
 #else
-  (void)q, (void)k, (void)v, (void)out, (void)dout, (void)lse, (void)dq, (void)dk, (void)dv, (void)varlen, (void)opt,
-      (void)stream;
+  (void)op, (void)q, (void)k, (void)v, (void)out, (void)dout, (void)lse, (void)dq, (void)dk, (void)dv, (void)varlen,
+      (void)opt, (void)stream;
 #endif
 }
 
@@ -215,7 +234,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   const Device dev = check_inputs(op, q, k, v, opt, stream);
   check_backward_tensors(op, q, k, v, out, dout, lse, dq, dk, dv, false);
   if (dev.is_cpu()) return reference::attention_backward(q, k, v, out, dout, lse, dq, dk, dv, opt);
-  backward_on_gpu(q, k, v, out, dout, lse, dq, dk, dv, nullptr, opt, stream);
+  backward_on_gpu(op, q, k, v, out, dout, lse, dq, dk, dv, nullptr, opt, stream);
 }
 
 void attention_forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -243,7 +262,7 @@ void attention_backward_varlen(const TensorView& q, const TensorView& k, const T
   check_seqlens(op, q, k, seqs);
   check_backward_tensors(op, q, k, v, out, dout, lse, dq, dk, dv, true);
   if (dev.is_cpu()) return reference::attention_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, seqs, opt);
-  backward_on_gpu(q, k, v, out, dout, lse, dq, dk, dv, &seqs, opt, stream);
+  backward_on_gpu(op, q, k, v, out, dout, lse, dq, dk, dv, &seqs, opt, stream);
 }
 
 }  // namespace fk

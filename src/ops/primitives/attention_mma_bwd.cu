@@ -684,6 +684,36 @@ bool attention_backward_mma(const TensorView& q, const TensorView& k, const Tens
   return true;
 }
 
+void attention_backward_dense_prologue(const TensorView& out, const TensorView& dout, const TensorView& delta,
+                                       const TensorView& dq_accum, const Stream* stream) {
+  const std::int64_t d = out.size(3), rows = out.numel() / d;
+  if (rows == 0) return;
+  const cudaStream_t s = fk::detail::cuda_stream(stream);
+  with_float_type(out.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    if constexpr (!std::is_same_v<T, float>) {
+      attention_bwd_delta_kernel<T, false><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, s>>>(
+          out.data_as<T>(), dout.data_as<T>(), delta.data_as<float>(), rows, static_cast<int>(d), 1, 0);
+      FK_CUDA_CHECK_LAUNCH("attention_bwd_delta_kernel");
+    }
+  });
+  FK_CUDA_CHECK(cudaMemsetAsync(dq_accum.data(), 0, static_cast<std::size_t>(rows * d) * sizeof(float), s));
+}
+
+void attention_backward_dq_from_accum(const TensorView& dq_accum, const TensorView& dq, const Stream* stream) {
+  const std::int64_t n4 = dq.numel() / 4;
+  if (n4 == 0) return;
+  const cudaStream_t s = fk::detail::cuda_stream(stream);
+  with_float_type(dq.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    if constexpr (!std::is_same_v<T, float>) {
+      const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((n4 + 255) / 256, 8 * multiprocessor_count()));
+      attention_bwd_dq_convert_kernel<T><<<blocks, 256, 0, s>>>(dq_accum.data_as<float>(), dq.data_as<T>(), n4);
+      FK_CUDA_CHECK_LAUNCH("attention_bwd_dq_convert_kernel");
+    }
+  });
+}
+
 bool attention_backward_mma_supports(const TensorView& q, const TensorView& k, const AttentionVarlen* varlen) {
   const DType t = q.dtype();
   const std::int64_t d = q.size(q.rank() - 1);

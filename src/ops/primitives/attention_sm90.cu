@@ -58,6 +58,7 @@
 #include "fusekit/core/tensor.hpp"
 #include "ops/common/cuda_common.cuh"
 #include "ops/common/sm90_async.cuh"
+#include "attention_sm90_common.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FK_ATTN_SM90 1
@@ -68,7 +69,7 @@
 namespace fk::cuda {
 namespace {
 
-using namespace sm90;  // mbarriers, TMA and bulk copies (ops/common/sm90_async.cuh)
+using namespace sm90;  // mbarriers, TMA (ops/common/sm90_async.cuh); exp2, pack2, maps (attention_sm90_common.cuh)
 
 using namespace cute;
 using cute::Tensor;  // fk declares Tensor too
@@ -124,24 +125,6 @@ struct Params {
 
 #if FK_ATTN_SM90
 
-
-// 2^x on the SFU (2 ulp; 2^-inf = +0), as exp2f compiles to more than one instruction.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <class T>
-__device__ __forceinline__ std::uint32_t pack2(float a, float b) {
-  if constexpr (std::is_same_v<T, cute::bfloat16_t>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const std::uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const std::uint32_t*>(&v);
-  }
-}
 
 struct Bars {
   std::uint32_t base;
@@ -381,17 +364,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 
-// A (D, S, B*H) map of a [B*H, S, D] tensor, boxes of {64, 128, 1} with the 128-byte swizzle.
-CUtensorMap head_map(const char* what, const TensorView& t) {
-  const std::int64_t bh = t.size(0) * t.size(1), s = t.size(2), d = t.size(3);
-  const CUtensorMapDataType type =
-      t.dtype() == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return sm90::tensor_map<3>(kOp, what, type, t.data(),
-                             {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(s), static_cast<cuuint64_t>(bh)},
-                             {static_cast<cuuint64_t>(d) * 2, static_cast<cuuint64_t>(s * d) * 2}, {64, 128, 1},
-                             CU_TENSOR_MAP_SWIZZLE_128B);
-}
-
 template <class T, int D>
 void launch(const Params& p, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, cudaStream_t s) {
   auto kernel = attention_sm90_kernel<T, D>;
@@ -427,7 +399,8 @@ bool attention_forward_sm90(const TensorView& q, const TensorView& k, const Tens
   p.scale_log2 = scale * 1.4426950408889634f;
   if (!std::isfinite(p.scale_log2)) return false;  // the row-wise kernel scales in natural units
   p.causal = causal;
-  const CUtensorMap tq = head_map("q", q), tk = head_map("k", k), tv = head_map("v", v);
+  const CUtensorMap tq = head_map(kOp, "q", q, kBlockM), tk = head_map(kOp, "k", k, kBlockN),
+                    tv = head_map(kOp, "v", v, kBlockN);
   const cudaStream_t s = fk::detail::cuda_stream(stream);
   if (t == DType::bf16) {
     if (d == 64) launch<cute::bfloat16_t, 64>(p, tq, tk, tv, s);

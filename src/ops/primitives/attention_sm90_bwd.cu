@@ -1,0 +1,517 @@
+// attention_backward on Hopper tensor cores (sm_90a): FlashAttention-3's dk/dv kernel, bf16/f16,
+// head_dim 64 or 128, dense batches, causal (either alignment) or not, grouped-query heads. The
+// [Sq, Sk] matrices live only in registers (and one 64 x 128 tile of dS in shared memory).
+//
+// Three launches around it (attention_mma_bwd.cu's): delta = rowsum(dout ⊙ out) and dq_accum = 0
+// before, dq_accum rounded into dq after. A CTA owns 128 keys of one (batch, k/v head) and walks
+// every 64-query block of every q head of its group that sees one of its keys, with three
+// warpgroups:
+//   - producer (warp 0 of the first warpgroup): K and V of the CTA's keys once, then each step's Q
+//     and dO into a 2-stage ring by TMA (128-byte swizzle, 3-D maps over (D, S, B*H) so that rows
+//     past S read as zeros), and the step's lse (in log2 units) and delta into shared memory by
+//     plain stores; a stage's full barrier completes on the 32 lanes' arrivals and the TMA bytes.
+//   - two consumers, 64 keys each (warpgroup w: keys [64 w, 64 w + 64)), per step:
+//       Sᵀ = K Qᵀ and dPᵀ = V dOᵀ          wgmma 64x64x16, both operands K-major in shared memory
+//       Pᵀ = exp2(s·scale·log2 e - lse₂), dSᵀ = Pᵀ ⊙ (dPᵀ - delta) · scale   in registers (fp32)
+//       dV += Pᵀ dO and dK += dSᵀ Q          wgmma 64xDx16, A = Pᵀ / dSᵀ rounded to the dtype in
+//                                            registers, B = dO / Q MN-major (the same shared tile)
+//       dSᵀ -> shared memory as dS (64 queries x 128 keys, MN-major), then
+//       dQ (64 x D) = dS K                   wgmma 64x(D/2)x16, warpgroup w takes columns
+//                                            [w D/2, w D/2 + D/2), K MN-major, added to dq_accum
+//                                            by f32 atomics (not bitwise reproducible).
+//     A stage goes back to the producer (a barrier of the 8 consumer warps) once every wgmma
+//     reading it retired. Two named barriers order the dS tile: written after both warpgroups'
+//     previous dQ retired, read after both wrote it.
+//   dK and dV (summed over the group's q heads in registers) are written once at the end.
+// The register operands: a 64xN fp32 accumulator's values (column pair, row + 8, column + 8) of
+// each 16 columns are a 64x16 A fragment's (k pair, row + 8, k + 8), as attention_sm90.cu uses for
+// P; so Pᵀ and dSᵀ keep Sᵀ's and dPᵀ's order. The K-major view of a tile (rows, D) and the
+// MN-major view (D, rows) of the same bytes are the same function of (row, d) (checked below), so
+// Q, dO and K are loaded once and read both ways.
+//
+// Numerics: fp32 scores, P, dS and accumulators; P and dS rounded to the dtype before their GEMMs
+// (as FlashAttention and the mma.sync backward). Everything else (deterministic, windows, softcap,
+// varlen, D 96/256, other GPUs) stays on attention_mma_bwd.cu / attention_rowwise.cu.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include <cute/tensor.hpp>  // first: the atom headers rely on what it includes before them
+#include <cute/atom/mma_atom.hpp>
+
+#include "attention_cuda.hpp"
+#include "attention_sm90_common.cuh"
+#include "fusekit/core/cuda_check.hpp"
+#include "fusekit/core/error.hpp"
+#include "fusekit/core/tensor.hpp"
+#include "ops/common/cuda_common.cuh"
+#include "ops/common/sm90_async.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FK_ATTN_BWD_SM90 1
+#else
+#define FK_ATTN_BWD_SM90 0
+#endif
+
+namespace fk::cuda {
+namespace {
+
+using namespace sm90;  // mbarriers, TMA; exp2, pack2, named barriers, head maps
+using namespace cute;
+using cute::Tensor;  // fk declares Tensor too
+
+constexpr const char* kOp = "attention_backward";
+
+constexpr int kBlockN = 128;  // keys of a CTA
+constexpr int kBlockM = 64;   // queries of a step
+constexpr int kStages = 2;
+constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
+// Register budget of a consumer thread at D = 128: dK and dV accumulators 2 x 64 fp32, Sᵀ and dPᵀ
+// 2 x 32, Pᵀ and dSᵀ rounded 2 x 16, dQ's 32 (once Sᵀ and dPᵀ are dead): about 224 at the peak,
+// hence 240 for the consumers and 24 for the producer (128 x 24 + 256 x 240 <= 384 x 168).
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168);
+[[maybe_unused]] constexpr int kConsumerWarps = kConsumerThreads / 32;  // each releases a stage once its wgmmas retired
+[[maybe_unused]] constexpr int kProducerLanes = 32;                    // the producer warp: all arrive on a full barrier
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <class T, int D>
+struct Traits {
+  static_assert(D == 64 || D == 128);
+  // K and V (BLK_N, D), Q and dO (BLK_M, D, PIPE): D-contiguous rows in 128-byte swizzled atoms of
+  // 8 rows x 64 elements, rows adjacent, so that each 64-column slab of a tile is one TMA box.
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBlockN>, Int<D>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
+                                             Shape<Int<kBlockM>, Int<D>, Int<kStages>>{}));  // (BLK_M,D,PIPE)
+  // The same bytes as MN-major B operands (N = D contiguous): atoms of 64 d x 8 rows, rows
+  // adjacent first, then the 64-column slabs, as attention_sm90.cu reads V.
+  using SmemLayoutKt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{}, Shape<Int<D>, Int<kBlockN>>{},
+                                              Step<_2, _1>{}));  // (D,BLK_N)
+  using SmemLayoutQt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                              Shape<Int<D>, Int<kBlockM>, Int<kStages>>{},
+                                              Step<_2, _1, _3>{}));  // (D,BLK_M,PIPE)
+  // dS (BLK_M queries, BLK_N keys), queries contiguous: the MN-major A operand of dQ = dS K.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>>{}));  // (BLK_M,BLK_N)
+  // Sᵀ, dPᵀ (BLK_N, BLK_M): two warpgroups side by side in M (keys).
+  using MmaSdP = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kBlockM>, Int<D>>, GMMA::Major::K, GMMA::Major::K>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  // dV, dK (BLK_N, D) += Pᵀ / dSᵀ (BLK_N, BLK_M, registers) x dO / Q (D, BLK_M, MN-major).
+  using MmadKV = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<T, T, float, Shape<_64, Int<D>, Int<kBlockM>>, GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  // dQ (BLK_M, D) = dS (BLK_M, BLK_N) x K (D, BLK_N): two warpgroups side by side in N (columns).
+  using MmadQ = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, Int<D / 2>, Int<kBlockN>>, GMMA::Major::MN,
+                                 GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
+
+  static constexpr int kBytesKV = kBlockN * D * 2;  // K (or V)
+  static constexpr int kBytesQ = kBlockM * D * 2;   // one stage of Q (or of dO)
+  static constexpr int kBytesdS = kBlockM * kBlockN * 2;
+  static constexpr int kOffV = kBytesKV, kOffQ = 2 * kBytesKV, kOffdO = kOffQ + kStages * kBytesQ,
+                       kOffdS = kOffdO + kStages * kBytesQ, kOffLse = kOffdS + kBytesdS,
+                       kOffDelta = kOffLse + kStages * kBlockM * 4, kOffBars = kOffDelta + kStages * kBlockM * 4;
+  static constexpr int kBarriers = 1 + 2 * kStages;  // kv_full, full[s], empty[s]
+  static constexpr int kSmemBytes = kOffBars + 8 * kBarriers + 1024;  // + slack for the 1024-byte alignment
+  static_assert(cosize_v<SmemLayoutK> * 2 == kBytesKV && cosize_v<SmemLayoutQ> * 2 == kStages * kBytesQ &&
+                cosize_v<SmemLayoutKt> * 2 == kBytesKV && cosize_v<SmemLayoutQt> * 2 == kStages * kBytesQ &&
+                cosize_v<SmemLayoutdS> * 2 == kBytesdS);
+  static_assert(kOffV % 1024 == 0 && kOffQ % 1024 == 0 && kOffdO % 1024 == 0 && kOffdS % 1024 == 0,
+                "the 128-byte swizzle repeats every 1024 bytes: each tile starts on a repeat");
+  static_assert(kSmemBytes <= 227 * 1024);
+  static_assert(decltype(size(MmaSdP{}))::value == kConsumerThreads &&
+                decltype(size(MmadKV{}))::value == kConsumerThreads &&
+                decltype(size(MmadQ{}))::value == kConsumerThreads);
+};
+
+// The K-major view (rows, D[, PIPE]) and the MN-major view (D, rows[, PIPE]) name the same
+// element for every (row, d[, stage]): the TMA box layout (slab j of 64 columns at j * rows * 128
+// bytes, 128-byte rows) is what both read. Checked at compile time on rows 0..16 (two swizzle
+// repeats and the next atom) and the last row, and every 7th column (all residues modulo the
+// 8-element swizzle unit, both slabs at D = 128): the whole tile is past the compiler's constexpr
+// budget.
+template <class KMajor, class MNMajor, int Rows, int D, int Pipe>
+constexpr bool same_bytes() {
+  for (int s = 0; s < Pipe; ++s)
+    for (int r = 0; r <= 17; ++r)
+      for (int d = 0; d < D; d += 7) {
+        const int row = r == 17 ? Rows - 1 : r;
+        if constexpr (Pipe == 1) {
+          if (KMajor{}(row, d) != MNMajor{}(d, row)) return false;
+        } else {
+          if (KMajor{}(row, d, s) != MNMajor{}(d, row, s)) return false;
+        }
+      }
+  return true;
+}
+
+struct Params {
+  float* dq_accum;    // [B, H, Sq, D] f32, zeroed
+  void* dk;           // T [B, Hk, Sk, D]
+  void* dv;           // T [B, Hk, Sk, D]
+  const float* lse;   // [B, H, Sq], natural log
+  const float* delta; // [B, H, Sq]
+  int sq, sk, heads, kv_heads;
+  int offset;         // causal: key j visible to query i iff j <= i + offset (bottom-right: Sk - Sq)
+  float scale, scale_log2;
+  bool causal;
+};
+
+#if FK_ATTN_BWD_SM90
+
+// The steps of the CTA for keys [j0, j0 + BLK_N): step n is q head h0 + n / per_head, queries from
+// (qb0 + n % per_head) BLK_M.
+struct Steps {
+  int qb0, per_head, count;
+  __device__ Steps(const Params& p, int j0, int group) {
+    int q_begin = 0;
+    if (p.causal) q_begin = min(max(j0 - p.offset, 0), p.sq);
+    qb0 = q_begin / kBlockM;
+    per_head = q_begin < p.sq ? (p.sq + kBlockM - 1) / kBlockM - qb0 : 0;
+    count = group * per_head;
+  }
+  __device__ int head(int n, int h0) const { return h0 + n / per_head; }
+  __device__ int i0(int n) const { return (qb0 + n % per_head) * kBlockM; }
+};
+
+
+struct Bars {
+  std::uint32_t base;
+  __device__ std::uint32_t kv_full() const { return base; }
+  __device__ std::uint32_t full(int s) const { return base + 8 * (1 + s); }
+  __device__ std::uint32_t empty(int s) const { return base + 8 * (1 + kStages + s); }
+};
+
+// Warp 0 of the producer warpgroup (all 32 lanes; lane 0 issues the TMA).
+template <class T, int D>
+__device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv,
+                        const CUtensorMap* tdo, std::uint8_t* smem, std::uint32_t base, const Bars& bars, int j0,
+                        int bkh, int b, int h0, const Steps& st) {
+  using Tr = Traits<T, D>;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  if (st.count == 0) return;  // no loads: the CTA must not exit with a TMA in flight
+  if (lane == 0) {
+    mbar_arrive_expect_tx(bars.kv_full(), 2 * Tr::kBytesKV);
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j) {
+      tma_load_3d(tk, bars.kv_full(), base + j * kBlockN * 128, 64 * j, j0, bkh);
+      tma_load_3d(tv, bars.kv_full(), base + Tr::kOffV + j * kBlockN * 128, 64 * j, j0, bkh);
+    }
+  }
+  float* lse_s = reinterpret_cast<float*>(smem + Tr::kOffLse);      // (PIPE, BLK_M)
+  float* delta_s = reinterpret_cast<float*>(smem + Tr::kOffDelta);  // (PIPE, BLK_M)
+  for (int n = 0; n < st.count; ++n) {
+    const int s = n % kStages, free_parity = ((n / kStages) & 1) ^ 1;
+    const int i0 = st.i0(n), bh = b * p.heads + st.head(n, h0);
+    mbar_wait(bars.empty(s), free_parity);
+    const std::int64_t stat0 = static_cast<std::int64_t>(bh) * p.sq + i0;
+#pragma unroll
+    for (int r = lane; r < kBlockM; r += 32) {
+      const bool ok = i0 + r < p.sq;  // rows past Sq: P is masked to 0 there, any finite value does
+      lse_s[s * kBlockM + r] = ok ? p.lse[stat0 + r] * kLog2e : 0.0f;
+      delta_s[s * kBlockM + r] = ok ? p.delta[stat0 + r] : 0.0f;
+    }
+    if (lane == 0) {
+      // Arrives after this lane's stores and adds the TMA bytes; the other 31 lanes arrive below.
+      mbar_arrive_expect_tx(bars.full(s), 2 * Tr::kBytesQ);
+#pragma unroll
+      for (int j = 0; j < D / 64; ++j) {
+        tma_load_3d(tq, bars.full(s), base + Tr::kOffQ + s * Tr::kBytesQ + j * kBlockM * 128, 64 * j, i0, bh);
+        tma_load_3d(tdo, bars.full(s), base + Tr::kOffdO + s * Tr::kBytesQ + j * kBlockM * 128, 64 * j, i0, bh);
+      }
+    } else {
+      mbar_arrive(bars.full(s));
+    }
+  }
+}
+
+template <class T, int D>
+__device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, int j0, int bkh, int b, int h0,
+                        const Steps& st) {
+  using Tr = Traits<T, D>;
+  const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
+  typename Tr::MmaSdP mma_sdp;
+  typename Tr::MmadKV mma_dkv;
+  typename Tr::MmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(ct);
+  auto thr_dkv = mma_dkv.get_thread_slice(ct);
+  auto thr_dq = mma_dq.get_thread_slice(ct);
+  T* base = reinterpret_cast<T*>(smem);
+  Tensor sK = make_tensor(make_smem_ptr(base), typename Tr::SmemLayoutK{});                           // (BLK_N,D)
+  Tensor sV = make_tensor(make_smem_ptr(base + Tr::kOffV / 2), typename Tr::SmemLayoutK{});           // (BLK_N,D)
+  Tensor sKt = make_tensor(make_smem_ptr(base), typename Tr::SmemLayoutKt{});                         // (D,BLK_N)
+  Tensor sQ = make_tensor(make_smem_ptr(base + Tr::kOffQ / 2), typename Tr::SmemLayoutQ{});           // (BLK_M,D,PIPE)
+  Tensor sdO = make_tensor(make_smem_ptr(base + Tr::kOffdO / 2), typename Tr::SmemLayoutQ{});         // (BLK_M,D,PIPE)
+  Tensor sQt = make_tensor(make_smem_ptr(base + Tr::kOffQ / 2), typename Tr::SmemLayoutQt{});         // (D,BLK_M,PIPE)
+  Tensor sdOt = make_tensor(make_smem_ptr(base + Tr::kOffdO / 2), typename Tr::SmemLayoutQt{});       // (D,BLK_M,PIPE)
+  Tensor sdS = make_tensor(make_smem_ptr(base + Tr::kOffdS / 2), typename Tr::SmemLayoutdS{});        // (BLK_M,BLK_N)
+  const float* lse_s = reinterpret_cast<const float*>(smem + Tr::kOffLse);      // (PIPE, BLK_M)
+  const float* delta_s = reinterpret_cast<const float*>(smem + Tr::kOffDelta);  // (PIPE, BLK_M)
+
+  Tensor tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK));      // (MMA,1,D/16) descriptors
+  Tensor tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV));      // (MMA,1,D/16)
+  Tensor tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ));      // (MMA,1,D/16,PIPE)
+  Tensor tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO));    // (MMA,1,D/16,PIPE)
+  Tensor tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdOt));  // (MMA,1,BLK_M/16,PIPE)
+  Tensor tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt));    // (MMA,1,BLK_M/16,PIPE)
+  Tensor tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS));     // (MMA,1,BLK_N/16)
+  Tensor tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt));      // (MMA,1,BLK_N/16)
+
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});    // ((2,2,BLK_M/8),1,1) fp32
+  Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});   // ((2,2,BLK_M/8),1,1)
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<D>>{});        // ((2,2,D/8),1,1)
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<D>>{});        // ((2,2,D/8),1,1)
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<D>>{});         // ((2,2,D/16),1,1)
+  // Pᵀ and dSᵀ as A operands of the 64xDx16 wgmmas (the accumulator-to-A order above).
+  using RegA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+  Tensor tdVrP = make_tensor<T>(RegA{});   // ((2,2,2),1,BLK_M/16)
+  Tensor tdKrdS = make_tensor<T>(RegA{});  // ((2,2,2),1,BLK_M/16)
+  static_assert(decltype(size(tdVrP))::value == decltype(size(tSrS))::value);
+  static_assert(decltype(size<2>(tdVrP))::value == decltype(size<2>(tdVrdO))::value);
+  Tensor tdKVc = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<D>>{}));  // (key, d)
+  auto rP = recast<std::uint32_t>(tdVrP);   // (BLK_M/4) pairs
+  auto rdS = recast<std::uint32_t>(tdKrdS);
+  static_assert(decltype(size(rP))::value * 2 == decltype(size(tSrS))::value);
+
+  clear(tdVrdV);
+  clear(tdKrdK);
+  mma_dkv.accumulate_ = GMMA::ScaleOut::One;
+  if (st.count > 0) mbar_wait(bars.kv_full(), 0);
+
+  for (int n = 0; n < st.count; ++n) {
+    const int s = n % kStages;
+    const int i0 = st.i0(n), h = st.head(n, h0);
+    // The element coordinates (and with them the lse/delta, dS and dq addresses) from a thread
+    // index the compiler cannot see through, so that it recomputes them each step (a few integer
+    // instructions) rather than keeping some 80 loop-invariant offsets in registers.
+    int ct_step = ct;
+    asm volatile("" : "+r"(ct_step));
+    Tensor tScS = mma_sdp.get_thread_slice(ct_step).partition_C(
+        make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));  // (key, query) of tSrS's values
+    Tensor tdQc = mma_dq.get_thread_slice(ct_step).partition_C(
+        make_identity_tensor(Shape<Int<kBlockM>, Int<D>>{}));  // (query, d) of tdQrdQ's values
+    mbar_wait(bars.full(s), (n / kStages) & 1);
+    // Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ, two batches.
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+    warpgroup_arrive();
+    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tSrK); ++kk) {
+      gemm(mma_sdp, tSrK(_, _, kk), tSrQ(_, _, kk, s), tSrS);
+      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tSrV); ++kk) {
+      gemm(mma_sdp, tSrV(_, _, kk), tSrdO(_, _, kk, s), tSrdP);
+      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+
+    // Pᵀ while dPᵀ is on the tensor cores.
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tSrS);
+    const float* lse_t = lse_s + s * kBlockM;
+    const float* delta_t = delta_s + s * kBlockM;
+    const bool masked = i0 + kBlockM > p.sq || j0 + kBlockN > p.sk || (p.causal && j0 + kBlockN - 1 > i0 + p.offset);
+    if (masked) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) {
+        const int key = j0 + get<0>(tScS(i)), qi = get<1>(tScS(i)), row = i0 + qi;
+        const bool visible = row < p.sq && key < p.sk && (!p.causal || key <= row + p.offset);
+        tSrS(i) = visible ? fast_exp2(tSrS(i) * p.scale_log2 - lse_t[qi]) : 0.0f;
+      }
+    } else {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_exp2(tSrS(i) * p.scale_log2 - lse_t[get<1>(tScS(i))]);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrdP);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrdP); ++i) tSrdP(i) = tSrS(i) * (tSrdP(i) - delta_t[get<1>(tScS(i))]) * p.scale;
+    CUTE_UNROLL
+    for (int i = 0; i < size(rP); ++i) {
+      rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+      rdS(i) = pack2<T>(tSrdP(2 * i), tSrdP(2 * i + 1));
+    }
+
+    // dV += Pᵀ dO, dK += dSᵀ Q: one batch.
+    warpgroup_fence_operand(tdVrdV);
+    warpgroup_fence_operand(tdKrdK);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tdVrP); ++kk) gemm(mma_dkv, tdVrP(_, _, kk), tdVrdO(_, _, kk, s), tdVrdV);
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tdKrdS); ++kk) gemm(mma_dkv, tdKrdS(_, _, kk), tdKrQ(_, _, kk, s), tdKrdK);
+    warpgroup_commit_batch();
+
+    // dS into shared memory once both warpgroups' previous dQ wgmmas retired; read once both wrote.
+    named_barrier_sync(1, kConsumerThreads);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdKrdS); ++i) sdS(get<1>(tScS(i)), get<0>(tScS(i))) = tdKrdS(i);
+    fence_proxy_async_shared();  // the generic-proxy stores, visible to wgmma
+    named_barrier_sync(2, kConsumerThreads);
+
+    // dQ = dS K, this warpgroup's D/2 columns.
+    warpgroup_fence_operand(tdQrdQ);
+    warpgroup_arrive();
+    mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tdQrdS); ++kk) {
+      gemm(mma_dq, tdQrdS(_, _, kk), tdQrK(_, _, kk), tdQrdQ);
+      mma_dq.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdVrdV);
+    warpgroup_fence_operand(tdKrdK);
+    warpgroup_fence_operand(tdQrdQ);
+    CUTE_UNROLL
+    for (int i = 0; i < size(rP); ++i) {  // P and dS registers live (unreused) until their wgmmas retired
+      warpgroup_fence_operand(rP(i));
+      warpgroup_fence_operand(rdS(i));
+    }
+    if (ct % 32 == 0) mbar_arrive(bars.empty(s));  // Q, dO, lse, delta of stage s are read
+
+    float* dqa = p.dq_accum + (static_cast<std::int64_t>(b) * p.heads + h) * p.sq * D;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdQrdQ); ++i) {
+      const int row = i0 + get<0>(tdQc(i)), col = get<1>(tdQc(i));
+      if (row < p.sq) atomicAdd(dqa + static_cast<std::int64_t>(row) * D + col, tdQrdQ(i));
+    }
+  }
+
+  // dK and dV, keys j0 + key: pairs of adjacent columns.
+  T* dk = static_cast<T*>(p.dk) + static_cast<std::int64_t>(bkh) * p.sk * D;
+  T* dv = static_cast<T*>(p.dv) + static_cast<std::int64_t>(bkh) * p.sk * D;
+  CUTE_UNROLL
+  for (int i = 0; i < size(tdKrdK); i += 2) {
+    const int key = j0 + get<0>(tdKVc(i)), col = get<1>(tdKVc(i));
+    if (key < p.sk) {
+      const std::int64_t at = static_cast<std::int64_t>(key) * D + col;
+      *reinterpret_cast<std::uint32_t*>(dk + at) = pack2<T>(tdKrdK(i), tdKrdK(i + 1));
+      *reinterpret_cast<std::uint32_t*>(dv + at) = pack2<T>(tdVrdV(i), tdVrdV(i + 1));
+    }
+  }
+}
+
+#endif  // FK_ATTN_BWD_SM90
+
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_sm90_bwd_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tq,
+                              const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                              const __grid_constant__ CUtensorMap tdo) {
+#if FK_ATTN_BWD_SM90
+  using Tr = Traits<T, D>;
+  extern __shared__ std::uint8_t smem_raw[];
+  const std::uint32_t raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
+  std::uint8_t* smem = smem_raw + (base - raw);
+  const Bars bars{base + Tr::kOffBars};
+  if (threadIdx.x == 0) {
+    mbar_init(bars.kv_full(), 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bars.full(s), kProducerLanes);
+      mbar_init(bars.empty(s), kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int j0 = static_cast<int>(blockIdx.x) * kBlockN;
+  const int bkh = static_cast<int>(blockIdx.y);  // b * Hk + k/v head
+  const int b = bkh / p.kv_heads, group = p.heads / p.kv_heads, h0 = (bkh - b * p.kv_heads) * group;
+  const Steps st(p, j0, group);
+  if (threadIdx.x < kProducerThreads) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    if (threadIdx.x < 32) produce<T, D>(p, &tq, &tk, &tv, &tdo, smem, base, bars, j0, bkh, b, h0, st);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    consume<T, D>(p, smem, bars, j0, bkh, b, h0, st);
+  }
+#else
+  __trap();  // the launcher never starts this kernel off sm_90
+#endif
+}
+
+template <class T, int D>
+void launch(const Params& p, int bkh, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
+            const CUtensorMap& tdo, cudaStream_t s) {
+  using Tr = Traits<T, D>;
+  static_assert(same_bytes<typename Tr::SmemLayoutK, typename Tr::SmemLayoutKt, kBlockN, D, 1>(),
+                "K's K-major and MN-major views differ");
+  static_assert(same_bytes<typename Tr::SmemLayoutQ, typename Tr::SmemLayoutQt, kBlockM, D, kStages>(),
+                "Q's and dO's K-major and MN-major views differ");
+  auto kernel = attention_sm90_bwd_kernel<T, D>;
+  constexpr int smem = Tr::kSmemBytes;
+  FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(static_cast<unsigned>((p.sk + kBlockN - 1) / kBlockN), static_cast<unsigned>(bkh));
+  kernel<<<grid, kThreads, smem, s>>>(p, tq, tk, tv, tdo);
+  FK_CUDA_CHECK_LAUNCH("attention_sm90_bwd_kernel");
+}
+
+}  // namespace
+
+bool attention_backward_sm90_supports(const TensorView& q, const TensorView& k, const TensorView& v,
+                                      const TensorView& out, const TensorView& dout, const TensorView& dq,
+                                      const TensorView& dk, const TensorView& dv, const AttentionOptions& opt) {
+  const DType t = q.dtype();
+  if (q.rank() != 4 || (t != DType::bf16 && t != DType::f16) || q.numel() == 0) return false;
+  const std::int64_t d = q.size(3), sq = q.size(2), sk = k.size(2), bkh = k.size(0) * k.size(1);
+  if ((d != 64 && d != 128) || sq < 1 || sk < 1 || sq >= (1 << 30) || sk >= (1 << 30) || bkh < 1 || bkh > 65535)
+    return false;
+  if (opt.window_left >= 0 || (!opt.causal && opt.window_right >= 0) || opt.softcap != 0.0f || opt.deterministic)
+    return false;
+  if (!std::isfinite(opt.scale * kLog2e)) return false;
+  for (const TensorView* x : {&q, &k, &v, &out, &dout, &dq, &dk, &dv})
+    if (!aligned16(x->data())) return false;
+  const int device = q.device().index;
+  fk::detail::DeviceScope on_device(device);
+  return is_sm90(device);
+}
+
+void attention_backward_sm90(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                             const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                             const TensorView& dv, const TensorView& delta, const TensorView& dq_accum,
+                             const AttentionOptions& opt, const Stream* stream) {
+  const int device = q.device().index;
+  fk::detail::DeviceScope on_device(device);
+  const cudaStream_t s = fk::detail::cuda_stream(stream);
+  attention_backward_dense_prologue(out, dout, delta, dq_accum, stream);
+
+  Params p{};
+  p.dq_accum = dq_accum.data_as<float>();
+  p.dk = dk.data();
+  p.dv = dv.data();
+  p.lse = lse.data_as<float>();
+  p.delta = delta.data_as<float>();
+  p.sq = static_cast<int>(q.size(2));
+  p.sk = static_cast<int>(k.size(2));
+  p.heads = static_cast<int>(q.size(1));
+  p.kv_heads = static_cast<int>(k.size(1));
+  p.offset = opt.bottom_right ? p.sk - p.sq : 0;
+  p.scale = opt.scale;
+  p.scale_log2 = opt.scale * kLog2e;
+  p.causal = opt.causal;
+  const int bkh = static_cast<int>(k.size(0) * k.size(1));
+  const CUtensorMap tq = head_map(kOp, "q", q, kBlockM), tdo = head_map(kOp, "dout", dout, kBlockM);
+  const CUtensorMap tk = head_map(kOp, "k", k, kBlockN), tv = head_map(kOp, "v", v, kBlockN);
+  const bool bf16 = q.dtype() == DType::bf16;
+  if (q.size(3) == 64) {
+    if (bf16) launch<cute::bfloat16_t, 64>(p, bkh, tq, tk, tv, tdo, s);
+    else launch<cute::half_t, 64>(p, bkh, tq, tk, tv, tdo, s);
+  } else {
+    if (bf16) launch<cute::bfloat16_t, 128>(p, bkh, tq, tk, tv, tdo, s);
+    else launch<cute::half_t, 128>(p, bkh, tq, tk, tv, tdo, s);
+  }
+  attention_backward_dq_from_accum(dq_accum, dq, stream);
+}
+
+}  // namespace fk::cuda
