@@ -27,6 +27,16 @@
 // The last cluster barrier is arrive.release after every read of another CTA's shared memory and
 // wait.acquire before the CTA exits, so no CTA leaves (its shared memory released) while a peer
 // still reads it; y is stored between the two. On sm_80 (no clusters) S = 1.
+// The push reduction (QgemmOptions::reduction = cluster_push, sm_90; template PUSH) reads no other
+// CTA's memory and has no barrier before exit: each CTA has a receive buffer of its own (after x's,
+// not aliasing it, so peers may write into it while it still computes) and an mbarrier, initialized
+// at the start and published by a cluster barrier arrive that every CTA waits on only before its
+// first push. Each lane sends its partials of a row to the row's owner with one 8- or 16-byte
+// st.async (complete_tx on the owner's mbarrier; its own rows by plain stores and an arrival), the
+// owner waits for its byte count and the arrivals, sums in the same order (split, warp) as the
+// pull — the same bytes of y — and exits. A sender may leave as soon as its st.async are issued
+// (they carry registers, not its shared memory); an owner leaves only after every byte sent to it
+// has landed.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -257,9 +267,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
   // one to complete before it reads what this one writes).
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   // Push reduction: this CTA's receive mbarrier expects the bytes of its rows' partials from every
-  // split (itself included): one arrival (thread 0's, with the byte count) and the st.async
-  // transactions. Its initialization is made visible to the cluster (fence + the arrive below)
-  // before any peer pushes: they wait on the same cluster barrier first, long after this.
+  // other split (st.async transactions, counted by thread 0's first arrival) and one arrival of each
+  // of its threads after it stored its own partials of those rows (plain shared stores: no
+  // st.async to the executing CTA). Its initialization is made visible to the cluster (fence + the
+  // arrive below) before any peer pushes: they wait on the same cluster barrier first, long after.
   float* const recv = reinterpret_cast<float*>(smem) + p.recv_offset;
   const std::uint32_t recv_bar = static_cast<std::uint32_t>(__cvta_generic_to_shared(recv)) +
                                  static_cast<std::uint32_t>(sizeof(float)) * p.recv_floats;
@@ -268,9 +279,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
     const int splits = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
     const int rows = (kBN + splits - 1) / splits, r0 = rank * rows, nr = max(0, min(kBN, r0 + rows) - r0);
     const int chunks_row = min(4, (p.m + 1) / 2);  // lanes t with a column 2t < m
-    const std::uint32_t bytes = static_cast<std::uint32_t>(splits * kWarpsK * nr * chunks_row * 8 * MT);
+    const std::uint32_t bytes = static_cast<std::uint32_t>((splits - 1) * kWarpsK * nr * chunks_row * 8 * MT);
     if (tid == 0) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(recv_bar) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(recv_bar), "r"(kThreads + 1) : "memory");
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(recv_bar), "r"(bytes) : "memory");
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -414,7 +425,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
     // Every CTA's receive mbarrier is initialized (the arrive of the prologue).
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
     // This lane's partials of rows g, g + 8 of each tile (c0, c1 / c2, c3: columns 2t, 2t + 1) into
-    // the receive buffer of the row's owner, slot (rank, wk); only chunks holding a column < m.
+    // the receive buffer of the row's owner, slot (rank, wk); only chunks holding a column < m. Rows
+    // this CTA owns: plain shared stores, made visible by each thread's arrival below.
     const std::uint32_t recv_base = static_cast<std::uint32_t>(__cvta_generic_to_shared(recv));
     if (2 * t < p.m) {
 #pragma unroll
@@ -423,6 +435,14 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
         for (int h = 0; h < 2; ++h) {
           const int row = (wn * kNT + i) * 16 + g + 8 * h, dst = row / rows, rl = row - dst * rows;
           const int off = ((rank * kWarpsK + wk) * rows + rl) * MP + (t ^ recv_swizzle<MT>(rl)) * 2 * MT;
+          if (dst == rank) {
+            if constexpr (MT == 1)
+              *reinterpret_cast<float2*>(recv + off) = make_float2(acc[i][0][2 * h], acc[i][0][2 * h + 1]);
+            else
+              *reinterpret_cast<float4*>(recv + off) =
+                  make_float4(acc[i][0][2 * h], acc[i][1][2 * h], acc[i][0][2 * h + 1], acc[i][1][2 * h + 1]);
+            continue;
+          }
           const std::uint32_t addr = map_to_rank(recv_base + static_cast<std::uint32_t>(sizeof(float) * off), dst);
           const std::uint32_t bar = map_to_rank(recv_bar, dst);
           if constexpr (MT == 1)
@@ -431,6 +451,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
             st_async(addr, acc[i][0][2 * h], acc[i][1][2 * h], acc[i][0][2 * h + 1], acc[i][1][2 * h + 1], bar);
         }
     }
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(recv_bar) : "memory");
     // The owner: once every split's bytes have landed (no CTA leaves while a peer may still write
     // to it: each waits here for all that is sent to it; a sender's st.async reads registers only,
     // so it may leave right after issuing them), sum in the order (split, warp) as the pull does.
