@@ -631,7 +631,8 @@ int active_clusters(Kernel kernel, int device, int splits, std::size_t smem, int
 // model: waves of clusters x k-tiles per CTA; ties go to more splits. A warp's k-tiles are a
 // multiple of KU (the k-tiles of one batch). False when x's chunk never fits a CTA's shared memory.
 // push: the push reduction's receive buffer (its own region after x's, and its mbarrier) instead of
-// partials in x's place.
+// partials in x's place, with the pull's split (so that both reductions give the same bytes of y:
+// the split is chosen by the pull's shared memory; the push's larger CTA must still fit).
 template <int kWarpsK, int kBN, int KU, class Kernel>
 bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int device, bool push, Plan& plan) {
   const DeviceFacts f = device_facts(device);
@@ -648,13 +649,11 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
     c.x_stride = kWarpsK * c.tiles_per_warp * 32 + kXPad;
     const std::size_t x_bytes = static_cast<std::size_t>(m + 1) * c.x_stride * 4;
     const std::size_t red_bytes = static_cast<std::size_t>(kWarpsK) * mp * kBN * 4;
+    c.smem = std::max(x_bytes, red_bytes);
     if (push) {
       const int rows = (kBN + s - 1) / s;
       c.recv_offset = static_cast<int>((x_bytes + 15) / 16 * 4);
       c.recv_floats = s * kWarpsK * rows * mp;
-      c.smem = static_cast<std::size_t>(c.recv_offset + c.recv_floats) * 4 + 16;  // + the mbarrier
-    } else {
-      c.smem = std::max(x_bytes, red_bytes);
     }
     if (c.smem > static_cast<std::size_t>(f.smem_optin)) continue;
     const int clusters = std::max(1, active_clusters(kernel, device, s, c.smem, by_regs, f));
@@ -669,7 +668,12 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
       plan = c;
     }
   }
-  return best >= 0;
+  if (best < 0) return false;
+  if (push) {
+    plan.smem = static_cast<std::size_t>(plan.recv_offset + plan.recv_floats) * 4 + 16;  // + the mbarrier
+    if (plan.smem > static_cast<std::size_t>(f.smem_optin)) return false;
+  }
+  return true;
 }
 
 template <class T, int MT, int KU, bool GROUP64, bool PUSH>
