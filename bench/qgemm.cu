@@ -71,7 +71,7 @@ void qgemm_cases(Context& ctx, DType dt, std::int64_t n, std::int64_t k) {
     // The small-M kernel's variants, each against the same cuBLAS record: QgemmOptions::
     // constant_weights (as a decoder's weights are: a programmatic dependent launch, its weight
     // loads overlapping the end of the call before it), and the push split-K reduction
-    // (QgemmOptions::reduction, without and with the promise) beside the default pull.
+    // (QgemmOptions::reduction: the default push, and pull without and with the promise).
     if (m <= 16) {
       struct Variant {
         const char* impl;
@@ -79,8 +79,8 @@ void qgemm_cases(Context& ctx, DType dt, std::int64_t n, std::int64_t k) {
       };
       const Variant variants[] = {
           {"w4_mma_constant_weights", {.constant_weights = true}},
-          {"w4_mma_push", {.reduction = QgemmReduction::cluster_push}},
-          {"w4_mma_constant_weights_push", {.constant_weights = true, .reduction = QgemmReduction::cluster_push}},
+          {"w4_mma_pull", {.reduction = QgemmReduction::cluster_pull}},
+          {"w4_mma_constant_weights_pull", {.constant_weights = true, .reduction = QgemmReduction::cluster_pull}},
       };
       for (const Variant& v : variants) {
         auto call = [&](int i) { qgemm(x, qws[static_cast<std::size_t>(i)], y, st, v.options); };
