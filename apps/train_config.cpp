@@ -248,6 +248,10 @@ const std::vector<Setting>& train_settings() {
        "--trace-steps",                   "Steps recorded in the trace"},
       {"training.checkpoint_every",        &C::checkpoint_every,           at_least(0),
        "--checkpoint-every",              "Also save every this many steps"},
+      {"training.bucket_cap_mb",           &C::bucket_cap_mb,              at_least(0),
+       "--bucket-cap-mb",                 "--distributed, --gpus: all-reduce the dense gradients in buckets of at most "
+                                          "this many MiB, each as soon as the backward has made it (0: one all-reduce "
+                                          "after the backward)"},
   };
   return table;
 }

@@ -79,6 +79,9 @@ struct TrainConfig {
   std::int64_t trace_steps = 50;     // steps recorded in the trace (the first ones)
   std::string checkpoint;            // saved at the end, at each evaluation and every checkpoint_every steps
   std::int64_t checkpoint_every = 0;
+  // --distributed, --gpus: the dense gradients all-reduced in buckets of at most this many MiB, each
+  // started as the backward makes it (models::DistributedDlrmOptions); 0: one all-reduce after it.
+  double bucket_cap_mb = 25;
 
   bool operator==(const TrainConfig&) const = default;
 };

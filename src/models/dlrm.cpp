@@ -486,21 +486,30 @@ struct DlrmState {
     loss.forward_backward(vec(logits), labels, vec(dlogits), s());
   }
 
-  void backward_body() {
+  // unit_done: Dlrm::gradient_units()' order (top layers from the last, cross, bottom layers from the last).
+  void backward_body(const std::function<void(std::size_t)>& unit_done = {}) {
     const Stream* st = s();
+    const std::size_t top_n = top.layers.size(), bottom_first = top_n + (cross ? 1 : 0);
+    const std::size_t bottom_n = bottom.layers.size();
+    std::function<void(std::size_t)> top_done, bottom_done;
+    if (unit_done) {
+      top_done = [&](std::size_t l) { unit_done(top_n - 1 - l); };
+      bottom_done = [&](std::size_t l) { unit_done(bottom_first + bottom_n - 1 - l); };
+    }
     mark("top_mlp.bwd");
-    top.backward(column(logits), column(dlogits), r_rows(dr), st);
+    top.backward(column(logits), column(dlogits), r_rows(dr), st, top_done);
     mark("interaction.bwd");
     // Fused dot: the bottom MLP's last ReLU derivative is applied here (again by its backward,
     // a no-op on an already masked gradient).
     if (cross)  // dr is overwritten: it carries the gradient down the cross layers
       cross->backward(z_flat(z), r_rows(dr), z_flat(dz), st);
-    else
+    if (cross && unit_done) unit_done(top_n);
+    if (!cross)
       interaction->backward(z_all(z), r_full(dr), z_all(dz), fused && config.interaction == InteractionOp::dot, st);
     mark("embeddings.bwd");
     if (embeddings) embeddings->backward(z_tables(dz), st);
     mark("bottom_mlp.bwd");
-    bottom.backward(z_first(z), z_first(dz), std::nullopt, st);
+    bottom.backward(z_first(z), z_first(dz), std::nullopt, st, bottom_done);
   }
 
   void step_body(const OptimizerConfig& opt) {
@@ -636,7 +645,10 @@ void Dlrm::forward(const DlrmInput& input, const TensorView& logits) {
   copy(logits, s.vec(s.logits));
 }
 
-void Dlrm::backward(const TensorView& dlogits, const TensorView& dpooled) {
+void Dlrm::backward(const TensorView& dlogits, const TensorView& dpooled) { backward(dlogits, dpooled, {}); }
+
+void Dlrm::backward(const TensorView& dlogits, const TensorView& dpooled,
+                    const std::function<void(std::size_t)>& unit_done) {
   detail::DlrmState& s = *s_;
   const OnDevice on(s.dev);
   FK_CHECK_ARG(s.batch > 0, kOp, "backward", "a forward() first", "none");
@@ -652,7 +664,7 @@ void Dlrm::backward(const TensorView& dlogits, const TensorView& dpooled) {
   // return before its data has landed, and the compute stream does not wait for the legacy one.
   if (s.stream_) copy_async(s.vec(s.dlogits), dlogits, *s.stream_);
   else copy(s.vec(s.dlogits), dlogits);
-  s.backward_body();
+  s.backward_body(unit_done);
   if (!s.embeddings) s.copy_pooled(dpooled, s.z_tables(s.dz));
   s.sync();
 }
@@ -758,6 +770,35 @@ std::vector<Tensor*> Dlrm::tables() {
 }
 
 TensorView Dlrm::dense_gradients() { return s_->arena.gradients(); }
+
+std::vector<Dlrm::GradientUnit> Dlrm::gradient_units() {
+  detail::DlrmState& s = *s_;
+  const TensorView all = s.arena.gradients();
+  const auto* base = static_cast<const float*>(all.data());
+  const auto at = [&](const Tensor& g) { return static_cast<std::int64_t>(static_cast<const float*>(g.data()) - base); };
+  // Each unit's first gradient; a unit runs to the next one's start in the arena (the last: its end).
+  std::vector<GradientUnit> units;
+  for (std::size_t l = s.top.layers.size(); l-- > 0;)
+    units.push_back({fmt::format("top.{}", l), at(s.top.layers[l].weight_grad), 0});
+  if (s.cross) {
+    std::int64_t first = all.numel();
+    for (const nn::CrossNet::Layer& l : s.cross->layers())
+      for (const nn::ParameterArena::Parameter* p : {l.u, l.v, l.bias}) first = std::min(first, p->offset);
+    units.push_back({"cross", first, 0});
+  }
+  for (std::size_t l = s.bottom.layers.size(); l-- > 0;)
+    units.push_back({fmt::format("bottom.{}", l), at(s.bottom.layers[l].weight_grad), 0});
+  std::vector<std::int64_t> starts;
+  for (const GradientUnit& u : units) starts.push_back(u.offset);
+  std::sort(starts.begin(), starts.end());
+  for (GradientUnit& u : units) {
+    const auto next = std::upper_bound(starts.begin(), starts.end(), u.offset);
+    u.floats = (next == starts.end() ? all.numel() : *next) - u.offset;
+  }
+  return units;
+}
+
+const Stream* Dlrm::stream() const noexcept { return s_->s(); }
 
 Tensor Dlrm::table_gradient() {
   const OnDevice on(s_->dev);

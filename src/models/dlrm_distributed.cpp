@@ -1,4 +1,5 @@
-// DLRM over several ranks: the external-table Dlrm, dist::ShardedEmbeddingBags and one all-reduce.
+// DLRM over several ranks: the external-table Dlrm, dist::ShardedEmbeddingBags and the dense
+// gradients' bucketed all-reduces.
 // Its saved state (shards, N -> M loads, consolidation): dlrm_distributed_state.cpp.
 #include "fusekit/models/dlrm_distributed.hpp"
 
@@ -41,12 +42,32 @@ dist::ShardingPlan plan_dlrm_sharding(const DlrmConfig& config, int ranks, std::
                               .max_shard_rows = split.max_shard_rows});
 }
 
-DistributedDlrm::DistributedDlrm(DlrmConfig config, dist::Communicator& comm, dist::ShardingPlan plan, DlrmImpl impl)
+DistributedDlrm::DistributedDlrm(DlrmConfig config, dist::Communicator& comm, dist::ShardingPlan plan, DlrmImpl impl,
+                                 const DistributedDlrmOptions& options)
     : comm_(comm),
+      options_(options),
       dense_(config, comm.device(), impl, DlrmTables::external),
       embeddings_(config.table_rows, config.embedding_dim,
                   {Pooling::sum, config.raw_hash, impl == DlrmImpl::fused, config.rowwise_adagrad},
-                  dlrm_table_init(config), std::move(plan), comm) {}
+                  dlrm_table_init(config), std::move(plan), comm) {
+  FK_CHECK_ARG(options.bucket_bytes >= 0, kOp, "options.bucket_bytes", ">= 0 (0: one all-reduce after the backward)",
+               fmt::format("{}", options.bucket_bytes));
+  std::vector<dist::GradientRange> ranges;
+  for (const Dlrm::GradientUnit& u : dense_.gradient_units()) {
+    unit_names_.push_back(u.name);
+    ranges.push_back({u.offset, u.floats});
+  }
+  if (options.bucket_bytes > 0) buckets_ = dist::plan_gradient_buckets(ranges, options.bucket_bytes);
+}
+
+std::string DistributedDlrm::gradient_buckets_str() const {
+  if (buckets_.empty()) {
+    const TensorView g = const_cast<Dlrm&>(dense_).dense_gradients();
+    return fmt::format("gradient buckets: none, one all-reduce of {:.3g} MB after the backward\n",
+                       static_cast<double>(g.numel()) * 4.0 / 1e6);
+  }
+  return dist::gradient_buckets_str(buckets_, unit_names_, options_.bucket_bytes);
+}
 
 void DistributedDlrm::lookup(const DlrmInput& input, std::int64_t batch) {
   FK_CHECK_ARG(input.indices.data() != nullptr && input.offsets.data() != nullptr, kOp, "input",
@@ -88,12 +109,35 @@ double DistributedDlrm::train_step(const DlrmInput& input, const TensorView& lab
   const float scale = static_cast<float>(static_cast<double>(b) / static_cast<double>(gb));
   float* g = dlogits_.data_as<float>();
   for (std::int64_t i = 0; i < b; ++i) g[i] *= scale;
-  dense_.backward(dlogits_, dpooled_);
-  embeddings_.backward(dpooled_);
-  // One flat bucket, after the whole backward (dense_gradients() is the parameter arena's one
-  // buffer, on the model's device); overlapping it with the backward needs the MLPs' layers to hand
-  // out their gradients as they are made, and stream-ordered all-reduces of buckets of them.
-  comm_.all_reduce_sum(dense_.dense_gradients());
+  if (buckets_.empty()) {
+    // One all-reduce of the parameter arena's whole gradient buffer, after the backward.
+    dense_.backward(dlogits_, dpooled_);
+    embeddings_.backward(dpooled_);
+    comm_.all_reduce_sum(dense_.dense_gradients());
+  } else {
+    // Each bucket's all-reduce starts once the backward has made its last unit (queued on the
+    // model's stream on a GPU; the communicator orders the sum after it), and runs during the rest
+    // of the backward and the tables' gradient exchange; the optimizer step waits for them all.
+    const TensorView grads = dense_.dense_gradients();
+    auto* base = static_cast<float*>(grads.data());
+    std::size_t next = 0;
+    dense_.backward(dlogits_, dpooled_, [&](std::size_t unit) {
+      while (next < buckets_.size() && buckets_[next].last_unit == unit) {
+        const dist::GradientBucket& bk = buckets_[next++];
+        comm_.start_all_reduce_sum(TensorView(base + bk.offset, DType::f32, {bk.floats}, grads.device()),
+                                   dense_.stream());
+      }
+    });
+    FK_CHECK_ARG(next == buckets_.size(), kOp, "gradient buckets", fmt::format("{} started by the backward", buckets_.size()),
+                 fmt::format("{}", next));
+    // On a GPU the tables' gradient exchange is queued after the sums (NCCL runs a communicator's
+    // collectives one at a time, in the order they are queued, whatever their streams), so that no
+    // collective of the embeddings' runs beside another; on the host (MPI) the exchange runs while
+    // the sums are in flight, and moves them on.
+    if (const Stream* st = embeddings_.stream()) comm_.wait_all_reduces(st);
+    embeddings_.backward(dpooled_);
+    comm_.wait_all_reduces(dense_.stream());
+  }
   if (opt.kind == OptimizerKind::adagrad) embeddings_.ensure_state(opt.initial_accumulator);
   dense_.step(opt);
   embeddings_.step(opt);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>
@@ -217,6 +218,94 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
   std::printf("rank %d/%d (%s) %s: %zu shards here, a table over at most %d ranks; worst error / tolerance %.3g\n",
               comm.rank(), comm.size(), comm.device().str().c_str(), dist_case_name(c).c_str(), shards.size(), widest,
               worst);
+}
+
+// The dense gradients all-reduced in buckets as the backward makes them against one all-reduce
+// after the backward: the same model, plan and slices trained kSteps steps with
+// DistributedDlrmOptions::bucket_bytes 0 (one all-reduce), 1 (each layer's gradients a bucket of
+// their own), 2048 (the bottom MLP's two layers, 768 + 1280 bytes with their alignment, in one) and 2^40 (one bucket). Each gradient is summed
+// by one all-reduce either way: `bitwise`, the losses, dense parameters and shards must hold the
+// same bits (what a backend whose sum of an element does not depend on the buffer around it
+// gives: one rank, two ranks, whose sum a + b is the same in either order); otherwise within the
+// distributed comparison's tolerance (more ranks under MPI, whose algorithm, and so its order of
+// the additions, may change with the message size).
+inline void compare_gradient_buckets(dist::Communicator& comm, const DistCase& c, bool bitwise) {
+  const data::Featurizer feat = dist_featurizer(c.multi_hot);
+  const models::DlrmConfig config = dist_config(c, feat);
+  const models::OptimizerConfig opt = dist_optimizer(c);
+  const std::vector<std::int64_t> bags = c.multi_hot ? feat.multi_hot_sizes : std::vector<std::int64_t>{};
+  data::SyntheticConfig sc;
+  sc.seed = 23;
+  std::vector<data::RawRecord> recs(static_cast<std::size_t>(kGlobalBatch * kSteps));
+  data::SyntheticCriteo(sc).generate(0, recs);
+  const auto [begin, end] = slice_of(kGlobalBatch, comm.rank(), comm.size());
+  struct Run {
+    std::vector<double> losses;
+    std::vector<Tensor> params;  // host copies: every linear weight and bias, the cross parameters, the shards
+    std::size_t buckets = 0, units = 0;
+  };
+  const auto train = [&](std::int64_t bucket_bytes) {
+    models::DistributedDlrm m(
+        config, comm,
+        models::plan_dlrm_sharding(config, comm.size(), kGlobalBatch, opt.kind, bags, {.max_shard_rows = c.max_shard_rows}),
+        c.impl, {.bucket_bytes = bucket_bytes});
+    Run r;
+    r.buckets = m.gradient_buckets().size();
+    r.units = m.dense().gradient_units().size();
+    for (int k = 0; k < kSteps; ++k) {
+      data::Batch mine;
+      data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(k * kGlobalBatch + begin),
+                                               static_cast<std::size_t>(end - begin)),
+                       feat, mine);
+      r.losses.push_back(m.train_step({mine.dense, mine.indices, mine.offsets}, mine.labels, opt));
+    }
+    for (const auto& l : m.dense().linear_layers()) {
+      r.params.push_back(host_copy(*l.weight));
+      r.params.push_back(host_copy(*l.bias));
+    }
+    for (const auto& p : m.dense().cross_parameters()) r.params.push_back(host_copy(*p.value));
+    for (std::size_t s = 0; s < m.embeddings().local_shards().size(); ++s)
+      r.params.push_back(host_copy(m.embeddings().shard_values(s)));
+    return r;
+  };
+  const Run once = train(0);
+  EXPECT_EQ(once.buckets, 0u);
+  const std::size_t layers = config.bottom_mlp.size() - 1 + config.top_mlp.size();  // top: from the interaction
+  EXPECT_EQ(once.units, layers + (c.op == models::InteractionOp::dcn ? 1 : 0));
+  double worst = 0;
+  for (const std::int64_t bytes : {std::int64_t{1}, std::int64_t{2048}, std::int64_t{1} << 40}) {
+    const Run run = train(bytes);
+    const std::string what = "bucket_bytes " + std::to_string(bytes);
+    if (bytes == 1) {
+      EXPECT_EQ(run.buckets, run.units) << what;
+    } else if (bytes == 2048) {
+      EXPECT_LT(run.buckets, run.units) << what;  // the bottom MLP's layers share a bucket
+      EXPECT_GT(run.buckets, 1u) << what;
+    } else {
+      EXPECT_EQ(run.buckets, 1u) << what;
+    }
+    ASSERT_EQ(run.params.size(), once.params.size());
+    for (std::size_t k = 0; k < run.losses.size(); ++k) {
+      if (bitwise) {
+        EXPECT_EQ(run.losses[k], once.losses[k]) << what << ", step " << k;
+      } else {
+        EXPECT_NEAR(run.losses[k], once.losses[k], kDistAtol + kDistRtol * std::fabs(once.losses[k])) << what;
+      }
+    }
+    for (std::size_t p = 0; p < run.params.size(); ++p) {
+      const Tensor &a = run.params[p], &b = once.params[p];
+      ASSERT_EQ(a.nbytes(), b.nbytes());
+      if (bitwise) {
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << what << ", parameter " << p;
+      } else {
+        expect_close(a, b, kDistAtol, kDistRtol, what + ", parameter " + std::to_string(p), worst);
+      }
+    }
+  }
+  std::printf("rank %d/%d (%s) %s: bucketed all-reduces %s the single all-reduce's (%zu gradient units); worst "
+              "error / tolerance %.3g\n",
+              comm.rank(), comm.size(), comm.device().str().c_str(), dist_case_name(c).c_str(),
+              bitwise ? "bit for bit" : "within tolerance of", once.units, worst);
 }
 
 // ShardedEmbeddingBags alone against the one-process nn::EmbeddingBagCollection on hand-made bags:

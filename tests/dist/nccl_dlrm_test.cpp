@@ -3,7 +3,9 @@
 // (the fused and the reference implementation, dot and DCNv2, one-hot and multi-hot, table-wise
 // and row-split tables) on the same batches, ShardedEmbeddingBags against the CPU layer, a saved
 // state that resumes bit for bit, states of other plans (N -> M, 1 -> M) loaded onto the GPU, and
-// predictions. Two GPUs or more (up to 4): one thread and
+// predictions; the dense gradients' bucketed all-reduces against one all-reduce, and the
+// communicator's started all-reduces against the streams they wait for. Two GPUs or more (up to
+// 4): one thread and
 // communicator a GPU, each rank against the one-process model on its GPU. A test without the
 // GPUs it needs skips, saying why.
 #include <gtest/gtest.h>
@@ -15,6 +17,7 @@
 #include <thread>
 
 #include "distributed_run.hpp"
+#include "fusekit/core/stream.hpp"
 #include "fusekit/dist/communicator.hpp"
 #include "test_util.hpp"
 
@@ -63,6 +66,49 @@ TEST(OneGpuShardedBags, RowWiseShardsFollowTheCpuLayer) {
   test::compare_sharded_bags(one_gpu(), {.kind = nn::OptimizerKind::sgd, .learning_rate = 0.1f}, false);
   test::compare_sharded_bags(one_gpu(), {.kind = nn::OptimizerKind::adagrad, .learning_rate = 0.05f}, true);
   test::compare_sharded_bags(one_gpu(), {.kind = nn::OptimizerKind::adagrad, .learning_rate = 0.05f}, false);
+}
+
+// The dense gradients' all-reduces in buckets started as the backward makes them (on the
+// communicator's stream, after an event of the model's) against one all-reduce after the
+// backward: the same bits on one rank.
+TEST(OneGpuDistributedDlrm, BucketedAllReducesMatchOneAllReduce) {
+  FK_SKIP_WITHOUT_GPUS(1);
+  for (const auto impl : {models::DlrmImpl::fused, models::DlrmImpl::reference})
+    for (const auto op : {models::InteractionOp::dot, models::InteractionOp::dcn})
+      test::compare_gradient_buckets(one_gpu(), {op, true, impl, 11}, true);
+}
+
+// start_all_reduce_sum waits for the work queued on `ready` (a 64 MB copy to the buffer) and
+// wait_all_reduces makes the copy back on another stream wait for the sums; with n ranks the sum
+// of rank r's values (r + 1) * (i % 7) is n (n + 1) / 2 * (i % 7), exact in any order.
+void started_all_reduces(Communicator& c) {
+  constexpr std::int64_t kN = std::int64_t{1} << 24;
+  const int n = c.size();
+  std::vector<float> host(static_cast<std::size_t>(kN)), back(static_cast<std::size_t>(kN), -1.0f);
+  for (std::int64_t i = 0; i < kN; ++i) host[static_cast<std::size_t>(i)] = static_cast<float>((c.rank() + 1) * (i % 7));
+  const Stream ready = Stream::create(c.device()), after = Stream::create(c.device());
+  const Tensor d = Tensor::empty({kN}, DType::f32, c.device());
+  const TensorView h(host.data(), DType::f32, {kN}, Device::cpu()), b(back.data(), DType::f32, {kN}, Device::cpu());
+  copy_async(d, h, ready);
+  c.start_all_reduce_sum(d.view().slice_rows(0, kN / 2), &ready);
+  c.start_all_reduce_sum(d.view().slice_rows(kN / 2, kN), &ready);
+  c.wait_all_reduces(&after);
+  copy_async(b, d, after);
+  after.synchronize();
+  for (std::int64_t i = 0; i < kN; ++i)
+    ASSERT_EQ(back[static_cast<std::size_t>(i)], static_cast<float>(n * (n + 1) / 2 * (i % 7))) << "rank " << c.rank() << ", " << i;
+  // Without a stream the host waits.
+  copy_async(d, h, ready);
+  c.start_all_reduce_sum(d, &ready);
+  c.wait_all_reduces();
+  copy(b, d);
+  for (std::int64_t i = 0; i < kN; i += 4099)
+    ASSERT_EQ(back[static_cast<std::size_t>(i)], static_cast<float>(n * (n + 1) / 2 * (i % 7))) << "rank " << c.rank() << ", " << i;
+}
+
+TEST(OneGpuCommunicator, StartedAllReducesWaitForTheirStreams) {
+  FK_SKIP_WITHOUT_GPUS(1);
+  started_all_reduces(one_gpu());
 }
 
 // Split tables with row-wise Adagrad: a state saved after 3 steps (dense part and shards, from
@@ -204,6 +250,14 @@ TEST(ThreadsAGpu, DistributedDlrmFollowsTheOneProcessModel) {
   on_every_rank(comms, [](Communicator& c) {
     test::compare_sharded_bags(c, {.kind = nn::OptimizerKind::sgd, .learning_rate = 0.1f}, false);
     test::compare_sharded_bags(c, {.kind = nn::OptimizerKind::adagrad, .learning_rate = 0.05f}, true);
+  });
+  // Bucketed all-reduces overlapped with the backward: bit for bit on 2 GPUs (a sum of two), within
+  // the comparison's tolerance on more (NCCL's ring order depends on where an element falls in
+  // the buffer).
+  on_every_rank(comms, [n](Communicator& c) {
+    started_all_reduces(c);
+    for (const auto op : {models::InteractionOp::dot, models::InteractionOp::dcn})
+      test::compare_gradient_buckets(c, {op, true, models::DlrmImpl::fused, 11}, n <= 2);
   });
 }
 

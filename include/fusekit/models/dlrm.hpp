@@ -44,6 +44,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <memory>
 #include <string>
@@ -57,6 +58,7 @@
 #include "fusekit/ops/recsys.hpp"
 
 namespace fk {
+class Stream;
 class TraceRecorder;
 }
 
@@ -163,6 +165,10 @@ class Dlrm {
   // dpooled f32 [B, T, D] (=) dL/dpooled, the gradient the tables' owners apply, contiguous on the
   // model's device (written when backward() returns).
   void backward(const TensorView& dlogits, const TensorView& dpooled = {});
+  // The same, calling unit_done(u) for each unit u of gradient_units() (in that order) as soon as
+  // its gradients are final: done on the CPU; on a GPU, queued on stream() (a data-parallel caller
+  // starts reducing them there while the rest of the backward runs).
+  void backward(const TensorView& dlogits, const TensorView& dpooled, const std::function<void(std::size_t)>& unit_done);
   void step(const OptimizerConfig& opt);
 
   // forward + BCE loss + backward + step; returns the mean loss of the batch.
@@ -200,6 +206,18 @@ class Dlrm {
   // The dense parameters' gradients (MLPs, cross network) of the last backward as one contiguous
   // f32 buffer on the model's device: what data-parallel ranks all-reduce (in place) before step().
   TensorView dense_gradients();
+  // dense_gradients() cut into the units backward() completes one after the other, in that order:
+  // the top MLP's layers from the last to the first, the cross network (dcn, all its layers as one
+  // unit), the bottom MLP's layers from the last to the first. Unit u is the floats
+  // [offset, offset + floats) of dense_gradients() (a layer's weight, bias and alignment gaps); the
+  // units tile it.
+  struct GradientUnit {
+    std::string name;  // "top.2", "cross", "bottom.0", ...
+    std::int64_t offset = 0, floats = 0;
+  };
+  std::vector<GradientUnit> gradient_units();
+  // The stream the model's work is queued on (a GPU); null on the CPU.
+  const Stream* stream() const noexcept;
   // The tables' gradients of the last backward, [total_rows, D] on the model's device (zero for
   // untouched rows), formed on demand (the fused implementation never needs them).
   Tensor table_gradient();
