@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <sstream>
 #include <span>
 #include <string>
 #include <vector>
@@ -229,6 +230,58 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
 // gives: one rank, two ranks, whose sum a + b is the same in either order); otherwise within the
 // distributed comparison's tolerance (more ranks under MPI, whose algorithm, and so its order of
 // the additions, may change with the message size).
+// Split tables with row-wise Adagrad on comm's device: a state saved after 3 steps (dense part and
+// shards) and loaded into a fresh model continues bit for bit, and the trained model's
+// probabilities follow the one-process model's (on one_device) within the comparison's tolerance.
+inline void check_saved_state_resumes(dist::Communicator& comm, Device one_device) {
+  const DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
+  const data::Featurizer feat = dist_featurizer(true);
+  const models::DlrmConfig config = dist_config(dc, feat);
+  const models::OptimizerConfig opt = dist_optimizer(dc);
+  const auto plan = [&] {
+    return models::plan_dlrm_sharding(config, 1, 30, opt.kind, feat.multi_hot_sizes, {.max_shard_rows = 11});
+  };
+  models::DistributedDlrm straight(config, comm, plan()), resumed(config, comm, plan());
+  models::Dlrm one(config, one_device, models::DlrmImpl::fused);
+  data::SyntheticConfig sc;
+  sc.seed = 7;
+  std::vector<data::RawRecord> recs(210);
+  data::SyntheticCriteo(sc).generate(0, recs);
+  const auto batch = [&](int k) {
+    data::Batch b;
+    data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(30 * k), 30), feat, b);
+    return b;
+  };
+  for (int k = 0; k < 3; ++k) {
+    const data::Batch b = batch(k);
+    straight.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
+    one.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
+  }
+  std::stringstream dense, shards;
+  straight.dense().save_state(dense);
+  straight.save_shards(shards);
+  resumed.dense().load_state(dense);
+  resumed.load_shards(shards);
+  for (int k = 3; k < 6; ++k) {
+    const data::Batch b = batch(k);
+    EXPECT_EQ(resumed.train_step({b.dense, b.indices, b.offsets}, b.labels, opt),
+              straight.train_step({b.dense, b.indices, b.offsets}, b.labels, opt))
+        << "step " << k;
+    one.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
+  }
+  for (std::size_t s = 0; s < straight.embeddings().local_shards().size(); ++s) {
+    const Tensor a = host_copy(straight.embeddings().shard_values(s));
+    const Tensor b = host_copy(resumed.embeddings().shard_values(s));
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << "shard " << s;
+  }
+  const data::Batch b = batch(6);
+  Tensor p_dist = Tensor::empty({30}, DType::f32, Device::cpu()), p_one = Tensor::empty({30}, DType::f32, Device::cpu());
+  straight.predict({b.dense, b.indices, b.offsets}, p_dist);
+  one.predict({b.dense, b.indices, b.offsets}, p_one);
+  double worst = 0;
+  expect_close(p_dist, p_one, kDistAtol, kDistRtol, "probabilities", worst);
+}
+
 inline void compare_gradient_buckets(dist::Communicator& comm, const DistCase& c, bool bitwise) {
   const data::Featurizer feat = dist_featurizer(c.multi_hot);
   const models::DlrmConfig config = dist_config(c, feat);

@@ -111,58 +111,10 @@ TEST(OneGpuCommunicator, StartedAllReducesWaitForTheirStreams) {
   started_all_reduces(one_gpu());
 }
 
-// Split tables with row-wise Adagrad: a state saved after 3 steps (dense part and shards, from
-// the GPU) and loaded into a fresh model continues bit for bit; and the trained model's
-// probabilities are the single-GPU model's within the comparison's tolerance.
+// test::check_saved_state_resumes on the GPU, against the single-GPU model.
 TEST(OneGpuDistributedDlrm, SavedStateResumesAndPredictionsFollow) {
   FK_SKIP_WITHOUT_GPUS(1);
-  Communicator& c = one_gpu();
-  const test::DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
-  const data::Featurizer feat = test::dist_featurizer(true);
-  const models::DlrmConfig config = test::dist_config(dc, feat);
-  const models::OptimizerConfig opt = test::dist_optimizer(dc);
-  const auto plan = [&] {
-    return models::plan_dlrm_sharding(config, 1, 30, opt.kind, feat.multi_hot_sizes, {.max_shard_rows = 11});
-  };
-  models::DistributedDlrm straight(config, c, plan()), resumed(config, c, plan());
-  models::Dlrm one(config, Device::cuda(0), models::DlrmImpl::fused);
-  data::SyntheticConfig sc;
-  sc.seed = 7;
-  std::vector<data::RawRecord> recs(210);
-  data::SyntheticCriteo(sc).generate(0, recs);
-  const auto batch = [&](int k) {
-    data::Batch b;
-    data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(30 * k), 30), feat, b);
-    return b;
-  };
-  for (int k = 0; k < 3; ++k) {
-    const data::Batch b = batch(k);
-    straight.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
-    one.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
-  }
-  std::stringstream dense, shards;
-  straight.dense().save_state(dense);
-  straight.save_shards(shards);
-  resumed.dense().load_state(dense);
-  resumed.load_shards(shards);
-  for (int k = 3; k < 6; ++k) {
-    const data::Batch b = batch(k);
-    EXPECT_EQ(resumed.train_step({b.dense, b.indices, b.offsets}, b.labels, opt),
-              straight.train_step({b.dense, b.indices, b.offsets}, b.labels, opt))
-        << "step " << k;
-    one.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
-  }
-  for (std::size_t s = 0; s < straight.embeddings().local_shards().size(); ++s) {
-    const Tensor a = test::host_copy(straight.embeddings().shard_values(s));
-    const Tensor b = test::host_copy(resumed.embeddings().shard_values(s));
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << "shard " << s;
-  }
-  const data::Batch b = batch(6);
-  Tensor p_dist = Tensor::empty({30}, DType::f32, Device::cpu()), p_one = Tensor::empty({30}, DType::f32, Device::cpu());
-  straight.predict({b.dense, b.indices, b.offsets}, p_dist);
-  one.predict({b.dense, b.indices, b.offsets}, p_one);
-  double worst = 0;
-  test::expect_close(p_dist, p_one, test::kDistAtol, test::kDistRtol, "probabilities", worst);
+  test::check_saved_state_resumes(one_gpu(), Device::cuda(0));
 }
 
 // N -> M onto the GPU (models::DistributedDlrm::load, whose rows go through host staging and are

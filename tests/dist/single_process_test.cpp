@@ -120,57 +120,10 @@ TEST(DistributedDlrm, PlansThatDoNotFitAreRefused) {
   }, "dist::ShardedEmbeddingBags", "plan");
 }
 
-// The one-GPU test's resume (dist_nccl_dlrm_test) on the CPU: split tables with row-wise Adagrad,
-// a state saved after 3 steps and loaded into a fresh model continues bit for bit, and the
-// predictions follow the one-process model's.
+// test::check_saved_state_resumes on the CPU (dist_nccl_dlrm_test runs it on a GPU).
 TEST(DistributedDlrm, SavedStateResumesAndPredictionsFollow) {
   auto comm = make_single_communicator();
-  const test::DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
-  const data::Featurizer feat = test::dist_featurizer(true);
-  const models::DlrmConfig config = test::dist_config(dc, feat);
-  const models::OptimizerConfig opt = test::dist_optimizer(dc);
-  const auto plan = [&] {
-    return models::plan_dlrm_sharding(config, 1, 30, opt.kind, feat.multi_hot_sizes, {.max_shard_rows = 11});
-  };
-  models::DistributedDlrm straight(config, *comm, plan()), resumed(config, *comm, plan());
-  models::Dlrm one(config, Device::cpu(), models::DlrmImpl::fused);
-  data::SyntheticConfig sc;
-  sc.seed = 7;
-  std::vector<data::RawRecord> recs(210);
-  data::SyntheticCriteo(sc).generate(0, recs);
-  const auto batch = [&](int k) {
-    data::Batch b;
-    data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(30 * k), 30), feat, b);
-    return b;
-  };
-  for (int k = 0; k < 3; ++k) {
-    const data::Batch b = batch(k);
-    straight.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
-    one.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
-  }
-  std::stringstream dense, shards;
-  straight.dense().save_state(dense);
-  straight.save_shards(shards);
-  resumed.dense().load_state(dense);
-  resumed.load_shards(shards);
-  for (int k = 3; k < 6; ++k) {
-    const data::Batch b = batch(k);
-    EXPECT_EQ(resumed.train_step({b.dense, b.indices, b.offsets}, b.labels, opt),
-              straight.train_step({b.dense, b.indices, b.offsets}, b.labels, opt))
-        << "step " << k;
-    one.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
-  }
-  for (std::size_t s = 0; s < straight.embeddings().local_shards().size(); ++s) {
-    const Tensor& a = straight.embeddings().shard_values(s);
-    const Tensor& b = resumed.embeddings().shard_values(s);
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << "shard " << s;
-  }
-  const data::Batch b = batch(6);
-  Tensor p_dist = Tensor::empty({30}, DType::f32, Device::cpu()), p_one = Tensor::empty({30}, DType::f32, Device::cpu());
-  straight.predict({b.dense, b.indices, b.offsets}, p_dist);
-  one.predict({b.dense, b.indices, b.offsets}, p_one);
-  double worst = 0;
-  test::expect_close(p_dist, p_one, test::kDistAtol, test::kDistRtol, "probabilities", worst);
+  test::check_saved_state_resumes(*comm, Device::cpu());
 }
 
 // The host views the step reads or writes through raw pointers are checked against the batch,
