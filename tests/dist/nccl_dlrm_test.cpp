@@ -19,17 +19,12 @@
 #include "distributed_run.hpp"
 #include "fusekit/core/stream.hpp"
 #include "fusekit/dist/communicator.hpp"
+#include "nccl_checks.hpp"
 #include "test_util.hpp"
 
 namespace fk::dist {
 namespace {
 
-#define FK_SKIP_WITHOUT_GPUS(n)                                                                        \
-  do {                                                                                                  \
-    if (cuda_device_count() < (n))                                                                      \
-      GTEST_SKIP() << "needs " << (n) << " GPU(s), found " << cuda_device_count()                       \
-                   << (cuda_device_count() == 0 ? ": " + cuda_unavailable_reason() : std::string());   \
-  } while (0)
 
 // One rank on cuda:0, made once for the whole program (NCCL's set-up takes a while).
 Communicator& one_gpu() {
@@ -37,19 +32,7 @@ Communicator& one_gpu() {
   return *comm;
 }
 
-// Runs f on one thread a communicator, all at once (NCCL needs every rank's call in flight).
-void on_every_rank(std::vector<std::unique_ptr<Communicator>>& comms, const std::function<void(Communicator&)>& f) {
-  std::vector<std::thread> threads;
-  for (auto& c : comms)
-    threads.emplace_back([&f, comm = c.get()] {
-      try {
-        f(*comm);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << comm->rank() << ": " << e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-}
+using test::on_every_rank;
 
 class OneGpu : public ::testing::TestWithParam<test::DistCase> {};
 
