@@ -16,7 +16,7 @@ from fusekit.patch import patched_modules
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 masking_utils = pytest.importorskip("transformers.masking_utils")
 
-from test_patch import batch, grads, tiny_llama  # noqa: E402
+from test_patch import assert_loss_and_grads_close, batch, tiny_llama  # noqa: E402
 
 
 def op_calls(fn):
@@ -36,13 +36,7 @@ def check_training(step_model, model, ref, ids, labels, attention_mask=None, pos
     """step_model (compiled model) against ref (eager, unpatched): loss and gradients."""
     extra = {k: v for k, v in (("attention_mask", attention_mask), ("position_ids", position_ids)) if v is not None}
     out, want = step_model(ids, labels=labels, **extra), ref(ids, labels=labels, **extra)
-    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
-    out.loss.backward()
-    want.loss.backward()
-    g, gw = grads(model), grads(ref)
-    assert g.keys() == gw.keys()
-    for n in g:
-        torch.testing.assert_close(g[n], gw[n], rtol=1e-3, atol=1e-5, msg=n)
+    assert_loss_and_grads_close(out, want, model, ref)
 
 
 # ---- the mask function --------------------------------------------------------------------------

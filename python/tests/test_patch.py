@@ -34,6 +34,17 @@ def batch(device, b=3, t=17, vocab=101, seed=1):
     return ids, labels
 
 
+def assert_loss_and_grads_close(out, want, model, ref):
+    """out.loss against want.loss, then (after both backwards) every gradient of model against ref's."""
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    want.loss.backward()
+    g, gw = grads(model), grads(ref)
+    assert g.keys() == gw.keys()
+    for n in g:
+        torch.testing.assert_close(g[n], gw[n], rtol=1e-3, atol=1e-5, msg=n)
+
+
 def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -54,13 +65,7 @@ def test_patched_llama_equals_unpatched(device, act):
     # loss and gradients (labels: the fused linear + cross-entropy; logits not materialised)
     out, want = model(ids, labels=labels), ref(ids, labels=labels)
     assert out.logits is None
-    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
-    out.loss.backward()
-    want.loss.backward()
-    g, gw = grads(model), grads(ref)
-    assert g.keys() == gw.keys()
-    for n in g:
-        torch.testing.assert_close(g[n], gw[n], rtol=1e-3, atol=1e-5, msg=n)
+    assert_loss_and_grads_close(out, want, model, ref)
 
 
 @pytest.mark.parametrize("decoder_layer", [True, False])
