@@ -34,15 +34,16 @@ def batch(device, b=3, t=17, vocab=101, seed=1):
     return ids, labels
 
 
-def assert_loss_and_grads_close(out, want, model, ref):
-    """out.loss against want.loss, then (after both backwards) every gradient of model against ref's."""
+def assert_loss_and_grads_close(out, want, model, ref, rtol=1e-3, atol=1e-5):
+    """out.loss against want.loss, then (after both backwards) every gradient of model against ref's
+    (to rtol, atol)."""
     torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
     out.loss.backward()
     want.loss.backward()
     g, gw = grads(model), grads(ref)
     assert g.keys() == gw.keys()
     for n in g:
-        torch.testing.assert_close(g[n], gw[n], rtol=1e-3, atol=1e-5, msg=n)
+        torch.testing.assert_close(g[n], gw[n], rtol=rtol, atol=atol, msg=n)
 
 
 def grads(model):
@@ -307,13 +308,7 @@ def compare_training(model, ref, ids, labels, attention_mask=None, rtol=1e-3, at
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     out, want = model(ids, labels=labels, attention_mask=attention_mask), ref(ids, labels=labels,
                                                                               attention_mask=attention_mask)
-    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
-    out.loss.backward()
-    want.loss.backward()
-    g, gw = grads(model), grads(ref)
-    assert g.keys() == gw.keys()
-    for n in g:
-        torch.testing.assert_close(g[n], gw[n], rtol=rtol, atol=atol, msg=n)
+    assert_loss_and_grads_close(out, want, model, ref, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("others", [True, False], ids=["all_patches", "attention_only"])
