@@ -291,7 +291,9 @@ inline void compare_gradient_buckets(dist::Communicator& comm, const DistCase& c
   sc.seed = 23;
   std::vector<data::RawRecord> recs(static_cast<std::size_t>(kGlobalBatch * kSteps));
   data::SyntheticCriteo(sc).generate(0, recs);
-  const auto [begin, end] = slice_of(kGlobalBatch, comm.rank(), comm.size());
+  // (not a structured binding: the lambda below captures them, which clang 14 refuses)
+  const std::pair<std::int64_t, std::int64_t> slice = slice_of(kGlobalBatch, comm.rank(), comm.size());
+  const std::int64_t begin = slice.first, end = slice.second;
   struct Run {
     std::vector<double> losses;
     std::vector<Tensor> params;  // host copies: every linear weight and bias, the cross parameters, the shards
