@@ -257,9 +257,9 @@ def test_add_lora_errors():
         fusekit.nn.add_lora(nn.Sequential(nn.Linear(2, 2)), r=2)
 
 
-def test_patched_llama_layer_compiles_fullgraph(device):
-    model = tiny_llama(device)
-    fusekit.patch(model)
+def check_first_layer_compiles_fullgraph(model, device):
+    """The patched model's first decoder layer under torch.compile(fullgraph=True) equals it eager;
+    then a backward through the compiled output."""
     layer = model.model.layers[0]
     x = torch.randn(2, 9, 64, device=device, requires_grad=True)
     pos = torch.arange(9, device=device)[None]
@@ -272,6 +272,10 @@ def test_patched_llama_layer_compiles_fullgraph(device):
     want = want[0] if isinstance(want, tuple) else want
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     y.sum().backward()
+
+
+def test_patched_llama_layer_compiles_fullgraph(device):
+    check_first_layer_compiles_fullgraph(fusekit.patch(tiny_llama(device)), device)
 
 
 # ---- fusekit.patch(model, attention=True): fusekit attention as a transformers implementation -----
@@ -447,17 +451,7 @@ def test_attn_implementation_by_name(device):
 
 def test_patched_attention_layer_compiles_fullgraph(device, monkeypatch):
     calls = AttentionCalls(monkeypatch)
-    model = fusekit.patch(tiny_llama(device), attention=True)
-    layer = model.model.layers[0]
-    x = torch.randn(2, 9, 64, device=device, requires_grad=True)
-    pos = torch.arange(9, device=device)[None]
-    cos_sin = model.model.rotary_emb(x, pos)
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    y = compiled(x, position_embeddings=cos_sin, position_ids=pos)
-    want = layer(x, position_embeddings=cos_sin, position_ids=pos)
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
-    y.sum().backward()
+    check_first_layer_compiles_fullgraph(fusekit.patch(tiny_llama(device), attention=True), device)
     assert calls.sdpa == 0
 
 
