@@ -553,12 +553,25 @@ void finish(Run& r) {
 int run_train(const TrainFlags& flags) {
   const Settings s = resolve_settings(flags);
   if (flags.run.dry_run) return dry_run(s.config);
-  FK_CHECK_ARG(flags.run.distributed || flags.run.max_shard_rows == 0, kOp, "--max-shard-rows", "--distributed",
+  const bool sharded = flags.run.distributed || flags.run.gpus > 0;
+  FK_CHECK_ARG(sharded || flags.run.max_shard_rows == 0, kOp, "--max-shard-rows", "--distributed or --gpus",
                "a one-process run");
-  if (flags.run.distributed) {
-    FK_CHECK_ARG(s.train && s.config.metrics_json.empty() && s.config.trace.empty(), kOp, "--distributed",
+  if (sharded) {
+    const char* flag = flags.run.distributed ? "--distributed" : "--gpus";
+    FK_CHECK_ARG(!(flags.run.distributed && flags.run.gpus > 0), kOp, "--gpus",
+                 "no --distributed (--gpus N runs every rank in this process; mpirun ... --distributed --device cuda "
+                 "runs a process a GPU)",
+                 "both");
+    FK_CHECK_ARG(s.train && s.config.metrics_json.empty() && s.config.trace.empty(), kOp, flag,
                  "no --inference-only, metrics JSON or trace (not yet)", "one of them");
-    return run_train_distributed(s.config, flags.run.max_shard_rows, s.start, flags.run.resume_override);
+    if (flags.run.distributed)
+      return run_train_distributed(s.config, flags.run.max_shard_rows, s.start, flags.run.resume_override);
+    // --gpus means GPUs, whatever device a --config file names; a --device flag must agree.
+    const nlohmann::json& given = flags.config.given;
+    const bool device_flag = given.contains("training") && given.at("training").contains("device");
+    TrainConfig c = s.config;
+    if (!device_flag) c.device = "cuda";
+    return run_train_gpus(c, flags.run.gpus, flags.run.max_shard_rows, s.start, flags.run.resume_override);
   }
   const auto [device, impl] = pick_device(s.config, kOp);
   Run r(s, device, impl, open_data(s.config));

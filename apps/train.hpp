@@ -21,11 +21,15 @@ struct TrainFlags {
 
 CLI::App* add_train_command(CLI::App& app, TrainFlags& flags);
 int run_train(const TrainFlags& flags);
-// --distributed: the run over MPI's ranks (apps/train_distributed.cpp).
+// --distributed: the run over MPI's ranks (apps/train_distributed.cpp): CPU, or --device cuda a GPU a rank.
 // max_shard_rows > 0: tables of more rows split by rows over several ranks (--max-shard-rows).
 // start: --resume / --load-model (a checkpoint saved by a run on as many ranks).
 int run_train_distributed(const TrainConfig& config, std::int64_t max_shard_rows = 0, const StartState& start = {},
                           bool resume_override = false);
+// --gpus N: the same run in this process on GPUs 0 .. N-1, a thread and an NCCL communicator each
+// (apps/train_distributed.cpp).
+int run_train_gpus(const TrainConfig& config, int gpus, std::int64_t max_shard_rows = 0, const StartState& start = {},
+                   bool resume_override = false);
 
 // `fusekit eval --checkpoint PATH`: the test metrics of a saved model, on the data of its run or
 // on --data; --predictions FILE also writes each test sample's label and probability.

@@ -248,6 +248,10 @@ const std::vector<Setting>& train_settings() {
        "--trace-steps",                   "Steps recorded in the trace"},
       {"training.checkpoint_every",        &C::checkpoint_every,           at_least(0),
        "--checkpoint-every",              "Also save every this many steps"},
+      {"training.bucket_cap_mb",           &C::bucket_cap_mb,              at_least(0),
+       "--bucket-cap-mb",                 "--distributed, --gpus: all-reduce the dense gradients in buckets of at most "
+                                          "this many MiB, each as soon as the backward has made it (0: one all-reduce "
+                                          "after the backward)"},
   };
   return table;
 }
@@ -431,11 +435,15 @@ TrainConfig resolve(const ConfigFlags& f) {
 void add_run_flags(CLI::App& cmd, RunFlags& f) {
   cmd.add_flag("--dry-run", f.dry_run, "Check the configuration, print the model and data it describes, exit");
   cmd.add_flag("--distributed", f.distributed,
-               "Train over the ranks of `mpirun -np N` (CPU; tables sharded over the ranks, MLPs data-parallel; "
-               "one process in a build without MPI)");
+               "Train over the ranks of `mpirun -np N` (tables sharded over the ranks, MLPs data-parallel; on the "
+               "CPU through MPI, or with --device cuda a GPU a rank through NCCL; one process in a build without MPI)");
+  cmd.add_option("--gpus", f.gpus,
+                 "Train over N GPUs of this machine (0 to N-1) in this process, a thread and an NCCL rank each: "
+                 "the --distributed run without mpirun (implies --device cuda)")
+      ->check(CLI::PositiveNumber);
   cmd.add_option("--max-shard-rows", f.max_shard_rows,
-                 "With --distributed: split every table of more rows into row ranges of at most this many, placed "
-                 "on several ranks (0, the default: tables whole, one rank each)")
+                 "With --distributed or --gpus: split every table of more rows into row ranges of at most this many, "
+                 "placed on several ranks (0, the default: tables whole, one rank each)")
       ->check(CLI::NonNegativeNumber);
   cmd.add_flag("--resume", f.resume, "Continue from --checkpoint when it exists (same losses as an unbroken run)");
   cmd.add_flag("--resume-override", f.resume_override,

@@ -79,6 +79,9 @@ struct TrainConfig {
   std::int64_t trace_steps = 50;     // steps recorded in the trace (the first ones)
   std::string checkpoint;            // saved at the end, at each evaluation and every checkpoint_every steps
   std::int64_t checkpoint_every = 0;
+  // --distributed, --gpus: the dense gradients all-reduced in buckets of at most this many MiB, each
+  // started as the backward makes it (models::DistributedDlrmOptions); 0: one all-reduce after it.
+  double bucket_cap_mb = 25;
 
   bool operator==(const TrainConfig&) const = default;
 };
@@ -170,7 +173,8 @@ bool set_explicitly(const ConfigFlags& flags, const std::string& key);
 struct RunFlags {
   bool dry_run = false, resume = false, resume_override = false, inference_only = false;
   bool distributed = false;  // the run over MPI's ranks (apps/train_distributed.cpp)
-  std::int64_t max_shard_rows = 0;  // --distributed: > 0 splits tables with more rows by rows
+  int gpus = 0;              // > 0: the distributed run on GPUs 0 .. gpus-1, a thread each, in this process
+  std::int64_t max_shard_rows = 0;  // --distributed, --gpus: > 0 splits tables with more rows by rows
   std::string load_model;
 };
 void add_run_flags(CLI::App& cmd, RunFlags& flags);

@@ -1,8 +1,14 @@
 // `fusekit train --distributed`: the run on several ranks (models::DistributedDlrm), launched by
-// `mpirun -np N build/fusekit train --distributed ...` in a build with MPI (one process without).
-// Every rank reads the same global batches and keeps its slice (the first B % N ranks one sample
-// more); rank 0 prints the plan, the progress lines, the final evaluation and the summary. A rank
-// that fails prints its error and aborts every rank (MPI_Abort), so none waits in a collective.
+// `mpirun -np N build/fusekit train --distributed ...` in a build with MPI (one process without):
+// on the CPU through MPI's collectives, or with --device cuda a GPU a rank through NCCL (the MPI
+// communicator starting it). `fusekit train --gpus N`: the same run in one process, a thread, a GPU
+// and an NCCL communicator a rank. Every rank reads only its slice of each global batch (the first
+// B % N ranks one sample more; data::LoaderOptions::slice_rank), dense features, labels and sparse
+// ids alike (the tables' all-to-all routes each rank's own ids); rank 0 prints the plan (the
+// tables' and the dense gradients' buckets), the progress lines, the final evaluation and the
+// summary. A rank that fails prints its error and aborts every rank
+// (MPI_Abort; with --gpus, the communicators are aborted and the process ends), so none waits in
+// a collective.
 // --checkpoint PATH saves a manifest and one shard file per rank (apps/checkpoint_distributed.hpp)
 // at the end and every --checkpoint-every steps; --resume / --load-model continue from one saved
 // on any number of ranks and plan (N -> M), or by the one-process run (1 -> M). What it does not
@@ -15,17 +21,25 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "apps/checkpoint_distributed.hpp"
 #include "apps/train.hpp"
 #include "apps/train_data.hpp"
 #include "fusekit/core/error.hpp"
+#include "fusekit/core/stream.hpp"
 #include "fusekit/data/criteo.hpp"
 #include "fusekit/dist/communicator.hpp"
 #include "fusekit/models/dlrm_distributed.hpp"
 #include "fusekit/models/metrics.hpp"
+
+#if FUSEKIT_WITH_CUDA
+#include "fusekit/core/cuda_check.hpp"
+#endif
 
 namespace fk::app {
 namespace {
@@ -33,40 +47,7 @@ namespace {
 constexpr const char* kOp = "fusekit train --distributed";
 using Clock = std::chrono::steady_clock;
 
-// Samples [begin, end) of a batch (CSR bags re-based), into `out`.
-void slice_batch(const data::Batch& b, std::int64_t begin, std::int64_t end, data::Batch& out) {
-  const std::int64_t n = end - begin, tables = b.offsets.numel() > 0 ? (b.offsets.numel() - 1) / b.size : 0;
-  const std::int64_t dense = b.dense.size(1);
-  const auto* off = b.offsets.data_as<const std::int64_t>();
-  const auto* idx = b.indices.data_as<const std::int64_t>();
-  std::int64_t nnz = 0;
-  for (std::int64_t t = 0; t < tables; ++t) nnz += off[t * b.size + end] - off[t * b.size + begin];
-  out.size = n;
-  out.labels = Tensor::empty({n}, DType::f32, Device::cpu());
-  out.dense = Tensor::empty({n, dense}, DType::f32, Device::cpu());
-  out.indices = Tensor::empty({std::max<std::int64_t>(nnz, 1)}, DType::i64, Device::cpu());
-  out.offsets = Tensor::empty({tables * n + 1}, DType::i64, Device::cpu());
-  std::memcpy(out.labels.data(), b.labels.data_as<const float>() + begin, static_cast<std::size_t>(n) * sizeof(float));
-  std::memcpy(out.dense.data(), b.dense.data_as<const float>() + begin * dense,
-              static_cast<std::size_t>(n * dense) * sizeof(float));
-  auto* o = out.offsets.data_as<std::int64_t>();
-  auto* i = out.indices.data_as<std::int64_t>();
-  std::int64_t at = 0;
-  o[0] = 0;
-  for (std::int64_t t = 0; t < tables; ++t)
-    for (std::int64_t s = begin; s < end; ++s) {
-      for (std::int64_t k = off[t * b.size + s]; k < off[t * b.size + s + 1]; ++k) i[at++] = idx[k];
-      o[t * n + (s - begin) + 1] = at;
-    }
-  out.indices = Tensor::adopt(TensorView(out.indices.data(), DType::i64, {nnz}, Device::cpu()),
-                              [keep = out.indices.storage()] {});
-}
-
-std::pair<std::int64_t, std::int64_t> slice_of(std::int64_t n, int rank, int ranks) {
-  const std::int64_t base = n / ranks, extra = n % ranks;
-  const std::int64_t begin = rank * base + std::min<std::int64_t>(rank, extra);
-  return {begin, begin + base + (rank < extra ? 1 : 0)};
-}
+using data::slice_of;
 
 bool same_plan(const dist::ShardingPlan& a, const dist::ShardingPlan& b) {
   if (a.ranks != b.ranks || a.tables.size() != b.tables.size()) return false;
@@ -134,11 +115,34 @@ void save(const TrainConfig& c, models::DistributedDlrm& model, std::int64_t ste
   comm.barrier();
 }
 
+// An all-to-all of host floats in which only rank 0 receives (the evaluation's gather); a device
+// communicator's goes through buffers on its GPU.
+void gather_to_rank0(dist::Communicator& comm, std::vector<float>& out, std::span<const std::int64_t> send,
+                     std::vector<float>& all, std::span<const std::int64_t> recv) {
+  const auto host = [](std::vector<float>& v) {
+    return TensorView(v.data(), DType::f32, {std::ssize(v)}, Device::cpu());
+  };
+  if (comm.device().is_cpu()) return comm.all_to_all_v(host(out), send, host(all), recv);
+  // Allocated on the default stream (a block goes back to the stream it was ordered on, and this
+  // stream goes at the end of the call); nothing else uses them meanwhile.
+  const Tensor d_out = Tensor::empty({std::max<std::int64_t>(std::ssize(out), 1)}, DType::f32, comm.device());
+  const Tensor d_all = Tensor::empty({std::max<std::int64_t>(std::ssize(all), 1)}, DType::f32, comm.device());
+  const Stream stream = Stream::create(comm.device());
+  const TensorView o(d_out.data(), DType::f32, {std::ssize(out)}, comm.device());
+  const TensorView a(d_all.data(), DType::f32, {std::ssize(all)}, comm.device());
+  copy_async(o, host(out), stream);
+  comm.all_to_all_v(o, send, a, recv, &stream);
+  copy_async(host(all), a, stream);
+  stream.synchronize();
+}
+
 int run(const TrainConfig& c, std::int64_t max_shard_rows, const StartState& start, bool resume_override,
         dist::Communicator& comm) {
   const int ranks = comm.size(), me = comm.rank();
   const bool lead = me == 0;
-  FK_CHECK_ARG(c.device == "cpu", kOp, "--device", "cpu (the distributed path runs on host memory for now)", c.device);
+  FK_CHECK_ARG(comm.device().is_cuda() == Device::parse(c.device).is_cuda(), kOp, "--device",
+               comm.device().is_cuda() ? "cuda (the ranks' GPUs)" : "cpu (this run's collectives are MPI's, on the host)",
+               c.device);
   FK_CHECK_ARG(c.mini_batch_size >= ranks && c.test_mini_batch_size >= ranks, kOp, "--mini-batch-size",
                fmt::format("global batches of at least one sample per rank ({})", ranks),
                fmt::format("{} and test {}", c.mini_batch_size, c.test_mini_batch_size));
@@ -159,9 +163,14 @@ int run(const TrainConfig& c, std::int64_t max_shard_rows, const StartState& sta
     fmt::print("data: {}\n{}", data.split.description, plan.str());
     std::fflush(stdout);
   }
-  models::DistributedDlrm model(mc, comm, std::move(plan), impl);
+  models::DistributedDlrm model(mc, comm, std::move(plan), impl,
+                                {.bucket_bytes = static_cast<std::int64_t>(std::llround(c.bucket_cap_mb * 1048576.0))});
+  if (lead) {
+    fmt::print("{}", model.gradient_buckets_str());
+    std::fflush(stdout);
+  }
 
-  // Training: every rank reads the same global batches, and trains on its slice.
+  // Training: every rank reads its slice of each global batch, and trains on it.
   const std::int64_t n_train = data.split.train->size();
   const std::int64_t per_epoch = (n_train + c.mini_batch_size - 1) / c.mini_batch_size;
   const std::int64_t total = c.steps > 0 ? c.steps : per_epoch * c.epochs;
@@ -179,23 +188,22 @@ int run(const TrainConfig& c, std::int64_t max_shard_rows, const StartState& sta
   data::BatchLoader loader(data.split.train, data.featurizer,
                            {.batch_size = c.mini_batch_size,
                             .epochs = (total + per_epoch - 1) / per_epoch - step / saved_per_epoch,
-                            .first_batch = step % saved_per_epoch});
+                            .first_batch = step % saved_per_epoch,
+                            .slice_rank = me,
+                            .slice_ranks = ranks});
   std::int64_t samples = 0, window_steps = 0, last_steps = 0;
   double window_loss = 0, last_loss = 0, train_seconds = 0;
   auto window_start = Clock::now();
-  data::Batch mine;
   while (step < total) {
     const data::Batch* b = loader.next();
     if (!b) break;
-    if (b->size < ranks) continue;  // an epoch's last batch smaller than the ranks
-    const auto [begin, end] = slice_of(b->size, me, ranks);
-    slice_batch(*b, begin, end, mine);
+    if (b->global_size < ranks) continue;  // an epoch's last batch smaller than the ranks
     const auto t0 = Clock::now();
-    const double loss = model.train_step({mine.dense, mine.indices, mine.offsets}, mine.labels, opt);
+    const double loss = model.train_step({b->dense, b->indices, b->offsets}, b->labels, opt);
     train_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
     FK_CHECK_ARG(std::isfinite(loss), kOp, "loss", "a finite training loss", fmt::format("{} at step {}", loss, step + 1));
     ++step;
-    samples += b->size;
+    samples += b->global_size;
     window_loss += loss;
     ++window_steps;
     if (step > total - per_epoch || c.steps > 0) {  // the last epoch's (or a --steps run's) mean
@@ -217,30 +225,29 @@ int run(const TrainConfig& c, std::int64_t max_shard_rows, const StartState& sta
 
   // The final evaluation: each rank predicts its slice; rank 0 gathers every slice (an
   // all-to-all in which only rank 0 receives) and computes the metrics.
-  data::BatchLoader test(data.split.test, data.featurizer, {.batch_size = c.test_mini_batch_size});
+  data::BatchLoader test(data.split.test, data.featurizer,
+                         {.batch_size = c.test_mini_batch_size, .slice_rank = me, .slice_ranks = ranks});
   std::vector<float> probs, labels;
   std::int64_t skipped = 0;
   while (const data::Batch* b = test.next()) {
-    if (b->size < ranks) {
-      skipped += b->size;
+    const std::int64_t n = b->global_size;
+    if (n < ranks) {
+      skipped += n;
       continue;
     }
-    const auto [begin, end] = slice_of(b->size, me, ranks);
-    slice_batch(*b, begin, end, mine);
-    std::vector<float> out(static_cast<std::size_t>(2 * mine.size));  // probabilities, then labels
-    model.predict({mine.dense, mine.indices, mine.offsets}, TensorView(out.data(), DType::f32, {mine.size}, Device::cpu()));
-    std::memcpy(out.data() + mine.size, mine.labels.data(), static_cast<std::size_t>(mine.size) * sizeof(float));
+    std::vector<float> out(static_cast<std::size_t>(2 * b->size));  // probabilities, then labels
+    model.predict({b->dense, b->indices, b->offsets}, TensorView(out.data(), DType::f32, {b->size}, Device::cpu()));
+    std::memcpy(out.data() + b->size, b->labels.data(), static_cast<std::size_t>(b->size) * sizeof(float));
     std::vector<std::int64_t> send(static_cast<std::size_t>(ranks), 0), recv(static_cast<std::size_t>(ranks), 0);
-    send[0] = 2 * mine.size;
+    send[0] = 2 * b->size;
     for (int r = 0; lead && r < ranks; ++r) {
-      const auto [rb, re] = slice_of(b->size, r, ranks);
+      const auto [rb, re] = slice_of(n, r, ranks);
       recv[static_cast<std::size_t>(r)] = 2 * (re - rb);
     }
-    std::vector<float> all(static_cast<std::size_t>(lead ? 2 * b->size : 0));
-    comm.all_to_all_v(TensorView(out.data(), DType::f32, {2 * mine.size}, Device::cpu()), send,
-                      TensorView(all.data(), DType::f32, {static_cast<std::int64_t>(all.size())}, Device::cpu()), recv);
+    std::vector<float> all(static_cast<std::size_t>(lead ? 2 * n : 0));
+    gather_to_rank0(comm, out, send, all, recv);
     for (int r = 0; lead && r < ranks; ++r) {
-      const auto [rb, re] = slice_of(b->size, r, ranks);
+      const auto [rb, re] = slice_of(n, r, ranks);
       const float* p = all.data() + 2 * rb;
       probs.insert(probs.end(), p, p + (re - rb));
       labels.insert(labels.end(), p + (re - rb), p + 2 * (re - rb));
@@ -266,6 +273,8 @@ int run_train_distributed(const TrainConfig& c, std::int64_t max_shard_rows, con
                           bool resume_override) {
   std::unique_ptr<dist::Communicator> comm =
       FUSEKIT_WITH_MPI ? dist::make_mpi_communicator() : dist::make_single_communicator();
+  // --device cuda: a GPU a rank (its local rank's), NCCL started through the host communicator.
+  if (Device::parse(c.device).is_cuda()) comm = dist::make_nccl_communicator(std::move(comm));
   try {
     return run(c, max_shard_rows, start, resume_override, *comm);
   } catch (const std::exception& e) {
@@ -275,6 +284,46 @@ int run_train_distributed(const TrainConfig& c, std::int64_t max_shard_rows, con
     comm->abort(1);
   }
   return 1;  // not reached: abort ends the process
+}
+
+int run_train_gpus(const TrainConfig& c, int gpus, std::int64_t max_shard_rows, const StartState& start,
+                   bool resume_override) {
+  constexpr const char* op = "fusekit train --gpus";
+  FK_CHECK_ARG(gpus >= 1, op, "--gpus", ">= 1", std::to_string(gpus));
+  FK_CHECK_ARG(c.device == "cuda", op, "--device", "cuda (--gpus N takes GPUs 0 to N-1)", c.device);
+  std::vector<int> devices(static_cast<std::size_t>(gpus));
+  for (int r = 0; r < gpus; ++r) devices[static_cast<std::size_t>(r)] = r;
+  std::vector<std::unique_ptr<dist::Communicator>> comms = dist::make_nccl_communicators(devices);
+  // A rank that fails prints its error and aborts its communicator, which ends the process: the
+  // other threads may be waiting in a collective it will never join. One rank has no one to
+  // wait for: its error is thrown here, as a one-process run's.
+  std::exception_ptr only_rank_error;
+  std::mutex print;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < gpus; ++r)
+    threads.emplace_back([&, r] {
+      dist::Communicator& comm = *comms[static_cast<std::size_t>(r)];
+      try {
+#if FUSEKIT_WITH_CUDA
+        fk::detail::check_cuda(cudaSetDevice(r), "cudaSetDevice");  // this thread's GPU, for all it calls
+#endif
+        run(c, max_shard_rows, start, resume_override, comm);
+      } catch (const std::exception& e) {
+        if (gpus == 1) {
+          only_rank_error = std::current_exception();
+          return;
+        }
+        {
+          const std::lock_guard lock(print);
+          std::fprintf(stderr, "%s: rank %d of %d (cuda:%d): %s\n", op, r, gpus, r, e.what());
+          std::fflush(stderr);
+        }
+        comm.abort(1);
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  if (only_rank_error) std::rethrow_exception(only_rank_error);
+  return 0;
 }
 
 }  // namespace fk::app

@@ -68,19 +68,34 @@ void qgemm_cases(Context& ctx, DType dt, std::int64_t n, std::int64_t k) {
     }
     ctx.add(fr);
     ctx.add(br);
-    // With QgemmOptions::constant_weights (as a decoder's weights are): the small-M kernel as a
-    // programmatic dependent launch, its weight loads overlapping the end of the call before it.
+    // The small-M kernel's variants, each against the same cuBLAS record: QgemmOptions::
+    // constant_weights (as a decoder's weights are: a programmatic dependent launch, its weight
+    // loads overlapping the end of the call before it), and the push split-K reduction
+    // (QgemmOptions::reduction: the default push, and pull without and with the promise).
     if (m <= 16) {
-      auto promised = [&](int i) { qgemm(x, qws[static_cast<std::size_t>(i)], y, st, {.constant_weights = true}); };
-      promised(0);
-      Record cr{"qgemm", name, "w4_mma_constant_weights", "cublas"};
-      cr.rel_err = ctx.rel_err(y, y_base);
-      require_close(name, cr.rel_err, 5e-3);
-      cr.median_us = ctx.time_us(promised, static_cast<int>(qws.size()));
-      cr.gbps = q_bytes / (cr.median_us * 1e3);
-      cr.tflops = flops / (cr.median_us * 1e6);
-      cr.graph_us = ctx.graph_us(promised, static_cast<int>(qws.size()));
-      ctx.add(cr);
+      struct Variant {
+        const char* impl;
+        QgemmOptions options;
+      };
+      const Variant variants[] = {
+          {"w4_mma_constant_weights", {.constant_weights = true}},
+          {"w4_mma_pull", {.reduction = QgemmReduction::cluster_pull}},
+          {"w4_mma_constant_weights_pull", {.constant_weights = true, .reduction = QgemmReduction::cluster_pull}},
+      };
+      for (const Variant& v : variants) {
+        auto call = [&](int i) { qgemm(x, qws[static_cast<std::size_t>(i)], y, st, v.options); };
+        st->synchronize();
+        fill(y, 0.0);  // the previous variant's y must not pass for this one's
+        call(0);
+        Record cr{"qgemm", name, v.impl, "cublas"};
+        cr.rel_err = ctx.rel_err(y, y_base);
+        require_close(name, cr.rel_err, 5e-3);
+        cr.median_us = ctx.time_us(call, static_cast<int>(qws.size()));
+        cr.gbps = q_bytes / (cr.median_us * 1e3);
+        cr.tflops = flops / (cr.median_us * 1e6);
+        cr.graph_us = ctx.graph_us(call, static_cast<int>(qws.size()));
+        ctx.add(cr);
+      }
     }
   }
 }

@@ -202,10 +202,12 @@ def _is_patched(module: nn.Module) -> bool:
     return _ORIGINAL in module.__dict__
 
 
-# rotary: module -> [the original apply_rotary_pos_emb, how many patched models use it]; each such
-# model -> the finalizer that releases its use (run by unpatch, or when the model is collected).
-_ROPE_USERS: dict[str, list] = {}
-_ROPE_MODELS: "weakref.WeakKeyDictionary[nn.Module, weakref.finalize]" = weakref.WeakKeyDictionary()
+# Module globals fusekit replaces while a patched model of that module exists: (module, name) ->
+# [the original, how many patched models use it]; each such model -> the finalizer that releases
+# its uses (run by unpatch, or when the model is collected). The rotary function
+# (apply_rotary_pos_emb) and, for the attention switches, create_causal_mask.
+_GLOBAL_USERS: dict[tuple[str, str], list] = {}
+_GLOBAL_MODELS: "weakref.WeakKeyDictionary[nn.Module, weakref.finalize]" = weakref.WeakKeyDictionary()
 
 
 def _rope_wrapper(original: Callable) -> Callable:
@@ -216,29 +218,34 @@ def _rope_wrapper(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
-def _patch_rope(module_name: str) -> bool:
+_GLOBAL_WRAPPERS = {"apply_rotary_pos_emb": _rope_wrapper,
+                    "create_causal_mask": _hf_attention.create_causal_mask_wrapper}
+
+
+def _patch_global(key: tuple[str, str]) -> bool:
+    module_name, name = key
     mod = sys.modules.get(module_name)
-    fn = getattr(mod, "apply_rotary_pos_emb", None) if mod is not None else None
+    fn = getattr(mod, name, None) if mod is not None else None
     if fn is None:
         return False
     with _LOCK:
-        users = _ROPE_USERS.get(module_name)
+        users = _GLOBAL_USERS.get(key)
         if users is None:
-            users = _ROPE_USERS[module_name] = [fn, 0]
-            mod.apply_rotary_pos_emb = _rope_wrapper(fn)
+            users = _GLOBAL_USERS[key] = [fn, 0]
+            setattr(mod, name, _GLOBAL_WRAPPERS[name](fn))
         users[1] += 1
     return True
 
 
-def _unpatch_rope(module_name: str) -> None:
+def _unpatch_global(key: tuple[str, str]) -> None:
     with _LOCK:
-        users = _ROPE_USERS.get(module_name)
+        users = _GLOBAL_USERS.get(key)
         if users is None:
             return
         users[1] -= 1
         if users[1] == 0:
-            sys.modules[module_name].apply_rotary_pos_emb = users[0]
-            del _ROPE_USERS[module_name]
+            setattr(sys.modules[key[0]], key[1], users[0])
+            del _GLOBAL_USERS[key]
 
 
 def _is_rms_norm(m: nn.Module) -> bool:
@@ -293,15 +300,16 @@ def _is_causal_lm(m: nn.Module) -> bool:
 _ATTN_PREVIOUS = "_fusekit_attn_previous"
 
 
-def _switch_attention(model: nn.Module) -> None:
-    """Every outermost Hugging Face model in `model` on "sdpa" -> "fusekit" (sub-models included,
-    as set_attn_implementation does it); the previous implementations kept for unpatch."""
+def _switch_attention(model: nn.Module, name: str) -> list:
+    """Every outermost Hugging Face model in `model` on "sdpa" -> `name` (sub-models included, as
+    set_attn_implementation does it); the previous implementations kept for unpatch. Returns the
+    Hugging Face models (sub-models included) now on `name`."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
-        return
-    name = _hf_attention.register_hf_attention()
+        return []
     inside: list[str] = []
+    switched = []
     for path, m in model.named_modules():
         if not isinstance(m, PreTrainedModel) or any(path.startswith(p) for p in inside):
             continue
@@ -313,6 +321,9 @@ def _switch_attention(model: nn.Module) -> None:
         m.set_attn_implementation(name)
         if m.config._attn_implementation == name:
             object.__setattr__(m, _ATTN_PREVIOUS, previous)
+            switched += [s for s in m.modules() if isinstance(s, PreTrainedModel)
+                         and getattr(s.config, "_attn_implementation", None) == name]
+    return switched
 
 
 def _restore_attention(model: nn.Module) -> None:
@@ -324,7 +335,7 @@ def _restore_attention(model: nn.Module) -> None:
 
 def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bool = True,
           cross_entropy: bool = True, decoder_layer: bool = True, recompute_mlp: bool = False,
-          attention: bool = False) -> nn.Module:
+          attention: bool = False, causal_mask_skip: bool = False) -> nn.Module:
     """Patch `model` in place (see the module's docstring) and return it. `recompute_mlp` makes the
     MLPs recompute their [tokens, 2 x intermediate] pre-activations in the backward instead of
     keeping them (less memory, one more GEMM). `decoder_layer` (with `rms_norm`) fuses each
@@ -333,11 +344,17 @@ def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bo
     switches Hugging Face models on "sdpa" to fusekit attention (fusekit.hf_attention_forward:
     fusekit.attention without a mask, SDPA for padding, dropout, attention weights and the other
     cases fusekit.hf_attention.fallback_reason lists); off by default, because on Hopper fusekit's
-    attention backward is slower than SDPA's and a training step would lose by it. Patching a
-    patched module does nothing."""
+    attention backward is slower than SDPA's and a training step would lose by it.
+    `causal_mask_skip` (without `attention`) switches Hugging Face models on "sdpa" to "fusekit_sdpa":
+    transformers' own SDPA function with fusekit's mask function, which passes no mask (SDPA's
+    is_causal) wherever the mask is provably plain causal, under torch.compile too, where
+    transformers builds a dense causal mask; off by default, because SDPA then runs another kernel
+    (flash / cuDNN instead of a masked one): the same function, not the same rounding. Both
+    switches also keep the positions a model computed itself from being taken for packed sequences
+    under torch.compile (see fusekit.hf_attention). Patching a patched module does nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusekit.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
-    rope_modules = set()
+    rope_modules, globals_used = set(), set()
     for m in model.modules():
         if _is_patched(m):
             continue
@@ -364,19 +381,27 @@ def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bo
         elif rope and type(m).__name__.endswith("Attention") and hasattr(sys.modules.get(type(m).__module__),
                                                                           "apply_rotary_pos_emb"):
             rope_modules.add(type(m).__module__)
-    if attention:
-        _switch_attention(model)
-    if rope_modules and model not in _ROPE_MODELS:
-        names = tuple(sorted(rope_modules))
-        for name in names:
-            _patch_rope(name)
-        _ROPE_MODELS[model] = weakref.finalize(model, _release_rope, names)
+    if attention or causal_mask_skip:
+        switched = _switch_attention(model, _hf_attention.register_hf_attention() if attention
+                                     else _hf_attention.register_sdpa_causal_skip())
+        for m in switched:
+            if not _is_patched(m) and _hf_attention.computes_own_positions(type(m).forward):
+                _swap(m, "positions", {"forward": _hf_attention.positions_forward(type(m).forward)})
+                globals_used.add((type(m).__module__, "create_causal_mask"))
+    globals_used |= {(name, "apply_rotary_pos_emb") for name in rope_modules}
+    before = _GLOBAL_MODELS.get(model)
+    held = set(before.peek()[2][0]) if before is not None and before.alive else set()
+    new = tuple(sorted(k for k in globals_used - held if _patch_global(k)))
+    if new:  # a model patched again with more (attention=True after patch(model)) holds both
+        if before is not None:
+            before.detach()
+        _GLOBAL_MODELS[model] = weakref.finalize(model, _release_globals, tuple(sorted(held)) + new)
     return model
 
 
-def _release_rope(names: tuple) -> None:
-    for name in names:
-        _unpatch_rope(name)
+def _release_globals(keys: tuple) -> None:
+    for key in keys:
+        _unpatch_global(key)
 
 
 def patch_llama(model: nn.Module, **options) -> nn.Module:
@@ -401,7 +426,7 @@ def unpatch(model: nn.Module) -> nn.Module:
             del m.__dict__[_ORIGINAL]
             for attr in ("_fusekit_kind", "_fusekit_recompute"):
                 m.__dict__.pop(attr, None)
-    release = _ROPE_MODELS.pop(model, None)
+    release = _GLOBAL_MODELS.pop(model, None)
     if release is not None:
         release()
     return model

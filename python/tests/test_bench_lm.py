@@ -122,3 +122,27 @@ def test_fusekit_attn_run_uses_fusekit_attention():
     assert losses["fusekit_attn"] == pytest.approx(losses["fusekit"], rel=1e-2)
     assert losses["fusekit_attn"] == pytest.approx(losses["eager"], rel=1e-2)
     assert lm_runs.is_run("fusekit_attn") and lm_runs.is_run("fusekit_attn_compile")
+
+
+def test_fusekit_attn_runs_are_checked(tmp_path, monkeypatch):
+    """fusekit_attn and fusekit_attn_compile record how many fusekit::attention calls a warm-up step
+    made (compiled: fusekit's attention in the graph, not SDPA); where the attention falls back to
+    SDPA, the run is recorded as failed instead of measured under its name. nomask_compile (SDPA
+    with is_causal) runs."""
+    from fusekit import hf_attention
+
+    common = ["--config", "tiny", "--device", "cpu", "--corpus-limit", "40", "--cache", str(tmp_path / "cache"),
+              "--precision", "bf16", "--batches", "2", "--warmup", "2", "--steps", "1", "--train-steps", "0"]
+    runs = "fusekit_attn,fusekit_attn_compile,nomask_compile"
+    doc = lm.main(common + ["--out", str(tmp_path / "a.json"), "--runs", runs])
+    thr = {r["run"]: r for r in doc["throughput"]}
+    layers = lm_runs.CONFIGS["tiny"]["num_hidden_layers"]
+    for run in ("fusekit_attn", "fusekit_attn_compile"):
+        assert thr[run]["status"] == "ok" and thr[run]["fusekit_attention_calls"] == layers, thr[run]
+    assert thr["nomask_compile"]["status"] == "ok" and "fusekit_attention_calls" not in thr["nomask_compile"]
+    assert thr["fusekit_attn_compile"]["first_loss"] == pytest.approx(thr["fusekit_attn"]["first_loss"], rel=1e-2)
+
+    monkeypatch.setattr(hf_attention, "fallback_reason", lambda *args, **kwargs: "a test's fallback")
+    doc = lm.main(common + ["--out", str(tmp_path / "b.json"), "--runs", "fusekit_attn"])
+    row = doc["throughput"][0]
+    assert row["status"] == "failed" and "AttentionNotRun" in row["message"] and "tokens_per_s" not in row

@@ -34,6 +34,18 @@ def batch(device, b=3, t=17, vocab=101, seed=1):
     return ids, labels
 
 
+def assert_loss_and_grads_close(out, want, model, ref, rtol=1e-3, atol=1e-5):
+    """out.loss against want.loss, then (after both backwards) every gradient of model against ref's
+    (to rtol, atol)."""
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    want.loss.backward()
+    g, gw = grads(model), grads(ref)
+    assert g.keys() == gw.keys()
+    for n in g:
+        torch.testing.assert_close(g[n], gw[n], rtol=rtol, atol=atol, msg=n)
+
+
 def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -54,13 +66,7 @@ def test_patched_llama_equals_unpatched(device, act):
     # loss and gradients (labels: the fused linear + cross-entropy; logits not materialised)
     out, want = model(ids, labels=labels), ref(ids, labels=labels)
     assert out.logits is None
-    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
-    out.loss.backward()
-    want.loss.backward()
-    g, gw = grads(model), grads(ref)
-    assert g.keys() == gw.keys()
-    for n in g:
-        torch.testing.assert_close(g[n], gw[n], rtol=1e-3, atol=1e-5, msg=n)
+    assert_loss_and_grads_close(out, want, model, ref)
 
 
 @pytest.mark.parametrize("decoder_layer", [True, False])
@@ -251,9 +257,9 @@ def test_add_lora_errors():
         fusekit.nn.add_lora(nn.Sequential(nn.Linear(2, 2)), r=2)
 
 
-def test_patched_llama_layer_compiles_fullgraph(device):
-    model = tiny_llama(device)
-    fusekit.patch(model)
+def check_first_layer_compiles_fullgraph(model, device):
+    """The patched model's first decoder layer under torch.compile(fullgraph=True) equals it eager;
+    then a backward through the compiled output."""
     layer = model.model.layers[0]
     x = torch.randn(2, 9, 64, device=device, requires_grad=True)
     pos = torch.arange(9, device=device)[None]
@@ -266,6 +272,10 @@ def test_patched_llama_layer_compiles_fullgraph(device):
     want = want[0] if isinstance(want, tuple) else want
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     y.sum().backward()
+
+
+def test_patched_llama_layer_compiles_fullgraph(device):
+    check_first_layer_compiles_fullgraph(fusekit.patch(tiny_llama(device)), device)
 
 
 # ---- fusekit.patch(model, attention=True): fusekit attention as a transformers implementation -----
@@ -302,13 +312,7 @@ def compare_training(model, ref, ids, labels, attention_mask=None, rtol=1e-3, at
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     out, want = model(ids, labels=labels, attention_mask=attention_mask), ref(ids, labels=labels,
                                                                               attention_mask=attention_mask)
-    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-5)
-    out.loss.backward()
-    want.loss.backward()
-    g, gw = grads(model), grads(ref)
-    assert g.keys() == gw.keys()
-    for n in g:
-        torch.testing.assert_close(g[n], gw[n], rtol=rtol, atol=atol, msg=n)
+    assert_loss_and_grads_close(out, want, model, ref, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("others", [True, False], ids=["all_patches", "attention_only"])
@@ -447,17 +451,7 @@ def test_attn_implementation_by_name(device):
 
 def test_patched_attention_layer_compiles_fullgraph(device, monkeypatch):
     calls = AttentionCalls(monkeypatch)
-    model = fusekit.patch(tiny_llama(device), attention=True)
-    layer = model.model.layers[0]
-    x = torch.randn(2, 9, 64, device=device, requires_grad=True)
-    pos = torch.arange(9, device=device)[None]
-    cos_sin = model.model.rotary_emb(x, pos)
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    y = compiled(x, position_embeddings=cos_sin, position_ids=pos)
-    want = layer(x, position_embeddings=cos_sin, position_ids=pos)
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
-    y.sum().backward()
+    check_first_layer_compiles_fullgraph(fusekit.patch(tiny_llama(device), attention=True), device)
     assert calls.sdpa == 0
 
 

@@ -144,6 +144,33 @@ std::int64_t copy_row_stride(const TensorView& t, const char* arg) {
   return t.strides()[0];
 }
 
+#if FUSEKIT_WITH_CUDA
+// What the runtime knows of a view's pointer: "device 0", "host (page-locked)", "host (pageable)".
+std::string memory_of(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return "unknown";
+  }
+  switch (a.type) {
+    case cudaMemoryTypeDevice: return fmt::format("device {}", a.device);
+    case cudaMemoryTypeManaged: return fmt::format("managed (device {})", a.device);
+    case cudaMemoryTypeHost: return "host (page-locked)";
+    default: return "host (pageable) or unknown to CUDA";
+  }
+}
+
+// A failed cudaMemcpy*: fk::Error naming both views, their pointers and what the runtime takes
+// them for (a view labelled with the wrong device, or running past its allocation, shows here).
+[[noreturn]] void throw_copy_failure(cudaError_t e, const TensorView& dst, const TensorView& src, bool async) {
+  cudaGetLastError();  // non-sticky: later calls are not blamed for it
+  throw Error(async ? "copy_async" : "copy",
+              fmt::format("{} ({}) copying {} bytes to dst {} at {} ({}) from src {} at {} ({})", cudaGetErrorString(e),
+                          cudaGetErrorName(e), src.nbytes(), dst.str(), dst.data(), memory_of(dst.data()), src.str(),
+                          src.data(), memory_of(src.data())));
+}
+#endif
+
 void copy_impl(const TensorView& dst, const TensorView& src, const Stream* stream) {
   FK_CHECK_ARG(dst.dtype() == src.dtype(), "copy", "dst", fmt::format("dtype {}", dtype_name(src.dtype())),
                std::string(dtype_name(dst.dtype())));
@@ -151,6 +178,10 @@ void copy_impl(const TensorView& dst, const TensorView& src, const Stream* strea
                dst.shape().str());
   const std::int64_t ld_src = copy_row_stride(src, "src"), ld_dst = copy_row_stride(dst, "dst");
   if (src.numel() == 0) return;
+  // A view of no memory (a default TensorView is rank 0, one element, no data): a clear error here
+  // rather than a crash in memcpy or cudaErrorInvalidValue from the runtime.
+  FK_CHECK_ARG(src.data() != nullptr, "copy", "src", "a tensor with memory", src.str() + " with no data");
+  FK_CHECK_ARG(dst.data() != nullptr, "copy", "dst", "a tensor with memory", dst.str() + " with no data");
   const bool rows = !(src.is_contiguous() && dst.is_contiguous());
   const std::size_t esize = dtype_size(src.dtype());
   if (src.device().is_cpu() && dst.device().is_cpu()) {
@@ -167,17 +198,18 @@ void copy_impl(const TensorView& dst, const TensorView& src, const Stream* strea
   }
 #if FUSEKIT_WITH_CUDA
   const cudaStream_t s = stream != nullptr ? static_cast<cudaStream_t>(stream->handle()) : nullptr;
+  cudaError_t e = cudaSuccess;
   if (!rows) {
-    if (stream != nullptr) FK_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault, s));
-    else FK_CUDA_CHECK(cudaMemcpy(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault));
-    return;
+    e = stream != nullptr ? cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault, s)
+                          : cudaMemcpy(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault);
+  } else {
+    const std::size_t width = static_cast<std::size_t>(src.size(1)) * esize;
+    const std::size_t dpitch = static_cast<std::size_t>(ld_dst) * esize, spitch = static_cast<std::size_t>(ld_src) * esize;
+    const std::size_t height = static_cast<std::size_t>(src.size(0));
+    e = stream != nullptr ? cudaMemcpy2DAsync(dst.data(), dpitch, src.data(), spitch, width, height, cudaMemcpyDefault, s)
+                          : cudaMemcpy2D(dst.data(), dpitch, src.data(), spitch, width, height, cudaMemcpyDefault);
   }
-  const std::size_t width = static_cast<std::size_t>(src.size(1)) * esize;
-  const std::size_t dpitch = static_cast<std::size_t>(ld_dst) * esize, spitch = static_cast<std::size_t>(ld_src) * esize;
-  const std::size_t height = static_cast<std::size_t>(src.size(0));
-  if (stream != nullptr)
-    FK_CUDA_CHECK(cudaMemcpy2DAsync(dst.data(), dpitch, src.data(), spitch, width, height, cudaMemcpyDefault, s));
-  else FK_CUDA_CHECK(cudaMemcpy2D(dst.data(), dpitch, src.data(), spitch, width, height, cudaMemcpyDefault));
+  if (e != cudaSuccess) throw_copy_failure(e, dst, src, stream != nullptr);
 #else
   throw Error("copy", "src", "host tensors (fusekit was built without CUDA)", src.str());
 #endif

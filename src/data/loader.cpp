@@ -71,6 +71,7 @@ void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer
   featurizer.validate();
   const std::int64_t b = static_cast<std::int64_t>(records.size());
   batch.size = b;
+  batch.global_size = b;
   ensure(batch.labels, {b}, DType::f32, allocate);
   ensure(batch.dense, {b, kNumDense}, DType::f32, allocate);
   if (featurizer.multi_hot()) return make_multi_hot_batch(records, featurizer, batch, allocate);
@@ -124,6 +125,14 @@ void make_batch(std::span<const RawRecord> records, const Featurizer& featurizer
   }
 }
 
+std::pair<std::int64_t, std::int64_t> slice_of(std::int64_t n, int rank, int ranks) {
+  FK_CHECK_ARG(ranks >= 1 && rank >= 0 && rank < ranks && n >= 0, "data::slice_of", "rank",
+               "a rank in [0, ranks) of ranks >= 1, n >= 0", fmt::format("rank {} of {}, n {}", rank, ranks, n));
+  const std::int64_t base = n / ranks, extra = n % ranks;
+  const std::int64_t begin = rank * base + std::min<std::int64_t>(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
+
 struct BatchLoader::State {
   std::shared_ptr<RecordSource> source;
   Featurizer featurizer;
@@ -157,9 +166,13 @@ struct BatchLoader::State {
         // Batch k is batch (first + k) % per_epoch of its epoch.
         const std::int64_t begin = (options.first_batch + k) % per_epoch * options.batch_size;
         const std::int64_t n = std::min(options.batch_size, source->size() - begin);
-        records.resize(static_cast<std::size_t>(n));
-        source->read(begin, records);
-        make_batch(records, featurizer, slots[static_cast<std::size_t>(k % num_slots())], options.allocate, options.bags);
+        // This rank's slice of the batch, alone (the whole batch without slicing).
+        const auto [lo, hi] = slice_of(n, options.slice_rank, options.slice_ranks);
+        records.resize(static_cast<std::size_t>(hi - lo));
+        if (hi > lo) source->read(begin + lo, records);
+        Batch& slot = slots[static_cast<std::size_t>(k % num_slots())];
+        make_batch(records, featurizer, slot, options.allocate, options.bags);
+        slot.global_size = n;
         {
           std::lock_guard lock(mutex);
           ready[static_cast<std::size_t>(k % num_slots())] = k;
@@ -181,6 +194,9 @@ BatchLoader::BatchLoader(std::shared_ptr<RecordSource> source, Featurizer featur
   FK_CHECK_ARG(options.workers >= 1, "data::BatchLoader", "workers", ">= 1", fmt::format("{}", options.workers));
   featurizer.validate();
   FK_CHECK_ARG(options.epochs >= 0, "data::BatchLoader", "epochs", ">= 0", fmt::format("{}", options.epochs));
+  FK_CHECK_ARG(options.slice_ranks >= 1 && options.slice_rank >= 0 && options.slice_rank < options.slice_ranks,
+               "data::BatchLoader", "slice_rank", "a rank in [0, slice_ranks) of slice_ranks >= 1",
+               fmt::format("rank {} of {}", options.slice_rank, options.slice_ranks));
   const std::int64_t n = source->size();
   // n / B, plus a partial batch: no n + B - 1 that could pass 2^63 for a huge batch size.
   const std::int64_t per_epoch = n / options.batch_size + (!options.drop_last && n % options.batch_size != 0 ? 1 : 0);

@@ -122,6 +122,34 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
+  void start_all_reduce_sum(const TensorView& data, const Stream* ready) override {
+    constexpr const char* op = "dist::MpiCommunicator::start_all_reduce_sum";
+    detail::check_collective_buffer(data, device(), op, "data");
+    FK_CHECK_ARG(data.dtype() == DType::f32, op, "data", "f32", std::string(dtype_name(data.dtype())));
+    if (ready) ready->synchronize();
+    // The same pieces as all_reduce_sum (MPI's int count).
+    constexpr std::int64_t kPiece = std::int64_t{1} << 30;
+    auto* floats = static_cast<float*>(data.data());
+    for (std::int64_t at = 0; at < data.numel(); at += kPiece) {
+      const int n = static_cast<int>(std::min(kPiece, data.numel() - at));
+      requests_.push_back(MPI_REQUEST_NULL);
+      mpi_check(MPI_Iallreduce(MPI_IN_PLACE, floats + at, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &requests_.back()),
+                "MPI_Iallreduce");
+    }
+    // Progress for the ones in flight (Open MPI moves nonblocking collectives on inside MPI calls).
+    int done = 0;
+    mpi_check(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE),
+              "MPI_Testall");
+    if (done) requests_.clear();
+  }
+
+  void wait_all_reduces(const Stream*) override {
+    if (requests_.empty()) return;
+    std::vector<MPI_Request> pending;
+    pending.swap(requests_);
+    mpi_check(MPI_Waitall(static_cast<int>(pending.size()), pending.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+  }
+
   void barrier() override { mpi_check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
 
   [[noreturn]] void abort(int code) override {
@@ -131,6 +159,7 @@ class MpiCommunicator final : public Communicator {
 
  private:
   int rank_ = 0, size_ = 1;
+  std::vector<MPI_Request> requests_;  // started sums not yet waited for
 };
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -209,6 +210,8 @@ class NcclCommunicator final : public Communicator {
     changed_.notify_all();
     watchdog_.join();
     for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : {ready_event_, reduced_event_})
+      if (e) cudaEventDestroy(e);
   }
 
   int rank() const noexcept override { return rank_; }
@@ -266,6 +269,48 @@ class NcclCommunicator final : public Communicator {
       return ncclAllReduce(data.data(), data.data(), static_cast<std::size_t>(data.numel()), ncclFloat32, ncclSum, comm,
                            s);
     });
+  }
+
+  // The buckets' sums on comm_stream_, each after an event recorded on `ready`; the waiting stream
+  // waits for an event recorded after the last one.
+  void start_all_reduce_sum(const TensorView& data, const Stream* ready) override {
+    constexpr const char* op = "dist::NcclCommunicator::start_all_reduce_sum";
+    detail::check_collective_buffer(data, device(), op, "data");
+    FK_CHECK_ARG(data.dtype() == DType::f32, op, "data", "f32", std::string(dtype_name(data.dtype())));
+    check_stream(op, ready);
+    if (data.numel() == 0) return;  // the same on every rank: every rank skips it
+    const DeviceScope scope(device_);
+    if (!comm_stream_) {
+      comm_stream_.emplace(stream_on(device_));
+      FK_CUDA_CHECK(cudaEventCreateWithFlags(&ready_event_, cudaEventDisableTiming));
+      FK_CUDA_CHECK(cudaEventCreateWithFlags(&reduced_event_, cudaEventDisableTiming));
+    }
+    const auto comm_stream = static_cast<cudaStream_t>(comm_stream_->handle());
+    if (ready) {
+      FK_CUDA_CHECK(cudaEventRecord(ready_event_, static_cast<cudaStream_t>(ready->handle())));
+      FK_CUDA_CHECK(cudaStreamWaitEvent(comm_stream, ready_event_, 0));
+    }
+    collective(op, &*comm_stream_, [&](ncclComm_t comm, cudaStream_t s) {
+      return ncclAllReduce(data.data(), data.data(), static_cast<std::size_t>(data.numel()), ncclFloat32, ncclSum, comm,
+                           s);
+    });
+    started_ = true;
+  }
+
+  void wait_all_reduces(const Stream* stream) override {
+    constexpr const char* op = "dist::NcclCommunicator::wait_all_reduces";
+    check_stream(op, stream);
+    if (!comm_stream_) return;  // none ever started
+    const DeviceScope scope(device_);
+    const auto comm_stream = static_cast<cudaStream_t>(comm_stream_->handle());
+    // The event after the sums started since the last wait (a second wait waits for the same).
+    if (started_) FK_CUDA_CHECK(cudaEventRecord(reduced_event_, comm_stream));
+    started_ = false;
+    if (stream) {
+      FK_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream->handle()), reduced_event_, 0));
+      return;
+    }
+    wait_stream(op, comm_stream);
   }
 
   void barrier() override {
@@ -353,8 +398,10 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Until the own stream is drained; the watchdog bounds the wait (its abort drains the stream).
-  void wait_own_stream(const char* op) {
-    const auto s = static_cast<cudaStream_t>(own_.handle());
+  void wait_own_stream(const char* op) { wait_stream(op, static_cast<cudaStream_t>(own_.handle())); }
+
+  // Until stream `s` (one the collectives are queued on) is drained, as wait_own_stream.
+  void wait_stream(const char* op, cudaStream_t s) {
     Backoff backoff;
     while (true) {
       const cudaError_t q = cudaStreamQuery(s);
@@ -439,6 +486,11 @@ class NcclCommunicator final : public Communicator {
   int rank_, size_, device_;
   std::chrono::milliseconds timeout_;
   Stream own_;
+  // start_all_reduce_sum's stream and events (made by its first call), and whether sums were
+  // started since the last wait_all_reduces.
+  std::optional<Stream> comm_stream_;
+  cudaEvent_t ready_event_ = nullptr, reduced_event_ = nullptr;
+  bool started_ = false;
   Tensor one_float_;  // the barrier's all-reduce
   mutable std::mutex mutex_;
   std::condition_variable changed_;

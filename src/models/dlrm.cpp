@@ -23,6 +23,7 @@
 #include "fusekit/nn/linear.hpp"
 #include "fusekit/nn/recsys.hpp"
 #include "fusekit/ops/pointwise.hpp"
+#include "core/on_device.hpp"
 #include "models/dlrm_state_io.hpp"
 
 #if FUSEKIT_WITH_CUDA
@@ -30,6 +31,8 @@
 #endif
 
 namespace fk::models {
+
+using fk::detail::OnDevice;
 
 InteractionOp parse_interaction_op(std::string_view name) {
   if (name == "dot") return InteractionOp::dot;
@@ -299,13 +302,14 @@ struct DlrmState {
 
   // ---- views of the batch buffers -------------------------------------------------------------
   // External tables: [B, T, D] between the caller's contiguous pooled bags and Z's (or dZ's)
-  // table columns (host memory: the model is on the CPU).
+  // table columns, on the model's device (GPU: queued on the compute stream).
   void copy_pooled(const TensorView& dst, const TensorView& src) const {
     const std::int64_t row = num_tables() * dim;
     auto rows = [&](const TensorView& v) {
       return TensorView(v.data(), DType::f32, {batch, row}, {v.strides()[0], 1}, dev);
     };
-    copy(rows(dst), rows(src));
+    if (stream_) copy_async(rows(dst), rows(src), *stream_);
+    else copy(rows(dst), rows(src));
   }
 
   TensorView f32(const Tensor& t, Dims shape, Dims strides) const {
@@ -402,7 +406,8 @@ struct DlrmState {
       FK_CHECK_ARG(in.pooled.dtype() == DType::f32 && in.pooled.rank() == 3 && in.pooled.size(0) == b &&
                        in.pooled.size(1) == t && in.pooled.size(2) == dim && in.pooled.is_contiguous(),
                    kOp, "pooled", fmt::format("f32 [{}, {}, {}], contiguous", b, t, dim), in.pooled.str());
-      checks_host(in.pooled, "pooled");
+      FK_CHECK_ARG(in.pooled.device() == dev, kOp, "pooled", fmt::format("a tensor on {} (the model's device)", dev.str()),
+                   in.pooled.str());
       nnz = 0;
     } else if (raw) {
       FK_CHECK_ARG(in.raw_sparse.dtype() == DType::i32 && in.raw_sparse.numel() == t * b && in.raw_sparse.is_contiguous(),
@@ -418,32 +423,41 @@ struct DlrmState {
     batch = b;
     slot = si;
     pooled = in.pooled;
-    if (!stream_) {  // the CPU reads the caller's tensors
-      dense = in.dense;
-      labels = label ? *label : TensorView();
-      bags = raw ? nn::EmbeddingBagInput{std::nullopt, std::nullopt, in.raw_sparse}
-                 : nn::EmbeddingBagInput{in.indices, in.offsets, std::nullopt};
-      return;
-    }
-    Slot& sl = slots[static_cast<std::size_t>(si)];
-    const Stream& copy = *copy_stream_;
-    sl.free.wait_on(copy);
-    dense = TensorView(sl.dense.data(), DType::f32, {b, n_in}, {ld_dense, 1}, dev);
-    copy_async(dense, in.dense, copy);
-    auto head = [&](const Tensor& buf, const TensorView& src) {
-      const TensorView dst(buf.data(), src.dtype(), {src.numel()}, dev);
-      copy_async(dst, src.reshape({src.numel()}), copy);
+    Slot* sl = stream_ ? &slots[static_cast<std::size_t>(si)] : nullptr;
+    if (sl) sl->free.wait_on(*copy_stream_);
+    // An input array as the step reads it: on the CPU the caller's; on a GPU its copy at the start
+    // of the slot's buffer `buf`, on the copy stream. The same checks on both, so that the CPU
+    // tests catch an array taken that the input does not have (a default TensorView is one
+    // element of no memory).
+    auto take = [&](Tensor Slot::*buf, const TensorView& src, const char* arg) {
+      FK_CHECK_ARG((src.data() != nullptr || src.numel() == 0) && src.is_contiguous(), kOp, arg,
+                   "a contiguous tensor with data",
+                   src.str() + (src.data() ? "" : " with no data"));
+      if (!sl) return src;
+      const Tensor& to = sl->*buf;
+      FK_CHECK_ARG(src.nbytes() <= to.nbytes(), kOp, arg,
+                   fmt::format("at most {} bytes (the batch buffer's, for batches of {})", to.nbytes(), cap),
+                   src.str());
+      const TensorView dst(to.data(), src.dtype(), {src.numel()}, dev);
+      copy_async(dst, src.reshape({src.numel()}), *copy_stream_);
       return dst;
     };
-    labels = label ? head(sl.labels, *label) : TensorView();
-    if (raw) {
-      bags = {std::nullopt, std::nullopt, head(sl.raw, in.raw_sparse)};
+    if (sl) {
+      dense = TensorView(sl->dense.data(), DType::f32, {b, n_in}, {ld_dense, 1}, dev);
+      copy_async(dense, in.dense, *copy_stream_);
     } else {
-      bags = {head(sl.indices, in.indices), head(sl.offsets, in.offsets), std::nullopt};
+      dense = in.dense;
     }
-    sl.copied.record(copy);
-    sl.copied.wait_on(*stream_);
-    sl.copied.synchronize();
+    labels = label ? take(&Slot::labels, *label, "labels") : TensorView();
+    // The bags: none with external tables (the pooled rows come instead: copy_pooled), else the
+    // raw ids or the CSR bags.
+    if (!embeddings) bags = {};
+    else if (raw) bags = {std::nullopt, std::nullopt, take(&Slot::raw, in.raw_sparse, "raw_sparse")};
+    else bags = {take(&Slot::indices, in.indices, "indices"), take(&Slot::offsets, in.offsets, "offsets"), std::nullopt};
+    if (!sl) return;  // the CPU reads the caller's tensors
+    sl->copied.record(*copy_stream_);
+    sl->copied.wait_on(*stream_);
+    sl->copied.synchronize();
   }
 
   static void checks_host(const TensorView& t, const char* arg) {
@@ -472,21 +486,30 @@ struct DlrmState {
     loss.forward_backward(vec(logits), labels, vec(dlogits), s());
   }
 
-  void backward_body() {
+  // unit_done: Dlrm::gradient_units()' order (top layers from the last, cross, bottom layers from the last).
+  void backward_body(const std::function<void(std::size_t)>& unit_done = {}) {
     const Stream* st = s();
+    const std::size_t top_n = top.layers.size(), bottom_first = top_n + (cross ? 1 : 0);
+    const std::size_t bottom_n = bottom.layers.size();
+    std::function<void(std::size_t)> top_done, bottom_done;
+    if (unit_done) {
+      top_done = [&](std::size_t l) { unit_done(top_n - 1 - l); };
+      bottom_done = [&](std::size_t l) { unit_done(bottom_first + bottom_n - 1 - l); };
+    }
     mark("top_mlp.bwd");
-    top.backward(column(logits), column(dlogits), r_rows(dr), st);
+    top.backward(column(logits), column(dlogits), r_rows(dr), st, top_done);
     mark("interaction.bwd");
     // Fused dot: the bottom MLP's last ReLU derivative is applied here (again by its backward,
     // a no-op on an already masked gradient).
     if (cross)  // dr is overwritten: it carries the gradient down the cross layers
       cross->backward(z_flat(z), r_rows(dr), z_flat(dz), st);
-    else
+    if (cross && unit_done) unit_done(top_n);
+    if (!cross)
       interaction->backward(z_all(z), r_full(dr), z_all(dz), fused && config.interaction == InteractionOp::dot, st);
     mark("embeddings.bwd");
     if (embeddings) embeddings->backward(z_tables(dz), st);
     mark("bottom_mlp.bwd");
-    bottom.backward(z_first(z), z_first(dz), std::nullopt, st);
+    bottom.backward(z_first(z), z_first(dz), std::nullopt, st, bottom_done);
   }
 
   void step_body(const OptimizerConfig& opt) {
@@ -577,23 +600,6 @@ RandomParams dlrm_table_init(const DlrmConfig& config) { return detail::table_in
 
 namespace {
 
-// Makes a model's GPU current for one call (nothing on the CPU).
-class OnDevice {
- public:
-  explicit OnDevice(Device d) {
-#if FUSEKIT_WITH_CUDA
-    if (d.is_cuda()) scope_.emplace(d.index);
-#else
-    (void)d;
-#endif
-  }
-
- private:
-#if FUSEKIT_WITH_CUDA
-  std::optional<fk::detail::DeviceScope> scope_;
-#endif
-};
-
 void check_vector(const TensorView& t, std::int64_t n, const char* arg) {
   FK_CHECK_ARG(t.dtype() == DType::f32 && t.rank() == 1 && t.numel() == n && t.is_contiguous() &&
                    (t.data() != nullptr || n == 0),
@@ -617,8 +623,6 @@ Dlrm::Dlrm(DlrmConfig config, Device device, DlrmImpl impl, DlrmTables tables) {
   FK_CHECK_ARG(!config.fused_mlp || impl == DlrmImpl::fused, kOp, "config.fused_mlp", "impl fused",
                std::string(impl_name(impl)));
   const OnDevice on(device);
-  FK_CHECK_ARG(tables == DlrmTables::local || device.is_cpu(), kOp, "tables",
-               "local on a GPU (external tables are host-side for now)", "external");
   s_ = std::make_unique<detail::DlrmState>(config, impl, device, tables);
   s_->sync();
 }
@@ -641,7 +645,10 @@ void Dlrm::forward(const DlrmInput& input, const TensorView& logits) {
   copy(logits, s.vec(s.logits));
 }
 
-void Dlrm::backward(const TensorView& dlogits, const TensorView& dpooled) {
+void Dlrm::backward(const TensorView& dlogits, const TensorView& dpooled) { backward(dlogits, dpooled, {}); }
+
+void Dlrm::backward(const TensorView& dlogits, const TensorView& dpooled,
+                    const std::function<void(std::size_t)>& unit_done) {
   detail::DlrmState& s = *s_;
   const OnDevice on(s.dev);
   FK_CHECK_ARG(s.batch > 0, kOp, "backward", "a forward() first", "none");
@@ -650,13 +657,16 @@ void Dlrm::backward(const TensorView& dlogits, const TensorView& dpooled) {
   if (!s.embeddings)
     FK_CHECK_ARG(dpooled.dtype() == DType::f32 && dpooled.rank() == 3 && dpooled.size(0) == s.batch &&
                      dpooled.size(1) == t && dpooled.size(2) == s.dim && dpooled.is_contiguous() &&
-                     dpooled.data() != nullptr && dpooled.device().is_cpu(),
-                 kOp, "dpooled", fmt::format("f32 [{}, {}, {}], contiguous, on the host", s.batch, t, s.dim),
+                     dpooled.data() != nullptr && dpooled.device() == s.dev,
+                 kOp, "dpooled", fmt::format("f32 [{}, {}, {}], contiguous, on {}", s.batch, t, s.dim, s.dev.str()),
                  dpooled.str());
-  copy(s.vec(s.dlogits), dlogits);
-  s.backward_body();
-  s.sync();
+  // On a GPU the copy is ordered on the compute stream: a synchronous copy from pageable memory may
+  // return before its data has landed, and the compute stream does not wait for the legacy one.
+  if (s.stream_) copy_async(s.vec(s.dlogits), dlogits, *s.stream_);
+  else copy(s.vec(s.dlogits), dlogits);
+  s.backward_body(unit_done);
   if (!s.embeddings) s.copy_pooled(dpooled, s.z_tables(s.dz));
+  s.sync();
 }
 
 void Dlrm::step(const OptimizerConfig& opt) {
@@ -760,6 +770,35 @@ std::vector<Tensor*> Dlrm::tables() {
 }
 
 TensorView Dlrm::dense_gradients() { return s_->arena.gradients(); }
+
+std::vector<Dlrm::GradientUnit> Dlrm::gradient_units() {
+  detail::DlrmState& s = *s_;
+  const TensorView all = s.arena.gradients();
+  const auto* base = static_cast<const float*>(all.data());
+  const auto at = [&](const Tensor& g) { return static_cast<std::int64_t>(static_cast<const float*>(g.data()) - base); };
+  // Each unit's first gradient; a unit runs to the next one's start in the arena (the last: its end).
+  std::vector<GradientUnit> units;
+  for (std::size_t l = s.top.layers.size(); l-- > 0;)
+    units.push_back({fmt::format("top.{}", l), at(s.top.layers[l].weight_grad), 0});
+  if (s.cross) {
+    std::int64_t first = all.numel();
+    for (const nn::CrossNet::Layer& l : s.cross->layers())
+      for (const nn::ParameterArena::Parameter* p : {l.u, l.v, l.bias}) first = std::min(first, p->offset);
+    units.push_back({"cross", first, 0});
+  }
+  for (std::size_t l = s.bottom.layers.size(); l-- > 0;)
+    units.push_back({fmt::format("bottom.{}", l), at(s.bottom.layers[l].weight_grad), 0});
+  std::vector<std::int64_t> starts;
+  for (const GradientUnit& u : units) starts.push_back(u.offset);
+  std::sort(starts.begin(), starts.end());
+  for (GradientUnit& u : units) {
+    const auto next = std::upper_bound(starts.begin(), starts.end(), u.offset);
+    u.floats = (next == starts.end() ? all.numel() : *next) - u.offset;
+  }
+  return units;
+}
+
+const Stream* Dlrm::stream() const noexcept { return s_->s(); }
 
 Tensor Dlrm::table_gradient() {
   const OnDevice on(s_->dev);

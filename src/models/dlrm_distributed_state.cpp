@@ -8,13 +8,20 @@
 // wanted row range, a seek to its first row and one read. The only sizes taken from a stream are
 // the dense arrays' (a one-process state's, or consolidation's), bounded by the configuration's
 // dense parameters.
+//
+// On a GPU (the NCCL communicator) the shards and their accumulators live in device memory: a save
+// copies them to the host in chunks (detail::write_state), and a load gathers each shard's rows into
+// host staging, a bounded chunk at a time, and copies them to the device on the embeddings' stream
+// (load_tables), so N -> M, 1 -> M and N -> N loads all work there.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <map>
 #include <sstream>
 
+#include "core/on_device.hpp"
 #include "fusekit/core/error.hpp"
+#include "fusekit/core/stream.hpp"
 #include "fusekit/models/dlrm_distributed.hpp"
 #include "models/dlrm_state_io.hpp"
 
@@ -28,8 +35,8 @@ TensorView shard_state(const nn::EmbeddingBagCollection& l, int s, bool rowwise)
   const TensorView& tv = l.tables[static_cast<std::size_t>(s)].view();
   const std::int64_t base = l.layout().base(s);
   auto* state = const_cast<float*>(l.state.data_as<const float>());
-  if (rowwise) return TensorView(state + base, DType::f32, {tv.size(0)}, Device::cpu());
-  return TensorView(state + base * tv.size(1), DType::f32, tv.shape(), Device::cpu());
+  if (rowwise) return TensorView(state + base, DType::f32, {tv.size(0)}, l.state.device());
+  return TensorView(state + base * tv.size(1), DType::f32, tv.shape(), l.state.device());
 }
 
 // Rank r's shards in (table, first row) order, as dist::ShardedEmbeddingBags holds them.
@@ -259,6 +266,9 @@ dist::ShardingPlan one_process_plan(const std::vector<std::int64_t>& table_rows)
 }
 
 void DistributedDlrm::save_shards(std::ostream& out) {
+  // On the communicator's GPU, if any: write_state copies each array through host memory (the
+  // embeddings' calls return once their stream's work is done, so the shards are current).
+  const fk::detail::OnDevice on(comm_.device());
   const nn::EmbeddingBagCollection* l = embeddings_.local();
   const bool adagrad = l != nullptr && l->state.data() != nullptr;  // none before an Adagrad step
   std::vector<TensorView> arrays;
@@ -274,6 +284,7 @@ void DistributedDlrm::load_shards(std::istream& in) {
 
 void DistributedDlrm::load(std::istream& dense, const SavedTables& tables) {
   const char* op = "models::DistributedDlrm::load";
+  const fk::detail::OnDevice on(comm_.device());
   bool adagrad = false;
   if (tables.layout == SavedTables::Layout::shards) {
     adagrad = peek_adagrad(dense);
@@ -291,18 +302,52 @@ std::uint64_t DistributedDlrm::dense_arrays() {
 }
 
 void DistributedDlrm::load_tables(const SavedTables& tables, bool adagrad, const char* op) {
+  const fk::detail::OnDevice on(comm_.device());
   RowGatherer from(dense_.config(), tables, adagrad, dense_arrays(), op);
   nn::EmbeddingBagCollection* l = embeddings_.local();
   if (l == nullptr) return;  // this rank holds no shard
   l->state = Tensor();
-  if (adagrad) l->ensure_state(0.0f);
+  // On the embeddings' stream and device (done when it returns); its values are overwritten below.
+  if (adagrad) embeddings_.ensure_state(0.0f);
+  const bool rowwise = dense_.config().rowwise_adagrad;
   const std::vector<dist::Shard>& mine = embeddings_.local_shards();
-  for (std::size_t s = 0; s < mine.size(); ++s)
-    from.gather({.table = mine[s].table,
-                 .row_begin = mine[s].row_begin,
-                 .row_end = mine[s].row_end,
-                 .values = l->tables[s],
-                 .state = adagrad ? shard_state(*l, static_cast<int>(s), dense_.config().rowwise_adagrad) : TensorView()});
+  const Stream* st = embeddings_.stream();
+  if (st == nullptr) {  // host shards: the rows are read straight into them
+    for (std::size_t s = 0; s < mine.size(); ++s)
+      from.gather({.table = mine[s].table,
+                   .row_begin = mine[s].row_begin,
+                   .row_end = mine[s].row_end,
+                   .values = l->tables[s],
+                   .state = adagrad ? shard_state(*l, static_cast<int>(s), rowwise) : TensorView()});
+    return;
+  }
+  // Shards on the GPU: each shard's rows gathered into host staging, at most kStagingFloats values
+  // a chunk, then copied to the shard's rows (and accumulators) on the embeddings' stream, which is
+  // synchronized before the staging is reused, so the load is done when this returns.
+  constexpr std::int64_t kStagingFloats = std::int64_t{1} << 22;  // 16 MiB
+  const std::int64_t d = dense_.config().embedding_dim, state_width = rowwise ? 1 : d;
+  const std::int64_t chunk = std::max<std::int64_t>(1, kStagingFloats / std::max<std::int64_t>(d, 1));
+  for (std::size_t s = 0; s < mine.size(); ++s) {
+    const TensorView values = l->tables[s];
+    const TensorView state = adagrad ? shard_state(*l, static_cast<int>(s), rowwise) : TensorView();
+    const std::int64_t rows = mine[s].row_end - mine[s].row_begin;
+    for (std::int64_t at = 0; at < rows; at += chunk) {
+      const std::int64_t n = std::min(chunk, rows - at);
+      Tensor host_values = Tensor::empty({n, d}, DType::f32, Device::cpu());
+      Tensor host_state;
+      if (adagrad)
+        host_state = rowwise ? Tensor::empty({n}, DType::f32, Device::cpu())
+                             : Tensor::empty({n, state_width}, DType::f32, Device::cpu());
+      from.gather({.table = mine[s].table,
+                   .row_begin = mine[s].row_begin + at,
+                   .row_end = mine[s].row_begin + at + n,
+                   .values = host_values,
+                   .state = adagrad ? TensorView(host_state) : TensorView()});
+      copy_async(values.slice_rows(at, at + n), host_values, *st);
+      if (adagrad) copy_async(state.slice_rows(at, at + n), host_state, *st);
+      st->synchronize();
+    }
+  }
 }
 
 void consolidate_distributed_state(const DlrmConfig& config, std::istream& dense, const SavedTables& tables,

@@ -538,7 +538,7 @@ void MLP::compressed_forward(const TensorView& x, const TensorView& y, const Str
 // Each layer from its packed input; a hidden ReLU's derivative from its mask, applied to the
 // gradient in place. The gradient of layer l's output lives where its output did (work(l)).
 void MLP::compressed_backward(const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx,
-                              const Stream* stream) {
+                              const Stream* stream, const std::function<void(std::size_t)>& layer_done) {
   const std::size_t n = layers.size();
   FK_CHECK_ARG(packed_.size() == n, "nn::MLP::backward", "this", "a forward before the backward", "none");
   const Device dev = y.device();
@@ -561,6 +561,7 @@ void MLP::compressed_backward(const TensorView& y, const TensorView& dy, const s
         TensorView(dz.data(), dz.dtype(), {batch_, z.out()}, dev),
         z.k() > z.in() ? TensorView(scratch_->dw.data(), DType::f32, {z.out(), z.k()}, dev) : TensorView()};
     z.backward_packed(packed_rows(i), i + 1 == n ? std::optional<TensorView>(y) : std::nullopt, g, gin, scratch, stream);
+    if (layer_done) layer_done(i);
   }
   advance_offset(step_, 1, stream);
 }
@@ -595,9 +596,14 @@ MLP::SavedActivationBytes MLP::saved_activation_bytes(std::int64_t batch) const 
   return s;
 }
 
-void MLP::backward(const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx, const Stream* stream) {
-  if (fused_kernel_) return kernel_backward(dy, dx, stream);
-  if (compress_) return compressed_backward(y, dy, dx, stream);
+void MLP::backward(const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx, const Stream* stream,
+                   const std::function<void(std::size_t)>& layer_done) {
+  if (fused_kernel_) {
+    kernel_backward(dy, dx, stream);
+    for (std::size_t i = layers.size(); layer_done && i-- > 0;) layer_done(i);
+    return;
+  }
+  if (compress_) return compressed_backward(y, dy, dx, stream, layer_done);
   const std::size_t n = layers.size();
   for (std::size_t i = n; i-- > 0;) {
     const TensorView in = i == 0 ? input_ : rows(hidden_[i - 1], i - 1);
@@ -606,6 +612,7 @@ void MLP::backward(const TensorView& y, const TensorView& dy, const std::optiona
     std::optional<TensorView> gin = dx;
     if (i > 0) gin = rows(grad_[i - 1], i - 1);
     layers[i].backward(in, out, g, gin, stream);
+    if (layer_done) layer_done(i);
   }
 }
 

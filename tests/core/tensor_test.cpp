@@ -43,6 +43,22 @@ TEST(Tensor, ErrorsNameTheOpAndArgument) {
     EXPECT_EQ(e.arg(), "dst");
     EXPECT_NE(std::string(e.what()).find("expected shape [2, 2], got [3]"), std::string::npos) << e.what();
   }
+  // A view of no memory (a default TensorView is one element, rank 0, no data) is refused by
+  // name, on the host as on a GPU (where the runtime would say only "invalid argument").
+  Tensor one = Tensor::empty({1}, DType::f32, Device::cpu());
+  for (const bool to_null : {false, true}) {
+    try {
+      const TensorView none = TensorView().reshape({1});
+      if (to_null) copy(none, one);
+      else copy(one, none);
+      FAIL() << "copy with a null view did not throw";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.op(), "copy");
+      EXPECT_EQ(e.arg(), to_null ? "dst" : "src");
+      EXPECT_NE(std::string(e.what()).find("with no data"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_NO_THROW(copy(TensorView(nullptr, DType::f32, {0}, Device::cpu()), TensorView(nullptr, DType::f32, {0}, Device::cpu())));
   EXPECT_THROW(Device::parse("gpu0"), Error);
   EXPECT_EQ(Device::parse("cuda:3"), Device::cuda(3));
   EXPECT_EQ(Device::parse("cpu").str(), "cpu");

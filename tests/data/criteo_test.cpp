@@ -14,6 +14,7 @@
 #include <numeric>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <set>
 
 #include "fusekit/data/criteo.hpp"
@@ -376,6 +377,71 @@ TEST(BatchLoader, EpochsAreCutIntoTheirOwnBatchesFromTheFirstBatchOn) {
   EXPECT_THROW(BatchLoader(memory_source(recs), f, {.batch_size = 4, .first_batch = 3}), Error);
   EXPECT_THROW(BatchLoader(memory_source(recs), f, {.batch_size = 4, .epochs = INT64_MAX}), Error);
   EXPECT_EQ(BatchLoader(memory_source(recs), f, {.batch_size = 4, .epochs = 0}).num_batches(), 0);
+}
+
+// Data-parallel slices (LoaderOptions::slice_rank): each rank's loader reads only its rows of
+// every batch, and the slices of ranks 0..N-1, in rank order, are the whole batch: labels, dense
+// features and every bag's ids (one-hot and multi-hot), over epochs, a first batch, a short last
+// batch and batches with fewer samples than ranks (size 0 on the ranks past them).
+TEST(BatchLoader, RankSlicesTogetherAreTheWholeBatch) {
+  const SyntheticConfig cfg = small_synthetic();
+  auto source = synthetic_source(cfg, 1003);
+  Featurizer one_hot;
+  one_hot.max_ind_range = 500;
+  Featurizer multi = one_hot;
+  multi.multi_hot_sizes.assign(kNumSparse, 2);
+  multi.multi_hot_sizes[4] = 5;
+  const auto bag = [](const Batch& b, int t, std::int64_t i) {
+    const auto* off = b.offsets.data_as<const std::int64_t>();
+    const auto* idx = b.indices.data_as<const std::int64_t>();
+    return std::vector<std::int64_t>(idx + off[t * b.size + i], idx + off[t * b.size + i + 1]);
+  };
+  struct Case {
+    std::int64_t batch, epochs, first;
+  };
+  for (const Featurizer& f : {one_hot, multi})
+    for (const Case c : {Case{100, 2, 3}, Case{3, 1, 330}, Case{7, 1, 0}})
+      for (const int ranks : {2, 3, 4}) {
+        const LoaderOptions whole_opt{.batch_size = c.batch, .prefetch = 2, .epochs = c.epochs, .first_batch = c.first};
+        BatchLoader whole(source, f, whole_opt);
+        std::vector<std::unique_ptr<BatchLoader>> rank;
+        for (int r = 0; r < ranks; ++r) {
+          LoaderOptions o = whole_opt;
+          o.slice_rank = r;
+          o.slice_ranks = ranks;
+          o.workers = 1 + r % 2;
+          rank.push_back(std::make_unique<BatchLoader>(source, f, o));
+          EXPECT_EQ(rank.back()->num_batches(), whole.num_batches());
+        }
+        std::int64_t batches = 0;
+        while (const Batch* w = whole.next()) {
+          std::int64_t at = 0;
+          for (int r = 0; r < ranks; ++r) {
+            const Batch* b = rank[static_cast<std::size_t>(r)]->next();
+            ASSERT_NE(b, nullptr);
+            const auto [lo, hi] = slice_of(w->size, r, ranks);
+            ASSERT_EQ(lo, at);
+            ASSERT_EQ(b->size, hi - lo) << "rank " << r << " of " << ranks << ", batch " << batches;
+            ASSERT_EQ(b->global_size, w->size);
+            for (std::int64_t i = 0; i < b->size; ++i, ++at) {
+              ASSERT_EQ(b->labels.data_as<float>()[i], w->labels.data_as<float>()[at]);
+              for (int j = 0; j < kNumDense; ++j)
+                ASSERT_EQ(b->dense.data_as<float>()[i * kNumDense + j], w->dense.data_as<float>()[at * kNumDense + j]);
+              for (int t = 0; t < kNumSparse; ++t) ASSERT_EQ(bag(*b, t, i), bag(*w, t, at)) << "table " << t;
+            }
+          }
+          EXPECT_EQ(at, w->size);
+          ++batches;
+        }
+        EXPECT_EQ(batches, whole.num_batches());
+        for (auto& l : rank) EXPECT_EQ(l->next(), nullptr);
+      }
+  EXPECT_EQ(slice_of(10, 0, 4), std::make_pair(std::int64_t{0}, std::int64_t{3}));
+  EXPECT_EQ(slice_of(10, 3, 4), std::make_pair(std::int64_t{8}, std::int64_t{10}));
+  EXPECT_EQ(slice_of(2, 3, 4), std::make_pair(std::int64_t{2}, std::int64_t{2}));
+  fk::test::expect_arg_error(
+      [&] { BatchLoader(source, one_hot, {.batch_size = 4, .slice_rank = 2, .slice_ranks = 2}); }, "data::BatchLoader",
+      "slice_rank");
 }
 
 TEST(BatchLoader, SeveralWorkersKeepTheOrder) {

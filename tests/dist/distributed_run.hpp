@@ -1,8 +1,9 @@
 // The distributed DLRM against the one-process model, shared by the single-process test
-// (dist_test) and the MPI one (dist_mpi_test, under mpirun): the same tiny model, the same global
-// batches of synthetic records; each rank trains DistributedDlrm on its slice of every global
-// batch and trains the one-process Dlrm on the whole batches itself, then compares the losses, the
-// dense parameters and the tables it owns.
+// (dist_test), the MPI one (dist_mpi_test, under mpirun) and the NCCL one (dist_nccl_dlrm_test: a
+// GPU a rank, a thread each): the same tiny model, the same global batches of synthetic records;
+// each rank trains DistributedDlrm (on its communicator's device) on its slice of every global
+// batch and trains the one-process Dlrm (on the CPU, or on a GPU) on the whole batches itself,
+// then compares the losses, the dense parameters and the tables it owns.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,6 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <sstream>
 #include <span>
 #include <string>
 #include <vector>
@@ -64,7 +67,14 @@ inline int widest_split(const dist::ShardingPlan& plan) {
   return widest;
 }
 
-// Rows [begin, end) of a table [rows, D], as a view.
+// A host copy of a tensor on any device (a padded GPU weight's rows come back contiguous).
+inline Tensor host_copy(const TensorView& t) {
+  Tensor h = Tensor::empty(t.shape(), t.dtype(), Device::cpu());
+  copy(h, t);
+  return h;
+}
+
+// Rows [begin, end) of a host table [rows, D], as a view.
 inline TensorView table_rows(const Tensor& table, std::int64_t begin, std::int64_t end) {
   const std::int64_t d = table.size(1);
   return TensorView(const_cast<float*>(table.data_as<const float>()) + begin * d, DType::f32, {end - begin, d},
@@ -96,6 +106,9 @@ inline models::DlrmConfig dist_config(const DistCase& c, const data::Featurizer&
   m.dcn_low_rank_dim = 4;
   m.rowwise_adagrad = c.op == models::InteractionOp::dcn;
   m.seed = 11;
+  // GPU: fp32 GEMMs, so that the fp32 tolerance below holds (TF32 rounds a GEMM's inputs to 10
+  // bits: an fp32 rounding difference upstream can then move a product by 2^-11).
+  m.allow_tf32 = false;
   return m;
 }
 
@@ -111,10 +124,12 @@ inline std::pair<std::int64_t, std::int64_t> slice_of(std::int64_t n, int rank, 
   return {begin, begin + base + (rank < extra ? 1 : 0)};
 }
 
-// |got - ref| <= atol + rtol |ref|; records the worst ratio of error to bound in `worst`.
-inline void expect_close(const TensorView& got, const TensorView& ref, double atol, double rtol, const std::string& what,
-                         double& worst) {
-  ASSERT_EQ(got.numel(), ref.numel()) << what;
+// |got - ref| <= atol + rtol |ref| (tensors on any device); records the worst ratio of error to
+// bound in `worst`.
+inline void expect_close(const TensorView& got_any, const TensorView& ref_any, double atol, double rtol,
+                         const std::string& what, double& worst) {
+  ASSERT_EQ(got_any.numel(), ref_any.numel()) << what;
+  const Tensor got = host_copy(got_any), ref = host_copy(ref_any);
   const auto* g = got.data_as<const float>();
   const auto* r = ref.data_as<const float>();
   std::int64_t bad = 0;
@@ -132,10 +147,14 @@ inline void expect_close(const TensorView& got, const TensorView& ref, double at
 // f32 roundings (2^-24 relative each) of its terms' magnitude, and 4 steps carry them on (Adagrad
 // divides by the root of the summed squares, which keeps them relative). 1e-5 relative with 1e-6
 // absolute (parameters of order 0.1-1) leaves a margin of about 20x over what these runs show (the
-// worst error is 0.043 of the bound, on 4 ranks; each case prints its own).
+// worst error is 0.043 of the bound, on 4 ranks; each case prints its own). On GPUs (fp32 GEMMs)
+// the same argument holds for the same arithmetic, with one more difference: the one-process GPU
+// model computes its loss gradient on the GPU, the distributed one on the host (a rounding of
+// (p - y) / B apart).
 constexpr double kDistAtol = 1e-6, kDistRtol = 1e-5;
 
-inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm) {
+// `one`: where the one-process model runs (the CPU's spec, or a GPU: the single-GPU model).
+inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm, Device one_device = Device::cpu()) {
   const data::Featurizer feat = dist_featurizer(c.multi_hot);
   const models::DlrmConfig config = dist_config(c, feat);
   const models::OptimizerConfig opt = dist_optimizer(c);
@@ -145,7 +164,7 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
       config, comm,
       models::plan_dlrm_sharding(config, comm.size(), kGlobalBatch, opt.kind, bags, {.max_shard_rows = c.max_shard_rows}),
       c.impl);
-  models::Dlrm one(config, Device::cpu(), c.impl);
+  models::Dlrm one(config, one_device, c.impl);
 
   data::SyntheticConfig sc;
   sc.seed = 21;
@@ -175,7 +194,8 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
   ASSERT_EQ(dc.size(), oc.size());
   for (std::size_t p = 0; p < dc.size(); ++p)
     expect_close(*dc[p].value, *oc[p].value, kDistAtol, kDistRtol, "cross parameter " + std::to_string(p), worst);
-  const std::vector<Tensor*> tables = one.tables();
+  std::vector<Tensor> tables;
+  for (const Tensor* t : one.tables()) tables.push_back(host_copy(*t));
   const std::vector<dist::Shard>& shards = dist.embeddings().local_shards();
   std::vector<int> shard_tables;
   for (std::size_t s = 0; s < shards.size(); ++s) {
@@ -183,7 +203,7 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
     EXPECT_EQ(sh.rank, comm.rank());
     shard_tables.push_back(sh.table);
     expect_close(dist.embeddings().shard_values(s),
-                 table_rows(*tables[static_cast<std::size_t>(sh.table)], sh.row_begin, sh.row_end), kDistAtol, kDistRtol,
+                 table_rows(tables[static_cast<std::size_t>(sh.table)], sh.row_begin, sh.row_end), kDistAtol, kDistRtol,
                  "table " + std::to_string(sh.table) + " rows [" + std::to_string(sh.row_begin) + ", " +
                      std::to_string(sh.row_end) + ")",
                  worst);
@@ -196,15 +216,159 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
     EXPECT_FALSE(dist.plan().table_wise());
     EXPECT_EQ(widest, std::min(comm.size(), c.max_shard_rows == 14 ? 3 : 4)) << dist.plan().str();
   }
-  std::printf("rank %d/%d %s: %zu shards here, a table over at most %d ranks; worst error / tolerance %.3g\n",
-              comm.rank(), comm.size(), dist_case_name(c).c_str(), shards.size(), widest, worst);
+  std::printf("rank %d/%d (%s) %s: %zu shards here, a table over at most %d ranks; worst error / tolerance %.3g\n",
+              comm.rank(), comm.size(), comm.device().str().c_str(), dist_case_name(c).c_str(), shards.size(), widest,
+              worst);
+}
+
+// The dense gradients all-reduced in buckets as the backward makes them against one all-reduce
+// after the backward: the same model, plan and slices trained kSteps steps with
+// DistributedDlrmOptions::bucket_bytes 0 (one all-reduce), 1 (each layer's gradients a bucket of
+// their own), 2048 (the bottom MLP's two layers, 768 + 1280 bytes with their alignment, in one) and 2^40 (one bucket). Each gradient is summed
+// by one all-reduce either way: `bitwise`, the losses, dense parameters and shards must hold the
+// same bits (what a backend whose sum of an element does not depend on the buffer around it
+// gives: one rank, two ranks, whose sum a + b is the same in either order); otherwise within the
+// distributed comparison's tolerance (more ranks under MPI, whose algorithm, and so its order of
+// the additions, may change with the message size).
+// Split tables with row-wise Adagrad on comm's device: a state saved after 3 steps (dense part and
+// shards) and loaded into a fresh model continues bit for bit, and the trained model's
+// probabilities follow the one-process model's (on one_device) within the comparison's tolerance.
+inline void check_saved_state_resumes(dist::Communicator& comm, Device one_device) {
+  const DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
+  const data::Featurizer feat = dist_featurizer(true);
+  const models::DlrmConfig config = dist_config(dc, feat);
+  const models::OptimizerConfig opt = dist_optimizer(dc);
+  const auto plan = [&] {
+    return models::plan_dlrm_sharding(config, 1, 30, opt.kind, feat.multi_hot_sizes, {.max_shard_rows = 11});
+  };
+  models::DistributedDlrm straight(config, comm, plan()), resumed(config, comm, plan());
+  models::Dlrm one(config, one_device, models::DlrmImpl::fused);
+  data::SyntheticConfig sc;
+  sc.seed = 7;
+  std::vector<data::RawRecord> recs(210);
+  data::SyntheticCriteo(sc).generate(0, recs);
+  const auto batch = [&](int k) {
+    data::Batch b;
+    data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(30 * k), 30), feat, b);
+    return b;
+  };
+  for (int k = 0; k < 3; ++k) {
+    const data::Batch b = batch(k);
+    straight.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
+    one.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
+  }
+  std::stringstream dense, shards;
+  straight.dense().save_state(dense);
+  straight.save_shards(shards);
+  resumed.dense().load_state(dense);
+  resumed.load_shards(shards);
+  for (int k = 3; k < 6; ++k) {
+    const data::Batch b = batch(k);
+    EXPECT_EQ(resumed.train_step({b.dense, b.indices, b.offsets}, b.labels, opt),
+              straight.train_step({b.dense, b.indices, b.offsets}, b.labels, opt))
+        << "step " << k;
+    one.train_step({b.dense, b.indices, b.offsets}, b.labels, opt);
+  }
+  for (std::size_t s = 0; s < straight.embeddings().local_shards().size(); ++s) {
+    const Tensor a = host_copy(straight.embeddings().shard_values(s));
+    const Tensor b = host_copy(resumed.embeddings().shard_values(s));
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << "shard " << s;
+  }
+  const data::Batch b = batch(6);
+  Tensor p_dist = Tensor::empty({30}, DType::f32, Device::cpu()), p_one = Tensor::empty({30}, DType::f32, Device::cpu());
+  straight.predict({b.dense, b.indices, b.offsets}, p_dist);
+  one.predict({b.dense, b.indices, b.offsets}, p_one);
+  double worst = 0;
+  expect_close(p_dist, p_one, kDistAtol, kDistRtol, "probabilities", worst);
+}
+
+inline void compare_gradient_buckets(dist::Communicator& comm, const DistCase& c, bool bitwise) {
+  const data::Featurizer feat = dist_featurizer(c.multi_hot);
+  const models::DlrmConfig config = dist_config(c, feat);
+  const models::OptimizerConfig opt = dist_optimizer(c);
+  const std::vector<std::int64_t> bags = c.multi_hot ? feat.multi_hot_sizes : std::vector<std::int64_t>{};
+  data::SyntheticConfig sc;
+  sc.seed = 23;
+  std::vector<data::RawRecord> recs(static_cast<std::size_t>(kGlobalBatch * kSteps));
+  data::SyntheticCriteo(sc).generate(0, recs);
+  // (not a structured binding: the lambda below captures them, which clang 14 refuses)
+  const std::pair<std::int64_t, std::int64_t> slice = slice_of(kGlobalBatch, comm.rank(), comm.size());
+  const std::int64_t begin = slice.first, end = slice.second;
+  struct Run {
+    std::vector<double> losses;
+    std::vector<Tensor> params;  // host copies: every linear weight and bias, the cross parameters, the shards
+    std::size_t buckets = 0, units = 0;
+  };
+  const auto train = [&](std::int64_t bucket_bytes) {
+    models::DistributedDlrm m(
+        config, comm,
+        models::plan_dlrm_sharding(config, comm.size(), kGlobalBatch, opt.kind, bags, {.max_shard_rows = c.max_shard_rows}),
+        c.impl, {.bucket_bytes = bucket_bytes});
+    Run r;
+    r.buckets = m.gradient_buckets().size();
+    r.units = m.dense().gradient_units().size();
+    for (int k = 0; k < kSteps; ++k) {
+      data::Batch mine;
+      data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(k * kGlobalBatch + begin),
+                                               static_cast<std::size_t>(end - begin)),
+                       feat, mine);
+      r.losses.push_back(m.train_step({mine.dense, mine.indices, mine.offsets}, mine.labels, opt));
+    }
+    for (const auto& l : m.dense().linear_layers()) {
+      r.params.push_back(host_copy(*l.weight));
+      r.params.push_back(host_copy(*l.bias));
+    }
+    for (const auto& p : m.dense().cross_parameters()) r.params.push_back(host_copy(*p.value));
+    for (std::size_t s = 0; s < m.embeddings().local_shards().size(); ++s)
+      r.params.push_back(host_copy(m.embeddings().shard_values(s)));
+    return r;
+  };
+  const Run once = train(0);
+  EXPECT_EQ(once.buckets, 0u);
+  const std::size_t layers = config.bottom_mlp.size() - 1 + config.top_mlp.size();  // top: from the interaction
+  EXPECT_EQ(once.units, layers + (c.op == models::InteractionOp::dcn ? 1 : 0));
+  double worst = 0;
+  for (const std::int64_t bytes : {std::int64_t{1}, std::int64_t{2048}, std::int64_t{1} << 40}) {
+    const Run run = train(bytes);
+    const std::string what = "bucket_bytes " + std::to_string(bytes);
+    if (bytes == 1) {
+      EXPECT_EQ(run.buckets, run.units) << what;
+    } else if (bytes == 2048) {
+      EXPECT_LT(run.buckets, run.units) << what;  // the bottom MLP's layers share a bucket
+      EXPECT_GT(run.buckets, 1u) << what;
+    } else {
+      EXPECT_EQ(run.buckets, 1u) << what;
+    }
+    ASSERT_EQ(run.params.size(), once.params.size());
+    for (std::size_t k = 0; k < run.losses.size(); ++k) {
+      if (bitwise) {
+        EXPECT_EQ(run.losses[k], once.losses[k]) << what << ", step " << k;
+      } else {
+        EXPECT_NEAR(run.losses[k], once.losses[k], kDistAtol + kDistRtol * std::fabs(once.losses[k])) << what;
+      }
+    }
+    for (std::size_t p = 0; p < run.params.size(); ++p) {
+      const Tensor &a = run.params[p], &b = once.params[p];
+      ASSERT_EQ(a.nbytes(), b.nbytes());
+      if (bitwise) {
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << what << ", parameter " << p;
+      } else {
+        expect_close(a, b, kDistAtol, kDistRtol, what + ", parameter " + std::to_string(p), worst);
+      }
+    }
+  }
+  std::printf("rank %d/%d (%s) %s: bucketed all-reduces %s the single all-reduce's (%zu gradient units); worst "
+              "error / tolerance %.3g\n",
+              comm.rank(), comm.size(), comm.device().str().c_str(), dist_case_name(c).c_str(),
+              bitwise ? "bit for bit" : "within tolerance of", once.units, worst);
 }
 
 // ShardedEmbeddingBags alone against the one-process nn::EmbeddingBagCollection on hand-made bags:
 // tables of 9, 5 and 7 rows cut into shards of at most 3 rows (3 + 3 + 3, 2 + 3, 2 + 2 + 3: uneven),
 // a global batch of 7 whose bags hold 0 to 3 ids (empty bags; bags whose ids all fall in one shard,
 // bags spread over several; repeated ids). Pooled rows, then the tables after two steps of `opt`
-// (SGD, or Adagrad: row-wise when `rowwise`), within the DLRM comparison's tolerance.
+// (SGD, or Adagrad: row-wise when `rowwise`), within the DLRM comparison's tolerance. The sharded
+// layer on the communicator's device, the one-process layer on the CPU (the spec).
 inline void compare_sharded_bags(dist::Communicator& comm, const nn::OptimizerConfig& opt, bool rowwise) {
   const std::vector<std::int64_t> rows{9, 5, 7};
   constexpr std::int64_t kT = 3, kD = 4, kB = 7;
@@ -235,7 +399,7 @@ inline void compare_sharded_bags(dist::Communicator& comm, const nn::OptimizerCo
       return TensorView(v.data(), DType::i64, {static_cast<std::int64_t>(v.size())}, Device::cpu());
     };
     Tensor pooled_one = Tensor::empty({kB, kT, kD}, DType::f32, Device::cpu());
-    Tensor pooled = Tensor::empty({b, kT, kD}, DType::f32, Device::cpu());
+    Tensor pooled = Tensor::empty({b, kT, kD}, DType::f32, comm.device());
     one.reserve(static_cast<std::int64_t>(idx.size()));
     one.forward({view(idx), view(off), std::nullopt}, kB, pooled_one);
     sharded.forward(view(my_idx), view(my_off), b, pooled);
@@ -245,8 +409,9 @@ inline void compare_sharded_bags(dist::Communicator& comm, const nn::OptimizerCo
     Tensor grad_one = Tensor::empty({kB, kT, kD}, DType::f32, Device::cpu());
     for (std::int64_t i = 0; i < grad_one.numel(); ++i)
       grad_one.data_as<float>()[i] = 0.01f * static_cast<float>((i * 7) % 13) - 0.05f;
-    Tensor grad = Tensor::empty({b, kT, kD}, DType::f32, Device::cpu());
-    std::copy_n(grad_one.data_as<const float>() + begin * kT * kD, b * kT * kD, grad.data_as<float>());
+    Tensor grad_host = Tensor::empty({b, kT, kD}, DType::f32, Device::cpu());
+    std::copy_n(grad_one.data_as<const float>() + begin * kT * kD, b * kT * kD, grad_host.data_as<float>());
+    const Tensor grad = grad_host.copy_to(comm.device());
     one.backward(grad_one);
     sharded.backward(grad);
     if (opt.kind == nn::OptimizerKind::adagrad) {

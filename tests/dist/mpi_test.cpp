@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "distributed_run.hpp"
+#include "fusekit/core/error.hpp"
 #include "fusekit/dist/communicator.hpp"
 
 namespace fk::dist {
@@ -82,6 +83,36 @@ TEST_P(Ranks, DistributedDlrmFollowsTheOneProcessModel) { test::compare_with_one
 
 INSTANTIATE_TEST_SUITE_P(Cases, Ranks, ::testing::ValuesIn(test::dist_cases()),
                          [](const auto& info) { return test::dist_case_name(info.param); });
+
+// The dense gradients' bucketed all-reduces (started as the backward makes them, MPI_Iallreduce)
+// against one MPI_Allreduce after the backward: bit for bit on 2 ranks (a sum of two is the same in
+// either order); on more, Open MPI picks its algorithm (and so its order of the additions) by the
+// message size and by blocking or not, so within the distributed comparison's tolerance.
+TEST(DistributedDlrm, BucketedAllReducesMatchOneAllReduce) {
+  for (const auto op : {models::InteractionOp::dot, models::InteractionOp::dcn})
+    test::compare_gradient_buckets(*g_comm, {op, true, models::DlrmImpl::fused, 11}, g_comm->size() <= 2);
+}
+
+// MPI_Iallreduce through start_all_reduce_sum / wait_all_reduces: several sums in flight at once,
+// one of them empty, the same results as all_reduce_sum (small integers: exact in any order).
+TEST(MpiCommunicator, StartedAllReducesGiveTheSums) {
+  Communicator& c = *g_comm;
+  const int n = c.size(), me = c.rank();
+  std::vector<float> a(1000), b(3), none;
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>((me + 1) * static_cast<int>(i % 5));
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<float>(me * 10 + static_cast<int>(i));
+  c.start_all_reduce_sum(TensorView(a.data(), DType::f32, {1000}, Device::cpu()));
+  c.start_all_reduce_sum(TensorView(b.data(), DType::f32, {0}, Device::cpu()));
+  c.start_all_reduce_sum(TensorView(b.data(), DType::f32, {3}, Device::cpu()));
+  c.wait_all_reduces();
+  c.wait_all_reduces();  // nothing left: returns
+  for (std::size_t i = 0; i < a.size(); ++i)
+    ASSERT_EQ(a[i], static_cast<float>(n * (n + 1) / 2 * static_cast<int>(i % 5))) << i;
+  for (std::size_t i = 0; i < b.size(); ++i)
+    EXPECT_EQ(b[i], static_cast<float>(10 * n * (n - 1) / 2 + n * static_cast<int>(i))) << i;
+  std::vector<std::int32_t> ints(3);
+  EXPECT_THROW(c.start_all_reduce_sum(TensorView(ints.data(), DType::i32, {3}, Device::cpu())), Error);
+}
 
 // The replicas of the dense part hold the same bits on every rank after training.
 TEST(DistributedDlrm, DenseReplicasStayIdentical) {

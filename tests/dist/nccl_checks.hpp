@@ -1,13 +1,18 @@
 // Checks of a communicator on device memory, run by every rank with its own communicator (from
 // its thread, or its process under mpirun) against what the ranks' data must give: all-to-all
 // with uneven counts, zeros among them, in three dtypes, and sums that every rank gets bit for
-// bit. Failures name the rank.
+// bit. Failures name the rank. Also what the NCCL tests share to run: a skip without enough GPUs,
+// and one thread a communicator.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
 #include <numeric>
 #include <vector>
 
@@ -15,7 +20,31 @@
 #include "fusekit/fusekit.hpp"
 #include "test_util.hpp"
 
+// Skips the test, saying why, where fewer than n GPUs are visible.
+#define FK_SKIP_WITHOUT_GPUS(n)                                                                        \
+  do {                                                                                                  \
+    if (::fk::cuda_device_count() < (n))                                                                    \
+      GTEST_SKIP() << "needs " << (n) << " GPU(s), found " << ::fk::cuda_device_count()                     \
+                   << (::fk::cuda_device_count() == 0 ? ": " + ::fk::cuda_unavailable_reason() : std::string()); \
+  } while (0)
+
 namespace fk::test {
+
+// Runs f on one thread a communicator, all at once (NCCL needs every rank's call in flight); an
+// exception fails the test naming the rank.
+inline void on_every_rank(std::vector<std::unique_ptr<dist::Communicator>>& comms,
+                          const std::function<void(dist::Communicator&)>& f) {
+  std::vector<std::thread> threads;
+  for (auto& c : comms)
+    threads.emplace_back([&f, comm = c.get()] {
+      try {
+        f(*comm);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << comm->rank() << ": " << e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+}
 
 // A host tensor holding `values`, copied to `device`.
 template <class T>

@@ -19,29 +19,11 @@
 namespace fk::dist {
 namespace {
 
-#define FK_SKIP_WITHOUT_GPUS(n)                                                                        \
-  do {                                                                                                  \
-    if (cuda_device_count() < (n))                                                                      \
-      GTEST_SKIP() << "needs " << (n) << " GPU(s), found " << cuda_device_count()                       \
-                   << (cuda_device_count() == 0 ? ": " + cuda_unavailable_reason() : std::string());   \
-  } while (0)
 
 constexpr const char* kA2a = "dist::NcclCommunicator::all_to_all_v";
 constexpr const char* kAllReduce = "dist::NcclCommunicator::all_reduce_sum";
 
-// Runs f(rank) on one thread a communicator, all at once, as NCCL needs.
-void on_every_rank(std::vector<std::unique_ptr<Communicator>>& comms, const std::function<void(Communicator&)>& f) {
-  std::vector<std::thread> threads;
-  for (auto& c : comms)
-    threads.emplace_back([&f, comm = c.get()] {
-      try {
-        f(*comm);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << comm->rank() << ": " << e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-}
+using test::on_every_rank;
 
 std::vector<int> first_gpus(int n) {
   std::vector<int> d(static_cast<std::size_t>(n));

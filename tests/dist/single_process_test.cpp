@@ -120,5 +120,39 @@ TEST(DistributedDlrm, PlansThatDoNotFitAreRefused) {
   }, "dist::ShardedEmbeddingBags", "plan");
 }
 
+// test::check_saved_state_resumes on the CPU (dist_nccl_dlrm_test runs it on a GPU).
+TEST(DistributedDlrm, SavedStateResumesAndPredictionsFollow) {
+  auto comm = make_single_communicator();
+  test::check_saved_state_resumes(*comm, Device::cpu());
+}
+
+// The host views the step reads or writes through raw pointers are checked against the batch,
+// naming the argument: labels and probabilities of another size or of no memory, and inputs the
+// distributed model does not route.
+TEST(DistributedDlrm, HostViewsOfTheWrongSizeAreRefused) {
+  auto comm = make_single_communicator();
+  const test::DistCase dc{models::InteractionOp::dot, false, models::DlrmImpl::reference};
+  const data::Featurizer feat = test::dist_featurizer(false);
+  const models::DlrmConfig config = test::dist_config(dc, feat);
+  const models::OptimizerConfig opt = test::dist_optimizer(dc);
+  models::DistributedDlrm m(config, *comm, models::plan_dlrm_sharding(config, 1, 8, opt.kind));
+  data::SyntheticConfig sc;
+  std::vector<data::RawRecord> recs(8);
+  data::SyntheticCriteo(sc).generate(0, recs);
+  data::Batch b;
+  data::make_batch(recs, feat, b);
+  const char* op = "models::DistributedDlrm";
+  const TensorView short_labels = b.labels.view().slice_rows(0, 7);
+  test::expect_arg_error([&] { m.train_step({b.dense, b.indices, b.offsets}, short_labels, opt); }, op, "labels");
+  test::expect_arg_error([&] { m.train_step({b.dense, b.indices, b.offsets}, TensorView(), opt); }, op, "labels");
+  Tensor probs = Tensor::empty({9}, DType::f32, Device::cpu());
+  test::expect_arg_error([&] { m.predict({b.dense, b.indices, b.offsets}, probs); }, op, "probabilities");
+  test::expect_arg_error([&] { m.predict({b.dense, b.indices, b.offsets}, TensorView(nullptr, DType::f32, {8}, Device::cpu())); }, op,
+                         "probabilities");
+  test::expect_arg_error([&] { m.predict({b.dense, b.indices, b.offsets, b.raw_sparse}, probs.view().slice_rows(0, 8)); },
+                         op, "input");
+  EXPECT_NO_THROW(m.train_step({b.dense, b.indices, b.offsets}, b.labels, opt));
+}
+
 }  // namespace
 }  // namespace fk::dist

@@ -122,6 +122,36 @@ std::pair<double, double> check_weight_grad(const Linear& z, const std::vector<d
   return sums;
 }
 
+// MLP::backward's layer_done: called for each layer from the last to the first, and a layer's
+// gradients are final when it is called (a data-parallel caller all-reduces them from then on):
+// what they hold at the call is what they hold after the backward. Plain and compressed.
+TEST(MLPCompression, LayerDoneComesLastLayerFirstWithFinalGradients) {
+  const std::vector<std::int64_t> sizes{13, 48, 30, 8};
+  const std::int64_t b = 37, pad = 4;
+  ParameterArena arena(2 * MLP::arena_floats(sizes, pad), kCpu);
+  for (const bool compressed : {false, true}) {
+    MLP mlp(sizes, options(pad, compressed ? std::optional<PackParams>(compression(4)) : std::nullopt), {5, 0}, arena);
+    const Tensor x = padded_input(b, 13, 16, kCpu, 3);
+    Tensor y = Tensor::empty({b, 8}, DType::f32, kCpu), dy = test::random_tensor({b, 8}, DType::f32, kCpu, 4);
+    mlp.forward(rows_of(x, 13), y);
+    std::vector<std::size_t> order;
+    std::vector<std::vector<double>> at_call(mlp.layers.size());
+    mlp.backward(y, dy, std::nullopt, nullptr, [&](std::size_t l) {
+      order.push_back(l);
+      at_call[l] = test::to_doubles(mlp.layers[l].weight_grad);
+      const std::vector<double> db = test::to_doubles(mlp.layers[l].bias_grad);
+      at_call[l].insert(at_call[l].end(), db.begin(), db.end());
+    });
+    EXPECT_EQ(order, (std::vector<std::size_t>{2, 1, 0})) << (compressed ? "compressed" : "plain");
+    for (std::size_t l = 0; l < mlp.layers.size(); ++l) {
+      std::vector<double> after = test::to_doubles(mlp.layers[l].weight_grad);
+      const std::vector<double> db = test::to_doubles(mlp.layers[l].bias_grad);
+      after.insert(after.end(), db.begin(), db.end());
+      EXPECT_EQ(at_call[l], after) << (compressed ? "compressed" : "plain") << ", layer " << l;
+    }
+  }
+}
+
 // Three layers, the first padded (13 -> k 16) and a hidden width with padding (30 -> k 32): the
 // forward, db and dx are those of the uncompressed MLP (compression touches only what dW reads),
 // and dW is within the quantization bound of the uncompressed dW; fewer bits, larger errors.

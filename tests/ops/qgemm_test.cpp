@@ -227,23 +227,38 @@ std::string describe(const Shape& shape) {
          std::to_string(k) + " group " + std::to_string(group == 0 ? k : group);
 }
 
+const char* reduction_name(QgemmReduction r) { return r == QgemmReduction::cluster_pull ? "pull" : "push"; }
+
+// Both split-K reductions of the small-M kernel (the option is ignored by the other kernels): each
+// against the spec, each deterministic, and the two the same bytes (both sum in the order
+// (split, warp)).
 TEST_P(QgemmGpu, MatchesSpecOnDequantizedWeights) {
   FK_SKIP_WITHOUT_GPU();
   const auto [m, n, k, group_arg, dt] = GetParam();
   const Device gpu = Device::cuda();
   const GpuOperands o = gpu_operands(GetParam());
-  Tensor y = Tensor::empty({m, n}, dt, gpu);
-  test::poison(y);
-  qgemm(o.x, o.qw, y);
-  const Tensor got = test::to_host(y);
-  // fp32 accumulation in another order plus one rounding of y to the dtype: within 5e-3 (the op's stated
-  // bound; bf16 rounding alone is 2^-9 = 2e-3 relative).
-  EXPECT_LE(rel_err(got, o.ref), 5e-3) << describe(GetParam());
-  // Split-K is reduced in a fixed order: a second run gives the same bytes.
-  Tensor y2 = Tensor::empty({m, n}, dt, gpu);
-  qgemm(o.x, o.qw, y2);
-  const Tensor got2 = test::to_host(y2);
-  EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.nbytes()), 0) << "not deterministic";
+  std::vector<unsigned char> first;  // the pull's bytes
+  for (QgemmReduction r : {QgemmReduction::cluster_pull, QgemmReduction::cluster_push}) {
+    Tensor y = Tensor::empty({m, n}, dt, gpu);
+    test::poison(y);
+    qgemm(o.x, o.qw, y, nullptr, {.reduction = r});
+    const Tensor got = test::to_host(y);
+    // fp32 accumulation in another order plus one rounding of y to the dtype: within 5e-3 (the op's stated
+    // bound; bf16 rounding alone is 2^-9 = 2e-3 relative).
+    EXPECT_LE(rel_err(got, o.ref), 5e-3) << describe(GetParam()) << ", " << reduction_name(r);
+    // Split-K is reduced in a fixed order: a second run gives the same bytes.
+    Tensor y2 = Tensor::empty({m, n}, dt, gpu);
+    test::poison(y2);
+    qgemm(o.x, o.qw, y2, nullptr, {.reduction = r});
+    const Tensor got2 = test::to_host(y2);
+    EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.nbytes()), 0) << "not deterministic, " << reduction_name(r);
+    const auto* bytes = static_cast<const unsigned char*>(got.data());
+    if (r == QgemmReduction::cluster_pull)
+      first.assign(bytes, bytes + got.nbytes());
+    else
+      EXPECT_EQ(std::memcmp(bytes, first.data(), got.nbytes()), 0)
+          << describe(GetParam()) << ": push and pull differ";
+  }
   // The GPU's dequantization is the spec's, bit for bit.
   const Tensor wt_gpu = test::to_host(dequantize_weights(o.qw));
   EXPECT_TRUE(test::all_close(wt_gpu, dequantize_weights(o.qw_host), {0.0, 0.0}));
@@ -302,7 +317,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Shape{300, 515, 384, 0, DType::f16}, Shape{33, 1031, 4160, 64, DType::bf16},
                       Shape{1, 11008, 512, 128, DType::f16}, Shape{9, 1000, 8192, 64, DType::bf16},
                       Shape{12, 384, 1344, 32, DType::f16}, Shape{5, 700, 2880, 64, DType::f16},
-                      Shape{8, 2304, 4096, 128, DType::bf16}, Shape{16, 40, 65536, 128, DType::f16}));
+                      Shape{8, 2304, 4096, 128, DType::bf16}, Shape{16, 40, 65536, 128, DType::f16},
+                      Shape{2, 515, 2048, 64, DType::bf16}, Shape{7, 1100, 4096, 128, DType::f16},
+                      Shape{15, 777, 3072, 32, DType::bf16}, Shape{11, 300, 8192, 0, DType::f16}));
 
 // The bench's shapes (bench/qgemm.cu: group 128) at M 1 and 16 (the small-M kernel) and 17 and
 // 65 (the wgmma kernel takes the plans of M 64 and 128 there: x tiles of 64 and 128 rows), so that
@@ -335,21 +352,27 @@ TEST(QgemmGpu, BenchShapesRepeatedOnTwoStreams) {
       s0.synchronize();
       const Tensor first = test::to_host(y0);
       EXPECT_LE(rel_err(first, ref.view().slice_rows(0, m)), 5e-3) << "M " << m << " N " << c.n << " K " << c.k;
-      constexpr int kRuns = 40;
-      std::vector<Tensor> ys;
-      for (int r = 0; r < kRuns; ++r) {
-        ys.push_back(Tensor::empty({m, c.n}, c.dt, gpu));
-        test::poison(ys.back());
+      // Both reductions of the small-M kernel (M > 16: the option is ignored), on the same bytes.
+      for (QgemmReduction red : {QgemmReduction::cluster_pull, QgemmReduction::cluster_push}) {
+        if (m > 16 && red == QgemmReduction::cluster_push) continue;
+        constexpr int kRuns = 40;
+        std::vector<Tensor> ys;
+        for (int r = 0; r < kRuns; ++r) {
+          ys.push_back(Tensor::empty({m, c.n}, c.dt, gpu));
+          test::poison(ys.back());
+        }
+        for (int r = 0; r < kRuns; ++r)
+          qgemm(x, qw, ys[static_cast<std::size_t>(r)], r % 2 == 0 ? &s0 : &s1, {.reduction = red});
+        s0.synchronize();
+        s1.synchronize();
+        int differing = 0;
+        for (const Tensor& y : ys) {
+          const Tensor got = test::to_host(y);
+          differing += std::memcmp(got.data(), first.data(), got.nbytes()) != 0;
+        }
+        EXPECT_EQ(differing, 0) << "runs (of " << kRuns << ") unlike the first (pull), " << reduction_name(red)
+                                << ", M " << m << " N " << c.n << " K " << c.k;
       }
-      for (int r = 0; r < kRuns; ++r) qgemm(x, qw, ys[static_cast<std::size_t>(r)], r % 2 == 0 ? &s0 : &s1);
-      s0.synchronize();
-      s1.synchronize();
-      int differing = 0;
-      for (const Tensor& y : ys) {
-        const Tensor got = test::to_host(y);
-        differing += std::memcmp(got.data(), first.data(), got.nbytes()) != 0;
-      }
-      EXPECT_EQ(differing, 0) << "runs (of " << kRuns << ") unlike the first, M " << m << " N " << c.n << " K " << c.k;
     }
   }
 }
@@ -372,9 +395,10 @@ TEST(QgemmGpu, ConstantWeightsReadXOnlyAfterTheKernelBefore) {
       const QuantizedWeight qw = quantize_weights(w, 128).copy_to(gpu);
       const Tensor x_src = test::random_tensor({m, kDim}, dt, kCpu, 72, -1.f, 1.f);
       const QuantizedWeight qx = quantize_weights(x_src, 128).copy_to(gpu);
-      std::vector<Tensor> plain, promised;
-      for (bool constant : {false, true}) {
-        std::vector<Tensor>& ys = constant ? promised : plain;
+      std::vector<Tensor> plain, promised, pushed;
+      for (int variant : {0, 1, 2}) {  // plain, the promise, the promise with the push reduction
+        const bool constant = variant > 0;
+        std::vector<Tensor>& ys = variant == 0 ? plain : variant == 1 ? promised : pushed;
         Tensor x = Tensor::empty({m, kDim}, dt, gpu);
         test::poison(x);
         s.synchronize();
@@ -386,7 +410,8 @@ TEST(QgemmGpu, ConstantWeightsReadXOnlyAfterTheKernelBefore) {
         s.synchronize();
         for (int i = 0; i < kSteps; ++i)
           qgemm(i == 0 ? x : ys[static_cast<std::size_t>(i - 1)], qw, ys[static_cast<std::size_t>(i)], &s,
-                {.constant_weights = constant});
+                {.constant_weights = constant,
+                 .reduction = variant == 2 ? QgemmReduction::cluster_push : QgemmReduction::cluster_pull});
         s.synchronize();
       }
       // The first step against the spec; then every step's bytes.
@@ -396,7 +421,10 @@ TEST(QgemmGpu, ConstantWeightsReadXOnlyAfterTheKernelBefore) {
       for (int i = 0; i < kSteps; ++i) {
         const Tensor a = test::to_host(plain[static_cast<std::size_t>(i)]);
         const Tensor b = test::to_host(promised[static_cast<std::size_t>(i)]);
+        const Tensor c = test::to_host(pushed[static_cast<std::size_t>(i)]);
         EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << dtype_name(dt) << " M " << m << " step " << i;
+        EXPECT_EQ(std::memcmp(a.data(), c.data(), a.nbytes()), 0)
+            << dtype_name(dt) << " M " << m << " step " << i << ", push reduction";
       }
     }
 }

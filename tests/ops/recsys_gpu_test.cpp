@@ -404,6 +404,38 @@ TEST(RecsysGpu, SigmoidBceMatchesSpec) {
   }
 }
 
+// Random bags (sizes 0 to 4, and one of 300) in a random order, from no bag to 70,000: the same
+// integers as the spec, and no workspace refused.
+TEST(RecsysGpu, PermuteBagsMatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  for (std::int64_t n : {0, 1, 7, 1000, 70000}) {
+    std::mt19937_64 rng(static_cast<std::uint64_t>(n) + 3);
+    std::vector<std::int64_t> len(static_cast<std::size_t>(n)), idx, perm(static_cast<std::size_t>(n));
+    for (std::int64_t q = 0; q < n; ++q) {
+      len[static_cast<std::size_t>(q)] = q == n / 2 ? 300 : static_cast<std::int64_t>(rng() % 5);
+      for (std::int64_t e = 0; e < len[static_cast<std::size_t>(q)]; ++e) idx.push_back(static_cast<std::int64_t>(rng() % 100000));
+    }
+    std::iota(perm.begin(), perm.end(), std::int64_t{0});
+    std::shuffle(perm.begin(), perm.end(), rng);
+    const Tensor hl = i64(len), hi = i64(idx), hp = i64(perm);
+    const auto nnz = static_cast<std::int64_t>(idx.size());
+    Tensor ho = Tensor::empty({n + 1}, DType::i64, kCpu), hout = Tensor::empty({nnz}, DType::i64, kCpu);
+    permute_bags({hl, hi, hp, ho, hout});
+    const Tensor dl = hl.copy_to(gpu), di = hi.copy_to(gpu), dp = hp.copy_to(gpu);
+    Tensor o = Tensor::empty({n + 1}, DType::i64, gpu), out = Tensor::empty({nnz}, DType::i64, gpu);
+    test::expect_arg_error([&] { permute_bags({dl, di, dp, o, out}); }, "permute_bags", "workspace");
+    Tensor ws = Tensor::empty({static_cast<std::int64_t>(std::max<std::size_t>(permute_bags_workspace_bytes(n), 1))},
+                              DType::u8, gpu);
+    const Stream stream = Stream::create(gpu);
+    permute_bags({dl, di, dp, o, out, ws.view()}, &stream);
+    stream.synchronize();
+    const Tensor go = test::to_host(o), gout = test::to_host(out);
+    EXPECT_EQ(std::memcmp(go.data(), ho.data(), ho.nbytes()), 0) << n;
+    EXPECT_EQ(std::memcmp(gout.data(), hout.data(), hout.nbytes()), 0) << n;
+  }
+}
+
 TEST(RecsysGpu, BadInputs) {
   FK_SKIP_WITHOUT_GPU();
   const Device gpu = Device::cuda(0);

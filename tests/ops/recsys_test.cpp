@@ -588,5 +588,38 @@ TEST(RecsysErrors, SigmoidBce) {
   test::expect_arg_error([&] { sigmoid_bce_forward_backward({x, y, dx, acc, prob.view()}); }, op, "probabilities");
 }
 
+// Bags of 2, 0, 1 and 3 entries taken in the order 3, 0, 2, 1.
+TEST(RecsysSpec, PermuteBagsByHand) {
+  const Tensor lengths = i64({2, 0, 1, 3}), indices = i64({10, 11, 20, 30, 31, 32}), perm = i64({3, 0, 2, 1});
+  Tensor off = Tensor::empty({5}, DType::i64, kCpu), out = Tensor::empty({6}, DType::i64, kCpu);
+  permute_bags({lengths, indices, perm, off, out});
+  const auto* o = off.data_as<std::int64_t>();
+  EXPECT_EQ(std::vector<std::int64_t>(o, o + 5), (std::vector<std::int64_t>{0, 3, 5, 6, 6}));
+  const auto* v = out.data_as<std::int64_t>();
+  EXPECT_EQ(std::vector<std::int64_t>(v, v + 6), (std::vector<std::int64_t>{30, 31, 32, 10, 11, 20}));
+  // No bags at all.
+  Tensor off0 = Tensor::empty({1}, DType::i64, kCpu);
+  const Tensor none = i64({});
+  permute_bags({none, none, none, off0, none});
+  EXPECT_EQ(off0.data_as<std::int64_t>()[0], 0);
+}
+
+TEST(RecsysErrors, PermuteBags) {
+  constexpr const char* op = "permute_bags";
+  const Tensor lengths = i64({2, 0, 1}), indices = i64({1, 2, 3}), perm = i64({2, 0, 1});
+  Tensor off = Tensor::empty({4}, DType::i64, kCpu), out = Tensor::empty({3}, DType::i64, kCpu);
+  permute_bags({lengths, indices, perm, off, out});
+  test::expect_arg_error([&] { permute_bags({i64({2, 0, 2}), indices, perm, off, out}); }, op, "lengths");
+  test::expect_arg_error([&] { permute_bags({i64({4, -1, 0}), indices, perm, off, out}); }, op, "lengths");
+  test::expect_arg_error([&] { permute_bags({lengths, indices, i64({2, 0, 2}), off, out}); }, op, "permutation");
+  test::expect_arg_error([&] { permute_bags({lengths, indices, i64({3, 0, 1}), off, out}); }, op, "permutation");
+  test::expect_arg_error([&] { permute_bags({lengths, indices, i64({0, 1}), off, out}); }, op, "permutation");
+  Tensor off3 = Tensor::empty({3}, DType::i64, kCpu), out2 = Tensor::empty({2}, DType::i64, kCpu);
+  test::expect_arg_error([&] { permute_bags({lengths, indices, perm, off3, out}); }, op, "out_offsets");
+  test::expect_arg_error([&] { permute_bags({lengths, indices, perm, off, out2}); }, op, "out_indices");
+  test::expect_arg_error([&] { permute_bags({i32({2, 0, 1}), indices, perm, off, out}); }, op, "lengths");
+  test::expect_arg_error([&] { permute_bags({lengths, indices, perm, off, indices}); }, op, "out_indices");
+}
+
 }  // namespace
 }  // namespace fk

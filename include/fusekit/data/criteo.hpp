@@ -30,6 +30,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "fusekit/core/hash.hpp"
@@ -278,6 +279,9 @@ std::vector<std::int64_t> training_order(std::span<const std::int64_t> day_begin
 // and reused; they are host tensors today and pinned host memory once the GPU path needs it.
 struct Batch {
   std::int64_t size = 0;  // samples in this batch (the last batch may be short)
+  // The whole batch's samples, of which this batch is a rank's slice (LoaderOptions::slice_ranks);
+  // size without slicing (make_batch sets it to size).
+  std::int64_t global_size = 0;
   Tensor labels;          // f32 [B]
   Tensor dense;           // f32 [B, 13]
   Tensor indices;         // i64 [26 * B]
@@ -312,7 +316,18 @@ struct LoaderOptions {
   // whose prefetching runs on across epochs.
   std::int64_t epochs = 1;
   std::int64_t first_batch = 0;
+  // Data parallelism: each batch of batch_size records (as above) is cut into slice_ranks slices in
+  // rank order, the first B % slice_ranks one sample more (data::slice_of), and only slice
+  // slice_rank is read and made (dense features, labels and bags of those samples alone), so that
+  // a rank reads 1/N of the data. Batch::size is the slice's (0 when B < slice_ranks and the rank
+  // gets none), Batch::global_size the batch's.
+  int slice_rank = 0;
+  int slice_ranks = 1;
 };
+
+// Samples [begin, end) of a batch of n that rank `rank` of `ranks` takes: n / ranks each, the first
+// n % ranks ranks one more.
+std::pair<std::int64_t, std::int64_t> slice_of(std::int64_t n, int rank, int ranks);
 
 // Streams the source's records in order as batches (LoaderOptions: over several epochs),
 // prepared on background threads. next() returns nullptr at the end; the returned batch stays

@@ -56,6 +56,24 @@ class Communicator {
                             std::span<const std::int64_t> recv_counts, const Stream* stream = nullptr) = 0;
   // data (f32, contiguous) = the elementwise sum over the ranks, the same on every rank.
   virtual void all_reduce_sum(const TensorView& data, const Stream* stream = nullptr) = 0;
+  // The same sum without waiting for it, so that several can run while the caller goes on (the
+  // data-parallel gradient buckets, each started as soon as the backward has made it):
+  // start_all_reduce_sum starts data's sum once the work queued on `ready` so far is done, and
+  // returns without waiting for the sum; data must then be neither read nor written until
+  // wait_all_reduces(), which completes every sum started so far. A host
+  // communicator returns from wait_all_reduces when they are done (`stream` ignored); the device
+  // one makes `stream` wait for them (the host does not wait; no stream: the host waits). Sums are
+  // started in the same order on every rank, and each gives what all_reduce_sum of the same
+  // buffer gives (the same reduction order where the backend fixes one; see docs/dlrm.md).
+  //   single, offline  the default: all_reduce_sum at the start, nothing to wait for
+  //   mpi              MPI_Iallreduce, MPI_Waitall (each start also tests the earlier ones, which
+  //                    lets an MPI without a progress thread move them on)
+  //   nccl             ncclAllReduce on a communication stream of the communicator's own, after an
+  //                    event recorded on `ready`; wait: `stream` waits for an event recorded after them
+  virtual void start_all_reduce_sum(const TensorView& data, const Stream* ready = nullptr) {
+    all_reduce_sum(data, ready);
+  }
+  virtual void wait_all_reduces(const Stream* stream = nullptr) { (void)stream; }
   virtual void barrier() = 0;
   // Ends every rank's process with `code` (MPI_Abort); size 1: std::exit; nccl: aborts the NCCL
   // communicator, then its MPI communicator's abort, or ends this process (all its GPUs' threads)

@@ -44,6 +44,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <memory>
 #include <string>
@@ -57,6 +58,7 @@
 #include "fusekit/ops/recsys.hpp"
 
 namespace fk {
+class Stream;
 class TraceRecorder;
 }
 
@@ -119,7 +121,9 @@ struct DlrmConfig {
 //                            raw_hash) and ignores indices/offsets
 // On CUDA the tensors may be host (page-locked for asynchronous copies) or device tensors.
 //   pooled  f32 [B, T, D]   a model with DlrmTables::external only, instead of ids: the bags
-//                            pooled elsewhere (model-parallel tables, models::DistributedDlrm)
+//                            pooled elsewhere (model-parallel tables, models::DistributedDlrm),
+//                            contiguous, on the model's device (a GPU's: written before the call,
+//                            the writer's stream synchronised)
 struct DlrmInput {
   TensorView dense;
   TensorView indices;
@@ -131,7 +135,7 @@ struct DlrmInput {
 // Where the embedding tables live. local: in the model. external: elsewhere (on the ranks of a
 // model-parallel model, models::DistributedDlrm); the model is then the dense part (MLPs and the
 // interaction), its input carries the pooled bags (DlrmInput::pooled), its backward gives their
-// gradient, and step() updates the dense parameters only. External tables are CPU-only for now.
+// gradient, and step() updates the dense parameters only.
 enum class DlrmTables { local, external };
 
 // The Philox stream the tables start from (table t: subsequence + t), for a model-parallel shard
@@ -158,8 +162,13 @@ class Dlrm {
   // valid and unchanged until backward() (the bottom MLP reads it there).
   void forward(const DlrmInput& input, const TensorView& logits);
   // From dlogits f32 [B] (dL/dlogit): every gradient, for the last forward(). External tables:
-  // dpooled f32 [B, T, D] (=) dL/dpooled, the gradient the tables' owners apply.
+  // dpooled f32 [B, T, D] (=) dL/dpooled, the gradient the tables' owners apply, contiguous on the
+  // model's device (written when backward() returns).
   void backward(const TensorView& dlogits, const TensorView& dpooled = {});
+  // The same, calling unit_done(u) for each unit u of gradient_units() (in that order) as soon as
+  // its gradients are final: done on the CPU; on a GPU, queued on stream() (a data-parallel caller
+  // starts reducing them there while the rest of the backward runs).
+  void backward(const TensorView& dlogits, const TensorView& dpooled, const std::function<void(std::size_t)>& unit_done);
   void step(const OptimizerConfig& opt);
 
   // forward + BCE loss + backward + step; returns the mean loss of the batch.
@@ -197,6 +206,18 @@ class Dlrm {
   // The dense parameters' gradients (MLPs, cross network) of the last backward as one contiguous
   // f32 buffer on the model's device: what data-parallel ranks all-reduce (in place) before step().
   TensorView dense_gradients();
+  // dense_gradients() cut into the units backward() completes one after the other, in that order:
+  // the top MLP's layers from the last to the first, the cross network (dcn, all its layers as one
+  // unit), the bottom MLP's layers from the last to the first. Unit u is the floats
+  // [offset, offset + floats) of dense_gradients() (a layer's weight, bias and alignment gaps); the
+  // units tile it.
+  struct GradientUnit {
+    std::string name;  // "top.2", "cross", "bottom.0", ...
+    std::int64_t offset = 0, floats = 0;
+  };
+  std::vector<GradientUnit> gradient_units();
+  // The stream the model's work is queued on (a GPU); null on the CPU.
+  const Stream* stream() const noexcept;
   // The tables' gradients of the last backward, [total_rows, D] on the model's device (zero for
   // untouched rows), formed on demand (the fused implementation never needs them).
   Tensor table_gradient();

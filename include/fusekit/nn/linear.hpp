@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -146,9 +147,12 @@ class MLP {
   // instead, and x's rows must be contiguous at the first layer's padded width ([B, k] rows).
   void forward(const TensorView& x, const TensorView& y, const Stream* stream = nullptr);
   // From dy [B, out] (overwritten): every layer's gradients, and dx [B, in] when given. y is the
-  // last forward's output.
+  // last forward's output. layer_done(l), when given, is called for each layer l from the last to
+  // the first as soon as its weight and bias gradients are final (done on the CPU; queued on
+  // `stream` on a GPU), so that a data-parallel caller can start reducing them while the layers
+  // below run (the fused kernel makes every layer's at once: all calls come after it).
   void backward(const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx,
-                const Stream* stream = nullptr);
+                const Stream* stream = nullptr, const std::function<void(std::size_t)>& layer_done = {});
 
   // Bytes for a forward and backward of `batch` rows. whole: every layer's input [B, k] in the
   // layers' dtype (x included, which an uncompressed MLP keeps by reference), what the backward
@@ -190,7 +194,7 @@ class MLP {
   PackedView packed_rows(std::size_t l) const;              // rows [0, batch) of packed_[l]
   void compressed_forward(const TensorView& x, const TensorView& y, const Stream* stream);
   void compressed_backward(const TensorView& y, const TensorView& dy, const std::optional<TensorView>& dx,
-                           const Stream* stream);
+                           const Stream* stream, const std::function<void(std::size_t)>& layer_done);
   // fused_kernel: bf16 copies of the parameters (the arena range [first weight, last bias]) and of
   // the batch tensors the kernels read and write.
   bool fused_kernel_ = false;

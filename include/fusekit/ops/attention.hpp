@@ -25,7 +25,8 @@ class Stream;
 // picks the fastest that takes the call (sm_90 wgmma, then mma.sync, then warp-per-row); the others
 // force one and throw fk::Error naming backward_kernel when it cannot take the call. A CPU call
 // runs the spec whatever this says. wgmma_sm90_tma_dq is the sm_90 kernel with dq added by TMA
-// reduces of shared-memory tiles instead of f32 atomics from registers (automatic: the atomics).
+// reduces of shared-memory tiles (what automatic takes on sm_90); wgmma_sm90 is the same kernel
+// adding dq by f32 atomics from registers.
 enum class AttentionBackwardKernel { automatic, wgmma_sm90, mma_sync, rowwise, wgmma_sm90_tma_dq };
 
 struct AttentionOptions {

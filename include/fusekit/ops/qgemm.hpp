@@ -78,8 +78,20 @@ QuantizedWeight from_puzzle_layout(const TensorView& weight, const TensorView& s
 // (sm_90): its weight loads start while the kernel before it finishes, and it reads x and writes
 // y only after that kernel has completed. Without the promise (the default) every qgemm waits for
 // the kernel before it.
+//
+// QgemmOptions::reduction: how the small-M kernel sums its split-K partials on sm_90 (a kernel
+// variant, benched side by side; the bytes of y are the same either way, both sum in the order
+// (split, warp)). cluster_pull: a cluster barrier, each CTA reads its rows' partials
+// from its peers' shared memory, a second barrier before any CTA exits. cluster_push (the default,
+// 0.2-4.8 µs faster at M <= 16 on an H100, docs/qgemm.md): each CTA
+// pushes its partials into the shared memory of the CTA that owns their rows (st.async, counted on
+// the owner's mbarrier), and the owner reduces once its byte count has arrived; one cluster barrier
+// arrive right after the mbarrier's initialization, waited on before the first push. Ignored off
+// sm_90 and by the other kernels.
+enum class QgemmReduction { cluster_pull, cluster_push };
 struct QgemmOptions {
   bool constant_weights = false;
+  QgemmReduction reduction = QgemmReduction::cluster_push;
 };
 void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream = nullptr,
            const QgemmOptions& options = {});

@@ -9,6 +9,8 @@
 //   cross_layer_forward/backward   one layer of DCNv2's low-rank cross network:
 //                                  x_{l+1} = x0 ⊙ (U (V x_l) + b) + x_l
 //   sigmoid_bce_forward_backward   mean BCE of sigmoid(logits) and dlogits in one pass
+//   permute_bags                   CSR bags put in another order (the ids a model-parallel
+//                                  all-to-all delivered rank by rank, regrouped table by table)
 //
 // Each op also offers the unfused path a plain PyTorch port runs (the baseline the fused kernels
 // are measured against): the embedding bag one launch per table, the embedding backward as a
@@ -140,6 +142,30 @@ std::size_t embedding_bag_backward_workspace_bytes(std::int64_t nnz, std::int64_
 
 void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBagBackwardArgs& a,
                                    const EmbeddingOptimizerParams& p, const Stream* stream = nullptr);
+
+// ---- Bag permutation ---------------------------------------------------------------------------
+// CSR bags in another order: output bag k is input bag permutation[k] (FBGEMM's
+// permute_1D_sparse_data, with which TorchRec regroups the ids an all-to-all delivered rank by
+// rank). Integers are moved, nothing is computed: every device gives the same bits.
+//   GPU: the input offsets and the output's are CUB exclusive / inclusive sums of the lengths (the
+//   output's taken in output order), then one thread per output bag copies its entries.
+struct PermuteBagsArgs {
+  TensorView lengths;      // i64 [n]: the input bags' sizes, >= 0, in input order
+  TensorView indices;      // i64 [nnz]: the input bags' entries, bag after bag (nnz = sum of lengths)
+  TensorView permutation;  // i64 [n]: a permutation of [0, n)
+  TensorView out_offsets;  // i64 [n + 1]: written (=), the output's CSR offsets (out_offsets[0] = 0)
+  TensorView out_indices;  // i64 [nnz]: written (=), apart from indices
+  // u8 [permute_bags_workspace_bytes(n)] on the device (GPU only; the CPU ignores it).
+  std::optional<TensorView> workspace;
+};
+
+// Bytes of workspace the GPU permutation needs for n bags. Call with a CUDA device current (it
+// asks CUB for its scan storage); 0 in a build without CUDA.
+std::size_t permute_bags_workspace_bytes(std::int64_t n);
+
+// The CPU checks that lengths sum to nnz and that permutation is one; a GPU trusts both (they are
+// made on the host, or sent by ranks that made them there), as it trusts CSR input.
+void permute_bags(const PermuteBagsArgs& a, const Stream* stream = nullptr);
 
 // ---- Dense optimizer ---------------------------------------------------------------------------
 // One optimizer step over a whole parameter buffer, element by element in f32:
@@ -327,6 +353,7 @@ void cross_layer_forward(const CrossLayerForwardArgs& a);
 void cross_layer_backward(const CrossLayerBackwardArgs& a);
 void sigmoid_bce_forward_backward(const SigmoidBceArgs& a);  // the fused loss
 void sigmoid_bce_forward_backward(const SigmoidBceArgs& a, const SigmoidBceParams& p);
+void permute_bags(const PermuteBagsArgs& a);
 // The row a raw value selects.
 std::int64_t hash_row(std::uint32_t v, std::int64_t rows, RowHash hash);
 }  // namespace reference

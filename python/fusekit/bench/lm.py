@@ -47,8 +47,8 @@ import fusekit
 from . import lm_report
 from .bench_base import BenchBase
 from .lm_data import Batches, Corpus
-from .lm_runs import (DEFAULT_RUNS, DEFAULTS, HOOK_RUNS, LORA_RUNS, RUNS, RunUnavailable, is_run, llama_config, param_count, prepare,
-                      prepare_lora)
+from .lm_runs import (DEFAULT_RUNS, DEFAULTS, HOOK_RUNS, LORA_RUNS, RUNS, RunUnavailable, attention_check, is_run,
+                      llama_config, param_count, prepare, prepare_lora)
 
 SCHEMA = "fusekit-bench-lm/1"
 
@@ -155,8 +155,15 @@ class Bench(BenchBase):
         loss = None
         try:
             t = time.perf_counter()
+            # a fusekit-attention run: the second warm-up step (compiled by then) must run the op
+            check = 1 if getattr(prep, "fusekit_attention", False) else None
+            if check is not None and warmup < 2:
+                row["attention_check"] = "skipped: --warmup < 2"
             for i in range(warmup):
-                loss = self.step(prep, opt, precision, self.train_data.get(i, batch, self.device))
+                with attention_check(prep.run) if i == check else contextlib.nullcontext() as checked:
+                    loss = self.step(prep, opt, precision, self.train_data.get(i, batch, self.device))
+                if checked is not None:
+                    row["fusekit_attention_calls"] = checked["calls"]
                 if i == 0:
                     row["first_loss"] = float(loss)
                     row["first_step_s"] = round(time.perf_counter() - t, 3)

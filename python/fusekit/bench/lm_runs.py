@@ -2,8 +2,14 @@
 ``transformers.LlamaConfig`` (SDPA attention, the same seeded initialisation in every run), and
 what each run does to it before training: nothing (eager), ``torch.compile``, Liger-Kernel's
 ``apply_liger_kernel_to_llama``, gradient checkpointing of every block, ``fusekit.patch``,
-``fusekit.patch(attention=True)`` (fusekit attention in place of SDPA, the rest as ``fusekit``); for
-LoRA, fusekit's ``LoRALinear`` or PEFT on every projection of a frozen model.
+``fusekit.patch(attention=True)`` (fusekit attention in place of SDPA, the rest as ``fusekit``),
+``fusekit.patch(causal_mask_skip=True)`` (``fusekit_nomask``: SDPA told is_causal instead of handed a
+dense causal mask under torch.compile, the rest as ``fusekit``; ``nomask``: that alone on the
+unmodified model); for LoRA, fusekit's ``LoRALinear`` or PEFT on every projection of a frozen model.
+
+A run that claims fusekit attention (``fusekit_attn*``) is checked: one warm-up step after the
+first runs under the profiler, and unless the ``fusekit::attention`` op ran in it, the run is
+recorded as failed (``AttentionNotRun``) instead of measured under its name.
 
 A run that cannot be set up (a package missing, ``fusekit.patch`` not in this build, Liger on a
 machine without CUDA) raises ``RunUnavailable`` with the reason; the benchmark records it and goes
@@ -12,7 +18,9 @@ on with the next run.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.metadata
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,9 +40,9 @@ CONFIGS = {
 DEFAULTS = {"tiny": {"batches": "2", "train_batch": 2}, "small": {"batches": "64,128", "train_batch": 16},
             "1b": {"batches": "8,16", "train_batch": 8}}
 RUNS = ["eager", "compile", "liger", "liger_compile", "checkpoint", "fusekit", "fusekit_compile", "fusekit_attn",
-        "fusekit_attn_compile"]
-# The runs of a bare command: fusekit attention only when asked for (--runs).
-DEFAULT_RUNS = [r for r in RUNS if not r.startswith("fusekit_attn")]
+        "fusekit_attn_compile", "nomask", "nomask_compile", "fusekit_nomask", "fusekit_nomask_compile"]
+# The runs of a bare command: fusekit attention and the causal-mask skip only when asked for (--runs).
+DEFAULT_RUNS = [r for r in RUNS if not r.startswith(("fusekit_attn", "nomask", "fusekit_nomask"))]
 # fusekit.compress_saved_tensors(bits) around the forward of a run: "hook<bits>" (the unmodified
 # model), "<run>_hook<bits>" (fusekit_hook4, checkpoint_hook4, ...); eager autograd only.
 HOOK_RUNS = ["hook8", "hook4", "hook2", "fusekit_hook8", "fusekit_hook4", "fusekit_hook2", "checkpoint_hook4"]
@@ -45,6 +53,31 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 class RunUnavailable(RuntimeError):
     """The run cannot be set up here; the message says why."""
+
+
+class AttentionNotRun(RuntimeError):
+    """A run that claims fusekit attention did not run it (the model fell back to SDPA)."""
+
+
+@contextlib.contextmanager
+def attention_check(run: str):
+    """Around one training step of a fusekit-attention run that is already compiled (not its first:
+    tracing calls the op on fake tensors): profiles it and raises AttentionNotRun unless the
+    fusekit::attention op ran; yields a dict that gets {"calls": how many times it ran}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusekit.ops import _registry
+
+    # the op as a compiled graph calls it, and the autograd.Function that runs it in eager mode
+    eager = getattr(_registry, "_EAGER", {}).get("attention")
+    names = {"fusekit::attention"} | ({eager.__name__} if eager is not None else set())
+    result = {}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield result
+    result["calls"] = sum(e.name in names for e in prof.events())
+    if not result["calls"]:
+        raise AttentionNotRun(f"{run}: fusekit::attention did not run in a training step (the attention fell back "
+                              f"to SDPA: a mask was built, see fusekit.hf_attention); not measured as {run}")
 
 
 def llama_config(name: str, vocab: int | None = None):
@@ -74,7 +107,9 @@ def build_model(cfg, device, precision: str, seed: int) -> nn.Module:
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg)
+        # a copy: the model keeps its config, and an attention switch (fusekit.patch(attention=True))
+        # changes it; a run after would otherwise start on the switched attention
+        model = LlamaForCausalLM(copy.deepcopy(cfg))
     if precision == "bf16":
         model.to(torch.bfloat16)
     return model.train()
@@ -99,6 +134,8 @@ class Prepared:
     undo: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     context: Callable = contextlib.nullcontext  # entered around each training step's forward
+    fusekit_attention: bool = False  # the run claims fusekit attention: measure checks that it ran
+    run: str = ""
 
     def restore(self):
         while self.undo:
@@ -129,7 +166,7 @@ def _apply_liger(prep: Prepared, device) -> None:
                                 swiglu=True, model=prep.model)
 
 
-def _apply_fusekit(prep: Prepared, attention: bool = False) -> None:
+def _apply_fusekit(prep: Prepared, attention: bool = False, nomask: bool = False, only_mask: bool = False) -> None:
     import fusekit
 
     patch = getattr(fusekit, "patch", None)
@@ -138,13 +175,21 @@ def _apply_fusekit(prep: Prepared, attention: bool = False) -> None:
     if attention and not hasattr(fusekit, "hf_attention_forward"):
         raise RunUnavailable(f"fusekit.patch(attention=True) does not exist in this build "
                              f"({fusekit.build_info().get('commit')})")
-    out = patch(prep.model, attention=True) if attention else patch(prep.model)
+    if nomask and "causal_mask_skip" not in inspect.signature(patch).parameters:
+        raise RunUnavailable(f"fusekit.patch(causal_mask_skip=True) does not exist in this build "
+                             f"({fusekit.build_info().get('commit')})")
+    options = {"attention": True} if attention else {"causal_mask_skip": True} if nomask else {}
+    if only_mask:
+        options |= {"rms_norm": False, "mlp": False, "rope": False, "cross_entropy": False, "decoder_layer": False}
+    out = patch(prep.model, **options)
     if isinstance(out, nn.Module):
         prep.model = prep.step_model = out
-    if attention:
-        impl = prep.model.config._attn_implementation
-        if impl != "fusekit":
-            raise RunUnavailable(f"fusekit.patch(attention=True) left the model on attention {impl!r}")
+    want = "fusekit" if attention else "fusekit_sdpa" if nomask else None
+    impl = prep.model.config._attn_implementation
+    if want is not None and impl != want:
+        raise RunUnavailable(f"fusekit.patch({', '.join(f'{k}={v}' for k, v in options.items())}) left the model on "
+                             f"attention {impl!r}")
+    prep.fusekit_attention = attention
 
 
 def split_hook(run: str) -> tuple[str, int | None]:
@@ -162,13 +207,13 @@ def is_run(run: str) -> bool:
 
 
 def prepare(run: str, cfg, device, precision: str, seed: int, compile_dynamic, hook_min_bytes: int = 1 << 20) -> Prepared:
-    """A fresh model with `run` applied (a hook run's hook packs saved tensors of at least
+    """A fresh model (its own copy of cfg) with `run` applied (a hook run's hook packs saved tensors of at least
     `hook_min_bytes`)."""
     run, hook_bits = split_hook(run)
     if hook_bits is not None and run.endswith("compile"):
         raise RunUnavailable("fusekit.compress_saved_tensors applies to eager autograd, not to a compiled graph")
     model = build_model(cfg, device, precision, seed)
-    prep = Prepared(model=model, step_model=model)
+    prep = Prepared(model=model, step_model=model, run=run)
     if hook_bits is not None:
         import fusekit
 
@@ -187,6 +232,8 @@ def prepare(run: str, cfg, device, precision: str, seed: int, compile_dynamic, h
             _apply_fusekit(prep)
         elif base == "fusekit_attn":  # the batch has no padding: every layer runs fusekit.attention
             _apply_fusekit(prep, attention=True)
+        elif base in ("nomask", "fusekit_nomask"):  # SDPA with is_causal, no dense causal mask
+            _apply_fusekit(prep, nomask=True, only_mask=base == "nomask")
         elif base not in ("eager", "compile"):
             raise ValueError(f"unknown run {run!r}; runs: {', '.join(RUNS)}")
         if run.endswith("compile"):

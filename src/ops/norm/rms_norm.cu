@@ -267,7 +267,8 @@ __global__ void __launch_bounds__(kBackwardMaxThreads<T, W>) rms_norm_backward_k
     const float rstd = p.rstd[r];
     const T* sr = static_cast<const T*>(p.s) + r * p.ld_s;
     const O* dr = static_cast<const O*>(p.dout) + r * p.ld_dout;
-    Vec<T, V> s[K];
+    const T* rr = p.dresidual_out ? static_cast<const T*>(p.dresidual_out) + r * p.ld_dr : nullptr;
+    Vec<T, V> s[K], dres[K];
     Vec<O, V> dout[K];
     float dot = 0.0f;
 #pragma unroll
@@ -275,6 +276,7 @@ __global__ void __launch_bounds__(kBackwardMaxThreads<T, W>) rms_norm_backward_k
       if (!active || col(k) >= p.cols) continue;
       s[k] = load_vec<T, V>(sr + col(k));
       dout[k] = load_raw<O, V>(dr + col(k));
+      if (rr) dres[k] = load_vec<T, V>(rr + col(k));  // issued with the others, not after the reduction
       float wk[V];
       load_floats<W, V>(w + col(k), wk);
 #pragma unroll
@@ -298,11 +300,9 @@ __global__ void __launch_bounds__(kBackwardMaxThreads<T, W>) rms_norm_backward_k
         const float xhat = s[k].get(j) * rstd, g = dout[k].get(j) * (wk[j] + p.offset);
         ds[j] = rstd * (g - xhat * mean);
       }
-      if (p.dresidual_out) {
-        float add[V];
-        load_floats<T, V>(static_cast<const T*>(p.dresidual_out) + row * p.ld_dr + col(k), add);
+      if (rr) {
 #pragma unroll
-        for (int j = 0; j < V; ++j) ds[j] += add[j];
+        for (int j = 0; j < V; ++j) ds[j] += dres[k].get(j);
       }
       store_floats<T, V>(dx + col(k), ds);
     }

@@ -588,7 +588,7 @@ void attention_backward_sm90(const TensorView& q, const TensorView& k, const Ten
   const int bkh = static_cast<int>(k.size(0) * k.size(1));
   const CUtensorMap tq = head_map(kOp, "q", q, kBlockM), tdo = head_map(kOp, "dout", dout, kBlockM);
   const CUtensorMap tk = head_map(kOp, "k", k, kBlockN), tv = head_map(kOp, "v", v, kBlockN);
-  const bool tma_dq = opt.backward_kernel == AttentionBackwardKernel::wgmma_sm90_tma_dq;
+  const bool tma_dq = opt.backward_kernel != AttentionBackwardKernel::wgmma_sm90;
   const CUtensorMap tdq = tma_dq ? dq_accum_map(dq_accum) : CUtensorMap{};
   const bool bf16 = q.dtype() == DType::bf16;
   auto run = [&]<int D, bool TmaDq>() {

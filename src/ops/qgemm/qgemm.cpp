@@ -173,7 +173,7 @@ void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, 
                  "16-byte aligned packed, scale and zero (the kernel copies them in 16-byte units)",
                  "a misaligned pointer");
 #if FUSEKIT_WITH_CUDA
-  cuda::qgemm(x, qw, y, stream, cuda::QgemmPath::automatic, options.constant_weights);
+  cuda::qgemm(x, qw, y, stream, cuda::QgemmPath::automatic, options);
 #else
   (void)stream;
   (void)options;

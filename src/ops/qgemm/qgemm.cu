@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(256) dequantize_kernel(const std::uint32_t* __
 }  // namespace
 
 void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
-           QgemmPath path, bool constant_weights) {
+           QgemmPath path, const QgemmOptions& options) {
   const fk::detail::DeviceScope on_device(y.device().index);
   with_float_type(qw.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -347,7 +347,7 @@ void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, 
     } else {
       const std::int64_t m = x.size(0);
       if (path == QgemmPath::automatic) {
-        if (m <= 16 && qgemm_small_m(x, qw, y, stream, constant_weights)) return;  // qgemm_small_m.cu
+        if (m <= 16 && qgemm_small_m(x, qw, y, stream, options)) return;  // qgemm_small_m.cu
         if (qgemm_wgmma(x, qw, y, stream)) return;                // qgemm_wgmma.cu: sm_90
       }
       if (m <= MidM::BM) return launch<T, MidM>(x, qw, y, stream);

@@ -11,17 +11,19 @@ namespace fk::cuda {
 enum class QgemmPath { automatic, mma_sync_tiles };
 
 // qgemm.cu
-// constant_weights: QgemmOptions' promise (the small-M kernel's programmatic dependent launch).
+// options: QgemmOptions (constant_weights: the small-M kernel's programmatic dependent launch;
+// reduction: the small-M kernel's split-K reduction).
 void qgemm(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
-           QgemmPath path = QgemmPath::automatic, bool constant_weights = false);
+           QgemmPath path = QgemmPath::automatic, const QgemmOptions& options = {});
 void dequantize_weights(const QuantizedWeight& qw, const TensorView& out, const Stream* stream);
 
 // qgemm_small_m.cu: M <= 16, the weight-streaming kernel. False (nothing launched) when M > 16 or
 // x's chunk of K does not fit a CTA's shared memory; the caller then takes the tensor-core tiles.
-// constant_weights (sm_90): launched as a programmatic dependent launch, its first weight loads
-// issued before it waits for the kernel before it.
+// options.constant_weights (sm_90): launched as a programmatic dependent launch, its first weight
+// loads issued before it waits for the kernel before it. options.reduction (sm_90): the split-K
+// reduction, pull (cluster barriers + DSMEM reads) or push (st.async into the owner's mbarrier).
 bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
-                   bool constant_weights = false);
+                   const QgemmOptions& options = {});
 
 // A plan of the wgmma kernel: nc consumer warpgroups of mw m64 blocks of N each — (2, 2), (2, 1)
 // or (3, 1): 256, 128 or 192 rows a CTA — and the splits of K (1 to 8; one cluster of `splits`

@@ -27,6 +27,16 @@
 // The last cluster barrier is arrive.release after every read of another CTA's shared memory and
 // wait.acquire before the CTA exits, so no CTA leaves (its shared memory released) while a peer
 // still reads it; y is stored between the two. On sm_80 (no clusters) S = 1.
+// The push reduction (QgemmOptions::reduction = cluster_push, sm_90; template PUSH) reads no other
+// CTA's memory and has no barrier before exit: each CTA has a receive buffer of its own (after x's,
+// not aliasing it, so peers may write into it while it still computes) and an mbarrier, initialized
+// at the start and published by a cluster barrier arrive that every CTA waits on only before its
+// first push. Each lane sends its partials of a row to the row's owner with one 8- or 16-byte
+// st.async (complete_tx on the owner's mbarrier; its own rows by plain stores and an arrival), the
+// owner waits for its byte count and the arrivals, sums in the same order (split, warp) as the
+// pull — the same bytes of y — and exits. A sender may leave as soon as its st.async are issued
+// (they carry registers, not its shared memory); an owner leaves only after every byte sent to it
+// has landed.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -36,6 +46,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include "fusekit/core/cuda_check.hpp"
 #include "ops/common/cuda_common.cuh"
@@ -78,7 +89,41 @@ struct SmallMParams {
   int k_tiles;                  // k_pad / 64
   int tiles_per_warp;           // k-tiles per warp; a CTA covers kWarpsK of them, split y of the grid's y
   int x_stride;                 // pairs of values per row of x in shared memory: kWarpsK * tiles_per_warp * 32 + kXPad
+  int recv_offset;              // push: the receive buffer's offset in floats from the start of shared memory
+  int recv_floats;              // push: its size in floats; its mbarrier follows it
 };
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The push reduction's primitives (sm_90): a shared::cta address mapped to CTA `rank` of the
+// cluster, and 8- or 16-byte st.async into it counted on that CTA's mbarrier.
+__device__ __forceinline__ std::uint32_t map_to_rank(std::uint32_t addr, int rank) {
+  std::uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void st_async(std::uint32_t addr, float a, float b, std::uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n" ::"r"(addr),
+               "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void st_async(std::uint32_t addr, float a, float b, float c, float d, std::uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   addr),
+               "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(__float_as_uint(c)), "r"(__float_as_uint(d)),
+               "r"(bar)
+               : "memory");
+}
+#endif
+
+// The push reduction's receive buffer in the CTA that owns rows [r0, r0 + rows) of the block:
+// [split][warp wk][row - r0][MP] floats. A lane's partials of one row (columns 2t, 2t + 1 of each
+// n8 tile mt) are one chunk of 2 MT floats at position p = 2 MT t + MT (column % 2) + mt, i.e. column
+// (p % MT) * 8 + p / MT, so that it goes in one 8- or 16-byte st.async; chunk t lies at t ^ swizzle
+// (row) (fewer bank conflicts when the owner's threads read consecutive rows of one column).
+template <int MT>
+__device__ __forceinline__ int recv_swizzle(int row) {
+  return MT == 1 ? (row / 4) % 4 : (row / 2) % 4;
+}
 
 __device__ __forceinline__ uint4 load_l1(const uint4* p) {
   uint4 v;
@@ -152,7 +197,8 @@ constexpr int min_ctas(int mt, int ku, bool group64) { return mt == 1 && ku == 1
 // row of x does not exist (no predicates in the main loop).
 constexpr int kXPad = 4;
 
-template <class T, int MT, int KU, bool GROUP64>
+// PUSH: the push reduction (QgemmReduction::cluster_push; sm_90 only: elsewhere the pull's code).
+template <class T, int MT, int KU, bool GROUP64, bool PUSH>
 __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_small_m_kernel(const SmallMParams<T> p) {
   constexpr int kWarpsN = CtaShape<MT>::WN, kWarpsK = CtaShape<MT>::WK, kBN = CtaShape<MT>::BN;
   constexpr int H = GROUP64 ? 1 : 2;  // group entries per batch with their own scales
@@ -220,6 +266,27 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
   // A kernel after this one launched as a programmatic dependent may start now (it waits for this
   // one to complete before it reads what this one writes).
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  // Push reduction: this CTA's receive mbarrier expects the bytes of its rows' partials from every
+  // other split (st.async transactions, counted by thread 0's first arrival) and one arrival of each
+  // of its threads after it stored its own partials of those rows (plain shared stores: no
+  // st.async to the executing CTA). Its initialization is made visible to the cluster (fence + the
+  // arrive below) before any peer pushes: they wait on the same cluster barrier first, long after.
+  float* const recv = reinterpret_cast<float*>(smem) + p.recv_offset;
+  const std::uint32_t recv_bar = static_cast<std::uint32_t>(__cvta_generic_to_shared(recv)) +
+                                 static_cast<std::uint32_t>(sizeof(float)) * p.recv_floats;
+  if constexpr (PUSH) {
+    const cg::cluster_group cluster = cg::this_cluster();
+    const int splits = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+    const int rows = (kBN + splits - 1) / splits, r0 = rank * rows, nr = max(0, min(kBN, r0 + rows) - r0);
+    const int chunks_row = min(4, (p.m + 1) / 2);  // lanes t with a column 2t < m
+    const std::uint32_t bytes = static_cast<std::uint32_t>((splits - 1) * kWarpsK * nr * chunks_row * 8 * MT);
+    if (tid == 0) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(recv_bar), "r"(kThreads + 1) : "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(recv_bar), "r"(bytes) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  }
 #endif
   Batch<KU, H> cur, nxt;
   // The first two batches are on their way while x is staged.
@@ -350,6 +417,68 @@ __global__ void __launch_bounds__(kThreads, min_ctas(MT, KU, GROUP64)) qgemm_sma
     load(nxt, base + 3 * KU);
   }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (PUSH) {
+    const cg::cluster_group cluster = cg::this_cluster();
+    const int splits = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+    const int rows = (kBN + splits - 1) / splits;
+    // Every CTA's receive mbarrier is initialized (the arrive of the prologue).
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    // This lane's partials of rows g, g + 8 of each tile (c0, c1 / c2, c3: columns 2t, 2t + 1) into
+    // the receive buffer of the row's owner, slot (rank, wk); only chunks holding a column < m. Rows
+    // this CTA owns: plain shared stores, made visible by each thread's arrival below.
+    const std::uint32_t recv_base = static_cast<std::uint32_t>(__cvta_generic_to_shared(recv));
+    if (2 * t < p.m) {
+#pragma unroll
+      for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = (wn * kNT + i) * 16 + g + 8 * h, dst = row / rows, rl = row - dst * rows;
+          const int off = ((rank * kWarpsK + wk) * rows + rl) * MP + (t ^ recv_swizzle<MT>(rl)) * 2 * MT;
+          if (dst == rank) {
+            if constexpr (MT == 1)
+              *reinterpret_cast<float2*>(recv + off) = make_float2(acc[i][0][2 * h], acc[i][0][2 * h + 1]);
+            else
+              *reinterpret_cast<float4*>(recv + off) =
+                  make_float4(acc[i][0][2 * h], acc[i][1][2 * h], acc[i][0][2 * h + 1], acc[i][1][2 * h + 1]);
+            continue;
+          }
+          const std::uint32_t addr = map_to_rank(recv_base + static_cast<std::uint32_t>(sizeof(float) * off), dst);
+          const std::uint32_t bar = map_to_rank(recv_bar, dst);
+          if constexpr (MT == 1)
+            st_async(addr, acc[i][0][2 * h], acc[i][0][2 * h + 1], bar);
+          else
+            st_async(addr, acc[i][0][2 * h], acc[i][1][2 * h], acc[i][0][2 * h + 1], acc[i][1][2 * h + 1], bar);
+        }
+    }
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(recv_bar) : "memory");
+    // The owner: once every split's bytes have landed (no CTA leaves while a peer may still write
+    // to it: each waits here for all that is sent to it; a sender's st.async reads registers only,
+    // so it may leave right after issuing them), sum in the order (split, warp) as the pull does.
+    const int r0 = rank * rows, nr = max(0, min(kBN, r0 + rows) - r0), count = min(p.m, MP) * nr;
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_RECV:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], 0;\n"
+        "@!done bra WAIT_RECV;\n"
+        "}\n" ::"r"(recv_bar)
+        : "memory");
+    const int n_cta = blockIdx.x * kBN;
+    for (int e = tid; e < count; e += kThreads) {
+      const int col = e / nr, rl = e % nr, pc = (col % 8) * MT + col / 8;
+      const int pos = ((pc / (2 * MT)) ^ recv_swizzle<MT>(rl)) * 2 * MT + pc % (2 * MT);
+      float sum = 0.0f;
+      for (int s = 0; s < splits; ++s)
+#pragma unroll
+        for (int w = 0; w < kWarpsK; ++w) sum += recv[((s * kWarpsK + w) * rows + rl) * MP + pos];
+      const int n = n_cta + r0 + rl;
+      if (n < p.n) p.y[static_cast<std::int64_t>(col) * p.n + n] = device::from_float<T>(sum);
+    }
+    return;
+  }
+#endif
+
   // Partials of the CTA's warps -> red [wk][col][row] (c0, c1: row g, columns 2t, 2t + 1; c2, c3: row g + 8).
   __syncthreads();  // every warp is done with xs
 #pragma unroll
@@ -463,6 +592,7 @@ int resident_by_registers(Kernel kernel, int device, const DeviceFacts& f) {
 
 struct Plan {
   int splits = 1, tiles_per_warp = 1, x_stride = 0;
+  int recv_offset = 0, recv_floats = 0;  // the push reduction's receive buffer (floats)
   std::size_t smem = 0;
 };
 
@@ -500,8 +630,11 @@ int active_clusters(Kernel kernel, int device, int splits, std::size_t smem, int
 // docs/notes/qgemm.md). When no split fits in one wave, the least time by a simple
 // model: waves of clusters x k-tiles per CTA; ties go to more splits. A warp's k-tiles are a
 // multiple of KU (the k-tiles of one batch). False when x's chunk never fits a CTA's shared memory.
+// push: the push reduction's receive buffer (its own region after x's, and its mbarrier) instead of
+// partials in x's place, with the pull's split (so that both reductions give the same bytes of y:
+// the split is chosen by the pull's shared memory; the push's larger CTA must still fit).
 template <int kWarpsK, int kBN, int KU, class Kernel>
-bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int device, Plan& plan) {
+bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int device, bool push, Plan& plan) {
   const DeviceFacts f = device_facts(device);
   const int by_regs = resident_by_registers(kernel, device, f);
   int most = f.major >= 9 ? std::min(kMaxSplits, std::max(1, k_tiles / (kWarpsK * KU))) : 1;
@@ -517,6 +650,11 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
     const std::size_t x_bytes = static_cast<std::size_t>(m + 1) * c.x_stride * 4;
     const std::size_t red_bytes = static_cast<std::size_t>(kWarpsK) * mp * kBN * 4;
     c.smem = std::max(x_bytes, red_bytes);
+    if (push) {
+      const int rows = (kBN + s - 1) / s;
+      c.recv_offset = static_cast<int>((x_bytes + 15) / 16 * 4);
+      c.recv_floats = s * kWarpsK * rows * mp;
+    }
     if (c.smem > static_cast<std::size_t>(f.smem_optin)) continue;
     const int clusters = std::max(1, active_clusters(kernel, device, s, c.smem, by_regs, f));
     const long waves = (n_blocks + clusters - 1) / clusters;
@@ -530,18 +668,24 @@ bool plan_split(Kernel kernel, int m, int mp, int n_blocks, int k_tiles, int dev
       plan = c;
     }
   }
-  return best >= 0;
+  if (best < 0) return false;
+  if (push) {
+    plan.smem = static_cast<std::size_t>(plan.recv_offset + plan.recv_floats) * 4 + 16;  // + the mbarrier
+    if (plan.smem > static_cast<std::size_t>(f.smem_optin)) return false;
+  }
+  return true;
 }
 
-template <class T, int MT, int KU, bool GROUP64>
+template <class T, int MT, int KU, bool GROUP64, bool PUSH>
 bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
-                    bool constant_weights) {
+                    const QgemmOptions& options) {
   using C = CtaShape<MT>;
-  const auto kernel = qgemm_small_m_kernel<T, MT, KU, GROUP64>;
+  const bool sm90 = device_facts(y.device().index).major >= 9;
+  const auto kernel = qgemm_small_m_kernel<T, MT, KU, GROUP64, PUSH>;
   const int m = static_cast<int>(x.size(0)), n = static_cast<int>(qw.n);
   const int k_tiles = static_cast<int>(qw.k_pad() / 64), n_blocks = (n + C::BN - 1) / C::BN;
   Plan plan;
-  if (!plan_split<C::WK, C::BN, KU>(kernel, m, MT * 8, n_blocks, k_tiles, y.device().index, plan)) return false;
+  if (!plan_split<C::WK, C::BN, KU>(kernel, m, MT * 8, n_blocks, k_tiles, y.device().index, PUSH, plan)) return false;
 
   SmallMParams<T> p{};
   p.x = x.data_as<const T>();
@@ -559,6 +703,8 @@ bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const Tensor
   p.k_tiles = k_tiles;
   p.tiles_per_warp = plan.tiles_per_warp;
   p.x_stride = plan.x_stride;
+  p.recv_offset = plan.recv_offset;
+  p.recv_floats = plan.recv_floats;
 
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(n_blocks, plan.splits, 1);
@@ -576,7 +722,7 @@ bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const Tensor
   }
   // Constant weights on sm_90: a programmatic dependent launch (the kernel waits with
   // griddepcontrol.wait after its first weight loads, before it reads x).
-  if (constant_weights && device_facts(y.device().index).major >= 9) {
+  if (options.constant_weights && sm90) {
     cudaLaunchAttribute& a = attrs[n_attrs++];
     a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     a.val.programmaticStreamSerializationAllowed = 1;
@@ -591,30 +737,42 @@ bool launch_small_m(const TensorView& x, const QuantizedWeight& qw, const Tensor
 }  // namespace
 
 bool qgemm_small_m(const TensorView& x, const QuantizedWeight& qw, const TensorView& y, const Stream* stream,
-                   bool constant_weights) {
+                   const QgemmOptions& options) {
   const std::int64_t m = x.size(0);
   if (m > 16) return false;
   // A group that is a multiple of 64 (or one group per row) has one scale per row and k-tile; one
   // that is a multiple of 128 (more than one group) one per batch of two k-tiles.
   const bool group64 = qw.groups() == 1 || qw.group % 64 == 0;
   const bool group128 = qw.groups() > 1 && qw.group % 128 == 0;
+  // The push reduction needs sm_90 (clusters, st.async); elsewhere the pull runs (one split).
+  const bool push =
+      options.reduction == QgemmReduction::cluster_push && device_facts(y.device().index).major >= 9;
   bool done = false;
   with_float_type(qw.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (std::is_same_v<T, float>) {
       throw_internal("qgemm: f32 weights are not packed");
     } else {
-      if (m <= 8) {
+      auto run = [&](auto mt, auto ku, auto g64) {
+        constexpr int MT = decltype(mt)::value, KU = decltype(ku)::value;
+        constexpr bool G64 = decltype(g64)::value;
+        done = push ? launch_small_m<T, MT, KU, G64, true>(x, qw, y, stream, options)
+                    : launch_small_m<T, MT, KU, G64, false>(x, qw, y, stream, options);
+      };
+      using One = std::integral_constant<int, 1>;
+      using Two = std::integral_constant<int, 2>;
+      const auto mt = [&](auto m_tiles) {
         if (group128)
-          done = launch_small_m<T, 1, 2, true>(x, qw, y, stream, constant_weights);
+          run(m_tiles, Two{}, std::true_type{});
+        else if (group64)
+          run(m_tiles, One{}, std::true_type{});
         else
-          done = group64 ? launch_small_m<T, 1, 1, true>(x, qw, y, stream, constant_weights) : launch_small_m<T, 1, 1, false>(x, qw, y, stream, constant_weights);
-      } else {
-        if (group128)
-          done = launch_small_m<T, 2, 2, true>(x, qw, y, stream, constant_weights);
-        else
-          done = group64 ? launch_small_m<T, 2, 1, true>(x, qw, y, stream, constant_weights) : launch_small_m<T, 2, 1, false>(x, qw, y, stream, constant_weights);
-      }
+          run(m_tiles, One{}, std::false_type{});
+      };
+      if (m <= 8)
+        mt(One{});
+      else
+        mt(Two{});
     }
   });
   return done;

@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/gemm.hpp"
@@ -521,6 +522,83 @@ void interaction_backward(const InteractionBackwardArgs& a, const InteractionPar
                                        a.dz.data_as<float>(), s);
       break;
   }
+#else
+  (void)stream;
+#endif
+}
+
+// ---- Bag permutation ------------------------------------------------------------------------------
+
+std::size_t permute_bags_workspace_bytes(std::int64_t n) {
+  FK_CHECK_ARG(n >= 0, "permute_bags_workspace_bytes", "n", ">= 0", std::to_string(n));
+#if FUSEKIT_WITH_CUDA
+  const auto bags = static_cast<std::size_t>(n);
+  return kWorkspaceAlign + 2 * align_up(bags * 8) + align_up(cuda::permute_bags_scan_bytes(n));
+#else
+  return 0;
+#endif
+}
+
+void permute_bags(const PermuteBagsArgs& a, const Stream* stream) {
+  constexpr const char* op = "permute_bags";
+  checks::tensor(op, "lengths", a.lengths, 1);
+  checks::dtype_in(op, "lengths", a.lengths, {DType::i64});
+  const Device dev = a.lengths.device();
+  checks::cuda_available(op, dev);
+  const std::int64_t n = a.lengths.numel();
+  checks::tensor(op, "indices", a.indices, 1);
+  checks::dtype_in(op, "indices", a.indices, {DType::i64});
+  checks::same_device(op, "indices", a.indices, dev);
+  const std::int64_t nnz = a.indices.numel();
+  check_vector(op, "permutation", a.permutation, DType::i64, n, dev);
+  check_vector(op, "out_offsets", a.out_offsets, DType::i64, n + 1, dev);
+  check_vector(op, "out_indices", a.out_indices, DType::i64, nnz, dev);
+  checks::outputs_disjoint(op, {{"out_offsets", &a.out_offsets}, {"out_indices", &a.out_indices}},
+                           {{"lengths", &a.lengths}, {"indices", &a.indices}, {"permutation", &a.permutation}});
+  checks::check_stream(op, stream, dev);
+  if (dev.is_cpu()) {
+    const auto* len = a.lengths.data_as<const std::int64_t>();
+    const auto* perm = a.permutation.data_as<const std::int64_t>();
+    std::int64_t total = 0;
+    for (std::int64_t q = 0; q < n; ++q) {
+      FK_CHECK_ARG(len[q] >= 0 && len[q] <= nnz - total, op, "lengths",
+                   fmt::format("sizes >= 0 summing to {} (the entries of indices)", nnz),
+                   fmt::format("{} at bag {} after {} entries", len[q], q, total));
+      total += len[q];
+    }
+    FK_CHECK_ARG(total == nnz, op, "lengths", fmt::format("sizes summing to {} (the entries of indices)", nnz),
+                 fmt::format("a sum of {}", total));
+    std::vector<bool> seen(static_cast<std::size_t>(n), false);
+    for (std::int64_t k = 0; k < n; ++k) {
+      FK_CHECK_ARG(perm[k] >= 0 && perm[k] < n && !seen[static_cast<std::size_t>(perm[k])], op, "permutation",
+                   fmt::format("a permutation of [0, {})", n), fmt::format("{} at position {}", perm[k], k));
+      seen[static_cast<std::size_t>(perm[k])] = true;
+    }
+    return reference::permute_bags(a);
+  }
+#if FUSEKIT_WITH_CUDA
+  const std::size_t need = permute_bags_workspace_bytes(n);
+  FK_CHECK_ARG(a.workspace.has_value(), op, "workspace", fmt::format("u8 [>= {}]", need), "none");
+  checks::tensor(op, "workspace", *a.workspace, 1);
+  checks::dtype_in(op, "workspace", *a.workspace, {DType::u8});
+  checks::same_device(op, "workspace", *a.workspace, dev);
+  FK_CHECK_ARG(a.workspace->nbytes() >= need, op, "workspace", fmt::format("u8 [>= {}]", need), a.workspace->str());
+  const detail::DeviceScope on(dev.index);
+  // Carve the workspace: every piece 256-byte aligned.
+  auto at = (reinterpret_cast<std::uintptr_t>(a.workspace->data()) + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+  auto take = [&](std::size_t bytes) {
+    void* p = reinterpret_cast<void*>(at);
+    at += align_up(bytes);
+    return p;
+  };
+  cuda::PermuteBagsWorkspace ws;
+  ws.in_start = static_cast<std::int64_t*>(take(static_cast<std::size_t>(n) * 8));
+  ws.out_lengths = static_cast<std::int64_t*>(take(static_cast<std::size_t>(n) * 8));
+  ws.scan_bytes = cuda::permute_bags_scan_bytes(n);
+  ws.scan_temp = take(ws.scan_bytes);
+  cuda::permute_bags(a.lengths.data_as<std::int64_t>(), a.indices.data_as<std::int64_t>(),
+                     a.permutation.data_as<std::int64_t>(), n, a.out_offsets.data_as<std::int64_t>(),
+                     a.out_indices.data_as<std::int64_t>(), ws, detail::cuda_stream(stream));
 #else
   (void)stream;
 #endif

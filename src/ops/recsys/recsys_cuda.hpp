@@ -84,6 +84,22 @@ void embedding_backward_fused(const TableSet& tables, int key_bits, const std::u
                               std::int64_t out_stride, const std::int64_t* mean_offsets, float lr, float eps,
                               const SparseBackwardWorkspace& ws, cudaStream_t s);
 
+// ---- Bag permutation (permute_bags.cu) -------------------------------------------------------------
+// Output bag k = input bag perm[k]: in_start = exclusive sum of lengths, the output's lengths
+// gathered in output order and summed (inclusive) into out_offsets[1..n] (out_offsets[0] = 0), then
+// one thread per output bag copies its entries.
+struct PermuteBagsWorkspace {
+  std::int64_t* in_start = nullptr;     // [n]
+  std::int64_t* out_lengths = nullptr;  // [n]
+  void* scan_temp = nullptr;
+  std::size_t scan_bytes = 0;
+};
+// Bytes of CUB temp storage for the scans over n bags.
+std::size_t permute_bags_scan_bytes(std::int64_t n);
+void permute_bags(const std::int64_t* lengths, const std::int64_t* indices, const std::int64_t* perm, std::int64_t n,
+                  std::int64_t* out_offsets, std::int64_t* out_indices, const PermuteBagsWorkspace& ws,
+                  cudaStream_t s);
+
 // ---- Interaction --------------------------------------------------------------------------------
 // pairs: device [P] of (i << 16 | j), the dot interaction's output order. R has leading
 // dimension ldr >= D + P; its padding columns are written as zeros.

@@ -327,4 +327,21 @@ void cross_layer_backward(const CrossLayerBackwardArgs& a) {
   }
 }
 
+void permute_bags(const PermuteBagsArgs& a) {
+  const std::int64_t n = a.lengths.numel();
+  const auto* len = a.lengths.data_as<const std::int64_t>();
+  const auto* perm = a.permutation.data_as<const std::int64_t>();
+  const auto* in = a.indices.data_as<const std::int64_t>();
+  auto* off = a.out_offsets.data_as<std::int64_t>();
+  auto* out = a.out_indices.data_as<std::int64_t>();
+  std::vector<std::int64_t> start(static_cast<std::size_t>(n) + 1, 0);  // the input bags' offsets
+  for (std::int64_t q = 0; q < n; ++q) start[static_cast<std::size_t>(q) + 1] = start[static_cast<std::size_t>(q)] + len[q];
+  off[0] = 0;
+  for (std::int64_t k = 0; k < n; ++k) {
+    const std::int64_t* bag = in + start[static_cast<std::size_t>(perm[k])];
+    off[k + 1] = off[k] + len[perm[k]];
+    std::copy(bag, bag + len[perm[k]], out + off[k]);
+  }
+}
+
 }  // namespace fk::reference
