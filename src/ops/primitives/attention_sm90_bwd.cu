@@ -323,22 +323,8 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
   clear(tdVrdV);
   clear(tdKrdK);
   mma_dkv.accumulate_ = GMMA::ScaleOut::One;
-  if (st.count > 0) mbar_wait(bars.kv_full(), 0);
-
-  for (int n = 0; n < st.count; ++n) {
-    const int s = n % kStages;
-    const int i0 = st.i0(n), h = st.head(n, h0);
-    // The element coordinates (and with them the lse/delta, dS and dq addresses) from a thread
-    // index the compiler cannot see through, so that it recomputes them each step (a few integer
-    // instructions) rather than keeping some 80 loop-invariant offsets in registers.
-    int ct_step = ct;
-    asm volatile("" : "+r"(ct_step));
-    Tensor tScS = mma_sdp.get_thread_slice(ct_step).partition_C(
-        make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));  // (key, query) of tSrS's values
-    Tensor tdQc = mma_dq.get_thread_slice(ct_step).partition_C(
-        make_identity_tensor(Shape<Int<kBlockM>, Int<D>>{}));  // (query, d) of tdQrdQ's values
-    mbar_wait(bars.full(s), (n / kStages) & 1);
-    // Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ, two batches.
+  // Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ of stage s: two batches.
+  auto issue_sdp = [&](int s) {
     warpgroup_fence_operand(tSrS);
     warpgroup_fence_operand(tSrdP);
     warpgroup_arrive();
@@ -356,6 +342,23 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
       mma_sdp.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
+  };
+  if (st.count > 0) mbar_wait(bars.kv_full(), 0);
+
+  for (int n = 0; n < st.count; ++n) {
+    const int s = n % kStages;
+    const int i0 = st.i0(n), h = st.head(n, h0);
+    // The element coordinates (and with them the lse/delta, dS and dq addresses) from a thread
+    // index the compiler cannot see through, so that it recomputes them each step (a few integer
+    // instructions) rather than keeping some 80 loop-invariant offsets in registers.
+    int ct_step = ct;
+    asm volatile("" : "+r"(ct_step));
+    Tensor tScS = mma_sdp.get_thread_slice(ct_step).partition_C(
+        make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));  // (key, query) of tSrS's values
+    Tensor tdQc = mma_dq.get_thread_slice(ct_step).partition_C(
+        make_identity_tensor(Shape<Int<kBlockM>, Int<D>>{}));  // (query, d) of tdQrdQ's values
+    mbar_wait(bars.full(s), (n / kStages) & 1);
+    issue_sdp(s);
 
     // Pᵀ while dPᵀ is on the tensor cores.
     warpgroup_wait<1>();
@@ -375,24 +378,27 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_exp2(tSrS(i) * p.scale_log2 - lse_t[get<1>(tScS(i))]);
     }
-    warpgroup_wait<0>();
+    CUTE_UNROLL
+    for (int i = 0; i < size(rP); ++i) rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+
+    // dV += Pᵀ dO on the tensor cores while dSᵀ is computed.
+    warpgroup_fence_operand(tdVrdV);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(tdVrP); ++kk) gemm(mma_dkv, tdVrP(_, _, kk), tdVrdO(_, _, kk, s), tdVrdV);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // dPᵀ
     warpgroup_fence_operand(tSrdP);
     CUTE_UNROLL
     for (int i = 0; i < size(tSrdP); ++i) tSrdP(i) = tSrS(i) * (tSrdP(i) - delta_t[get<1>(tScS(i))]) * p.scale;
     CUTE_UNROLL
-    for (int i = 0; i < size(rP); ++i) {
-      rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
-      rdS(i) = pack2<T>(tSrdP(2 * i), tSrdP(2 * i + 1));
-    }
+    for (int i = 0; i < size(rdS); ++i) rdS(i) = pack2<T>(tSrdP(2 * i), tSrdP(2 * i + 1));
     // lse and delta of stage s are read; the producer waits for this only where it stores again
     if (n + kStages < st.count) named_barrier_arrive(kStatsEmptyBarrier + s, kStatsThreads);
 
-    // dV += Pᵀ dO, dK += dSᵀ Q: one batch.
-    warpgroup_fence_operand(tdVrdV);
+    // dK += dSᵀ Q on the tensor cores while dS goes to shared memory.
     warpgroup_fence_operand(tdKrdK);
     warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kk = 0; kk < size<2>(tdVrP); ++kk) gemm(mma_dkv, tdVrP(_, _, kk), tdVrdO(_, _, kk, s), tdVrdV);
     CUTE_UNROLL
     for (int kk = 0; kk < size<2>(tdKrdS); ++kk) gemm(mma_dkv, tdKrdS(_, _, kk), tdKrQ(_, _, kk, s), tdKrdK);
     warpgroup_commit_batch();
@@ -428,7 +434,7 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
       warpgroup_fence_operand(rP(i));
       warpgroup_fence_operand(rdS(i));
     }
-    if (ct % 32 == 0) mbar_arrive(bars.empty(s));  // Q, dO, lse, delta of stage s are read
+    if (ct % 32 == 0) mbar_arrive(bars.empty(s));  // Q, dO of stage s are read
 
     if constexpr (TmaDq) {
       // This warpgroup's 64 x D/2 tile into its swizzled buffer (pairs of adjacent columns), then
