@@ -75,7 +75,9 @@ using cute::Tensor;  // fk declares Tensor too
 constexpr const char* kOp = "attention_backward";
 
 constexpr int kBlockN = 128;  // keys of a CTA
-constexpr int kBlockM = 64;   // queries of a step
+// Queries of a step: 128 at D = 64 (twice the GEMM work a step for the same barriers and waits;
+// the registers allow it there), 64 at D = 128.
+constexpr int block_m(int d) { return d == 64 ? 128 : 64; }
 constexpr int kStages = 2;
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
 // Named barriers of the lse/delta stages (1 and 2 order the dS tile): the producer warp and the
@@ -96,6 +98,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <class T, int D>
 struct Traits {
   static_assert(D == 64 || D == 128);
+  static constexpr int kBlockM = block_m(D);
   // K and V (BLK_N, D), Q and dO (BLK_M, D, PIPE): D-contiguous rows in 128-byte swizzled atoms of
   // 8 rows x 64 elements, rows adjacent, so that each 64-column slab of a tile is one TMA box.
   using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBlockN>, Int<D>>{}));
@@ -187,16 +190,16 @@ struct Params {
 // The steps of the CTA for keys [j0, j0 + BLK_N): step n is q head h0 + n / per_head, queries from
 // (qb0 + n % per_head) BLK_M.
 struct Steps {
-  int qb0, per_head, count;
-  __device__ Steps(const Params& p, int j0, int group) {
+  int qb0, per_head, count, rows;  // rows: BLK_M
+  __device__ Steps(const Params& p, int j0, int group, int block_rows) : rows(block_rows) {
     int q_begin = 0;
     if (p.causal) q_begin = min(max(j0 - p.offset, 0), p.sq);
-    qb0 = q_begin / kBlockM;
-    per_head = q_begin < p.sq ? (p.sq + kBlockM - 1) / kBlockM - qb0 : 0;
+    qb0 = q_begin / rows;
+    per_head = q_begin < p.sq ? (p.sq + rows - 1) / rows - qb0 : 0;
     count = group * per_head;
   }
   __device__ int head(int n, int h0) const { return h0 + n / per_head; }
-  __device__ int i0(int n) const { return (qb0 + n % per_head) * kBlockM; }
+  __device__ int i0(int n) const { return (qb0 + n % per_head) * rows; }
 };
 
 
@@ -231,6 +234,7 @@ __device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMa
                         const CUtensorMap* tdo, std::uint8_t* smem, std::uint32_t base, const Bars& bars, int j0,
                         int bkh, int b, int h0, const Steps& st) {
   using Tr = Traits<T, D>;
+  constexpr int kBlockM = Tr::kBlockM;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   if (st.count == 0) return;  // no loads: the CTA must not exit with a TMA in flight
   if (lane == 0) {
@@ -276,6 +280,8 @@ template <class T, int D, bool TmaDq>
 __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* smem, const Bars& bars, int j0,
                         int bkh, int b, int h0, const Steps& st) {
   using Tr = Traits<T, D>;
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr bool kEarlyDv = D == 128;
   const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
   typename Tr::MmaSdP mma_sdp;
   typename Tr::MmadKV mma_dkv;
@@ -378,27 +384,39 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_exp2(tSrS(i) * p.scale_log2 - lse_t[get<1>(tScS(i))]);
     }
-    CUTE_UNROLL
-    for (int i = 0; i < size(rP); ++i) rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
-
-    // dV += Pᵀ dO on the tensor cores while dSᵀ is computed.
-    warpgroup_fence_operand(tdVrdV);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kk = 0; kk < size<2>(tdVrP); ++kk) gemm(mma_dkv, tdVrP(_, _, kk), tdVrdO(_, _, kk, s), tdVrdV);
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();  // dPᵀ
+    // kEarlyDv (D = 128): dV += Pᵀ dO on the tensor cores while dSᵀ is computed, dK += dSᵀ Q while
+    // dS goes to shared memory. Otherwise (D = 64, 128 queries a step: Pᵀ's rounded registers
+    // cannot stay live beside Sᵀ, dPᵀ and dSᵀ) both once dSᵀ is rounded, one batch.
+    if constexpr (kEarlyDv) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(rP); ++i) rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+      warpgroup_fence_operand(tdVrdV);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kk = 0; kk < size<2>(tdVrP); ++kk) gemm(mma_dkv, tdVrP(_, _, kk), tdVrdO(_, _, kk, s), tdVrdV);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // dPᵀ
+    } else {
+      warpgroup_wait<0>();  // dPᵀ
+    }
     warpgroup_fence_operand(tSrdP);
     CUTE_UNROLL
     for (int i = 0; i < size(tSrdP); ++i) tSrdP(i) = tSrS(i) * (tSrdP(i) - delta_t[get<1>(tScS(i))]) * p.scale;
     CUTE_UNROLL
-    for (int i = 0; i < size(rdS); ++i) rdS(i) = pack2<T>(tSrdP(2 * i), tSrdP(2 * i + 1));
+    for (int i = 0; i < size(rdS); ++i) {
+      if constexpr (!kEarlyDv) rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+      rdS(i) = pack2<T>(tSrdP(2 * i), tSrdP(2 * i + 1));
+    }
     // lse and delta of stage s are read; the producer waits for this only where it stores again
     if (n + kStages < st.count) named_barrier_arrive(kStatsEmptyBarrier + s, kStatsThreads);
 
-    // dK += dSᵀ Q on the tensor cores while dS goes to shared memory.
+    if constexpr (!kEarlyDv) warpgroup_fence_operand(tdVrdV);
     warpgroup_fence_operand(tdKrdK);
     warpgroup_arrive();
+    if constexpr (!kEarlyDv) {
+      CUTE_UNROLL
+      for (int kk = 0; kk < size<2>(tdVrP); ++kk) gemm(mma_dkv, tdVrP(_, _, kk), tdVrdO(_, _, kk, s), tdVrdV);
+    }
     CUTE_UNROLL
     for (int kk = 0; kk < size<2>(tdKrdS); ++kk) gemm(mma_dkv, tdKrdS(_, _, kk), tdKrQ(_, _, kk, s), tdKrdK);
     warpgroup_commit_batch();
@@ -508,7 +526,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int j0 = static_cast<int>(blockIdx.x) * kBlockN;
   const int bkh = static_cast<int>(blockIdx.y);  // b * Hk + k/v head
   const int b = bkh / p.kv_heads, group = p.heads / p.kv_heads, h0 = (bkh - b * p.kv_heads) * group;
-  const Steps st(p, j0, group);
+  const Steps st(p, j0, group, Tr::kBlockM);
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     if (threadIdx.x < 32) produce<T, D>(p, &tq, &tk, &tv, &tdo, smem, base, bars, j0, bkh, b, h0, st);
@@ -525,6 +543,7 @@ template <class T, int D, bool TmaDq>
 void launch(const Params& p, int bkh, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
             const CUtensorMap& tdo, const CUtensorMap& tdq, cudaStream_t s) {
   using Tr = Traits<T, D>;
+  constexpr int kBlockM = Tr::kBlockM;
   static_assert(same_bytes<typename Tr::SmemLayoutK, typename Tr::SmemLayoutKt, kBlockN, D, 1>(),
                 "K's K-major and MN-major views differ");
   static_assert(same_bytes<typename Tr::SmemLayoutQ, typename Tr::SmemLayoutQt, kBlockM, D, kStages>(),
@@ -540,11 +559,12 @@ void launch(const Params& p, int bkh, const CUtensorMap& tq, const CUtensorMap& 
 // The (D, Sq, B*H) map of dq_accum [B, H, Sq, D] f32 that the tma_dq variant reduces into: boxes
 // of {32, BLK_M, 1} (128 bytes a row) with the 128-byte swizzle of the dQ buffer; rows past Sq are
 // outside the tensor, so a reduce never writes them (nor the next head's).
-CUtensorMap dq_accum_map(const TensorView& t) {
+CUtensorMap dq_accum_map(const TensorView& t, int rows) {
   const std::int64_t bh = t.size(0) * t.size(1), s = t.size(2), d = t.size(3);
   return tensor_map<3>(kOp, "dq_accum", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, t.data(),
                        {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(s), static_cast<cuuint64_t>(bh)},
-                       {static_cast<cuuint64_t>(d) * 4, static_cast<cuuint64_t>(s * d) * 4}, {32, kBlockM, 1},
+                       {static_cast<cuuint64_t>(d) * 4, static_cast<cuuint64_t>(s * d) * 4},
+                       {32, static_cast<cuuint32_t>(rows), 1},
                        CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
@@ -592,10 +612,11 @@ void attention_backward_sm90(const TensorView& q, const TensorView& k, const Ten
   p.scale_log2 = opt.scale * kLog2e;
   p.causal = opt.causal;
   const int bkh = static_cast<int>(k.size(0) * k.size(1));
-  const CUtensorMap tq = head_map(kOp, "q", q, kBlockM), tdo = head_map(kOp, "dout", dout, kBlockM);
+  const int bm = block_m(static_cast<int>(q.size(3)));
+  const CUtensorMap tq = head_map(kOp, "q", q, bm), tdo = head_map(kOp, "dout", dout, bm);
   const CUtensorMap tk = head_map(kOp, "k", k, kBlockN), tv = head_map(kOp, "v", v, kBlockN);
   const bool tma_dq = opt.backward_kernel != AttentionBackwardKernel::wgmma_sm90;
-  const CUtensorMap tdq = tma_dq ? dq_accum_map(dq_accum) : CUtensorMap{};
+  const CUtensorMap tdq = tma_dq ? dq_accum_map(dq_accum, bm) : CUtensorMap{};
   const bool bf16 = q.dtype() == DType::bf16;
   auto run = [&]<int D, bool TmaDq>() {
     if (bf16) launch<cute::bfloat16_t, D, TmaDq>(p, bkh, tq, tk, tv, tdo, tdq, s);
