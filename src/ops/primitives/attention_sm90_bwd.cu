@@ -374,11 +374,19 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
     const float* delta_t = delta_s + s * kBlockM;
     const bool masked = i0 + kBlockM > p.sq || j0 + kBlockN > p.sk || (p.causal && j0 + kBlockN - 1 > i0 + p.offset);
     if (masked) {
+      // Element i's (key, query) is this thread's first one plus a constant of the fragment
+      // (thread 0's coordinates, known at compile time), so that each test compares a constant
+      // with one of three per-thread bounds instead of keeping 64 coordinates in registers.
+      const Tensor c0 =
+          mma_sdp.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+      const int key_t = get<0>(tScS(0)), q_t = get<1>(tScS(0));
+      const int rows_left = p.sq - i0 - q_t, keys_left = p.sk - j0 - key_t;
+      const int reach = i0 + q_t + p.offset - j0 - key_t;  // causal: visible iff dk - dq <= reach
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) {
-        const int key = j0 + get<0>(tScS(i)), qi = get<1>(tScS(i)), row = i0 + qi;
-        const bool visible = row < p.sq && key < p.sk && (!p.causal || key <= row + p.offset);
-        tSrS(i) = visible ? fast_exp2(tSrS(i) * p.scale_log2 - lse_t[qi]) : 0.0f;
+        const int dk = get<0>(c0(i)) - get<0>(c0(0)), dq = get<1>(c0(i)) - get<1>(c0(0));
+        const bool visible = dq < rows_left && dk < keys_left && (!p.causal || dk - dq <= reach);
+        tSrS(i) = visible ? fast_exp2(tSrS(i) * p.scale_log2 - lse_t[get<1>(tScS(i))]) : 0.0f;
       }
     } else {
       CUTE_UNROLL
@@ -400,12 +408,13 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
       warpgroup_wait<0>();  // dPᵀ
     }
     warpgroup_fence_operand(tSrdP);
-    CUTE_UNROLL
-    for (int i = 0; i < size(tSrdP); ++i) tSrdP(i) = tSrS(i) * (tSrdP(i) - delta_t[get<1>(tScS(i))]) * p.scale;
+    // dSᵀ, rounded as it is made (with Pᵀ where not rounded yet): each pair's fp32 values die here.
     CUTE_UNROLL
     for (int i = 0; i < size(rdS); ++i) {
+      const float ds0 = tSrS(2 * i) * (tSrdP(2 * i) - delta_t[get<1>(tScS(2 * i))]) * p.scale;
+      const float ds1 = tSrS(2 * i + 1) * (tSrdP(2 * i + 1) - delta_t[get<1>(tScS(2 * i + 1))]) * p.scale;
       if constexpr (!kEarlyDv) rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
-      rdS(i) = pack2<T>(tSrdP(2 * i), tSrdP(2 * i + 1));
+      rdS(i) = pack2<T>(ds0, ds1);
     }
     // lse and delta of stage s are read; the producer waits for this only where it stores again
     if (n + kStages < st.count) named_barrier_arrive(kStatsEmptyBarrier + s, kStatsThreads);
