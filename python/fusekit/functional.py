@@ -69,6 +69,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
     dims 64, 96 and 128 the tensor-core backward (every option); the rest run on simple
     warp-per-row kernels (correct, not fast)."""
     left, right = window
+    # The op reads contiguous [B, H, S, D] tensors (copies otherwise). Made here, the copies are what
+    # autograd saves for the backward, which then copies nothing again; under torch.compile
+    # Inductor writes them from the kernel that makes q, k and v (Hugging Face's [B, S, H, D]
+    # projections, transposed).
+    q, k, v = (t.contiguous() for t in (q, k, v))
     out, lse = ops.call("attention", q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
                         bottom_right, left, right, softcap, deterministic)
     return (out, lse) if return_lse else out

@@ -211,30 +211,31 @@ TEST(LossErrors, EveryBadArgumentIsNamed) {
   test::expect_arg_error([&] { run(with([&](auto& a) { a.targets = t_neg; })); }, kOp, "targets");
 }
 
-// Chunks of about 256 MiB of logits, and of at least 4096 rows (the f32 dW accumulator's re-reads).
-TEST(LossChunks, AutomaticChunkKeepsLogitsNear256MiB) {
+// Chunks of about 512 MiB of 16-bit logits (256 MiB of f32 ones), and of at least 4096 rows (the
+// f32 dW accumulator's re-reads); 16-bit: one chunk up to 1 GiB of logits.
+TEST(LossChunks, AutomaticChunkKeepsLogitsNearTheBudget) {
   EXPECT_EQ(linear_cross_entropy_chunk_rows(1, 32000), 1);
   EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000), 100);
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 32000), 4096);           // f32: 2096 rows by bytes
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 128256, 0, DType::bf16), 4096);  // bf16: 1046 by bytes
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 32000), 4096);           // f32: 2097 rows by bytes
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8400, 32000), 2800);           // f32: 3 equal chunks
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 32000, 0, DType::bf16), 8192);   // bf16: 500 MiB, one chunk
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(16384, 32000, 0, DType::bf16), 16384); // bf16: 1000 MiB, one chunk
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 128256, 0, DType::bf16), 4096);  // bf16: 2093 by bytes
   EXPECT_EQ(linear_cross_entropy_chunk_rows(6000, 128256, 0, DType::bf16), 3000);  // equal chunks
   const std::int64_t c = linear_cross_entropy_chunk_rows(65536, 8000);
   EXPECT_LE(c * 8000 * 4, (std::int64_t{256} << 20) + 8 * 8000 * 4);
   EXPECT_GE(c * 8000 * 4, std::int64_t{128} << 20);
   EXPECT_EQ(c % 8, 0);
   const std::int64_t c16 = linear_cross_entropy_chunk_rows(65536, 32000, 0, DType::bf16);  // 2-byte logits
-  EXPECT_LE(c16 * 32000 * 2, (std::int64_t{256} << 20) + 8 * 32000 * 2);
-  EXPECT_GE(c16 * 32000 * 2, std::int64_t{128} << 20);
-  EXPECT_EQ(c16 % 8, 0);
+  EXPECT_EQ(c16, 8192);  // 8 chunks of 500 MiB
   EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 32000, 100), 100);
   EXPECT_EQ(linear_cross_entropy_chunk_rows(10, 32000, 100), 10);
-  // One chunk where its logits fit in the chunks' logits plus the f32 accumulators it does not
-  // need: V 128256, H 2048 at 8192 rows (exactly: 2 x 4096 rows), not at 8200 nor at V 32000's
-  // 16384 rows (1 GB of logits against 268 + 262 MB).
+  // One chunk where its logits fit in 1 GiB plus the f32 accumulators it does not need: V 128256,
+  // H 2048 at 8192 rows (2004 MiB against 1024 + 1002), not at 8400.
   const std::int64_t acc = 4 * 128256 * 2048;
   EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 128256, 0, DType::bf16, acc), 8192);
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(8200, 128256, 0, DType::bf16, acc), 2736);  // 3 equal chunks
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(16384, 32000, 0, DType::bf16, 4 * 32000 * 2048), 4096);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8400, 128256, 0, DType::bf16, acc), 2800);  // 3 equal chunks
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(32768, 32000, 0, DType::bf16, 4 * 32000 * 2048), 8192);
   EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 128256, 100, DType::bf16, acc), 100);  // chunk_rows decides
 }
 

@@ -25,7 +25,7 @@
 // converted once at the end for 16-bit w). The count D is taken on the device first, so nothing
 // waits on the host, except the check of the targets (check_targets), which reads one flag back
 // before any work is queued. Scratch: the chunk's logits (C ceil8(V) values: auto C keeps them
-// near 256 MiB), f32 accumulators for dw and dbias when w is 16-bit, and N floats of row losses;
+// near 512 MiB, or one chunk up to 1 GiB), f32 accumulators for dw and dbias when w is 16-bit, and N floats of row losses;
 // all from the caching allocator.
 //
 // Accuracy: 16-bit operands give 16-bit logits (one rounding of each, as the eager expression
@@ -57,8 +57,9 @@ struct LinearCrossEntropyParams {
   float label_smoothing = 0.0f;  // ε in [0, 1]
   float z_loss = 0.0f;           // ζ >= 0, finite; 0 = off
   LossReduction reduction = LossReduction::mean;
-  // Rows per chunk on the GPU; 0 picks them so that the chunk's logits take about 256 MiB (at
-  // least 4096 rows), or one chunk where that takes no more memory (linear_cross_entropy_chunk_rows).
+  // Rows per chunk on the GPU; 0 picks them so that the chunk's logits take about 512 MiB (at
+  // least 4096 rows), or one chunk up to 1 GiB of logits plus the accumulators it does not need
+  // (linear_cross_entropy_chunk_rows).
   std::int64_t chunk_rows = 0;
   bool allow_tf32 = false;  // f32 operands on TF32 tensor cores (GPU)
   // GPU: read back, before queuing the work, whether every target is in [0, V) or ignore_index,
@@ -86,7 +87,7 @@ void linear_cross_entropy(const LinearCrossEntropyArgs& args, const LinearCrossE
 // The chunk rows the GPU path uses for N rows and V classes with logits of dtype `logits` (the
 // operands'), p.chunk_rows when set. accumulator_bytes: the f32 accumulators that several chunks
 // of 16-bit dw and dbias need (4 V H + 4 V) and one chunk does not; N rows are one chunk when
-// their logits fit in the chunks' logits and those accumulators together.
+// their logits fit in 1 GiB and those accumulators together.
 std::int64_t linear_cross_entropy_chunk_rows(std::int64_t n, std::int64_t v, std::int64_t chunk_rows = 0,
                                              DType logits = DType::f32, std::int64_t accumulator_bytes = 0);
 

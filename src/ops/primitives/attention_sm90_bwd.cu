@@ -17,7 +17,9 @@
 //       Sᵀ = K Qᵀ and dPᵀ = V dOᵀ          wgmma 64x64x16, both operands K-major in shared memory
 //       Pᵀ = exp2(s·scale·log2 e - lse₂), dSᵀ = Pᵀ ⊙ (dPᵀ - delta) · scale   in registers (fp32)
 //       dV += Pᵀ dO and dK += dSᵀ Q          wgmma 64xDx16, A = Pᵀ / dSᵀ rounded to the dtype in
-//                                            registers, B = dO / Q MN-major (the same shared tile)
+//                                            registers, B = dO / Q MN-major (the same shared tile);
+//                                            dV issued once Pᵀ is rounded, dK once dSᵀ is, so that
+//                                            they run under dSᵀ's arithmetic and dS's stores
 //       dSᵀ -> shared memory as dS (64 queries x 128 keys, MN-major), then
 //       dQ (64 x D) = dS K                   wgmma 64x(D/2)x16, warpgroup w takes columns
 //                                            [w D/2, w D/2 + D/2), K MN-major, added to dq_accum
