@@ -1,11 +1,11 @@
 // attention_backward on Hopper tensor cores (sm_90a): FlashAttention-3's dk/dv kernel, bf16/f16,
 // head_dim 64 or 128, dense batches, causal (either alignment) or not, grouped-query heads. The
-// [Sq, Sk] matrices live only in registers (and one 64 x 128 tile of dS in shared memory).
+// [Sq, Sk] matrices live only in registers (and one BLK_M x 128 tile of dS in shared memory).
 //
 // Three launches around it (attention_mma_bwd.cu's): delta = rowsum(dout ⊙ out) and dq_accum = 0
 // before, dq_accum rounded into dq after. A CTA owns 128 keys of one (batch, k/v head) and walks
-// every 64-query block of every q head of its group that sees one of its keys, with three
-// warpgroups:
+// every BLK_M-query block (block_m: 128 at D 64, 64 at D 128) of every q head of its group that
+// sees one of its keys, with three warpgroups:
 //   - producer (warp 0 of the first warpgroup): K and V of the CTA's keys once, then each step's Q
 //     and dO into a 2-stage ring by TMA (128-byte swizzle, 3-D maps over (D, S, B*H) so that rows
 //     past S read as zeros), and the step's lse (in log2 units) and delta into shared memory by
