@@ -58,9 +58,12 @@ void attention_backward_sm90(const TensorView& q, const TensorView& k, const Ten
                              const TensorView& dv, const TensorView& delta, const TensorView& dq_accum,
                              const AttentionOptions& opt, const Stream* stream);
 
-// attention_sm90.cu: true when the wgmma/TMA kernel takes this dense call (sm_90 device, bf16/f16,
-// D = 64 or 128, Sk >= 1, 16-byte aligned bases, B * H * ceil(Sq / 128) < 2^31) and it was launched.
+// attention_sm90.cu: true when the wgmma/TMA kernel takes this call and it was launched: dense
+// (varlen null) or packed, sm_90 device, bf16/f16, D = 64 or 128, grouped-query heads, causal
+// (either alignment) or none, no window or softcap, Sq and Sk (packed: the max_seqlens) in
+// [1, 2^30), packed total_k >= 1, 16-byte aligned bases, B * H * ceil(Sq / 128) < 2^31.
 bool attention_forward_sm90(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                            const TensorView& lse, bool causal, float scale, const Stream* stream);
+                            const TensorView& lse, const AttentionVarlen* varlen, const AttentionOptions& opt,
+                            const Stream* stream);
 
 }  // namespace fk::cuda
