@@ -1,7 +1,7 @@
 // Dispatch of attention_forward and attention_backward, dense and packed (varlen): argument checks,
 // then the CPU spec or the CUDA kernels, dense or packed alike (the sm_90 tensor-core forward for
 // bf16/f16 at D 64, 128 without window or softcap, grouped-query heads and either causal alignment
-// included, else the warp-per-row kernel; the sm_90 wgmma backward for dense bf16/f16 at D 64, 128
+// included, else the warp-per-row kernel; the sm_90 wgmma backward for bf16/f16 at D 64, 128
 // without window, softcap or deterministic mode, else the mma.sync backward for bf16/f16 at D 64,
 // 96, 128 on sm_80+, else the warp-per-row kernels; AttentionOptions::backward_kernel forces one).
 #include <cmath>
@@ -172,14 +172,14 @@ void backward_on_gpu(const char* op, const TensorView& q, const TensorView& k, c
   const K which = opt.backward_kernel;
   const Tensor delta = Tensor::empty(lse.shape(), DType::f32, q.device(), stream);
   if (which == K::automatic || which == K::wgmma_sm90 || which == K::wgmma_sm90_tma_dq) {
-    if (!varlen && cuda::attention_backward_sm90_supports(q, k, v, out, dout, dq, dk, dv, opt)) {
+    if (cuda::attention_backward_sm90_supports(q, k, v, out, dout, dq, dk, dv, varlen, opt)) {
       const Tensor dq_accum = Tensor::empty(q.shape(), DType::f32, q.device(), stream);
-      return cuda::attention_backward_sm90(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), opt,
-                                           stream);
+      return cuda::attention_backward_sm90(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), varlen,
+                                           opt, stream);
     }
     FK_CHECK_ARG(which == K::automatic, op, "backward_kernel",
-                 "wgmma_sm90 (and wgmma_sm90_tma_dq) only for a dense bf16/f16 call with D 64 or 128, no "
-                 "window, no softcap, not deterministic, 16-byte aligned tensors, on an sm_90 GPU",
+                 "wgmma_sm90 (and wgmma_sm90_tma_dq) only for a bf16/f16 call (dense or varlen) with D 64 or 128, "
+                 "no window, no softcap, not deterministic, 16-byte aligned tensors, on an sm_90 GPU",
                  "a wgmma_sm90 kernel for a call it does not take");
   }
   if (which != K::rowwise && cuda::attention_backward_mma_supports(q, k, varlen)) {
