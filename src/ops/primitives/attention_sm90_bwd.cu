@@ -227,10 +227,23 @@ struct Cta {
     seq_smem[2] = static_cast<int>(seq.q0);
     seq_smem[3] = static_cast<int>(seq.k0);
   }
-  __device__ int sq(const Params& p) const { return kPacked ? seq_s[0] : p.sq; }
-  __device__ int sk(const Params& p) const { return kPacked ? seq_s[1] : p.sk; }
-  __device__ int q0() const { return kPacked ? seq_s[2] : 0; }
-  __device__ int k0() const { return kPacked ? seq_s[3] : 0; }
+  // (if constexpr, not ?:, which would make the dense read of p.sq a volatile one)
+  __device__ int sq(const Params& p) const {
+    if constexpr (kPacked) return seq_s[0];
+    else return p.sq;
+  }
+  __device__ int sk(const Params& p) const {
+    if constexpr (kPacked) return seq_s[1];
+    else return p.sk;
+  }
+  __device__ int q0() const {
+    if constexpr (kPacked) return seq_s[2];
+    else return 0;
+  }
+  __device__ int k0() const {
+    if constexpr (kPacked) return seq_s[3];
+    else return 0;
+  }
   // causal: key j visible to query i iff j <= i + offset (bottom-right: Sk - Sq)
   __device__ int offset(const Params& p) const {
     if constexpr (kPacked) return p.bottom_right ? seq_s[1] - seq_s[0] : 0;
