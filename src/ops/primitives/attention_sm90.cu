@@ -217,6 +217,7 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, c
   typename Tr::MmaS mma_s;
   typename Tr::MmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(ct);
+  auto thr_s0 = mma_s.get_thread_slice(0);  // thread 0's fragment: the compile-time offsets of the mask
   auto thr_o = mma_o.get_thread_slice(ct);
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<T*>(smem)), typename Tr::SmemLayoutQ{});  // (BLK_M,D)
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<T*>(smem + Tr::kOffK)),
@@ -285,11 +286,18 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, c
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) tSrS(i) *= p.scale_log2;
     // Keys past Sk (zeros, or packed the next sequence's) and, causal, past each row's diagonal.
+    // Element i's (row, col) is this thread's first one plus a constant of the fragment (thread
+    // 0's coordinates, known at compile time, as in attention_sm90_bwd.cu), so each test compares
+    // a constant with one of two per-thread bounds.
     if (n0 + kBlockN > c.sk || (p.causal && n0 + kBlockN - 1 > c.m0 + c.offset)) {
+      const Tensor c0 = thr_s0.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+      const int row_t = get<0>(tScS(0)), col_t = get<1>(tScS(0));
+      const int keys_left = c.sk - n0 - col_t;               // key visible iff dc < keys_left
+      const int reach = c.m0 + row_t + c.offset - n0 - col_t;  // causal: visible iff dc - dr <= reach
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) {
-        const int row = c.m0 + get<0>(tScS(i)), col = n0 + get<1>(tScS(i));
-        if (col >= c.sk || (p.causal && col > row + c.offset)) tSrS(i) = -INFINITY;
+        const int dr = get<0>(c0(i)) - get<0>(c0(0)), dc = get<1>(c0(i)) - get<1>(c0(0));
+        if (dc >= keys_left || (p.causal && dc - dr > reach)) tSrS(i) = -INFINITY;
       }
     }
     float mx[2] = {m[0], m[1]}, base[2], sum[2] = {0.0f, 0.0f};
