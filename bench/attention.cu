@@ -128,10 +128,15 @@ void attention_cases(Context& ctx, std::int64_t d) {
   }
 }
 
-// A long-sequence training shape (D = 128) and the same at D = 64.
+void attention_layout_forward_cases(Context& ctx);
+void attention_layout_backward_cases(Context& ctx);
+
+// A long-sequence training shape (D = 128) and the same at D = 64; the training layouts (GQA,
+// varlen) of attention_layout_cases.
 void attention_cases_all(Context& ctx) {
   attention_cases(ctx, 128);
   attention_cases(ctx, 64);
+  attention_layout_forward_cases(ctx);
 }
 
 FK_BENCH_CASE("primitives", "attention_fwd", attention_cases_all);
@@ -233,14 +238,123 @@ void attention_backward_cases(Context& ctx, std::int64_t b, std::int64_t h, std:
   }
 }
 
-// A long-sequence training shape at D = 128 and D = 64, and a shorter one at D = 64.
+// A long-sequence training shape at D = 128 and D = 64, and a shorter one at D = 64; the training
+// layouts (GQA, varlen) of attention_layout_cases.
 void attention_backward_cases_all(Context& ctx) {
   attention_backward_cases(ctx, 4, 16, 2048, 128);
   attention_backward_cases(ctx, 4, 16, 2048, 64);
   attention_backward_cases(ctx, 8, 16, 1024, 64);
+  attention_layout_backward_cases(ctx);
 }
 
 FK_BENCH_CASE("primitives", "attention_bwd", attention_backward_cases_all);
+
+// The training layouts on the sm_90 kernels (sm_90 GPUs only: elsewhere they are the warp-per-row
+// kernels): grouped-query heads (Hk < H) and a varlen batch of B equal sequences of S tokens, each
+// timed next to the dense multi-head call with the same B, H, S, D in the same run (impl "dense",
+// the baseline), so that tflops compare the same FLOPs directly (4 B H S² D forward, 10 B H S² D
+// backward, halved for causal) and a speedup below 1 is what the layout costs. Forward
+// and backward (automatic kernel choice: wgmma_sm90_tma_dq) both checked against the warp-per-row
+// kernels on the same inputs.
+struct LayoutShape {
+  std::int64_t b, h, hk, s, d;
+  bool varlen;
+};
+
+void attention_layout_cases(Context& ctx, const LayoutShape& x, bool bwd) {
+  int device = 0, major = 0, minor = 0;
+  FK_CUDA_CHECK(cudaGetDevice(&device));
+  FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0) return;
+  const std::string shape = std::string("bf16_") + (x.varlen ? "varlen_" : "") + "b" + std::to_string(x.b) + "_h" +
+                            std::to_string(x.h) + (x.hk != x.h ? "_hk" + std::to_string(x.hk) : "") + "_s" +
+                            std::to_string(x.s) + "_d" + std::to_string(x.d) + (x.varlen ? "" : "_gqa");
+  const std::string name_full = std::string(bwd ? "attention_bwd/" : "attention_fwd/") + shape;
+  if (!ctx.selected("primitives", name_full) && !ctx.selected("primitives", name_full + "_causal")) return;
+  const std::int64_t tokens = x.b * x.s;
+  // The dense multi-head call of the same FLOPs, and the call under test: packed [B S, H, D] with
+  // cu_seqlens 0, S, 2 S, ... (varlen) or dense with Hk k/v heads (GQA).
+  const Dims dq_shape{x.b, x.h, x.s, x.d}, dstat{x.b, x.h, x.s};
+  const Dims q_shape = x.varlen ? Dims{tokens, x.h, x.d} : dq_shape;
+  const Dims k_shape = x.varlen ? Dims{tokens, x.hk, x.d} : Dims{x.b, x.hk, x.s, x.d};
+  const Dims stat = x.varlen ? Dims{x.h, tokens} : dstat;
+  Tensor cu_host = Tensor::empty({x.b + 1}, DType::i32, Device::cpu());
+  for (std::int64_t i = 0; i <= x.b; ++i) cu_host.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i * x.s);
+  const Tensor cu = cu_host.copy_to(Device::cuda(device));
+  const AttentionVarlen seqs{cu.view(), cu.view(), x.s, x.s};
+  const AttentionVarlen* varlen = x.varlen ? &seqs : nullptr;
+
+  const Tensor q = ctx.random(q_shape, DType::bf16), k = ctx.random(k_shape, DType::bf16);
+  const Tensor v = ctx.random(k_shape, DType::bf16), dout = ctx.random(q_shape, DType::bf16);
+  const Tensor out = ctx.empty(q_shape, DType::bf16), lse = ctx.empty(stat, DType::f32);
+  const Tensor dq = ctx.empty(q_shape, DType::bf16), dk = ctx.empty(k_shape, DType::bf16);
+  const Tensor dv = ctx.empty(k_shape, DType::bf16);
+  const Tensor qd = ctx.random(dq_shape, DType::bf16), kd = ctx.random(dq_shape, DType::bf16);
+  const Tensor vd = ctx.random(dq_shape, DType::bf16), doutd = ctx.random(dq_shape, DType::bf16);
+  const Tensor outd = ctx.empty(dq_shape, DType::bf16), lsed = ctx.empty(dstat, DType::f32);
+  const Tensor dqd = ctx.empty(dq_shape, DType::bf16), dkd = ctx.empty(dq_shape, DType::bf16);
+  const Tensor dvd = ctx.empty(dq_shape, DType::bf16);
+  for (const bool causal : {false, true}) {
+    const AttentionOptions opt{.causal = causal, .scale = 1.0f / std::sqrt(static_cast<float>(x.d))};
+    auto forward = [&] {
+      if (varlen) attention_forward_varlen(q, k, v, out, lse, *varlen, opt, &ctx.fk_stream());
+      else attention_forward(q, k, v, out, lse, opt, &ctx.fk_stream());
+    };
+    auto backward = [&] {
+      if (varlen) attention_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, *varlen, opt, &ctx.fk_stream());
+      else attention_backward(q, k, v, out, dout, lse, dq, dk, dv, opt, &ctx.fk_stream());
+    };
+    const std::string name = name_full + (causal ? "_causal" : "");
+    if (!ctx.selected("primitives", name)) continue;
+    forward();
+    if (bwd) backward();
+    // The warp-per-row kernels on the same inputs (the bf16 tensor-core paths round P, and dS, to
+    // bf16; the row-wise ones do not).
+    const Tensor out_ref = ctx.empty(q_shape, DType::bf16), lse_ref = ctx.empty(stat, DType::f32);
+    double err = 0;
+    if (!bwd) {
+      cuda::attention_forward_rowwise(q, k, v, out_ref, lse_ref, varlen, opt, &ctx.fk_stream());
+      err = ctx.rel_err(out, out_ref);
+    } else {
+      const Tensor dq_ref = ctx.empty(q_shape, DType::bf16), dk_ref = ctx.empty(k_shape, DType::bf16);
+      const Tensor dv_ref = ctx.empty(k_shape, DType::bf16), delta = ctx.empty(stat, DType::f32);
+      cuda::attention_backward_rowwise(q, k, v, out, dout, lse, dq_ref, dk_ref, dv_ref, delta, varlen, opt,
+                                       &ctx.fk_stream());
+      err = std::max({ctx.rel_err(dq, dq_ref), ctx.rel_err(dk, dk_ref), ctx.rel_err(dv, dv_ref)});
+    }
+    require_close(name, err, 2e-2);
+    const double flops = (bwd ? 10.0 : 4.0) * static_cast<double>(x.b * x.h) * x.s * x.s * x.d / (causal ? 2.0 : 1.0);
+    Record f{"primitives", name, "fused", "dense"};
+    f.median_us = ctx.time_us([&](int) { bwd ? backward() : forward(); }, 1);
+    f.tflops = flops / (f.median_us * 1e6);
+    f.rel_err = err;
+    attention_forward(qd, kd, vd, outd, lsed, opt, &ctx.fk_stream());
+    Record r{"primitives", name, "dense", "dense"};
+    r.median_us = ctx.time_us(
+        [&](int) {
+          if (bwd) attention_backward(qd, kd, vd, outd, doutd, lsed, dqd, dkd, dvd, opt, &ctx.fk_stream());
+          else attention_forward(qd, kd, vd, outd, lsed, opt, &ctx.fk_stream());
+        },
+        1);
+    r.tflops = flops / (r.median_us * 1e6);
+    ctx.add(f);
+    ctx.add(r);
+  }
+}
+
+// LLaMA-3-style grouped-query heads (32 q heads over 8 k/v heads, D 128), and varlen batches with
+// the dense cases' tokens (4 x 4096 forward as attention_fwd/bf16_b4_h16_s4096_d128{,_causal},
+// 4 x 2048 backward as attention_bwd/bf16_b4_h16_s2048_d{128,64}{,_causal}).
+void attention_layout_forward_cases(Context& ctx) {
+  attention_layout_cases(ctx, {4, 32, 8, 4096, 128, false}, false);
+  attention_layout_cases(ctx, {4, 16, 16, 4096, 128, true}, false);
+}
+void attention_layout_backward_cases(Context& ctx) {
+  attention_layout_cases(ctx, {4, 32, 8, 2048, 128, false}, true);
+  attention_layout_cases(ctx, {4, 16, 16, 2048, 128, true}, true);
+  attention_layout_cases(ctx, {4, 16, 16, 2048, 64, true}, true);
+}
 
 }  // namespace
 }  // namespace fk::bench

@@ -64,10 +64,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
     window = (left, right) keys around the diagonal (-1: unbounded); softcap c > 0 caps the scores
     to c tanh(s / c). Differentiable; deterministic=True sums the backward's dq in a fixed order
     (the same bits on every run, at some cost in speed; dk and dv are deterministic either way).
-    On a GPU the plain options (q's heads in k and v, top-left causal or none, no window, no
-    softcap) run the tensor-core forward where it applies, and the backward in bf16/f16 at head
-    dims 64, 96 and 128 the tensor-core backward (every option); the rest run on simple
-    warp-per-row kernels (correct, not fast)."""
+    On an H100/H200 (sm_90) bf16/f16 at head dims 64 and 128 without window or softcap (grouped-
+    query heads and either causal alignment included) run the wgmma forward and, unless
+    deterministic, the wgmma backward; the rest of the backward in bf16/f16 at head dims 64, 96 and
+    128 runs on the mma.sync tensor-core backward (every option, sm_80 and later); everything else
+    on simple warp-per-row kernels (correct, not fast)."""
     left, right = window
     # The op reads contiguous [B, H, S, D] tensors (copies otherwise). Made here, the copies are what
     # autograd saves for the backward, which then copies nothing again; under torch.compile
@@ -91,8 +92,11 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     causal=True is bottom_right=True; the two agree where a sequence has as many queries as keys).
     deterministic: the backward's dq summed in a fixed order. lse (return_lse) is [H, total_q] f32.
     On a GPU cu_seqlens are trusted as FlashAttention trusts them (checked on the CPU).
-    Differentiable; on a GPU the forward runs on the warp-per-row kernel (correct, not fast), the
-    backward on tensor cores for bf16/f16 at D 64/96/128."""
+    Differentiable; on a GPU it takes the same kernels as attention: on an H100/H200 (sm_90)
+    bf16/f16 at D 64/128 without window or softcap run the wgmma forward and (unless deterministic)
+    backward, the rest of the backward for bf16/f16 at D 64/96/128 the mma.sync tensor-core
+    kernels, everything else (the forward with a window or softcap included) the warp-per-row
+    kernels (correct, not fast)."""
     left, right = window
     out, lse = ops.call("attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                         1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, bottom_right, left, right, softcap,

@@ -17,9 +17,6 @@
 
 #include "fusekit/fusekit.hpp"
 #include "test_util.hpp"
-#if FUSEKIT_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
 
 namespace fk {
 namespace {
@@ -367,18 +364,6 @@ struct Sm90Case {
   AttentionOptions opt;
 };
 
-bool on_sm90() {
-#if FUSEKIT_WITH_CUDA
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess)
-    return false;
-  return major == 9 && minor == 0;
-#else
-  return false;
-#endif
-}
-
 class AttentionBackwardSm90VsSpec : public ::testing::TestWithParam<Sm90Case> {};
 class AttentionBackwardSm90TmaDqVsSpec : public ::testing::TestWithParam<Sm90Case> {};
 
@@ -413,13 +398,13 @@ void check_sm90_case(const Sm90Case& c, AttentionBackwardKernel kind, const char
 
 TEST_P(AttentionBackwardSm90VsSpec, MatchesTheSpec) {
   FK_SKIP_WITHOUT_GPU();
-  if (!on_sm90()) GTEST_SKIP() << "the wgmma backward runs on sm_90 (H100/H200) only";
+  if (!test::on_sm90()) GTEST_SKIP() << "the wgmma backward runs on sm_90 (H100/H200) only";
   check_sm90_case(GetParam(), AttentionBackwardKernel::wgmma_sm90, "wgmma_sm90");
 }
 
 TEST_P(AttentionBackwardSm90TmaDqVsSpec, MatchesTheSpec) {
   FK_SKIP_WITHOUT_GPU();
-  if (!on_sm90()) GTEST_SKIP() << "the wgmma backward runs on sm_90 (H100/H200) only";
+  if (!test::on_sm90()) GTEST_SKIP() << "the wgmma backward runs on sm_90 (H100/H200) only";
   check_sm90_case(GetParam(), AttentionBackwardKernel::wgmma_sm90_tma_dq, "wgmma_sm90_tma_dq");
 }
 

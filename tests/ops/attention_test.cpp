@@ -196,6 +196,71 @@ INSTANTIATE_TEST_SUITE_P(
                       GpuCase{DType::f32, {1, 1, 1, 1, 3}, false}),
     case_name);
 
+// Grouped-query heads (q head h reads k/v head h / (H / Hk)) and bottom-right causal masks, which
+// the sm_90 kernel takes since it maps heads and offsets the diagonal by Sk - Sq (on another GPU
+// these run the row-wise kernel, against the same spec): groups of 2, 4 and 8, Sq != Sk both ways
+// (bottom-right with Sq > Sk leaves the first Sq - Sk rows without a key: out 0, lse -inf, and
+// whole query blocks without one), tails of the 128-row tiles, bf16 and f16, D 64 and 128.
+struct Sm90FwdCase {
+  std::string name;
+  DType dt;
+  std::int64_t b, h, hk, sq, sk, d;
+  AttentionOptions opt;
+};
+
+void PrintTo(const Sm90FwdCase& c, std::ostream* os) { *os << c.name; }
+
+class AttentionSm90ForwardVsSpec : public ::testing::TestWithParam<Sm90FwdCase> {};
+
+TEST_P(AttentionSm90ForwardVsSpec, MatchesSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const Sm90FwdCase& c = GetParam();
+  const std::uint64_t seed = 2000 + static_cast<std::uint64_t>(c.sq * 7 + c.sk + c.d + c.hk);
+  Tensor q = test::random_tensor({c.b, c.h, c.sq, c.d}, c.dt, kCpu, seed, -3.0f, 3.0f);
+  Tensor k = test::random_tensor({c.b, c.hk, c.sk, c.d}, c.dt, kCpu, seed + 1, -3.0f, 3.0f);
+  Tensor v = test::random_tensor({c.b, c.hk, c.sk, c.d}, c.dt, kCpu, seed + 2);
+  Tensor ref = Tensor::empty(q.shape(), c.dt, kCpu), ref_lse = Tensor::empty({c.b, c.h, c.sq}, DType::f32, kCpu);
+  attention_forward(q, k, v, ref, ref_lse, c.opt);
+  Tensor out = Tensor::empty(q.shape(), c.dt, kGpu), lse = Tensor::empty({c.b, c.h, c.sq}, DType::f32, kGpu);
+  test::poison(out);
+  test::poison(lse);
+  attention_forward(q.copy_to(kGpu), k.copy_to(kGpu), v.copy_to(kGpu), out, lse, c.opt);
+  EXPECT_TRUE(test::all_close(out, ref, out_tolerance(c.dt)));
+  // lse: -inf exactly where the spec has it (rows without a key), else the tolerance above.
+  const std::vector<double> got = test::to_doubles(lse), want = test::to_doubles(ref_lse);
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const bool ok = std::isinf(want[i]) ? got[i] == want[i] : std::abs(got[i] - want[i]) <= 1e-4 + 1e-5 * std::abs(want[i]);
+    if (!ok && bad++ == 0) first = i;
+  }
+  EXPECT_EQ(bad, 0u) << "lse elements off, first at flat index " << first << ": got " << (bad ? got[first] : 0.0)
+                     << ", want " << (bad ? want[first] : 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sm90, AttentionSm90ForwardVsSpec,
+    ::testing::Values(
+        Sm90FwdCase{"bf16_d128_gqa_2_s200", DType::bf16, 2, 8, 4, 200, 200, 128, {.scale = 0.088f}},
+        Sm90FwdCase{"f16_d64_gqa_4_s300_causal", DType::f16, 1, 8, 2, 300, 300, 64, {.causal = true, .scale = 0.125f}},
+        Sm90FwdCase{"bf16_d64_gqa_8_q129_k1000_causal_top_left", DType::bf16, 2, 8, 1, 129, 1000, 64,
+                    {.causal = true, .scale = 0.125f}},
+        Sm90FwdCase{"f16_d128_gqa_8_q1_k1000", DType::f16, 1, 16, 2, 1, 1000, 128, {.scale = 0.088f}},
+        Sm90FwdCase{"bf16_d128_q1000_k129_causal_bottom_right", DType::bf16, 1, 4, 4, 1000, 129, 128,
+                    {.causal = true, .bottom_right = true, .scale = 0.088f}},
+        Sm90FwdCase{"f16_d128_gqa_8_q1_k1000_causal_bottom_right", DType::f16, 2, 8, 1, 1, 1000, 128,
+                    {.causal = true, .bottom_right = true, .scale = 0.088f}},
+        Sm90FwdCase{"bf16_d64_gqa_2_q129_k1000_causal_bottom_right", DType::bf16, 2, 4, 2, 129, 1000, 64,
+                    {.causal = true, .bottom_right = true, .scale = 0.125f}},
+        Sm90FwdCase{"f16_d64_q383_k383_causal_bottom_right", DType::f16, 1, 2, 2, 383, 383, 64,
+                    {.causal = true, .bottom_right = true, .scale = 0.125f}},
+        Sm90FwdCase{"bf16_d128_gqa_8_q17_k2048_causal_bottom_right", DType::bf16, 1, 16, 2, 17, 2048, 128,
+                    {.causal = true, .bottom_right = true, .scale = 0.088f}},
+        Sm90FwdCase{"f16_d64_gqa_4_q2048_k1000_causal_bottom_right", DType::f16, 1, 4, 1, 2048, 1000, 64,
+                    {.causal = true, .bottom_right = true, .scale = 0.125f}},
+        Sm90FwdCase{"bf16_d64_q300_k5_causal_bottom_right", DType::bf16, 1, 2, 1, 300, 5, 64,
+                    {.causal = true, .bottom_right = true, .scale = 0.125f}}),
+    [](const auto& info) { return info.param.name; });
+
 // Scores of order 1e4 (q and k entries up to 40 in bf16 at D = 64, up to 20 in f16 at D = 128,
 // scale 1): the running max keeps every exponent <= 0, so out and lse stay finite and agree with
 // the spec.

@@ -279,7 +279,8 @@ void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
 
 class AttentionVarlenGpuVsSpec : public ::testing::TestWithParam<GpuCase> {};
 
-// The packed batch on the GPU (forward on the warp-per-row kernel; backward on the tensor-core
+// The packed batch on the GPU (forward on the sm_90 wgmma kernel for bf16/f16 at D 64/128 without
+// window or softcap on an sm_90 GPU, else the warp-per-row kernel; backward on the tensor-core
 // kernels for bf16/f16 at D 64/96/128, else warp-per-row) against the CPU spec, outputs poisoned
 // first so that a row no kernel writes is a NaN; bf16/f16 backward in both dq modes.
 TEST_P(AttentionVarlenGpuVsSpec, MatchesTheSpec) {
@@ -438,6 +439,110 @@ INSTANTIATE_TEST_SUITE_P(
                       GpuCase{"d16_f32", {{9, 0, 33}, {0, 4, 40}, 2, 1, 16}, {.causal = true, .scale = 0.3f}, {DType::f32}}),
     [](const auto& info) { return info.param.name; });
 
+// The sm_90 kernels on packed batches against the spec: the forward (on sm_90 every bf16/f16 call
+// at D 64/128 without window or softcap takes the wgmma kernel) and the backward forced to each dq
+// variant (wgmma_sm90: atomics; wgmma_sm90_tma_dq: TMA reduce-adds, whose boxes past a sequence's
+// end add zeros into the next sequence's dq rows). Outputs poisoned first, so a row no kernel
+// writes is a NaN, and a row a CTA of another sequence wrote shows as an error. Skipped off sm_90.
+class AttentionVarlenSm90VsSpec : public ::testing::TestWithParam<GpuCase> {};
+
+TEST_P(AttentionVarlenSm90VsSpec, MatchesTheSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  if (!test::on_sm90()) GTEST_SKIP() << "the wgmma kernels run on sm_90 (H100/H200) only";
+  const GpuCase& c = GetParam();
+  const Batch& b = c.batch;
+  const Device gpu = Device::cuda(0);
+  const Tensor cu_q = cu_seqlens(b.q_lens), cu_k = cu_seqlens(b.k_lens);
+  const Tensor cu_qg = cu_q.copy_to(gpu), cu_kg = cu_k.copy_to(gpu);
+  const AttentionVarlen seqs = seqs_of(b, cu_q, cu_k);
+  const AttentionVarlen seqs_g{cu_qg.view(), cu_kg.view(), b.max_q() + c.slack, b.max_k() + c.slack};
+  const Dims lse_shape{b.h, b.total_q()};
+  for (DType dt : c.dtypes) {
+    const Tensor q = test::random_tensor({b.total_q(), b.h, b.d}, dt, kCpu, 91);
+    const Tensor k = test::random_tensor({b.total_k(), b.hk, b.d}, dt, kCpu, 92);
+    const Tensor v = test::random_tensor({b.total_k(), b.hk, b.d}, dt, kCpu, 93);
+    const Tensor dout = test::random_tensor({b.total_q(), b.h, b.d}, dt, kCpu, 94);
+    Tensor out = Tensor::empty(q.shape(), dt, kCpu), lse = Tensor::empty(lse_shape, DType::f32, kCpu);
+    Tensor dq = Tensor::empty(q.shape(), dt, kCpu), dk = Tensor::empty(k.shape(), dt, kCpu), dv = Tensor::empty(k.shape(), dt, kCpu);
+    attention_forward_varlen(q, k, v, out, lse, seqs, c.opt);
+    attention_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, seqs, c.opt);
+
+    const Tensor qg = q.copy_to(gpu), kg = k.copy_to(gpu), vg = v.copy_to(gpu), dog = dout.copy_to(gpu);
+    Tensor og = Tensor::empty(q.shape(), dt, gpu), lg = Tensor::empty(lse_shape, DType::f32, gpu);
+    test::poison(og);
+    test::poison(lg);
+    attention_forward_varlen(qg, kg, vg, og, lg, seqs_g, c.opt);
+    const double tol = gpu_tolerance(dt);
+    auto check = [&](const Tensor& got, const Tensor& ref, const std::string& what) {
+      const Tensor host = test::to_host(got);
+      const double err = test::rel_err_normwise(host, ref);
+      EXPECT_LE(err, tol) << what << ": rel err " << err << ", " << worst_element(host, ref);
+      if (err > tol / 4) std::printf("  [note] %s rel err %.3g (tol %.3g)\n", what.c_str(), err, tol);
+    };
+    const std::string name = c.name + " " + std::string(dtype_name(dt));
+    check(og, out, name + " out");
+    expect_lse_close(test::to_host(lg), lse, name + " lse");
+    const Tensor outg = out.copy_to(gpu), lseg = lse.copy_to(gpu);
+    for (auto [kind, kind_name] : {std::pair{AttentionBackwardKernel::wgmma_sm90, "wgmma_sm90"},
+                                   std::pair{AttentionBackwardKernel::wgmma_sm90_tma_dq, "wgmma_sm90_tma_dq"}}) {
+      AttentionOptions opt = c.opt;
+      opt.backward_kernel = kind;
+      Tensor dqg = Tensor::empty(q.shape(), dt, gpu), dkg = Tensor::empty(k.shape(), dt, gpu), dvg = Tensor::empty(k.shape(), dt, gpu);
+      for (Tensor* t : {&dqg, &dkg, &dvg}) test::poison(*t);
+      attention_backward_varlen(qg, kg, vg, outg, dog, lseg, dqg, dkg, dvg, seqs_g, opt);
+      const std::string what = name + " " + kind_name;
+      check(dqg, dq, what + " dq");
+      check(dkg, dk, what + " dk");
+      check(dvg, dv, what + " dv");
+    }
+  }
+}
+
+// Lengths mixing 0, 1, 7, 127, 128, 129 and 1000 (sequences without queries or keys, one token,
+// tails of the 64/128-query and 128-key tiles on both sides of a tile edge, so that most boxes run
+// into the next sequence), grouped-query heads 1, 2, 4, 8 per k/v head, causal top-left and
+// bottom-right with Sq != Sk per sequence (rows and whole blocks without a key), D 64 and 128,
+// bf16 and f16, a grid larger than the longest sequence.
+INSTANTIATE_TEST_SUITE_P(
+    Sm90, AttentionVarlenSm90VsSpec,
+    ::testing::Values(
+        GpuCase{"d64_group1_mixed", {{0, 1, 7, 127, 128, 129, 1000}, {0, 1, 7, 127, 128, 129, 1000}, 2, 2, 64},
+                {.scale = 0.125f}, kHalfTypes},
+        GpuCase{"d128_group2_mixed", {{129, 1000, 0, 128, 1, 127, 7}, {129, 1000, 0, 128, 1, 127, 7}, 4, 2, 128},
+                {.scale = 0.088f}, kHalfTypes},
+        GpuCase{"d64_group4_causal_top_left", {{7, 1000, 0, 127, 1, 128, 129}, {127, 1000, 1, 7, 0, 129, 128}, 8, 2, 64},
+                {.causal = true, .scale = 0.125f}, kHalfTypes},
+        GpuCase{"d128_group8_causal_bottom_right", {{1, 127, 1000, 0, 7, 129, 128}, {1000, 7, 127, 5, 1, 128, 129}, 8, 1, 128},
+                {.causal = true, .bottom_right = true, .scale = 0.088f}, kHalfTypes},
+        GpuCase{"d64_group2_causal_bottom_right", {{128, 0, 129, 1000, 7}, {129, 3, 128, 1000, 1}, 4, 2, 64},
+                {.causal = true, .bottom_right = true, .scale = 0.125f}, kHalfTypes},
+        GpuCase{"d128_group4_causal_top_left_slack", {{129, 7, 1}, {128, 127, 0}, 4, 1, 128},
+                {.causal = true, .scale = 0.088f}, kHalfTypes, 300}),
+    [](const auto& info) { return info.param.name; });
+
+// Forcing the wgmma backward on a packed call it does not take (a window; D 96) names
+// backward_kernel, on any GPU.
+TEST(AttentionVarlenErrors, ForcedWgmmaKernelThatCannotTakeTheCall) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const Tensor cu = cu_seqlens({3, 5}).copy_to(gpu);
+  const AttentionVarlen seqs{cu.view(), cu.view(), 5, 5};
+  for (std::int64_t d : {64, 96}) {
+    const Tensor q = test::random_tensor({8, 2, d}, DType::bf16, gpu, 1), k = test::random_tensor({8, 1, d}, DType::bf16, gpu, 2);
+    const Tensor out = Tensor::empty(q.shape(), DType::bf16, gpu), lse = Tensor::empty({2, 8}, DType::f32, gpu);
+    const Tensor dq = Tensor::empty(q.shape(), DType::bf16, gpu), dk = Tensor::empty(k.shape(), DType::bf16, gpu);
+    const Tensor dv = Tensor::empty(k.shape(), DType::bf16, gpu);
+    AttentionOptions opt{.scale = 0.125f};
+    if (d == 64) opt.window_left = 2;  // D 64 alone would be taken on sm_90
+    attention_forward_varlen(q, k, k, out, lse, seqs, opt);
+    for (auto kind : {AttentionBackwardKernel::wgmma_sm90, AttentionBackwardKernel::wgmma_sm90_tma_dq}) {
+      opt.backward_kernel = kind;
+      test::expect_arg_error([&] { attention_backward_varlen(q, k, k, out, out, lse, dq, dk, dv, seqs, opt); },
+                             "attention_backward_varlen", "backward_kernel");
+    }
+  }
+}
+
 // The varlen kernels on a batch of one sequence are the dense kernels' results (the same
 // arithmetic in the same order; only the addressing differs): a packed [S, H, D] batch against
 // [1, H, S, D], bit for bit, forward and backward in both dq modes.
@@ -466,8 +571,8 @@ TEST(AttentionVarlenGpu, OneSequenceIsTheDenseCall) {
     const Tensor qd = dense(q), kd = dense(k), vd = dense(v), dod = dense(dout);
     Tensor o = Tensor::empty(q.shape(), dt, gpu), l = Tensor::empty({h, s}, DType::f32, gpu);
     Tensor od = Tensor::empty(qd.shape(), dt, gpu), ld = Tensor::empty({1, h, s}, DType::f32, gpu);
-    // The varlen forward runs on the warp-per-row kernel; a window wider than the sequence (the
-    // same mask) keeps the dense call off the sm_90 tensor-core kernel, another algorithm.
+    // A window wider than the sequence (the same mask) keeps both calls on the warp-per-row
+    // kernel; the sm_90 kernels' packed and dense instantiations are compared by their own suites.
     AttentionOptions fwd = base;
     fwd.window_left = s;
     attention_forward_varlen(qg, kg, vg, o, l, seqs, fwd);

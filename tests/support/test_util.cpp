@@ -3,6 +3,10 @@
 #include <cmath>
 #include <limits>
 
+#if FUSEKIT_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace fk::test {
 
 Tensor random_tensor(Dims shape, DType dtype, Device device, std::uint64_t seed, float lo, float hi) {
@@ -84,6 +88,18 @@ Tolerance tolerance_for(DType t) {
   return ::testing::AssertionFailure() << bad << " of " << g.size() << " elements differ beyond atol "
                                        << tol.atol << " + rtol " << tol.rtol << "; worst at flat index " << worst
                                        << ": got " << g[worst] << ", expected " << r[worst];
+}
+
+bool on_sm90() {
+#if FUSEKIT_WITH_CUDA
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess)
+    return false;
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
 }
 
 }  // namespace fk::test

@@ -31,6 +31,8 @@ std::vector<double> to_doubles(const TensorView& t);
 std::vector<float> to_floats(const TensorView& t);
 // Fills a tensor with NaN, so that an element a kernel fails to write cannot pass a comparison.
 void poison(const TensorView& t);
+// Whether device 0 is an sm_90 GPU (H100/H200), where the wgmma/TMA kernels run.
+bool on_sm90();
 
 // |got - ref| <= atol + rtol * |ref| elementwise.
 struct Tolerance {

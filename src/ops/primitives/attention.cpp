@@ -1,9 +1,9 @@
 // Dispatch of attention_forward and attention_backward, dense and packed (varlen): argument checks,
-// then the CPU spec or the CUDA kernels (the sm_90 tensor-core forward for dense batches with the
-// plain options, else the warp-per-row kernel; the sm_90 wgmma backward for dense bf16/f16 at D 64,
-// 128 without window, softcap or deterministic mode, else the mma.sync backward for bf16/f16 at D
-// 64, 96, 128 on sm_80+, dense or packed, else the warp-per-row kernels; AttentionOptions::
-// backward_kernel forces one).
+// then the CPU spec or the CUDA kernels, dense or packed alike (the sm_90 tensor-core forward for
+// bf16/f16 at D 64, 128 without window or softcap, grouped-query heads and either causal alignment
+// included, else the warp-per-row kernel; the sm_90 wgmma backward for bf16/f16 at D 64, 128
+// without window, softcap or deterministic mode, else the mma.sync backward for bf16/f16 at D 64,
+// 96, 128 on sm_80+, else the warp-per-row kernels; AttentionOptions::backward_kernel forces one).
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -160,13 +160,6 @@ void check_backward_tensors(const char* op, const TensorView& q, const TensorVie
                "a tensor overlapping dq or dk");
 }
 
-// What the sm_90 forward kernel computes: the plain options (a bottom-right causal mask is the
-// top-left one when Sq = Sk).
-[[maybe_unused]] bool plain(const TensorView& q, const TensorView& k, const AttentionOptions& opt) {
-  return k.size(1) == q.size(1) && opt.window_left < 0 && (opt.causal || opt.window_right < 0) &&
-         opt.softcap == 0.0f && (!opt.causal || !opt.bottom_right || q.size(2) == k.size(2));
-}
-
 // The CUDA backward, dense (varlen null) or packed: the kernel opt.backward_kernel names, or
 // (automatic) the sm_90 wgmma kernel, else the mma.sync one, where they take the call, else the
 // warp-per-row ones. delta takes lse's layout.
@@ -179,14 +172,14 @@ void backward_on_gpu(const char* op, const TensorView& q, const TensorView& k, c
   const K which = opt.backward_kernel;
   const Tensor delta = Tensor::empty(lse.shape(), DType::f32, q.device(), stream);
   if (which == K::automatic || which == K::wgmma_sm90 || which == K::wgmma_sm90_tma_dq) {
-    if (!varlen && cuda::attention_backward_sm90_supports(q, k, v, out, dout, dq, dk, dv, opt)) {
+    if (cuda::attention_backward_sm90_supports(q, k, v, out, dout, dq, dk, dv, varlen, opt)) {
       const Tensor dq_accum = Tensor::empty(q.shape(), DType::f32, q.device(), stream);
-      return cuda::attention_backward_sm90(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), opt,
-                                           stream);
+      return cuda::attention_backward_sm90(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), varlen,
+                                           opt, stream);
     }
     FK_CHECK_ARG(which == K::automatic, op, "backward_kernel",
-                 "wgmma_sm90 (and wgmma_sm90_tma_dq) only for a dense bf16/f16 call with D 64 or 128, no "
-                 "window, no softcap, not deterministic, 16-byte aligned tensors, on an sm_90 GPU",
+                 "wgmma_sm90 (and wgmma_sm90_tma_dq) only for a bf16/f16 call (dense or varlen) with D 64 or 128, "
+                 "no window, no softcap, not deterministic, 16-byte aligned tensors, on an sm_90 GPU",
                  "a wgmma_sm90 kernel for a call it does not take");
   }
   if (which != K::rowwise && cuda::attention_backward_mma_supports(q, k, varlen)) {
@@ -215,7 +208,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   if (out.numel() == 0) return;
   if (dev.is_cpu()) return reference::attention_forward(q, k, v, out, lse, opt);
 #if FUSEKIT_WITH_CUDA
-  if (!plain(q, k, opt) || !cuda::attention_forward_sm90(q, k, v, out, lse, opt.causal, opt.scale, stream))
+  if (!cuda::attention_forward_sm90(q, k, v, out, lse, nullptr, opt, stream))
     cuda::attention_forward_rowwise(q, k, v, out, lse, nullptr, opt, stream);
 #else
   (void)stream;
@@ -247,7 +240,8 @@ void attention_forward_varlen(const TensorView& q, const TensorView& k, const Te
   if (out.numel() == 0) return;
   if (dev.is_cpu()) return reference::attention_forward_varlen(q, k, v, out, lse, seqs, opt);
 #if FUSEKIT_WITH_CUDA
-  cuda::attention_forward_rowwise(q, k, v, out, lse, &seqs, opt, stream);
+  if (!cuda::attention_forward_sm90(q, k, v, out, lse, &seqs, opt, stream))
+    cuda::attention_forward_rowwise(q, k, v, out, lse, &seqs, opt, stream);
 #else
   (void)stream;
 #endif

@@ -37,30 +37,35 @@ bool attention_backward_mma(const TensorView& q, const TensorView& k, const Tens
                             const TensorView& dv, const TensorView& delta, const TensorView& dq_accum,
                             const AttentionVarlen* varlen, const AttentionOptions& opt, const Stream* stream);
 
-// attention_mma_bwd.cu, for the sm_90 backward, dense bf16/f16 with D a multiple of 8: delta =
-// rowsum(dout ⊙ out) [B, H, Sq] f32 and dq_accum [B, H, Sq, D] f32 zeroed; then, after the dk/dv
-// kernel added dq into dq_accum, dq_accum rounded into dq.
-void attention_backward_dense_prologue(const TensorView& out, const TensorView& dout, const TensorView& delta,
-                                       const TensorView& dq_accum, const Stream* stream);
+// attention_mma_bwd.cu, for the sm_90 backward, bf16/f16 with D a multiple of 8, dense or packed
+// (out's rank 4 or 3): delta = rowsum(dout ⊙ out) f32 in lse's layout and dq_accum f32 like out
+// zeroed; then, after the dk/dv kernel added dq into dq_accum, dq_accum rounded into dq.
+void attention_backward_prologue(const TensorView& out, const TensorView& dout, const TensorView& delta,
+                                 const TensorView& dq_accum, const Stream* stream);
 void attention_backward_dq_from_accum(const TensorView& dq_accum, const TensorView& dq, const Stream* stream);
 
-// attention_sm90_bwd.cu: whether the wgmma/TMA backward takes this call: dense, bf16/f16, D = 64
-// or 128, no window (causal either alignment or none), no softcap, not deterministic, 1 <= Sq, Sk
-// < 2^30, B * Hk <= 65535, on an sm_90 device, 16-byte aligned tensors.
+// attention_sm90_bwd.cu: whether the wgmma/TMA backward takes this call: dense (varlen null) or
+// packed, bf16/f16, D = 64 or 128, no window (causal either alignment or none), no softcap, not
+// deterministic, 1 <= Sq, Sk (packed: the max_seqlens) < 2^30, at least one query and one key,
+// B * Hk <= 65535, on an sm_90 device, 16-byte aligned tensors.
 bool attention_backward_sm90_supports(const TensorView& q, const TensorView& k, const TensorView& v,
                                       const TensorView& out, const TensorView& dout, const TensorView& dq,
-                                      const TensorView& dk, const TensorView& dv, const AttentionOptions& opt);
+                                      const TensorView& dk, const TensorView& dv, const AttentionVarlen* varlen,
+                                      const AttentionOptions& opt);
 // attention_sm90_bwd.cu: the backward on wgmma (FlashAttention-3's dk/dv kernel, dq by f32 atomics
 // into dq_accum, f32 like q, scratch), for a call attention_backward_sm90_supports takes; delta
 // scratch like lse. dq, dk, dv overwritten.
 void attention_backward_sm90(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                              const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                              const TensorView& dv, const TensorView& delta, const TensorView& dq_accum,
-                             const AttentionOptions& opt, const Stream* stream);
+                             const AttentionVarlen* varlen, const AttentionOptions& opt, const Stream* stream);
 
-// attention_sm90.cu: true when the wgmma/TMA kernel takes this dense call (sm_90 device, bf16/f16,
-// D = 64 or 128, Sk >= 1, 16-byte aligned bases, B * H * ceil(Sq / 128) < 2^31) and it was launched.
+// attention_sm90.cu: true when the wgmma/TMA kernel takes this call and it was launched: dense
+// (varlen null) or packed, sm_90 device, bf16/f16, D = 64 or 128, grouped-query heads, causal
+// (either alignment) or none, no window or softcap, Sq and Sk (packed: the max_seqlens) in
+// [1, 2^30), packed total_k >= 1, 16-byte aligned bases, B * H * ceil(Sq / 128) < 2^31.
 bool attention_forward_sm90(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                            const TensorView& lse, bool causal, float scale, const Stream* stream);
+                            const TensorView& lse, const AttentionVarlen* varlen, const AttentionOptions& opt,
+                            const Stream* stream);
 
 }  // namespace fk::cuda

@@ -1,6 +1,8 @@
 // attention_backward on tensor cores: FlashAttention-2's algorithm with mma.sync m16n8k16 (bf16 or
-// f16 operands, f32 accumulation), for sm_80 and later (Hopper's path too until a wgmma version
-// exists), head dims 64, 96 and 128, every AttentionOptions. Nothing of size [Sq, Sk] is stored.
+// f16 operands, f32 accumulation), for sm_80 and later (on Hopper for what attention_sm90_bwd.cu
+// does not take: deterministic mode, windows, softcap, D 96), head dims 64, 96 and 128, every
+// AttentionOptions. Nothing of size [Sq, Sk] is stored. Its delta and dq conversion kernels also
+// run around the sm_90 backward (attention_backward_prologue, attention_backward_dq_from_accum).
 //
 // Three launches (four with dq_accum's memset):
 //  1. delta = rowsum(dout ⊙ out) in f32, a warp per query row.
@@ -684,16 +686,24 @@ bool attention_backward_mma(const TensorView& q, const TensorView& k, const Tens
   return true;
 }
 
-void attention_backward_dense_prologue(const TensorView& out, const TensorView& dout, const TensorView& delta,
-                                       const TensorView& dq_accum, const Stream* stream) {
-  const std::int64_t d = out.size(3), rows = out.numel() / d;
+void attention_backward_prologue(const TensorView& out, const TensorView& dout, const TensorView& delta,
+                                 const TensorView& dq_accum, const Stream* stream) {
+  const bool packed = out.rank() == 3;
+  const std::int64_t d = packed ? out.size(2) : out.size(3), rows = out.numel() / d;
   if (rows == 0) return;
   const cudaStream_t s = fk::detail::cuda_stream(stream);
   with_float_type(out.dtype(), [&](auto zero) {
     using T = decltype(zero);
     if constexpr (!std::is_same_v<T, float>) {
-      attention_bwd_delta_kernel<T, false><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, s>>>(
-          out.data_as<T>(), dout.data_as<T>(), delta.data_as<float>(), rows, static_cast<int>(d), 1, 0);
+      const auto blocks = static_cast<unsigned>((rows + 7) / 8);
+      // packed: out's row token H + h, delta's element h total_q + token
+      if (packed)
+        attention_bwd_delta_kernel<T, true><<<blocks, 256, 0, s>>>(out.data_as<T>(), dout.data_as<T>(),
+                                                                   delta.data_as<float>(), rows, static_cast<int>(d),
+                                                                   out.size(1), out.size(0));
+      else
+        attention_bwd_delta_kernel<T, false><<<blocks, 256, 0, s>>>(out.data_as<T>(), dout.data_as<T>(),
+                                                                    delta.data_as<float>(), rows, static_cast<int>(d), 1, 0);
       FK_CUDA_CHECK_LAUNCH("attention_bwd_delta_kernel");
     }
   });

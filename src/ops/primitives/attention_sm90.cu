@@ -1,13 +1,15 @@
 // attention_forward on Hopper tensor cores (sm_90a): FlashAttention-style, bf16/f16, head_dim 64
-// or 128. q, k, v and out are read and written once; the [Sq, Sk] scores live only in registers,
-// one 64 x 128 tile a warpgroup at a time.
+// or 128, dense or packed (varlen) batches, grouped-query heads (q head h reads k/v head
+// h / (H / Hk)), causal with either alignment or none. q, k, v and out are read and written once;
+// the [Sq, Sk] scores live only in registers, one 64 x 128 tile a warpgroup at a time.
 //
-// A CTA owns 128 query rows of one (batch, head) and streams the keys in blocks of 128 with three
-// warpgroups:
+// A CTA owns 128 query rows of one (sequence, head) and streams the keys of its k/v head in blocks
+// of 128 with three warpgroups:
 //   - producer (one thread): loads the CTA's Q tile once, then each key block's K and V tiles into
-//     a 2-stage ring, by TMA with the 128-byte swizzle wgmma reads (3-D tensor maps over
-//     (D, S, B*H), so rows past S come back as zeros and never from the next head). K and V have
-//     their own full barriers, so S = Q Kᵀ starts before V has landed.
+//     a 2-stage ring, by TMA with the 128-byte swizzle wgmma reads (3-D tensor maps, head_map in
+//     attention_sm90_common.cuh: dense (D, S, B*H), rows past S come back as zeros; packed
+//     (D, total, H), rows past a sequence's end come back as the next sequence's tokens). K and V
+//     have their own full barriers, so S = Q Kᵀ starts before V has landed.
 //   - two consumers, 64 query rows each: S = Q Kᵀ with wgmma 64x128xD (both operands from shared
 //     memory, fp32 accumulators), the mask (key tail, causal diagonal) on the blocks that need it,
 //     the online softmax in registers (running max and sum a row, exp2 with the scale folded in
@@ -18,9 +20,14 @@
 //     cores. Each consumer warp gives a K stage back as soon as S_n has retired and a V stage once
 //     P V has, so the producer refills K a block and a half ahead.
 // At the end each row's sum is reduced across its quad of threads, out = O / l is stored from
-// registers and lse = (m + log2 l) ln 2. Rows past Sq are computed on zeros and not stored.
+// registers and lse = (m + log2 l) ln 2. Rows past the sequence's Sq are computed (on zeros, or
+// packed on the next sequence's queries) and not stored; keys past its Sk are masked like the
+// causal ones, so the next sequence's keys never count. A row that sees no key (bottom-right with
+// Sq > Sk, or Sk = 0) gets out = 0 and lse = -inf; a CTA whose rows see no key at all loads
+// nothing and stores just that.
 //
-// Grid: one CTA per (head, 128-row query block), heads outer, so that the ~132 CTAs resident at
+// Grid: one CTA per (sequence, head, 128-row query block), heads outer (packed: blocks of
+// max_seqlen_q, those past their sequence's Sq leave at once), so that the ~132 CTAs resident at
 // a time cover about 4 heads whose K and V (2 MB a head at S = 4096, D = 128) stay in L2; with
 // heads inner (64 heads in flight) K and V came from DRAM again and again and the kernel ran
 // slower. Within a head the last query blocks go first: with
@@ -32,6 +39,8 @@
 // turns for issuing wgmmas, FA3's inter-warpgroup overlap: no gain here), the scale folded into
 // the exp2 FFMA and skipping O's rescale when no row max moved (no gain: the softmax is not the
 // limit).
+// The dense and packed kernels are two instantiations (kPacked, as attention_mma_bwd.cu): the dense
+// one addresses out and lse with the dense formulas and compiles without the cu_seqlens reads.
 // Not done: a persistent grid that overlaps one tile's epilogue with the next tile's loads, a
 // TMA store of out, larger tiles at D = 64 (FA3 uses 192 x 128).
 //
@@ -53,6 +62,7 @@
 #include <cute/atom/mma_atom.hpp>
 
 #include "attention_cuda.hpp"
+#include "attention_layout.cuh"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/error.hpp"
 #include "fusekit/core/tensor.hpp"
@@ -72,7 +82,7 @@ namespace {
 using namespace sm90;  // mbarriers, TMA (ops/common/sm90_async.cuh); exp2, pack2, maps (attention_sm90_common.cuh)
 
 using namespace cute;
-using cute::Tensor;  // fk declares Tensor too
+using cute::Tensor;  // fk declares Tensor too (and fk::cuda a Layout: CuTe's is written cute::Layout)
 
 constexpr const char* kOp = "attention_forward";
 
@@ -100,10 +110,10 @@ struct Traits {
   // Two consumer warpgroups side by side in M: warpgroup w computes rows [64 w, 64 w + 64).
   using MmaS = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kBlockN>, Int<D>>, GMMA::Major::K, GMMA::Major::K>(),
-      Layout<Shape<_2, _1, _1>>{}));
+      cute::Layout<Shape<_2, _1, _1>>{}));
   using MmaO = decltype(make_tiled_mma(
       SM90::GMMA::rs_op_selector<T, T, float, Shape<_64, Int<D>, Int<kBlockN>>, GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
+      cute::Layout<Shape<_2, _1, _1>>{}));
   static constexpr int kBytesQ = kBlockM * D * 2;
   static constexpr int kBytesKV = kBlockN * D * 2;  // one stage of K (or of V)
   static constexpr int kOffK = kBytesQ, kOffV = kOffK + kStages * kBytesKV, kOffBars = kOffV + kStages * kBytesKV;
@@ -116,11 +126,25 @@ struct Traits {
 };
 
 struct Params {
-  void* out;               // T [B*H, Sq, D]
-  float* lse;              // [B*H, Sq]
-  int sq, sk, bh, m_blocks;
+  void* out;               // T: dense [B, H, Sq, D]; packed [total_q, H, D]
+  float* lse;              // f32: dense [B, H, Sq]; packed [H, total_q]
+  Layout layout;           // B, H, Hk, the lengths (packed: max_seqlens and cu_seqlens)
+  int m_blocks;            // query blocks of a (sequence, head): of Sq, packed of max_seqlen_q
   float scale_log2;        // scale * log2(e): scores are kept in log2 units
-  bool causal;
+  bool causal, bottom_right;
+};
+
+// What a CTA works on: its sequence's lengths, its query block, and the TMA coordinates of its
+// rows (dense: row in the head, head b H + h / b Hk + kh; packed: token, head h / kh).
+struct Cta {
+  int sq, sk;              // the sequence's query and key counts
+  int offset;              // causal: key j visible to query i iff j <= i + offset (bottom-right Sk - Sq)
+  int m0;                  // the block's first query
+  int q_row0, kv_row0;     // TMA row of query 0 and key 0: dense 0, packed the sequence's first tokens
+  int q_head, kv_head;     // TMA head coordinates of q (and out) and of k, v
+  std::int64_t out0;       // out's element of (query 0, d 0) of this head
+  std::int64_t out_stride; // elements from one query to the next: dense D, packed H D
+  std::int64_t lse0;       // lse's element of query 0 of this head (contiguous in the query)
 };
 
 #if FK_ATTN_SM90
@@ -135,34 +159,65 @@ struct Bars {
   __device__ std::uint32_t v_empty(int s) const { return base + 8 * (1 + 3 * kStages + s); }
 };
 
+template <bool kPacked, int D>
+__device__ Cta cta_of(const Params& p) {
+  const Layout& L = p.layout;
+  // Heads outer, query blocks inner: the CTAs running at once share a few heads, whose K and V
+  // then stay in L2. Within a head the heaviest query blocks go first (with causal masking the
+  // last rows see the most keys).
+  const int bh = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.m_blocks));
+  const int m_block = p.m_blocks - 1 - static_cast<int>(blockIdx.x % static_cast<unsigned>(p.m_blocks));
+  const int heads = static_cast<int>(L.heads), kv_heads = static_cast<int>(L.kv_heads);
+  const int b = bh / heads, h = bh - b * heads, kh = h / (heads / kv_heads);
+  const SeqRows<kPacked> seq = L.template seq<kPacked>(b);
+  Cta c;
+  c.sq = static_cast<int>(seq.sq);
+  c.sk = static_cast<int>(seq.sk);
+  c.offset = p.bottom_right ? c.sk - c.sq : 0;
+  c.m0 = m_block * kBlockM;
+  c.q_row0 = static_cast<int>(seq.q0);
+  c.kv_row0 = static_cast<int>(seq.k0);
+  c.q_head = kPacked ? h : bh;
+  c.kv_head = kPacked ? kh : b * kv_heads + kh;
+  c.out0 = seq.q_row(h, 0) * D;
+  c.out_stride = seq.q_tok() * D;
+  c.lse0 = seq.stat(h, 0);
+  return c;
+}
+
 template <class T, int D>
 __device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, std::uint32_t smem,
-                        const Bars& bars, int m0, int bh, int n_blocks) {
+                        const Bars& bars, const Cta& c, int n_blocks) {
   using Tr = Traits<T, D>;
+  if (n_blocks == 0) return;  // no key visible: the consumers load nothing either
   mbar_arrive_expect_tx(bars.q_full(), Tr::kBytesQ);
 #pragma unroll
-  for (int j = 0; j < D / 64; ++j) tma_load_3d(tq, bars.q_full(), smem + j * kBlockM * 128, 64 * j, m0, bh);
+  for (int j = 0; j < D / 64; ++j)
+    tma_load_3d(tq, bars.q_full(), smem + j * kBlockM * 128, 64 * j, c.q_row0 + c.m0, c.q_head);
   for (int n = 0; n < n_blocks; ++n) {
     const int s = n % kStages, free_parity = ((n / kStages) & 1) ^ 1;
     const std::uint32_t k_dst = smem + Tr::kOffK + s * Tr::kBytesKV, v_dst = smem + Tr::kOffV + s * Tr::kBytesKV;
     mbar_wait(bars.k_empty(s), free_parity);
     mbar_arrive_expect_tx(bars.k_full(s), Tr::kBytesKV);
 #pragma unroll
-    for (int j = 0; j < D / 64; ++j) tma_load_3d(tk, bars.k_full(s), k_dst + j * kBlockN * 128, 64 * j, n * kBlockN, bh);
+    for (int j = 0; j < D / 64; ++j)
+      tma_load_3d(tk, bars.k_full(s), k_dst + j * kBlockN * 128, 64 * j, c.kv_row0 + n * kBlockN, c.kv_head);
     mbar_wait(bars.v_empty(s), free_parity);
     mbar_arrive_expect_tx(bars.v_full(s), Tr::kBytesKV);
 #pragma unroll
-    for (int j = 0; j < D / 64; ++j) tma_load_3d(tv, bars.v_full(s), v_dst + j * kBlockN * 128, 64 * j, n * kBlockN, bh);
+    for (int j = 0; j < D / 64; ++j)
+      tma_load_3d(tv, bars.v_full(s), v_dst + j * kBlockN * 128, 64 * j, c.kv_row0 + n * kBlockN, c.kv_head);
   }
 }
 
 template <class T, int D>
-__device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, int m0, int bh, int n_blocks) {
+__device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, const Cta& c, int n_blocks) {
   using Tr = Traits<T, D>;
   const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
   typename Tr::MmaS mma_s;
   typename Tr::MmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(ct);
+  auto thr_s0 = mma_s.get_thread_slice(0);  // thread 0's fragment: the compile-time offsets of the mask
   auto thr_o = mma_o.get_thread_slice(ct);
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<T*>(smem)), typename Tr::SmemLayoutQ{});  // (BLK_M,D)
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<T*>(smem + Tr::kOffK)),
@@ -176,7 +231,7 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
   Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<D>>{});        // ((2,2,D/8),1,1) fp32
   // P as the A operand of the 64xDx16 wgmmas: the accumulator's values (col pair, row + 8, col + 8)
   // of each 16 columns are exactly the A fragment's (k pair, row + 8, k + 8), so P keeps S's order.
-  Tensor tOrP = make_tensor<T>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>,
+  Tensor tOrP = make_tensor<T>(cute::Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>,
                                       Stride<Stride<_1, _2, _4>, _0, _8>>{});  // ((2,2,2),1,BLK_N/16)
   static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value);
   Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));  // (row, col) of tSrS
@@ -230,11 +285,19 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
     const int n0 = n * kBlockN;
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) tSrS(i) *= p.scale_log2;
-    if (n0 + kBlockN > p.sk || (p.causal && n0 + kBlockN - 1 > m0)) {
+    // Keys past Sk (zeros, or packed the next sequence's) and, causal, past each row's diagonal.
+    // Element i's (row, col) is this thread's first one plus a constant of the fragment (thread
+    // 0's coordinates, known at compile time, as in attention_sm90_bwd.cu), so each test compares
+    // a constant with one of two per-thread bounds.
+    if (n0 + kBlockN > c.sk || (p.causal && n0 + kBlockN - 1 > c.m0 + c.offset)) {
+      const Tensor c0 = thr_s0.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+      const int row_t = get<0>(tScS(0)), col_t = get<1>(tScS(0));
+      const int keys_left = c.sk - n0 - col_t;               // key visible iff dc < keys_left
+      const int reach = c.m0 + row_t + c.offset - n0 - col_t;  // causal: visible iff dc - dr <= reach
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) {
-        const int row = m0 + get<0>(tScS(i)), col = n0 + get<1>(tScS(i));
-        if (col >= p.sk || (p.causal && col > row)) tSrS(i) = -INFINITY;
+        const int dr = get<0>(c0(i)) - get<0>(c0(0)), dc = get<1>(c0(i)) - get<1>(c0(0));
+        if (dc >= keys_left || (p.causal && dc - dr > reach)) tSrS(i) = -INFINITY;
       }
     }
     float mx[2] = {m[0], m[1]}, base[2], sum[2] = {0.0f, 0.0f};
@@ -265,35 +328,38 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
     for (int i = 0; i < size(rP); ++i) rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
   };
 
-  mbar_wait(bars.q_full(), 0);
-  float alpha[2];
   // Software pipelining inside the warpgroup: the softmax of block n runs while the tensor cores
-  // compute P_{n-1} V_{n-1}; O is rescaled once that product has retired.
-  issue_s(0);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(tSrS);
-  release_k(0);
-  softmax(0, alpha);
-  to_p();
-  for (int n = 1; n < n_blocks; ++n) {
-    issue_s(n);
-    issue_pv(n - 1);
-    warpgroup_wait<1>();  // S_n is ready, P_{n-1} V_{n-1} may still run
+  // compute P_{n-1} V_{n-1}; O is rescaled once that product has retired. No key block (no key
+  // visible to any row): O = 0, m = -inf, l = 0 as initialised.
+  if (n_blocks > 0) {
+    mbar_wait(bars.q_full(), 0);
+    float alpha[2];
+    issue_s(0);
+    warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
-    release_k(n);
-    softmax(n, alpha);
+    release_k(0);
+    softmax(0, alpha);
+    to_p();
+    for (int n = 1; n < n_blocks; ++n) {
+      issue_s(n);
+      issue_pv(n - 1);
+      warpgroup_wait<1>();  // S_n is ready, P_{n-1} V_{n-1} may still run
+      warpgroup_fence_operand(tSrS);
+      release_k(n);
+      softmax(n, alpha);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      fence_p();
+      release_v(n - 1);
+      rescale_o(alpha);
+      to_p();
+    }
+    issue_pv(n_blocks - 1);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     fence_p();
-    release_v(n - 1);
-    rescale_o(alpha);
-    to_p();
+    release_v(n_blocks - 1);
   }
-  issue_pv(n_blocks - 1);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(tOrO);
-  fence_p();
-  release_v(n_blocks - 1);
 
   float inv[2];
   CUTE_UNROLL
@@ -302,27 +368,26 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, i
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
   }
-  T* out = static_cast<T*>(p.out) + static_cast<std::int64_t>(bh) * p.sq * D;
+  T* out = static_cast<T*>(p.out) + c.out0;
   CUTE_UNROLL
   for (int i = 0; i < size(tOrO); i += 2) {
-    const int row = m0 + get<0>(tOcO(i)), col = get<1>(tOcO(i));
-    if (row < p.sq)
-      *reinterpret_cast<std::uint32_t*>(out + static_cast<std::int64_t>(row) * D + col) =
+    const int row = c.m0 + get<0>(tOcO(i)), col = get<1>(tOcO(i));
+    if (row < c.sq)
+      *reinterpret_cast<std::uint32_t*>(out + row * c.out_stride + col) =
           pack2<T>(tOrO(i) * inv[half_of(i)], tOrO(i + 1) * inv[half_of(i)]);
   }
   if (ct % 4 == 0) {
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
-      const int row = m0 + get<0>(tScS(2 * r));
-      if (row < p.sq)
-        p.lse[static_cast<std::int64_t>(bh) * p.sq + row] = (m[r] + log2f(l[r])) * 0.69314718055994531f;
+      const int row = c.m0 + get<0>(tScS(2 * r));
+      if (row < c.sq) p.lse[c.lse0 + row] = (m[r] + log2f(l[r])) * 0.69314718055994531f;
     }
   }
 }
 
 #endif  // FK_ATTN_SM90
 
-template <class T, int D>
+template <class T, int D, bool kPacked>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_sm90_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tq,
                           const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
@@ -343,20 +408,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  // Heads outer, query blocks inner: the CTAs running at once share a few heads, whose K and V
-  // then stay in L2. Within a head the heaviest query blocks go first (with causal masking the
-  // last rows see the most keys).
-  const int bh = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.m_blocks));
-  const int m_block = p.m_blocks - 1 - static_cast<int>(blockIdx.x % static_cast<unsigned>(p.m_blocks));
-  const int m0 = m_block * kBlockM;
-  int n_blocks = (p.sk + kBlockN - 1) / kBlockN;
-  if (p.causal) n_blocks = min(n_blocks, (m0 + kBlockM + kBlockN - 1) / kBlockN);
+  const Cta c = cta_of<kPacked, D>(p);
+  if constexpr (kPacked) {
+    if (c.m0 >= c.sq) return;  // a block past its sequence's queries (the grid spans max_seqlen_q)
+  }
+  // Key blocks up to the last row's diagonal (causal): none where no row sees a key.
+  int n_blocks = (c.sk + kBlockN - 1) / kBlockN;
+  if (p.causal) n_blocks = min(n_blocks, max(0, (c.m0 + kBlockM + c.offset + kBlockN - 1) / kBlockN));
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    if (threadIdx.x == 0) produce<T, D>(&tq, &tk, &tv, base, bars, m0, bh, n_blocks);
+    if (threadIdx.x == 0) produce<T, D>(&tq, &tk, &tv, base, bars, c, n_blocks);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume<T, D>(p, smem, bars, m0, bh, n_blocks);
+    consume<T, D>(p, smem, bars, c, n_blocks);
   }
 #else
   __trap();  // the launcher never starts this kernel off sm_90
@@ -364,12 +428,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 
-template <class T, int D>
+template <class T, int D, bool kPacked>
 void launch(const Params& p, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, cudaStream_t s) {
-  auto kernel = attention_sm90_kernel<T, D>;
+  auto kernel = attention_sm90_kernel<T, D, kPacked>;
   constexpr int smem = Traits<T, D>::kSmemBytes;
   FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const auto ctas = static_cast<unsigned>(p.bh) * static_cast<unsigned>(p.m_blocks);
+  const auto ctas = static_cast<unsigned>(p.layout.batch * p.layout.heads * p.m_blocks);
   kernel<<<ctas, kThreads, smem, s>>>(p, tq, tk, tv);
   FK_CUDA_CHECK_LAUNCH("attention_sm90_kernel");
 }
@@ -377,12 +441,23 @@ void launch(const Params& p, const CUtensorMap& tq, const CUtensorMap& tk, const
 }  // namespace
 
 bool attention_forward_sm90(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                            const TensorView& lse, bool causal, float scale, const Stream* stream) {
+                            const TensorView& lse, const AttentionVarlen* varlen, const AttentionOptions& opt,
+                            const Stream* stream) {
   const DType t = q.dtype();
-  const std::int64_t bh = q.size(0) * q.size(1), sq = q.size(2), sk = k.size(2), d = q.size(3);
-  if ((t != DType::bf16 && t != DType::f16) || (d != 64 && d != 128) || sk < 1) return false;
-  const std::int64_t m_blocks = (sq + kBlockM - 1) / kBlockM;
-  if (sq > INT_MAX - kBlockM || sk > INT_MAX - kBlockN || bh * m_blocks > INT_MAX) return false;
+  const std::int64_t d = varlen ? q.size(2) : q.size(3);
+  if ((t != DType::bf16 && t != DType::f16) || (d != 64 && d != 128)) return false;
+  if (opt.window_left >= 0 || (!opt.causal && opt.window_right >= 0) || opt.softcap != 0.0f) return false;
+  const float scale_log2 = opt.scale * 1.4426950408889634f;
+  if (!std::isfinite(scale_log2)) return false;  // the row-wise kernel scales in natural units
+  const Layout L = layout_of(q, k, varlen);
+  // 32-bit query and key indices, TMA coordinates (packed: tokens, up to a block past the last)
+  // and a causal offset Sk - Sq; a key tensor to map (packed: a batch of sequences without keys
+  // stays on the row-wise kernel, which writes their zeros).
+  constexpr std::int64_t kMaxLen = std::int64_t{1} << 30;
+  if (L.sq < 1 || L.sk < 1 || L.sq >= kMaxLen || L.sk >= kMaxLen) return false;
+  if (varlen && (q.size(0) > INT_MAX - 2 * kBlockM || k.size(0) > INT_MAX - 2 * kBlockN)) return false;
+  const std::int64_t m_blocks = (L.sq + kBlockM - 1) / kBlockM;
+  if (L.batch * L.heads * m_blocks > INT_MAX) return false;
   for (const TensorView* x : {&q, &k, &v, &out})
     if (reinterpret_cast<std::uintptr_t>(x->data()) % 16 != 0) return false;
   const int device = q.device().index;
@@ -392,22 +467,24 @@ bool attention_forward_sm90(const TensorView& q, const TensorView& k, const Tens
   Params p{};
   p.out = out.data();
   p.lse = lse.data_as<float>();
-  p.sq = static_cast<int>(sq);
-  p.sk = static_cast<int>(sk);
-  p.bh = static_cast<int>(bh);
+  p.layout = L;
   p.m_blocks = static_cast<int>(m_blocks);
-  p.scale_log2 = scale * 1.4426950408889634f;
-  if (!std::isfinite(p.scale_log2)) return false;  // the row-wise kernel scales in natural units
-  p.causal = causal;
+  p.scale_log2 = scale_log2;
+  p.causal = opt.causal;
+  p.bottom_right = opt.causal && opt.bottom_right;
   const CUtensorMap tq = head_map(kOp, "q", q, kBlockM), tk = head_map(kOp, "k", k, kBlockN),
                     tv = head_map(kOp, "v", v, kBlockN);
   const cudaStream_t s = fk::detail::cuda_stream(stream);
+  auto run = [&]<class T, int D>() {
+    if (varlen) launch<T, D, true>(p, tq, tk, tv, s);
+    else launch<T, D, false>(p, tq, tk, tv, s);
+  };
   if (t == DType::bf16) {
-    if (d == 64) launch<cute::bfloat16_t, 64>(p, tq, tk, tv, s);
-    else launch<cute::bfloat16_t, 128>(p, tq, tk, tv, s);
+    if (d == 64) run.template operator()<cute::bfloat16_t, 64>();
+    else run.template operator()<cute::bfloat16_t, 128>();
   } else {
-    if (d == 64) launch<cute::half_t, 64>(p, tq, tk, tv, s);
-    else launch<cute::half_t, 128>(p, tq, tk, tv, s);
+    if (d == 64) run.template operator()<cute::half_t, 64>();
+    else run.template operator()<cute::half_t, 128>();
   }
   return true;
 }

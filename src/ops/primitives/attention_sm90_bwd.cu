@@ -1,14 +1,16 @@
 // attention_backward on Hopper tensor cores (sm_90a): FlashAttention-3's dk/dv kernel, bf16/f16,
-// head_dim 64 or 128, dense batches, causal (either alignment) or not, grouped-query heads. The
-// [Sq, Sk] matrices live only in registers (and one 64 x 128 tile of dS in shared memory).
+// head_dim 64 or 128, dense or packed (varlen) batches, causal (either alignment) or not,
+// grouped-query heads. The [Sq, Sk] matrices live only in registers (and one BLK_M x 128 tile of
+// dS in shared memory).
 //
 // Three launches around it (attention_mma_bwd.cu's): delta = rowsum(dout ⊙ out) and dq_accum = 0
-// before, dq_accum rounded into dq after. A CTA owns 128 keys of one (batch, k/v head) and walks
-// every 64-query block of every q head of its group that sees one of its keys, with three
-// warpgroups:
+// before, dq_accum rounded into dq after. A CTA owns 128 keys of one (sequence, k/v head) and
+// walks every BLK_M-query block (block_m: 128 at D 64, 64 at D 128) of every q head of its group
+// that sees one of its keys, with three warpgroups:
 //   - producer (warp 0 of the first warpgroup): K and V of the CTA's keys once, then each step's Q
-//     and dO into a 2-stage ring by TMA (128-byte swizzle, 3-D maps over (D, S, B*H) so that rows
-//     past S read as zeros), and the step's lse (in log2 units) and delta into shared memory by
+//     and dO into a 2-stage ring by TMA (128-byte swizzle, 3-D maps from head_map: dense
+//     (D, S, B*H), rows past S read as zeros; packed (D, total, H), rows past a sequence's end are
+//     the next sequence's tokens), and the step's lse (in log2 units) and delta into shared memory by
 //     plain stores, handed over by named barriers (per stage: the producer warp's bar.arrive on
 //     "stats full" after its stores, the consumers' bar.sync before reading; the consumers'
 //     bar.arrive on "stats empty" after reading, the producer's bar.sync before the next stores):
@@ -39,9 +41,18 @@
 // MN-major view (D, rows) of the same bytes are the same function of (row, d) (checked below), so
 // Q, dO and K are loaded once and read both ways.
 //
+// Packed batches (kPacked, a second instantiation; the dense one keeps the dense formulas): the
+// grid spans max_seqlen_k, and a CTA whose keys start past its sequence's Sk leaves at once. The
+// tiles that run past a sequence hold the next sequence's tokens, and the masks make them count for
+// nothing: P and dS are 0 at keys past Sk and at queries past Sq (so are lse and delta, stored as 0
+// there), hence dV = Pᵀ dO and dK = dSᵀ Q get nothing from those query rows, and dQ = dS K is
+// exactly 0 on them: the atomics skip them, the TMA reduces add those zeros into the next
+// sequence's dq_accum rows (or clip them past total_q), which leaves the sums unchanged. dK and dV
+// rows past Sk are not stored.
+//
 // Numerics: fp32 scores, P, dS and accumulators; P and dS rounded to the dtype before their GEMMs
 // (as FlashAttention and the mma.sync backward). Everything else (deterministic, windows, softcap,
-// varlen, D 96/256, other GPUs) stays on attention_mma_bwd.cu / attention_rowwise.cu.
+// D 96/256, other GPUs) stays on attention_mma_bwd.cu / attention_rowwise.cu.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -54,6 +65,7 @@
 #include <cute/atom/mma_atom.hpp>
 
 #include "attention_cuda.hpp"
+#include "attention_layout.cuh"
 #include "attention_sm90_common.cuh"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/core/error.hpp"
@@ -77,7 +89,9 @@ using cute::Tensor;  // fk declares Tensor too
 constexpr const char* kOp = "attention_backward";
 
 constexpr int kBlockN = 128;  // keys of a CTA
-constexpr int kBlockM = 64;   // queries of a step
+// Queries of a step: 128 at D = 64 (twice the GEMM work a step for the same barriers and waits;
+// the registers allow it there), 64 at D = 128.
+constexpr int block_m(int d) { return d == 64 ? 128 : 64; }
 constexpr int kStages = 2;
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
 // Named barriers of the lse/delta stages (1 and 2 order the dS tile): the producer warp and the
@@ -98,6 +112,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <class T, int D>
 struct Traits {
   static_assert(D == 64 || D == 128);
+  static constexpr int kBlockM = block_m(D);
   // K and V (BLK_N, D), Q and dO (BLK_M, D, PIPE): D-contiguous rows in 128-byte swizzled atoms of
   // 8 rows x 64 elements, rows adjacent, so that each 64-column slab of a tile is one TMA box.
   using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBlockN>, Int<D>>{}));
@@ -116,16 +131,16 @@ struct Traits {
   // Sᵀ, dPᵀ (BLK_N, BLK_M): two warpgroups side by side in M (keys).
   using MmaSdP = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kBlockM>, Int<D>>, GMMA::Major::K, GMMA::Major::K>(),
-      Layout<Shape<_2, _1, _1>>{}));
+      cute::Layout<Shape<_2, _1, _1>>{}));
   // dV, dK (BLK_N, D) += Pᵀ / dSᵀ (BLK_N, BLK_M, registers) x dO / Q (D, BLK_M, MN-major).
   using MmadKV = decltype(make_tiled_mma(
       SM90::GMMA::rs_op_selector<T, T, float, Shape<_64, Int<D>, Int<kBlockM>>, GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
+      cute::Layout<Shape<_2, _1, _1>>{}));
   // dQ (BLK_M, D) = dS (BLK_M, BLK_N) x K (D, BLK_N): two warpgroups side by side in N (columns).
   using MmadQ = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, Int<D / 2>, Int<kBlockN>>, GMMA::Major::MN,
                                  GMMA::Major::MN>(),
-      Layout<Shape<_1, _2, _1>>{}));
+      cute::Layout<Shape<_1, _2, _1>>{}));
 
   static constexpr int kBytesKV = kBlockN * D * 2;  // K (or V)
   static constexpr int kBytesQ = kBlockM * D * 2;   // one stage of Q (or of dO)
@@ -138,7 +153,9 @@ struct Traits {
                        kOffdS = kOffdO + kStages * kBytesQ, kOffdQ = kOffdS + kBytesdS, kOffLse = kOffdQ + kBytesdQ,
                        kOffDelta = kOffLse + kStages * kBlockM * 4, kOffBars = kOffDelta + kStages * kBlockM * 4;
   static constexpr int kBarriers = 1 + 2 * kStages;  // kv_full, full[s], empty[s]
-  static constexpr int kSmemBytes = kOffBars + 8 * kBarriers + 1024;  // + slack for the 1024-byte alignment
+  // packed: the CTA's sequence {Sq, Sk, first query token, first key token} (Cta::seq_s)
+  static constexpr int kOffSeq = kOffBars + 8 * kBarriers;
+  static constexpr int kSmemBytes = kOffSeq + 16 + 1024;  // + slack for the 1024-byte alignment
   static_assert(cosize_v<SmemLayoutK> * 2 == kBytesKV && cosize_v<SmemLayoutQ> * 2 == kStages * kBytesQ &&
                 cosize_v<SmemLayoutKt> * 2 == kBytesKV && cosize_v<SmemLayoutQt> * 2 == kStages * kBytesQ &&
                 cosize_v<SmemLayoutdS> * 2 == kBytesdS);
@@ -173,15 +190,73 @@ constexpr bool same_bytes() {
 }
 
 struct Params {
-  float* dq_accum;    // [B, H, Sq, D] f32, zeroed
-  void* dk;           // T [B, Hk, Sk, D]
-  void* dv;           // T [B, Hk, Sk, D]
-  const float* lse;   // [B, H, Sq], natural log
-  const float* delta; // [B, H, Sq]
-  int sq, sk, heads, kv_heads;
-  int offset;         // causal: key j visible to query i iff j <= i + offset (bottom-right: Sk - Sq)
+  float* dq_accum;    // f32 like q (dense [B, H, Sq, D], packed [total_q, H, D]), zeroed
+  void* dk;           // T like k: dense [B, Hk, Sk, D], packed [total_k, Hk, D]
+  void* dv;           // T like k
+  const float* lse;   // dense [B, H, Sq], packed [H, total_q]; natural log
+  const float* delta; // like lse
+  Layout layout;      // B, H, Hk, the lengths (packed: max_seqlens and cu_seqlens)
+  int sq, sk, offset; // dense: Sq, Sk and the causal offset (Cta's, as parameters rather than registers)
   float scale, scale_log2;
-  bool causal;
+  bool causal, bottom_right;
+};
+
+// The sequence of the CTA (blockIdx.y = b Hk + kh) and where its rows are (rows():
+// attention_layout.cuh's formulas); TMA coordinates are dense (row in the head, b H + h), packed
+// (token, h). The consumers' registers are scarce, so the lengths are read where they are used:
+// dense from the kernel parameters (as this kernel always did), packed from four ints in shared
+// memory that thread 0 stores before the CTA's first barrier (volatile reads: loaded again at
+// each use rather than held in registers).
+template <bool kPacked>
+struct Cta {
+  int b, kh, h0, group;       // q heads h0 .. h0 + group - 1 read k/v head kh
+  const volatile int* seq_s;  // packed: {Sq, Sk, first query token, first key token}
+  __device__ Cta(const Params& p, const int* seq_smem) : seq_s(seq_smem) {
+    const int bkh = static_cast<int>(blockIdx.y), kv_heads = static_cast<int>(p.layout.kv_heads);
+    b = bkh / kv_heads;
+    kh = bkh - b * kv_heads;
+    group = static_cast<int>(p.layout.heads) / kv_heads;
+    h0 = kh * group;
+  }
+  // Thread 0, packed, before the first __syncthreads: the sequence into shared memory.
+  __device__ static void store_seq(const Params& p, int* seq_smem) {
+    const int b = static_cast<int>(blockIdx.y) / static_cast<int>(p.layout.kv_heads);
+    const SeqRows<kPacked> seq = p.layout.template seq<kPacked>(b);
+    seq_smem[0] = static_cast<int>(seq.sq);
+    seq_smem[1] = static_cast<int>(seq.sk);
+    seq_smem[2] = static_cast<int>(seq.q0);
+    seq_smem[3] = static_cast<int>(seq.k0);
+  }
+  // (if constexpr, not ?:, which would make the dense read of p.sq a volatile one)
+  __device__ int sq(const Params& p) const {
+    if constexpr (kPacked) return seq_s[0];
+    else return p.sq;
+  }
+  __device__ int sk(const Params& p) const {
+    if constexpr (kPacked) return seq_s[1];
+    else return p.sk;
+  }
+  __device__ int q0() const {
+    if constexpr (kPacked) return seq_s[2];
+    else return 0;
+  }
+  __device__ int k0() const {
+    if constexpr (kPacked) return seq_s[3];
+    else return 0;
+  }
+  // causal: key j visible to query i iff j <= i + offset (bottom-right: Sk - Sq)
+  __device__ int offset(const Params& p) const {
+    if constexpr (kPacked) return p.bottom_right ? seq_s[1] - seq_s[0] : 0;
+    else return p.offset;
+  }
+  __device__ SeqRows<kPacked> rows(const Params& p) const {
+    return {sq(p), sk(p), b, q0(), k0(), p.layout.heads, p.layout.kv_heads, p.layout.total_q};
+  }
+  // TMA coordinates: the row of query i0 (key j0) and the head of q head h (of the k/v head).
+  __device__ int q_row(int i0) const { return q0() + i0; }
+  __device__ int kv_row(int j0) const { return k0() + j0; }
+  __device__ int q_head(const Params& p, int h) const { return kPacked ? h : b * static_cast<int>(p.layout.heads) + h; }
+  __device__ int kv_head(const Params& p) const { return kPacked ? kh : b * static_cast<int>(p.layout.kv_heads) + kh; }
 };
 
 #if FK_ATTN_BWD_SM90
@@ -189,16 +264,16 @@ struct Params {
 // The steps of the CTA for keys [j0, j0 + BLK_N): step n is q head h0 + n / per_head, queries from
 // (qb0 + n % per_head) BLK_M.
 struct Steps {
-  int qb0, per_head, count;
-  __device__ Steps(const Params& p, int j0, int group) {
+  int qb0, per_head, count, rows;  // rows: BLK_M
+  __device__ Steps(bool causal, int sq, int offset, int j0, int group, int block_rows) : rows(block_rows) {
     int q_begin = 0;
-    if (p.causal) q_begin = min(max(j0 - p.offset, 0), p.sq);
-    qb0 = q_begin / kBlockM;
-    per_head = q_begin < p.sq ? (p.sq + kBlockM - 1) / kBlockM - qb0 : 0;
+    if (causal) q_begin = min(max(j0 - offset, 0), sq);
+    qb0 = q_begin / rows;
+    per_head = q_begin < sq ? (sq + rows - 1) / rows - qb0 : 0;
     count = group * per_head;
   }
   __device__ int head(int n, int h0) const { return h0 + n / per_head; }
-  __device__ int i0(int n) const { return (qb0 + n % per_head) * kBlockM; }
+  __device__ int i0(int n) const { return (qb0 + n % per_head) * rows; }
 };
 
 
@@ -228,32 +303,33 @@ __device__ __forceinline__ void bulk_wait_group_read_all() {
 __device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // Warp 0 of the producer warpgroup (all 32 lanes; lane 0 issues the TMA).
-template <class T, int D>
+template <class T, int D, bool kPacked>
 __device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv,
                         const CUtensorMap* tdo, std::uint8_t* smem, std::uint32_t base, const Bars& bars, int j0,
-                        int bkh, int b, int h0, const Steps& st) {
+                        const Cta<kPacked>& c, const Steps& st) {
   using Tr = Traits<T, D>;
+  constexpr int kBlockM = Tr::kBlockM;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   if (st.count == 0) return;  // no loads: the CTA must not exit with a TMA in flight
   if (lane == 0) {
     mbar_arrive_expect_tx(bars.kv_full(), 2 * Tr::kBytesKV);
 #pragma unroll
     for (int j = 0; j < D / 64; ++j) {
-      tma_load_3d(tk, bars.kv_full(), base + j * kBlockN * 128, 64 * j, j0, bkh);
-      tma_load_3d(tv, bars.kv_full(), base + Tr::kOffV + j * kBlockN * 128, 64 * j, j0, bkh);
+      tma_load_3d(tk, bars.kv_full(), base + j * kBlockN * 128, 64 * j, c.kv_row(j0), c.kv_head(p));
+      tma_load_3d(tv, bars.kv_full(), base + Tr::kOffV + j * kBlockN * 128, 64 * j, c.kv_row(j0), c.kv_head(p));
     }
   }
   float* lse_s = reinterpret_cast<float*>(smem + Tr::kOffLse);      // (PIPE, BLK_M)
   float* delta_s = reinterpret_cast<float*>(smem + Tr::kOffDelta);  // (PIPE, BLK_M)
   for (int n = 0; n < st.count; ++n) {
     const int s = n % kStages, free_parity = ((n / kStages) & 1) ^ 1;
-    const int i0 = st.i0(n), bh = b * p.heads + st.head(n, h0);
+    const int i0 = st.i0(n), h = st.head(n, c.h0);
     mbar_wait(bars.empty(s), free_parity);
     if (n >= kStages) named_barrier_sync(kStatsEmptyBarrier + s, kStatsThreads);  // step n - kStages read them
-    const std::int64_t stat0 = static_cast<std::int64_t>(bh) * p.sq + i0;
+    const std::int64_t stat0 = c.rows(p).stat(h, i0);
 #pragma unroll
     for (int r = lane; r < kBlockM; r += 32) {
-      const bool ok = i0 + r < p.sq;  // rows past Sq: P is masked to 0 there, any finite value does
+      const bool ok = i0 + r < c.sq(p);  // rows past Sq: P is masked to 0 there, any finite value does
       lse_s[s * kBlockM + r] = ok ? p.lse[stat0 + r] * kLog2e : 0.0f;
       delta_s[s * kBlockM + r] = ok ? p.delta[stat0 + r] : 0.0f;
     }
@@ -263,8 +339,10 @@ __device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMa
       mbar_arrive_expect_tx(bars.full(s), 2 * Tr::kBytesQ);
 #pragma unroll
       for (int j = 0; j < D / 64; ++j) {
-        tma_load_3d(tq, bars.full(s), base + Tr::kOffQ + s * Tr::kBytesQ + j * kBlockM * 128, 64 * j, i0, bh);
-        tma_load_3d(tdo, bars.full(s), base + Tr::kOffdO + s * Tr::kBytesQ + j * kBlockM * 128, 64 * j, i0, bh);
+        tma_load_3d(tq, bars.full(s), base + Tr::kOffQ + s * Tr::kBytesQ + j * kBlockM * 128, 64 * j, c.q_row(i0),
+                    c.q_head(p, h));
+        tma_load_3d(tdo, bars.full(s), base + Tr::kOffdO + s * Tr::kBytesQ + j * kBlockM * 128, 64 * j,
+                    c.q_row(i0), c.q_head(p, h));
       }
     } else {
       mbar_arrive(bars.full(s));
@@ -274,10 +352,12 @@ __device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMa
 
 // TmaDq: dq added by TMA reduces of each warpgroup's dQ tile staged in shared memory (map tdq over
 // dq_accum), else by f32 atomics from registers.
-template <class T, int D, bool TmaDq>
+template <class T, int D, bool TmaDq, bool kPacked>
 __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* smem, const Bars& bars, int j0,
-                        int bkh, int b, int h0, const Steps& st) {
+                        const Cta<kPacked>& c, const Steps& st) {
   using Tr = Traits<T, D>;
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr bool kEarlyDv = D == 128;
   const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
   typename Tr::MmaSdP mma_sdp;
   typename Tr::MmadKV mma_dkv;
@@ -312,7 +392,7 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
   Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<D>>{});        // ((2,2,D/8),1,1)
   Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<D>>{});         // ((2,2,D/16),1,1)
   // Pᵀ and dSᵀ as A operands of the 64xDx16 wgmmas (the accumulator-to-A order above).
-  using RegA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+  using RegA = cute::Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
   Tensor tdVrP = make_tensor<T>(RegA{});   // ((2,2,2),1,BLK_M/16)
   Tensor tdKrdS = make_tensor<T>(RegA{});  // ((2,2,2),1,BLK_M/16)
   static_assert(decltype(size(tdVrP))::value == decltype(size(tSrS))::value);
@@ -349,7 +429,7 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
 
   for (int n = 0; n < st.count; ++n) {
     const int s = n % kStages;
-    const int i0 = st.i0(n), h = st.head(n, h0);
+    const int i0 = st.i0(n), h = st.head(n, c.h0);
     // The element coordinates (and with them the lse/delta, dS and dq addresses) from a thread
     // index the compiler cannot see through, so that it recomputes them each step (a few integer
     // instructions) rather than keeping some 80 loop-invariant offsets in registers.
@@ -368,39 +448,60 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
     named_barrier_sync(kStatsFullBarrier + s, kStatsThreads);
     const float* lse_t = lse_s + s * kBlockM;
     const float* delta_t = delta_s + s * kBlockM;
-    const bool masked = i0 + kBlockM > p.sq || j0 + kBlockN > p.sk || (p.causal && j0 + kBlockN - 1 > i0 + p.offset);
+    const bool masked = i0 + kBlockM > c.sq(p) || j0 + kBlockN > c.sk(p) || (p.causal && j0 + kBlockN - 1 > i0 + c.offset(p));
     if (masked) {
+      // Element i's (key, query) is this thread's first one plus a constant of the fragment
+      // (thread 0's coordinates, known at compile time), so that each test compares a constant
+      // with one of three per-thread bounds instead of keeping 64 coordinates in registers.
+      const Tensor c0 =
+          mma_sdp.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+      const int key_t = get<0>(tScS(0)), q_t = get<1>(tScS(0));
+      const int rows_left = c.sq(p) - i0 - q_t, keys_left = c.sk(p) - j0 - key_t;
+      const int reach = i0 + q_t + c.offset(p) - j0 - key_t;  // causal: visible iff dk - dq <= reach
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) {
-        const int key = j0 + get<0>(tScS(i)), qi = get<1>(tScS(i)), row = i0 + qi;
-        const bool visible = row < p.sq && key < p.sk && (!p.causal || key <= row + p.offset);
-        tSrS(i) = visible ? fast_exp2(tSrS(i) * p.scale_log2 - lse_t[qi]) : 0.0f;
+        const int dk = get<0>(c0(i)) - get<0>(c0(0)), dq = get<1>(c0(i)) - get<1>(c0(0));
+        const bool visible = dq < rows_left && dk < keys_left && (!p.causal || dk - dq <= reach);
+        tSrS(i) = visible ? fast_exp2(tSrS(i) * p.scale_log2 - lse_t[get<1>(tScS(i))]) : 0.0f;
       }
     } else {
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) = fast_exp2(tSrS(i) * p.scale_log2 - lse_t[get<1>(tScS(i))]);
     }
-    CUTE_UNROLL
-    for (int i = 0; i < size(rP); ++i) rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
-
-    // dV += Pᵀ dO on the tensor cores while dSᵀ is computed.
-    warpgroup_fence_operand(tdVrdV);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kk = 0; kk < size<2>(tdVrP); ++kk) gemm(mma_dkv, tdVrP(_, _, kk), tdVrdO(_, _, kk, s), tdVrdV);
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();  // dPᵀ
+    // kEarlyDv (D = 128): dV += Pᵀ dO on the tensor cores while dSᵀ is computed, dK += dSᵀ Q while
+    // dS goes to shared memory. Otherwise (D = 64, 128 queries a step: Pᵀ's rounded registers
+    // cannot stay live beside Sᵀ, dPᵀ and dSᵀ) both once dSᵀ is rounded, one batch.
+    if constexpr (kEarlyDv) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(rP); ++i) rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+      warpgroup_fence_operand(tdVrdV);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kk = 0; kk < size<2>(tdVrP); ++kk) gemm(mma_dkv, tdVrP(_, _, kk), tdVrdO(_, _, kk, s), tdVrdV);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // dPᵀ
+    } else {
+      warpgroup_wait<0>();  // dPᵀ
+    }
     warpgroup_fence_operand(tSrdP);
+    // dSᵀ, rounded as it is made (with Pᵀ where not rounded yet): each pair's fp32 values die here.
     CUTE_UNROLL
-    for (int i = 0; i < size(tSrdP); ++i) tSrdP(i) = tSrS(i) * (tSrdP(i) - delta_t[get<1>(tScS(i))]) * p.scale;
-    CUTE_UNROLL
-    for (int i = 0; i < size(rdS); ++i) rdS(i) = pack2<T>(tSrdP(2 * i), tSrdP(2 * i + 1));
+    for (int i = 0; i < size(rdS); ++i) {
+      const float ds0 = tSrS(2 * i) * (tSrdP(2 * i) - delta_t[get<1>(tScS(2 * i))]) * p.scale;
+      const float ds1 = tSrS(2 * i + 1) * (tSrdP(2 * i + 1) - delta_t[get<1>(tScS(2 * i + 1))]) * p.scale;
+      if constexpr (!kEarlyDv) rP(i) = pack2<T>(tSrS(2 * i), tSrS(2 * i + 1));
+      rdS(i) = pack2<T>(ds0, ds1);
+    }
     // lse and delta of stage s are read; the producer waits for this only where it stores again
     if (n + kStages < st.count) named_barrier_arrive(kStatsEmptyBarrier + s, kStatsThreads);
 
-    // dK += dSᵀ Q on the tensor cores while dS goes to shared memory.
+    if constexpr (!kEarlyDv) warpgroup_fence_operand(tdVrdV);
     warpgroup_fence_operand(tdKrdK);
     warpgroup_arrive();
+    if constexpr (!kEarlyDv) {
+      CUTE_UNROLL
+      for (int kk = 0; kk < size<2>(tdVrP); ++kk) gemm(mma_dkv, tdVrP(_, _, kk), tdVrdO(_, _, kk, s), tdVrdV);
+    }
     CUTE_UNROLL
     for (int kk = 0; kk < size<2>(tdKrdS); ++kk) gemm(mma_dkv, tdKrdS(_, _, kk), tdKrQ(_, _, kk, s), tdKrdK);
     warpgroup_commit_batch();
@@ -440,7 +541,8 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
 
     if constexpr (TmaDq) {
       // This warpgroup's 64 x D/2 tile into its swizzled buffer (pairs of adjacent columns), then
-      // one thread adds it to dq_accum, a box per 32 columns; rows past Sq are clipped by the map.
+      // one thread adds it to dq_accum, a box per 32 columns; rows past Sq are clipped by the map
+      // (dense) or are zeros added to the next sequence's rows (packed).
       const int wg = ct / kWarpgroupThreads;
       float* dq_s = reinterpret_cast<float*>(smem + Tr::kOffdQ + wg * (Tr::kBytesdQ / 2));
       CUTE_UNROLL
@@ -453,17 +555,18 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
       named_barrier_sync(kdQBarrier + wg, kWarpgroupThreads);
       if (ct % kWarpgroupThreads == 0) {
         const std::uint32_t src = smem_addr(dq_s);
-        const int bh = b * p.heads + h;
         CUTE_UNROLL
-        for (int j = 0; j < D / 64; ++j) tma_reduce_add_3d(tdq, src + j * kBlockM * 128, wg * (D / 2) + 32 * j, i0, bh);
+        for (int j = 0; j < D / 64; ++j)
+          tma_reduce_add_3d(tdq, src + j * kBlockM * 128, wg * (D / 2) + 32 * j, c.q_row(i0), c.q_head(p, h));
         bulk_commit_group();
       }
     } else {
-      float* dqa = p.dq_accum + (static_cast<std::int64_t>(b) * p.heads + h) * p.sq * D;
+      const SeqRows<kPacked> rows = c.rows(p);
+      float* dqa = p.dq_accum + rows.q_row(h, 0) * D;
       CUTE_UNROLL
       for (int i = 0; i < size(tdQrdQ); ++i) {
         const int row = i0 + get<0>(tdQc(i)), col = get<1>(tdQc(i));
-        if (row < p.sq) atomicAdd(dqa + static_cast<std::int64_t>(row) * D + col, tdQrdQ(i));
+        if (row < c.sq(p)) atomicAdd(dqa + row * (rows.q_tok() * D) + col, tdQrdQ(i));
       }
     }
   }
@@ -472,13 +575,15 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
   }
 
   // dK and dV, keys j0 + key: pairs of adjacent columns.
-  T* dk = static_cast<T*>(p.dk) + static_cast<std::int64_t>(bkh) * p.sk * D;
-  T* dv = static_cast<T*>(p.dv) + static_cast<std::int64_t>(bkh) * p.sk * D;
+  const SeqRows<kPacked> rows = c.rows(p);
+  const std::int64_t kv0 = rows.kv_row(c.kh, 0) * D;
+  T* dk = static_cast<T*>(p.dk) + kv0;
+  T* dv = static_cast<T*>(p.dv) + kv0;
   CUTE_UNROLL
   for (int i = 0; i < size(tdKrdK); i += 2) {
     const int key = j0 + get<0>(tdKVc(i)), col = get<1>(tdKVc(i));
-    if (key < p.sk) {
-      const std::int64_t at = static_cast<std::int64_t>(key) * D + col;
+    if (key < c.sk(p)) {
+      const std::int64_t at = key * (rows.kv_tok() * D) + col;
       *reinterpret_cast<std::uint32_t*>(dk + at) = pack2<T>(tdKrdK(i), tdKrdK(i + 1));
       *reinterpret_cast<std::uint32_t*>(dv + at) = pack2<T>(tdVrdV(i), tdVrdV(i + 1));
     }
@@ -487,7 +592,7 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
 
 #endif  // FK_ATTN_BWD_SM90
 
-template <class T, int D, bool TmaDq>
+template <class T, int D, bool TmaDq, bool kPacked>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_sm90_bwd_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tq,
                               const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
@@ -505,61 +610,76 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(bars.empty(s), kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if constexpr (kPacked) Cta<kPacked>::store_seq(p, reinterpret_cast<int*>(smem + Tr::kOffSeq));
   }
   __syncthreads();
   const int j0 = static_cast<int>(blockIdx.x) * kBlockN;
-  const int bkh = static_cast<int>(blockIdx.y);  // b * Hk + k/v head
-  const int b = bkh / p.kv_heads, group = p.heads / p.kv_heads, h0 = (bkh - b * p.kv_heads) * group;
-  const Steps st(p, j0, group);
+  const Cta<kPacked> c(p, reinterpret_cast<const int*>(smem + Tr::kOffSeq));
+  if constexpr (kPacked) {
+    if (j0 >= c.sk(p)) return;  // keys past the sequence's (the grid spans max_seqlen_k): nothing to write
+  }
+  const Steps st(p.causal, c.sq(p), c.offset(p), j0, c.group, Tr::kBlockM);
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    if (threadIdx.x < 32) produce<T, D>(p, &tq, &tk, &tv, &tdo, smem, base, bars, j0, bkh, b, h0, st);
+    if (threadIdx.x < 32) produce<T, D, kPacked>(p, &tq, &tk, &tv, &tdo, smem, base, bars, j0, c, st);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume<T, D, TmaDq>(p, &tdq, smem, bars, j0, bkh, b, h0, st);
+    consume<T, D, TmaDq, kPacked>(p, &tdq, smem, bars, j0, c, st);
   }
 #else
   __trap();  // the launcher never starts this kernel off sm_90
 #endif
 }
 
-template <class T, int D, bool TmaDq>
-void launch(const Params& p, int bkh, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
+template <class T, int D, bool TmaDq, bool kPacked>
+void launch(const Params& p, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
             const CUtensorMap& tdo, const CUtensorMap& tdq, cudaStream_t s) {
   using Tr = Traits<T, D>;
+  constexpr int kBlockM = Tr::kBlockM;
   static_assert(same_bytes<typename Tr::SmemLayoutK, typename Tr::SmemLayoutKt, kBlockN, D, 1>(),
                 "K's K-major and MN-major views differ");
   static_assert(same_bytes<typename Tr::SmemLayoutQ, typename Tr::SmemLayoutQt, kBlockM, D, kStages>(),
                 "Q's and dO's K-major and MN-major views differ");
-  auto kernel = attention_sm90_bwd_kernel<T, D, TmaDq>;
+  auto kernel = attention_sm90_bwd_kernel<T, D, TmaDq, kPacked>;
   constexpr int smem = Tr::kSmemBytes;
   FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(static_cast<unsigned>((p.sk + kBlockN - 1) / kBlockN), static_cast<unsigned>(bkh));
+  const Layout& L = p.layout;
+  const dim3 grid(static_cast<unsigned>((L.sk + kBlockN - 1) / kBlockN), static_cast<unsigned>(L.batch * L.kv_heads));
   kernel<<<grid, kThreads, smem, s>>>(p, tq, tk, tv, tdo, tdq);
   FK_CUDA_CHECK_LAUNCH("attention_sm90_bwd_kernel");
 }
 
-// The (D, Sq, B*H) map of dq_accum [B, H, Sq, D] f32 that the tma_dq variant reduces into: boxes
-// of {32, BLK_M, 1} (128 bytes a row) with the 128-byte swizzle of the dQ buffer; rows past Sq are
-// outside the tensor, so a reduce never writes them (nor the next head's).
-CUtensorMap dq_accum_map(const TensorView& t) {
-  const std::int64_t bh = t.size(0) * t.size(1), s = t.size(2), d = t.size(3);
+// The map of dq_accum f32 that the tma_dq variant reduces into, head_map's dimensions (dense
+// (D, Sq, B*H): rows past Sq are outside the tensor, so a reduce never writes them nor the next
+// head's; packed (D, total_q, H)): boxes of {32, BLK_M, 1} (128 bytes a row) with the 128-byte
+// swizzle of the dQ buffer.
+CUtensorMap dq_accum_map(const TensorView& t, int box_rows) {
+  const bool packed = t.rank() == 3;
+  const std::int64_t d = packed ? t.size(2) : t.size(3);
+  const std::int64_t rows = packed ? t.size(0) : t.size(2), heads = packed ? t.size(1) : t.size(0) * t.size(1);
+  const std::int64_t row_stride = packed ? heads * d : d, head_stride = packed ? d : rows * d;  // elements
   return tensor_map<3>(kOp, "dq_accum", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, t.data(),
-                       {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(s), static_cast<cuuint64_t>(bh)},
-                       {static_cast<cuuint64_t>(d) * 4, static_cast<cuuint64_t>(s * d) * 4}, {32, kBlockM, 1},
-                       CU_TENSOR_MAP_SWIZZLE_128B);
+                       {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(heads)},
+                       {static_cast<cuuint64_t>(row_stride) * 4, static_cast<cuuint64_t>(head_stride) * 4},
+                       {32, static_cast<cuuint32_t>(box_rows), 1}, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 }  // namespace
 
 bool attention_backward_sm90_supports(const TensorView& q, const TensorView& k, const TensorView& v,
                                       const TensorView& out, const TensorView& dout, const TensorView& dq,
-                                      const TensorView& dk, const TensorView& dv, const AttentionOptions& opt) {
+                                      const TensorView& dk, const TensorView& dv, const AttentionVarlen* varlen,
+                                      const AttentionOptions& opt) {
   const DType t = q.dtype();
-  if (q.rank() != 4 || (t != DType::bf16 && t != DType::f16) || q.numel() == 0) return false;
-  const std::int64_t d = q.size(3), sq = q.size(2), sk = k.size(2), bkh = k.size(0) * k.size(1);
-  if ((d != 64 && d != 128) || sq < 1 || sk < 1 || sq >= (1 << 30) || sk >= (1 << 30) || bkh < 1 || bkh > 65535)
+  if ((t != DType::bf16 && t != DType::f16) || q.numel() == 0 || k.numel() == 0) return false;
+  const std::int64_t d = varlen ? q.size(2) : q.size(3);
+  const Layout L = layout_of(q, k, varlen);
+  const std::int64_t bkh = L.batch * L.kv_heads;
+  if ((d != 64 && d != 128) || L.sq < 1 || L.sk < 1 || L.sq >= (1 << 30) || L.sk >= (1 << 30) || bkh < 1 ||
+      bkh > 65535)
     return false;
+  // Packed: TMA coordinates (tokens, up to a block past the last) in 32 bits.
+  if (varlen && (q.size(0) > INT_MAX - 2 * kBlockN || k.size(0) > INT_MAX - 2 * kBlockN)) return false;
   if (opt.window_left >= 0 || (!opt.causal && opt.window_right >= 0) || opt.softcap != 0.0f || opt.deterministic)
     return false;
   if (!std::isfinite(opt.scale * kLog2e)) return false;
@@ -573,11 +693,11 @@ bool attention_backward_sm90_supports(const TensorView& q, const TensorView& k, 
 void attention_backward_sm90(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                              const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                              const TensorView& dv, const TensorView& delta, const TensorView& dq_accum,
-                             const AttentionOptions& opt, const Stream* stream) {
+                             const AttentionVarlen* varlen, const AttentionOptions& opt, const Stream* stream) {
   const int device = q.device().index;
   fk::detail::DeviceScope on_device(device);
   const cudaStream_t s = fk::detail::cuda_stream(stream);
-  attention_backward_dense_prologue(out, dout, delta, dq_accum, stream);
+  attention_backward_prologue(out, dout, delta, dq_accum, stream);
 
   Params p{};
   p.dq_accum = dq_accum.data_as<float>();
@@ -585,25 +705,32 @@ void attention_backward_sm90(const TensorView& q, const TensorView& k, const Ten
   p.dv = dv.data();
   p.lse = lse.data_as<float>();
   p.delta = delta.data_as<float>();
-  p.sq = static_cast<int>(q.size(2));
-  p.sk = static_cast<int>(k.size(2));
-  p.heads = static_cast<int>(q.size(1));
-  p.kv_heads = static_cast<int>(k.size(1));
-  p.offset = opt.bottom_right ? p.sk - p.sq : 0;
+  p.layout = layout_of(q, k, varlen);
+  if (!varlen) {
+    p.sq = static_cast<int>(p.layout.sq);
+    p.sk = static_cast<int>(p.layout.sk);
+    p.offset = opt.bottom_right ? p.sk - p.sq : 0;
+  }
   p.scale = opt.scale;
   p.scale_log2 = opt.scale * kLog2e;
   p.causal = opt.causal;
-  const int bkh = static_cast<int>(k.size(0) * k.size(1));
-  const CUtensorMap tq = head_map(kOp, "q", q, kBlockM), tdo = head_map(kOp, "dout", dout, kBlockM);
+  p.bottom_right = opt.causal && opt.bottom_right;
+  const int d = static_cast<int>(varlen ? q.size(2) : q.size(3));
+  const int bm = block_m(d);
+  const CUtensorMap tq = head_map(kOp, "q", q, bm), tdo = head_map(kOp, "dout", dout, bm);
   const CUtensorMap tk = head_map(kOp, "k", k, kBlockN), tv = head_map(kOp, "v", v, kBlockN);
   const bool tma_dq = opt.backward_kernel != AttentionBackwardKernel::wgmma_sm90;
-  const CUtensorMap tdq = tma_dq ? dq_accum_map(dq_accum) : CUtensorMap{};
+  const CUtensorMap tdq = tma_dq ? dq_accum_map(dq_accum, bm) : CUtensorMap{};
   const bool bf16 = q.dtype() == DType::bf16;
   auto run = [&]<int D, bool TmaDq>() {
-    if (bf16) launch<cute::bfloat16_t, D, TmaDq>(p, bkh, tq, tk, tv, tdo, tdq, s);
-    else launch<cute::half_t, D, TmaDq>(p, bkh, tq, tk, tv, tdo, tdq, s);
+    auto with_layout = [&]<bool kPacked>() {
+      if (bf16) launch<cute::bfloat16_t, D, TmaDq, kPacked>(p, tq, tk, tv, tdo, tdq, s);
+      else launch<cute::half_t, D, TmaDq, kPacked>(p, tq, tk, tv, tdo, tdq, s);
+    };
+    if (varlen) with_layout.template operator()<true>();
+    else with_layout.template operator()<false>();
   };
-  if (q.size(3) == 64) {
+  if (d == 64) {
     if (tma_dq) run.template operator()<64, true>();
     else run.template operator()<64, false>();
   } else {

@@ -1,7 +1,8 @@
 // What the two Hopper attention kernels (attention_sm90.cu forward, attention_sm90_bwd.cu
 // backward) share beyond ops/common/sm90_async.cuh: the SFU's exp2, the rounding of fp32 pairs to
 // a register of two bf16/f16, the named barriers of the consumer warpgroups, and the TMA map of a
-// [B*H, S, D] head tensor. Includes CuTe: only the CuTe translation units include this header.
+// head tensor, dense [B, H, S, D] or packed [total, H, D]. Includes CuTe: only the CuTe
+// translation units include this header.
 #pragma once
 
 #include <cuda.h>
@@ -49,17 +50,24 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// A (D, S, B*H) map of a [B, H, S, D] tensor (bf16/f16, D a multiple of 64), boxes of
-// {64, box_rows, 1} with the 128-byte swizzle: a box is one 64-column slab of box_rows rows,
-// the layout of CuTe's GMMA K-major SW128 atoms stacked along the rows. Rows past S read as zeros
-// (never the next head's).
+// A map of a head tensor (bf16/f16, D a multiple of 64) with boxes of {64, box_rows, 1} and the
+// 128-byte swizzle: a box is one 64-column slab of box_rows rows of one head, the layout of CuTe's
+// GMMA K-major SW128 atoms stacked along the rows.
+//   dense [B, H, S, D]: (D, S, B*H), a box at (column, row, b H + h); rows past S read as zeros
+//   (never the next head's).
+//   packed [total, H, D]: (D, total, H), row stride H D, head stride D; a box at (column, token,
+//   h). Rows past a sequence's end are the next sequence's tokens (only rows past total read as
+//   zeros): the kernels mask them.
 inline CUtensorMap head_map(const char* op, const char* what, const TensorView& t, int box_rows) {
-  const std::int64_t bh = t.size(0) * t.size(1), s = t.size(2), d = t.size(3);
+  const bool packed = t.rank() == 3;
+  const std::int64_t d = packed ? t.size(2) : t.size(3);
+  const std::int64_t rows = packed ? t.size(0) : t.size(2), heads = packed ? t.size(1) : t.size(0) * t.size(1);
+  const std::int64_t row_stride = packed ? heads * d : d, head_stride = packed ? d : rows * d;  // elements
   const CUtensorMapDataType type =
       t.dtype() == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   return tensor_map<3>(op, what, type, t.data(),
-                       {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(s), static_cast<cuuint64_t>(bh)},
-                       {static_cast<cuuint64_t>(d) * 2, static_cast<cuuint64_t>(s * d) * 2},
+                       {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(heads)},
+                       {static_cast<cuuint64_t>(row_stride) * 2, static_cast<cuuint64_t>(head_stride) * 2},
                        {64, static_cast<cuuint32_t>(box_rows), 1}, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
