@@ -218,7 +218,9 @@ TEST(LossChunks, AutomaticChunkKeepsLogitsNearTheBudget) {
   EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000), 100);
   EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 32000), 4096);           // f32: 2097 rows by bytes
   EXPECT_EQ(linear_cross_entropy_chunk_rows(8400, 32000), 2800);           // f32: 3 equal chunks
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 32000, 0, DType::bf16), 8192);   // bf16: 500 MiB, one chunk
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 32000, 0, DType::bf16), 4096);   // bf16: 500 MiB, two chunks
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(4096, 32000, 0, DType::bf16), 4096);   // bf16: 250 MiB, one chunk
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(12288, 32000, 0, DType::bf16), 6144);  // bf16: 750 MiB, two chunks
   EXPECT_EQ(linear_cross_entropy_chunk_rows(16384, 32000, 0, DType::bf16), 16384); // bf16: 1000 MiB, one chunk
   EXPECT_EQ(linear_cross_entropy_chunk_rows(8192, 128256, 0, DType::bf16), 4096);  // bf16: 2093 by bytes
   EXPECT_EQ(linear_cross_entropy_chunk_rows(6000, 128256, 0, DType::bf16), 3000);  // equal chunks

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "fusekit/ops/gemm.hpp"
@@ -38,14 +39,18 @@ LossReduction parse_loss_reduction(std::string_view name, const char* op) {
 namespace {
 
 constexpr const char* kOp = "linear_cross_entropy";
-// A chunk's logits when there are several, and (16-bit logits) N rows as one chunk up to
-// kOneChunkLogitBytes of logits plus the accumulators one chunk does not need. H100, bf16, fused
-// linear + cross-entropy forward and backward (docs/notes/llm-training.md): at M 16384, H 2048,
-// V 32000 one chunk took 9.7 ms against 10.2-10.6 in chunks of 4096 rows; at M 65536, H 768,
-// chunks of 8192 rows 18.4 against 18.7-18.9. f32 logits keep 256 MiB chunks, so that the head
-// stays within a quarter of the eager expression's memory (its f32 logits, their gradient).
-constexpr std::int64_t kChunkLogitBytes16 = std::int64_t{512} << 20, kChunkLogitBytes32 = std::int64_t{256} << 20;
-constexpr std::int64_t kOneChunkLogitBytes16 = std::int64_t{1} << 30;
+// A chunk's logits when there are several: 16-bit logits half of the N rows' logits, between 256
+// and 512 MiB; f32 logits 256 MiB. N rows of 16-bit logits are one chunk where those logits fit the
+// smallest budget, or where they are at least kOneChunkMinLogitBytes16 and fit
+// kOneChunkLogitBytes16 plus the accumulators one chunk does not need. H100, bf16, fused linear +
+// cross-entropy forward and backward (docs/notes/llm-training.md): at M 16384, H 2048, V 32000 one
+// chunk took 9.7 ms against 10.2-10.6 in chunks of 4096 rows; at M 65536, H 768, chunks of 8192
+// rows 18.4 against 18.7-18.9. Smaller logits (N 8192, V 32000: 500 MiB) go in two chunks, which
+// keeps the head within a quarter of the eager expression's memory (its f32 logits and their
+// gradient) once the 16-bit copies of w and dw beside one chunk's logits are counted.
+constexpr std::int64_t kMinChunkLogitBytes16 = std::int64_t{256} << 20, kMaxChunkLogitBytes16 = std::int64_t{512} << 20;
+constexpr std::int64_t kChunkLogitBytes32 = std::int64_t{256} << 20;
+constexpr std::int64_t kOneChunkLogitBytes16 = std::int64_t{1} << 30, kOneChunkMinLogitBytes16 = std::int64_t{768} << 20;
 constexpr std::int64_t kMinChunkRows = 4096;
 
 // The chunk's f32 logits rows are padded to a multiple of 8 floats: 32-byte aligned rows for the
@@ -185,12 +190,17 @@ std::int64_t linear_cross_entropy_chunk_rows(std::int64_t n, std::int64_t v, std
   // / C of the GEMM time, about 311 / C on an H100: 8% at 4096 rows, 30% at V 128256's 1046.
   const std::int64_t row_bytes = static_cast<std::int64_t>(dtype_size(logits)) * padded_classes(v);
   const bool half = dtype_size(logits) == 2;
-  const std::int64_t cap =
-      std::max<std::int64_t>(kMinChunkRows, (half ? kChunkLogitBytes16 : kChunkLogitBytes32) / row_bytes);
-  // One chunk needs no accumulator: it may take the memory of the chunks' logits (16-bit: up to
-  // kOneChunkLogitBytes16) and the accumulator together (no accumulator traffic, one rounding of dw).
-  const std::int64_t one_chunk_bytes = half ? std::max(kOneChunkLogitBytes16, cap * row_bytes) : cap * row_bytes;
-  if (n <= cap || n <= (one_chunk_bytes + std::max<std::int64_t>(accumulator_bytes, 0)) / row_bytes) return n;
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const std::int64_t all_bytes = n > kMax / row_bytes ? kMax : n * row_bytes;
+  const std::int64_t budget =
+      half ? std::clamp(all_bytes / 2, kMinChunkLogitBytes16, kMaxChunkLogitBytes16) : kChunkLogitBytes32;
+  const std::int64_t cap = std::max<std::int64_t>(kMinChunkRows, budget / row_bytes);
+  if (n <= cap) return n;
+  // One chunk needs no accumulator: it may take the accumulator's memory as well (no accumulator
+  // traffic, one rounding of dw); large 16-bit logits up to kOneChunkLogitBytes16 besides.
+  const std::int64_t acc = std::max<std::int64_t>(accumulator_bytes, 0);
+  const std::int64_t one_chunk = half ? (all_bytes >= kOneChunkMinLogitBytes16 ? kOneChunkLogitBytes16 : 0) : budget;
+  if (all_bytes <= one_chunk + acc) return n;
   // Equal chunks, rounded up to 8 rows (the GEMMs' M), at most about cap rows.
   const std::int64_t chunks = (n + cap - 1) / cap;
   const std::int64_t c = ((n + chunks - 1) / chunks + 7) / 8 * 8;
