@@ -424,7 +424,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::bf16, DType::f16), ::testing::Bool(),
                        ::testing::Values(Shape{1, 1}, Shape{3, 7}, Shape{5, 33}, Shape{2, 1000}, Shape{1, 4097},
                                          Shape{33, 768}, Shape{70, 4096}, Shape{3, 8192}, Shape{2, 16384},
-                                         Shape{2, 20000}, Shape{2, 40000}),
+                                         Shape{2, 20000}, Shape{2, 40000}, Shape{5, 5120}, Shape{3, 30000}),
                        ::testing::Values(Layout::contiguous, Layout::padded)),
     case_name);
 
@@ -443,11 +443,13 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(Shape{9, 64}, Shape{4, 4096}), ::testing::Values(Layout::misaligned)),
     case_name);
 
-// Many rows: the backward's grid strides over them, and dweight sums thousands of rows.
+// Many rows: the backward's grid strides over them, and dweight sums thousands of rows; several
+// rows a block (768: 8 of 32 threads in the forward; 2048: 2 of 128), each reducing on its own
+// named barrier.
 INSTANTIATE_TEST_SUITE_P(
     ManyRows, NormGpu,
     ::testing::Combine(::testing::Values(DType::bf16), ::testing::Bool(),
-                       ::testing::Values(Shape{4099, 256}, Shape{2048, 4096}),
+                       ::testing::Values(Shape{4099, 256}, Shape{2048, 4096}, Shape{1037, 768}, Shape{517, 2048}),
                        ::testing::Values(Layout::contiguous)),
     case_name);
 

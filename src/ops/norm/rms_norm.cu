@@ -2,8 +2,9 @@
 // semantics). Memory-bound: the floor is the bytes each pass moves once over HBM bandwidth.
 //
 // Forward, rows of up to kForwardCapacity elements: a group of blockDim.x threads per row holds
-// the row's s in registers (kForwardItems elements a thread, as raw 16-byte vectors), so that x
-// (and residual) are read once, residual_out, out and rstd written once. Backward, rows of up to
+// the row's s in registers (up to kForwardItems elements a thread, as raw 16-byte vectors), so
+// that x (and residual) are read once, residual_out, out and rstd written once; a row's threads
+// reduce on their own named barrier (rows.cuh), not the block's. Backward, rows of up to
 // kBackwardMaxThreads * kBackwardItems elements: one pass per row the same way, holding s and
 // dout; each thread also keeps its columns' share of dweight over the rows its group visits (the
 // grid is sized to the GPU and strides over the rows), the groups of a block sum theirs through
@@ -150,20 +151,25 @@ __device__ __forceinline__ float round_to(float v) { return to_float(from_float<
 // ---------------------------------------------------------------------------------------------
 
 // blockDim = (threads per row, rows per block); thread t of a row holds elements
-// [(k * blockDim.x + t) * V, + V) for k < kForwardItems / V. X is x's type: T's, or a 16-bit type
-// added to an f32 residual (kAdd only); O is out's.
-template <class X, class T, class W, class O, int V, bool kAdd>
+// [(k * blockDim.x + t) * V, + V) for k < K (the launcher's K: as many as the row needs, at most
+// kForwardItems / V). X is x's type: T's, or a 16-bit type added to an f32 residual (kAdd only); O
+// is out's. 16-bit weights are loaded with x, before the reduction, so that their latency (L1 or
+// L2) is not added after it, where K <= 3; f32 weights (twice the registers) and K = 4 after it.
+template <class X, class T, class W, class O, int V, int K, bool kAdd>
 __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardParams p) {
   static_assert(kAdd || std::is_same_v<X, T>, "rms_norm_forward_kernel: x is s without a residual");
-  constexpr int K = kForwardItems / V;
+  static_assert(K >= 1 && K * V <= kForwardItems, "rms_norm_forward_kernel: K vectors of V within kForwardItems");
+  constexpr bool kWeightFirst = sizeof(W) == 2 && K <= 3;  // K = 4: at 64 registers they would spill
   __shared__ float smem[32];
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool active = row < p.rows;  // no early return: every thread takes part in the reduction
   const std::int64_t r = active ? row : 0;
   const X* x = static_cast<const X*>(p.x) + r * p.ld_x;
+  const W* w = static_cast<const W*>(p.weight);
   auto col = [&](int k) { return (static_cast<std::int64_t>(k) * blockDim.x + threadIdx.x) * V; };
 
   Vec<T, V> s[K];
+  Vec<W, kWeightFirst ? V : 1> wv[kWeightFirst ? K : 1];
   float sum_sq = 0.0f;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
@@ -177,6 +183,7 @@ __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardPar
     } else {
       s[k] = load_vec<T, V>(x + col(k));
     }
+    if constexpr (kWeightFirst) wv[k] = load_raw<W, V>(w + col(k));
 #pragma unroll
     for (int j = 0; j < V; ++j) sum_sq = fmaf(s[k].get(j), s[k].get(j), sum_sq);
   }
@@ -184,13 +191,17 @@ __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardPar
   if (!active) return;
   const float rstd = rsqrtf(sum_sq / static_cast<float>(p.cols) + p.eps);
   if (threadIdx.x == 0) p.rstd[row] = rstd;
-  const W* w = static_cast<const W*>(p.weight);
   O* out = static_cast<O*>(p.out) + row * p.ld_out;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     if (col(k) >= p.cols) break;
     float wk[V], o[V];
-    load_floats<W, V>(w + col(k), wk);
+    if constexpr (kWeightFirst) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) wk[j] = wv[k].get(j);
+    } else {
+      load_floats<W, V>(w + col(k), wk);
+    }
 #pragma unroll
     for (int j = 0; j < V; ++j) o[j] = (s[k].get(j) * rstd) * (wk[j] + p.offset);
     store_floats<O, V>(out + col(k), o);
@@ -431,17 +442,38 @@ void with_norm_types(DType x, DType weight, F&& f) {
   });
 }
 
+// The register kernel with K vectors a thread, blockDim.x = tpr: 16-bit rows (V = 8) take 2 or 3
+// vectors a thread (tpr the least power of two from 32 that covers the row so), 4 only for rows
+// over 1024 * 24 elements; f32 rows 8 (tpr covering the row with kForwardItems a thread). H100,
+// bf16 rows of 768 (65536 rows) and 2048 (16384): 3 and 2 vectors with the weights loaded first
+// took 72.7 and 50.5 µs where 4 vectors with the weights after the reduction took 76.6 and 55.8.
+template <class X, class T, class W, class O, bool kAdd>
+void launch_forward_registers(const ForwardParams& p, cudaStream_t s, const char* op) {
+  constexpr int V = kVec<T>, kMaxK = kForwardItems / V;
+  int tpr = 32, k = kMaxK;
+  if constexpr (kMaxK == 4) {
+    while (tpr < 1024 && std::int64_t{tpr} * V * 3 < p.cols) tpr *= 2;
+    k = static_cast<int>(std::clamp<std::int64_t>((p.cols + std::int64_t{tpr} * V - 1) / (std::int64_t{tpr} * V), 2, 4));
+  } else {
+    while (std::int64_t{tpr} * kForwardItems < p.cols) tpr *= 2;
+  }
+  const int rpb = std::max(1, kForwardMinThreads / tpr);
+  const std::int64_t blocks = (p.rows + rpb - 1) / rpb;
+  check_grid(op, blocks, p.rows);
+  const dim3 block(tpr, rpb), grid(static_cast<unsigned>(blocks));
+  if constexpr (kMaxK == 4) {
+    if (k == 2) return rms_norm_forward_kernel<X, T, W, O, V, 2, kAdd><<<grid, block, 0, s>>>(p);
+    if (k == 3) return rms_norm_forward_kernel<X, T, W, O, V, 3, kAdd><<<grid, block, 0, s>>>(p);
+  }
+  rms_norm_forward_kernel<X, T, W, O, V, kMaxK, kAdd><<<grid, block, 0, s>>>(p);
+}
+
 template <class X, class T, class W, class O, bool kAdd>
 void launch_forward(const ForwardParams& p, bool vec, cudaStream_t s) {
   constexpr int V = kVec<T>;
   const char* op = kAdd ? "add_rms_norm_forward" : "rms_norm_forward";
   if (vec && p.cols <= kForwardCapacity) {
-    int tpr = 32;
-    while (std::int64_t{tpr} * kForwardItems < p.cols) tpr *= 2;
-    const int rpb = std::max(1, kForwardMinThreads / tpr);
-    const std::int64_t blocks = (p.rows + rpb - 1) / rpb;
-    check_grid(op, blocks, p.rows);
-    rms_norm_forward_kernel<X, T, W, O, V, kAdd><<<static_cast<unsigned>(blocks), dim3(tpr, rpb), 0, s>>>(p);
+    launch_forward_registers<X, T, W, O, kAdd>(p, s, op);
     FK_CUDA_CHECK_LAUNCH("rms_norm_forward_kernel");
     return;
   }

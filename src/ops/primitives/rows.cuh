@@ -49,8 +49,19 @@ __device__ __forceinline__ V warp_reduce(V v, Op op) {
   return v;
 }
 
+// The threads of this thread's row wait for each other: a named barrier per row (ids 1 to 15),
+// so that the rows of a block do not wait for each other; the whole block where it has more rows.
+__device__ __forceinline__ void row_sync() {
+  if (blockDim.y == 1 || blockDim.y > 15) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + static_cast<int>(threadIdx.y)), "r"(static_cast<int>(blockDim.x))
+                 : "memory");
+  }
+}
+
 // Every thread of a row gets op over the row's blockDim.x values. `smem` holds 32 values; every
-// thread of the block must call this (it synchronises the block when a row spans several warps).
+// thread of the row must call this (it synchronises the row's threads when it spans several warps).
 template <class V, class Op>
 __device__ __forceinline__ V row_reduce(V v, Op op, V identity, V* smem) {
   v = warp_reduce(v, op);
@@ -58,10 +69,10 @@ __device__ __forceinline__ V row_reduce(V v, Op op, V identity, V* smem) {
   const int warps = static_cast<int>(blockDim.x) / 32, warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   if (lane == 0) smem[threadIdx.y * warps + warp] = v;
-  __syncthreads();
+  row_sync();
   v = lane < warps ? smem[threadIdx.y * warps + lane] : identity;
   v = warp_reduce(v, op);
-  __syncthreads();  // smem may be reused by the caller's next reduction
+  row_sync();  // smem may be reused by the caller's next reduction
   return v;
 }
 
