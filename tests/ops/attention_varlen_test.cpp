@@ -273,6 +273,74 @@ struct GpuCase {
 };
 
 const std::vector<DType> kHalfTypes = {DType::bf16, DType::f16};
+
+// One dtype of a case: the packed inputs (seeds from `seed`), the spec's forward and backward on
+// the CPU, and the GPU forward (outputs poisoned first, so that a row no kernel writes is a NaN)
+// checked against the spec; then `backward(opt, what)` runs the GPU backward from the spec's out
+// and lse (the same inputs) with `opt` and checks dq, dk and dv.
+struct VarlenAgainstSpec {
+  const GpuCase& c;
+  DType dt;
+  Device gpu = Device::cuda(0);
+  Tensor cu_q, cu_k, cu_qg, cu_kg;
+  AttentionVarlen seqs_g;
+  Tensor q, k, v, dout, out, lse, dq, dk, dv, qg, kg, vg, dog, outg, lseg;
+  std::string name;
+
+  VarlenAgainstSpec(const GpuCase& gc, DType type, unsigned seed) : c(gc), dt(type) {
+    const Batch& b = c.batch;
+    cu_q = cu_seqlens(b.q_lens);
+    cu_k = cu_seqlens(b.k_lens);
+    cu_qg = cu_q.copy_to(gpu);
+    cu_kg = cu_k.copy_to(gpu);
+    const AttentionVarlen seqs = seqs_of(b, cu_q, cu_k);
+    seqs_g = AttentionVarlen{cu_qg.view(), cu_kg.view(), b.max_q() + c.slack, b.max_k() + c.slack};
+    const Dims lse_shape{b.h, b.total_q()};
+    q = test::random_tensor({b.total_q(), b.h, b.d}, dt, kCpu, seed);
+    k = test::random_tensor({b.total_k(), b.hk, b.d}, dt, kCpu, seed + 1);
+    v = test::random_tensor({b.total_k(), b.hk, b.d}, dt, kCpu, seed + 2);
+    dout = test::random_tensor({b.total_q(), b.h, b.d}, dt, kCpu, seed + 3);
+    out = Tensor::empty(q.shape(), dt, kCpu);
+    lse = Tensor::empty(lse_shape, DType::f32, kCpu);
+    dq = Tensor::empty(q.shape(), dt, kCpu);
+    dk = Tensor::empty(k.shape(), dt, kCpu);
+    dv = Tensor::empty(k.shape(), dt, kCpu);
+    attention_forward_varlen(q, k, v, out, lse, seqs, c.opt);
+    attention_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, seqs, c.opt);
+
+    qg = q.copy_to(gpu);
+    kg = k.copy_to(gpu);
+    vg = v.copy_to(gpu);
+    dog = dout.copy_to(gpu);
+    Tensor og = Tensor::empty(q.shape(), dt, gpu), lg = Tensor::empty(lse_shape, DType::f32, gpu);
+    test::poison(og);
+    test::poison(lg);
+    attention_forward_varlen(qg, kg, vg, og, lg, seqs_g, c.opt);
+    name = c.name + " " + std::string(dtype_name(dt));
+    check(og, out, name + " out");
+    expect_lse_close(test::to_host(lg), lse, name + " lse");
+    outg = out.copy_to(gpu);
+    lseg = lse.copy_to(gpu);
+  }
+
+  void check(const Tensor& got, const Tensor& ref, const std::string& what) const {
+    const double tol = gpu_tolerance(dt);
+    const Tensor host = test::to_host(got);
+    const double err = test::rel_err_normwise(host, ref);
+    EXPECT_LE(err, tol) << what << ": rel err " << err << ", " << worst_element(host, ref);
+    if (err > tol / 4) std::printf("  [note] %s rel err %.3g (tol %.3g)\n", what.c_str(), err, tol);
+  }
+
+  void backward(const AttentionOptions& opt, const std::string& what) const {
+    Tensor dqg = Tensor::empty(q.shape(), dt, gpu), dkg = Tensor::empty(k.shape(), dt, gpu);
+    Tensor dvg = Tensor::empty(k.shape(), dt, gpu);
+    for (Tensor* t : {&dqg, &dkg, &dvg}) test::poison(*t);
+    attention_backward_varlen(qg, kg, vg, outg, dog, lseg, dqg, dkg, dvg, seqs_g, opt);
+    check(dqg, dq, what + " dq");
+    check(dkg, dk, what + " dk");
+    check(dvg, dv, what + " dv");
+  }
+};
 const std::vector<DType> kAllTypes = {DType::f32, DType::bf16, DType::f16};
 
 void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
@@ -286,51 +354,13 @@ class AttentionVarlenGpuVsSpec : public ::testing::TestWithParam<GpuCase> {};
 TEST_P(AttentionVarlenGpuVsSpec, MatchesTheSpec) {
   FK_SKIP_WITHOUT_GPU();
   const GpuCase& c = GetParam();
-  const Batch& b = c.batch;
-  const Device gpu = Device::cuda(0);
-  const Tensor cu_q = cu_seqlens(b.q_lens), cu_k = cu_seqlens(b.k_lens);
-  const Tensor cu_qg = cu_q.copy_to(gpu), cu_kg = cu_k.copy_to(gpu);
-  const AttentionVarlen seqs = seqs_of(b, cu_q, cu_k);
-  const AttentionVarlen seqs_g{cu_qg.view(), cu_kg.view(), b.max_q() + c.slack, b.max_k() + c.slack};
-  const Dims lse_shape{b.h, b.total_q()};
   for (DType dt : c.dtypes) {
-    const Tensor q = test::random_tensor({b.total_q(), b.h, b.d}, dt, kCpu, 61);
-    const Tensor k = test::random_tensor({b.total_k(), b.hk, b.d}, dt, kCpu, 62);
-    const Tensor v = test::random_tensor({b.total_k(), b.hk, b.d}, dt, kCpu, 63);
-    const Tensor dout = test::random_tensor({b.total_q(), b.h, b.d}, dt, kCpu, 64);
-    Tensor out = Tensor::empty(q.shape(), dt, kCpu), lse = Tensor::empty(lse_shape, DType::f32, kCpu);
-    Tensor dq = Tensor::empty(q.shape(), dt, kCpu), dk = Tensor::empty(k.shape(), dt, kCpu), dv = Tensor::empty(k.shape(), dt, kCpu);
-    attention_forward_varlen(q, k, v, out, lse, seqs, c.opt);
-    attention_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, seqs, c.opt);
-
-    const Tensor qg = q.copy_to(gpu), kg = k.copy_to(gpu), vg = v.copy_to(gpu), dog = dout.copy_to(gpu);
-    Tensor og = Tensor::empty(q.shape(), dt, gpu), lg = Tensor::empty(lse_shape, DType::f32, gpu);
-    test::poison(og);
-    test::poison(lg);
-    attention_forward_varlen(qg, kg, vg, og, lg, seqs_g, c.opt);
-    const double tol = gpu_tolerance(dt);
-    auto check = [&](const Tensor& got, const Tensor& ref, const std::string& what) {
-      const Tensor host = test::to_host(got);
-      const double err = test::rel_err_normwise(host, ref);
-      EXPECT_LE(err, tol) << what << ": rel err " << err << ", " << worst_element(host, ref);
-      if (err > tol / 4) std::printf("  [note] %s rel err %.3g (tol %.3g)\n", what.c_str(), err, tol);
-    };
-    const std::string name = c.name + " " + std::string(dtype_name(dt));
-    check(og, out, name + " out");
-    expect_lse_close(test::to_host(lg), lse, name + " lse");
-    // The backward from the spec's out and lse, so that it is checked on the same inputs.
-    const Tensor outg = out.copy_to(gpu), lseg = lse.copy_to(gpu);
+    const VarlenAgainstSpec r(c, dt, 61);
     for (bool deterministic : {false, true}) {
       if (dt == DType::f32 && deterministic) continue;  // the warp-per-row kernels have one mode
       AttentionOptions opt = c.opt;
       opt.deterministic = deterministic;
-      Tensor dqg = Tensor::empty(q.shape(), dt, gpu), dkg = Tensor::empty(k.shape(), dt, gpu), dvg = Tensor::empty(k.shape(), dt, gpu);
-      for (Tensor* t : {&dqg, &dkg, &dvg}) test::poison(*t);
-      attention_backward_varlen(qg, kg, vg, outg, dog, lseg, dqg, dkg, dvg, seqs_g, opt);
-      const std::string what = name + (deterministic ? " deterministic" : "");
-      check(dqg, dq, what + " dq");
-      check(dkg, dk, what + " dk");
-      check(dvg, dv, what + " dv");
+      r.backward(opt, r.name + (deterministic ? " deterministic" : ""));
     }
   }
 }
@@ -450,50 +480,13 @@ TEST_P(AttentionVarlenSm90VsSpec, MatchesTheSpec) {
   FK_SKIP_WITHOUT_GPU();
   if (!test::on_sm90()) GTEST_SKIP() << "the wgmma kernels run on sm_90 (H100/H200) only";
   const GpuCase& c = GetParam();
-  const Batch& b = c.batch;
-  const Device gpu = Device::cuda(0);
-  const Tensor cu_q = cu_seqlens(b.q_lens), cu_k = cu_seqlens(b.k_lens);
-  const Tensor cu_qg = cu_q.copy_to(gpu), cu_kg = cu_k.copy_to(gpu);
-  const AttentionVarlen seqs = seqs_of(b, cu_q, cu_k);
-  const AttentionVarlen seqs_g{cu_qg.view(), cu_kg.view(), b.max_q() + c.slack, b.max_k() + c.slack};
-  const Dims lse_shape{b.h, b.total_q()};
   for (DType dt : c.dtypes) {
-    const Tensor q = test::random_tensor({b.total_q(), b.h, b.d}, dt, kCpu, 91);
-    const Tensor k = test::random_tensor({b.total_k(), b.hk, b.d}, dt, kCpu, 92);
-    const Tensor v = test::random_tensor({b.total_k(), b.hk, b.d}, dt, kCpu, 93);
-    const Tensor dout = test::random_tensor({b.total_q(), b.h, b.d}, dt, kCpu, 94);
-    Tensor out = Tensor::empty(q.shape(), dt, kCpu), lse = Tensor::empty(lse_shape, DType::f32, kCpu);
-    Tensor dq = Tensor::empty(q.shape(), dt, kCpu), dk = Tensor::empty(k.shape(), dt, kCpu), dv = Tensor::empty(k.shape(), dt, kCpu);
-    attention_forward_varlen(q, k, v, out, lse, seqs, c.opt);
-    attention_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, seqs, c.opt);
-
-    const Tensor qg = q.copy_to(gpu), kg = k.copy_to(gpu), vg = v.copy_to(gpu), dog = dout.copy_to(gpu);
-    Tensor og = Tensor::empty(q.shape(), dt, gpu), lg = Tensor::empty(lse_shape, DType::f32, gpu);
-    test::poison(og);
-    test::poison(lg);
-    attention_forward_varlen(qg, kg, vg, og, lg, seqs_g, c.opt);
-    const double tol = gpu_tolerance(dt);
-    auto check = [&](const Tensor& got, const Tensor& ref, const std::string& what) {
-      const Tensor host = test::to_host(got);
-      const double err = test::rel_err_normwise(host, ref);
-      EXPECT_LE(err, tol) << what << ": rel err " << err << ", " << worst_element(host, ref);
-      if (err > tol / 4) std::printf("  [note] %s rel err %.3g (tol %.3g)\n", what.c_str(), err, tol);
-    };
-    const std::string name = c.name + " " + std::string(dtype_name(dt));
-    check(og, out, name + " out");
-    expect_lse_close(test::to_host(lg), lse, name + " lse");
-    const Tensor outg = out.copy_to(gpu), lseg = lse.copy_to(gpu);
+    const VarlenAgainstSpec r(c, dt, 91);
     for (auto [kind, kind_name] : {std::pair{AttentionBackwardKernel::wgmma_sm90, "wgmma_sm90"},
                                    std::pair{AttentionBackwardKernel::wgmma_sm90_tma_dq, "wgmma_sm90_tma_dq"}}) {
       AttentionOptions opt = c.opt;
       opt.backward_kernel = kind;
-      Tensor dqg = Tensor::empty(q.shape(), dt, gpu), dkg = Tensor::empty(k.shape(), dt, gpu), dvg = Tensor::empty(k.shape(), dt, gpu);
-      for (Tensor* t : {&dqg, &dkg, &dvg}) test::poison(*t);
-      attention_backward_varlen(qg, kg, vg, outg, dog, lseg, dqg, dkg, dvg, seqs_g, opt);
-      const std::string what = name + " " + kind_name;
-      check(dqg, dq, what + " dq");
-      check(dkg, dk, what + " dk");
-      check(dvg, dv, what + " dv");
+      r.backward(opt, r.name + " " + kind_name);
     }
   }
 }
