@@ -596,6 +596,47 @@ TEST(ConvertGpu, MatchesSpecOnPaddedRows) {
       }
 }
 
+// convert between strided views against its spec: a [2, 3, 5, 7] transposed view of [2, 5, 3, 7]
+// memory into rows padded to 9, bf16 -> f32 and back.
+TEST(ConvertStrided, MatchesSpecOnTransposedAndPaddedViews) {
+  for (Device dev : {kCpu, Device::cuda(0)}) {
+    if (dev.is_cuda() && cuda_device_count() == 0) continue;  // the GPU half skips without one
+    Tensor src_mem = test::random_tensor({2 * 5 * 3 * 7}, DType::bf16, dev, 91);
+    const TensorView src(src_mem.data(), DType::bf16, {2, 3, 5, 7}, {5 * 3 * 7, 7, 3 * 7, 1}, dev);
+    Tensor dst_mem = Tensor::empty({2 * 3 * 5 * 9}, DType::f32, dev);
+    test::poison(dst_mem);
+    const TensorView dst(dst_mem.data(), DType::f32, {2, 3, 5, 7}, {3 * 5 * 9, 5 * 9, 9, 1}, dev);
+    convert(src, dst);
+    const std::vector<double> mem = test::to_doubles(src_mem), got = test::to_doubles(dst_mem);
+    std::int64_t bad = 0;
+    for (std::int64_t b = 0; b < 2; ++b)
+      for (std::int64_t h = 0; h < 3; ++h)
+        for (std::int64_t s = 0; s < 5; ++s)
+          for (std::int64_t d = 0; d < 9; ++d) {
+            const double g = got[static_cast<std::size_t>(((b * 3 + h) * 5 + s) * 9 + d)];
+            const bool ok = d < 7 ? g == mem[static_cast<std::size_t>(((b * 5 + s) * 3 + h) * 7 + d)] : std::isnan(g);
+            bad += ok ? 0 : 1;
+          }
+    EXPECT_EQ(bad, 0) << dev.str();
+    Tensor back_mem = Tensor::empty({2 * 5 * 3 * 7}, DType::bf16, dev);
+    const TensorView back(back_mem.data(), DType::bf16, src.shape(), src.strides(), dev);
+    convert(dst, back);
+    EXPECT_EQ(test::to_doubles(back_mem), mem) << dev.str();
+  }
+}
+
+TEST(ConvertStrided, RefusesOutputsWhoseElementsShareMemory) {
+  const Tensor src = Tensor::empty({2, 3, 4}, DType::f32, kCpu);
+  Tensor mem = Tensor::empty({12}, DType::f32, kCpu);
+  const TensorView repeated(mem.data(), DType::f32, {2, 3, 4}, {0, 4, 1}, kCpu);  // both b read one place
+  test::expect_arg_error([&] { convert(src, repeated); }, "convert", "dst");
+  const TensorView rank5(mem.data(), DType::f32, {1, 1, 1, 3, 4}, {12, 12, 12, 4, 1}, kCpu);
+  EXPECT_NO_THROW(convert(Tensor::empty({1, 1, 1, 3, 4}, DType::f32, kCpu), rank5));  // contiguous: any rank
+  const TensorView rank5_gap(mem.data(), DType::f32, {1, 1, 2, 1, 4}, {12, 12, 8, 4, 1}, kCpu);
+  test::expect_arg_error([&] { convert(Tensor::empty({1, 1, 2, 1, 4}, DType::f32, kCpu), rank5_gap); }, "convert",
+                         "dst");
+}
+
 // ---- rope -----------------------------------------------------------------------------------
 
 // q = [1, 2, 3, 4] at one position, halves (1, 2) and (3, 4); cos and sin with unequal halves, so

@@ -112,9 +112,11 @@ void rope_forward(const RopeArgs& a);
 void rope_backward(const RopeArgs& a);
 }  // namespace reference
 
-// dst = src, each element converted to dst's dtype (f32, bf16 or f16; rounded to nearest even).
-// Same shape and device; each side contiguous, or rows [rows, cols] with inner stride 1 and its
-// own row stride >= cols (only the cols are read and written). No overlap unless dst is src.
+// dst = src, each element converted to dst's dtype (f32, bf16 or f16; rounded to nearest even);
+// with one dtype, a copy between layouts. Same shape and device; each side contiguous, or of rank
+// <= 4 with stride 1 on the last dimension and non-negative strides on the others (rows [rows,
+// cols] of a padded matrix, a transposed view of [B, S, H, D] memory: only the view's elements are
+// read and written); dst's elements in distinct places. No overlap unless dst is src.
 void convert(const TensorView& src, const TensorView& dst, const Stream* stream = nullptr);
 namespace reference {
 void convert(const TensorView& src, const TensorView& dst);

@@ -6,6 +6,8 @@
 
 #include <initializer_list>
 #include <iterator>
+#include <string>
+#include <utility>
 
 #include "fusekit/core/checks.hpp"
 #include "fusekit/core/error.hpp"
@@ -43,6 +45,37 @@ inline void outputs_disjoint(const char* op, std::initializer_list<Named> output
     for (const Named& in : inputs) refuse(in);
     for (auto p = std::next(o); p != outputs.end(); ++p) refuse(*p);
   }
+}
+
+// Whether no two elements of t share memory (what an output needs): sorted by stride, each
+// dimension's stride at least the extent of the dimensions before it.
+inline bool distinct_elements(const TensorView& t) {
+  if (t.numel() == 0) return true;
+  std::int64_t stride[kMaxRank], size[kMaxRank];
+  int n = 0;
+  for (int i = 0; i < t.rank(); ++i)
+    if (t.size(i) > 1) stride[n] = t.strides()[i], size[n++] = t.size(i);
+  for (int i = 1; i < n; ++i)  // insertion sort by stride: at most kMaxRank dimensions
+    for (int j = i; j > 0 && stride[j] < stride[j - 1]; --j) std::swap(stride[j], stride[j - 1]), std::swap(size[j], size[j - 1]);
+  std::int64_t extent = 1;
+  for (int i = 0; i < n; ++i) {
+    if (stride[i] < extent) return false;
+    extent = stride[i] * size[i];
+  }
+  return true;
+}
+
+// A tensor read (output: written) in place through its strides: rank `rank`, stride 1 on the last
+// dimension, non-negative strides on the others, non-null data unless empty; an output's elements
+// in distinct places.
+inline void rows_tensor(const char* op, const char* arg, const TensorView& t, int rank, bool output) {
+  FK_CHECK_ARG(t.rank() == rank, op, arg, "a rank-" + std::to_string(rank) + " tensor", t.str());
+  bool ok = t.numel() == 0 || t.strides()[rank - 1] == 1 || t.size(rank - 1) == 1;
+  for (int i = 0; i < rank; ++i) ok = ok && t.strides()[i] >= 0;
+  FK_CHECK_ARG(ok, op, arg, "stride 1 on the last dimension and non-negative strides", t.str());
+  if (output)
+    FK_CHECK_ARG(distinct_elements(t), op, arg, "an output whose elements do not share memory", t.str());
+  FK_CHECK_ARG(t.data() != nullptr || t.numel() == 0, op, arg, "non-null data", "a null pointer");
 }
 
 // The legacy default stream (null) belongs to whichever device is current; an owned stream to one.

@@ -3,14 +3,15 @@
 #pragma once
 
 #include "fusekit/ops/pointwise.hpp"
+#include "pointwise_walk.hpp"
 
 namespace fk::cuda {
 
 void bias_act_forward(const BiasActForwardArgs& a, const BiasActParams& p, const Stream* stream);
 void bias_act_backward(const BiasActBackwardArgs& a, const BiasActParams& p, const Stream* stream);
-// dst [rows, cols] (row stride ld_dst) = src [rows, cols] (row stride ld_src) in dst's dtype.
-void convert(const TensorView& src, std::int64_t ld_src, const TensorView& dst, std::int64_t ld_dst,
-             std::int64_t rows, std::int64_t cols, const Stream* stream);
+// dst = src in dst's dtype, each walked as rows (ConvertWalk).
+void convert(const TensorView& src, const ConvertWalk& ws, const TensorView& dst, const ConvertWalk& wd,
+             const Stream* stream);
 // rope_forward (backward false) or rope_backward over q and k in one launch.
 void rope(const RopeArgs& a, bool backward, const Stream* stream);
 
