@@ -16,6 +16,7 @@
 #include "bench/harness.hpp"
 #include "fusekit/ops/attention.hpp"
 #include "fusekit/ops/gemm.hpp"
+#include "fusekit/ops/pointwise.hpp"
 #include "fusekit/core/cuda_check.hpp"
 #include "fusekit/ops/primitives.hpp"
 #include "ops/primitives/attention_cuda.hpp"
@@ -250,15 +251,17 @@ void attention_backward_cases_all(Context& ctx) {
 FK_BENCH_CASE("primitives", "attention_bwd", attention_backward_cases_all);
 
 // The training layouts on the sm_90 kernels (sm_90 GPUs only: elsewhere they are the warp-per-row
-// kernels): grouped-query heads (Hk < H) and a varlen batch of B equal sequences of S tokens, each
+// kernels): grouped-query heads (Hk < H), a varlen batch of B equal sequences of S tokens, and
+// every tensor as Hugging Face hands it ([B, S, H, D] memory seen as [B, H, S, D], "bshd"), each
 // timed next to the dense multi-head call with the same B, H, S, D in the same run (impl "dense",
 // the baseline), so that tflops compare the same FLOPs directly (4 B H S² D forward, 10 B H S² D
-// backward, halved for causal) and a speedup below 1 is what the layout costs. Forward
-// and backward (automatic kernel choice: wgmma_sm90_tma_dq) both checked against the warp-per-row
-// kernels on the same inputs.
+// backward, halved for causal) and a speedup below 1 is what the layout costs. Forward and
+// backward (automatic kernel choice: wgmma_sm90_tma_dq) checked against the warp-per-row kernels
+// on the same inputs (bshd: against the same call on contiguous copies).
+enum class LayoutKind { gqa, varlen, bshd };
 struct LayoutShape {
   std::int64_t b, h, hk, s, d;
-  bool varlen;
+  LayoutKind kind;
 };
 
 void attention_layout_cases(Context& ctx, const LayoutShape& x, bool bwd) {
@@ -267,29 +270,39 @@ void attention_layout_cases(Context& ctx, const LayoutShape& x, bool bwd) {
   FK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   FK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   if (major != 9 || minor != 0) return;
-  const std::string shape = std::string("bf16_") + (x.varlen ? "varlen_" : "") + "b" + std::to_string(x.b) + "_h" +
+  const bool varlen_kind = x.kind == LayoutKind::varlen, bshd = x.kind == LayoutKind::bshd;
+  const std::string shape = std::string("bf16_") + (varlen_kind ? "varlen_" : "") + "b" + std::to_string(x.b) + "_h" +
                             std::to_string(x.h) + (x.hk != x.h ? "_hk" + std::to_string(x.hk) : "") + "_s" +
-                            std::to_string(x.s) + "_d" + std::to_string(x.d) + (x.varlen ? "" : "_gqa");
+                            std::to_string(x.s) + "_d" + std::to_string(x.d) +
+                            (x.kind == LayoutKind::gqa ? "_gqa" : bshd ? "_bshd" : "");
   const std::string name_full = std::string(bwd ? "attention_bwd/" : "attention_fwd/") + shape;
   if (!ctx.selected("primitives", name_full) && !ctx.selected("primitives", name_full + "_causal")) return;
   const std::int64_t tokens = x.b * x.s;
   // The dense multi-head call of the same FLOPs, and the call under test: packed [B S, H, D] with
   // cu_seqlens 0, S, 2 S, ... (varlen) or dense with Hk k/v heads (GQA).
   const Dims dq_shape{x.b, x.h, x.s, x.d}, dstat{x.b, x.h, x.s};
-  const Dims q_shape = x.varlen ? Dims{tokens, x.h, x.d} : dq_shape;
-  const Dims k_shape = x.varlen ? Dims{tokens, x.hk, x.d} : Dims{x.b, x.hk, x.s, x.d};
-  const Dims stat = x.varlen ? Dims{x.h, tokens} : dstat;
+  const Dims q_shape = varlen_kind ? Dims{tokens, x.h, x.d} : dq_shape;
+  const Dims k_shape = varlen_kind ? Dims{tokens, x.hk, x.d} : Dims{x.b, x.hk, x.s, x.d};
+  const Dims stat = varlen_kind ? Dims{x.h, tokens} : dstat;
   Tensor cu_host = Tensor::empty({x.b + 1}, DType::i32, Device::cpu());
   for (std::int64_t i = 0; i <= x.b; ++i) cu_host.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(i * x.s);
   const Tensor cu = cu_host.copy_to(Device::cuda(device));
   const AttentionVarlen seqs{cu.view(), cu.view(), x.s, x.s};
-  const AttentionVarlen* varlen = x.varlen ? &seqs : nullptr;
+  const AttentionVarlen* varlen = varlen_kind ? &seqs : nullptr;
 
-  const Tensor q = ctx.random(q_shape, DType::bf16), k = ctx.random(k_shape, DType::bf16);
-  const Tensor v = ctx.random(k_shape, DType::bf16), dout = ctx.random(q_shape, DType::bf16);
-  const Tensor out = ctx.empty(q_shape, DType::bf16), lse = ctx.empty(stat, DType::f32);
-  const Tensor dq = ctx.empty(q_shape, DType::bf16), dk = ctx.empty(k_shape, DType::bf16);
-  const Tensor dv = ctx.empty(k_shape, DType::bf16);
+  // bshd: each tensor's memory is [B, S, H, D], seen as [B, H, S, D].
+  auto seen = [&](const Tensor& mem) -> TensorView {
+    if (!bshd) return mem.view();
+    const std::int64_t heads = mem.size(1);
+    return TensorView(mem.data(), mem.dtype(), mem.shape(), {x.s * heads * x.d, x.d, heads * x.d, 1}, mem.device());
+  };
+  const Tensor qm = ctx.random(q_shape, DType::bf16), km = ctx.random(k_shape, DType::bf16);
+  const Tensor vm = ctx.random(k_shape, DType::bf16), doutm = ctx.random(q_shape, DType::bf16);
+  const Tensor outm = ctx.empty(q_shape, DType::bf16), lse = ctx.empty(stat, DType::f32);
+  const Tensor dqm = ctx.empty(q_shape, DType::bf16), dkm = ctx.empty(k_shape, DType::bf16);
+  const Tensor dvm = ctx.empty(k_shape, DType::bf16);
+  const TensorView q = seen(qm), k = seen(km), v = seen(vm), dout = seen(doutm), out = seen(outm), dq = seen(dqm),
+                   dk = seen(dkm), dv = seen(dvm);
   const Tensor qd = ctx.random(dq_shape, DType::bf16), kd = ctx.random(dq_shape, DType::bf16);
   const Tensor vd = ctx.random(dq_shape, DType::bf16), doutd = ctx.random(dq_shape, DType::bf16);
   const Tensor outd = ctx.empty(dq_shape, DType::bf16), lsed = ctx.empty(dstat, DType::f32);
@@ -313,7 +326,24 @@ void attention_layout_cases(Context& ctx, const LayoutShape& x, bool bwd) {
     // bf16; the row-wise ones do not).
     const Tensor out_ref = ctx.empty(q_shape, DType::bf16), lse_ref = ctx.empty(stat, DType::f32);
     double err = 0;
-    if (!bwd) {
+    if (bshd) {
+      // The same call on contiguous copies, each result copied out of its [B, S, H, D] memory.
+      auto dense = [&](const TensorView& t) {
+        Tensor c = ctx.empty(t.shape(), t.dtype());
+        convert(t, c, &ctx.fk_stream());
+        return c;
+      };
+      const Tensor qc = dense(q), kc = dense(k), vc = dense(v), doc = dense(dout);
+      attention_forward(qc, kc, vc, out_ref, lse_ref, opt, &ctx.fk_stream());
+      err = ctx.rel_err(dense(out), out_ref);
+      if (bwd) {
+        const Tensor dq_ref = ctx.empty(q_shape, DType::bf16), dk_ref = ctx.empty(k_shape, DType::bf16);
+        const Tensor dv_ref = ctx.empty(k_shape, DType::bf16);
+        attention_backward(qc, kc, vc, out_ref, doc, lse_ref, dq_ref, dk_ref, dv_ref, opt, &ctx.fk_stream());
+        err = std::max(
+            {ctx.rel_err(dense(dq), dq_ref), ctx.rel_err(dense(dk), dk_ref), ctx.rel_err(dense(dv), dv_ref)});
+      }
+    } else if (!bwd) {
       cuda::attention_forward_rowwise(q, k, v, out_ref, lse_ref, varlen, opt, &ctx.fk_stream());
       err = ctx.rel_err(out, out_ref);
     } else {
@@ -343,17 +373,20 @@ void attention_layout_cases(Context& ctx, const LayoutShape& x, bool bwd) {
   }
 }
 
-// LLaMA-3-style grouped-query heads (32 q heads over 8 k/v heads, D 128), and varlen batches with
+// LLaMA-3-style grouped-query heads (32 q heads over 8 k/v heads, D 128), varlen batches with
 // the dense cases' tokens (4 x 4096 forward as attention_fwd/bf16_b4_h16_s4096_d128{,_causal},
-// 4 x 2048 backward as attention_bwd/bf16_b4_h16_s2048_d{128,64}{,_causal}).
+// 4 x 2048 backward as attention_bwd/bf16_b4_h16_s2048_d{128,64}{,_causal}), and the LLM training
+// benchmark's small model as Hugging Face hands it (B 64, H 12, S 1024, D 64, bshd).
 void attention_layout_forward_cases(Context& ctx) {
-  attention_layout_cases(ctx, {4, 32, 8, 4096, 128, false}, false);
-  attention_layout_cases(ctx, {4, 16, 16, 4096, 128, true}, false);
+  attention_layout_cases(ctx, {4, 32, 8, 4096, 128, LayoutKind::gqa}, false);
+  attention_layout_cases(ctx, {4, 16, 16, 4096, 128, LayoutKind::varlen}, false);
+  attention_layout_cases(ctx, {64, 12, 12, 1024, 64, LayoutKind::bshd}, false);
 }
 void attention_layout_backward_cases(Context& ctx) {
-  attention_layout_cases(ctx, {4, 32, 8, 2048, 128, false}, true);
-  attention_layout_cases(ctx, {4, 16, 16, 2048, 128, true}, true);
-  attention_layout_cases(ctx, {4, 16, 16, 2048, 64, true}, true);
+  attention_layout_cases(ctx, {4, 32, 8, 2048, 128, LayoutKind::gqa}, true);
+  attention_layout_cases(ctx, {4, 16, 16, 2048, 128, LayoutKind::varlen}, true);
+  attention_layout_cases(ctx, {4, 16, 16, 2048, 64, LayoutKind::varlen}, true);
+  attention_layout_cases(ctx, {64, 12, 12, 1024, 64, LayoutKind::bshd}, true);
 }
 
 }  // namespace

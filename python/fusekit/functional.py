@@ -68,13 +68,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
     query heads and either causal alignment included) run the wgmma forward and, unless
     deterministic, the wgmma backward; the rest of the backward in bf16/f16 at head dims 64, 96 and
     128 runs on the mma.sync tensor-core backward (every option, sm_80 and later); everything else
-    on simple warp-per-row kernels (correct, not fast)."""
+    on simple warp-per-row kernels (correct, not fast). q, k, v (and the incoming gradient) may be
+    in any layout whose last dimension is contiguous, as Hugging Face's [B, S, H, D] projections
+    seen as [B, H, S, D]: the sm_90 kernels read them in place (the others read contiguous copies),
+    and out, dq, dk, dv take q's, k's and v's layouts."""
     left, right = window
-    # The op reads contiguous [B, H, S, D] tensors (copies otherwise). Made here, the copies are what
-    # autograd saves for the backward, which then copies nothing again; under torch.compile
-    # Inductor writes them from the kernel that makes q, k and v (Hugging Face's [B, S, H, D]
-    # projections, transposed).
-    q, k, v = (t.contiguous() for t in (q, k, v))
     out, lse = ops.call("attention", q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
                         bottom_right, left, right, softcap, deterministic)
     return (out, lse) if return_lse else out

@@ -183,7 +183,7 @@ def test_compiles_without_graph_breaks_forward_and_backward():
 def test_compiled_backward_of_transposed_inputs():
     """q, k, v as Hugging Face's attention makes them ([B, S, H, D] projections transposed to
     [B, H, S, D]) under torch.compile: the gradients the compiled graph reshapes back are laid out
-    as the op writes them (contiguous), as its fake kernel says."""
+    as the op writes them (in q's, k's and v's layouts), as its fake kernel says."""
     x = rand((2, 9, 64), torch.float32, "cpu", 47, True)
 
     def f(x):
@@ -199,6 +199,52 @@ def test_compiled_backward_of_transposed_inputs():
     (gr,) = torch.autograd.grad(yr.square().sum(), xr)
     torch.testing.assert_close(y, yr)
     torch.testing.assert_close(g, gr, rtol=1e-5, atol=1e-6)
+
+
+def _bshd(shape, dtype, device, seed):
+    """A [B, H, S, D] view of [B, S, H, D] memory, as Hugging Face's attention hands q, k, v over."""
+    b, h, s_, d = shape
+    return rand((b, s_, h, d), dtype, device, seed).transpose(1, 2).requires_grad_()
+
+
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_transposed_views_are_read_in_place_and_outputs_take_their_layout(device):
+    """q, k, v as [B, S, H, D] memory seen as [B, H, S, D], and the incoming gradient as the
+    model's reshape hands it back: out, dq, dk and dv come in the same layout ([B, S, H, D] memory),
+    so the model's transpose back and its projections' backward read them without a copy, and
+    equal the contiguous call's."""
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    d = 16 if device == "cpu" else 64
+    q, k, v = (_bshd((2, 4 if i == 0 else 2, 130, d), dt, device, 60 + i) for i in range(3))
+    out = fusekit.attention(q, k, v, causal=True)
+    assert out.transpose(1, 2).is_contiguous()
+    g = rand((2, 130, 4, d), dt, device, 63).transpose(1, 2)  # dout in the model's layout
+    out.backward(g)
+    ref_in = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    ref = fusekit.attention(*ref_in, causal=True)
+    assert ref.is_contiguous()
+    ref.backward(g.contiguous())
+    assert torch.equal(out, ref)
+    for got, want in zip((q, k, v), ref_in):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-2 if device == "cuda" else 1e-6, atol=1e-3)
+    _, lse = ops.attention(q.detach(), k.detach(), v.detach(), True, 1.0 / math.sqrt(d))
+    grads = ops.attention_backward(g, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, 1.0 / math.sqrt(d),
+                                   False, -1, -1, 0.0)
+    for grad, x in zip(grads, (q, k, v)):
+        assert grad.stride() == x.stride(), "a gradient in its input's layout"
+
+
+def test_opcheck_transposed_views():
+    """opcheck on the layouts Hugging Face hands over: the fake kernels' strides are the real ones'."""
+    q, k, v = (_bshd((1, 4 if i == 0 else 2, 6, 8), torch.float32, "cpu", 70 + i) for i in range(3))
+    torch.library.opcheck(ops.attention, (q, k, v, True, 0.3, False, -1, -1, 0.0))
+    out, lse = ops.attention(q.detach(), k.detach(), v.detach(), True, 0.3)
+    dout = rand((1, 6, 4, 8), torch.float32, "cpu", 74).transpose(1, 2)
+    torch.library.opcheck(ops.attention_backward, (dout, q.detach(), k.detach(), v.detach(), out, lse, True, 0.3, False,
+                                                   -1, -1, 0.0))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

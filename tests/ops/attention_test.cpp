@@ -323,8 +323,10 @@ TEST(AttentionErrors, EachBadInputNamesItsArgument) {
   test::expect_arg_error(call(q, k, v, out, t({2, 4, 15}, DType::f32)), op, "lse");        // shape
   test::expect_arg_error(call(q, k, v, out, lse, NAN), op, "scale");
   test::expect_arg_error(call(q, k, v, out, lse, INFINITY), op, "scale");
-  const TensorView strided(q.data(), DType::bf16, {2, 4, 16, 32}, {4 * 16 * 64, 16 * 64, 64, 1}, kCpu);
-  test::expect_arg_error(call(strided, k, v, out, lse), op, "q");                          // not contiguous
+  const TensorView every_other(q.data(), DType::bf16, {2, 4, 16, 32}, {4 * 16 * 64, 16 * 64, 64, 2}, kCpu);
+  test::expect_arg_error(call(every_other, k, v, out, lse), op, "q");                      // last stride 2
+  const TensorView overlapping(out.data(), DType::bf16, {2, 4, 16, 64}, {64, 64, 64, 1}, kCpu);
+  test::expect_arg_error(call(q, k, v, overlapping, lse), op, "out");                      // elements share memory
 }
 
 }  // namespace

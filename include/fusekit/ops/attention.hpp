@@ -46,10 +46,14 @@ struct AttentionOptions {
 
 // q [B, H, Sq, D]; k, v [B, Hk, Sk, D] with H a multiple of Hk (grouped-query attention: q head h
 // reads k/v head h / (H / Hk)); out [B, H, Sq, D]; lse [B, H, Sq] f32 as attention_forward's
-// (-inf for a row that sees no key, whose out is 0). Contiguous, one float dtype, 1 <= D <= 256.
-// On a GPU the plain options (Hk = H, causal top-left or none, no window, no softcap; bf16/f16,
-// D 64 or 128, sm_90) run on the tensor-core kernel, everything else on a warp-per-row kernel
-// (correct, not fast).
+// (-inf for a row that sees no key, whose out is 0). One float dtype, 1 <= D <= 256. q, k, v and
+// out may have any strides with stride 1 on D (Hugging Face's [B, S, H, D] projections seen as
+// [B, H, S, D], rows padded past D); out's elements in distinct places; lse contiguous. On a GPU
+// bf16/f16 at D 64 or 128 without window or softcap (grouped-query heads and either causal
+// alignment included) run on the sm_90 tensor-core kernel, which reads and writes the tensors
+// where they are (strides multiples of 8 elements, 16-byte aligned bases); everything else on a
+// warp-per-row kernel (correct, not fast), which reads contiguous copies of strided tensors and
+// copies out back.
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                        const TensorView& lse, const AttentionOptions& opt, const Stream* stream = nullptr);
 
@@ -57,12 +61,16 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 // q heads of its group) from dout [B, H, Sq, D] and the forward's q, k, v, out and lse, without
 // the [Sq, Sk] matrices of a whole head in memory: P = exp(s - lse) recomputed, dP = dout vᵀ,
 // dS = P ⊙ (dP - rowsum(dout ⊙ out)) (times the softcap's 1 - tanh²), dq = scale dS k,
-// dk = scale dSᵀ q, dv = Pᵀ dout. On a GPU (sm_80 and later), bf16/f16 with D = 64, 96 or 128 run
-// on tensor cores (FlashAttention-2's algorithm, mma.sync; P and dS rounded to the dtype before
-// their products), every option; on sm_90 the dense calls with D 64 or 128, no window, no
-// softcap and not deterministic run on the wgmma/TMA kernel (FlashAttention-3's) instead; f32, other head dims (256 included) and older GPUs on warp-per-row
-// kernels (correct, not fast). Scratch from the caching allocator: delta [B, H, Sq] f32, and on the
-// tensor-core path without opt.deterministic a dq accumulator [B, H, Sq, D] f32.
+// dk = scale dSᵀ q, dv = Pᵀ dout. Layouts as attention_forward's: every tensor but lse in any
+// strides with stride 1 on D. On a GPU (sm_80 and later), bf16/f16 with D = 64, 96 or 128 run on
+// tensor cores (FlashAttention-2's algorithm, mma.sync; P and dS rounded to the dtype before their
+// products), every option; on sm_90 the calls with D 64 or 128, no window, no softcap and not
+// deterministic run on the wgmma/TMA kernel (FlashAttention-3's) instead, reading and writing
+// every tensor where it is; f32, other head dims (256 included) and older GPUs on warp-per-row
+// kernels (correct, not fast). The kernels other than sm_90's read contiguous copies of strided
+// tensors and write dq, dk, dv through contiguous ones. Scratch from the caching allocator: delta
+// [B, H, Sq] f32, and on the tensor-core path without opt.deterministic a dq accumulator
+// [B, H, Sq, D] f32.
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                         const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                         const TensorView& dv, const AttentionOptions& opt, const Stream* stream = nullptr);
@@ -81,24 +89,26 @@ struct AttentionVarlen {
 };
 
 // attention_forward on a packed batch: q [total_q, H, D], k and v [total_k, Hk, D], out
-// [total_q, H, D], lse [H, total_q] f32 (FlashAttention's varlen lse layout); contiguous, one float
-// dtype, 1 <= D <= 256, H a multiple of Hk. cu_seqlens on the tensors' device (host memory on the
+// [total_q, H, D], lse [H, total_q] f32 (FlashAttention's varlen lse layout); one float dtype,
+// 1 <= D <= 256, H a multiple of Hk; strides as attention_forward takes them (q, k, v sliced from
+// one [total, 3, H, D] tensor, say). cu_seqlens on the tensors' device (host memory on the
 // CPU, device memory on a GPU). On the CPU their values are checked: 0 first, non-decreasing,
 // total_q (total_k) last, no length above max_seqlen. On a GPU only their shape, dtype and device
 // are (reading B + 1 ints back would synchronise every call): the values are trusted, as
 // FlashAttention trusts them. Wrong values there read out of bounds, and a sequence longer than its
-// max_seqlen has its rows past max_seqlen left unwritten. On a GPU every dtype, head dim and option
-// runs on the warp-per-row kernel (correct, not fast; the sm_90 tensor-core forward takes dense
-// batches only).
+// max_seqlen has its rows past max_seqlen left unwritten. On a GPU the kernels are
+// attention_forward's (the sm_90 tensor-core kernel for bf16/f16 at D 64 or 128 without window or
+// softcap, else the warp-per-row one).
 void attention_forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                               const TensorView& lse, const AttentionVarlen& seqs, const AttentionOptions& opt,
                               const Stream* stream = nullptr);
 
 // attention_backward on a packed batch: dq [total_q, H, D], dk and dv [total_k, Hk, D] (overwritten)
 // from dout [total_q, H, D] and the varlen forward's q, k, v, out and lse [H, total_q]; seqs as
-// attention_forward_varlen takes them (the same checks, the same trust on a GPU). The kernels are
-// attention_backward's (tensor cores for bf16/f16 at D 64, 96, 128 on sm_80+, every option and
-// deterministic mode; warp-per-row otherwise). Scratch: delta [H, total_q] f32, and the f32 dq
+// attention_forward_varlen takes them (the same checks, the same trust on a GPU; the same
+// layouts). The kernels are attention_backward's (sm_90's wgmma kernel where it takes the call,
+// tensor cores for bf16/f16 at D 64, 96, 128 on sm_80+, every option and deterministic mode;
+// warp-per-row otherwise). Scratch: delta [H, total_q] f32, and the f32 dq
 // accumulator [total_q, H, D] on the tensor-core path without opt.deterministic.
 void attention_backward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                                const TensorView& dout, const TensorView& lse, const TensorView& dq,

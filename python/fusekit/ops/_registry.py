@@ -396,6 +396,26 @@ def _same_device(op: str, **tensors: Optional[Tensor]) -> None:
 _dlpack = torch.utils.dlpack.to_dlpack
 
 
+def _unit_rows(t: Tensor) -> Tensor:
+    """t as the kernels that read any strides but the last one take it: t itself where its rows
+    (last dimension) are contiguous, else a contiguous copy (an expanded or transposed-in-the-last-
+    dimension gradient, say)."""
+    return t.contiguous() if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1 else t
+
+
+def _empty_in_order(like: Tensor, order: list[int]) -> Tensor:
+    """An uninitialised tensor of like's shape, dtype and device whose dimensions lie in memory in
+    `order` (outermost first; [] or the identity: contiguous), densely: the strides of a contiguous
+    tensor of the permuted shape, seen back in like's order. Not a view (an op may return it)."""
+    if not order or order == list(range(like.dim())):
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    shape, strides, step = like.shape, [0] * like.dim(), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device)
+
+
 def _d(t: Optional[Tensor]):
     """_dlpack(t), or None for an absent optional tensor."""
     return None if t is None else _dlpack(t)

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._registry import (_custom_op, _autograd, _autocast, _bwd, _stream, _rows, _same_device, _dlpack, _d,
-                        _FROM_OUTPUT, _derivative_from_output, _input, _not_kept)
+from ._registry import (_empty_in_order, _unit_rows, _custom_op, _autograd, _autocast, _bwd, _stream, _rows,
+                        _same_device, _dlpack, _d, _FROM_OUTPUT, _derivative_from_output, _input, _not_kept)
 
 
 def _bias_act(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], act: str, alpha: float,
@@ -114,12 +114,6 @@ _autograd("convert", _convert_bwd, _convert_setup)
 
 # ---- rope -------------------------------------------------------------------------------------
 
-def _rope_input(t: Tensor) -> Tensor:
-    """t as the kernel reads it: any strides but the last, which must be 1 (else a contiguous copy:
-    an expanded or transposed-in-the-last-dimension gradient)."""
-    return t.contiguous() if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1 else t
-
-
 def _rope_order(t: Tensor) -> list[int]:
     """The dimensions of a [B, H, T, D] tensor from outermost to innermost when it is a permutation
     of a dense tensor with D innermost (Hugging Face's q: [B, T, H, D] memory seen as [B, H, T, D]),
@@ -140,23 +134,11 @@ def _rope_order(t: Tensor) -> list[int]:
     return [] if order == [0, 1, 2, 3] else order
 
 
-def _rope_empty(like: Tensor, order: list[int]) -> Tensor:
-    """An uninitialised tensor of like's shape and dtype, its dimensions laid out in `order` (the
-    strides of a dense tensor of the permuted shape, seen back in like's order)."""
-    if not order:
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    shape, strides, step = like.shape, [0, 0, 0, 0], 1
-    for d in reversed(order):
-        strides[d] = step
-        step *= shape[d]
-    return torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device)
-
-
 def _rope_run(x: Tensor, y: Tensor, cos: Tensor, sin: Tensor, order_x: list[int], order_y: list[int],
               backward: bool) -> tuple[Tensor, Tensor]:
     _same_device("rope_backward" if backward else "rope_forward", q=x, k=y, cos=cos, sin=sin)
-    x, y, cos, sin = _rope_input(x), _rope_input(y), _rope_input(cos), _rope_input(sin)
-    x_out, y_out = _rope_empty(x, order_x), _rope_empty(y, order_y)
+    x, y, cos, sin = _unit_rows(x), _unit_rows(y), _unit_rows(cos), _unit_rows(sin)
+    x_out, y_out = _empty_in_order(x, order_x), _empty_in_order(y, order_y)
     _C.rope(_dlpack(x), _dlpack(y), _dlpack(cos), _dlpack(sin), _dlpack(x_out), _dlpack(y_out), backward, _stream(x))
     return x_out, y_out
 
@@ -174,7 +156,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
 
 @rope.register_fake
 def _(q, k, cos, sin):
-    return _rope_empty(q, _rope_order(q)), _rope_empty(k, _rope_order(k))
+    return _empty_in_order(q, _rope_order(q)), _empty_in_order(k, _rope_order(k))
 
 
 @_custom_op("rope_backward")
@@ -188,7 +170,7 @@ def rope_backward(dq_out: Tensor, dk_out: Tensor, cos: Tensor, sin: Tensor, q_or
 
 @rope_backward.register_fake
 def _(dq_out, dk_out, cos, sin, q_order, k_order):
-    return _rope_empty(dq_out, q_order), _rope_empty(dk_out, k_order)
+    return _empty_in_order(dq_out, q_order), _empty_in_order(dk_out, k_order)
 
 
 def _rope_setup(ctx, inputs, output):

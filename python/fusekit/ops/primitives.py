@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._registry import (_custom_op, _autograd, _autocast, _bwd, _stream, _rows, _same_device, _dlpack, _d,
-                        _input)
+from ._registry import (_empty_in_order, _unit_rows, _custom_op, _autograd, _autocast, _bwd, _stream, _rows,
+                        _same_device, _dlpack, _d, _input)
 
 
 @_custom_op("softmax")
@@ -39,6 +39,14 @@ def _softmax_backward(ctx, dy):
 _autograd("softmax", _softmax_backward, _softmax_setup)
 
 
+def _empty_in_layout_of(t: Tensor) -> Tensor:
+    """An uninitialised tensor of t's shape whose dimensions lie in memory in t's order (by stride,
+    the last one innermost), densely: the outputs and gradients of attention take their input's
+    layout (Hugging Face's q, a [B, S, H, D] projection seen as [B, H, S, D], gets an out and a dq
+    that its transposes and reshapes read without a copy)."""
+    return _empty_in_order(t, sorted(range(t.dim()), key=lambda i: (-t.stride(i), i)))
+
+
 @_custom_op("attention")
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, bottom_right: bool = False,
               window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
@@ -50,8 +58,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, botto
     [B, H, Sq] f32, the log-sum-exp of each row. Its backward is attention_backward; deterministic
     is for it (dq summed in a fixed order: the same bits on every run)."""
     _same_device("attention_forward", q=q, k=k, v=v)
-    q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q, k, v = (_unit_rows(t) for t in (q, k, v))
+    out = _empty_in_layout_of(q)
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     _C.attention_forward(_d(q), _d(k), _d(v), _d(out), _d(lse), causal, bottom_right, window_left, window_right, scale,
                          softcap, _stream(q))
@@ -60,7 +68,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, botto
 
 @attention.register_fake
 def _(q, k, v, causal, scale, bottom_right=False, window_left=-1, window_right=-1, softcap=0.0, deterministic=False):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _empty_in_layout_of(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @_custom_op("attention_backward")
@@ -70,8 +78,9 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     """(dq, dk, dv) of attention's out from dout and the forward's q, k, v, out, lse (dk and dv
     summed over each group of q heads); deterministic: dq summed in a fixed order."""
     _same_device("attention_backward", dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    dout, q, k, v, out, lse = (t if t.is_contiguous() else t.contiguous() for t in (dout, q, k, v, out, lse))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dout, q, k, v, out = (_unit_rows(t) for t in (dout, q, k, v, out))
+    lse = lse.contiguous()
+    dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
     _C.attention_backward(_d(q), _d(k), _d(v), _d(out), _d(dout), _d(lse), _d(dq), _d(dk), _d(dv), causal,
                           bottom_right, window_left, window_right, scale, softcap, deterministic, _stream(q))
     return dq, dk, dv
@@ -79,9 +88,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, causal, scale, bottom_right, window_left, window_right, softcap, deterministic=False):
-    # contiguous, as the implementation writes them (it reads contiguous copies of its inputs)
-    c = torch.contiguous_format
-    return tuple(torch.empty_like(t, memory_format=c) for t in (q, k, v))
+    return tuple(_empty_in_layout_of(_unit_rows(t)) for t in (q, k, v))
 
 
 def _attention_setup(ctx, inputs, output):
@@ -114,9 +121,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     options as attention's, per sequence. cu_seqlens [B + 1] int32 on q's device; lse [H, total_q]
     f32. deterministic is for the backward (dq summed in a fixed order)."""
     _same_device("attention_forward_varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    q, k, v, cu_seqlens_q, cu_seqlens_k = (t if t.is_contiguous() else t.contiguous()
-                                           for t in (q, k, v, cu_seqlens_q, cu_seqlens_k))
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q, k, v = (_unit_rows(t) for t in (q, k, v))
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    out = _empty_in_layout_of(q)
     lse = q.new_empty(_varlen_lse_shape(q), dtype=torch.float32)
     _C.attention_forward_varlen(_d(q), _d(k), _d(v), _d(out), _d(lse), _d(cu_seqlens_q), _d(cu_seqlens_k), max_seqlen_q,
                                 max_seqlen_k, causal, bottom_right, window_left, window_right, scale, softcap, _stream(q))
@@ -131,8 +138,7 @@ def _varlen_lse_shape(q: Tensor) -> tuple:
 @attention_varlen.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, bottom_right=False,
       window_left=-1, window_right=-1, softcap=0.0, deterministic=False):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty(_varlen_lse_shape(q), dtype=torch.float32))
+    return _empty_in_layout_of(q), q.new_empty(_varlen_lse_shape(q), dtype=torch.float32)
 
 
 @_custom_op("attention_backward_varlen")
@@ -144,9 +150,9 @@ def attention_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     over each group of q heads)."""
     _same_device("attention_backward_varlen", dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                  cu_seqlens_k=cu_seqlens_k)
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = (
-        t if t.is_contiguous() else t.contiguous() for t in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dout, q, k, v, out = (_unit_rows(t) for t in (dout, q, k, v, out))
+    lse, cu_seqlens_q, cu_seqlens_k = (t.contiguous() for t in (lse, cu_seqlens_q, cu_seqlens_k))
+    dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
     _C.attention_backward_varlen(_d(q), _d(k), _d(v), _d(out), _d(dout), _d(lse), _d(dq), _d(dk), _d(dv),
                                  _d(cu_seqlens_q), _d(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal, bottom_right,
                                  window_left, window_right, scale, softcap, deterministic, _stream(q))
@@ -156,9 +162,7 @@ def attention_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 @attention_backward_varlen.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, bottom_right,
       window_left, window_right, softcap, deterministic):
-    # contiguous, as the implementation writes them (it reads contiguous copies of its inputs)
-    c = torch.contiguous_format
-    return tuple(torch.empty_like(t, memory_format=c) for t in (q, k, v))
+    return tuple(_empty_in_layout_of(_unit_rows(t)) for t in (q, k, v))
 
 
 def _attention_varlen_setup(ctx, inputs, output):

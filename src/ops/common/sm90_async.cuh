@@ -57,7 +57,7 @@ __device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, st
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
-// One box of a 2-D / 3-D tensor map at coordinates (c0, c1[, c2]) into shared memory.
+// One box of a 2-D / 3-D / 4-D tensor map at coordinates (c0, c1[, c2[, c3]]) into shared memory.
 __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, std::uint32_t bar, std::uint32_t dst, int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
@@ -71,6 +71,14 @@ __device__ __forceinline__ void tma_load_3d(const CUtensorMap* map, std::uint32_
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
           dst),
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, std::uint32_t bar, std::uint32_t dst, int c0,
+                                            int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
 #endif

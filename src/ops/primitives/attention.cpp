@@ -12,6 +12,7 @@
 
 #include "fusekit/core/stream.hpp"
 #include "fusekit/ops/attention.hpp"
+#include "fusekit/ops/pointwise.hpp"
 #include "fusekit/ops/primitives.hpp"
 #include "ops/common/op_checks.hpp"
 #if FUSEKIT_WITH_CUDA
@@ -21,11 +22,24 @@
 namespace fk {
 namespace {
 
-bool overlaps(const TensorView& x, const TensorView& y) {
-  if (x.numel() == 0 || y.numel() == 0) return false;
-  const auto* x0 = static_cast<const unsigned char*>(x.data());
-  const auto* y0 = static_cast<const unsigned char*>(y.data());
-  return std::less<>{}(x0, y0 + y.nbytes()) && std::less<>{}(y0, x0 + x.nbytes());
+using checks::overlaps;  // of the views' spans
+
+// A copy of t in contiguous memory, kept in `keep` (t itself, and `keep` left empty, when t is
+// contiguous): what the kernels other than the sm_90 ones read.
+TensorView contiguous_input(const TensorView& t, Tensor& keep, const Stream* stream) {
+  if (t.is_contiguous()) return t;
+  keep = Tensor::empty(t.shape(), t.dtype(), t.device(), stream);
+  convert(t, keep.view(), stream);
+  return keep.view();
+}
+// Contiguous memory for an output (t itself when contiguous), copied into t by finish_output.
+TensorView contiguous_output(const TensorView& t, Tensor& keep, const Stream* stream) {
+  if (t.is_contiguous()) return t;
+  keep = Tensor::empty(t.shape(), t.dtype(), t.device(), stream);
+  return keep.view();
+}
+void finish_output(const TensorView& t, const Tensor& keep, const Stream* stream) {
+  if (keep.data() != nullptr) convert(keep.view(), t, stream);  // a default Tensor holds nothing
 }
 
 // Dense: q [B, H, Sq, D], k and v [B, Hk, Sk, D]; packed: q [total_q, H, D], k and v
@@ -34,14 +48,14 @@ bool overlaps(const TensorView& x, const TensorView& y) {
 Device check_inputs(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
                     const AttentionOptions& opt, const Stream* stream, bool packed = false) {
   const int rank = packed ? 3 : 4;
-  checks::tensor(op, "q", q, rank);
+  checks::rows_tensor(op, "q", q, rank, false);
   checks::dtype_in(op, "q", q, {DType::f32, DType::bf16, DType::f16});
   const Device dev = q.device();
   checks::cuda_available(op, dev);
   const std::int64_t h = q.size(1), d = q.size(rank - 1);
   FK_CHECK_ARG(d >= 1 && d <= 256, op, "q", "head_dim (last dimension) in [1, 256]", q.shape().str());
 
-  checks::tensor(op, "k", k, rank);
+  checks::rows_tensor(op, "k", k, rank, false);
   checks::same_dtype(op, "k", k, q);
   const bool heads_ok = k.size(1) >= 1 && h % k.size(1) == 0 && k.size(rank - 1) == d;
   if (packed)
@@ -52,7 +66,7 @@ Device check_inputs(const char* op, const TensorView& q, const TensorView& k, co
                  fmt::format("shape [{}, Hk, Sk, {}] with {} heads a multiple of Hk", q.size(0), d, h), k.shape().str());
   checks::same_device(op, "k", k, dev);
 
-  checks::tensor(op, "v", v, rank);
+  checks::rows_tensor(op, "v", v, rank, false);
   checks::same_dtype(op, "v", v, q);
   checks::shape_is(op, "v", v, k.shape());
   checks::same_device(op, "v", v, dev);
@@ -109,10 +123,11 @@ void check_seqlens(const char* op, const TensorView& q, const TensorView& k, con
   }
 }
 
-// An output: dtype, shape and device of `like`'s kind, overlapping none of `inputs`.
+// An output (or, with no `inputs`, a further input): dtype, shape and device of `like`'s kind, any
+// strides with the last one 1, overlapping none of `inputs`.
 void check_output(const char* op, const char* name, const TensorView& t, const TensorView& like, const Dims& shape,
-                  std::initializer_list<const TensorView*> inputs) {
-  checks::tensor(op, name, t, static_cast<int>(shape.size()));
+                  std::initializer_list<const TensorView*> inputs, bool output = true) {
+  checks::rows_tensor(op, name, t, static_cast<int>(shape.size()), output);
   checks::same_dtype(op, name, t, like);
   checks::shape_is(op, name, t, shape);
   checks::same_device(op, name, t, like.device());
@@ -145,8 +160,8 @@ void check_forward_outputs(const char* op, const TensorView& q, const TensorView
 void check_backward_tensors(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
                             const TensorView& out, const TensorView& dout, const TensorView& lse, const TensorView& dq,
                             const TensorView& dk, const TensorView& dv, bool packed) {
-  check_output(op, "out", out, q, q.shape(), {});  // an input here: the forward's out
-  checks::tensor(op, "dout", dout, q.rank());
+  check_output(op, "out", out, q, q.shape(), {}, false);  // an input here: the forward's out
+  checks::rows_tensor(op, "dout", dout, q.rank(), false);
   checks::same_dtype(op, "dout", dout, q);
   checks::shape_is(op, "dout", dout, q.shape());
   checks::same_device(op, "dout", dout, q.device());
@@ -160,28 +175,79 @@ void check_backward_tensors(const char* op, const TensorView& q, const TensorVie
                "a tensor overlapping dq or dk");
 }
 
-// The CUDA backward, dense (varlen null) or packed: the kernel opt.backward_kernel names, or
-// (automatic) the sm_90 wgmma kernel, else the mma.sync one, where they take the call, else the
-// warp-per-row ones. delta takes lse's layout.
-void backward_on_gpu(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
-                     const TensorView& out, const TensorView& dout, const TensorView& lse, const TensorView& dq,
-                     const TensorView& dk, const TensorView& dv, const AttentionVarlen* varlen,
-                     const AttentionOptions& opt, const Stream* stream) {
+bool all_contiguous(std::initializer_list<const TensorView*> ts) {
+  for (const TensorView* t : ts)
+    if (!t->is_contiguous()) return false;
+  return true;
+}
+
+// The forward on the CPU spec or the CUDA kernels, dense (varlen null) or packed: the sm_90 kernel
+// reads q, k, v and writes out where they are; the spec and the warp-per-row kernel take contiguous
+// copies (out copied back).
+void forward_dispatch(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                      const TensorView& lse, const AttentionVarlen* varlen, const AttentionOptions& opt,
+                      const Stream* stream) {
 #if FUSEKIT_WITH_CUDA
+  if (q.device().is_cuda() && cuda::attention_forward_sm90(q, k, v, out, lse, varlen, opt, stream)) return;
+#endif
+  if (!all_contiguous({&q, &k, &v, &out})) {
+    Tensor kq, kk, kv, ko;
+    const TensorView cq = contiguous_input(q, kq, stream), ck = contiguous_input(k, kk, stream),
+                     cv = contiguous_input(v, kv, stream), co = contiguous_output(out, ko, stream);
+    forward_dispatch(cq, ck, cv, co, lse, varlen, opt, stream);
+    return finish_output(out, ko, stream);
+  }
+  if (q.device().is_cpu()) {
+    if (varlen) return reference::attention_forward_varlen(q, k, v, out, lse, *varlen, opt);
+    return reference::attention_forward(q, k, v, out, lse, opt);
+  }
+#if FUSEKIT_WITH_CUDA
+  cuda::attention_forward_rowwise(q, k, v, out, lse, varlen, opt, stream);
+#endif
+}
+
+// The backward, dense (varlen null) or packed: on the CPU the spec; on a GPU the kernel
+// opt.backward_kernel names, or (automatic) the sm_90 wgmma kernel, else the mma.sync one, where
+// they take the call, else the warp-per-row ones. The sm_90 kernel reads and writes every tensor
+// where it is; the others take contiguous copies (dq, dk, dv copied back). delta takes lse's layout.
+void backward_dispatch(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
+                       const TensorView& out, const TensorView& dout, const TensorView& lse, const TensorView& dq,
+                       const TensorView& dk, const TensorView& dv, const AttentionVarlen* varlen,
+                       const AttentionOptions& opt, const Stream* stream) {
   using K = AttentionBackwardKernel;
   const K which = opt.backward_kernel;
-  const Tensor delta = Tensor::empty(lse.shape(), DType::f32, q.device(), stream);
-  if (which == K::automatic || which == K::wgmma_sm90 || which == K::wgmma_sm90_tma_dq) {
+  const bool contiguous = all_contiguous({&q, &k, &v, &out, &dout, &dq, &dk, &dv});
+#if FUSEKIT_WITH_CUDA
+  if (q.device().is_cuda() && (which == K::automatic || which == K::wgmma_sm90 || which == K::wgmma_sm90_tma_dq)) {
     if (cuda::attention_backward_sm90_supports(q, k, v, out, dout, dq, dk, dv, varlen, opt)) {
+      const Tensor delta = Tensor::empty(lse.shape(), DType::f32, q.device(), stream);
       const Tensor dq_accum = Tensor::empty(q.shape(), DType::f32, q.device(), stream);
       return cuda::attention_backward_sm90(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), varlen,
                                            opt, stream);
     }
-    FK_CHECK_ARG(which == K::automatic, op, "backward_kernel",
+    FK_CHECK_ARG(which == K::automatic || !contiguous, op, "backward_kernel",
                  "wgmma_sm90 (and wgmma_sm90_tma_dq) only for a bf16/f16 call (dense or varlen) with D 64 or 128, "
                  "no window, no softcap, not deterministic, 16-byte aligned tensors, on an sm_90 GPU",
                  "a wgmma_sm90 kernel for a call it does not take");
   }
+#endif
+  if (!contiguous) {
+    Tensor kq, kk, kv, ko, kdo, kdq, kdk, kdv;
+    const TensorView cq = contiguous_input(q, kq, stream), ck = contiguous_input(k, kk, stream),
+                     cv = contiguous_input(v, kv, stream), co = contiguous_input(out, ko, stream),
+                     cdo = contiguous_input(dout, kdo, stream), cdq = contiguous_output(dq, kdq, stream),
+                     cdk = contiguous_output(dk, kdk, stream), cdv = contiguous_output(dv, kdv, stream);
+    backward_dispatch(op, cq, ck, cv, co, cdo, lse, cdq, cdk, cdv, varlen, opt, stream);
+    finish_output(dq, kdq, stream);
+    finish_output(dk, kdk, stream);
+    return finish_output(dv, kdv, stream);
+  }
+  if (q.device().is_cpu()) {
+    if (varlen) return reference::attention_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, *varlen, opt);
+    return reference::attention_backward(q, k, v, out, dout, lse, dq, dk, dv, opt);
+  }
+#if FUSEKIT_WITH_CUDA
+  const Tensor delta = Tensor::empty(lse.shape(), DType::f32, q.device(), stream);
   if (which != K::rowwise && cuda::attention_backward_mma_supports(q, k, varlen)) {
     const Tensor dq_accum = opt.deterministic ? Tensor() : Tensor::empty(q.shape(), DType::f32, q.device(), stream);
     if (cuda::attention_backward_mma(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), dq_accum.view(), varlen, opt,
@@ -193,8 +259,7 @@ void backward_on_gpu(const char* op, const TensorView& q, const TensorView& k, c
                "mma_sync for a call it does not take");
   cuda::attention_backward_rowwise(q, k, v, out, dout, lse, dq, dk, dv, delta.view(), varlen, opt, stream);
 #else
-  (void)op, (void)q, (void)k, (void)v, (void)out, (void)dout, (void)lse, (void)dq, (void)dk, (void)dv, (void)varlen,
-      (void)opt, (void)stream;
+  (void)op, (void)which;
 #endif
 }
 
@@ -203,16 +268,10 @@ void backward_on_gpu(const char* op, const TensorView& q, const TensorView& k, c
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                        const TensorView& lse, const AttentionOptions& opt, const Stream* stream) {
   constexpr const char* op = "attention_forward";
-  const Device dev = check_inputs(op, q, k, v, opt, stream);
+  check_inputs(op, q, k, v, opt, stream);
   check_forward_outputs(op, q, k, v, out, lse, false);
   if (out.numel() == 0) return;
-  if (dev.is_cpu()) return reference::attention_forward(q, k, v, out, lse, opt);
-#if FUSEKIT_WITH_CUDA
-  if (!cuda::attention_forward_sm90(q, k, v, out, lse, nullptr, opt, stream))
-    cuda::attention_forward_rowwise(q, k, v, out, lse, nullptr, opt, stream);
-#else
-  (void)stream;
-#endif
+  forward_dispatch(q, k, v, out, lse, nullptr, opt, stream);
 }
 
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -224,27 +283,20 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& dout, const TensorView& lse, const TensorView& dq, const TensorView& dk,
                         const TensorView& dv, const AttentionOptions& opt, const Stream* stream) {
   constexpr const char* op = "attention_backward";
-  const Device dev = check_inputs(op, q, k, v, opt, stream);
+  check_inputs(op, q, k, v, opt, stream);
   check_backward_tensors(op, q, k, v, out, dout, lse, dq, dk, dv, false);
-  if (dev.is_cpu()) return reference::attention_backward(q, k, v, out, dout, lse, dq, dk, dv, opt);
-  backward_on_gpu(op, q, k, v, out, dout, lse, dq, dk, dv, nullptr, opt, stream);
+  backward_dispatch(op, q, k, v, out, dout, lse, dq, dk, dv, nullptr, opt, stream);
 }
 
 void attention_forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                               const TensorView& lse, const AttentionVarlen& seqs, const AttentionOptions& opt,
                               const Stream* stream) {
   constexpr const char* op = "attention_forward_varlen";
-  const Device dev = check_inputs(op, q, k, v, opt, stream, true);
+  check_inputs(op, q, k, v, opt, stream, true);
   check_seqlens(op, q, k, seqs);
   check_forward_outputs(op, q, k, v, out, lse, true);
   if (out.numel() == 0) return;
-  if (dev.is_cpu()) return reference::attention_forward_varlen(q, k, v, out, lse, seqs, opt);
-#if FUSEKIT_WITH_CUDA
-  if (!cuda::attention_forward_sm90(q, k, v, out, lse, &seqs, opt, stream))
-    cuda::attention_forward_rowwise(q, k, v, out, lse, &seqs, opt, stream);
-#else
-  (void)stream;
-#endif
+  forward_dispatch(q, k, v, out, lse, &seqs, opt, stream);
 }
 
 void attention_backward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -252,11 +304,10 @@ void attention_backward_varlen(const TensorView& q, const TensorView& k, const T
                                const TensorView& dk, const TensorView& dv, const AttentionVarlen& seqs,
                                const AttentionOptions& opt, const Stream* stream) {
   constexpr const char* op = "attention_backward_varlen";
-  const Device dev = check_inputs(op, q, k, v, opt, stream, true);
+  check_inputs(op, q, k, v, opt, stream, true);
   check_seqlens(op, q, k, seqs);
   check_backward_tensors(op, q, k, v, out, dout, lse, dq, dk, dv, true);
-  if (dev.is_cpu()) return reference::attention_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, seqs, opt);
-  backward_on_gpu(op, q, k, v, out, dout, lse, dq, dk, dv, &seqs, opt, stream);
+  backward_dispatch(op, q, k, v, out, dout, lse, dq, dk, dv, &seqs, opt, stream);
 }
 
 }  // namespace fk

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "fusekit/core/tensor.hpp"
 #include "fusekit/ops/attention.hpp"
 
 namespace fk::cuda {
@@ -62,6 +63,42 @@ struct Layout {
     }
   }
 };
+// Where a head's rows are in one of attention's tensors, in elements, from the tensor's own strides
+// (any strides, the last one 1): row i of head `head` of batch entry `batch` of dense [B, H, S, D]
+// at batch * b + head * h + i * s; token t of head `head` of packed [total, H, D] at head * h + t * s
+// (b = 0). The sm_90 kernels read and
+// write every tensor through these; the other kernels take contiguous tensors (attention.cpp
+// copies the others).
+struct HeadStrides {
+  std::int64_t b, h, s;
+  __device__ __host__ std::int64_t at(std::int64_t batch, std::int64_t head, std::int64_t row) const {
+    return batch * b + head * h + row * s;
+  }
+};
+inline HeadStrides head_strides(const TensorView& t) {
+  if (t.rank() == 3) return {0, t.strides()[1], t.strides()[0]};
+  return {t.strides()[0], t.strides()[1], t.strides()[2]};
+}
+
+// Row r of a tensor's rows in row-major order of its leading dimensions (dense (b, h, i) with
+// r = (b H + h) S + i; packed (t, h) with r = t H + h), as an element offset from its strides: for
+// the kernels that walk every row (delta, dq from its f32 accumulator).
+struct RowOffsets {
+  std::int64_t n1, n2;  // dense: H, S; packed: total, H
+  std::int64_t s0, s1, s2;
+  std::int64_t d;       // contiguous tensors: rows d apart, no divisions
+  bool contiguous;
+  __device__ std::int64_t at(std::int64_t r) const {
+    if (contiguous) return r * d;
+    const std::int64_t i2 = r % n2, rest = r / n2, i1 = rest % n1, i0 = rest / n1;
+    return i0 * s0 + i1 * s1 + i2 * s2;
+  }
+};
+inline RowOffsets row_offsets(const TensorView& t) {
+  if (t.rank() == 3) return {t.size(0), t.size(1), 0, t.strides()[0], t.strides()[1], t.size(2), t.is_contiguous()};
+  return {t.size(1), t.size(2), t.strides()[0], t.strides()[1], t.strides()[2], t.size(3), t.is_contiguous()};
+}
+
 // Dense when varlen is null, else packed.
 inline Layout layout_of(const TensorView& q, const TensorView& k, const AttentionVarlen* varlen) {
   if (!varlen) return {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), nullptr, nullptr, 0};

@@ -215,20 +215,23 @@ __device__ __forceinline__ void score_grad(float& acc, float& dp, float lse, flo
   dp = p * (dp - delta) * slope * scale;
 }
 
-// A warp per row of out and dout (dense: row (b H + h) Sq + i; packed: token H + h); delta in
-// lse's layout (packed: [H, total_q]).
+// A warp per row of out and dout (dense: row (b H + h) Sq + i; packed: token H + h), each placed
+// by its own strides; delta in lse's layout (packed: [H, total_q]).
 template <class T, bool kPacked>
 __global__ void __launch_bounds__(256)
-    attention_bwd_delta_kernel(const T* __restrict__ out, const T* __restrict__ dout, float* __restrict__ delta,
-                               std::int64_t rows, int d, std::int64_t heads, std::int64_t total_q) {
+    attention_bwd_delta_kernel(const T* __restrict__ out, const RowOffsets out_rows, const T* __restrict__ dout,
+                               const RowOffsets dout_rows, float* __restrict__ delta, std::int64_t rows, int d,
+                               std::int64_t heads, std::int64_t total_q) {
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (row >= rows) return;
   const std::int64_t at = kPacked ? row % heads * total_q + row / heads : row;
+  const T* out_row = out + out_rows.at(row);
+  const T* dout_row = dout + dout_rows.at(row);
   float s = 0.0f;
   for (int c = lane * 8; c < d; c += 32 * 8) {  // d % 8 == 0, 16-byte aligned rows
-    const uint4 o = *reinterpret_cast<const uint4*>(out + row * d + c);
-    const uint4 g = *reinterpret_cast<const uint4*>(dout + row * d + c);
+    const uint4 o = *reinterpret_cast<const uint4*>(out_row + c);
+    const uint4 g = *reinterpret_cast<const uint4*>(dout_row + c);
     const T* oe = reinterpret_cast<const T*>(&o);
     const T* ge = reinterpret_cast<const T*>(&g);
 #pragma unroll
@@ -238,16 +241,25 @@ __global__ void __launch_bounds__(256)
   if (lane == 0) delta[at] = s;
 }
 
+// dq (its rows placed by its strides) = the contiguous f32 accumulator rounded, 4 elements a thread
+// (d % 4 == 0: they share a row).
 template <class T>
 __global__ void __launch_bounds__(256)
-    attention_bwd_dq_convert_kernel(const float* __restrict__ acc, T* __restrict__ dq, std::int64_t n4) {
+    attention_bwd_dq_convert_kernel(const float* __restrict__ acc, T* __restrict__ dq, const RowOffsets dq_rows,
+                                    int d, std::int64_t n4) {
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const float4 a = reinterpret_cast<const float4*>(acc)[i];
     uint2 r;
     r.x = pack2<T>(a.x, a.y);
     r.y = pack2<T>(a.z, a.w);
-    reinterpret_cast<uint2*>(dq)[i] = r;
+    const std::int64_t e = 4 * i;
+    if (dq_rows.contiguous) {
+      reinterpret_cast<uint2*>(dq)[i] = r;
+    } else {
+      const std::int64_t row = e / d;
+      *reinterpret_cast<uint2*>(dq + dq_rows.at(row) + (e - row * d)) = r;
+    }
   }
 }
 
@@ -597,11 +609,12 @@ int max_optin_smem(int device) {
 // rows: the rows of out (B H Sq dense; total_q H packed, 0 when every sequence is without queries,
 // which still writes dk = dv = 0).
 template <class T, int D, bool kPacked>
-void launch(const BwdParams<T>& p, std::int64_t rows, bool deterministic, cudaStream_t s) {
+void launch(const BwdParams<T>& p, const RowOffsets& contiguous, std::int64_t rows, bool deterministic,
+            cudaStream_t s) {
   const Layout& L = p.layout;
   if (rows > 0) {
     attention_bwd_delta_kernel<T, kPacked><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, s>>>(
-        p.out, p.dout, p.delta, rows, D, L.heads, L.total_q);
+        p.out, contiguous, p.dout, contiguous, p.delta, rows, D, L.heads, L.total_q);
     FK_CUDA_CHECK_LAUNCH("attention_bwd_delta_kernel");
   }
   const dim3 kv_grid(static_cast<unsigned>((L.sk + kBlockKeys - 1) / kBlockKeys),
@@ -628,7 +641,7 @@ void launch(const BwdParams<T>& p, std::int64_t rows, bool deterministic, cudaSt
     if (rows > 0) {
       const std::int64_t n4 = rows * D / 4;
       const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((n4 + 255) / 256, 8 * multiprocessor_count()));
-      attention_bwd_dq_convert_kernel<T><<<blocks, 256, 0, s>>>(p.dq_accum, p.dq, n4);
+      attention_bwd_dq_convert_kernel<T><<<blocks, 256, 0, s>>>(p.dq_accum, p.dq, contiguous, D, n4);
       FK_CUDA_CHECK_LAUNCH("attention_bwd_dq_convert_kernel");
     }
   }
@@ -675,9 +688,10 @@ bool attention_backward_mma(const TensorView& q, const TensorView& k, const Tens
                            opt.bottom_right};
       auto run = [&](auto packed) {
         constexpr bool kPacked = decltype(packed)::value;
-        if (d == 64) launch<T, 64, kPacked>(p, rows, opt.deterministic, s);
-        else if (d == 96) launch<T, 96, kPacked>(p, rows, opt.deterministic, s);
-        else launch<T, 128, kPacked>(p, rows, opt.deterministic, s);
+        const RowOffsets contiguous = row_offsets(q);  // q, out, dout and dq: one contiguous layout
+        if (d == 64) launch<T, 64, kPacked>(p, contiguous, rows, opt.deterministic, s);
+        else if (d == 96) launch<T, 96, kPacked>(p, contiguous, rows, opt.deterministic, s);
+        else launch<T, 128, kPacked>(p, contiguous, rows, opt.deterministic, s);
       };
       if (varlen) run(std::true_type{});
       else run(std::false_type{});
@@ -697,13 +711,15 @@ void attention_backward_prologue(const TensorView& out, const TensorView& dout, 
     if constexpr (!std::is_same_v<T, float>) {
       const auto blocks = static_cast<unsigned>((rows + 7) / 8);
       // packed: out's row token H + h, delta's element h total_q + token
+      const RowOffsets out_rows = row_offsets(out), dout_rows = row_offsets(dout);
       if (packed)
-        attention_bwd_delta_kernel<T, true><<<blocks, 256, 0, s>>>(out.data_as<T>(), dout.data_as<T>(),
-                                                                   delta.data_as<float>(), rows, static_cast<int>(d),
-                                                                   out.size(1), out.size(0));
+        attention_bwd_delta_kernel<T, true><<<blocks, 256, 0, s>>>(out.data_as<T>(), out_rows, dout.data_as<T>(),
+                                                                   dout_rows, delta.data_as<float>(), rows,
+                                                                   static_cast<int>(d), out.size(1), out.size(0));
       else
-        attention_bwd_delta_kernel<T, false><<<blocks, 256, 0, s>>>(out.data_as<T>(), dout.data_as<T>(),
-                                                                    delta.data_as<float>(), rows, static_cast<int>(d), 1, 0);
+        attention_bwd_delta_kernel<T, false><<<blocks, 256, 0, s>>>(out.data_as<T>(), out_rows, dout.data_as<T>(),
+                                                                    dout_rows, delta.data_as<float>(), rows,
+                                                                    static_cast<int>(d), 1, 0);
       FK_CUDA_CHECK_LAUNCH("attention_bwd_delta_kernel");
     }
   });
@@ -711,14 +727,15 @@ void attention_backward_prologue(const TensorView& out, const TensorView& dout, 
 }
 
 void attention_backward_dq_from_accum(const TensorView& dq_accum, const TensorView& dq, const Stream* stream) {
-  const std::int64_t n4 = dq.numel() / 4;
+  const std::int64_t n4 = dq.numel() / 4, d = dq.rank() == 3 ? dq.size(2) : dq.size(3);
   if (n4 == 0) return;
   const cudaStream_t s = fk::detail::cuda_stream(stream);
   with_float_type(dq.dtype(), [&](auto zero) {
     using T = decltype(zero);
     if constexpr (!std::is_same_v<T, float>) {
       const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((n4 + 255) / 256, 8 * multiprocessor_count()));
-      attention_bwd_dq_convert_kernel<T><<<blocks, 256, 0, s>>>(dq_accum.data_as<float>(), dq.data_as<T>(), n4);
+      attention_bwd_dq_convert_kernel<T><<<blocks, 256, 0, s>>>(dq_accum.data_as<float>(), dq.data_as<T>(),
+                                                                row_offsets(dq), static_cast<int>(d), n4);
       FK_CUDA_CHECK_LAUNCH("attention_bwd_dq_convert_kernel");
     }
   });

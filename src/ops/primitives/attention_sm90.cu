@@ -6,9 +6,10 @@
 // A CTA owns 128 query rows of one (sequence, head) and streams the keys of its k/v head in blocks
 // of 128 with three warpgroups:
 //   - producer (one thread): loads the CTA's Q tile once, then each key block's K and V tiles into
-//     a 2-stage ring, by TMA with the 128-byte swizzle wgmma reads (3-D tensor maps, head_map in
-//     attention_sm90_common.cuh: dense (D, S, B*H), rows past S come back as zeros; packed
-//     (D, total, H), rows past a sequence's end come back as the next sequence's tokens). K and V
+//     a 2-stage ring, by TMA with the 128-byte swizzle wgmma reads (4-D tensor maps over each
+//     tensor's own strides, head_map in attention_sm90_common.cuh: dense (D, S, H, B), rows past S
+//     come back as zeros; packed (D, total, H, 1), rows past a sequence's end come back as the next
+//     sequence's tokens). out is written through its own strides too. K and V
 //     have their own full barriers, so S = Q Kᵀ starts before V has landed.
 //   - two consumers, 64 query rows each: S = Q Kᵀ with wgmma 64x128xD (both operands from shared
 //     memory, fp32 accumulators), the mask (key tail, causal diagonal) on the blocks that need it,
@@ -126,7 +127,8 @@ struct Traits {
 };
 
 struct Params {
-  void* out;               // T: dense [B, H, Sq, D]; packed [total_q, H, D]
+  void* out;               // T: dense [B, H, Sq, D]; packed [total_q, H, D]; any strides (out_st)
+  HeadStrides out_st;      // out's, in elements
   float* lse;              // f32: dense [B, H, Sq]; packed [H, total_q]
   Layout layout;           // B, H, Hk, the lengths (packed: max_seqlens and cu_seqlens)
   int m_blocks;            // query blocks of a (sequence, head): of Sq, packed of max_seqlen_q
@@ -135,15 +137,16 @@ struct Params {
 };
 
 // What a CTA works on: its sequence's lengths, its query block, and the TMA coordinates of its
-// rows (dense: row in the head, head b H + h / b Hk + kh; packed: token, head h / kh).
+// rows (dense: row in the head, head h / kh, batch entry b; packed: token, head h / kh, 0).
 struct Cta {
   int sq, sk;              // the sequence's query and key counts
   int offset;              // causal: key j visible to query i iff j <= i + offset (bottom-right Sk - Sq)
   int m0;                  // the block's first query
   int q_row0, kv_row0;     // TMA row of query 0 and key 0: dense 0, packed the sequence's first tokens
-  int q_head, kv_head;     // TMA head coordinates of q (and out) and of k, v
+  int q_head, kv_head;     // TMA head coordinates of q and of k, v
+  int batch;               // TMA batch coordinate (packed: 0)
   std::int64_t out0;       // out's element of (query 0, d 0) of this head
-  std::int64_t out_stride; // elements from one query to the next: dense D, packed H D
+  std::int64_t out_stride; // elements from one query to the next
   std::int64_t lse0;       // lse's element of query 0 of this head (contiguous in the query)
 };
 
@@ -177,10 +180,11 @@ __device__ Cta cta_of(const Params& p) {
   c.m0 = m_block * kBlockM;
   c.q_row0 = static_cast<int>(seq.q0);
   c.kv_row0 = static_cast<int>(seq.k0);
-  c.q_head = kPacked ? h : bh;
-  c.kv_head = kPacked ? kh : b * kv_heads + kh;
-  c.out0 = seq.q_row(h, 0) * D;
-  c.out_stride = seq.q_tok() * D;
+  c.q_head = h;
+  c.kv_head = kh;
+  c.batch = kPacked ? 0 : b;
+  c.out0 = p.out_st.at(c.batch, h, seq.q0);
+  c.out_stride = p.out_st.s;
   c.lse0 = seq.stat(h, 0);
   return c;
 }
@@ -193,7 +197,7 @@ __device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUte
   mbar_arrive_expect_tx(bars.q_full(), Tr::kBytesQ);
 #pragma unroll
   for (int j = 0; j < D / 64; ++j)
-    tma_load_3d(tq, bars.q_full(), smem + j * kBlockM * 128, 64 * j, c.q_row0 + c.m0, c.q_head);
+    tma_load_4d(tq, bars.q_full(), smem + j * kBlockM * 128, 64 * j, c.q_row0 + c.m0, c.q_head, c.batch);
   for (int n = 0; n < n_blocks; ++n) {
     const int s = n % kStages, free_parity = ((n / kStages) & 1) ^ 1;
     const std::uint32_t k_dst = smem + Tr::kOffK + s * Tr::kBytesKV, v_dst = smem + Tr::kOffV + s * Tr::kBytesKV;
@@ -201,12 +205,12 @@ __device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUte
     mbar_arrive_expect_tx(bars.k_full(s), Tr::kBytesKV);
 #pragma unroll
     for (int j = 0; j < D / 64; ++j)
-      tma_load_3d(tk, bars.k_full(s), k_dst + j * kBlockN * 128, 64 * j, c.kv_row0 + n * kBlockN, c.kv_head);
+      tma_load_4d(tk, bars.k_full(s), k_dst + j * kBlockN * 128, 64 * j, c.kv_row0 + n * kBlockN, c.kv_head, c.batch);
     mbar_wait(bars.v_empty(s), free_parity);
     mbar_arrive_expect_tx(bars.v_full(s), Tr::kBytesKV);
 #pragma unroll
     for (int j = 0; j < D / 64; ++j)
-      tma_load_3d(tv, bars.v_full(s), v_dst + j * kBlockN * 128, 64 * j, c.kv_row0 + n * kBlockN, c.kv_head);
+      tma_load_4d(tv, bars.v_full(s), v_dst + j * kBlockN * 128, 64 * j, c.kv_row0 + n * kBlockN, c.kv_head, c.batch);
   }
 }
 
@@ -459,13 +463,14 @@ bool attention_forward_sm90(const TensorView& q, const TensorView& k, const Tens
   const std::int64_t m_blocks = (L.sq + kBlockM - 1) / kBlockM;
   if (L.batch * L.heads * m_blocks > INT_MAX) return false;
   for (const TensorView* x : {&q, &k, &v, &out})
-    if (reinterpret_cast<std::uintptr_t>(x->data()) % 16 != 0) return false;
+    if (!sm90_takes_layout(*x)) return false;
   const int device = q.device().index;
   fk::detail::DeviceScope on_device(device);
   if (!is_sm90(device)) return false;
 
   Params p{};
   p.out = out.data();
+  p.out_st = head_strides(out);
   p.lse = lse.data_as<float>();
   p.layout = L;
   p.m_blocks = static_cast<int>(m_blocks);

@@ -8,10 +8,11 @@
 // walks every BLK_M-query block (block_m: 128 at D 64, 64 at D 128) of every q head of its group
 // that sees one of its keys, with three warpgroups:
 //   - producer (warp 0 of the first warpgroup): K and V of the CTA's keys once, then each step's Q
-//     and dO into a 2-stage ring by TMA (128-byte swizzle, 3-D maps from head_map: dense
-//     (D, S, B*H), rows past S read as zeros; packed (D, total, H), rows past a sequence's end are
-//     the next sequence's tokens), and the step's lse (in log2 units) and delta into shared memory by
-//     plain stores, handed over by named barriers (per stage: the producer warp's bar.arrive on
+//     and dO into a 2-stage ring by TMA (128-byte swizzle, 4-D maps over each tensor's own strides
+//     from head_map: dense (D, S, H, B), rows past S read as zeros; packed (D, total, H, 1), rows
+//     past a sequence's end are the next sequence's tokens), and the step's lse (in log2 units)
+//     and delta into shared memory by plain stores, handed over by named barriers (per stage: the
+//     producer warp's bar.arrive on
 //     "stats full" after its stores, the consumers' bar.sync before reading; the consumers'
 //     bar.arrive on "stats empty" after reading, the producer's bar.sync before the next stores):
 //     generic stores ordered by barriers compute-sanitizer's racecheck follows.
@@ -191,8 +192,9 @@ constexpr bool same_bytes() {
 
 struct Params {
   float* dq_accum;    // f32 like q (dense [B, H, Sq, D], packed [total_q, H, D]), zeroed
-  void* dk;           // T like k: dense [B, Hk, Sk, D], packed [total_k, Hk, D]
-  void* dv;           // T like k
+  void* dk;           // T like k: dense [B, Hk, Sk, D], packed [total_k, Hk, D]; any strides (dk_st)
+  void* dv;           // T like k (dv_st)
+  HeadStrides dk_st, dv_st;  // in elements
   const float* lse;   // dense [B, H, Sq], packed [H, total_q]; natural log
   const float* delta; // like lse
   Layout layout;      // B, H, Hk, the lengths (packed: max_seqlens and cu_seqlens)
@@ -202,8 +204,9 @@ struct Params {
 };
 
 // The sequence of the CTA (blockIdx.y = b Hk + kh) and where its rows are (rows():
-// attention_layout.cuh's formulas); TMA coordinates are dense (row in the head, b H + h), packed
-// (token, h). The consumers' registers are scarce, so the lengths are read where they are used:
+// attention_layout.cuh's formulas); TMA coordinates of q, k, v, dout are dense (row in the head, h,
+// b), packed (token, h, 0); of dq_accum (contiguous, 3-D) dense (row, b H + h), packed (token, h).
+// The consumers' registers are scarce, so the lengths are read where they are used:
 // dense from the kernel parameters (as this kernel always did), packed from four ints in shared
 // memory that thread 0 stores before the CTA's first barrier (volatile reads: loaded again at
 // each use rather than held in registers).
@@ -255,8 +258,10 @@ struct Cta {
   // TMA coordinates: the row of query i0 (key j0) and the head of q head h (of the k/v head).
   __device__ int q_row(int i0) const { return q0() + i0; }
   __device__ int kv_row(int j0) const { return k0() + j0; }
-  __device__ int q_head(const Params& p, int h) const { return kPacked ? h : b * static_cast<int>(p.layout.heads) + h; }
-  __device__ int kv_head(const Params& p) const { return kPacked ? kh : b * static_cast<int>(p.layout.kv_heads) + kh; }
+  __device__ int batch() const { return kPacked ? 0 : b; }
+  __device__ int dq_head(const Params& p, int h) const {
+    return kPacked ? h : b * static_cast<int>(p.layout.heads) + h;
+  }
 };
 
 #if FK_ATTN_BWD_SM90
@@ -315,8 +320,8 @@ __device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMa
     mbar_arrive_expect_tx(bars.kv_full(), 2 * Tr::kBytesKV);
 #pragma unroll
     for (int j = 0; j < D / 64; ++j) {
-      tma_load_3d(tk, bars.kv_full(), base + j * kBlockN * 128, 64 * j, c.kv_row(j0), c.kv_head(p));
-      tma_load_3d(tv, bars.kv_full(), base + Tr::kOffV + j * kBlockN * 128, 64 * j, c.kv_row(j0), c.kv_head(p));
+      tma_load_4d(tk, bars.kv_full(), base + j * kBlockN * 128, 64 * j, c.kv_row(j0), c.kh, c.batch());
+      tma_load_4d(tv, bars.kv_full(), base + Tr::kOffV + j * kBlockN * 128, 64 * j, c.kv_row(j0), c.kh, c.batch());
     }
   }
   float* lse_s = reinterpret_cast<float*>(smem + Tr::kOffLse);      // (PIPE, BLK_M)
@@ -339,10 +344,10 @@ __device__ void produce(const Params& p, const CUtensorMap* tq, const CUtensorMa
       mbar_arrive_expect_tx(bars.full(s), 2 * Tr::kBytesQ);
 #pragma unroll
       for (int j = 0; j < D / 64; ++j) {
-        tma_load_3d(tq, bars.full(s), base + Tr::kOffQ + s * Tr::kBytesQ + j * kBlockM * 128, 64 * j, c.q_row(i0),
-                    c.q_head(p, h));
-        tma_load_3d(tdo, bars.full(s), base + Tr::kOffdO + s * Tr::kBytesQ + j * kBlockM * 128, 64 * j,
-                    c.q_row(i0), c.q_head(p, h));
+        tma_load_4d(tq, bars.full(s), base + Tr::kOffQ + s * Tr::kBytesQ + j * kBlockM * 128, 64 * j, c.q_row(i0), h,
+                    c.batch());
+        tma_load_4d(tdo, bars.full(s), base + Tr::kOffdO + s * Tr::kBytesQ + j * kBlockM * 128, 64 * j,
+                    c.q_row(i0), h, c.batch());
       }
     } else {
       mbar_arrive(bars.full(s));
@@ -557,7 +562,7 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
         const std::uint32_t src = smem_addr(dq_s);
         CUTE_UNROLL
         for (int j = 0; j < D / 64; ++j)
-          tma_reduce_add_3d(tdq, src + j * kBlockM * 128, wg * (D / 2) + 32 * j, c.q_row(i0), c.q_head(p, h));
+          tma_reduce_add_3d(tdq, src + j * kBlockM * 128, wg * (D / 2) + 32 * j, c.q_row(i0), c.dq_head(p, h));
         bulk_commit_group();
       }
     } else {
@@ -575,17 +580,14 @@ __device__ void consume(const Params& p, const CUtensorMap* tdq, std::uint8_t* s
   }
 
   // dK and dV, keys j0 + key: pairs of adjacent columns.
-  const SeqRows<kPacked> rows = c.rows(p);
-  const std::int64_t kv0 = rows.kv_row(c.kh, 0) * D;
-  T* dk = static_cast<T*>(p.dk) + kv0;
-  T* dv = static_cast<T*>(p.dv) + kv0;
+  T* dk = static_cast<T*>(p.dk) + p.dk_st.at(c.batch(), c.kh, c.k0());
+  T* dv = static_cast<T*>(p.dv) + p.dv_st.at(c.batch(), c.kh, c.k0());
   CUTE_UNROLL
   for (int i = 0; i < size(tdKrdK); i += 2) {
     const int key = j0 + get<0>(tdKVc(i)), col = get<1>(tdKVc(i));
     if (key < c.sk(p)) {
-      const std::int64_t at = key * (rows.kv_tok() * D) + col;
-      *reinterpret_cast<std::uint32_t*>(dk + at) = pack2<T>(tdKrdK(i), tdKrdK(i + 1));
-      *reinterpret_cast<std::uint32_t*>(dv + at) = pack2<T>(tdVrdV(i), tdVrdV(i + 1));
+      *reinterpret_cast<std::uint32_t*>(dk + key * p.dk_st.s + col) = pack2<T>(tdKrdK(i), tdKrdK(i + 1));
+      *reinterpret_cast<std::uint32_t*>(dv + key * p.dv_st.s + col) = pack2<T>(tdVrdV(i), tdVrdV(i + 1));
     }
   }
 }
@@ -684,7 +686,7 @@ bool attention_backward_sm90_supports(const TensorView& q, const TensorView& k, 
     return false;
   if (!std::isfinite(opt.scale * kLog2e)) return false;
   for (const TensorView* x : {&q, &k, &v, &out, &dout, &dq, &dk, &dv})
-    if (!aligned16(x->data())) return false;
+    if (!sm90_takes_layout(*x)) return false;
   const int device = q.device().index;
   fk::detail::DeviceScope on_device(device);
   return is_sm90(device);
@@ -703,6 +705,8 @@ void attention_backward_sm90(const TensorView& q, const TensorView& k, const Ten
   p.dq_accum = dq_accum.data_as<float>();
   p.dk = dk.data();
   p.dv = dv.data();
+  p.dk_st = head_strides(dk);
+  p.dv_st = head_strides(dv);
   p.lse = lse.data_as<float>();
   p.delta = delta.data_as<float>();
   p.layout = layout_of(q, k, varlen);
