@@ -6,7 +6,8 @@
 // Three launches around it (attention_mma_bwd.cu's): delta = rowsum(dout ⊙ out) and dq_accum = 0
 // before, dq_accum rounded into dq after. A CTA owns 128 keys of one (sequence, k/v head) and
 // walks every BLK_M-query block (block_m: 128 at D 64, 64 at D 128) of every q head of its group
-// that sees one of its keys, with three warpgroups:
+// that sees one of its keys (causal: the heaviest CTAs, the first key blocks of every head, start
+// first: cta_place), with three warpgroups:
 //   - producer (warp 0 of the first warpgroup): K and V of the CTA's keys once, then each step's Q
 //     and dO into a 2-stage ring by TMA (128-byte swizzle, 4-D maps over each tensor's own strides
 //     from head_map: dense (D, S, H, B), rows past S read as zeros; packed (D, total, H, 1), rows
@@ -203,7 +204,25 @@ struct Params {
   bool causal, bottom_right;
 };
 
-// The sequence of the CTA (blockIdx.y = b Hk + kh) and where its rows are (rows():
+// Which key block and (b Hk + kh) a CTA takes. CTAs start in the order of their linear index in
+// the grid (key blocks, B Hk). Causal: key blocks outer, heads inner, so that the heaviest CTAs
+// (a causal key block sees the queries from its own on: the first blocks see the most) start first
+// over all heads and the last wave holds the lightest; with grouped-query heads (4x fewer, 4x
+// longer CTAs) the heads-outer order ended on the heavy blocks of the last heads. Otherwise (every
+// CTA the same work) heads outer, as the grid is, so that the CTAs running at once share a few
+// heads' Q and dO in L2.
+[[maybe_unused]] __device__ __forceinline__ void cta_place(bool causal, int& key_block, int& bkh) {
+  if (!causal) {
+    key_block = static_cast<int>(blockIdx.x);
+    bkh = static_cast<int>(blockIdx.y);
+    return;
+  }
+  const unsigned linear = blockIdx.y * gridDim.x + blockIdx.x;
+  key_block = static_cast<int>(linear / gridDim.y);
+  bkh = static_cast<int>(linear % gridDim.y);
+}
+
+// The sequence of the CTA (bkh = b Hk + kh) and where its rows are (rows():
 // attention_layout.cuh's formulas); TMA coordinates of q, k, v, dout are dense (row in the head, h,
 // b), packed (token, h, 0); of dq_accum (contiguous, 3-D) dense (row, b H + h), packed (token, h).
 // The consumers' registers are scarce, so the lengths are read where they are used:
@@ -214,16 +233,16 @@ template <bool kPacked>
 struct Cta {
   int b, kh, h0, group;       // q heads h0 .. h0 + group - 1 read k/v head kh
   const volatile int* seq_s;  // packed: {Sq, Sk, first query token, first key token}
-  __device__ Cta(const Params& p, const int* seq_smem) : seq_s(seq_smem) {
-    const int bkh = static_cast<int>(blockIdx.y), kv_heads = static_cast<int>(p.layout.kv_heads);
+  __device__ Cta(const Params& p, int bkh, const int* seq_smem) : seq_s(seq_smem) {
+    const int kv_heads = static_cast<int>(p.layout.kv_heads);
     b = bkh / kv_heads;
     kh = bkh - b * kv_heads;
     group = static_cast<int>(p.layout.heads) / kv_heads;
     h0 = kh * group;
   }
   // Thread 0, packed, before the first __syncthreads: the sequence into shared memory.
-  __device__ static void store_seq(const Params& p, int* seq_smem) {
-    const int b = static_cast<int>(blockIdx.y) / static_cast<int>(p.layout.kv_heads);
+  __device__ static void store_seq(const Params& p, int bkh, int* seq_smem) {
+    const int b = bkh / static_cast<int>(p.layout.kv_heads);
     const SeqRows<kPacked> seq = p.layout.template seq<kPacked>(b);
     seq_smem[0] = static_cast<int>(seq.sq);
     seq_smem[1] = static_cast<int>(seq.sk);
@@ -605,6 +624,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const std::uint32_t raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
   std::uint8_t* smem = smem_raw + (base - raw);
   const Bars bars{base + Tr::kOffBars};
+  int key_block, bkh;
+  cta_place(p.causal, key_block, bkh);
   if (threadIdx.x == 0) {
     mbar_init(bars.kv_full(), 1);
     for (int s = 0; s < kStages; ++s) {
@@ -612,11 +633,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(bars.empty(s), kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    if constexpr (kPacked) Cta<kPacked>::store_seq(p, reinterpret_cast<int*>(smem + Tr::kOffSeq));
+    if constexpr (kPacked) Cta<kPacked>::store_seq(p, bkh, reinterpret_cast<int*>(smem + Tr::kOffSeq));
   }
   __syncthreads();
-  const int j0 = static_cast<int>(blockIdx.x) * kBlockN;
-  const Cta<kPacked> c(p, reinterpret_cast<const int*>(smem + Tr::kOffSeq));
+  const int j0 = key_block * kBlockN;
+  const Cta<kPacked> c(p, bkh, reinterpret_cast<const int*>(smem + Tr::kOffSeq));
   if constexpr (kPacked) {
     if (j0 >= c.sk(p)) return;  // keys past the sequence's (the grid spans max_seqlen_k): nothing to write
   }
