@@ -153,8 +153,9 @@ __device__ __forceinline__ float round_to(float v) { return to_float(from_float<
 // blockDim = (threads per row, rows per block); thread t of a row holds elements
 // [(k * blockDim.x + t) * V, + V) for k < K (the launcher's K: as many as the row needs, at most
 // kForwardItems / V). X is x's type: T's, or a 16-bit type added to an f32 residual (kAdd only); O
-// is out's. 16-bit weights are loaded with x, before the reduction, so that their latency (L1 or
-// L2) is not added after it, where K <= 3; f32 weights (twice the registers) and K = 4 after it.
+// is out's. Each thread issues all its loads of x (and residual) before using any; 16-bit weights
+// are loaded with them, before the reduction, so that their latency (L1 or L2) is not added after
+// it, where K <= 3; f32 weights (twice the registers) and K = 4 after it.
 template <class X, class T, class W, class O, int V, int K, bool kAdd>
 __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardParams p) {
   static_assert(kAdd || std::is_same_v<X, T>, "rms_norm_forward_kernel: x is s without a residual");
@@ -171,21 +172,46 @@ __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardPar
   Vec<T, V> s[K];
   Vec<W, kWeightFirst ? V : 1> wv[kWeightFirst ? K : 1];
   float sum_sq = 0.0f;
+  // Every load issued before the first use (zeros past the row), so that their latencies overlap
+  // (a use between two loads would make each wait for the one before), where the registers allow
+  // it: all but add_rms_norm with an f32 residual or K > 2 (at K = 3, 58 bytes of spills).
+  constexpr bool kLoadsFirst = !kAdd || (sizeof(X) == 2 && sizeof(T) == 2 && K <= 2);
+  if constexpr (kLoadsFirst) {
+    Vec<X, V> xv[K];
+    Vec<T, V> rv[kAdd ? K : 1];
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    if (!active || col(k) >= p.cols) continue;
-    if constexpr (kAdd) {
+    for (int k = 0; k < K; ++k) {
+      const bool in_row = active && col(k) < p.cols;
+      xv[k] = in_row ? load_vec<X, V>(x + col(k)) : Vec<X, V>{};
+      if constexpr (kAdd)
+        rv[k] = in_row ? load_vec<T, V>(static_cast<const T*>(p.residual) + r * p.ld_r + col(k)) : Vec<T, V>{};
+      if constexpr (kWeightFirst) wv[k] = in_row ? load_raw<W, V>(w + col(k)) : Vec<W, V>{};
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if constexpr (kAdd) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) s[k].set(j, xv[k].get(j) + rv[k].get(j));  // rounded to T, as PyTorch's add
+        if (active && col(k) < p.cols) store_vec<T, V>(static_cast<T*>(p.residual_out) + r * p.ld_rout + col(k), s[k]);
+      } else {
+        s[k] = xv[k];
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) sum_sq = fmaf(s[k].get(j), s[k].get(j), sum_sq);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (!active || col(k) >= p.cols) continue;
       const Vec<X, V> xv = load_vec<X, V>(x + col(k));
       const Vec<T, V> res = load_vec<T, V>(static_cast<const T*>(p.residual) + r * p.ld_r + col(k));
 #pragma unroll
       for (int j = 0; j < V; ++j) s[k].set(j, xv.get(j) + res.get(j));  // rounded to T, as PyTorch's add
       store_vec<T, V>(static_cast<T*>(p.residual_out) + r * p.ld_rout + col(k), s[k]);
-    } else {
-      s[k] = load_vec<T, V>(x + col(k));
-    }
-    if constexpr (kWeightFirst) wv[k] = load_raw<W, V>(w + col(k));
+      if constexpr (kWeightFirst) wv[k] = load_raw<W, V>(w + col(k));
 #pragma unroll
-    for (int j = 0; j < V; ++j) sum_sq = fmaf(s[k].get(j), s[k].get(j), sum_sq);
+      for (int j = 0; j < V; ++j) sum_sq = fmaf(s[k].get(j), s[k].get(j), sum_sq);
+    }
   }
   sum_sq = row_reduce(sum_sq, SumOp{}, 0.0f, smem);
   if (!active) return;
