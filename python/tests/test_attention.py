@@ -241,6 +241,8 @@ def test_opcheck_transposed_views():
     """opcheck on the layouts Hugging Face hands over: the fake kernels' strides are the real ones'."""
     q, k, v = (_bshd((1, 4 if i == 0 else 2, 6, 8), torch.float32, "cpu", 70 + i) for i in range(3))
     torch.library.opcheck(ops.attention, (q, k, v, True, 0.3, False, -1, -1, 0.0))
+    columns = rand((1, 4, 8, 6), torch.float32, "cpu", 75).transpose(-1, -2).requires_grad_()  # D not innermost
+    torch.library.opcheck(ops.attention, (columns, k, v, True, 0.3, False, -1, -1, 0.0))
     out, lse = ops.attention(q.detach(), k.detach(), v.detach(), True, 0.3)
     dout = rand((1, 6, 4, 8), torch.float32, "cpu", 74).transpose(1, 2)
     torch.library.opcheck(ops.attention_backward, (dout, q.detach(), k.detach(), v.detach(), out, lse, True, 0.3, False,

@@ -68,7 +68,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, botto
 
 @attention.register_fake
 def _(q, k, v, causal, scale, bottom_right=False, window_left=-1, window_right=-1, softcap=0.0, deterministic=False):
-    return _empty_in_layout_of(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _empty_in_layout_of(_unit_rows(q)), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @_custom_op("attention_backward")
@@ -138,7 +138,7 @@ def _varlen_lse_shape(q: Tensor) -> tuple:
 @attention_varlen.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, bottom_right=False,
       window_left=-1, window_right=-1, softcap=0.0, deterministic=False):
-    return _empty_in_layout_of(q), q.new_empty(_varlen_lse_shape(q), dtype=torch.float32)
+    return _empty_in_layout_of(_unit_rows(q)), q.new_empty(_varlen_lse_shape(q), dtype=torch.float32)
 
 
 @_custom_op("attention_backward_varlen")
