@@ -81,6 +81,18 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   }
 }
 
+// --breakdown at D 64: the sm_90 forward with 128 query rows a CTA (two consumer warpgroups), the
+// tile automatic does not take there, on the same inputs.
+void forward_tile_record(Context& ctx, const std::string& name, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const TensorView& out, const TensorView& lse, bool causal, float scale,
+                         double flops) {
+  const AttentionOptions opt{.causal = causal, .scale = scale, .forward_tile = AttentionForwardTile::rows_128};
+  Record r{"primitives", name, "sm90_rows_128", "fused"};
+  r.median_us = ctx.time_us([&](int) { attention_forward(q, k, v, out, lse, opt, &ctx.fk_stream()); }, 1);
+  r.tflops = flops / (r.median_us * 1e6);
+  ctx.add(r);
+}
+
 void attention_cases(Context& ctx, std::int64_t d) {
   const std::int64_t b = 4, h = 16, s = 4096, bh = b * h;
   const std::string shape = "bf16_b4_h16_s4096_d" + std::to_string(d);
@@ -126,6 +138,7 @@ void attention_cases(Context& ctx, std::int64_t d) {
     u.tflops = flops / (u.median_us * 1e6);
     ctx.add(f);
     ctx.add(u);
+    if (d == 64 && ctx.breakdown()) forward_tile_record(ctx, name, q, k, v, out, lse, causal, scale, flops);
   }
 }
 
@@ -370,6 +383,8 @@ void attention_layout_cases(Context& ctx, const LayoutShape& x, bool bwd) {
     r.tflops = flops / (r.median_us * 1e6);
     ctx.add(f);
     ctx.add(r);
+    if (!bwd && !varlen && x.d == 64 && ctx.breakdown())
+      forward_tile_record(ctx, name, qd, kd, vd, outd, lsed, causal, opt.scale, flops);
   }
 }
 

@@ -221,20 +221,50 @@ TEST_P(AttentionSm90ForwardVsSpec, MatchesSpec) {
   Tensor v = test::random_tensor({c.b, c.hk, c.sk, c.d}, c.dt, kCpu, seed + 2);
   Tensor ref = Tensor::empty(q.shape(), c.dt, kCpu), ref_lse = Tensor::empty({c.b, c.h, c.sq}, DType::f32, kCpu);
   attention_forward(q, k, v, ref, ref_lse, c.opt);
-  Tensor out = Tensor::empty(q.shape(), c.dt, kGpu), lse = Tensor::empty({c.b, c.h, c.sq}, DType::f32, kGpu);
-  test::poison(out);
-  test::poison(lse);
-  attention_forward(q.copy_to(kGpu), k.copy_to(kGpu), v.copy_to(kGpu), out, lse, c.opt);
-  EXPECT_TRUE(test::all_close(out, ref, out_tolerance(c.dt)));
-  // lse: -inf exactly where the spec has it (rows without a key), else the tolerance above.
-  const std::vector<double> got = test::to_doubles(lse), want = test::to_doubles(ref_lse);
-  std::size_t bad = 0, first = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const bool ok = std::isinf(want[i]) ? got[i] == want[i] : std::abs(got[i] - want[i]) <= 1e-4 + 1e-5 * std::abs(want[i]);
-    if (!ok && bad++ == 0) first = i;
+  const std::vector<double> want = test::to_doubles(ref_lse);
+  const Tensor qg = q.copy_to(kGpu), kg = k.copy_to(kGpu), vg = v.copy_to(kGpu);
+  // At D 64 both tiles: 192 query rows a CTA (automatic) and 128.
+  std::vector<AttentionForwardTile> tiles{AttentionForwardTile::automatic};
+  if (c.d == 64) tiles.push_back(AttentionForwardTile::rows_128);
+  for (const AttentionForwardTile tile : tiles) {
+    SCOPED_TRACE(tile == AttentionForwardTile::automatic ? "automatic tile" : "rows_128");
+    AttentionOptions opt = c.opt;
+    opt.forward_tile = tile;
+    Tensor out = Tensor::empty(q.shape(), c.dt, kGpu), lse = Tensor::empty({c.b, c.h, c.sq}, DType::f32, kGpu);
+    test::poison(out);
+    test::poison(lse);
+    attention_forward(qg, kg, vg, out, lse, opt);
+    EXPECT_TRUE(test::all_close(out, ref, out_tolerance(c.dt)));
+    // lse: -inf exactly where the spec has it (rows without a key), else the tolerance above.
+    const std::vector<double> got = test::to_doubles(lse);
+    std::size_t bad = 0, first = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const bool ok =
+          std::isinf(want[i]) ? got[i] == want[i] : std::abs(got[i] - want[i]) <= 1e-4 + 1e-5 * std::abs(want[i]);
+      if (!ok && bad++ == 0) first = i;
+    }
+    EXPECT_EQ(bad, 0u) << "lse elements off, first at flat index " << first << ": got " << (bad ? got[first] : 0.0)
+                       << ", want " << (bad ? want[first] : 0.0);
   }
-  EXPECT_EQ(bad, 0u) << "lse elements off, first at flat index " << first << ": got " << (bad ? got[first] : 0.0)
-                     << ", want " << (bad ? want[first] : 0.0);
+}
+
+// rows_192 is a D 64 tile: asked for at D 128 on the sm_90 kernel, an error naming forward_tile.
+TEST(AttentionGpu, Rows192OnlyAtHeadDim64) {
+  FK_SKIP_WITHOUT_GPU();
+  const Tensor q = test::random_tensor({1, 2, 64, 128}, DType::bf16, kGpu, 5);
+  const Tensor out = Tensor::empty(q.shape(), DType::bf16, kGpu), lse = Tensor::empty({1, 2, 64}, DType::f32, kGpu);
+  const AttentionOptions opt{.scale = 0.088f, .forward_tile = AttentionForwardTile::rows_192};
+  if (!test::on_sm90()) GTEST_SKIP() << "the sm_90 forward only (other GPUs ignore forward_tile)";
+  EXPECT_THROW(
+      {
+        try {
+          attention_forward(q, q, q, out, lse, opt);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("forward_tile"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -258,7 +288,14 @@ INSTANTIATE_TEST_SUITE_P(
         Sm90FwdCase{"f16_d64_gqa_4_q2048_k1000_causal_bottom_right", DType::f16, 1, 4, 1, 2048, 1000, 64,
                     {.causal = true, .bottom_right = true, .scale = 0.125f}},
         Sm90FwdCase{"bf16_d64_q300_k5_causal_bottom_right", DType::bf16, 1, 2, 1, 300, 5, 64,
-                    {.causal = true, .bottom_right = true, .scale = 0.125f}}),
+                    {.causal = true, .bottom_right = true, .scale = 0.125f}},
+        // The 192-row tile's edges: one block short of query 0 by 191 rows, a multiple of 192
+        // that is not one of 128, a block and a row.
+        Sm90FwdCase{"f16_d64_q1_k700", DType::f16, 2, 4, 4, 1, 700, 64, {.scale = 0.125f}},
+        Sm90FwdCase{"bf16_d64_gqa_2_q576_k576_causal", DType::bf16, 1, 4, 2, 576, 576, 64,
+                    {.causal = true, .scale = 0.125f}},
+        Sm90FwdCase{"bf16_d64_q193_k193_causal", DType::bf16, 2, 2, 2, 193, 193, 64, {.causal = true, .scale = 0.125f}},
+        Sm90FwdCase{"f16_d64_q193_k450", DType::f16, 1, 3, 3, 193, 450, 64, {.scale = 0.125f}}),
     [](const auto& info) { return info.param.name; });
 
 // Scores of order 1e4 (q and k entries up to 40 in bf16 at D = 64, up to 20 in f16 at D = 128,

@@ -28,6 +28,11 @@ class Stream;
 // reduces of shared-memory tiles (what automatic takes on sm_90); wgmma_sm90 is the same kernel
 // adding dq by f32 atomics from registers.
 enum class AttentionBackwardKernel { automatic, wgmma_sm90, mma_sync, rowwise, wgmma_sm90_tma_dq };
+// How many query rows a CTA of the sm_90 forward computes, for tests and benchmarks that compare
+// them: automatic takes 192 (three consumer warpgroups) at D 64 and 128 (two) at D 128; rows_128
+// and rows_192 force one where the sm_90 kernel takes the call (rows_192 at D 64 only: fk::Error
+// naming forward_tile at D 128). The other kernels and the CPU spec ignore it.
+enum class AttentionForwardTile { automatic, rows_128, rows_192 };
 
 struct AttentionOptions {
   bool causal = false;
@@ -42,6 +47,7 @@ struct AttentionOptions {
   // runs (a few ulps of f32 before the rounding to the dtype). dk and dv are deterministic either way.
   bool deterministic = false;
   AttentionBackwardKernel backward_kernel = AttentionBackwardKernel::automatic;
+  AttentionForwardTile forward_tile = AttentionForwardTile::automatic;
 };
 
 // q [B, H, Sq, D]; k, v [B, Hk, Sk, D] with H a multiple of Hk (grouped-query attention: q head h

@@ -67,7 +67,8 @@ void attention_backward_sm90(const TensorView& q, const TensorView& k, const Ten
 // (varlen null) or packed, sm_90 device, bf16/f16, D = 64 or 128, grouped-query heads, causal
 // (either alignment) or none, no window or softcap, Sq and Sk (packed: the max_seqlens) in
 // [1, 2^30), packed total_k >= 1, q, k, v, out in layouts sm90_takes_layout takes (16-byte
-// aligned, stride 1 on D, the other strides multiples of 8 elements), B * H * ceil(Sq / 128) < 2^31.
+// aligned, stride 1 on D, the other strides multiples of 8 elements), B * H * ceil(Sq / rows) < 2^31
+// (rows: a CTA's, 192 at D 64 unless opt.forward_tile says 128, else 128).
 bool attention_forward_sm90(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                             const TensorView& lse, const AttentionVarlen* varlen, const AttentionOptions& opt,
                             const Stream* stream);

@@ -3,15 +3,16 @@
 // h / (H / Hk)), causal with either alignment or none. q, k, v and out are read and written once;
 // the [Sq, Sk] scores live only in registers, one 64 x 128 tile a warpgroup at a time.
 //
-// A CTA owns 128 query rows of one (sequence, head) and streams the keys of its k/v head in blocks
-// of 128 with three warpgroups:
+// A CTA owns 128 query rows of one (sequence, head) (192 at D = 64, AttentionForwardTile) and
+// streams the keys of its k/v head in blocks of 128 with a producer and two (three) consumer
+// warpgroups:
 //   - producer (one thread): loads the CTA's Q tile once, then each key block's K and V tiles into
 //     a 2-stage ring, by TMA with the 128-byte swizzle wgmma reads (4-D tensor maps over each
-//     tensor's own strides, head_map in attention_sm90_common.cuh: dense (D, S, H, B), rows past S
-//     come back as zeros; packed (D, total, H, 1), rows past a sequence's end come back as the next
-//     sequence's tokens). out is written through its own strides too. K and V
+//     tensor's own strides, head_map in attention_sm90_common.cuh: dense (D, S, H, B), rows outside
+//     [0, S) come back as zeros; packed (D, total, H, 1), rows outside a sequence come back as its
+//     neighbours' tokens). out is written through its own strides too. K and V
 //     have their own full barriers, so S = Q Kᵀ starts before V has landed.
-//   - two consumers, 64 query rows each: S = Q Kᵀ with wgmma 64x128xD (both operands from shared
+//   - the consumers, 64 query rows each: S = Q Kᵀ with wgmma 64x128xD (both operands from shared
 //     memory, fp32 accumulators), the mask (key tail, causal diagonal) on the blocks that need it,
 //     the online softmax in registers (running max and sum a row, exp2 with the scale folded in
 //     log2 units, O rescaled by exp2(m_old - m_new)), P rounded to the input dtype in registers and
@@ -20,20 +21,26 @@
 //     issued back to back, the softmax of block n runs while P_{n-1} V_{n-1} is on the tensor
 //     cores. Each consumer warp gives a K stage back as soon as S_n has retired and a V stage once
 //     P V has, so the producer refills K a block and a half ahead.
+// At D = 64 a 64 x 128 tile's 8192 exponentials take the SFU (16 a clock) as long as its two
+// products take the tensor cores, so a third consumer warpgroup (FlashAttention-3's 192 x 128
+// tile) keeps the tensor cores fed while the other two are in their softmax; 160 registers each
+// hold S, O and P at D = 64 (not at D = 128).
 // At the end each row's sum is reduced across its quad of threads, out = O / l is stored from
-// registers and lse = (m + log2 l) ln 2. Rows past the sequence's Sq are computed (on zeros, or
-// packed on the next sequence's queries) and not stored; keys past its Sk are masked like the
+// registers and lse = (m + log2 l) ln 2. Rows outside the sequence's [0, Sq) are computed and not
+// stored; keys past its Sk are masked like the
 // causal ones, so the next sequence's keys never count. A row that sees no key (bottom-right with
 // Sq > Sk, or Sk = 0) gets out = 0 and lse = -inf; a CTA whose rows see no key at all loads
 // nothing and stores just that.
 //
-// Grid: one CTA per (sequence, head, 128-row query block), heads outer (packed: blocks of
-// max_seqlen_q, those past their sequence's Sq leave at once), so that the ~132 CTAs resident at
+// Grid: one CTA per (sequence, head, query block), heads outer (packed: blocks of max_seqlen_q,
+// those before their sequence's first query leave at once), so that the ~132 CTAs resident at
 // a time cover about 4 heads whose K and V (2 MB a head at S = 4096, D = 128) stay in L2; with
 // heads inner (64 heads in flight) K and V came from DRAM again and again and the kernel ran
-// slower. Within a head the last query blocks go first: with
-// causal masking they see the most keys, so the tail of each head is short work. Causal CTAs
-// stop at the diagonal block.
+// slower. The query blocks end at Sq, Sq - 128, ... (the first may
+// start before query 0; those rows are computed on zeros, or packed on the previous sequence's
+// queries, and not stored), so that with causal masking the rows that see the most keys fill whole
+// blocks. Within a head these go first, so the tail of each head is short work. Causal CTAs stop
+// at the diagonal block.
 //
 // Speed: docs/attention.md. Tried and dropped (docs/notes/primitives.md): the schedule without
 // the intra-warpgroup overlap (slower), a ping-pong of the two consumer warpgroups (named-barrier
@@ -43,7 +50,7 @@
 // The dense and packed kernels are two instantiations (kPacked, as attention_mma_bwd.cu): the dense
 // one addresses out and lse with the dense formulas and compiles without the cu_seqlens reads.
 // Not done: a persistent grid that overlaps one tile's epilogue with the next tile's loads, a
-// TMA store of out, larger tiles at D = 64 (FA3 uses 192 x 128).
+// TMA store of out.
 //
 // Numerics: fp32 scores, statistics and accumulators; P is rounded to bf16/f16 before P V (as in
 // FlashAttention), so out carries about one unit roundoff of the dtype on top of its final
@@ -87,17 +94,28 @@ using cute::Tensor;  // fk declares Tensor too (and fk::cuda a Layout: CuTe's is
 
 constexpr const char* kOp = "attention_forward";
 
-constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
-constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = kProducerThreads + kConsumerThreads;
-// 384 threads start with 168 registers each; the producer needs few, the consumers' two 64-float
-// accumulators (S and O at D = 128) plus P need more: 128 x 24 + 256 x 240 <= 384 x 168.
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168);
-[[maybe_unused]] constexpr int kConsumerWarps = kConsumerThreads / 32;  // each releases a stage once its wgmmas retired
+constexpr int kBlockN = 128, kStages = 2, kProducerThreads = 128;
 
-template <class T, int D>
-struct Traits {
+// NW consumer warpgroups, 64 query rows each: a CTA of 128 (NW = 2) or 192 (NW = 3) rows.
+template <int NW>
+struct Warps {
+  static_assert(NW == 2 || NW == 3);
+  static constexpr int kBlockM = 64 * NW;
+  static constexpr int kConsumerThreads = 128 * NW, kThreads = kProducerThreads + kConsumerThreads;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;  // each releases a stage once its wgmmas retired
+  static_assert(kConsumerWarps == 4 * NW);
+  // The 64K registers of the SM, moved from the producer (which needs few) to the consumers: with
+  // two, S and O (64 floats each at D = 128) plus P in 240 each; with three (D = 64: S 64, O 32,
+  // P 32) in 160 each.
+  static constexpr int kProducerRegs = NW == 2 ? 24 : 32, kConsumerRegs = NW == 2 ? 240 : 160;
+  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536);
+};
+
+template <class T, int D, int NW>
+struct Traits : Warps<NW> {
   static_assert(D == 64 || D == 128);
+  static_assert(NW == 2 || D == 64, "three consumer warpgroups hold S, O and P in 160 registers only at D = 64");
+  static constexpr int kBlockM = Warps<NW>::kBlockM;
   // Q and K rows are D-contiguous (K-major for both GEMM operands): 128-byte swizzled atoms of
   // 8 rows x 64 elements, rows adjacent, so that each 64-column slab of a tile is one TMA box.
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, Shape<Int<kBlockM>, Int<D>>{}));  // (BLK_M,D)
@@ -108,13 +126,13 @@ struct Traits {
   using SmemLayoutV = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
                                              Shape<Int<D>, Int<kBlockN>, Int<kStages>>{},
                                              Step<_2, _1, _3>{}));  // (D,BLK_N,PIPE)
-  // Two consumer warpgroups side by side in M: warpgroup w computes rows [64 w, 64 w + 64).
+  // The consumer warpgroups side by side in M: warpgroup w computes rows [64 w, 64 w + 64).
   using MmaS = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kBlockN>, Int<D>>, GMMA::Major::K, GMMA::Major::K>(),
-      cute::Layout<Shape<_2, _1, _1>>{}));
+      cute::Layout<Shape<Int<NW>, _1, _1>>{}));
   using MmaO = decltype(make_tiled_mma(
       SM90::GMMA::rs_op_selector<T, T, float, Shape<_64, Int<D>, Int<kBlockN>>, GMMA::Major::K, GMMA::Major::MN>(),
-      cute::Layout<Shape<_2, _1, _1>>{}));
+      cute::Layout<Shape<Int<NW>, _1, _1>>{}));
   static constexpr int kBytesQ = kBlockM * D * 2;
   static constexpr int kBytesKV = kBlockN * D * 2;  // one stage of K (or of V)
   static constexpr int kOffK = kBytesQ, kOffV = kOffK + kStages * kBytesKV, kOffBars = kOffV + kStages * kBytesKV;
@@ -123,7 +141,7 @@ struct Traits {
   static_assert(cosize_v<SmemLayoutQ> * 2 == kBytesQ && cosize_v<SmemLayoutK> * 2 == kStages * kBytesKV &&
                 cosize_v<SmemLayoutV> * 2 == kStages * kBytesKV);
   static_assert(kSmemBytes <= 227 * 1024);
-  static_assert(decltype(size(MmaS{}))::value == kConsumerThreads);
+  static_assert(decltype(size(MmaS{}))::value == Warps<NW>::kConsumerThreads);
 };
 
 struct Params {
@@ -141,7 +159,7 @@ struct Params {
 struct Cta {
   int sq, sk;              // the sequence's query and key counts
   int offset;              // causal: key j visible to query i iff j <= i + offset (bottom-right Sk - Sq)
-  int m0;                  // the block's first query
+  int m0;                  // the block's first query (negative in a sequence's first block, see cta_of)
   int q_row0, kv_row0;     // TMA row of query 0 and key 0: dense 0, packed the sequence's first tokens
   int q_head, kv_head;     // TMA head coordinates of q and of k, v
   int batch;               // TMA batch coordinate (packed: 0)
@@ -162,14 +180,15 @@ struct Bars {
   __device__ std::uint32_t v_empty(int s) const { return base + 8 * (1 + 3 * kStages + s); }
 };
 
-template <bool kPacked, int D>
+template <bool kPacked, int kBlockM>
 __device__ Cta cta_of(const Params& p) {
   const Layout& L = p.layout;
   // Heads outer, query blocks inner: the CTAs running at once share a few heads, whose K and V
-  // then stay in L2. Within a head the heaviest query blocks go first (with causal masking the
-  // last rows see the most keys).
+  // then stay in L2. Query blocks end at Sq, Sq - kBlockM, ... (the first one may start before
+  // query 0: its rows there are computed and not stored), so that the rows a causal mask gives
+  // the most keys fill whole blocks; within a head those heaviest blocks go first.
   const int bh = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.m_blocks));
-  const int m_block = p.m_blocks - 1 - static_cast<int>(blockIdx.x % static_cast<unsigned>(p.m_blocks));
+  const int m_from_end = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.m_blocks));
   const int heads = static_cast<int>(L.heads), kv_heads = static_cast<int>(L.kv_heads);
   const int b = bh / heads, h = bh - b * heads, kh = h / (heads / kv_heads);
   const SeqRows<kPacked> seq = L.template seq<kPacked>(b);
@@ -177,7 +196,7 @@ __device__ Cta cta_of(const Params& p) {
   c.sq = static_cast<int>(seq.sq);
   c.sk = static_cast<int>(seq.sk);
   c.offset = p.bottom_right ? c.sk - c.sq : 0;
-  c.m0 = m_block * kBlockM;
+  c.m0 = c.sq - (m_from_end + 1) * kBlockM;
   c.q_row0 = static_cast<int>(seq.q0);
   c.kv_row0 = static_cast<int>(seq.k0);
   c.q_head = h;
@@ -189,10 +208,11 @@ __device__ Cta cta_of(const Params& p) {
   return c;
 }
 
-template <class T, int D>
+template <class T, int D, int NW>
 __device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, std::uint32_t smem,
                         const Bars& bars, const Cta& c, int n_blocks) {
-  using Tr = Traits<T, D>;
+  using Tr = Traits<T, D, NW>;
+  constexpr int kBlockM = Tr::kBlockM;
   if (n_blocks == 0) return;  // no key visible: the consumers load nothing either
   mbar_arrive_expect_tx(bars.q_full(), Tr::kBytesQ);
 #pragma unroll
@@ -214,10 +234,11 @@ __device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUte
   }
 }
 
-template <class T, int D>
+template <class T, int D, int NW>
 __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, const Cta& c, int n_blocks) {
-  using Tr = Traits<T, D>;
-  const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0..255
+  using Tr = Traits<T, D, NW>;
+  constexpr int kBlockM = Tr::kBlockM;
+  const int ct = static_cast<int>(threadIdx.x) - kProducerThreads;  // 0 .. 128 NW - 1
   typename Tr::MmaS mma_s;
   typename Tr::MmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(ct);
@@ -376,7 +397,7 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, c
   CUTE_UNROLL
   for (int i = 0; i < size(tOrO); i += 2) {
     const int row = c.m0 + get<0>(tOcO(i)), col = get<1>(tOcO(i));
-    if (row < c.sq)
+    if (row >= 0 && row < c.sq)
       *reinterpret_cast<std::uint32_t*>(out + row * c.out_stride + col) =
           pack2<T>(tOrO(i) * inv[half_of(i)], tOrO(i + 1) * inv[half_of(i)]);
   }
@@ -384,19 +405,20 @@ __device__ void consume(const Params& p, std::uint8_t* smem, const Bars& bars, c
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int row = c.m0 + get<0>(tScS(2 * r));
-      if (row < c.sq) p.lse[c.lse0 + row] = (m[r] + log2f(l[r])) * 0.69314718055994531f;
+      if (row >= 0 && row < c.sq) p.lse[c.lse0 + row] = (m[r] + log2f(l[r])) * 0.69314718055994531f;
     }
   }
 }
 
 #endif  // FK_ATTN_SM90
 
-template <class T, int D, bool kPacked>
-__global__ void __launch_bounds__(kThreads, 1)
+template <class T, int D, int NW, bool kPacked>
+__global__ void __launch_bounds__(Warps<NW>::kThreads, 1)
     attention_sm90_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tq,
                           const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
 #if FK_ATTN_SM90
-  using Tr = Traits<T, D>;
+  using Tr = Traits<T, D, NW>;
+  constexpr int kBlockM = Tr::kBlockM;
   extern __shared__ std::uint8_t smem_raw[];
   const std::uint32_t raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
   std::uint8_t* smem = smem_raw + (base - raw);
@@ -406,25 +428,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bars.k_full(s), 1);
       mbar_init(bars.v_full(s), 1);
-      mbar_init(bars.k_empty(s), kConsumerWarps);
-      mbar_init(bars.v_empty(s), kConsumerWarps);
+      mbar_init(bars.k_empty(s), Tr::kConsumerWarps);
+      mbar_init(bars.v_empty(s), Tr::kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const Cta c = cta_of<kPacked, D>(p);
+  const Cta c = cta_of<kPacked, kBlockM>(p);
   if constexpr (kPacked) {
-    if (c.m0 >= c.sq) return;  // a block past its sequence's queries (the grid spans max_seqlen_q)
+    if (c.m0 + kBlockM <= 0) return;  // a block before its sequence's queries (the grid spans max_seqlen_q)
   }
   // Key blocks up to the last row's diagonal (causal): none where no row sees a key.
   int n_blocks = (c.sk + kBlockN - 1) / kBlockN;
   if (p.causal) n_blocks = min(n_blocks, max(0, (c.m0 + kBlockM + c.offset + kBlockN - 1) / kBlockN));
   if (threadIdx.x < kProducerThreads) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    if (threadIdx.x == 0) produce<T, D>(&tq, &tk, &tv, base, bars, c, n_blocks);
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tr::kProducerRegs));
+    if (threadIdx.x == 0) produce<T, D, NW>(&tq, &tk, &tv, base, bars, c, n_blocks);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume<T, D>(p, smem, bars, c, n_blocks);
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tr::kConsumerRegs));
+    consume<T, D, NW>(p, smem, bars, c, n_blocks);
   }
 #else
   __trap();  // the launcher never starts this kernel off sm_90
@@ -432,13 +454,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 
-template <class T, int D, bool kPacked>
+template <class T, int D, int NW, bool kPacked>
 void launch(const Params& p, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, cudaStream_t s) {
-  auto kernel = attention_sm90_kernel<T, D, kPacked>;
-  constexpr int smem = Traits<T, D>::kSmemBytes;
+  auto kernel = attention_sm90_kernel<T, D, NW, kPacked>;
+  constexpr int smem = Traits<T, D, NW>::kSmemBytes;
   FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const auto ctas = static_cast<unsigned>(p.layout.batch * p.layout.heads * p.m_blocks);
-  kernel<<<ctas, kThreads, smem, s>>>(p, tq, tk, tv);
+  kernel<<<ctas, Warps<NW>::kThreads, smem, s>>>(p, tq, tk, tv);
   FK_CUDA_CHECK_LAUNCH("attention_sm90_kernel");
 }
 
@@ -457,6 +479,13 @@ bool attention_forward_sm90(const TensorView& q, const TensorView& k, const Tens
   // 32-bit query and key indices, TMA coordinates (packed: tokens, up to a block past the last)
   // and a causal offset Sk - Sq; a key tensor to map (packed: a batch of sequences without keys
   // stays on the row-wise kernel, which writes their zeros).
+  // Three consumer warpgroups (192 query rows a CTA) at D = 64, where the exponentials cost as
+  // much as the products and a third warpgroup's softmax hides behind two others' wgmmas.
+  using Tile = AttentionForwardTile;
+  FK_CHECK_ARG(opt.forward_tile != Tile::rows_192 || d == 64, kOp, "forward_tile", "rows_192 only at head dim 64",
+               "rows_192 at head dim " + std::to_string(d));
+  const int nw = opt.forward_tile == Tile::rows_128 || d != 64 ? 2 : 3;
+  const std::int64_t kBlockM = 64 * nw;
   constexpr std::int64_t kMaxLen = std::int64_t{1} << 30;
   if (L.sq < 1 || L.sk < 1 || L.sq >= kMaxLen || L.sk >= kMaxLen) return false;
   if (varlen && (q.size(0) > INT_MAX - 2 * kBlockM || k.size(0) > INT_MAX - 2 * kBlockN)) return false;
@@ -477,19 +506,21 @@ bool attention_forward_sm90(const TensorView& q, const TensorView& k, const Tens
   p.scale_log2 = scale_log2;
   p.causal = opt.causal;
   p.bottom_right = opt.causal && opt.bottom_right;
-  const CUtensorMap tq = head_map(kOp, "q", q, kBlockM), tk = head_map(kOp, "k", k, kBlockN),
+  const CUtensorMap tq = head_map(kOp, "q", q, static_cast<int>(kBlockM)), tk = head_map(kOp, "k", k, kBlockN),
                     tv = head_map(kOp, "v", v, kBlockN);
   const cudaStream_t s = fk::detail::cuda_stream(stream);
-  auto run = [&]<class T, int D>() {
-    if (varlen) launch<T, D, true>(p, tq, tk, tv, s);
-    else launch<T, D, false>(p, tq, tk, tv, s);
+  auto run = [&]<class T, int D, int NW>() {
+    if (varlen) launch<T, D, NW, true>(p, tq, tk, tv, s);
+    else launch<T, D, NW, false>(p, tq, tk, tv, s);
   };
   if (t == DType::bf16) {
-    if (d == 64) run.template operator()<cute::bfloat16_t, 64>();
-    else run.template operator()<cute::bfloat16_t, 128>();
+    if (d == 128) run.template operator()<cute::bfloat16_t, 128, 2>();
+    else if (nw == 2) run.template operator()<cute::bfloat16_t, 64, 2>();
+    else run.template operator()<cute::bfloat16_t, 64, 3>();
   } else {
-    if (d == 64) run.template operator()<cute::half_t, 64>();
-    else run.template operator()<cute::half_t, 128>();
+    if (d == 128) run.template operator()<cute::half_t, 128, 2>();
+    else if (nw == 2) run.template operator()<cute::half_t, 64, 2>();
+    else run.template operator()<cute::half_t, 64, 3>();
   }
   return true;
 }
