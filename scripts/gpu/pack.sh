@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds .gpu-pack/s10.tar.xz (ignored; carry .gpu-pack to the device tool) for scripts/gpu/run.sh
-# from the CUDA build in build/: the installed prefix (static library, headers, a CMake config
+# Builds $PACK_DIR/s10.tar.xz (PACK_DIR: .gpu-pack unless set; ignored, carry it to the device tool)
+# for scripts/gpu/run.sh from the CUDA build in build/: the installed prefix (static library, headers, a CMake config
 # without MPI, which the GPU machine lacks), the test binaries and programs named as arguments
 # (`scripts/gpu/pack.sh attention_test norm_test pointwise_test fusekit`), stripped, and the shared
 # libraries they need that the GPU machine lacks (Open MPI's and its dependencies).
@@ -18,5 +18,6 @@ for t in "$@"; do cp build/tests/$t $P/bin/ 2>/dev/null || cp build/$t $P/bin/; 
 strip $P/bin/*
 for b in $P/bin/*; do ldd $b; done | awk '/=>/ {print $3}' | sort -u | grep -E "mpi|open-|hwloc|pmix|event|ucx|ucp|ucs|ucm|uct|fabric|psm|ibverbs|rdmacm|munge|nl-|efa" | xargs -r -I{} cp -L {} $P/lib/
 du -sh $P/*
-tar -C /tmp -cf - s10 | xz -T2 -6 > .gpu-pack/s10.tar.xz
-ls -la .gpu-pack/s10.tar.xz
+mkdir -p ${PACK_DIR:-.gpu-pack}
+tar -C /tmp -cf - s10 | xz -T2 -6 > ${PACK_DIR:-.gpu-pack}/s10.tar.xz
+ls -la ${PACK_DIR:-.gpu-pack}/s10.tar.xz

@@ -1,66 +1,59 @@
 #!/usr/bin/env bash
-# A run on the lent GPU machine (the device tool, from the repository root, carrying .gpu-pack with
-# scripts/gpu/pack.sh's s10.tar.xz and .whl with nanobind's wheel): `PART=a bash scripts/gpu/run.sh`.
-# PART=a: C++ tests, sanitizers, benches; b: the Python package built there against the pack, its
-# tests and benches (the LM bench's attention runs); c, d: the attention layout benches.
+# A run on the lent GPU machine (the device tool, from the repository root, carrying $PACK_DIR
+# (.gpu-pack unless set) with scripts/gpu/pack.sh's s10.tar.xz and .whl with nanobind's wheel):
+#   PARTS="tests sanitize bench py pybench lm" bash scripts/gpu/run.sh
+# tests: the C++ attention, norm and pointwise tests; sanitize: memcheck and racecheck on attention
+# cases of every sm_90 path; bench: the attention and norm cases of `fusekit bench` (BENCH, a
+# space-separated list of filters, each a case-name prefix; BENCH_ARGS, e.g. --breakdown); py: the Python package built there
+# against the pack, its attention/norm/rope tests; pybench: `python -m fusekit.bench` (PYBENCH, one
+# filter); lm: the LM bench's attention runs with a profile of one step (LM_RUNS).
 set -uo pipefail
 R=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-tar -C /tmp -xJf .gpu-pack/s10.tar.xz
+tar -C /tmp -xJf ${PACK_DIR:-.gpu-pack}/s10.tar.xz
 export LD_LIBRARY_PATH=/tmp/s10/lib:${LD_LIBRARY_PATH:-}
 B=/tmp/s10/bin
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 step() { echo "=== $* ($(date +%T))"; }
-if [ "${PART:-a}" = a ]; then
-  step strided; $B/attention_test --gtest_filter='*Strided*' 2>&1 | tail -25
-  step attention; $B/attention_test --gtest_filter='-*2048*:*Strided*' 2>&1 | tail -8
-  step norm; $B/norm_test 2>&1 | tail -4
-  step pointwise; $B/pointwise_test --gtest_filter='Convert*:*Rope*' 2>&1 | tail -4
+has() { [[ " ${PARTS:-tests} " == *" $1 "* ]]; }
+if has tests; then
+  step attention; $B/attention_test --gtest_filter="${ATTN_TESTS:--*2048*}" 2>&1 | tail -6
+  step norm; $B/norm_test 2>&1 | tail -3
+  step pointwise; $B/pointwise_test --gtest_filter='Convert*:*Rope*' 2>&1 | tail -3
+fi
+if has sanitize; then
   step memcheck
   compute-sanitizer --tool memcheck --error-exitcode 9 $B/attention_test \
-    --gtest_filter='Strided/AttentionStrided.GpuMatchesContiguous/bf16_d64_causal:Strided/AttentionStrided.GpuMatchesContiguous/bf16_d64_varlen_causal:Strided/AttentionStrided.GpuMatchesContiguous/bf16_d96:ConvertStrided*' 2>&1 | tail -4
-  compute-sanitizer --tool memcheck --error-exitcode 9 $B/norm_test --gtest_filter='*Gpu*768*:*Gpu*5x5120*' 2>&1 | tail -3
+    --gtest_filter="${MEMCHECK_TESTS:-Sm90/AttentionBackwardSm90VsSpec.*d64*:Sm90/AttentionSm90ForwardVsSpec.*d64*:Strided/AttentionStrided.GpuMatchesContiguous/bf16_d64_causal}" 2>&1 | tail -4
   step racecheck
   compute-sanitizer --tool racecheck --error-exitcode 9 $B/attention_test \
-    --gtest_filter='Strided/AttentionStrided.GpuMatchesContiguous/f16_d128_gqa2' 2>&1 | tail -3
+    --gtest_filter="${RACECHECK_TESTS:-Sm90/AttentionSm90ForwardVsSpec.*d64*causal*}" 2>&1 | tail -3
+fi
+if has bench; then
   step bench
-  for f in _bshd attention_bwd/bf16_b4_h16_s2048_d attention_fwd/bf16_b4_h16_s4096_d128 rms_norm; do
-    $B/fusekit bench --filter "$f" --json $OUT/bench_$(echo $f | tr '/' '_').json 2>&1 | grep -v "^$" | tail -14
+  for f in ${BENCH:-attention_fwd/ attention_bwd/}; do
+    $B/fusekit bench ${BENCH_ARGS:-} --filter "$f" --json $OUT/bench_$(echo $f | tr '/' '_').json 2>&1 | grep -E "fused|dense|sm90|cublas" | grep -v "^ceiling"
   done
 fi
-if [ "${PART:-a}" = b ]; then
+if has py || has pybench || has lm; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   step pybuild
   cmake -S python -B /tmp/pyb -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=/tmp/s10/pfx \
     -DPython_EXECUTABLE=$(which python3) > /tmp/pyb.log 2>&1 && cmake --build /tmp/pyb >> /tmp/pyb.log 2>&1 || { tail -30 /tmp/pyb.log; exit 1; }
   cp /tmp/pyb/_C*.so python/fusekit/
   export PYTHONPATH=$R/python:$R/python/tests:/tmp/site PYTHONUNBUFFERED=1
+fi
+if has py; then
   step pytest
-  python3 -m pytest -q -x -p no:cacheprovider python/tests/test_attention.py python/tests/test_attention_varlen.py \
-    python/tests/test_norm.py python/tests/test_rope.py 2>&1 | tail -6
-  step layers
-  python3 -m fusekit.bench --filter rms_norm --out $OUT 2>&1 | tail -12
+  python3 -m pytest -q -x -p no:cacheprovider ${PYTESTS:-python/tests/test_attention.py python/tests/test_attention_varlen.py} 2>&1 | tail -4
+fi
+if has pybench; then
+  step pybench
+  python3 -m fusekit.bench --filter "${PYBENCH:-attention}" --out $OUT 2>&1 | tail -14
+fi
+if has lm; then
   step lm
   python3 -m fusekit.bench.lm --config small --precision bf16 --batches 64 --warmup 2 --steps 4 --train-steps 0 \
-    --runs fusekit_attn_compile,fusekit_nomask_compile,nomask_compile --out $OUT/lm.json 2>&1 | tail -15
-fi
-if [ "${PART:-a}" = c ]; then
-  step strided; $B/attention_test --gtest_filter='*Strided*Gpu*' 2>&1 | tail -1
-  step bench
-  for f in attention_fwd/bf16_b64_h12_s1024_d64_bshd attention_bwd/bf16_b64_h12_s1024_d64_bshd attention_bwd/bf16_b4_h32_hk8 \
-           attention_bwd/bf16_b4_h16_s2048_d128; do
-    $B/fusekit bench --filter "$f" --json $OUT/c_$(echo $f | tr '/' '_').json 2>&1 | grep -E "fused|dense|tma_dq" | grep -v "^ceiling"
-  done
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-  cmake -S python -B /tmp/pyb -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=/tmp/s10/pfx \
-    -DPython_EXECUTABLE=$(which python3) > /tmp/pyb.log 2>&1 && cmake --build /tmp/pyb >> /tmp/pyb.log 2>&1 || { tail -30 /tmp/pyb.log; exit 1; }
-  cp /tmp/pyb/_C*.so python/fusekit/
-  export PYTHONPATH=$R/python:$R/python/tests:/tmp/site PYTHONUNBUFFERED=1
-  step layers; python3 -m fusekit.bench --filter rms_norm --out $OUT 2>&1 | grep -o '"name": "[^"]*".*speedup_vs_compile": [0-9.]*' | sed 's/"eager_us.*compile_us"/ compile_us/'
-fi
-if [ "${PART:-a}" = d ]; then
-  for f in attention_fwd/bf16_b64_h12_s1024_d64_bshd attention_bwd/bf16_b64_h12_s1024_d64_bshd attention_bwd/bf16_b4_h32_hk8; do
-    $B/fusekit bench --filter "$f" --json $OUT/d_$(echo $f | tr '/' '_').json 2>&1 | grep -E "fused|dense" | grep -v "^ceiling"
-  done
+    --profile 30 --runs "${LM_RUNS:-fusekit_attn_compile,fusekit_nomask_compile,nomask_compile}" --out $OUT/lm.json 2>&1 | tail -120
 fi
 step done

@@ -73,6 +73,12 @@ def copy_ceiling() -> float:
     return 2 * src.numel() * 4 / t
 
 
+# (B, H, S, D, causal): a long-sequence training shape at D 128, D 64, and the LM bench's small
+# model (python -m fusekit.bench.lm --config small at batch 64).
+ATTENTION_SHAPES = ((4, 16, 2048, 128, False), (4, 16, 2048, 128, True), (8, 16, 1024, 64, False),
+                    (64, 12, 1024, 64, True))
+
+
 def cases():
     dev, bf16 = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -104,7 +110,7 @@ def cases():
                    peers={"eager": lambda x=x, wg=wg, wu=wu: peer(x, wg, wu),
                           "compile": (compiled(peer), (x, wg, wu))})
     # attention forward
-    for b_, h, s, d, causal in ((4, 16, 2048, 128, False), (4, 16, 2048, 128, True), (8, 16, 1024, 64, False)):
+    for b_, h, s, d, causal in ATTENTION_SHAPES:
         q, k_, v = randn(b_, h, s, d), randn(b_, h, s, d), randn(b_, h, s, d)
         flops = 4 * b_ * h * s * s * d // (2 if causal else 1)
         yield dict(name=f"attention/B{b_}_H{h}_S{s}_D{d}{'_causal' if causal else ''}/bf16", flops=flops,
@@ -171,6 +177,17 @@ def training_cases(randn):
         yield dict(name=f"lora_train/M{m}_K{k}_N{n}_r{r}/bf16", flops=2 * 2 * m * k * n, fusekit=fk,
                    peers={"eager": lambda x=x, w=w, a=a, b=b, dy=dy: peer(x, w, a, b, dy),
                           "compile": (compiled(peer), (x, w, a, b, dy))})
+    # attention, forward and backward: dq, dk, dv from autograd (not accumulated into .grad)
+    for b_, h, s, d, causal in ATTENTION_SHAPES:
+        q, k_, v = (randn(b_, h, s, d).requires_grad_() for _ in range(3))
+        dout = randn(b_, h, s, d)
+
+        def step(attn, q=q, k_=k_, v=v, dout=dout, c=causal):
+            return torch.autograd.grad(attn(q, k_, v, is_causal=c), (q, k_, v), dout)
+        yield dict(name=f"attention_train/B{b_}_H{h}_S{s}_D{d}{'_causal' if causal else ''}/bf16",
+                   flops=14 * b_ * h * s * s * d // (2 if causal else 1),
+                   fusekit=lambda step=step: step(lambda q, k, v, is_causal: fusekit.attention(q, k, v, causal=is_causal)),
+                   peers={"sdpa": lambda step=step: step(F.scaled_dot_product_attention)})
     # SwiGLU up-projection, forward and backward
     for m, k, n in ((4096, 4096, 11008),):
         x = randn(m, k).requires_grad_()

@@ -18,6 +18,8 @@ Per run and precision, in this order:
 3. with --find-max-batch: the largest batch that fits (doubling from the largest that fitted,
    then bisection to --max-batch-step, at most --max-batch-limit; --probe-steps steps each) and
    the allocation that failed at the first batch that did not.
+--profile N adds, after each batch's timed steps, one step under torch.profiler: its N costliest
+kernels (name, calls, GPU time) in the log and the JSON.
 --lora adds a LoRA fine-tune (r 16, alpha 32, every projection, the base frozen): fusekit's
 LoRALinear against PEFT, eager and compiled, tokens/s and peak memory at --lora-batches.
 
@@ -177,6 +179,8 @@ class Bench(BenchBase):
                 row |= {"step_s": dt / steps, "tokens_per_s": batch * self.context * steps / dt, "loss": float(loss)}
             if self.hook_stats is not None:  # what the hook packed in the last step
                 row["hook"] = self.hook_stats
+            if self.args.profile and self.cuda:
+                row["profile"] = self.profile(prep, opt, precision, batch, warmup + steps)
         except Exception as e:  # noqa: BLE001  recorded: oom is a result, anything else a failure
             row |= self.failure(e)
         loss = None
@@ -186,6 +190,22 @@ class Bench(BenchBase):
             row["peak_bytes"] = None
         self.free()
         return row
+
+    def profile(self, prep, opt, precision: str, batch: int, at: int) -> list[dict]:
+        """One more step under torch.profiler: the --profile kernels with the most GPU time in it
+        (name, calls, total µs), printed and returned; not part of the timed steps."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.step(prep, opt, precision, self.train_data.get(at, batch, self.device))
+            self.sync()
+        rows = [{"kernel": e.key[:160], "calls": e.count, "us": round(e.device_time_total, 1)}
+                for e in prof.key_averages() if e.device_time_total > 0]
+        rows.sort(key=lambda r: -r["us"])
+        total = sum(r["us"] for r in rows)
+        self.log(f"lm: profile, batch {batch}: {total / 1e3:.2f} ms of kernels in one step")
+        for r in rows[:self.args.profile]:
+            self.log(f"  {r['us'] / 1e3:8.3f} ms {100 * r['us'] / total:5.1f}% {r['calls']:5d}x  {r['kernel'][:110]}")
+        return [{"total_us": round(total, 1)}] + rows[:self.args.profile]
 
     def train(self, prep, opt, run: str, precision: str) -> dict:
         a, ctx = self.args, self.context
@@ -417,6 +437,8 @@ def parse(argv=None):
                          "(a static compile per batch size)")
     ap.add_argument("--hook-min-bytes", type=int, default=1 << 20,
                     help="hook runs: saved tensors of at least this many bytes are packed")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed steps, one step under torch.profiler: its N costliest kernels")
     ap.add_argument("--find-max-batch", action="store_true")
     ap.add_argument("--max-batch-limit", type=int, default=1024)
     ap.add_argument("--max-batch-step", type=int, default=16)
