@@ -3,10 +3,11 @@
 # (.gpu-pack unless set) with scripts/gpu/pack.sh's s10.tar.xz and .whl with nanobind's wheel):
 #   PARTS="tests sanitize bench py pybench lm" bash scripts/gpu/run.sh
 # tests: the C++ attention, norm and pointwise tests; sanitize: memcheck and racecheck on attention
-# cases of every sm_90 path; bench: the attention and norm cases of `fusekit bench` (BENCH, a
-# space-separated list of filters, each a case-name prefix; BENCH_ARGS, e.g. --breakdown); py: the Python package built there
-# against the pack, its attention/norm/rope tests; pybench: `python -m fusekit.bench` (PYBENCH, one
-# filter); lm: the LM bench's attention runs with a profile of one step (LM_RUNS).
+# cases of every sm_90 path; bench: the attention cases of `fusekit bench` (BENCH, a
+# space-separated list of filters, each a case-name prefix; BENCH_ARGS, e.g. --breakdown); py: the
+# Python package built there against the pack, its attention tests (PYTESTS); pybench: `python -m fusekit.bench` (PYBENCH, one
+# filter); lm: the LM bench's attention runs with a profile of one step (LM_RUNS); mlperf: the
+# MLPerf DCNv2 model trained on one GPU (an H200; pack the fusekit program).
 set -uo pipefail
 R=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -17,22 +18,22 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 step() { echo "=== $* ($(date +%T))"; }
 has() { [[ " ${PARTS:-tests} " == *" $1 "* ]]; }
 if has tests; then
-  step attention; $B/attention_test --gtest_filter="${ATTN_TESTS:--*2048*}" 2>&1 | tail -6
+  step attention; timeout 240 $B/attention_test --gtest_filter="${ATTN_TESTS:--*2048*}" 2>&1 | tail -6
   step norm; $B/norm_test 2>&1 | tail -3
   step pointwise; $B/pointwise_test --gtest_filter='Convert*:*Rope*' 2>&1 | tail -3
 fi
 if has sanitize; then
   step memcheck
-  compute-sanitizer --tool memcheck --error-exitcode 9 $B/attention_test \
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $B/attention_test \
     --gtest_filter="${MEMCHECK_TESTS:-Sm90/AttentionBackwardSm90VsSpec.*d64*:Sm90/AttentionSm90ForwardVsSpec.*d64*:Strided/AttentionStrided.GpuMatchesContiguous/bf16_d64_causal}" 2>&1 | tail -4
   step racecheck
-  compute-sanitizer --tool racecheck --error-exitcode 9 $B/attention_test \
+  timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 $B/attention_test \
     --gtest_filter="${RACECHECK_TESTS:-Sm90/AttentionSm90ForwardVsSpec.*d64*causal*}" 2>&1 | tail -3
 fi
 if has bench; then
   step bench
   for f in ${BENCH:-attention_fwd/ attention_bwd/}; do
-    $B/fusekit bench ${BENCH_ARGS:-} --filter "$f" --json $OUT/bench_$(echo $f | tr '/' '_').json 2>&1 | grep -E "fused|dense|sm90|cublas" | grep -v "^ceiling"
+    timeout 200 $B/fusekit bench ${BENCH_ARGS:-} --filter "$f" --json $OUT/bench_$(echo $f | tr '/' '_').json 2>&1 | grep -E "fused|dense|sm90|cublas" | grep -v "^ceiling"
   done
 fi
 if has py || has pybench || has lm; then
@@ -55,5 +56,12 @@ if has lm; then
   step lm
   python3 -m fusekit.bench.lm --config small --precision bf16 --batches 64 --warmup 2 --steps 4 --train-steps 0 \
     --profile 30 --runs "${LM_RUNS:-fusekit_attn_compile,fusekit_nomask_compile,nomask_compile}" --out $OUT/lm.json 2>&1 | tail -120
+fi
+if has mlperf; then
+  # Issue 42's MLPerf DLRM-DCNv2 model on one GPU that holds its 104 GB of fp32 tables (an H200).
+  step mlperf
+  nvidia-smi --query-gpu=memory.total --format=csv,noheader
+  timeout ${MLPERF_TIMEOUT:-500} $B/fusekit train --config configs/mlperf_dcnv2.json --train-samples 3932160 \
+    --test-samples 262144 --steps ${MLPERF_STEPS:-60} --print-freq 10 2>&1 | tail -30
 fi
 step done
