@@ -88,15 +88,25 @@ struct RowOffsets {
   std::int64_t s0, s1, s2;
   std::int64_t d;       // contiguous tensors: rows d apart, no divisions
   bool contiguous;
+  bool narrow;          // fewer than 2^32 rows: the divisions in 32 bits
   __device__ std::int64_t at(std::int64_t r) const {
     if (contiguous) return r * d;
+    if (narrow) {
+      const auto u = static_cast<std::uint32_t>(r), m1 = static_cast<std::uint32_t>(n1),
+                 m2 = static_cast<std::uint32_t>(n2);
+      const std::uint32_t rest = u / m2;
+      return (rest / m1) * s0 + (rest % m1) * s1 + (u % m2) * s2;
+    }
     const std::int64_t i2 = r % n2, rest = r / n2, i1 = rest % n1, i0 = rest / n1;
     return i0 * s0 + i1 * s1 + i2 * s2;
   }
 };
 inline RowOffsets row_offsets(const TensorView& t) {
-  if (t.rank() == 3) return {t.size(0), t.size(1), 0, t.strides()[0], t.strides()[1], t.size(2), t.is_contiguous()};
-  return {t.size(1), t.size(2), t.strides()[0], t.strides()[1], t.strides()[2], t.size(3), t.is_contiguous()};
+  constexpr std::int64_t kNarrow = std::int64_t{1} << 32;
+  const std::int64_t d = t.size(t.rank() == 3 ? 2 : 3), rows = d > 0 ? t.numel() / d : 0;
+  if (t.rank() == 3)
+    return {t.size(0), t.size(1), 0, t.strides()[0], t.strides()[1], d, t.is_contiguous(), rows < kNarrow};
+  return {t.size(1), t.size(2), t.strides()[0], t.strides()[1], t.strides()[2], d, t.is_contiguous(), rows < kNarrow};
 }
 
 // Dense when varlen is null, else packed.

@@ -215,30 +215,48 @@ __device__ __forceinline__ void score_grad(float& acc, float& dp, float lse, flo
   dp = p * (dp - delta) * slope * scale;
 }
 
-// A warp per row of out and dout (dense: row (b H + h) Sq + i; packed: token H + h), each placed
-// by its own strides; delta in lse's layout (packed: [H, total_q]).
-template <class T, bool kPacked>
+// delta = rowsum(out ⊙ dout): kLanes lanes a row (one 16-byte load of each a lane at D <= 8
+// kLanes), 256 / kLanes rows a block; rows of out and dout (dense: row (b H + h) Sq + i; packed:
+// token H + h) placed by their own strides; delta in lse's layout (packed: [H, total_q]).
+template <class T, bool kPacked, int kLanes>
 __global__ void __launch_bounds__(256)
     attention_bwd_delta_kernel(const T* __restrict__ out, const RowOffsets out_rows, const T* __restrict__ dout,
                                const RowOffsets dout_rows, float* __restrict__ delta, std::int64_t rows, int d,
                                std::int64_t heads, std::int64_t total_q) {
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  if (row >= rows) return;
-  const std::int64_t at = kPacked ? row % heads * total_q + row / heads : row;
-  const T* out_row = out + out_rows.at(row);
-  const T* dout_row = dout + dout_rows.at(row);
+  static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32);
+  const int sub = static_cast<int>(threadIdx.x % kLanes);
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (256 / kLanes) + threadIdx.x / kLanes;
+  const bool live = row < rows;  // every lane stays for the shuffles
   float s = 0.0f;
-  for (int c = lane * 8; c < d; c += 32 * 8) {  // d % 8 == 0, 16-byte aligned rows
-    const uint4 o = *reinterpret_cast<const uint4*>(out_row + c);
-    const uint4 g = *reinterpret_cast<const uint4*>(dout_row + c);
-    const T* oe = reinterpret_cast<const T*>(&o);
-    const T* ge = reinterpret_cast<const T*>(&g);
+  if (live) {
+    const T* out_row = out + out_rows.at(row);
+    const T* dout_row = dout + dout_rows.at(row);
+    for (int c = sub * 8; c < d; c += kLanes * 8) {  // d % 8 == 0, 16-byte aligned rows
+      const uint4 o = *reinterpret_cast<const uint4*>(out_row + c);
+      const uint4 g = *reinterpret_cast<const uint4*>(dout_row + c);
+      const T* oe = reinterpret_cast<const T*>(&o);
+      const T* ge = reinterpret_cast<const T*>(&g);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) s = fmaf(to_f32(oe[e]), to_f32(ge[e]), s);
+      for (int e = 0; e < 8; ++e) s = fmaf(to_f32(oe[e]), to_f32(ge[e]), s);
+    }
   }
-  for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if (lane == 0) delta[at] = s;
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (live && sub == 0) delta[kPacked ? row % heads * total_q + row / heads : row] = s;
+}
+
+template <class T, bool kPacked>
+void launch_delta(const T* out, const RowOffsets& out_rows, const T* dout, const RowOffsets& dout_rows, float* delta,
+                  std::int64_t rows, int d, std::int64_t heads, std::int64_t total_q, cudaStream_t s) {
+  auto go = [&]<int kLanes>() {
+    const auto blocks = static_cast<unsigned>((rows + 256 / kLanes - 1) / (256 / kLanes));
+    attention_bwd_delta_kernel<T, kPacked, kLanes>
+        <<<blocks, 256, 0, s>>>(out, out_rows, dout, dout_rows, delta, rows, d, heads, total_q);
+  };
+  if (d <= 64) go.template operator()<8>();
+  else if (d <= 128) go.template operator()<16>();
+  else go.template operator()<32>();
+  FK_CUDA_CHECK_LAUNCH("attention_bwd_delta_kernel");
 }
 
 // dq (its rows placed by its strides) = the contiguous f32 accumulator rounded, 4 elements a thread
@@ -253,12 +271,12 @@ __global__ void __launch_bounds__(256)
     uint2 r;
     r.x = pack2<T>(a.x, a.y);
     r.y = pack2<T>(a.z, a.w);
-    const std::int64_t e = 4 * i;
     if (dq_rows.contiguous) {
       reinterpret_cast<uint2*>(dq)[i] = r;
     } else {
-      const std::int64_t row = e / d;
-      *reinterpret_cast<uint2*>(dq + dq_rows.at(row) + (e - row * d)) = r;
+      const std::int64_t row = n4 <= UINT32_MAX ? static_cast<std::uint32_t>(i) / static_cast<std::uint32_t>(d / 4)
+                                                : i / (d / 4);
+      *reinterpret_cast<uint2*>(dq + dq_rows.at(row) + 4 * (i - row * (d / 4))) = r;
     }
   }
 }
@@ -613,9 +631,7 @@ void launch(const BwdParams<T>& p, const RowOffsets& contiguous, std::int64_t ro
             cudaStream_t s) {
   const Layout& L = p.layout;
   if (rows > 0) {
-    attention_bwd_delta_kernel<T, kPacked><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, s>>>(
-        p.out, contiguous, p.dout, contiguous, p.delta, rows, D, L.heads, L.total_q);
-    FK_CUDA_CHECK_LAUNCH("attention_bwd_delta_kernel");
+    launch_delta<T, kPacked>(p.out, contiguous, p.dout, contiguous, p.delta, rows, D, L.heads, L.total_q, s);
   }
   const dim3 kv_grid(static_cast<unsigned>((L.sk + kBlockKeys - 1) / kBlockKeys),
                      static_cast<unsigned>(L.batch * L.kv_heads));
@@ -709,18 +725,14 @@ void attention_backward_prologue(const TensorView& out, const TensorView& dout, 
   with_float_type(out.dtype(), [&](auto zero) {
     using T = decltype(zero);
     if constexpr (!std::is_same_v<T, float>) {
-      const auto blocks = static_cast<unsigned>((rows + 7) / 8);
       // packed: out's row token H + h, delta's element h total_q + token
       const RowOffsets out_rows = row_offsets(out), dout_rows = row_offsets(dout);
       if (packed)
-        attention_bwd_delta_kernel<T, true><<<blocks, 256, 0, s>>>(out.data_as<T>(), out_rows, dout.data_as<T>(),
-                                                                   dout_rows, delta.data_as<float>(), rows,
-                                                                   static_cast<int>(d), out.size(1), out.size(0));
+        launch_delta<T, true>(out.data_as<T>(), out_rows, dout.data_as<T>(), dout_rows, delta.data_as<float>(), rows,
+                              static_cast<int>(d), out.size(1), out.size(0), s);
       else
-        attention_bwd_delta_kernel<T, false><<<blocks, 256, 0, s>>>(out.data_as<T>(), out_rows, dout.data_as<T>(),
-                                                                    dout_rows, delta.data_as<float>(), rows,
-                                                                    static_cast<int>(d), 1, 0);
-      FK_CUDA_CHECK_LAUNCH("attention_bwd_delta_kernel");
+        launch_delta<T, false>(out.data_as<T>(), out_rows, dout.data_as<T>(), dout_rows, delta.data_as<float>(), rows,
+                               static_cast<int>(d), 1, 0, s);
     }
   });
   FK_CUDA_CHECK(cudaMemsetAsync(dq_accum.data(), 0, static_cast<std::size_t>(rows * d) * sizeof(float), s));
