@@ -2,7 +2,7 @@
 # A run on the lent GPU machine (the device tool, from the repository root, carrying $PACK_DIR
 # (.gpu-pack unless set) with scripts/gpu/pack.sh's s10.tar.xz and .whl with nanobind's wheel):
 #   PARTS="tests sanitize bench py pybench lm" bash scripts/gpu/run.sh
-# tests: the C++ attention, norm and pointwise tests; sanitize: memcheck and racecheck on attention
+# tests: the C++ attention, norm, pointwise and GLU tests (those packed); sanitize: memcheck and racecheck on attention
 # cases of every sm_90 path; bench: the attention cases of `fusekit bench` (BENCH, a
 # space-separated list of filters, each a case-name prefix; BENCH_ARGS, e.g. --breakdown); py: the
 # Python package built there against the pack, its attention tests (PYTESTS); pybench: `python -m fusekit.bench` (PYBENCH, one
@@ -21,6 +21,7 @@ if has tests; then
   step attention; timeout 240 $B/attention_test --gtest_filter="${ATTN_TESTS:--*2048*}" 2>&1 | tail -6
   step norm; $B/norm_test 2>&1 | tail -3
   step pointwise; $B/pointwise_test --gtest_filter='Convert*:*Rope*' 2>&1 | tail -3
+  step glu; $B/glu_test --gtest_filter='GluGpu.*' 2>&1 | tail -3
 fi
 if has sanitize; then
   step memcheck
