@@ -27,6 +27,8 @@ if has sanitize; then
   step memcheck
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $B/attention_test \
     --gtest_filter="${MEMCHECK_TESTS:-Sm90/AttentionBackwardSm90VsSpec.*d64*:Sm90/AttentionSm90ForwardVsSpec.*d64*:Strided/AttentionStrided.GpuMatchesContiguous/bf16_d64_causal}" 2>&1 | tail -4
+  [ -x $B/glu_test ] && timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B/glu_test \
+    --gtest_filter='GluGpu.ActivateMatchesTheCpuOp:GluGpu.PreactGradMatchesTheCpuOp' 2>&1 | tail -2
   step racecheck
   timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 $B/attention_test \
     --gtest_filter="${RACECHECK_TESTS:-Sm90/AttentionSm90ForwardVsSpec.*d64*causal*}" 2>&1 | tail -3
