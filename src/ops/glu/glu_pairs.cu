@@ -2,7 +2,7 @@
 // does not take, and the separate activation kernel of the bench baseline ("cuBLAS writes
 // C [M, 2N], then one kernel"). C is in the prepared layout, so the flat pair p = m N + j is
 // elements (2p, 2p + 1) of C and element p of out and dy: the pass is flat, each thread moving
-// 32 bytes of C at a time.
+// 16 bytes of C at a time.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -94,16 +94,13 @@ void glu_pairs(const TensorView& c, const TensorView* bias, const TensorView* dy
   const cudaStream_t s = fk::detail::cuda_stream(stream);
   with_float_type(c.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    // 32 bytes of C a step (two 16-byte loads in flight, a 16-byte store of out for 16-bit types).
-    constexpr int V = 32 / sizeof(T);
+    constexpr int V = 16 / sizeof(T);
     const T* cp = static_cast<const T*>(c.data());
     const T* bp = bias ? static_cast<const T*>(bias->data()) : nullptr;
     const T* dp = dy ? static_cast<const T*>(dy->data()) : nullptr;
     T* op = static_cast<T*>(out.data());
-    // Vector steps need 32-byte aligned C (and dC: the backward writes V elements at out) and
-    // (V/2)-element-aligned out / dy.
-    auto aligned = [](const void* p, std::uintptr_t a) { return reinterpret_cast<std::uintptr_t>(p) % a == 0; };
-    const bool vec = aligned(cp, 32) && aligned(op, dp ? 32 : 16) && (!dp || aligned(dp, 16));
+    // Vector steps need 16-byte C (and dC) and (V/2)-element-aligned out / dy.
+    const bool vec = aligned16(cp) && aligned16(op) && (!dp || aligned16(dp));
     const std::int64_t work = vec ? pairs / (V / 2) + pairs % (V / 2) : pairs;
     const int threads = 256;
     const int blocks = static_cast<int>(std::min<std::int64_t>((work + threads - 1) / threads,
