@@ -215,7 +215,7 @@ __device__ __forceinline__ void score_grad(float& acc, float& dp, float lse, flo
   dp = p * (dp - delta) * slope * scale;
 }
 
-// delta = rowsum(out ⊙ dout): kLanes lanes a row (one 16-byte load of each a lane at D <= 8
+// delta = rowsum(out ⊙ dout): kLanes lanes a row (one 16-byte load of each tensor a lane when D <= 8
 // kLanes), 256 / kLanes rows a block; rows of out and dout (dense: row (b H + h) Sq + i; packed:
 // token H + h) placed by their own strides; delta in lse's layout (packed: [H, total_q]).
 template <class T, bool kPacked, int kLanes>

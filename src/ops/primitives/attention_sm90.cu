@@ -36,7 +36,7 @@
 // those before their sequence's first query leave at once), so that the ~132 CTAs resident at
 // a time cover about 4 heads whose K and V (2 MB a head at S = 4096, D = 128) stay in L2; with
 // heads inner (64 heads in flight) K and V came from DRAM again and again and the kernel ran
-// slower. The query blocks end at Sq, Sq - 128, ... (the first may
+// slower. The query blocks end at Sq, Sq - rows, ... (the first may
 // start before query 0; those rows are computed on zeros, or packed on the previous sequence's
 // queries, and not stored), so that with causal masking the rows that see the most keys fill whole
 // blocks. Within a head these go first, so the tail of each head is short work. Causal CTAs stop
