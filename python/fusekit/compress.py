@@ -361,8 +361,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 
 class _PackedGluMlp(torch.autograd.Function):
     """y = down(glu(x wᵀ + b)) (fusekit's glu_mlp_train) with x and the pre-activations C kept
-    packed: the backward unpacks C for the activation (down's weight gradient) and for dC
-    (glu_preact_grad), and takes w's gradient from the packed x (weight_grad_from_packed)."""
+    packed: the backward unpacks C once for dC and the activation (glu_preact_grad's two outputs,
+    the second for down's weight gradient), and takes w's gradient from the packed x
+    (weight_grad_from_packed)."""
 
     @staticmethod
     def forward(ctx, x, w, bias, down_w, down_b, kind, allow_tf32, hook, x_saved):
@@ -378,14 +379,17 @@ class _PackedGluMlp(torch.autograd.Function):
         preact = _unpack(ctx.c_saved)
         need = ctx.needs_input_grad
         dy = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = d_down_w = d_down_b = None
-        if need[3]:
-            d_down_w = dy.t().mm(torch.ops.fusekit.glu_activate(preact, ctx.kind))
-        if need[4]:
-            d_down_b = dy.sum(0)
-        if need[0] or need[1] or need[2]:
-            dc = torch.ops.fusekit.glu_preact_grad(dy.mm(down_w), preact, ctx.kind)
+        dx = dw = db = d_down_w = None
+        d_down_b = dy.sum(0) if need[4] else None
+        if not (need[0] or need[1] or need[2]):
+            if need[3]:
+                d_down_w = dy.t().mm(torch.ops.fusekit.glu_activate(preact, ctx.kind))
+        else:
+            dc, h = torch.ops.fusekit.glu_preact_grad(dy.mm(down_w), preact, ctx.kind, need[3])
             preact = None
+            if need[3]:
+                d_down_w = dy.t().mm(h)
+            h = None
             if need[0]:
                 dx = dc.mm(w)
             if need[1]:

@@ -44,25 +44,27 @@ void bind_glu(nb::module_& m) {
       "preact"_a, "out"_a, "kind"_a, "stream"_a, kNoGil);
   m.def(
       "glu_preact_grad",
-      [](const Array& dy, const Array& preact, const Array& dpreact, const std::string& kind, std::uintptr_t stream) {
+      [](const Array& dy, const Array& preact, const Array& dpreact, const OptArray& out, const std::string& kind,
+         std::uintptr_t stream) {
         constexpr const char* op = "glu_preact_grad";
-        const GluPreactGradArgs a{view(dy, op, "dy"), view(preact, op, "preact"), view(dpreact, op, "dpreact")};
+        const GluPreactGradArgs a{view(dy, op, "dy"), view(preact, op, "preact"), view(dpreact, op, "dpreact"),
+                                  view(out, op, "out")};
         glu_preact_grad(a, {parse_glu_kind(kind), false}, StreamArg(stream, a.preact).get());
       },
-      "dy"_a, "preact"_a, "dpreact"_a, "kind"_a, "stream"_a, kNoGil);
+      "dy"_a, "preact"_a, "dpreact"_a, "out"_a.none(), "kind"_a, "stream"_a, kNoGil);
   m.def(
       "glu_backward_from_preact",
       [](const Array& dy, const Array& x, const Array& w, const Array& preact, const OptArray& dx, const OptArray& dw,
-         const OptArray& dbias, bool overwrite_preact, const std::string& kind, bool allow_tf32,
+         const OptArray& dbias, bool overwrite_preact, const OptArray& out, const std::string& kind, bool allow_tf32,
          std::uintptr_t stream) {
         constexpr const char* op = "glu_backward_from_preact";
-        const GluBackwardFromPreactArgs a{view(dy, op, "dy"), view(x, op, "x"),         view(w, op, "w"),
+        const GluBackwardFromPreactArgs a{view(dy, op, "dy"),         view(x, op, "x"),   view(w, op, "w"),
                                           view(preact, op, "preact"), view(dx, op, "dx"), view(dw, op, "dw"),
-                                          view(dbias, op, "dbias"),   overwrite_preact};
+                                          view(dbias, op, "dbias"),   overwrite_preact,   view(out, op, "out")};
         glu_backward_from_preact(a, {parse_glu_kind(kind), allow_tf32}, StreamArg(stream, a.dy).get());
       },
       "dy"_a, "x"_a, "w"_a, "preact"_a, "dx"_a.none(), "dw"_a.none(), "dbias"_a.none(), "overwrite_preact"_a,
-      "kind"_a, "allow_tf32"_a, "stream"_a, kNoGil);
+      "out"_a.none(), "kind"_a, "allow_tf32"_a, "stream"_a, kNoGil);
 }
 
 }  // namespace fk::py

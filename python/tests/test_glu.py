@@ -139,6 +139,8 @@ def test_opcheck_glu_train_and_its_backward(device):
     dy = rand((5, 4), torch.float32, device, 54)
     torch.library.opcheck(ops.glu_backward_from_preact, (dy, x.detach(), w.detach(), preact, True, "swiglu", False))
     torch.library.opcheck(ops.glu_backward_from_preact, (dy, x.detach(), w.detach(), preact, False, "reglu", False))
+    torch.library.opcheck(ops.glu_backward_from_preact,
+                          (dy, x.detach(), w.detach(), preact, True, "swiglu", False, True))
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -259,6 +261,7 @@ def test_opcheck_glu_activate_and_glu_mlp_train(device):
     _, preact = ops.glu_train(x.detach(), w.detach(), b.detach(), "swiglu", False)
     torch.library.opcheck(ops.glu_activate, (preact, "swiglu"))
     torch.library.opcheck(ops.glu_preact_grad, (rand((5, 4), torch.float32, device, 71), preact, "swiglu"))
+    torch.library.opcheck(ops.glu_preact_grad, (rand((5, 4), torch.float32, device, 71), preact, "swiglu", True))
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "geglu_tanh", "reglu"])
@@ -267,13 +270,34 @@ def test_glu_preact_grad_is_the_backwards_dc(kind, device):
     x, w = rand((9, 16), torch.float32, device, 72), rand((2 * 6, 16), torch.float32, device, 73)
     b, dy = rand((12,), torch.float32, device, 74), rand((9, 6), torch.float32, device, 75)
     _, preact = ops.glu_train(x, w, b, kind, False)
-    dc = ops.glu_preact_grad(dy, preact, kind)
-    dx, dw, db = ops.glu_backward_from_preact(dy, x, w, preact, True, kind, False)
+    dc, none = ops.glu_preact_grad(dy, preact, kind)
+    dx, dw, db, none2 = ops.glu_backward_from_preact(dy, x, w, preact, True, kind, False)
+    assert none.shape == none2.shape == (0, 6)
     torch.testing.assert_close(dc @ w, dx, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dc.t() @ x, dw, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dc.sum(0), db, rtol=1e-5, atol=1e-5)
     with pytest.raises(fusekit.Error, match="glu_preact_grad: argument 'dy'"):
         ops.glu_preact_grad(dy[:, :5].contiguous(), preact, kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu_erf", "reglu"])
+def test_the_backwards_out_is_glu_activate(kind, dtype, device):
+    """with_out: the activation formed in dC's pass equals glu_activate's, bit for bit (the same
+    arithmetic on the same C), and dC is unchanged by asking for it; odd N reaches the kernel's
+    one-pair tail."""
+    for m, n in ((9, 6), (1, 7), (33, 13)):
+        x, w = rand((m, 16), dtype, device, 76), rand((2 * n, 16), dtype, device, 77)
+        dy = rand((m, n), dtype, device, 78)
+        _, preact = ops.glu_train(x, w, None, kind, False)
+        dc, out = ops.glu_preact_grad(dy, preact, kind, True)
+        torch.testing.assert_close(out, ops.glu_activate(preact, kind), rtol=0, atol=0)
+        torch.testing.assert_close(dc, ops.glu_preact_grad(dy, preact, kind)[0], rtol=0, atol=0)
+        dx, dw, _, out2 = ops.glu_backward_from_preact(dy, x, w, preact, False, kind, False, True)
+        torch.testing.assert_close(out2, out, rtol=0, atol=0)
+        dx1, dw1, _, _ = ops.glu_backward_from_preact(dy, x, w, preact, False, kind, False)
+        torch.testing.assert_close(dx, dx1, rtol=0, atol=0)
+        torch.testing.assert_close(dw, dw1, rtol=0, atol=0)
 
 
 def test_glu_mlp_under_autocast_and_compiled():

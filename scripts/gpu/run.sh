@@ -17,21 +17,22 @@ B=/tmp/s10/bin
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 step() { echo "=== $* ($(date +%T))"; }
 has() { [[ " ${PARTS:-tests} " == *" $1 "* ]]; }
+packed() { [ -x $B/$1 ]; }  # the test binaries not packed are skipped
 if has tests; then
-  step attention; timeout 240 $B/attention_test --gtest_filter="${ATTN_TESTS:--*2048*}" 2>&1 | tail -6
-  step norm; $B/norm_test 2>&1 | tail -3
-  step pointwise; $B/pointwise_test --gtest_filter='Convert*:*Rope*' 2>&1 | tail -3
-  step glu; $B/glu_test --gtest_filter='GluGpu.*' 2>&1 | tail -3
+  packed attention_test && { step attention; timeout 240 $B/attention_test --gtest_filter="${ATTN_TESTS:--*2048*}" 2>&1 | tail -6; }
+  packed norm_test && { step norm; $B/norm_test 2>&1 | tail -3; }
+  packed pointwise_test && { step pointwise; $B/pointwise_test --gtest_filter='Convert*:*Rope*' 2>&1 | tail -3; }
+  packed glu_test && { step glu; $B/glu_test --gtest_filter='GluGpu.*' 2>&1 | tail -3; }
 fi
 if has sanitize; then
   step memcheck
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $B/attention_test \
+  packed attention_test && timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $B/attention_test \
     --gtest_filter="${MEMCHECK_TESTS:-Sm90/AttentionBackwardSm90VsSpec.*d64*:Sm90/AttentionSm90ForwardVsSpec.*d64*:Strided/AttentionStrided.GpuMatchesContiguous/bf16_d64_causal}" 2>&1 | tail -4
-  [ -x $B/glu_test ] && timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B/glu_test \
-    --gtest_filter='GluGpu.ActivateMatchesTheCpuOp:GluGpu.PreactGradMatchesTheCpuOp' 2>&1 | tail -2
-  step racecheck
+  packed glu_test && timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B/glu_test \
+    --gtest_filter='GluGpu.ActivateMatchesTheCpuOp:GluGpu.PreactGradMatchesTheCpuOp:GluGpu.BackwardFromPreactivationsMatchesSpecAndRecompute' 2>&1 | tail -2
+  packed attention_test && { step racecheck
   timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 $B/attention_test \
-    --gtest_filter="${RACECHECK_TESTS:-Sm90/AttentionSm90ForwardVsSpec.*d64*causal*}" 2>&1 | tail -3
+    --gtest_filter="${RACECHECK_TESTS:-Sm90/AttentionSm90ForwardVsSpec.*d64*causal*}" 2>&1 | tail -3; }
 fi
 if has bench; then
   step bench

@@ -281,6 +281,15 @@ TEST(GluLayout, PreactGradIsTheBackwardsDc) {
     matmul(dc, x, dw2, Trans::t, Trans::n);
     EXPECT_LE(rel_err(dx2, dx), 1e-6) << glu_kind_name(kind);
     EXPECT_LE(rel_err(dw2, dw), 1e-6) << glu_kind_name(kind);
+    // The optional out of either op is glu_activate's.
+    Tensor act = Tensor::empty({m, n}, DType::f32, kCpu), out1 = Tensor::empty({m, n}, DType::f32, kCpu),
+           out2 = Tensor::empty({m, n}, DType::f32, kCpu), dc2 = Tensor::empty({m, 2 * n}, DType::f32, kCpu);
+    glu_activate({c, act}, opt);
+    glu_preact_grad({dy, c, dc2, out1.view()}, opt);
+    glu_backward_from_preact({dy, x, wp, c, dx.view(), std::nullopt, std::nullopt, false, out2.view()}, opt);
+    EXPECT_EQ(rel_err(out1, act), 0.0) << glu_kind_name(kind);
+    EXPECT_EQ(rel_err(out2, act), 0.0) << glu_kind_name(kind);
+    EXPECT_EQ(rel_err(dc2, dc), 0.0) << glu_kind_name(kind);
     glu_preact_grad({dy, c, c}, opt);  // over C
     EXPECT_EQ(rel_err(c, dc), 0.0) << glu_kind_name(kind);
   }
@@ -293,6 +302,9 @@ TEST(GluErrors, PreactGradNamesItsArgument) {
   test::expect_arg_error([&] { glu_preact_grad({dy, odd, dc}, {}); }, "glu_preact_grad", "preact");
   test::expect_arg_error([&] { glu_preact_grad({dy32, c, dc}, {}); }, "glu_preact_grad", "dy");
   test::expect_arg_error([&] { glu_preact_grad({dy, c, narrow}, {}); }, "glu_preact_grad", "dpreact");
+  test::expect_arg_error([&] { glu_preact_grad({dy, c, dc, dc.view()}, {}); }, "glu_preact_grad", "out");
+  test::expect_arg_error([&] { glu_preact_grad({dy, c, dc, dy.view()}, {}); }, "glu_preact_grad", "out");
+  EXPECT_NO_THROW(glu_preact_grad({dy, c, dc, narrow.view()}, {}));
   EXPECT_NO_THROW(glu_preact_grad({dy, c, dc}, {}));
 }
 
@@ -473,13 +485,25 @@ TEST(GluGpu, PreactGradMatchesTheCpuOp) {
     const Tensor dy = test::random_tensor({m, n}, dt, kCpu, seed + 1);
     Tensor want = Tensor::empty({m, 2 * n}, dt, kCpu);
     glu_preact_grad({dy, c, want}, {.kind = kind});
+    const Tensor cg = c.copy_to(gpu), dyg = dy.copy_to(gpu);
     Tensor got = Tensor::empty({m, 2 * n}, dt, gpu);
     test::poison(got);
-    glu_preact_grad({dy.copy_to(gpu), c.copy_to(gpu), got}, {.kind = kind});
+    glu_preact_grad({dyg, cg, got}, {.kind = kind});
     // f32: erf's gradient sums erff and expf terms (a few ulp each in CUDA's math library); at
     // M1 N1 one element carries them whole.
     const double tol = dt == DType::f32 ? 5e-6 : 1e-2;
-    EXPECT_LE(rel_err(got, want), tol) << glu_kind_name(kind) << " " << dtype_name(dt) << " M" << m << " N" << n;
+    const std::string what = std::string(glu_kind_name(kind)) + " " + std::string(dtype_name(dt)) + " M" +
+                             std::to_string(m) + " N" + std::to_string(n);
+    EXPECT_LE(rel_err(got, want), tol) << what;
+    // With out: the same dC, and out is glu_activate's, element for element.
+    Tensor got2 = Tensor::empty({m, 2 * n}, dt, gpu), out = Tensor::empty({m, n}, dt, gpu),
+           act = Tensor::empty({m, n}, dt, gpu);
+    test::poison(got2);
+    test::poison(out);
+    glu_preact_grad({dyg, cg, got2, out.view()}, {.kind = kind});
+    glu_activate({cg, act}, {.kind = kind});
+    EXPECT_EQ(test::to_doubles(got2), test::to_doubles(got)) << what;
+    EXPECT_EQ(test::to_doubles(out), test::to_doubles(act)) << what;
   });
 }
 
@@ -521,8 +545,17 @@ TEST(GluGpu, BackwardFromPreactivationsMatchesSpecAndRecompute) {
         test::poison(gdx);
         test::poison(gdw);
         test::poison(gdb);
-        glu_backward_from_preact({dyg, xg, wg, cg.view(), gdx.view(), gdw.view(), gdb.view(), overwrite}, opt);
+        // In place, with out: glu(C) from the same read, before dC replaces C.
+        Tensor act = Tensor::empty({c.m, c.n}, c.dtype, gpu), want_act = Tensor::empty({c.m, c.n}, c.dtype, gpu);
+        test::poison(act);
+        if (overwrite) glu_activate({cg, want_act}, opt);
+        glu_backward_from_preact({dyg, xg, wg, cg.view(), gdx.view(), gdw.view(), gdb.view(), overwrite,
+                                  overwrite ? std::optional<TensorView>(act.view()) : std::nullopt},
+                                 opt);
         const std::string w2 = what + (overwrite ? " in place" : "");
+        if (overwrite) {
+          EXPECT_EQ(test::to_doubles(act), test::to_doubles(want_act)) << "out " << w2;
+        }
         // dC rounded to the operand dtype before the two GEMMs, and C rounded once before dC: the
         // recomputing backward's bound holds (C's rounding moves dC by under one rounding of it).
         const double tol = 2 * tolerance(c);

@@ -99,6 +99,10 @@ struct GluBackwardFromPreactArgs {
   // The caller has no further use for preact: dC is written over it (no [M, 2N] allocation), and
   // preact's contents afterwards are unspecified.
   bool overwrite_preact = false;
+  // [M, N], preact's dtype: overwritten with glu(L, R) (glu_activate's out) in the pass that forms
+  // dC, for a backward that also needs the forward's out (the MLP's down projection's weight
+  // gradient) without a second read of preact.
+  std::optional<TensorView> out = std::nullopt;
 };
 void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt,
                               const Stream* stream = nullptr);
@@ -122,6 +126,9 @@ struct GluPreactGradArgs {
   TensorView dy;       // [M, N]
   TensorView preact;   // [M, 2N], prepared: GluForwardArgs::preact of the forward
   TensorView dpreact;  // [M, 2N], preact's dtype, prepared
+  // [M, N], preact's dtype: overwritten with glu(L, R) in the same pass (as in
+  // GluBackwardFromPreactArgs).
+  std::optional<TensorView> out = std::nullopt;
 };
 void glu_preact_grad(const GluPreactGradArgs& a, const GluOptions& opt, const Stream* stream = nullptr);
 

@@ -123,20 +123,28 @@ def _(x, w, bias, kind, allow_tf32):
 
 @_custom_op("glu_backward_from_preact")
 def glu_backward_from_preact(dy: Tensor, x: Tensor, w: Tensor, preact: Tensor, with_bias: bool, kind: str,
-                             allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dw, dbias) from glu_train's preact, dw and dbias prepared; dbias empty without a bias.
+                             allow_tf32: bool, with_out: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw, dbias, out) from glu_train's preact, dw and dbias prepared; dbias empty without a
+    bias; out = glu_activate(preact) [M, N] from the same read of preact when with_out, else empty.
     preact is read, not overwritten: a graph kept by retain_graph=True may run this backward twice."""
     dy, x, w, preact = _contiguous(dy), _contiguous(x), _contiguous(w), _contiguous(preact)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     db = w.new_empty(w.shape[0] if with_bias else 0)
+    out = preact.new_empty(_activated_shape(preact, with_out))
     _C.glu_backward_from_preact(_d(dy), _d(x), _d(w), _d(preact), _d(dx), _d(dw), _d(db) if with_bias else None,
-                                False, kind, allow_tf32, _stream(dy))
-    return dx, dw, db
+                                False, _d(out) if with_out else None, kind, allow_tf32, _stream(dy))
+    return dx, dw, db, out
+
+
+def _activated_shape(preact: Tensor, with_out: bool) -> tuple[int, int]:
+    """glu_activate's [M, N] for preact [M, 2N] when with_out, else [0, N]."""
+    return (preact.shape[0] if with_out else 0, preact.shape[1] // 2)
 
 
 @glu_backward_from_preact.register_fake
-def _(dy, x, w, preact, with_bias, kind, allow_tf32):
-    return (x.new_empty(x.shape), w.new_empty(w.shape), w.new_empty(w.shape[0] if with_bias else 0))
+def _(dy, x, w, preact, with_bias, kind, allow_tf32, with_out=False):
+    return (x.new_empty(x.shape), w.new_empty(w.shape), w.new_empty(w.shape[0] if with_bias else 0),
+            preact.new_empty(_activated_shape(preact, with_out)))
 
 
 def _glu_train_setup(ctx, inputs, output):
@@ -152,7 +160,7 @@ def _glu_train_bwd(ctx, dy, _dpreact):
     if dy is None:  # out unused downstream
         return None, None, None, None, None
     x, w, preact = ctx.saved_tensors
-    dx, dw, db = _bwd(ctx, "glu_backward_from_preact", dy, x, w, preact, ctx.with_bias, ctx.kind, ctx.allow_tf32)
+    dx, dw, db, _ = _bwd(ctx, "glu_backward_from_preact", dy, x, w, preact, ctx.with_bias, ctx.kind, ctx.allow_tf32)
     return dx, dw, (db if ctx.with_bias else None), None, None
 
 
@@ -177,19 +185,21 @@ def _(preact, kind):
 
 
 @_custom_op("glu_preact_grad")
-def glu_preact_grad(dy: Tensor, preact: Tensor, kind: str) -> Tensor:
-    """dC [M, 2N] (prepared order, preact's dtype) from glu_train's preact C and dy [M, N]: the
-    elementwise half of glu_backward_from_preact, for a backward that forms dx and dw itself."""
+def glu_preact_grad(dy: Tensor, preact: Tensor, kind: str, with_out: bool = False) -> tuple[Tensor, Tensor]:
+    """(dC, out): dC [M, 2N] (prepared order, preact's dtype) from glu_train's preact C and dy
+    [M, N], the elementwise half of glu_backward_from_preact, for a backward that forms dx and dw
+    itself; out = glu_activate(preact) [M, N] from the same read of C when with_out, else empty."""
     _same_device("glu_preact_grad", dy=dy, preact=preact)
     dy, preact = _contiguous(dy), _contiguous(preact)
     dpreact = torch.empty_like(preact)
-    _C.glu_preact_grad(_d(dy), _d(preact), _d(dpreact), kind, _stream(preact))
-    return dpreact
+    out = preact.new_empty(_activated_shape(preact, with_out))
+    _C.glu_preact_grad(_d(dy), _d(preact), _d(dpreact), _d(out) if with_out else None, kind, _stream(preact))
+    return dpreact, out
 
 
 @glu_preact_grad.register_fake
-def _(dy, preact, kind):
-    return torch.empty_like(preact)
+def _(dy, preact, kind, with_out=False):
+    return torch.empty_like(preact), preact.new_empty(_activated_shape(preact, with_out))
 
 
 @_custom_op("glu_mlp_train")
@@ -197,7 +207,8 @@ def glu_mlp_train(x: Tensor, w: Tensor, bias: Optional[Tensor], down_w: Tensor, 
                   allow_tf32: bool) -> tuple[Tensor, Tensor]:
     """(y [M, K'], preact [M, 2N]): y = linear(glu(x wᵀ + b), down_w, down_b), a gated MLP whose
     backward keeps C = x wᵀ + b (as glu_train) but not glu's [M, N] out: it recomputes out from C
-    (glu_activate) for down_w's gradient, one elementwise pass instead of M N values kept."""
+    for down_w's gradient in the pass that forms dC (glu_backward_from_preact's out), instead of
+    keeping M N values."""
     out, preact = _glu_train_impl(x, w, bias, kind, allow_tf32)
     return F.linear(out, down_w, down_b), preact
 
@@ -222,17 +233,15 @@ def _glu_mlp_train_bwd(ctx, dy, _dpreact):
     x, w, preact, down_w = ctx.saved_tensors
     need = ctx.needs_input_grad
     dy = dy.reshape(-1, dy.shape[-1])
-    d_down_w = d_down_b = None
-    if need[3]:
-        h = _bwd(ctx, "glu_activate", preact, ctx.kind)
-        d_down_w = dy.t().mm(h)
-        h = None
-    if need[4]:
-        d_down_b = dy.sum(0)
-    dx = dw = db = None
+    d_down_b = dy.sum(0) if need[4] else None
+    dx = dw = db = h = None
     if need[0] or need[1] or need[2]:
         dh = dy.mm(down_w)
-        dx, dw, db = _bwd(ctx, "glu_backward_from_preact", dh, x, w, preact, ctx.with_bias, ctx.kind, ctx.allow_tf32)
+        dx, dw, db, h = _bwd(ctx, "glu_backward_from_preact", dh, x, w, preact, ctx.with_bias, ctx.kind,
+                             ctx.allow_tf32, need[3])
+    elif need[3]:
+        h = _bwd(ctx, "glu_activate", preact, ctx.kind)
+    d_down_w = dy.t().mm(h) if need[3] else None
     return dx, dw, (db if ctx.with_bias else None), d_down_w, d_down_b, None, None
 
 

@@ -219,9 +219,10 @@ void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptio
   if (a.dx) checks::companion(op, "dx", *a.dx, a.x, Dims{m, k});
   if (a.dw) checks::companion(op, "dw", *a.dw, a.x, Dims{2 * n, k});
   if (a.dbias) checks::companion(op, "dbias", *a.dbias, a.x, Dims{2 * n});
+  if (a.out) checks::companion(op, "out", *a.out, a.x, Dims{m, n});
   checks::outputs_disjoint(op,
                            {{"dx", a.dx ? &*a.dx : nullptr}, {"dw", a.dw ? &*a.dw : nullptr},
-                            {"dbias", a.dbias ? &*a.dbias : nullptr}},
+                            {"dbias", a.dbias ? &*a.dbias : nullptr}, {"out", a.out ? &*a.out : nullptr}},
                            {{"dy", &a.dy}, {"x", &a.x}, {"w", &a.w}, {"preact", &a.preact}});
   if (a.x.device().is_cpu()) {
     const Tensor w = glu_unprepare_weight(a.w);
@@ -230,7 +231,8 @@ void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptio
     std::optional<Tensor> dw, db;
     if (a.dw) dw = Tensor::empty(a.dw->shape(), a.dw->dtype(), a.dw->device());
     if (a.dbias) db = Tensor::empty(a.dbias->shape(), a.dbias->dtype(), a.dbias->device());
-    reference::glu_backward_from_preact({a.dy, a.x, w.view(), c.view(), a.dx, view_of(dw), view_of(db)}, opt);
+    reference::glu_backward_from_preact(
+        {a.dy, a.x, w.view(), c.view(), a.dx, view_of(dw), view_of(db), false, a.out}, opt);
     if (dw) copy(*a.dw, glu_prepare_weight(dw->view()).view());
     if (db) copy(*a.dbias, glu_prepare_weight(db->view()).view());
     return;
@@ -240,7 +242,7 @@ void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptio
   Tensor dc_owned;
   if (!a.overwrite_preact) dc_owned = Tensor::empty({m, 2 * n}, a.x.dtype(), a.x.device(), stream);
   const TensorView dc = a.overwrite_preact ? a.preact : dc_owned.view();
-  if (m > 0) cuda::glu_pairs(a.preact, nullptr, &a.dy, dc, opt.kind, stream);
+  if (m > 0) cuda::glu_pairs(a.preact, nullptr, &a.dy, dc, opt.kind, stream, a.out ? &*a.out : nullptr);
   if (a.dx) matmul(dc, a.w, *a.dx, Trans::n, Trans::n, stream, opt.allow_tf32);
   if (a.dw) matmul(dc, a.x, *a.dw, Trans::t, Trans::n, stream, opt.allow_tf32);
   if (a.dbias) {
@@ -272,20 +274,25 @@ void glu_preact_grad(const GluPreactGradArgs& a, const GluOptions& opt, [[maybe_
   const auto [m, n] = check_preact(op, a.preact);
   checks::companion(op, "dy", a.dy, a.preact, Dims{m, n});
   checks::companion(op, "dpreact", a.dpreact, a.preact, Dims{m, 2 * n});
+  if (a.out) checks::companion(op, "out", *a.out, a.preact, Dims{m, n});
   const bool in_place = a.dpreact.data() == a.preact.data();
-  if (!in_place) checks::outputs_disjoint(op, {{"dpreact", &a.dpreact}}, {{"dy", &a.dy}, {"preact", &a.preact}});
-  else checks::outputs_disjoint(op, {{"dpreact", &a.dpreact}}, {{"dy", &a.dy}});
+  const TensorView* out = a.out ? &*a.out : nullptr;
+  if (!in_place) {
+    checks::outputs_disjoint(op, {{"dpreact", &a.dpreact}, {"out", out}}, {{"dy", &a.dy}, {"preact", &a.preact}});
+  } else {
+    checks::outputs_disjoint(op, {{"dpreact", &a.dpreact}, {"out", out}}, {{"dy", &a.dy}});
+  }
   if (m == 0 || n == 0) return;
   if (a.preact.device().is_cpu()) {
     const Tensor c = Tensor::empty(a.preact.shape(), a.preact.dtype(), a.preact.device());
     const Tensor dc = Tensor::empty(a.preact.shape(), a.preact.dtype(), a.preact.device());
     permute_columns_host(a.preact, c.view(), false);
-    reference::glu_preact_grad({a.dy, c.view(), dc.view()}, opt);
+    reference::glu_preact_grad({a.dy, c.view(), dc.view(), a.out}, opt);
     permute_columns_host(dc.view(), a.dpreact, true);
     return;
   }
 #if FUSEKIT_WITH_CUDA
-  cuda::glu_pairs(a.preact, nullptr, &a.dy, a.dpreact, opt.kind, stream);
+  cuda::glu_pairs(a.preact, nullptr, &a.dy, a.dpreact, opt.kind, stream, out);
 #endif
 }
 

@@ -20,9 +20,10 @@ bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* 
 
 // glu_pairs.cu: the unfused epilogue as one memory-bound pass over a C [M, 2N] in memory.
 // Without dy: out [M, N] = glu(C + b). With dy: out = dC [M, 2N], which may be c itself (dC
-// written over C: each thread reads its elements of C before it writes the same ones of dC).
+// written over C: each thread reads its elements of C before it writes the same ones of dC), and,
+// when act is given, act [M, N] = glu(C + b) from the same read of C.
 void glu_pairs(const TensorView& c, const TensorView* bias, const TensorView* dy, const TensorView& out,
-               GluKind kind, const Stream* stream);
+               GluKind kind, const Stream* stream, const TensorView* act = nullptr);
 
 // glu_pairs.cu: out [cols] = the column sums of a [rows, cols] (fp32 sums in a fixed order).
 void column_sums(const TensorView& a, const TensorView& out, const Stream* stream);

@@ -22,9 +22,10 @@ using fk::device::Vec;
 
 // V elements of C (V / 2 pairs) per step; pairs [0, pairs) in all; n2 = 2N for the bias index.
 // c and out are not __restrict__: the backward may write dC over C (glu_backward_from_preact).
-template <class T, int V, GluKind K, bool Backward>
+// Act (backward only): also act[p] = glu(C's pair p), from the same registers.
+template <class T, int V, GluKind K, bool Backward, bool Act = false>
 __global__ void glu_pairs_kernel(const T* c, const T* __restrict__ bias, const T* __restrict__ dy, T* out,
-                                 std::int64_t pairs, std::int64_t n2) {
+                                 std::int64_t pairs, std::int64_t n2, T* __restrict__ act = nullptr) {
   constexpr int P = V / 2;
   const std::int64_t steps = pairs / P;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
@@ -63,6 +64,7 @@ __global__ void glu_pairs_kernel(const T* c, const T* __restrict__ bias, const T
         fk::device::glu_grad<K>(l, r, dyv.get(q), dl, dr);
         dcv.set(2 * q, dl);
         dcv.set(2 * q + 1, dr);
+        if constexpr (Act) ov.set(q, fk::device::glu<K>(l, r));
       } else {
         ov.set(q, fk::device::glu<K>(l, r));
       }
@@ -76,6 +78,10 @@ __global__ void glu_pairs_kernel(const T* c, const T* __restrict__ bias, const T
         t2.v[1] = dcv.v[1];
         store_vec<T, 2>(out + 2 * p0, t2);
       }
+      if constexpr (Act) {
+        if (full) store_vec<T, P>(act + p0, ov);
+        else reinterpret_cast<typename fk::device::Bits<T>::type*>(act)[p0] = ov.v[0];
+      }
     } else {
       if (full) store_vec<T, P>(out + p0, ov);
       else reinterpret_cast<typename fk::device::Bits<T>::type*>(out)[p0] = ov.v[0];
@@ -87,7 +93,7 @@ __global__ void glu_pairs_kernel(const T* c, const T* __restrict__ bias, const T
 }  // namespace
 
 void glu_pairs(const TensorView& c, const TensorView* bias, const TensorView* dy, const TensorView& out,
-               GluKind kind, const Stream* stream) {
+               GluKind kind, const Stream* stream, const TensorView* act) {
   const std::int64_t pairs = c.numel() / 2, n2 = c.size(1);
   if (pairs == 0) return;
   const fk::detail::DeviceScope on_device(c.device().index);
@@ -99,15 +105,19 @@ void glu_pairs(const TensorView& c, const TensorView* bias, const TensorView* dy
     const T* bp = bias ? static_cast<const T*>(bias->data()) : nullptr;
     const T* dp = dy ? static_cast<const T*>(dy->data()) : nullptr;
     T* op = static_cast<T*>(out.data());
-    // Vector steps need 16-byte C (and dC) and (V/2)-element-aligned out / dy.
-    const bool vec = aligned16(cp) && aligned16(op) && (!dp || aligned16(dp));
+    T* ap = dp && act ? static_cast<T*>(act->data()) : nullptr;
+    // Vector steps need 16-byte C (and dC) and (V/2)-element-aligned out / dy / act.
+    const bool vec = aligned16(cp) && aligned16(op) && (!dp || aligned16(dp)) && (!ap || aligned16(ap));
     const std::int64_t work = vec ? pairs / (V / 2) + pairs % (V / 2) : pairs;
     const int threads = 256;
     const int blocks = static_cast<int>(std::min<std::int64_t>((work + threads - 1) / threads,
                                                                std::int64_t{multiprocessor_count()} * 8));
     fk::device::with_glu_kind(kind, [&](auto k) {
       constexpr GluKind K = decltype(k)::value;
-      if (dp) {
+      if (dp && ap) {
+        if (vec) glu_pairs_kernel<T, V, K, true, true><<<blocks, threads, 0, s>>>(cp, bp, dp, op, pairs, n2, ap);
+        else glu_pairs_kernel<T, 2, K, true, true><<<blocks, threads, 0, s>>>(cp, bp, dp, op, pairs, n2, ap);
+      } else if (dp) {
         if (vec) glu_pairs_kernel<T, V, K, true><<<blocks, threads, 0, s>>>(cp, bp, dp, op, pairs, n2);
         else glu_pairs_kernel<T, 2, K, true><<<blocks, threads, 0, s>>>(cp, bp, dp, op, pairs, n2);
       } else {

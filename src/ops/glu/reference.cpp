@@ -130,12 +130,14 @@ void glu_preact_grad(const GluPreactGradArgs& a, const GluOptions& opt) {
       store(a.dpreact, i * 2 * n + j, g * glu_dl(opt.kind, l, r));
       store(a.dpreact, i * 2 * n + n + j, g * glu_dr(opt.kind, l, r));
     }
+  if (a.out) reference::glu_activate(GluActivateArgs{a.preact, *a.out}, opt);
 }
 
 void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptions& opt) {
   std::vector<double> c(static_cast<std::size_t>(a.preact.numel()));
   for (std::int64_t i = 0; i < a.preact.numel(); ++i) c[static_cast<std::size_t>(i)] = load(a.preact, i);
   backward_from(c, a.dy, a.x, a.w, a.dx, a.dw, a.dbias, opt);
+  if (a.out) reference::glu_activate(GluActivateArgs{a.preact, *a.out}, opt);
 }
 
 }  // namespace fk::reference
