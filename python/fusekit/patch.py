@@ -11,6 +11,14 @@ and optimizers, hooks and checkpoints made before or after keep working. What is
   -> the first residual add fused into the second norm (``fusekit.add_rms_norm``); under autocast
   with f32 weights, both norms write autocast's dtype, the f32 result rounded once, as the GEMMs
   that read them would have cast it.
+- decoder stack: the model that runs those layers in a plain loop and then its final norm
+  (``LlamaModel`` and its kin), called by the patched LM head for its loss -> each layer's second
+  residual add is fused with the norm that follows it across the layer boundary (the next layer's
+  input norm, or the final norm), so that every residual add is a norm's and the backward sums no
+  gradients apart. Each layer then hands the next a ``(normed, residual)`` pair instead of its
+  output tensor; the layers return plain tensors whenever anything else could see their output
+  (called on their own, hooks on them or on what follows, gradient checkpointing, fewer layers run
+  than were linked). The stack's class and forward are its own.
 - MLP: a module with ``gate_proj``, ``up_proj``, ``down_proj`` (``nn.Linear``) and ``act_fn`` (SiLU,
   GELU, tanh-GELU, ReLU) computing ``down(act(gate(x)) * up(x))`` -> the fused GEMM + gated
   activation, on the module's own gate and up weights.
@@ -33,7 +41,7 @@ import inspect
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +49,7 @@ from torch import Tensor, nn
 from . import compress as _compress
 from . import functional as Fk
 from . import hf_attention as _hf_attention
-from .ops._registry import _autocast_dtype, _autocast_enabled
+from .ops._registry import _autocast_dtype, _autocast_enabled, register_inductor_fallbacks
 
 __all__ = ["patch", "patch_llama", "unpatch", "patched_modules", "hf_attention_forward", "register_hf_attention"]
 
@@ -71,22 +79,42 @@ def _glu_kind(act: nn.Module) -> Optional[str]:
 
 # ---- the replacement forwards -------------------------------------------------------------------
 
-def _norm_eps(norm: nn.Module, x: Tensor) -> float:
+def _norm_eps(norm: nn.Module, x: Tensor, dtype: Optional[torch.dtype] = None) -> float:
+    """The norm's epsilon; without one, the epsilon of x's dtype (or of dtype, when given)."""
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None:
         eps = getattr(norm, "eps", None)
-    return torch.finfo(x.dtype).eps if eps is None else eps
+    return torch.finfo(dtype or x.dtype).eps if eps is None else eps
+
+
+class _Carry(NamedTuple):
+    """What a patched decoder layer of a chained decoder stack hands the next consumer: the
+    residual stream (the layer's output, as `residual + mlp(...)` would have given it) and its
+    norm by that consumer (`target`: the index of the layer whose input norm it is, or the number
+    of layers for the stack's final norm), both from one add_rms_norm. A consumer whose index is
+    not `target` normalises `residual` itself."""
+    normed: Tensor
+    residual: Tensor
+    target: int
+
+
+# The keyword a chained decoder stack passes its layers (through Hugging Face's **kwargs).
+_CHAIN = "_fusekit_chain"
 
 
 def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    if isinstance(hidden_states, _Carry):  # the final norm of a chained decoder stack
+        if hidden_states.target == self.__dict__.get("_fusekit_chain_index"):
+            return hidden_states.normed
+        hidden_states = hidden_states.residual
     return Fk.rms_norm(hidden_states, self.weight, eps=_norm_eps(self, hidden_states))
 
 
-def _gemm_input_dtype(x: Tensor, *norms: nn.Module) -> Optional[torch.dtype]:
-    """Under autocast, with f32 activations and norm weights: the dtype autocast casts a GEMM's
-    input to (the norm hands its output over in it, rounded once, instead of in f32 for the GEMM to
-    cast); else None (the norm's own dtype)."""
-    if x.dtype != torch.float32 or any(n.weight.dtype != torch.float32 for n in norms):
+def _gemm_input_dtype(x: Tensor, *norms: nn.Module, dtype: Optional[torch.dtype] = None) -> Optional[torch.dtype]:
+    """Under autocast, with f32 activations (x's dtype, or dtype when given) and norm weights: the
+    dtype autocast casts a GEMM's input to (the norm hands its output over in it, rounded once,
+    instead of in f32 for the GEMM to cast); else None (the norm's own dtype)."""
+    if (dtype or x.dtype) != torch.float32 or any(n.weight.dtype != torch.float32 for n in norms):
         return None
     device = x.device.type
     if not _autocast_enabled(device):
@@ -110,19 +138,56 @@ def _decoder_layer_forward(self, hidden_states: Tensor, *args, **kwargs):
     """A pre-norm decoder layer (Hugging Face's LlamaDecoderLayer): x + attn(norm1(x)) -> h, then
     h + mlp(norm2(h)), with the first residual add fused into norm2 and, under autocast, both norms
     writing the GEMMs' input dtype directly. Inside fusekit.compress_saved_tensors, the attention's
-    saved tensors are packed at the block's attention_bits."""
+    saved tensors are packed at the block's attention_bits. Called by a chained decoder stack
+    (_CHAIN), it takes a _Carry and hands one on (see _Carry)."""
+    chain = kwargs.pop(_CHAIN, False)
     arguments = dict(zip(self._fusekit_arg_names, args))
     arguments.update(kwargs)
+    carry = None
+    if isinstance(hidden_states, _Carry):
+        carry, hidden_states = hidden_states, hidden_states.residual
     norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
     half = _gemm_input_dtype(hidden_states, norm1, norm2)
-    h = Fk.rms_norm(hidden_states, norm1.weight, eps=_norm_eps(norm1, hidden_states), out_dtype=half)
+    if carry is not None and carry.target == self.__dict__.get("_fusekit_chain_index"):
+        h = carry.normed
+    else:
+        h = Fk.rms_norm(hidden_states, norm1.weight, eps=_norm_eps(norm1, hidden_states), out_dtype=half)
     with _attention_compression():
         attn = self.self_attn(hidden_states=h, **arguments)
     if isinstance(attn, tuple):
         attn = attn[0]
     h, residual = Fk.add_rms_norm(attn, hidden_states, norm2.weight, eps=_norm_eps(norm2, hidden_states),
                                   out_dtype=half)
-    return residual + self.mlp(h)
+    mlp = self.mlp(h)
+    link = self.__dict__.get("_fusekit_chain_next")
+    if not chain or link is None or _hooked(self, link[1]):
+        return residual + mlp
+    target, _, norms = link
+    stream = torch.promote_types(residual.dtype, mlp.dtype)  # the dtype of residual + mlp
+    eps = _norm_eps(norms[0], residual, stream)
+    # The final norm writes its own dtype, as the patched norm module would; a layer's input norm
+    # writes what that layer's forward would have.
+    out_dtype = None if len(norms) == 1 else _gemm_input_dtype(residual, *norms, dtype=stream)
+    normed, out = Fk.add_rms_norm(mlp, residual, norms[0].weight, eps=eps, out_dtype=out_dtype)
+    return _Carry(normed, out, target)
+
+
+def _hooked(layer: nn.Module, consumer: nn.Module) -> bool:
+    """Whether a hook could see what layer hands consumer: forward hooks on layer, forward pre-hooks
+    on consumer, or either kind registered for every module."""
+    hooks = torch.nn.modules.module
+    return bool(layer._forward_hooks or consumer._forward_pre_hooks or hooks._global_forward_hooks
+                or hooks._global_forward_pre_hooks)
+
+
+def _chain_ready(stack: nn.Module) -> bool:
+    """Whether stack is a linked decoder stack (_link_decoder_stack) whose forward runs exactly the
+    layers it was linked with, none of them checkpointed."""
+    n = stack.__dict__.get("_fusekit_chain_layers")
+    if n is None or getattr(stack.config, "num_hidden_layers", None) != n or getattr(stack, "gradient_checkpointing",
+                                                                                    False):
+        return False
+    return not any(getattr(layer, "gradient_checkpointing", False) for layer in stack.layers)
 
 
 # The attention's projections in a patched decoder layer: inside fusekit.compress_saved_tensors
@@ -167,6 +232,8 @@ def _causal_lm_forward(self, *args, **kwargs):
         return self._fusekit_base_forward(*args, **kwargs)
     arguments.pop("return_dict", None)
     shift_labels = arguments.pop("shift_labels", None)
+    if _chain_ready(self.model):  # the stack passes it on to its layers, and only to them
+        arguments[_CHAIN] = True
     outputs = self.model(**arguments)
     loss = _causal_lm_loss(self, outputs[0], labels, arguments.get("num_items_in_batch"), shift_labels=shift_labels)
     return self._fusekit_output(loss=loss, logits=None)
@@ -289,6 +356,60 @@ def _is_decoder_layer(m: nn.Module) -> bool:
             and "hidden_states = self.mlp(hidden_states)" in body)
 
 
+def _decoder_stack_layers(m: nn.Module) -> int:
+    """The number of layers a decoder stack runs (0 for a module that is not one): a module with
+    `layers` (the first config.num_hidden_layers of them patched decoder layers) and `norm` (a
+    patched RMSNorm) whose forward runs them in a plain loop (Hugging Face's LlamaModel and its
+    kin): each layer's output handed only to the next layer and the last one's only to
+    `self.norm`, the forward's keyword arguments passed on to the layers and to nothing else."""
+    layers, norm = getattr(m, "layers", None), getattr(m, "norm", None)
+    n = getattr(getattr(m, "config", None), "num_hidden_layers", None)
+    if not (isinstance(layers, nn.ModuleList) and isinstance(norm, nn.Module) and type(n) is int
+            and 0 < n <= len(layers)):
+        return 0
+    if not (_is_patched(norm) and norm._fusekit_role == "rms_norm"):
+        return 0
+    if not all(_is_patched(layer) and layer._fusekit_role == "decoder_layer" for layer in layers[:n]):
+        return 0
+    try:
+        source = inspect.getsource(inspect.unwrap(type(m).forward))
+    except (OSError, TypeError):
+        return 0
+    body = [line.strip() for line in source.splitlines()]
+    body = [line for line in body if line and not line.startswith("#")]
+    loop = "for decoder_layer in self.layers[: self.config.num_hidden_layers]:"
+    if body.count(loop) != 1:
+        return 0
+    call = body[body.index(loop) + 1:]
+    if not call or call[0] != "hidden_states = decoder_layer(" or ")" not in call:
+        return 0
+    end = call.index(")")
+    if "**kwargs," not in call[1:end] or call[end + 1:end + 2] != ["hidden_states = self.norm(hidden_states)"]:
+        return 0
+    passed = [line for line in body if "**kwargs" in line and not line.startswith("**kwargs:")]
+    return n if passed == ["**kwargs,"] else 0
+
+
+def _link_decoder_stack(stack: nn.Module, n: int) -> None:
+    """Each of the stack's first n layers learns the consumer of its output and that consumer's
+    norms (see _Carry). A patched causal LM then chains them when it calls the stack for its loss.
+    The stack's class stays (transformers keys what it records, output_hidden_states, by class)."""
+    layers, norm = stack.layers, stack.norm
+    for i in range(n):
+        nxt = layers[i + 1] if i + 1 < n else None
+        link = (i + 1, nxt, (nxt.input_layernorm, nxt.post_attention_layernorm)) if nxt is not None \
+            else (n, norm, (norm,))
+        object.__setattr__(layers[i], "_fusekit_chain_index", i)
+        object.__setattr__(layers[i], "_fusekit_chain_next", link)
+    object.__setattr__(norm, "_fusekit_chain_index", n)
+    object.__setattr__(stack, "_fusekit_chain_layers", n)
+
+
+# The attributes patch() sets on patched modules besides their class.
+_PATCH_ATTRIBUTES = ("_fusekit_kind", "_fusekit_recompute", "_fusekit_chain_index", "_fusekit_chain_next",
+                     "_fusekit_chain_layers")
+
+
 def _is_causal_lm(m: nn.Module) -> bool:
     return (type(m).__name__.endswith("ForCausalLM") and isinstance(getattr(m, "lm_head", None), nn.Linear)
             and isinstance(getattr(m, "model", None), nn.Module)
@@ -340,7 +461,9 @@ def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bo
     MLPs recompute their [tokens, 2 x intermediate] pre-activations in the backward instead of
     keeping them (less memory, one more GEMM). `decoder_layer` (with `rms_norm`) fuses each
     decoder layer's first residual add into its second norm, the norms' forwards then called by
-    the layer's, not through the norm modules (hooks on those modules do not run). `attention`
+    the layer's, not through the norm modules (hooks on those modules do not run), and chains the
+    layers of a decoder stack that runs them (each layer's second residual add fused with the next
+    norm; see the module's docstring). `attention`
     switches Hugging Face models on "sdpa" to fusekit attention (fusekit.hf_attention_forward:
     fusekit.attention without a mask, SDPA for padding, dropout, attention weights and the other
     cases fusekit.hf_attention.fallback_reason lists); off by default, because on Hopper fusekit's
@@ -381,6 +504,11 @@ def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bo
         elif rope and type(m).__name__.endswith("Attention") and hasattr(sys.modules.get(type(m).__module__),
                                                                           "apply_rotary_pos_emb"):
             rope_modules.add(type(m).__module__)
+    if decoder_layer and rms_norm:  # after the loop: a stack's layers and norm are patched by now
+        for m in list(model.modules()):
+            if "_fusekit_chain_layers" not in m.__dict__ and (n := _decoder_stack_layers(m)):
+                _link_decoder_stack(m, n)
+                register_inductor_fallbacks()  # for torch.compile of the chained layers
     if attention or causal_mask_skip:
         switched = _switch_attention(model, _hf_attention.register_hf_attention() if attention
                                      else _hf_attention.register_sdpa_causal_skip())
@@ -424,8 +552,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         if cls is not None:
             m.__class__ = cls
             del m.__dict__[_ORIGINAL]
-            for attr in ("_fusekit_kind", "_fusekit_recompute"):
-                m.__dict__.pop(attr, None)
+        for attr in _PATCH_ATTRIBUTES:
+            m.__dict__.pop(attr, None)
     release = _GLOBAL_MODELS.pop(model, None)
     if release is not None:
         release()

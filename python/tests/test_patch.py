@@ -94,6 +94,89 @@ def test_patched_llama_bf16_autocast(device, decoder_layer):
         assert float((p.grad - q.grad).abs().max() / scale) < 5e-2, n
 
 
+def count_norm_calls(monkeypatch):
+    """{"rms_norm": n, "add_rms_norm": n}: the fused norms the patched model calls from now on."""
+    import fusekit.functional as Fk
+    calls = {"rms_norm": 0, "add_rms_norm": 0}
+    for name in calls:
+        def counted(*args, _f=getattr(Fk, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _f(*args, **kwargs)
+        monkeypatch.setattr(Fk, name, counted)
+    return calls
+
+
+def test_chained_decoder_stack(device, monkeypatch):
+    """The stack chains its layers: every residual add is an add_rms_norm (two a layer), the only
+    plain rms_norm is the first layer's input norm; the same loss and gradients as the unpatched
+    model; a layer called on its own still returns a tensor."""
+    ref = tiny_llama(device)
+    model = fusekit.patch(copy.deepcopy(ref))
+    assert model.model.__dict__["_fusekit_chain_layers"] == 2
+    ids, labels = batch(device)
+    calls = count_norm_calls(monkeypatch)
+    out, want = model(ids, labels=labels), ref(ids, labels=labels)
+    assert calls == {"rms_norm": 1, "add_rms_norm": 4}, calls
+    assert_loss_and_grads_close(out, want, model, ref)
+    h = torch.randn(2, 5, 64, device=device)
+    pos = torch.arange(5, device=device)[None]
+    emb = ref.model.rotary_emb(h, pos)
+    got = model.model.layers[1](h, position_embeddings=emb, position_ids=pos)
+    assert isinstance(got, torch.Tensor)
+    torch.testing.assert_close(got, ref.model.layers[1](h, position_embeddings=emb, position_ids=pos))
+
+
+@pytest.mark.parametrize("case", ["hook", "pre_hook", "hidden_states", "checkpointing", "fewer_layers"])
+def test_chain_steps_aside(device, monkeypatch, case):
+    """Where something else could see what a layer hands on (a hook on it or on its consumer,
+    output_hidden_states, gradient checkpointing) or the stack runs fewer layers than it linked, the
+    layers hand on plain tensors there: the unpatched model's loss, gradients and hidden states."""
+    ref = tiny_llama(device)
+    model = fusekit.patch(copy.deepcopy(ref))
+    ids, labels = batch(device)
+    seen = []
+    kwargs = {}
+    if case == "hook":
+        model.model.layers[0].register_forward_hook(lambda m, i, o: seen.append(type(o)))
+    elif case == "pre_hook":
+        model.model.norm.register_forward_pre_hook(lambda m, i: seen.append(type(i[0])))
+    elif case == "hidden_states":
+        kwargs["output_hidden_states"] = True
+    elif case == "checkpointing":
+        for m in (model, ref):
+            m.gradient_checkpointing_enable()
+            m.train()
+    else:
+        for m in (model, ref):
+            m.config.num_hidden_layers = 1
+    calls = count_norm_calls(monkeypatch)
+    out, want = model(ids, labels=labels, **kwargs), ref(ids, labels=labels, **kwargs)
+    assert all(t is torch.Tensor for t in seen) and (case not in ("hook", "pre_hook") or seen)
+    if case == "hook":  # only layer 0's add stays apart
+        assert calls == {"rms_norm": 2, "add_rms_norm": 3}, calls
+    elif case == "pre_hook":  # only the last layer's
+        assert calls == {"rms_norm": 2, "add_rms_norm": 3}, calls
+    elif case == "fewer_layers":
+        assert calls == {"rms_norm": 2, "add_rms_norm": 1}, calls
+    if case == "hidden_states":
+        with torch.no_grad():
+            h, hw = model.model(ids, output_hidden_states=True), ref.model(ids, output_hidden_states=True)
+        assert len(h.hidden_states) == len(hw.hidden_states) == 3
+        for a, b in zip(h.hidden_states, hw.hidden_states):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_loss_and_grads_close(out, want, model, ref)
+
+
+def test_chained_stack_registers_the_ops_with_inductor():
+    """Patching a decoder stack registers every fusekit op with Inductor ahead of any compile
+    (fusekit.ops._registry.register_inductor_fallbacks)."""
+    lowering = pytest.importorskip("torch._inductor.lowering")
+    fusekit.patch(tiny_llama("cpu"))
+    ops = [getattr(p, o) for p in (getattr(torch.ops.fusekit, n) for n in fusekit.ops._registry._OPS)
+           for o in p.overloads()]
+    assert ops and all(op in lowering.lowerings for op in ops)
+
+
 def test_num_items_in_batch_and_logits_to_keep(device):
     ref = tiny_llama(device)
     model = fusekit.patch(copy.deepcopy(ref))
@@ -135,6 +218,7 @@ def test_unpatch_restores(device):
     assert ml.apply_rotary_pos_emb is rope
     assert {n: type(m) for n, m in model.named_modules()} == classes
     assert patched_modules(model) == {}
+    assert not any(k.startswith("_fusekit") for m in model.modules() for k in m.__dict__)
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k])
 

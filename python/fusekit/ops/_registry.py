@@ -6,9 +6,10 @@ Every private PyTorch API fusekit uses is used here and nowhere else, each behin
 that falls back to the public API with a one-line warning saying what the fallback costs:
 ``torch._C._len_torch_dispatch_stack`` and ``torch._C._are_functorch_transforms_active`` (is a
 dispatch mode or a functorch transform active? without them every call takes the registered op),
-``torch._C._cuda_getCurrentRawStream`` (``torch.cuda.current_stream(device).cuda_stream``) and
+``torch._C._cuda_getCurrentRawStream`` (``torch.cuda.current_stream(device).cuda_stream``),
 ``torch._C._cuda_cudaCachingAllocator_raw_alloc`` / ``_raw_delete``
-(``torch.cuda.caching_allocator_alloc`` / ``caching_allocator_delete``). Where an op's tensors are
+(``torch.cuda.caching_allocator_alloc`` / ``caching_allocator_delete``) and Inductor's
+``lowering.make_fallback`` (see register_inductor_fallbacks). Where an op's tensors are
 in its argument list comes from the implementation's type hints, the same ones torch.library infers
 the schema from.
 """
@@ -141,6 +142,38 @@ def _custom_op(name: str, mutates_args: tuple = (), first=None):
         _TENSOR_ARGS[name], _RETURNS[name] = _signature(fn)
         return _OPS[name]
     return wrap
+
+
+_INDUCTOR_FALLBACKS = False  # register_inductor_fallbacks() has run
+
+
+def register_inductor_fallbacks() -> None:
+    """Registers every fusekit op with Inductor as the extern kernel (fallback) Inductor makes of a
+    custom op when it first lowers one, with the layout constraint it would choose, ahead of any
+    compile. On first sight Inductor (torch 2.11) formats the op's arguments into a log message
+    whether or not that log is on, and the text of an argument holds the whole graph of extern
+    kernels it comes from: where fusekit ops feed each other layer after layer (a patched decoder
+    stack, whose layers hand each other add_rms_norm's outputs) that text doubles with every layer,
+    and a 12-layer model's compile never finishes. Without Inductor's lowering module (or its
+    make_fallback), a warning, and nothing registered."""
+    global _INDUCTOR_FALLBACKS
+    if _INDUCTOR_FALLBACKS:
+        return
+    _INDUCTOR_FALLBACKS = True
+    try:
+        from torch._inductor import lowering
+        from torch._library.utils import get_layout_constraint_tag
+        make, constraint, known = lowering.make_fallback, lowering.tag_to_layout_constraint, lowering.lowerings
+    except (ImportError, AttributeError):
+        _missing("torch._inductor.lowering.make_fallback", "Inductor's own registration on first sight",
+                 "a compiled model whose layers chain fusekit ops may take very long to compile")
+        return
+    for name in _OPS:
+        packet = getattr(torch.ops.fusekit, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if op not in known:
+                make(op, layout_constraint=constraint(get_layout_constraint_tag(op, with_default=True)), warn=False)
 
 
 _EAGER = {}  # name -> the op's autograd.Function for call()
