@@ -67,7 +67,8 @@ if has mlperf; then
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   if [ "$mib" -lt 120000 ]; then echo "mlperf: skipped, $mib MiB is less than the tables' 104 GB"; else
   timeout ${MLPERF_TIMEOUT:-500} $B/fusekit train --config configs/mlperf_dcnv2.json --train-samples 3932160 \
-    --test-samples 262144 --steps ${MLPERF_STEPS:-60} --print-freq 10 --data-workers ${MLPERF_WORKERS:-12} 2>&1 | tail -30
+    --test-samples 262144 --steps ${MLPERF_STEPS:-60} --print-freq 10 --data-workers ${MLPERF_WORKERS:-12} \
+    --metrics-json $OUT/mlperf_dcnv2.json 2>&1 | tail -30
   fi
 fi
 step done
