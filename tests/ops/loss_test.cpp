@@ -344,6 +344,10 @@ std::vector<GpuCase> gpu_cases() {
     out.push_back({64, 64, 1000, t, false, 0.0f, 0.0f, R::mean, 16, false});
     out.push_back({17, 64, 32000, t, true, 0.1f, 1e-4f, R::mean, 0, true});
     out.push_back({21, 32, 32003, t, true, 0.0f, 0.0f, R::sum, 7, true});  // odd V, odd chunks
+    // The row kernel's sizes: a row held in 256, 512 or 1024 threads' registers, or read twice.
+    out.push_back({13, 32, 12001, t, false, 0.1f, 0.0f, R::mean, 0, true});
+    out.push_back({11, 32, 40000, t, true, 0.0f, 1e-4f, R::mean, 0, true});
+    out.push_back({9, 32, 66000, t, true, 0.1f, 1e-3f, R::mean, 0, true});
   }
   out.push_back({37, 96, 999, DType::f32, true, 0.1f, 0.0f, R::mean, 8, true, true});
   return out;

@@ -1,12 +1,14 @@
 // The kernels of linear_cross_entropy between its GEMMs (contracts in loss_cuda.hpp).
 //
 // cross_entropy_rows: one block per row of the chunk's logits, in the operands' dtype (the GEMM's
-// f32 accumulators rounded once, as F.linear's output is). Pass 1 reads the row once (16-byte
-// loads, + bias) for its running max and sum of exponentials and its plain sum, in f32; pass 2
-// reads it again and overwrites each element in place with the gradient g (the thread that read a
-// vector writes it back). The count of the mean comes from the device
-// (loss_count_targets), so no launch waits on the host. The row losses are summed in double in a
-// fixed order by loss_total: the loss is deterministic.
+// f32 accumulators rounded once, as F.linear's output is). A row of at most 8 16-byte vectors a
+// thread (V <= 65536 at 16 bits, 32768 in f32; 128 to 1024 threads) is read once into registers:
+// its max, then its sum of exponentials and plain sum (f32, + bias) come from the registers, and
+// each element is overwritten in place with the gradient g; the kernel moves the row's bytes once
+// each way, the floor of this step. Longer rows take two reads: a running max and sum of
+// exponentials, then g. The count of the mean comes from the device (loss_count_targets), so no
+// launch waits on the host. The row losses are summed in double in a fixed order by loss_total:
+// the loss is deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -56,6 +58,117 @@ struct Vec {
     T e[n];
   };
 };
+
+// A row's loss from its statistics (thread 0), and the coefficients of g. zt: the target's logit.
+struct RowCoefficients {
+  float p, uniform, target;
+};
+
+__device__ __forceinline__ float row_loss_value(float lse, float zt, float plain_sum, std::int64_t v, float smoothing,
+                                                float zeta) {
+  return (1.0f - smoothing) * (lse - zt) + smoothing * (lse - plain_sum / static_cast<float>(v)) + zeta * lse * lse;
+}
+
+__device__ __forceinline__ RowCoefficients row_coefficients(float lse, const std::int64_t* status, std::int64_t v,
+                                                            float smoothing, float zeta, bool mean) {
+  const float scale = mean ? 1.0f / static_cast<float>(status[0]) : 1.0f;
+  return {scale * (1.0f + 2.0f * zeta * lse), scale * smoothing / static_cast<float>(v), scale * (1.0f - smoothing)};
+}
+
+constexpr int kHeldVectors = 8;  // 16-byte vectors of the row each thread holds
+
+// Σ over the block of one float a thread; every thread gets the total. `part` holds kThreads / 32
+// floats and is not reused before the next __syncthreads of the caller.
+template <int kThreads, class Op>
+__device__ __forceinline__ float block_all_reduce(float x, float* part, Op op) {
+  for (int off = 16; off > 0; off >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, off));
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = x;
+  __syncthreads();
+  float all = part[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) all = op(all, part[w]);
+  return all;
+}
+
+template <class T, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1024 / kThreads)
+    cross_entropy_rows_held_kernel(T* __restrict__ logits, std::int64_t v, std::int64_t ld, const T* __restrict__ bias,
+                                   const std::int64_t* __restrict__ targets, const std::int64_t* __restrict__ status,
+                                   float* __restrict__ row_loss, std::int64_t ignore_index, float smoothing, float zeta,
+                                   bool mean) {
+  constexpr int kVec = Vec<T>::n;
+  __shared__ float part_max[kThreads / 32], part_exp[kThreads / 32], part_sum[kThreads / 32];
+  __shared__ float target_logit;
+  const std::int64_t row = blockIdx.x;
+  uint4* z4 = reinterpret_cast<uint4*>(logits + row * ld);
+  const std::int64_t t = targets[row];
+  const bool ignored = t == ignore_index;
+  const bool bad = !ignored && (t < 0 || t >= v);
+  const int nvec = static_cast<int>((v + kVec - 1) / kVec);  // <= kThreads * kHeldVectors
+  auto logit = [&](T raw, int j) {
+    const float x = device::to_float(raw);
+    return bias != nullptr ? x + device::to_float(bias[j]) : x;
+  };
+  Vec<T> x[kHeldVectors];
+  float lse = 0.0f;
+  if (!ignored && !bad) {
+#pragma unroll
+    for (int i = 0; i < kHeldVectors; ++i) {
+      const int q = static_cast<int>(threadIdx.x) + i * kThreads;
+      if (q < nvec) x[i].raw = z4[q];
+    }
+    if (threadIdx.x == 0) target_logit = logit(reinterpret_cast<const T*>(z4)[t], static_cast<int>(t));
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kHeldVectors; ++i) {
+      const int q = static_cast<int>(threadIdx.x) + i * kThreads;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e)
+        if (kVec * q + e < v) m = fmaxf(m, logit(x[i].e[e], kVec * q + e));
+    }
+    m = block_all_reduce<kThreads>(m, part_max, [](float a, float b) { return fmaxf(a, b); });
+    float se = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kHeldVectors; ++i) {
+      const int q = static_cast<int>(threadIdx.x) + i * kThreads;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        if (kVec * q + e < v) {
+          const float xv = logit(x[i].e[e], kVec * q + e);
+          se += __expf(xv - m);
+          sum += xv;
+        }
+      }
+    }
+    const auto plus = [](float a, float b) { return a + b; };
+    se = block_all_reduce<kThreads>(se, part_exp, plus);
+    sum = block_all_reduce<kThreads>(sum, part_sum, plus);
+    lse = m + logf(se);
+    if (threadIdx.x == 0) row_loss[row] = row_loss_value(lse, target_logit, sum, v, smoothing, zeta);
+  } else if (threadIdx.x == 0) {
+    row_loss[row] = bad ? NAN : 0.0f;
+  }
+  const RowCoefficients c = row_coefficients(lse, status, v, smoothing, zeta, mean);
+#pragma unroll
+  for (int i = 0; i < kHeldVectors; ++i) {
+    const int q = static_cast<int>(threadIdx.x) + i * kThreads;
+    if (q >= nvec) break;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const int j = kVec * q + e;
+      float d = 0.0f;  // padding past v is written 0 (the GEMMs read only [0, v))
+      if (j < v) {
+        if (bad) {
+          d = NAN;
+        } else if (!ignored) {
+          d = c.p * __expf(logit(x[i].e[e], j) - lse) - c.uniform - (j == t ? c.target : 0.0f);
+        }
+      }
+      x[i].e[e] = device::from_float<T>(d);
+    }
+    z4[q] = x[i].raw;
+  }
+}
 
 template <class T>
 __global__ void __launch_bounds__(kRowThreads)
@@ -125,17 +238,13 @@ __global__ void __launch_bounds__(kRowThreads)
       loss = NAN;
     } else if (!ignored) {
       const float zt = logit(z[t], t);
-      loss = (1.0f - smoothing) * (lse - zt) + smoothing * (lse - row_stats[1] / static_cast<float>(v)) +
-             zeta * lse * lse;
+      loss = row_loss_value(lse, zt, row_stats[1], v, smoothing, zeta);
     }
     row_loss[row] = loss;
   }
   // z[t] is read before any thread overwrites it.
   __syncthreads();
-  const float scale = mean ? 1.0f / static_cast<float>(status[0]) : 1.0f;
-  const float coef_p = scale * (1.0f + 2.0f * zeta * lse);
-  const float coef_uniform = scale * smoothing / static_cast<float>(v);
-  const float coef_target = scale * (1.0f - smoothing);
+  const RowCoefficients c = row_coefficients(lse, status, v, smoothing, zeta, mean);
   for (std::int64_t q = threadIdx.x; q < nvec; q += kRowThreads) {
     Vec<T> x;
     x.raw = z4[q];
@@ -147,7 +256,7 @@ __global__ void __launch_bounds__(kRowThreads)
         if (bad) {
           d = NAN;
         } else if (!ignored) {
-          d = coef_p * __expf(logit(x.e[e], j) - lse) - coef_uniform - (j == t ? coef_target : 0.0f);
+          d = c.p * __expf(logit(x.e[e], j) - lse) - c.uniform - (j == t ? c.target : 0.0f);
         }
       }
       x.e[e] = device::from_float<T>(d);
@@ -223,9 +332,22 @@ void cross_entropy_rows(const CrossEntropyRowsArgs& a, const LinearCrossEntropyP
   const cudaStream_t s = detail::cuda_stream(stream);
   with_float_type(a.grad_dtype, [&](auto ti) {
     using T = decltype(ti);
-    cross_entropy_rows_kernel<T><<<static_cast<unsigned>(a.rows), kRowThreads, 0, s>>>(
-        static_cast<T*>(a.logits), a.v, a.ld, static_cast<const T*>(a.bias), a.targets, a.status, a.row_loss,
-        p.ignore_index, p.label_smoothing, p.z_loss, p.reduction == LossReduction::mean);
+    const auto launch = [&](auto kernel, int threads) {
+      kernel<<<static_cast<unsigned>(a.rows), static_cast<unsigned>(threads), 0, s>>>(
+          static_cast<T*>(a.logits), a.v, a.ld, static_cast<const T*>(a.bias), a.targets, a.status, a.row_loss,
+          p.ignore_index, p.label_smoothing, p.z_loss, p.reduction == LossReduction::mean);
+    };
+    const std::int64_t nvec = (a.v + Vec<T>::n - 1) / Vec<T>::n;
+    if (nvec <= 128 * kHeldVectors)
+      launch(cross_entropy_rows_held_kernel<T, 128>, 128);
+    else if (nvec <= 256 * kHeldVectors)
+      launch(cross_entropy_rows_held_kernel<T, 256>, 256);
+    else if (nvec <= 512 * kHeldVectors)
+      launch(cross_entropy_rows_held_kernel<T, 512>, 512);
+    else if (nvec <= 1024 * kHeldVectors)
+      launch(cross_entropy_rows_held_kernel<T, 1024>, 1024);
+    else
+      launch(cross_entropy_rows_kernel<T>, kRowThreads);
   });
   FK_CUDA_CHECK_LAUNCH("cross_entropy_rows");
 }
