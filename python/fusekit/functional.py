@@ -342,3 +342,43 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
         return ops.call("rope", q, k, cos, sin)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _qkv_rope_fits(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> bool:
+    """Whether the fused op computes qkv_rope's torch expression for these arguments (see qkv_rope)."""
+    tensors = (x, wq, wk, wv, cos, sin)
+    if not all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors):
+        return False
+    if x.dim() != 3 or any(w.dim() != 2 or w.shape[1] != x.shape[2] for w in (wq, wk, wv)):
+        return False
+    if head_dim <= 0 or head_dim % 2 or any(w.shape[0] % head_dim for w in (wq, wk, wv)) or wv.shape != wk.shape:
+        return False
+    if cos.dim() != 3 or cos.shape != sin.shape or cos.shape[0] not in (1, x.shape[0]) or \
+            tuple(cos.shape[1:]) != (x.shape[1], head_dim):
+        return False
+    if any(t.dtype not in _ROPE_DTYPES for t in tensors) or cos.dtype != sin.dtype:
+        return False
+    if not ops._registry._autocast_enabled(x.device.type):
+        if any(w.dtype != x.dtype for w in (wq, wk, wv)) or torch.promote_types(x.dtype, cos.dtype) != x.dtype:
+            return False
+    if any(t.device != x.device for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+
+
+def qkv_rope(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, cos: Tensor, sin: Tensor,
+             head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Hugging Face LLaMA attention's inputs from its normed hidden states x [B, T, C]:
+    q = apply_rotary_pos_emb of x wqᵀ, k the same of x wkᵀ, v = x wvᵀ, each seen as [B, H, T,
+    head_dim] (`.view(B, T, -1, head_dim).transpose(1, 2)`), cos and sin [B or 1, T, head_dim].
+    One fused op (torch.ops.fusekit.qkv_rope) where it applies: q and k from one GEMM over [wq; wk]
+    with rope reading its column blocks; in the backward, rope's gradients written side by side so
+    that x's gradient is one GEMM plus v's accumulated into it (no three-way sum). Dtypes as the
+    torch expression (autocast's under autocast); other arguments (biases are not taken: add them
+    after, or use the projections) run as that expression."""
+    if _qkv_rope_fits(x, wq, wk, wv, cos, sin, head_dim):
+        return ops.call("qkv_rope", x, wq, wk, wv, cos, sin, head_dim)
+    b, t = x.shape[0], x.shape[1]
+    q, k, v = (torch.nn.functional.linear(x, w).view(b, t, -1, head_dim).transpose(1, 2) for w in (wq, wk, wv))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v

@@ -25,6 +25,12 @@ and optimizers, hooks and checkpoints made before or after keep working. What is
 - rotary: ``apply_rotary_pos_emb`` of the module that defines a patched attention class (a module
   global, as Hugging Face's attention calls it) -> ``fusekit.apply_rotary_pos_emb``, while any
   model of that module is patched.
+- attention inputs (with ``qkv``): Hugging Face's LLaMA attention (its forward checked line by
+  line; q, k, v projections without bias) -> ``fusekit.functional.qkv_rope``: q and k from one
+  GEMM and rope in one pass, and in the backward one GEMM for the input's gradient over q's and k's
+  side by side, v's accumulated into it, instead of three and a sum. The attention function, the
+  output projection and everything else are the model's. The model's own forward runs with a cache,
+  hooks on the projections, or inside ``fusekit.compress_saved_tensors``.
 - LM head loss: a ``*ForCausalLM`` with ``lm_head`` and ``model``, when called with ``labels`` ->
   ``fusekit.linear_cross_entropy`` on the last hidden states: the loss, with the logits never
   materialised (``logits`` is None in the output). Without labels, the model's own forward runs.
@@ -193,6 +199,87 @@ def _chain_ready(stack: nn.Module) -> bool:
 # The attention's projections in a patched decoder layer: inside fusekit.compress_saved_tensors
 # their inputs stay packed and their weight gradients read the packed copy (compress.linear).
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+# Hugging Face's attention forward (transformers 5's LlamaAttention), line by line after its
+# signature; {cache} is the cache argument's name, {update} what its update call adds. A class whose
+# forward reads otherwise (sliding windows, q/k norms, biases handled apart) keeps it.
+_ATTENTION_BODY = (
+    "input_shape = hidden_states.shape[:-1]",
+    "hidden_shape = (*input_shape, -1, self.head_dim)",
+    "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "cos, sin = position_embeddings",
+    "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)",
+    "if {cache} is not None:",
+    "key_states, value_states = {cache}.update(key_states, value_states, self.layer_idx{update})",
+    "attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(",
+    "self.config._attn_implementation, eager_attention_forward",
+    ")",
+    "attn_output, attn_weights = attention_interface(",
+    "self,", "query_states,", "key_states,", "value_states,", "attention_mask,",
+    "dropout=0.0 if not self.training else self.attention_dropout,",
+    "scaling=self.scaling,", "**kwargs,", ")",
+    "attn_output = attn_output.reshape(*input_shape, -1).contiguous()",
+    "attn_output = self.o_proj(attn_output)",
+    "return attn_output, attn_weights",
+)
+_ATTENTION_CACHES = ("past_key_values", "cache")
+
+
+def _is_hf_attention(m: nn.Module) -> bool:
+    """A module whose forward is _ATTENTION_BODY, with q_proj, k_proj, v_proj nn.Linear without
+    bias, a head_dim, and the module globals that forward reads."""
+    if not all(isinstance(getattr(m, p, None), nn.Linear) and getattr(m, p).bias is None
+               for p in ("q_proj", "k_proj", "v_proj")):
+        return False
+    if not isinstance(getattr(m, "head_dim", None), int) or not isinstance(getattr(m, "o_proj", None), nn.Module):
+        return False
+    module = sys.modules.get(type(m).__module__)
+    if not all(hasattr(module, name) for name in ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward")):
+        return False
+    try:
+        source = inspect.getsource(inspect.unwrap(type(m).forward))
+    except (OSError, TypeError):
+        return False
+    body = [line.strip() for line in source.splitlines()]
+    body = [line for line in body if line and not line.startswith("#")]
+    if _ATTENTION_BODY[0] not in body:
+        return False
+    body = body[body.index(_ATTENTION_BODY[0]):]
+    params = inspect.signature(type(m).forward).parameters
+    return any(body == [line.format(cache=cache, update=update) for line in _ATTENTION_BODY]
+               for cache in _ATTENTION_CACHES if cache in params for update in ("", ", kwargs=kwargs"))
+
+
+def _hooked_projection(m: nn.Module) -> bool:
+    return any(p._forward_hooks or p._forward_pre_hooks for p in (m.q_proj, m.k_proj, m.v_proj)) or \
+        bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
+def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None, *args, **kwargs):
+    """Hugging Face's attention forward (_ATTENTION_BODY) with q, k, v and rope from
+    fusekit.functional.qkv_rope; the model's own forward where something else must see the
+    projections (a cache, hooks on them, fusekit.compress_saved_tensors, which packs their input)."""
+    cache = [kwargs.get(name) for name in _ATTENTION_CACHES]
+    if (args or any(c is not None for c in cache) or not isinstance(position_embeddings, tuple)
+            or _hooked_projection(self) or (not torch.compiler.is_compiling() and _compress.active() is not None)):
+        return self._fusekit_base_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    for name in _ATTENTION_CACHES:
+        kwargs.pop(name, None)
+    input_shape = hidden_states.shape[:-1]
+    cos, sin = position_embeddings
+    query_states, key_states, value_states = Fk.qkv_rope(hidden_states, self.q_proj.weight, self.k_proj.weight,
+                                                          self.v_proj.weight, cos, sin, self.head_dim)
+    module = self._fusekit_module
+    attention_interface = module.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                       module.eager_attention_forward)
+    attn_output, attn_weights = attention_interface(
+        self, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
 
 
 def _projection_forward(self, x: Tensor) -> Tensor:
@@ -456,7 +543,7 @@ def _restore_attention(model: nn.Module) -> None:
 
 def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bool = True,
           cross_entropy: bool = True, decoder_layer: bool = True, recompute_mlp: bool = False,
-          attention: bool = False, causal_mask_skip: bool = False) -> nn.Module:
+          attention: bool = False, causal_mask_skip: bool = False, qkv: bool = True) -> nn.Module:
     """Patch `model` in place (see the module's docstring) and return it. `recompute_mlp` makes the
     MLPs recompute their [tokens, 2 x intermediate] pre-activations in the backward instead of
     keeping them (less memory, one more GEMM). `decoder_layer` (with `rms_norm`) fuses each
@@ -474,7 +561,9 @@ def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bo
     transformers builds a dense causal mask; off by default, because SDPA then runs another kernel
     (flash / cuDNN instead of a masked one): the same function, not the same rounding. Both
     switches also keep the positions a model computed itself from being taken for packed sequences
-    under torch.compile (see fusekit.hf_attention). Patching a patched module does nothing."""
+    under torch.compile (see fusekit.hf_attention). `qkv` (with `rope`) computes a Hugging Face
+    LLaMA attention's q, k and v and their rope in one op (fusekit.functional.qkv_rope). Patching a
+    patched module does nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusekit.patch: argument 'model': expected a torch.nn.Module, got {type(model).__name__}")
     rope_modules, globals_used = set(), set()
@@ -504,6 +593,11 @@ def patch(model: nn.Module, *, rms_norm: bool = True, mlp: bool = True, rope: bo
         elif rope and type(m).__name__.endswith("Attention") and hasattr(sys.modules.get(type(m).__module__),
                                                                           "apply_rotary_pos_emb"):
             rope_modules.add(type(m).__module__)
+            if qkv and _is_hf_attention(m):
+                base = type(m).forward
+                _swap(m, "attention", {"forward": _attention_forward,
+                                       "_fusekit_base_forward": base,
+                                       "_fusekit_module": sys.modules[type(m).__module__]})
     if decoder_layer and rms_norm:  # after the loop: a stack's layers and norm are patched by now
         for m in list(model.modules()):
             if "_fusekit_chain_layers" not in m.__dict__ and (n := _decoder_stack_layers(m)):

@@ -56,7 +56,7 @@ def test_patched_llama_equals_unpatched(device, act):
     model = copy.deepcopy(ref)
     fusekit.patch_llama(model)
     roles = set(patched_modules(model).values())
-    assert roles == {"decoder_layer", "projection", "rms_norm", "mlp", "causal_lm"}, roles
+    assert roles == {"decoder_layer", "projection", "rms_norm", "mlp", "causal_lm", "attention"}, roles
     ids, labels = batch(device)
 
     # logits (no labels: the model's own head, with the patched norms, MLPs and rotary)
@@ -124,6 +124,68 @@ def test_chained_decoder_stack(device, monkeypatch):
     got = model.model.layers[1](h, position_embeddings=emb, position_ids=pos)
     assert isinstance(got, torch.Tensor)
     torch.testing.assert_close(got, ref.model.layers[1](h, position_embeddings=emb, position_ids=pos))
+
+
+def count_qkv_calls(monkeypatch):
+    import fusekit.functional as Fk
+    calls = [0]
+
+    def counted(*args, _f=Fk.qkv_rope, **kwargs):
+        calls[0] += 1
+        return _f(*args, **kwargs)
+    monkeypatch.setattr(Fk, "qkv_rope", counted)
+    return calls
+
+
+def test_attention_inputs_in_one_op(device, monkeypatch):
+    """The patched attention takes q, k, v and rope from qkv_rope (one call a layer), with the
+    unpatched model's loss and gradients; qkv=False keeps Hugging Face's projections."""
+    ref = tiny_llama(device)
+    model = fusekit.patch(copy.deepcopy(ref))
+    assert [r for r in patched_modules(model).values()].count("attention") == 2
+    calls = count_qkv_calls(monkeypatch)
+    ids, labels = batch(device)
+    out, want = model(ids, labels=labels), ref(ids, labels=labels)
+    assert calls[0] == 2
+    assert_loss_and_grads_close(out, want, model, ref)
+    plain = fusekit.patch(copy.deepcopy(ref), qkv=False)
+    assert "attention" not in patched_modules(plain).values()
+
+
+@pytest.mark.parametrize("case", ["hook", "compress", "cache", "other_forward"])
+def test_attention_inputs_step_aside(device, monkeypatch, case):
+    """The attention's own forward runs where something else must see the projections: a hook on
+    one, fusekit.compress_saved_tensors (which packs their input), a KV cache; a class whose
+    forward is not Hugging Face LLaMA's is not patched."""
+    ref = tiny_llama(device)
+    model = copy.deepcopy(ref)
+    if case == "other_forward":
+        attn = model.model.layers[0].self_attn
+        cls = type(attn)
+        attn.__class__ = type("OtherAttention", (cls,), {"forward": lambda self, *a, **k: cls.forward(self, *a, **k)})
+    fusekit.patch(model)
+    calls = count_qkv_calls(monkeypatch)
+    ids, labels = batch(device)
+    if case == "other_forward":
+        assert "model.layers.0.self_attn" not in patched_modules(model)
+        assert patched_modules(model)["model.layers.1.self_attn"] == "attention"
+        model(ids, labels=labels)
+        assert calls[0] == 1
+        return
+    if case == "hook":
+        seen = []
+        model.model.layers[1].self_attn.v_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        out, want = model(ids, labels=labels), ref(ids, labels=labels)
+        assert calls[0] == 1 and len(seen) == 1
+        assert_loss_and_grads_close(out, want, model, ref)
+    elif case == "compress":
+        with fusekit.compress_saved_tensors(bits=8, min_bytes=0):
+            model(ids, labels=labels)
+        assert calls[0] == 0
+    else:
+        with torch.no_grad():
+            model.generate(ids[:, :4], max_new_tokens=2, do_sample=False, use_cache=True, pad_token_id=0)
+        assert calls[0] == 0
 
 
 @pytest.mark.parametrize("case", ["hook", "pre_hook", "hidden_states", "checkpointing", "fewer_layers"])

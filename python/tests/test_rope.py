@@ -274,3 +274,141 @@ def test_compiles_without_graph_breaks(device):
     (gg,) = torch.autograd.grad(got.square().sum(), x)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     torch.testing.assert_close(gg, gw, **TOL[torch.float32])
+
+
+# ---- qkv_rope: the attention's projections and rope in one op --------------------------------
+
+def qkv_expression(x, wq, wk, wv, cos, sin, d):
+    """Hugging Face LLaMA attention's q, k, v: the projections viewed as [B, H, T, D], rope on q, k."""
+    b, t = x.shape[:2]
+    q, k, v = (torch.nn.functional.linear(x, w).view(b, t, -1, d).transpose(1, 2) for w in (wq, wk, wv))
+    q, k = hf_apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+QKV_SHAPES = [  # B, T, C, Hq, Hk, D, batch of the tables
+    (1, 1, 8, 1, 1, 2, 1),
+    (2, 7, 48, 3, 1, 16, 2),
+    (3, 5, 64, 4, 2, 8, 1),
+    (2, 33, 96, 6, 6, 16, 2),
+]
+
+
+@pytest.mark.parametrize("shape", QKV_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_rope_matches_the_expression(shape, dtype, device):
+    """Outputs (values and Hugging Face's [B, T, H, D] memory) and the gradients of x, wq, wk, wv
+    against autograd of the torch expression, on random incoming gradients."""
+    B, T, C, Hq, Hk, D, tb = shape
+    x = rand((B, T, C), dtype, device, 40, True)
+    wq, wk, wv = (rand((h * D, C), dtype, device, 41 + i, True) for i, h in enumerate((Hq, Hk, Hk)))
+    cos, sin = tables(tb, T, D, dtype, device)
+    got = fusekit.functional.qkv_rope(x, wq, wk, wv, cos, sin, D)
+    leaves = [t.detach().float().requires_grad_() for t in (x, wq, wk, wv)]
+    want = qkv_expression(*leaves, cos.float(), sin.float(), D)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]  # of the largest |value|
+
+    def close(g, w, name):
+        assert float((g.detach().float() - w.detach()).abs().max() / w.detach().abs().max().clamp_min(1.0)) < tol, name
+
+    for name, g, w in zip("qkv", got, want):
+        assert g.dtype == dtype and g.shape == w.shape
+        assert g.transpose(1, 2).is_contiguous()  # [B, T, H, D] memory, as HF's view + transpose
+        close(g, w, name)
+    gouts = [rand(w.shape, dtype, device, 50 + i) for i, w in enumerate(want)]
+    dgot = torch.autograd.grad(got, (x, wq, wk, wv), gouts)
+    dwant = torch.autograd.grad(want, leaves, [g.float() for g in gouts])
+    for name, g, w in zip(("x", "wq", "wk", "wv"), dgot, dwant):
+        assert g.dtype == dtype, name
+        close(g, w, "d" + name)
+
+
+def test_qkv_rope_gradients_of_any_layout_and_unused_outputs(device):
+    """Incoming gradients as SDPA or .sum() hand them (contiguous [B, H, T, D], expanded), and
+    outputs that get none (k unused); frozen weights get none."""
+    B, T, C, H, D = 2, 5, 32, 2, 8
+    x = rand((B, T, C), torch.float32, device, 60, True)
+    wq, wk, wv = (rand((H * D, C), torch.float32, device, 61 + i, True) for i in range(3))
+    cos, sin = tables(B, T, D, torch.float32, device)
+    q, k, v = fusekit.functional.qkv_rope(x, wq, wk, wv, cos, sin, D)
+    gq = rand((B, H, T, D), torch.float32, device, 64)  # contiguous, not HF's layout
+    dx, dwq, dwk, dwv = torch.autograd.grad((q * gq).sum() + v.sum(), (x, wq, wk, wv))
+    leaves = [t.detach().requires_grad_() for t in (x, wq, wk, wv)]
+    wq_, wk_, wv_ = qkv_expression(*leaves, cos, sin, D)
+    want = torch.autograd.grad((wq_ * gq).sum() + wv_.sum(), leaves, allow_unused=True)
+    for g, w in zip((dx, dwq, dwv), (want[0], want[1], want[3])):
+        torch.testing.assert_close(g, w, **TOL[torch.float32])
+    torch.testing.assert_close(dwk, torch.zeros_like(wk))  # k unused: a zero gradient, as autograd's mm gives
+    wq.requires_grad_(False)
+    wk.requires_grad_(False)
+    wv.requires_grad_(False)
+    q, _, _ = fusekit.functional.qkv_rope(x, wq, wk, wv, cos, sin, D)
+    (dx2,) = torch.autograd.grad(q.sum(), (x,))
+    (w2,) = torch.autograd.grad(qkv_expression(leaves[0], wq, wk, wv, cos, sin, D)[0].sum(), (leaves[0],))
+    torch.testing.assert_close(dx2, w2, **TOL[torch.float32])
+
+
+def test_qkv_rope_autocast_and_fallbacks(device):
+    """Under bf16 autocast: f32 x and weights run in bf16, f32 tables stay f32, f32 leaves get f32
+    gradients. Outside it, mixed dtypes, 16-bit x with f32 tables (HF promotes to f32) and tables
+    that need a gradient run as the expression."""
+    B, T, C, H, D = 2, 6, 32, 2, 8
+    x = rand((B, T, C), torch.float32, device, 70, True)
+    ws = [rand((H * D, C), torch.float32, device, 71 + i, True) for i in range(3)]
+    cos, sin = tables(B, T, D, torch.float32, device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = fusekit.functional.qkv_rope(x, *ws, cos, sin, D)
+        want = fusekit.functional.qkv_rope(x.bfloat16(), *(w.bfloat16() for w in ws), cos, sin, D)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    sum(t.float().sum() for t in got).backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in [x] + ws)
+    xb = x.detach().bfloat16()
+    q, _, _ = fusekit.functional.qkv_rope(xb, *(w.detach().bfloat16() for w in ws), cos, sin, D)
+    assert q.dtype == torch.float32  # bf16 q times f32 cos: HF's expression promotes
+    c = cos.clone().requires_grad_()
+    q, _, _ = fusekit.functional.qkv_rope(x, *ws, c, sin, D)
+    q.sum().backward()
+    assert c.grad is not None
+
+
+def test_qkv_rope_bad_input(device):
+    x = rand((2, 3, 16), torch.float32, device, 80)
+    w = rand((8, 16), torch.float32, device, 81)
+    cos, sin = tables(2, 3, 4, torch.float32, device)
+    with pytest.raises(fusekit.Error, match="qkv_rope.*'head_dim'.*even"):
+        torch.ops.fusekit.qkv_rope(x, w, w, w, cos, sin, 3)
+    with pytest.raises(fusekit.Error, match="qkv_rope.*'wk'"):
+        torch.ops.fusekit.qkv_rope(x, w, w[:, :8], w, cos, sin, 4)
+    with pytest.raises(fusekit.Error, match="qkv_rope.*'wv'"):
+        torch.ops.fusekit.qkv_rope(x, w, w, w[:4], cos, sin, 4)
+    with pytest.raises(fusekit.Error, match="qkv_rope.*'x'"):
+        torch.ops.fusekit.qkv_rope(x[0], w, w, w, cos, sin, 4)
+
+
+def test_qkv_rope_opcheck_and_compile(device):
+    B, T, C, Hq, Hk, D = 2, 5, 32, 4, 2, 8
+    x = rand((B, T, C), torch.float32, device, 90, True)
+    wq = rand((Hq * D, C), torch.float32, device, 91, True)
+    wk, wv = (rand((Hk * D, C), torch.float32, device, 92 + i, True) for i in range(2))
+    cos, sin = tables(1, T, D, torch.float32, device)
+    torch.library.opcheck(ops.qkv_rope, (x, wq, wk, wv, cos, sin, D))
+    torch.library.opcheck(ops.qkv_rope, (x.detach().bfloat16(), wq.detach().bfloat16(), wk.detach().bfloat16(),
+                                         wv.detach().bfloat16(), cos, sin, D))
+    q, k, v = ops.qkv_rope(x.detach(), wq.detach(), wk.detach(), wv.detach(), cos, sin, D)
+    torch.library.opcheck(ops.qkv_rope_backward, (q, k, v, x.detach(), wq.detach(), wk.detach(), wv.detach(),
+                                                  cos, sin, True, True))
+
+    def f(x, wq, wk, wv):
+        q, k, v = fusekit.functional.qkv_rope(x, wq, wk, wv, cos, sin, D)
+        return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
+                                                                v.repeat_interleave(2, 1), is_causal=True)
+
+    want = f(x, wq, wk, wv)
+    dwant = torch.autograd.grad(want.square().sum(), (x, wq, wk, wv))
+    got = torch.compile(f, fullgraph=True)(x, wq, wk, wv)
+    dgot = torch.autograd.grad(got.square().sum(), (x, wq, wk, wv))
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    for g, w in zip(dgot, dwant):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

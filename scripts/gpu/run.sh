@@ -2,11 +2,12 @@
 # A run on the lent GPU machine (the device tool, from the repository root, carrying $PACK_DIR
 # (.gpu-pack unless set) with scripts/gpu/pack.sh's s10.tar.xz and .whl with nanobind's wheel):
 #   PARTS="tests sanitize bench py pybench lm" bash scripts/gpu/run.sh
-# tests: the C++ attention, norm, pointwise and GLU tests (those packed); sanitize: memcheck and racecheck on attention
+# tests: the C++ attention, norm, pointwise, GLU and loss tests (those packed); sanitize: memcheck and racecheck on attention
 # cases of every sm_90 path; bench: the attention cases of `fusekit bench` (BENCH, a
 # space-separated list of filters, each a case-name prefix; BENCH_ARGS, e.g. --breakdown); py: the
 # Python package built there against the pack, its attention tests (PYTESTS); pybench: `python -m fusekit.bench` (PYBENCH, one
-# filter); lm: the LM bench's attention runs with a profile of one step (LM_RUNS); mlperf: the
+# filter); lm: the LM bench's runs (LM_RUNS) with a profile of one step, at each of LM_PRECISION
+# (bf16 unless set; "bf16 autocast" for both); mlperf: the
 # MLPerf DCNv2 model trained on one GPU (an H200; pack the fusekit program).
 set -uo pipefail
 R=$PWD
@@ -23,6 +24,7 @@ if has tests; then
   packed norm_test && { step norm; $B/norm_test 2>&1 | tail -3; }
   packed pointwise_test && { step pointwise; $B/pointwise_test --gtest_filter='Convert*:*Rope*' 2>&1 | tail -3; }
   packed glu_test && { step glu; $B/glu_test --gtest_filter='GluGpu.*' 2>&1 | tail -3; }
+  packed loss_test && { step loss; $B/loss_test 2>&1 | tail -3; }
 fi
 if has sanitize; then
   step memcheck
@@ -30,6 +32,10 @@ if has sanitize; then
     --gtest_filter="${MEMCHECK_TESTS:-Sm90/AttentionBackwardSm90VsSpec.*d64*:Sm90/AttentionSm90ForwardVsSpec.*d64*:Strided/AttentionStrided.GpuMatchesContiguous/bf16_d64_causal}" 2>&1 | tail -4
   packed glu_test && timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B/glu_test \
     --gtest_filter='GluGpu.ActivateMatchesTheCpuOp:GluGpu.PreactGradMatchesTheCpuOp:GluGpu.BackwardFromPreactivationsMatchesSpecAndRecompute' 2>&1 | tail -2
+  packed loss_test && timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B/loss_test \
+    --gtest_filter='Shapes/LossGpu.*' 2>&1 | tail -2
+  packed pointwise_test && timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B/pointwise_test \
+    --gtest_filter='RopeLayouts.*' 2>&1 | tail -2
   packed attention_test && { step racecheck
   timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 $B/attention_test \
     --gtest_filter="${RACECHECK_TESTS:-Sm90/AttentionSm90ForwardVsSpec.*d64*causal*}" 2>&1 | tail -3; }
@@ -57,9 +63,12 @@ if has pybench; then
   python3 -m fusekit.bench --filter "${PYBENCH:-attention}" --out $OUT 2>&1 | tail -14
 fi
 if has lm; then
-  step lm
-  python3 -m fusekit.bench.lm --config small --precision bf16 --batches 64 --warmup 2 --steps 4 --train-steps 0 \
-    --profile 30 --runs "${LM_RUNS:-fusekit_attn_compile,fusekit_nomask_compile,nomask_compile}" --out $OUT/lm.json 2>&1 | tail -120
+  for p in ${LM_PRECISION:-bf16}; do
+    step lm $p
+    python3 -m fusekit.bench.lm --config small --precision $p --batches 64 --warmup 2 --steps 4 --train-steps 0 \
+      --profile 30 --runs "${LM_RUNS:-fusekit_attn_compile,fusekit_nomask_compile,nomask_compile}" \
+      --out $OUT/lm_$p.json 2>&1 | tail -${LM_TAIL:-120}
+  done
 fi
 if has mlperf; then
   # Issue 42's MLPerf DLRM-DCNv2 model on one GPU that holds its 104 GB of fp32 tables (an H200).

@@ -789,6 +789,52 @@ TEST(RopeErrors, EachBadInputNamesItsArgument) {
   EXPECT_NO_THROW(rope_backward({q, k, cos32, cos32, q, k}));
 }
 
+// q's and k's outputs as the two column blocks of one [B, T, (Hq + Hk) D] matrix (their spans
+// interleave row by row, their elements do not): what qkv_rope's backward writes for one GEMM over
+// both. Equal to the spec into separate tensors, on the CPU and the GPU; blocks one column too
+// wide overlap, and are refused.
+TEST(RopeLayouts, OutputsMayBeColumnBlocksOfOneMatrix) {
+  const std::int64_t b = 2, hq = 3, hk = 1, t = 5, d = 8, w = (hq + hk) * d;
+  for (Device dev : {kCpu, Device::cuda(0)}) {
+    if (dev.is_cuda() && cuda_device_count() == 0) continue;  // the GPU half skips without one
+    for (bool backward : {false, true}) {
+      const DType dt = dev.is_cuda() ? DType::bf16 : DType::f32;
+      const Tensor q = test::random_tensor({b, hq, t, d}, dt, dev, 61), k = test::random_tensor({b, hk, t, d}, dt, dev, 62);
+      const Tensor cos = test::random_tensor({t, d}, dt, dev, 63), sin = test::random_tensor({t, d}, dt, dev, 64);
+      Tensor qo = Tensor::empty({b, hq, t, d}, dt, dev), ko = Tensor::empty({b, hk, t, d}, dt, dev);
+      Tensor g = Tensor::empty({b * t * w}, dt, dev);
+      test::poison(g);
+      const auto block = [&](std::int64_t col, std::int64_t heads) {
+        return TensorView(static_cast<char*>(g.data()) + col * dtype_size(dt), dt, {b, heads, t, d},
+                          {t * w, d, w, 1}, dev);
+      };
+      const RopeArgs apart{q, k, cos, sin, qo, ko}, together{q, k, cos, sin, block(0, hq), block(hq * d, hk)};
+      const auto run = [&](const RopeArgs& a) { backward ? rope_backward(a) : rope_forward(a); };
+      run(apart);
+      run(together);
+      const std::vector<double> mem = test::to_doubles(g), qv = test::to_doubles(qo), kv = test::to_doubles(ko);
+      std::int64_t bad = 0;
+      for (std::int64_t bi = 0; bi < b; ++bi)
+        for (std::int64_t ti = 0; ti < t; ++ti)
+          for (std::int64_t c = 0; c < w; ++c) {
+            const std::int64_t head = c / d, j = c % d;
+            const double want = head < hq ? qv[static_cast<std::size_t>(((bi * hq + head) * t + ti) * d + j)]
+                                          : kv[static_cast<std::size_t>(((bi * hk + head - hq) * t + ti) * d + j)];
+            bad += mem[static_cast<std::size_t>((bi * t + ti) * w + c)] == want ? 0 : 1;
+          }
+      EXPECT_EQ(bad, 0) << dev.str() << (backward ? " backward" : " forward");
+    }
+  }
+  const Tensor q = Tensor::empty({1, 2, 3, 4}, DType::f32, kCpu), k = Tensor::empty({1, 1, 3, 4}, DType::f32, kCpu);
+  const Tensor cos = Tensor::empty({3, 4}, DType::f32, kCpu);
+  Tensor g = Tensor::empty({3 * 12}, DType::f32, kCpu);
+  const auto at = [&](std::int64_t col, std::int64_t heads) {
+    return TensorView(static_cast<float*>(g.data()) + col, DType::f32, {1, heads, 3, 4}, {36, 4, 12, 1}, kCpu);
+  };
+  EXPECT_NO_THROW(rope_forward({q, k, cos, cos, at(0, 2), at(8, 1)}));
+  expect_rope_error({q, k, cos, cos, at(0, 2), at(7, 1)}, "q_out");  // k's block starts in q's last head
+}
+
 TEST(RopeErrors, MixedDevices) {
   FK_SKIP_WITHOUT_GPU();
   Tensor q = Tensor::empty({1, 2, 3, 4}, DType::f32, Device::cuda(0)), k = Tensor::empty({1, 2, 3, 4}, DType::f32, Device::cuda(0));

@@ -62,4 +62,40 @@ inline bool overlaps(const TensorView& x, const TensorView& y) {
   return std::less<>{}(x0, y0 + span_bytes(y)) && std::less<>{}(y0, x0 + span_bytes(x));
 }
 
+// Whether two views of one dtype provably share no element, though their spans may interleave:
+// column blocks of one row-major matrix, say (q's and k's heads side by side in each row of a
+// [tokens, (Hq + Hk) D] matrix). For some pitch R among their strides, every dimension whose
+// stride is not a multiple of R spans less than R elements (the view's "columns": offsets
+// [0, extent) modulo R from its first element), and the two views' columns modulo R, their first
+// elements apart, do not meet. False where this does not prove it (then they may overlap).
+inline bool disjoint_elements(const TensorView& x, const TensorView& y) {
+  if (x.numel() == 0 || y.numel() == 0) return true;
+  const std::int64_t esize = static_cast<std::int64_t>(dtype_size(x.dtype()));
+  if (y.dtype() != x.dtype()) return false;
+  const auto gap_bytes = reinterpret_cast<std::intptr_t>(y.data()) - reinterpret_cast<std::intptr_t>(x.data());
+  if (gap_bytes % esize != 0) return false;
+  const std::int64_t gap = static_cast<std::int64_t>(gap_bytes) / esize;
+  // The extent modulo r of a view's columns (dimensions of stride not a multiple of r), or -1
+  // when they reach r or a stride is negative.
+  const auto columns = [](const TensorView& t, std::int64_t r) -> std::int64_t {
+    std::int64_t last = 0;
+    for (int i = 0; i < t.rank(); ++i) {
+      const std::int64_t n = t.size(i), s = t.strides()[i];
+      if (s < 0) return -1;
+      if (n > 1 && s % r != 0) last += (n - 1) * s;
+    }
+    return last + 1 <= r ? last + 1 : -1;
+  };
+  for (const TensorView* v : {&x, &y})
+    for (int i = 0; i < v->rank(); ++i) {
+      const std::int64_t r = v->strides()[i];
+      if (v->size(i) <= 1 || r <= 1) continue;
+      const std::int64_t cx = columns(x, r), cy = columns(y, r);
+      if (cx < 0 || cy < 0) continue;
+      const std::int64_t b = ((gap % r) + r) % r;  // y's first column, x's being 0
+      if (cx <= b && b + cy <= r) return true;
+    }
+  return false;
+}
+
 }  // namespace fk::checks

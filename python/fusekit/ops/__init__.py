@@ -15,7 +15,7 @@ them all; the names below are the ones other modules use as ``fusekit.ops.<name>
 """
 from ._registry import call, call_first, needs_grad, use_torch_caching_allocator  # noqa: F401
 from .pointwise import bias_act, bias_act_backward, convert  # noqa: F401
-from .pointwise import rope, rope_backward  # noqa: F401
+from .pointwise import qkv_rope, qkv_rope_backward, rope, rope_backward  # noqa: F401
 from .primitives import (attention, attention_backward, attention_backward_varlen, attention_varlen,  # noqa: F401
                          batched_matmul, broadcast_binary, broadcast_binary_backward, conv2d, row_sum, softmax)
 from .quant import pack, relu_packed, relu_packed_backward, unpack, weight_grad_from_packed  # noqa: F401

@@ -192,3 +192,126 @@ _autograd("rope", _rope_bwd, _rope_setup)
 # Under autocast q and k run in autocast's dtype; f32 tables stay f32 (the kernel reads them in f32,
 # as Hugging Face's q * cos computes in f32 when cos is), tables of another dtype follow q.
 _autocast("rope", keep_f32=("cos", "sin"))
+
+
+# ---- qkv_rope: the attention's input projections and rope -------------------------------------
+
+_HF_ORDER = [0, 2, 1, 3]  # [B, H, T, D] seen over [B, T, H, D] memory (Hugging Face's view + transpose)
+
+
+def _qkv_sizes(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, head_dim: int) -> tuple[int, int, int, int]:
+    """(B, T, Hq, Hk), after the checks the kernels and GEMMs need."""
+    op = "qkv_rope"
+    if x.dim() != 3:
+        raise _C.Error(f"fk::{op}: argument 'x': expected [B, T, C], got shape {list(x.shape)}")
+    if head_dim <= 0 or head_dim % 2:
+        raise _C.Error(f"fk::{op}: argument 'head_dim': expected an even size >= 2, got {head_dim}")
+    c = x.shape[2]
+    for name, w in (("wq", wq), ("wk", wk), ("wv", wv)):
+        if w.dim() != 2 or w.shape[1] != c or w.shape[0] % head_dim or w.dtype != x.dtype:
+            raise _C.Error(f"fk::{op}: argument '{name}': expected [heads x {head_dim}, {c}] in x's dtype "
+                           f"{x.dtype}, got {w.dtype} {list(w.shape)}")
+    if wv.shape[0] != wk.shape[0]:
+        raise _C.Error(f"fk::{op}: argument 'wv': expected as many rows as wk ({wk.shape[0]}), got {wv.shape[0]}")
+    return x.shape[0], x.shape[1], wq.shape[0] // head_dim, wk.shape[0] // head_dim
+
+
+def _heads(cols: Tensor, b: int, t: int, head_dim: int) -> Tensor:
+    """Columns of a [B T, H D] matrix (any row stride) as [B, H, T, D]: a view."""
+    return cols.view(b, t, cols.shape[1] // head_dim, head_dim).transpose(1, 2)
+
+
+def _hf_empty(x: Tensor, b: int, h: int, t: int, head_dim: int) -> Tensor:
+    """An uninitialised [B, H, T, D] tensor over [B, T, H, D] memory, x's dtype and device."""
+    return torch.empty_strided((b, h, t, head_dim), (t * h * head_dim, head_dim, h * head_dim, 1), dtype=x.dtype,
+                               device=x.device)
+
+
+def _rope_into(x: Tensor, y: Tensor, cos: Tensor, sin: Tensor, x_out: Tensor, y_out: Tensor, backward: bool) -> None:
+    _C.rope(_dlpack(_unit_rows(x)), _dlpack(_unit_rows(y)), _dlpack(_unit_rows(cos)), _dlpack(_unit_rows(sin)),
+            _dlpack(x_out), _dlpack(y_out), backward, _stream(x))
+
+
+@_custom_op("qkv_rope")
+def qkv_rope(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, cos: Tensor, sin: Tensor,
+             head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(q, k, v) = (rope(x wqᵀ), rope(x wkᵀ), x wvᵀ), each [B, H, T, head_dim] over [B, T, H,
+    head_dim] memory: what Hugging Face's attention makes of `proj(x).view(B, T, -1,
+    head_dim).transpose(1, 2)` and apply_rotary_pos_emb. x [B, T, C]; wq [Hq head_dim, C], wk and
+    wv [Hk head_dim, C], x's dtype; cos, sin as rope's. q and k come from one GEMM over the
+    stacked [wq; wk], rope reading its two column blocks in place; v from a second GEMM. The
+    backward (qkv_rope_backward) writes the gradients of q and k before rope side by side, so
+    that x's gradient is one GEMM over them plus v's, accumulated in place, with no sum apart."""
+    b, t, hq, hk = _qkv_sizes(x, wq, wk, wv, head_dim)
+    _same_device("qkv_rope", x=x, wq=wq, wk=wk, wv=wv, cos=cos, sin=sin)
+    x2 = x.reshape(b * t, x.shape[2])
+    nq = wq.shape[0]
+    qk = torch.mm(x2, torch.cat((wq, wk)).t())
+    q, k, v = _hf_empty(x, b, hq, t, head_dim), _hf_empty(x, b, hk, t, head_dim), _hf_empty(x, b, hk, t, head_dim)
+    torch.mm(x2, wv.t(), out=v.transpose(1, 2).view(b * t, -1))
+    _rope_into(_heads(qk[:, :nq], b, t, head_dim), _heads(qk[:, nq:], b, t, head_dim), cos, sin, q, k, False)
+    return q, k, v
+
+
+@qkv_rope.register_fake
+def _(x, wq, wk, wv, cos, sin, head_dim):
+    b, t, hq, hk = _qkv_sizes(x, wq, wk, wv, head_dim)
+    return _hf_empty(x, b, hq, t, head_dim), _hf_empty(x, b, hk, t, head_dim), _hf_empty(x, b, hk, t, head_dim)
+
+
+@_custom_op("qkv_rope_backward")
+def qkv_rope_backward(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor,
+                      cos: Tensor, sin: Tensor, need_x: bool,
+                      need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dwq, dwk, dwv) from the gradients of qkv_rope's outputs (any layout): rope's backward
+    writes dq and dk before rope into the two column blocks of one [B T, (Hq + Hk) D] matrix G;
+    dx = G [wq; wk] + dv wv (the second GEMM accumulating into the first's output), dwq, dwk, dwv
+    = Gqᵀ x, Gkᵀ x, dvᵀ x. Outputs not needed (need_x, need_w) are empty."""
+    head_dim = dq.shape[-1]
+    b, t, hq, hk = _qkv_sizes(x, wq, wk, wv, head_dim)
+    m, nq = b * t, wq.shape[0]
+    x2 = x.reshape(m, x.shape[2])
+    g = torch.empty(m, nq + wk.shape[0], dtype=x.dtype, device=x.device)
+    _rope_into(dq, dk, cos, sin, _heads(g[:, :nq], b, t, head_dim), _heads(g[:, nq:], b, t, head_dim), True)
+    dv2 = dv.transpose(1, 2).reshape(m, -1)
+    empty = x.new_empty(0)
+    dx = empty
+    if need_x:
+        dx = torch.mm(g, torch.cat((wq, wk))).view(x.shape)
+        dx.view(m, -1).addmm_(dv2, wv)
+    if not need_w:
+        return dx, empty, empty, empty
+    return dx, torch.mm(g[:, :nq].t(), x2), torch.mm(g[:, nq:].t(), x2), torch.mm(dv2.t(), x2)
+
+
+@qkv_rope_backward.register_fake
+def _(dq, dk, dv, x, wq, wk, wv, cos, sin, need_x, need_w):
+    empty = x.new_empty(0)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else empty
+    if not need_w:
+        return dx, empty, empty, empty
+    return dx, *(torch.empty(w.shape, dtype=w.dtype, device=w.device) for w in (wq, wk, wv))
+
+
+def _qkv_rope_setup(ctx, inputs, output):
+    x, wq, wk, wv, cos, sin, _ = inputs
+    if cos.requires_grad or sin.requires_grad:
+        raise _C.Error("fk::qkv_rope: argument 'cos': expected cos and sin that need no gradient (rope has "
+                       "none for them; Hugging Face makes them under no_grad), got a tensor that requires grad")
+    ctx.save_for_backward(x, wq, wk, wv, cos, sin)
+
+
+def _qkv_rope_bwd(ctx, dq, dk, dv):
+    x, wq, wk, wv, cos, sin = ctx.saved_tensors
+    b, t, d = x.shape[0], x.shape[1], cos.shape[-1]
+    dq, dk, dv = (g if g is not None else torch.zeros(b, w.shape[0] // d, t, d, dtype=x.dtype, device=x.device)
+                  for g, w in ((dq, wq), (dk, wk), (dv, wv)))
+    need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[1:4])
+    dx, dwq, dwk, dwv = _bwd(ctx, "qkv_rope_backward", dq, dk, dv, x, wq, wk, wv, cos, sin, need_x, need_w)
+    grads = (dx if need_x else None,) + tuple(
+        g if need else None for g, need in zip((dwq, dwk, dwv), ctx.needs_input_grad[1:4]))
+    return grads + (None, None, None)
+
+
+_autograd("qkv_rope", _qkv_rope_bwd, _qkv_rope_setup)
+_autocast("qkv_rope", keep_f32=("cos", "sin"))

@@ -56,12 +56,12 @@ void check_rope_output(const char* op, const char* arg, const TensorView& out, c
   checks::shape_is(op, arg, out, in.shape());
   checks::same_device(op, arg, out, in.device());
   const bool in_place = out.data() == in.data() && out.strides() == in.strides();
-  if (!in_place && checks::overlaps(out, in))
+  if (!in_place && checks::overlaps(out, in) && !checks::disjoint_elements(out, in))
     throw Error(op, arg, fmt::format("{} itself (the same view) or memory that does not overlap it", in_arg),
                 fmt::format("an overlapping view with strides {} ({}'s: {})", out.strides().str(), in_arg,
                             in.strides().str()));
   for (const checks::Named& o : others)
-    if (checks::overlaps(out, *o.t))
+    if (checks::overlaps(out, *o.t) && !checks::disjoint_elements(out, *o.t))
       throw Error(op, arg, fmt::format("memory that does not overlap {}", o.name), "an overlapping tensor");
 }
 
