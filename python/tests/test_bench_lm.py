@@ -3,6 +3,7 @@ a few stdlib files, eager and checkpointed runs for two steps, and the JSON it w
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="the LM benchmark builds its model with transformers")
 pytest.importorskip("tokenizers", reason="the LM benchmark trains its tokenizer with tokenizers")
@@ -146,3 +147,19 @@ def test_fusekit_attn_runs_are_checked(tmp_path, monkeypatch):
     doc = lm.main(common + ["--out", str(tmp_path / "b.json"), "--runs", "fusekit_attn"])
     row = doc["throughput"][0]
     assert row["status"] == "failed" and "AttentionNotRun" in row["message"] and "tokens_per_s" not in row
+
+
+def test_profile_idle_time_between_kernels():
+    """The GPU timeline of a profiled step: overlapping kernels count once, gaps are the time no
+    kernel ran, longest first, named by the kernels around them; CPU events are not kernels."""
+    from types import SimpleNamespace as N
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(start, end, name, device=cuda):
+        return N(time_range=N(start=start, end=end), name=name, device_type=device)
+    prof = N(events=lambda: [ev(0, 10, "a"), ev(5, 12, "b"), ev(15, 20, "c"), ev(20, 21, "d"), ev(30, 31, "e"),
+                             ev(21, 29, "host", cpu)])
+    got = lm.Bench.idle(prof)
+    assert got["span_us"] == 31 and got["idle_us"] == 12
+    assert got["gaps"] == [{"us": 9, "after": "d", "before": "e"}, {"us": 3, "after": "b", "before": "c"}]
+    assert lm.Bench.idle(N(events=lambda: [])) == {"span_us": 0.0, "idle_us": 0.0, "gaps": []}

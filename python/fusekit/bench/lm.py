@@ -202,10 +202,33 @@ class Bench(BenchBase):
                 for e in prof.key_averages() if e.device_time_total > 0]
         rows.sort(key=lambda r: -r["us"])
         total = sum(r["us"] for r in rows)
-        self.log(f"lm: profile, batch {batch}: {total / 1e3:.2f} ms of kernels in one step")
+        idle = self.idle(prof)
+        self.log(f"lm: profile, batch {batch}: {total / 1e3:.2f} ms of kernels in one step; the GPU idle "
+                 f"{idle['idle_us'] / 1e3:.2f} ms between its first and last kernel ({idle['span_us'] / 1e3:.2f} ms)")
         for r in rows[:self.args.profile]:
             self.log(f"  {r['us'] / 1e3:8.3f} ms {100 * r['us'] / total:5.1f}% {r['calls']:5d}x  {r['kernel'][:110]}")
-        return [{"total_us": round(total, 1)}] + rows[:self.args.profile]
+        for g in idle["gaps"]:
+            self.log(f"  idle {g['us']:8.1f} us after {g['after'][:60]} before {g['before'][:60]}")
+        return [{"total_us": round(total, 1)} | idle] + rows[:self.args.profile]
+
+    @staticmethod
+    def idle(prof, top: int = 8) -> dict:
+        """The profiled step's GPU timeline: span from its first kernel's start to its last one's
+        end, the time in it no kernel (or memset / copy) ran, and the longest such gaps with the
+        kernels on either side (under the profiler, whose own launch overhead widens them)."""
+        spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+        if not spans:
+            return {"span_us": 0.0, "idle_us": 0.0, "gaps": []}
+        gaps, end, after = [], spans[0][1], spans[0][2]
+        for start, stop, name in spans[1:]:
+            if start > end:
+                gaps.append({"us": round(start - end, 1), "after": after[:100], "before": name[:100]})
+            if stop > end:
+                end, after = stop, name
+        gaps.sort(key=lambda g: -g["us"])
+        return {"span_us": round(end - spans[0][0], 1), "idle_us": round(sum(g["us"] for g in gaps), 1),
+                "gaps": gaps[:top]}
 
     def train(self, prep, opt, run: str, precision: str) -> dict:
         a, ctx = self.args, self.context
