@@ -23,16 +23,16 @@ void bind_norm(nb::module_& m) {
   m.def(
       "rms_norm_backward",
       [](const Array& dout, const OptArray& dresidual_out, const Array& s, const Array& weight, const Array& rstd,
-         const Array& dx, const OptArray& dweight, float offset, std::uintptr_t stream) {
+         const Array& dx, const OptArray& dweight, float offset, std::uintptr_t stream, const OptArray& dx_low) {
         constexpr const char* op = "rms_norm_backward";
         const RmsNormBackwardArgs a{view(dout, op, "dout"), view(dresidual_out, op, "dresidual_out"),
                                     view(s, op, "s"),       view(weight, op, "weight"),
                                     view(rstd, op, "rstd"), view(dx, op, "dx"),
-                                    view(dweight, op, "dweight")};
+                                    view(dweight, op, "dweight"), view(dx_low, op, "dx_low")};
         rms_norm_backward(a, {0.0f, offset}, StreamArg(stream, a.s).get());
       },
       "dout"_a, "dresidual_out"_a.none(), "s"_a, "weight"_a, "rstd"_a, "dx"_a, "dweight"_a.none(), "offset"_a,
-      "stream"_a, kNoGil);
+      "stream"_a, "dx_low"_a.none() = nb::none(), kNoGil);
 }
 
 }  // namespace fk::py

@@ -137,6 +137,9 @@ def test_out_dtype_rounds_the_f32_result_once(half, shape, device):
         assert [t.dtype for t in got] == [a.dtype, b.dtype, torch.float32]
         for u, v in zip(got, exp):
             torch.testing.assert_close(u.float(), v.float(), **grad_tol(half, x.numel() // shape[-1]))
+        # the 16-bit input's gradient is the f32 one rounded once (written by the same pass)
+        d16, d32 = (got[0], got[1]) if a is xh else (got[1], got[0])
+        torch.testing.assert_close(d16, d32.to(half), rtol=0, atol=0)
 
 
 def test_out_dtype_refused_where_it_is_not_a_rounding(device):
@@ -222,6 +225,11 @@ def test_opcheck_norm(device):
     torch.library.opcheck(ops.add_rms_norm, (x.detach().bfloat16().requires_grad_(), r, w, 1e-6, 0.0, torch.float16))
     torch.library.opcheck(ops.rms_norm_backward,
                           (x.detach().bfloat16(), r.detach(), x.detach(), w.detach(), rstd, 0.0, True))
+    torch.library.opcheck(ops.rms_norm_backward,
+                          (x.detach().bfloat16(), r.detach(), x.detach(), w.detach(), rstd, 0.0, True, torch.bfloat16))
+    with pytest.raises(fusekit.Error, match="rms_norm_backward: argument 'low_dtype'"):
+        ops.rms_norm_backward(x.detach().bfloat16(), None, x.detach().bfloat16(), w.detach(), rstd, 0.0, True,
+                              torch.bfloat16)
 
 
 def test_autocast_follows_torchs_rms_norm(device):

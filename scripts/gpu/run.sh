@@ -36,6 +36,8 @@ if has sanitize; then
     --gtest_filter='Shapes/LossGpu.*' 2>&1 | tail -2
   packed pointwise_test && timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 $B/pointwise_test \
     --gtest_filter='RopeLayouts.*' 2>&1 | tail -2
+  packed norm_test && timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 $B/norm_test \
+    --gtest_filter='NormGpuMixed.*' 2>&1 | tail -2
   packed attention_test && { step racecheck
   timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 $B/attention_test \
     --gtest_filter="${RACECHECK_TESTS:-Sm90/AttentionSm90ForwardVsSpec.*d64*causal*}" 2>&1 | tail -3; }

@@ -487,18 +487,56 @@ TEST(NormGpuMixed, SixteenBitOutAndXWithF32RowsMatchSpec) {
           if (xt != DType::f32) continue;  // the backward: f32 s with a dout of out's dtype
           Tensor dout = test::random_tensor(s, ot, kCpu, ++seed), dr = test::random_tensor(s, DType::f32, kCpu, ++seed);
           Tensor want_dx = Tensor::empty(s, DType::f32, kCpu), want_dw = Tensor::empty({shape.cols}, DType::f32, kCpu);
-          reference::rms_norm_backward({dout, dr.view(), x, w, want_rstd, want_dx, want_dw.view()}, p);
+          // with a 16-bit dout, ds in that dtype too (dx_low: the gradient of a 16-bit x)
+          const bool low = ot != DType::f32;
+          Tensor want_low = Tensor::empty(s, ot, kCpu);
+          const auto if_low = [&](const TensorView& t) { return low ? std::optional<TensorView>(t) : std::nullopt; };
+          reference::rms_norm_backward({dout, dr.view(), x, w, want_rstd, want_dx, want_dw.view(), if_low(want_low)}, p);
           const TensorView doutd = device_rows(dout, layout, keep), drd = device_rows(dr, layout, keep);
           const TensorView sd = device_rows(x, layout, keep), dxd = device_out(s, DType::f32, layout, keep);
+          const TensorView lowd = device_out(s, ot, layout, keep);
           Tensor rstd_in = want_rstd.copy_to(Device::cuda(0)), dwd = Tensor::empty({shape.cols}, DType::f32, Device::cuda(0));
-          rms_norm_backward({doutd, drd, sd, wd, rstd_in, dxd, dwd.view()}, p);
+          rms_norm_backward({doutd, drd, sd, wd, rstd_in, dxd, dwd.view(), if_low(lowd)}, p);
           const test::Tolerance dxt = out_tolerance(DType::f32, shape.cols);
           EXPECT_TRUE(test::all_close(dxd, want_dx, {4 * dxt.atol, dxt.rtol})) << what << " dx";
+          if (low) {
+            const test::Tolerance lt = out_tolerance(ot, shape.cols);
+            EXPECT_TRUE(test::all_close(lowd, want_low, {4 * dxt.atol + lt.atol, lt.rtol})) << what << " dx_low";
+          }
           const double accum = 2.0 * static_cast<double>(shape.rows) * 0x1p-24;
           EXPECT_TRUE(test::all_close(dwd, want_dw, {test::tolerance_for(DType::f32).atol + accum,
                                                      test::tolerance_for(DType::f32).rtol}))
               << what << " dweight";
         }
+}
+
+// dx_low: f32 s with a bf16 or f16 dout only, of dout's dtype and s's shape; by hand on the CPU,
+// ds = rstd (g - x^ mean(g x^)) + dresidual_out rounded once to dout's dtype.
+TEST(NormSpec, SixteenBitGradientBesideF32Rows) {
+  const float s[] = {1, 2, 3, 4}, w[] = {1, 1, 1, 1}, dr[] = {0.5f, 0, 0, 0}, rstd[] = {0.5f};
+  Tensor dout = test::host_tensor({1, 4}, DType::bf16, {1, 0, 0, 0});
+  float dx[4];
+  Tensor low = Tensor::empty({1, 4}, DType::bf16, kCpu);
+  rms_norm_backward({dout, host_view(dr, {1, 4}), host_view(s, {1, 4}), host_view(w, {4}), host_view(rstd, {1}),
+                     host_view(dx, {1, 4}), std::nullopt, low.view()},
+                    {});
+  // x^ = (0.5, 1, 1.5, 2), g = (1, 0, 0, 0), mean(g x^) = 0.125: ds = 0.5 (g - 0.125 x^) + dr
+  const std::vector<double> want = {0.5 * (1 - 0.0625) + 0.5, -0.0625, -0.09375, -0.125};
+  for (int j = 0; j < 4; ++j) EXPECT_FLOAT_EQ(dx[j], static_cast<float>(want[static_cast<std::size_t>(j)]));
+  const std::vector<double> got = test::to_doubles(low);
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(got[static_cast<std::size_t>(j)], static_cast<double>(dx[j])) << j;  // exact in bf16
+  const auto bad = [&](const TensorView& dout_t, const TensorView& s_t, const TensorView& low_t, const TensorView& dx_t) {
+    test::expect_arg_error([&] {
+      rms_norm_backward({dout_t, std::nullopt, s_t, Tensor::empty({4}, s_t.dtype(), kCpu), host_view(rstd, {1}), dx_t,
+                         std::nullopt, low_t}, {});
+    }, "rms_norm_backward", "dx_low");
+  };
+  Tensor s16 = Tensor::empty({1, 4}, DType::bf16, kCpu), dx16 = Tensor::empty({1, 4}, DType::bf16, kCpu);
+  Tensor dout32 = Tensor::empty({1, 4}, DType::f32, kCpu), low16 = Tensor::empty({1, 4}, DType::f16, kCpu);
+  bad(dout, s16, low, dx16);                              // 16-bit rows
+  bad(dout32, host_view(s, {1, 4}), low, host_view(dx, {1, 4}));  // f32 dout
+  bad(dout, host_view(s, {1, 4}), low16, host_view(dx, {1, 4}));  // not dout's dtype
+  bad(dout, host_view(s, {1, 4}), Tensor::empty({1, 3}, DType::bf16, kCpu), host_view(dx, {1, 4}));  // shape
 }
 
 // The same inputs give the same bits (dweight's sums in a fixed order).

@@ -8,7 +8,8 @@
 //              out[m, n] = (s[m, n] * rstd[m]) * (weight[n] + offset)             (one rounding)
 //   backward   g = dout * (weight + offset),  x^ = s * rstd
 //              ds[m, n] = rstd[m] * (g - x^ * mean_n(g * x^)) + dresidual_out[m, n]
-//              dx = ds (for add_rms_norm, also the residual's gradient: returned once)
+//              dx = ds (for add_rms_norm, also the residual's gradient: returned once;
+//                       optionally also in dout's 16-bit dtype for f32 rows: dx_low)
 //              dweight[n] = sum_m dout[m, n] * x^[m, n]
 //
 // offset is 0 for LLaMA's RMSNorm (weight * x^) and 1 for Gemma's ((1 + weight) * x^). Every
@@ -67,6 +68,10 @@ struct RmsNormBackwardArgs {
   TensorView rstd;                          // [rows], f32, as the forward wrote it
   TensorView dx;                            // [rows, cols], s's dtype: overwritten with ds
   std::optional<TensorView> dweight;        // [cols], weight's dtype: overwritten; absent: not computed
+  // [rows, cols], dout's dtype when that is bf16 or f16 and s is f32: ds again, rounded once from
+  // f32 (the gradient of a 16-bit x added to f32 rows, as autocast's add_rms_norm has it, written
+  // in the pass instead of cast from dx after); absent: not written.
+  std::optional<TensorView> dx_low;
 };
 
 void rms_norm_backward(const RmsNormBackwardArgs& a, const RmsNormParams& p, const Stream* stream = nullptr);

@@ -138,32 +138,44 @@ def _(x, residual, weight, eps, offset, out_dtype=None):
 
 @_custom_op("rms_norm_backward")
 def rms_norm_backward(dout: Tensor, dresidual_out: Optional[Tensor], s: Tensor, weight: Tensor, rstd: Tensor,
-                      offset: float, weight_grad: bool) -> tuple[Tensor, Tensor]:
-    """(ds, dweight) from the incoming gradients of out (and of residual_out, for add_rms_norm) and
-    what the forward kept: s (x, or residual_out), rstd. ds in s's dtype; dweight in weight's dtype
-    when weight_grad, else an empty tensor."""
+                      offset: float, weight_grad: bool,
+                      low_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(ds, dweight, ds_low) from the incoming gradients of out (and of residual_out, for
+    add_rms_norm) and what the forward kept: s (x, or residual_out), rstd. ds in s's dtype; dweight
+    in weight's dtype when weight_grad, else an empty tensor; ds_low, for f32 s and low_dtype bf16 or
+    f16, ds rounded once to low_dtype in the same pass (the gradient of a 16-bit x that add_rms_norm
+    added to f32 rows), else an empty tensor."""
     op = "rms_norm_backward"
     _same_device(op, dout=dout, dresidual_out=dresidual_out, s=s, weight=weight, rstd=rstd)
     s = _row_major(s)
     w = _kernel_weight(weight, s.dtype)
     out_dtype = dout.dtype if dout.dtype in _HALF and s.dtype == torch.float32 else _out_dtype(s.dtype, w.dtype)
+    if low_dtype is not None and (s.dtype != torch.float32 or low_dtype not in _HALF):
+        raise _C.Error(f"fk::{op}: argument 'low_dtype': expected None, or bfloat16/float16 for f32 s, got "
+                       f"{low_dtype} for {_dtype_str(s.dtype)} s")
+    if low_dtype is not None:
+        out_dtype = low_dtype  # the kernel writes ds_low in dout's dtype
     dout = _row_major(dout.to(out_dtype))  # autograd hands out any layout
     if dresidual_out is not None:
         dresidual_out = _row_major(dresidual_out.to(s.dtype))
     dx = torch.empty(s.shape, dtype=s.dtype, device=s.device)
     dw = torch.empty(w.shape, dtype=w.dtype, device=s.device) if weight_grad else None
+    low = torch.empty(s.shape, dtype=low_dtype, device=s.device) if low_dtype is not None else None
     _C.rms_norm_backward(_d(_rows(dout, op, "dout")),
                          None if dresidual_out is None else _d(_rows(dresidual_out, op, "dresidual_out")),
                          _d(_rows(s, op, "s")), _d(w), _d(rstd.contiguous().view(-1)), _d(_rows(dx, op, "dx")),
-                         _d(dw), offset, _stream(s))
+                         _d(dw), offset, _stream(s), None if low is None else _d(_rows(low, op, "dx_low")))
+    if low is None:
+        low = s.new_empty(0)
     if dw is None:
-        return dx, s.new_empty(0, dtype=weight.dtype)
-    return dx, dw.to(weight.dtype)
+        return dx, s.new_empty(0, dtype=weight.dtype), low
+    return dx, dw.to(weight.dtype), low
 
 
 @rms_norm_backward.register_fake
-def _(dout, dresidual_out, s, weight, rstd, offset, weight_grad):
-    return s.new_empty(s.shape), weight.new_empty(weight.shape if weight_grad else (0,))
+def _(dout, dresidual_out, s, weight, rstd, offset, weight_grad, low_dtype=None):
+    low = s.new_empty(s.shape, dtype=low_dtype) if low_dtype is not None else s.new_empty(0)
+    return s.new_empty(s.shape), weight.new_empty(weight.shape if weight_grad else (0,)), low
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -175,7 +187,7 @@ def _rms_norm_setup(ctx, inputs, output):
 def _rms_norm_bwd(ctx, dout, drstd):
     x, weight, rstd = ctx.saved_tensors
     want_w = ctx.needs_input_grad[1]
-    dx, dw = _bwd(ctx, "rms_norm_backward", dout, None, x, weight, rstd, ctx.offset, want_w)
+    dx, dw, _ = _bwd(ctx, "rms_norm_backward", dout, None, x, weight, rstd, ctx.offset, want_w)
     return dx, (dw if want_w else None), None, None, None
 
 
@@ -194,9 +206,13 @@ def _add_rms_norm_bwd(ctx, dout, dresidual_out, drstd):
     want_w = ctx.needs_input_grad[2]
     if dout is None:  # only residual_out is used downstream
         dout = torch.zeros((), dtype=ctx.out_dtype, device=s.device).expand(s.shape)
-    ds, dw = _bwd(ctx, "rms_norm_backward", dout, dresidual_out, s, weight, rstd, ctx.offset, want_w)
     x_dtype, r_dtype = ctx.dtypes
-    dx = ds if ctx.needs_input_grad[0] else None
+    # x bf16/f16 added to f32 rows (autocast's attention or MLP output onto the residual stream):
+    # its gradient written in its dtype by the same pass, not cast from ds after it
+    low = x_dtype if (ctx.needs_input_grad[0] and s.dtype == torch.float32 and x_dtype in _HALF
+                      and dout.dtype == x_dtype) else None
+    ds, dw, ds_low = _bwd(ctx, "rms_norm_backward", dout, dresidual_out, s, weight, rstd, ctx.offset, want_w, low)
+    dx = (ds_low if low is not None else ds) if ctx.needs_input_grad[0] else None
     dr = ds if ctx.needs_input_grad[1] else None
     return (None if dx is None else dx.to(x_dtype)), (None if dr is None else dr.to(r_dtype)), \
         (dw if want_w else None), None, None, None

@@ -123,7 +123,14 @@ void rms_norm_backward(const RmsNormBackwardArgs& a, const RmsNormParams& p, con
   check_vector(op, "rstd", a.rstd, a.s.size(0), DType::f32, dev);
   check_rows_like(op, "dx", a.dx, a.s, a.s.dtype());
   if (a.dweight) check_vector(op, "dweight", *a.dweight, a.s.size(1), a.weight.dtype(), dev);
-  checks::outputs_disjoint(op, {{"dx", &a.dx}, {"dweight", a.dweight ? &*a.dweight : nullptr}},
+  if (a.dx_low) {
+    FK_CHECK_ARG(a.s.dtype() == DType::f32 && (a.dout.dtype() == DType::bf16 || a.dout.dtype() == DType::f16), op,
+                 "dx_low", "absent unless s is f32 and dout bf16 or f16",
+                 fmt::format("s {}, dout {}", dtype_name(a.s.dtype()), dtype_name(a.dout.dtype())));
+    check_rows_like(op, "dx_low", *a.dx_low, a.s, a.dout.dtype());
+  }
+  checks::outputs_disjoint(op, {{"dx", &a.dx}, {"dweight", a.dweight ? &*a.dweight : nullptr},
+                                {"dx_low", a.dx_low ? &*a.dx_low : nullptr}},
                            {{"dout", &a.dout}, {"dresidual_out", a.dresidual_out ? &*a.dresidual_out : nullptr},
                             {"s", &a.s}, {"weight", &a.weight}, {"rstd", &a.rstd}});
   FK_CHECK_ARG(a.s.size(0) == 0 || a.s.size(1) > 0, op, "s", "rows of at least one column (the mean of none is undefined)",

@@ -58,6 +58,7 @@ void rms_norm_backward(const RmsNormBackwardArgs& a, const RmsNormParams& p) {
       double ds = rstd * (g[k] - xhat[k] * mean);
       if (a.dresidual_out) ds += load(*a.dresidual_out, at(*a.dresidual_out, i, j));
       store(a.dx, at(a.dx, i, j), ds);
+      if (a.dx_low) store(*a.dx_low, at(*a.dx_low, i, j), static_cast<double>(static_cast<float>(ds)));
     }
   }
   if (a.dweight)

@@ -77,6 +77,8 @@ struct BackwardParams {
   float* partial;             // [gridDim.x, cols]: each block's share of dweight, or null
   std::int64_t rows, cols, ld_dout, ld_dr, ld_s, ld_dx;
   float offset;
+  void* dx_low = nullptr;     // [rows, cols] in dout's dtype, row stride ld_dx_low, or null
+  std::int64_t ld_dx_low = 0;
 };
 
 // V elements at p as floats: 16-byte accesses where V fills them, one narrower access where V
@@ -342,6 +344,7 @@ __global__ void __launch_bounds__(kBackwardMaxThreads<T, W>) rms_norm_backward_k
         for (int j = 0; j < V; ++j) ds[j] += dres[k].get(j);
       }
       store_floats<T, V>(dx + col(k), ds);
+      if (p.dx_low) store_floats<O, V>(static_cast<O*>(p.dx_low) + row * p.ld_dx_low + col(k), ds);
     }
   }
   if (!p.partial) return;
@@ -408,6 +411,7 @@ __global__ void __launch_bounds__(kLongThreads) rms_norm_backward_long_kernel(co
         for (int j = 0; j < V; ++j) ds[j] += add[j];
       }
       store_floats<T, V>(dx + c, ds);
+      if (p.dx_low) store_floats<O, V>(static_cast<O*>(p.dx_low) + row * p.ld_dx_low + c, ds);
       if (partial) {
 #pragma unroll
         for (int j = 0; j < V; ++j) partial[c + j] = (first ? 0.0f : partial[c + j]) + d[j] * (s[j] * rstd);
@@ -601,13 +605,16 @@ void rms_norm_backward(const RmsNormBackwardArgs& a, const RmsNormParams& prm, c
                          add ? row_stride(*a.dresidual_out) : 0,
                          row_stride(a.s),
                          row_stride(a.dx),
-                         prm.offset};
+                         prm.offset,
+                         a.dx_low ? a.dx_low->data() : nullptr,
+                         a.dx_low ? row_stride(*a.dx_low) : 0};
   const TensorView* dr = add ? &*a.dresidual_out : nullptr;
   const TensorView* dw = a.dweight ? &*a.dweight : nullptr;
+  const TensorView* low = a.dx_low ? &*a.dx_low : nullptr;
   with_norm_types(a.s.dtype(), a.weight.dtype(), [&](auto t, auto w) {
     using T = decltype(t);
     using W = decltype(w);
-    const bool vec = vectors_fit(kVec<T>, p.cols, {&a.dout, dr, &a.s, &a.dx}, {&a.weight, dw});
+    const bool vec = vectors_fit(kVec<T>, p.cols, {&a.dout, dr, &a.s, &a.dx, low}, {&a.weight, dw});
     if constexpr (std::is_same_v<T, float>) {  // f32 rows: dout of any float type
       with_float_type(a.dout.dtype(), [&](auto o) { launch_backward<T, W, decltype(o)>(p, vec, dw, a.s.device(), stream); });
     } else {
