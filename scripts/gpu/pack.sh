@@ -16,7 +16,7 @@ sed -i 's/^set(FUSEKIT_WITH_MPI ON)/set(FUSEKIT_WITH_MPI OFF)/' $P/pfx/lib/cmake
 sed -i 's/;MPI::MPI_CXX//; s/MPI::MPI_CXX;//; s/MPI::MPI_CXX//' $P/pfx/lib/cmake/fusekit/fusekitTargets.cmake
 for t in "$@"; do cp build/tests/$t $P/bin/ 2>/dev/null || cp build/$t $P/bin/; done
 strip $P/bin/*
-for b in $P/bin/*; do ldd $b; done | awk '/=>/ {print $3}' | sort -u | grep -E "mpi|open-|hwloc|pmix|event|ucx|ucp|ucs|ucm|uct|fabric|psm|ibverbs|rdmacm|munge|nl-|efa" | xargs -r -I{} cp -L {} $P/lib/
+for b in $P/bin/*; do ldd $b; done | awk '/=>/ {print $3}' | sort -u | { grep -E "mpi|open-|hwloc|pmix|event|ucx|ucp|ucs|ucm|uct|fabric|psm|ibverbs|rdmacm|munge|nl-|efa" || true; } | xargs -r -I{} cp -L {} $P/lib/
 du -sh $P/*
 mkdir -p ${PACK_DIR:-.gpu-pack}
 tar -C /tmp -cf - s10 | xz -T2 -6 > ${PACK_DIR:-.gpu-pack}/s10.tar.xz
