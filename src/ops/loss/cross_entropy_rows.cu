@@ -1,20 +1,17 @@
 // The kernels of linear_cross_entropy between its GEMMs (contracts in loss_cuda.hpp).
 //
-// cross_entropy_rows: a block per row of the chunk's logits at a time, in the operands' dtype (the
-// GEMM's f32 accumulators rounded once, as F.linear's output is). A row of at most 8 16-byte
-// vectors a thread (V <= 65536 at 16 bits, 32768 in f32; 128 to 1024 threads) is read once into
-// registers: its max, then its sum of exponentials and plain sum (f32, + bias) come from the
-// registers, and each element is overwritten in place with the gradient g; the kernel moves the
-// row's bytes once each way, the floor of this step. Those blocks are persistent and copy their
-// next row into shared memory (cp.async) while they reduce the current one. Longer rows take two
-// reads, one block a row: a running max and sum of exponentials, then g. The count of the mean comes from the device (loss_count_targets), so no
+// cross_entropy_rows: one block per row of the chunk's logits, in the operands' dtype (the GEMM's
+// f32 accumulators rounded once, as F.linear's output is). A row of at most 8 16-byte vectors a
+// thread (V <= 65536 at 16 bits, 32768 in f32; 128 to 1024 threads) is read once into registers:
+// its max, then its sum of exponentials and plain sum (f32, + bias) come from the registers, and
+// each element is overwritten in place with the gradient g; the kernel moves the row's bytes once
+// each way, the floor of this step. Longer rows take two reads: a running max and sum of
+// exponentials, then g. The count of the mean comes from the device (loss_count_targets), so no
 // launch waits on the host. The row losses are summed in double in a fixed order by loss_total:
 // the loss is deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_pipeline.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -93,104 +90,83 @@ __device__ __forceinline__ float block_all_reduce(float x, float* part, Op op) {
   return all;
 }
 
-// Persistent: each block takes rows blockIdx.x, + gridDim.x, ...; a thread holds vectors
-// threadIdx.x + i kThreads (i < kHeldVectors) of its row in registers. The next row's vectors are
-// copied asynchronously into the block's shared staging buffer (each thread copies, and later reads
-// back, only its own slots: no barrier guards the buffer) while this row is reduced and its g
-// written, so that memory streams while the block computes.
 template <class T, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
-    cross_entropy_rows_held_kernel(T* __restrict__ logits, std::int64_t rows, std::int64_t v, std::int64_t ld,
-                                   const T* __restrict__ bias, const std::int64_t* __restrict__ targets,
-                                   const std::int64_t* __restrict__ status, float* __restrict__ row_loss,
-                                   std::int64_t ignore_index, float smoothing, float zeta, bool mean) {
+    cross_entropy_rows_held_kernel(T* __restrict__ logits, std::int64_t v, std::int64_t ld, const T* __restrict__ bias,
+                                   const std::int64_t* __restrict__ targets, const std::int64_t* __restrict__ status,
+                                   float* __restrict__ row_loss, std::int64_t ignore_index, float smoothing, float zeta,
+                                   bool mean) {
   constexpr int kVec = Vec<T>::n;
-  extern __shared__ uint4 stage[];  // [kThreads * kHeldVectors]
   __shared__ float part_max[kThreads / 32], part_exp[kThreads / 32], part_sum[kThreads / 32];
+  __shared__ float target_logit;
+  const std::int64_t row = blockIdx.x;
+  uint4* z4 = reinterpret_cast<uint4*>(logits + row * ld);
+  const std::int64_t t = targets[row];
+  const bool ignored = t == ignore_index;
+  const bool bad = !ignored && (t < 0 || t >= v);
   const int nvec = static_cast<int>((v + kVec - 1) / kVec);  // <= kThreads * kHeldVectors
-  const int tid = static_cast<int>(threadIdx.x);
   auto logit = [&](T raw, int j) {
     const float x = device::to_float(raw);
     return bias != nullptr ? x + device::to_float(bias[j]) : x;
   };
-  auto prefetch = [&](std::int64_t row) {
-    const uint4* src = reinterpret_cast<const uint4*>(logits + row * ld);
+  Vec<T> x[kHeldVectors];
+  float lse = 0.0f;
+  if (!ignored && !bad) {
 #pragma unroll
     for (int i = 0; i < kHeldVectors; ++i) {
-      const int q = tid + i * kThreads;
-      if (q < nvec) __pipeline_memcpy_async(&stage[q], &src[q], sizeof(uint4));
+      const int q = static_cast<int>(threadIdx.x) + i * kThreads;
+      if (q < nvec) x[i].raw = z4[q];
     }
-    __pipeline_commit();
-  };
-  const auto plus = [](float a, float b) { return a + b; };
-  std::int64_t row = blockIdx.x;
-  if (row < rows) prefetch(row);
-  for (; row < rows; row += gridDim.x) {
-    __pipeline_wait_prior(0);
-    Vec<T> x[kHeldVectors];
+    if (threadIdx.x == 0) target_logit = logit(reinterpret_cast<const T*>(z4)[t], static_cast<int>(t));
+    float m = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kHeldVectors; ++i) {
-      const int q = tid + i * kThreads;
-      if (q < nvec) x[i].raw = stage[q];
+      const int q = static_cast<int>(threadIdx.x) + i * kThreads;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e)
+        if (kVec * q + e < v) m = fmaxf(m, logit(x[i].e[e], kVec * q + e));
     }
-    if (row + gridDim.x < rows) prefetch(row + gridDim.x);
-    uint4* z4 = reinterpret_cast<uint4*>(logits + row * ld);
-    const std::int64_t t = targets[row];
-    const bool ignored = t == ignore_index;
-    const bool bad = !ignored && (t < 0 || t >= v);
-    float lse = 0.0f;
-    if (!ignored && !bad) {
-      // z[t] from memory: this row's g is written only after the barriers below
-      const float zt = tid == 0 ? logit(reinterpret_cast<const T*>(z4)[t], static_cast<int>(t)) : 0.0f;
-      float m = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kHeldVectors; ++i) {
-        const int q = tid + i * kThreads;
-#pragma unroll
-        for (int e = 0; e < kVec; ++e)
-          if (kVec * q + e < v) m = fmaxf(m, logit(x[i].e[e], kVec * q + e));
-      }
-      m = block_all_reduce<kThreads>(m, part_max, [](float a, float b) { return fmaxf(a, b); });
-      float se = 0.0f, sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kHeldVectors; ++i) {
-        const int q = tid + i * kThreads;
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          if (kVec * q + e < v) {
-            const float xv = logit(x[i].e[e], kVec * q + e);
-            se += __expf(xv - m);
-            sum += xv;
-          }
-        }
-      }
-      se = block_all_reduce<kThreads>(se, part_exp, plus);
-      sum = block_all_reduce<kThreads>(sum, part_sum, plus);
-      lse = m + logf(se);
-      if (tid == 0) row_loss[row] = row_loss_value(lse, zt, sum, v, smoothing, zeta);
-    } else if (tid == 0) {
-      row_loss[row] = bad ? NAN : 0.0f;
-    }
-    const RowCoefficients c = row_coefficients(lse, status, v, smoothing, zeta, mean);
+    m = block_all_reduce<kThreads>(m, part_max, [](float a, float b) { return fmaxf(a, b); });
+    float se = 0.0f, sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < kHeldVectors; ++i) {
-      const int q = tid + i * kThreads;
-      if (q >= nvec) break;
+      const int q = static_cast<int>(threadIdx.x) + i * kThreads;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        const int j = kVec * q + e;
-        float d = 0.0f;  // padding past v is written 0 (the GEMMs read only [0, v))
-        if (j < v) {
-          if (bad) {
-            d = NAN;
-          } else if (!ignored) {
-            d = c.p * __expf(logit(x[i].e[e], j) - lse) - c.uniform - (j == t ? c.target : 0.0f);
-          }
+        if (kVec * q + e < v) {
+          const float xv = logit(x[i].e[e], kVec * q + e);
+          se += __expf(xv - m);
+          sum += xv;
         }
-        x[i].e[e] = device::from_float<T>(d);
       }
-      z4[q] = x[i].raw;
     }
+    const auto plus = [](float a, float b) { return a + b; };
+    se = block_all_reduce<kThreads>(se, part_exp, plus);
+    sum = block_all_reduce<kThreads>(sum, part_sum, plus);
+    lse = m + logf(se);
+    if (threadIdx.x == 0) row_loss[row] = row_loss_value(lse, target_logit, sum, v, smoothing, zeta);
+  } else if (threadIdx.x == 0) {
+    row_loss[row] = bad ? NAN : 0.0f;
+  }
+  const RowCoefficients c = row_coefficients(lse, status, v, smoothing, zeta, mean);
+#pragma unroll
+  for (int i = 0; i < kHeldVectors; ++i) {
+    const int q = static_cast<int>(threadIdx.x) + i * kThreads;
+    if (q >= nvec) break;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const int j = kVec * q + e;
+      float d = 0.0f;  // padding past v is written 0 (the GEMMs read only [0, v))
+      if (j < v) {
+        if (bad) {
+          d = NAN;
+        } else if (!ignored) {
+          d = c.p * __expf(logit(x[i].e[e], j) - lse) - c.uniform - (j == t ? c.target : 0.0f);
+        }
+      }
+      x[i].e[e] = device::from_float<T>(d);
+    }
+    z4[q] = x[i].raw;
   }
 }
 
@@ -356,30 +332,22 @@ void cross_entropy_rows(const CrossEntropyRowsArgs& a, const LinearCrossEntropyP
   const cudaStream_t s = detail::cuda_stream(stream);
   with_float_type(a.grad_dtype, [&](auto ti) {
     using T = decltype(ti);
-    const bool mean = p.reduction == LossReduction::mean;
-    const auto held = [&](auto kernel, int threads) {
-      const int smem = threads * kHeldVectors * static_cast<int>(sizeof(uint4));
-      FK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      int per_sm = 0;
-      FK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-      const std::int64_t grid = std::min<std::int64_t>(a.rows, std::int64_t{multiprocessor_count()} * std::max(per_sm, 1));
-      kernel<<<static_cast<unsigned>(grid), static_cast<unsigned>(threads), static_cast<std::size_t>(smem), s>>>(
-          static_cast<T*>(a.logits), a.rows, a.v, a.ld, static_cast<const T*>(a.bias), a.targets, a.status,
-          a.row_loss, p.ignore_index, p.label_smoothing, p.z_loss, mean);
+    const auto launch = [&](auto kernel, int threads) {
+      kernel<<<static_cast<unsigned>(a.rows), static_cast<unsigned>(threads), 0, s>>>(
+          static_cast<T*>(a.logits), a.v, a.ld, static_cast<const T*>(a.bias), a.targets, a.status, a.row_loss,
+          p.ignore_index, p.label_smoothing, p.z_loss, p.reduction == LossReduction::mean);
     };
     const std::int64_t nvec = (a.v + Vec<T>::n - 1) / Vec<T>::n;
     if (nvec <= 128 * kHeldVectors)
-      held(cross_entropy_rows_held_kernel<T, 128>, 128);
+      launch(cross_entropy_rows_held_kernel<T, 128>, 128);
     else if (nvec <= 256 * kHeldVectors)
-      held(cross_entropy_rows_held_kernel<T, 256>, 256);
+      launch(cross_entropy_rows_held_kernel<T, 256>, 256);
     else if (nvec <= 512 * kHeldVectors)
-      held(cross_entropy_rows_held_kernel<T, 512>, 512);
+      launch(cross_entropy_rows_held_kernel<T, 512>, 512);
     else if (nvec <= 1024 * kHeldVectors)
-      held(cross_entropy_rows_held_kernel<T, 1024>, 1024);
+      launch(cross_entropy_rows_held_kernel<T, 1024>, 1024);
     else
-      cross_entropy_rows_kernel<T><<<static_cast<unsigned>(a.rows), kRowThreads, 0, s>>>(
-          static_cast<T*>(a.logits), a.v, a.ld, static_cast<const T*>(a.bias), a.targets, a.status, a.row_loss,
-          p.ignore_index, p.label_smoothing, p.z_loss, mean);
+      launch(cross_entropy_rows_kernel<T>, kRowThreads);
   });
   FK_CUDA_CHECK_LAUNCH("cross_entropy_rows");
 }
