@@ -36,6 +36,13 @@ def hf_rope(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def hf_qkv_rope(x, wq, wk, wv, cos, sin):
+    """Hugging Face LLaMA attention's inputs: the three projections viewed as [B, H, T, D], rope on q, k."""
+    b, t, d = x.shape[0], x.shape[1], cos.shape[-1]
+    q, k, v = (F.linear(x, w).view(b, t, -1, d).transpose(1, 2) for w in (wq, wk, wv))
+    return (*hf_rope(q, k, cos, sin), v)
+
+
 def hf_mlp(x, gw, uw, dw):
     return F.linear(F.silu(F.linear(x, gw)) * F.linear(x, uw), dw)
 
@@ -93,6 +100,23 @@ def llm_cases(randn, compiled):
                    fusekit=lambda: _train(rope, qg, kg, cos, sin),
                    peers={"eager": lambda: _train(hf_rope, qg, kg, cos, sin),
                           "compile": (lambda c=compiled(hf_rope): _train(c, qg, kg, cos, sin), ())})
+
+        # the attention's inputs: q, k, v projections and rope (fusekit: qkv_rope)
+        xa = randn(b, ctx, d)
+        xag = xa.clone().requires_grad_()
+        wq = randn(heads * hd, d, scale=d ** -0.5).requires_grad_()
+        wk, wv = (randn(kv * hd, d, scale=d ** -0.5).requires_grad_() for _ in range(2))
+        go = [randn(b, n, ctx, hd) for n in (heads, kv, kv)]
+        qkv = lambda x, wq, wk, wv: fusekit.functional.qkv_rope(x, wq, wk, wv, cos, sin, hd)  # noqa: E731
+        hf_qkv = lambda x, wq, wk, wv: hf_qkv_rope(x, wq, wk, wv, cos, sin)  # noqa: E731
+        qkv_flops = 2 * m * d * (heads + 2 * kv) * hd
+        yield dict(name=f"llm_qkv_rope/{label}_M{m}_K{d}_H{heads}_KV{kv}_D{hd}/bf16", flops=qkv_flops,
+                   fusekit=lambda: qkv(xa, wq, wk, wv),
+                   peers={"eager": lambda: hf_qkv(xa, wq, wk, wv), "compile": (compiled(hf_qkv), (xa, wq, wk, wv))})
+        yield dict(name=f"llm_qkv_rope_train/{label}_M{m}_K{d}_H{heads}_KV{kv}_D{hd}/bf16", flops=3 * qkv_flops,
+                   fusekit=lambda: _train(qkv, xag, wq, wk, wv, grad=go),
+                   peers={"eager": lambda: _train(hf_qkv, xag, wq, wk, wv, grad=go),
+                          "compile": (lambda c=compiled(hf_qkv): _train(c, xag, wq, wk, wv, grad=go), ())})
 
         # the MLP
         gw, uw = randn(f, d, scale=d ** -0.5).requires_grad_(), randn(f, d, scale=d ** -0.5).requires_grad_()
