@@ -201,6 +201,16 @@ def _chain_ready(stack: nn.Module) -> bool:
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def _forward_lines(cls: type) -> Optional[list[str]]:
+    """The source lines of cls.forward (unwrapped), stripped, without blank and comment lines;
+    None where the source cannot be read."""
+    try:
+        source = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return None
+    return [line for line in (raw.strip() for raw in source.splitlines()) if line and not line.startswith("#")]
+
+
 # Hugging Face's attention forward (transformers 5's LlamaAttention), line by line after its
 # signature; {cache} is the cache argument's name, {update} what its update call adds. A class whose
 # forward reads otherwise (sliding windows, q/k norms, biases handled apart) keeps it.
@@ -239,12 +249,9 @@ def _is_hf_attention(m: nn.Module) -> bool:
     module = sys.modules.get(type(m).__module__)
     if not all(hasattr(module, name) for name in ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward")):
         return False
-    try:
-        source = inspect.getsource(inspect.unwrap(type(m).forward))
-    except (OSError, TypeError):
+    body = _forward_lines(type(m))
+    if body is None:
         return False
-    body = [line.strip() for line in source.splitlines()]
-    body = [line for line in body if line and not line.startswith("#")]
     if _ATTENTION_BODY[0] not in body:
         return False
     body = body[body.index(_ATTENTION_BODY[0]):]
@@ -431,12 +438,9 @@ def _is_decoder_layer(m: nn.Module) -> bool:
         return False
     if any(type(n).__name__ not in _LLAMA_STYLE_NORMS for n in (m.input_layernorm, m.post_attention_layernorm)):
         return False
-    try:
-        source = inspect.getsource(inspect.unwrap(type(m).forward))
-    except (OSError, TypeError):
+    body = _forward_lines(type(m))
+    if body is None:
         return False
-    body = [line.strip() for line in source.splitlines()]
-    body = [line for line in body if line and not line.startswith("#")]
     return (body.count("hidden_states = residual + hidden_states") == 2 and body[-1] == "return hidden_states"
             and "hidden_states = self.input_layernorm(hidden_states)" in body
             and "hidden_states = self.post_attention_layernorm(hidden_states)" in body
@@ -458,12 +462,9 @@ def _decoder_stack_layers(m: nn.Module) -> int:
         return 0
     if not all(_is_patched(layer) and layer._fusekit_role == "decoder_layer" for layer in layers[:n]):
         return 0
-    try:
-        source = inspect.getsource(inspect.unwrap(type(m).forward))
-    except (OSError, TypeError):
+    body = _forward_lines(type(m))
+    if body is None:
         return 0
-    body = [line.strip() for line in source.splitlines()]
-    body = [line for line in body if line and not line.startswith("#")]
     loop = "for decoder_layer in self.layers[: self.config.num_hidden_layers]:"
     if body.count(loop) != 1:
         return 0
