@@ -261,8 +261,11 @@ def _is_hf_attention(m: nn.Module) -> bool:
 
 
 def _hooked_projection(m: nn.Module) -> bool:
+    """Whether a hook would run on one of the attention's q, k, v projections (hooks of its own, or
+    registered for every module)."""
+    hooks = torch.nn.modules.module
     return any(p._forward_hooks or p._forward_pre_hooks for p in (m.q_proj, m.k_proj, m.v_proj)) or \
-        bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+        bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
 
 
 def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None, *args, **kwargs):
