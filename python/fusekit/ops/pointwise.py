@@ -137,10 +137,15 @@ def _rope_order(t: Tensor) -> list[int]:
 def _rope_run(x: Tensor, y: Tensor, cos: Tensor, sin: Tensor, order_x: list[int], order_y: list[int],
               backward: bool) -> tuple[Tensor, Tensor]:
     _same_device("rope_backward" if backward else "rope_forward", q=x, k=y, cos=cos, sin=sin)
-    x, y, cos, sin = _unit_rows(x), _unit_rows(y), _unit_rows(cos), _unit_rows(sin)
     x_out, y_out = _empty_in_order(x, order_x), _empty_in_order(y, order_y)
-    _C.rope(_dlpack(x), _dlpack(y), _dlpack(cos), _dlpack(sin), _dlpack(x_out), _dlpack(y_out), backward, _stream(x))
+    _rope_into(x, y, cos, sin, x_out, y_out, backward)
     return x_out, y_out
+
+
+def _rope_into(x: Tensor, y: Tensor, cos: Tensor, sin: Tensor, x_out: Tensor, y_out: Tensor, backward: bool) -> None:
+    """The rope kernel from x, y into the given outputs (any strides with unit rows)."""
+    _C.rope(_dlpack(_unit_rows(x)), _dlpack(_unit_rows(y)), _dlpack(_unit_rows(cos)), _dlpack(_unit_rows(sin)),
+            _dlpack(x_out), _dlpack(y_out), backward, _stream(x))
 
 
 @_custom_op("rope")
@@ -225,11 +230,6 @@ def _hf_empty(x: Tensor, b: int, h: int, t: int, head_dim: int) -> Tensor:
     """An uninitialised [B, H, T, D] tensor over [B, T, H, D] memory, x's dtype and device."""
     return torch.empty_strided((b, h, t, head_dim), (t * h * head_dim, head_dim, h * head_dim, 1), dtype=x.dtype,
                                device=x.device)
-
-
-def _rope_into(x: Tensor, y: Tensor, cos: Tensor, sin: Tensor, x_out: Tensor, y_out: Tensor, backward: bool) -> None:
-    _C.rope(_dlpack(_unit_rows(x)), _dlpack(_unit_rows(y)), _dlpack(_unit_rows(cos)), _dlpack(_unit_rows(sin)),
-            _dlpack(x_out), _dlpack(y_out), backward, _stream(x))
 
 
 @_custom_op("qkv_rope")
