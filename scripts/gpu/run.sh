@@ -7,7 +7,7 @@
 # space-separated list of filters, each a case-name prefix; BENCH_ARGS, e.g. --breakdown); py: the
 # Python package built there against the pack, its attention tests (PYTESTS); pybench: `python -m fusekit.bench` (PYBENCH, one
 # filter); lm: the LM bench's runs (LM_RUNS) with a profile of one step, at each of LM_PRECISION
-# (bf16 unless set; "bf16 autocast" for both); mlperf: the
+# (bf16 unless set; "bf16 autocast" for both; LM_ARGS replaces "--warmup 2 --steps 4"); mlperf: the
 # MLPerf DCNv2 model trained on one GPU (an H200; pack the fusekit program).
 set -uo pipefail
 R=$PWD
@@ -67,7 +67,7 @@ fi
 if has lm; then
   for p in ${LM_PRECISION:-bf16}; do
     step lm $p
-    python3 -m fusekit.bench.lm --config small --precision $p --batches 64 --warmup 2 --steps 4 --train-steps 0 \
+    python3 -m fusekit.bench.lm --config small --precision $p --batches 64 ${LM_ARGS:---warmup 2 --steps 4} --train-steps 0 \
       --profile 30 --runs "${LM_RUNS:-fusekit_attn_compile,fusekit_nomask_compile,nomask_compile}" \
       --out $OUT/lm_$p.json 2>&1 | tail -${LM_TAIL:-120}
   done
