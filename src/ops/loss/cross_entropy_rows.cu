@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
     return bias != nullptr ? x + device::to_float(bias[j]) : x;
   };
   Vec<T> x[kHeldVectors];
-  float lse = 0.0f;
+  float lse = 0.0f, inv_se = 0.0f;
   if (!ignored && !bad) {
 #pragma unroll
     for (int i = 0; i < kHeldVectors; ++i) {
@@ -127,6 +127,9 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
         if (kVec * q + e < v) m = fmaxf(m, logit(x[i].e[e], kVec * q + e));
     }
     m = block_all_reduce<kThreads>(m, part_max, [](float a, float b) { return fmaxf(a, b); });
+    // exp(z - m) replaces z in the registers (rounded to T): the gradient pass below scales it
+    // by 1 / Σ exp(z - m) instead of taking a second exponential (the SFU, not memory, was the
+    // limit with two).
     float se = 0.0f, sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < kHeldVectors; ++i) {
@@ -135,8 +138,10 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
       for (int e = 0; e < kVec; ++e) {
         if (kVec * q + e < v) {
           const float xv = logit(x[i].e[e], kVec * q + e);
-          se += __expf(xv - m);
+          const float ev = __expf(xv - m);
+          se += ev;
           sum += xv;
+          x[i].e[e] = device::from_float<T>(ev);
         }
       }
     }
@@ -144,11 +149,13 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
     se = block_all_reduce<kThreads>(se, part_exp, plus);
     sum = block_all_reduce<kThreads>(sum, part_sum, plus);
     lse = m + logf(se);
+    inv_se = 1.0f / se;
     if (threadIdx.x == 0) row_loss[row] = row_loss_value(lse, target_logit, sum, v, smoothing, zeta);
   } else if (threadIdx.x == 0) {
     row_loss[row] = bad ? NAN : 0.0f;
   }
   const RowCoefficients c = row_coefficients(lse, status, v, smoothing, zeta, mean);
+  const float p_scale = c.p * inv_se;  // softmax = exp(z - m) / Σ exp(z - m)
 #pragma unroll
   for (int i = 0; i < kHeldVectors; ++i) {
     const int q = static_cast<int>(threadIdx.x) + i * kThreads;
@@ -161,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
         if (bad) {
           d = NAN;
         } else if (!ignored) {
-          d = c.p * __expf(logit(x[i].e[e], j) - lse) - c.uniform - (j == t ? c.target : 0.0f);
+          d = p_scale * device::to_float(x[i].e[e]) - c.uniform - (j == t ? c.target : 0.0f);
         }
       }
       x[i].e[e] = device::from_float<T>(d);
