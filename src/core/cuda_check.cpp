@@ -19,7 +19,12 @@ void throw_cublas(cublasStatus_t s, const char* call, std::source_location where
 
 DeviceScope::DeviceScope(int device) : device_(device) {
   FK_CUDA_CHECK(cudaGetDevice(&previous_));
-  if (previous_ != device_) FK_CUDA_CHECK(cudaSetDevice(device_));
+  // Set even when it is already the current device: on a thread that has made no CUDA runtime
+  // call yet (PyTorch's autograd threads set their device only where it differs), cudaGetDevice
+  // reports device 0 with no context current, and the driver calls an op makes before its first
+  // launch (cuTensorMapEncodeTiled for a TMA descriptor) need one. cudaSetDevice makes the
+  // device's primary context current.
+  FK_CUDA_CHECK(cudaSetDevice(device_));
 }
 
 DeviceScope::~DeviceScope() {

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "fusekit/fusekit.hpp"
@@ -570,6 +572,33 @@ TEST(GluGpu, BackwardFromPreactivationsMatchesSpecAndRecompute) {
         }
       }
     }
+}
+
+// A thread that has made no CUDA call yet (as PyTorch's autograd threads are when a fusekit op
+// comes first in a backward) has no current context: the fused GEMM, whose TMA descriptors are
+// encoded by the driver before its first launch, must run there and give the main thread's result.
+TEST(GluGpu, FusedGemmRunsOnAThreadWithNoCudaCallsYet) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const std::int64_t m = 256, n = 128, k = 64;
+  const GluOptions opt{.kind = GluKind::swiglu};
+  const Tensor x = test::random_tensor({m, k}, DType::bf16, kCpu, 501).copy_to(gpu);
+  const Tensor w = test::random_tensor({2 * n, k}, DType::bf16, kCpu, 502, -0.2f, 0.2f).copy_to(gpu);
+  Tensor want = Tensor::empty({m, n}, DType::bf16, gpu), got = Tensor::empty({m, n}, DType::bf16, gpu);
+  test::poison(got);
+  glu_forward({x, w, std::nullopt, want}, opt);
+  std::string error;
+  std::thread worker([&] {
+    try {
+      glu_forward({x, w, std::nullopt, got}, opt);
+      Stream::default_stream().synchronize();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  worker.join();
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(test::to_doubles(got), test::to_doubles(want));
 }
 
 // Shapes of many tiles (H100: 132 SMs). 16-bit, more than two waves of 128 x 256 tiles (> 264):

@@ -32,7 +32,8 @@ inline cudaStream_t cuda_stream(const Stream* s) {
 }
 
 // Makes `device` current for one call (cuBLAS handles, launches and the legacy default stream
-// are all per device) and gives the caller's back.
+// are all per device), its primary context current on this thread, and gives the caller's
+// device back.
 class DeviceScope {
  public:
   explicit DeviceScope(int device);
