@@ -128,8 +128,8 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
     }
     m = block_all_reduce<kThreads>(m, part_max, [](float a, float b) { return fmaxf(a, b); });
     // exp(z - m) replaces z in the registers (rounded to T): the gradient pass below scales it
-    // by 1 / Σ exp(z - m) instead of taking a second exponential (the SFU, not memory, was the
-    // limit with two).
+    // by 1 / Σ exp(z - m), so each element costs one exponential (the SFU's throughput, not
+    // memory, bounds this kernel at two).
     float se = 0.0f, sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < kHeldVectors; ++i) {
