@@ -15,10 +15,12 @@
 // pass, two cuBLAS GEMMs and the column sums. gemm_only_us: the three GEMMs (C, dx, dw) alone, the
 // floor of both keeping paths; tflops counts those three for every impl.
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
 #include "bench/harness.hpp"
+#include "fusekit/core/error.hpp"
 #include "fusekit/ops/glu.hpp"
 #include "fusekit/ops/gemm.hpp"
 #include "ops/glu/glu_cuda.hpp"
@@ -213,6 +215,49 @@ void train_case(Context& ctx, const GluShape& s) {
   }
 }
 
+// The gated MLP's backward from kept pre-activations through its down projection: dh = dy down_w
+// (dy [M, K'], down_w [K', N]) and dC, glu(C) from it. Fused: one GEMM forming dC and glu(C) in its
+// epilogue (cuda::glu_dgrad_fused, as glu_backward_from_preact runs it when given down_w);
+// baseline: cuBLAS's dh, then the pass over C and dh. The shape's K is K'.
+void mlp_dgrad_case(Context& ctx, const GluShape& s) {
+  const std::string name = "glu_mlp_dgrad/" + shape_name(s);
+  if (!ctx.selected("glu", name)) return;
+  struct Set {
+    Tensor dy, down_w, c;
+  };
+  const std::size_t bytes = static_cast<std::size_t>(s.m * s.k + s.k * s.n + 2 * s.m * s.n) * dtype_size(s.dtype);
+  const int rot = ctx.rotations_for(bytes);
+  std::vector<Set> sets;
+  for (int i = 0; i < rot; ++i)
+    sets.push_back({ctx.random({s.m, s.k}, s.dtype, -1.f, 1.f),
+                    ctx.random({s.k, s.n}, s.dtype, -1.f / std::sqrt(static_cast<float>(s.k)), 1.f / std::sqrt(static_cast<float>(s.k))),
+                    ctx.random({s.m, 2 * s.n}, s.dtype, -3.f, 3.f)});
+  const Tensor dc = ctx.empty({s.m, 2 * s.n}, s.dtype), act = ctx.empty({s.m, s.n}, s.dtype),
+               dc_b = ctx.empty({s.m, 2 * s.n}, s.dtype), act_b = ctx.empty({s.m, s.n}, s.dtype),
+               dh = ctx.empty({s.m, s.n}, s.dtype);
+  const Stream* st = &ctx.fk_stream();
+  auto fused = [&](const Set& g) {
+    const TensorView a = act.view();
+    if (!cuda::glu_dgrad_fused(g.dy, g.down_w, g.c, dc, &a, s.kind, st))
+      throw Error("bench glu_mlp_dgrad", "no fused kernel for this device or shape");
+  };
+  auto baseline = [&](const Set& g) {
+    matmul(g.dy, g.down_w, dh, Trans::n, Trans::n, st);
+    const TensorView d = dh.view(), a = act_b.view();
+    cuda::glu_pairs(g.c, nullptr, &d, dc_b, s.kind, st, &a);
+  };
+  auto gemm = [&](const Set& g) { matmul(g.dy, g.down_w, dh, Trans::n, Trans::n, st); };
+  fused(sets[0]);
+  baseline(sets[0]);
+  const double err = ctx.rel_err(dc, dc_b);
+  require_close(name, err, 2e-2);
+  require_close(name + " (out)", ctx.rel_err(act, act_b), 0.0);
+  const auto at = [&](int i) -> const Set& { return sets[static_cast<std::size_t>(i)]; };
+  const std::vector<double> t = ctx.time_us_interleaved(
+      {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); }}, rot);
+  add_records(ctx, name, t, 2.0 * s.m * s.n * s.k, err);
+}
+
 void glu_cases(Context& ctx) {
   const GluShape fwd[] = {
       {GluKind::sigmoid_tanh, DType::bf16, false, 1024, 2048, 2048},
@@ -236,6 +281,14 @@ void glu_cases(Context& ctx) {
       {GluKind::swiglu, DType::bf16, false, 1024, 2048, 2048},
   };
   for (const GluShape& s : train) train_case(ctx, s);
+  // The same MLPs' backward through the down projection (K here is K', the model's width).
+  const GluShape dgrad[] = {
+      {GluKind::swiglu, DType::bf16, false, 65536, 2048, 768},
+      {GluKind::swiglu, DType::bf16, false, 16384, 5632, 2048},
+      {GluKind::swiglu, DType::bf16, false, 1024, 2048, 2048},
+      {GluKind::geglu_tanh, DType::f16, false, 8192, 4096, 1024},
+  };
+  for (const GluShape& s : dgrad) mlp_dgrad_case(ctx, s);
 }
 
 FK_BENCH_CASE("glu", "glu", glu_cases);

@@ -56,15 +56,16 @@ void bind_glu(nb::module_& m) {
       "glu_backward_from_preact",
       [](const Array& dy, const Array& x, const Array& w, const Array& preact, const OptArray& dx, const OptArray& dw,
          const OptArray& dbias, bool overwrite_preact, const OptArray& out, const std::string& kind, bool allow_tf32,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, const OptArray& down_w) {
         constexpr const char* op = "glu_backward_from_preact";
         const GluBackwardFromPreactArgs a{view(dy, op, "dy"),         view(x, op, "x"),   view(w, op, "w"),
                                           view(preact, op, "preact"), view(dx, op, "dx"), view(dw, op, "dw"),
-                                          view(dbias, op, "dbias"),   overwrite_preact,   view(out, op, "out")};
+                                          view(dbias, op, "dbias"),   overwrite_preact,   view(out, op, "out"),
+                                          view(down_w, op, "down_w")};
         glu_backward_from_preact(a, {parse_glu_kind(kind), allow_tf32}, StreamArg(stream, a.dy).get());
       },
       "dy"_a, "x"_a, "w"_a, "preact"_a, "dx"_a.none(), "dw"_a.none(), "dbias"_a.none(), "overwrite_preact"_a,
-      "out"_a.none(), "kind"_a, "allow_tf32"_a, "stream"_a, kNoGil);
+      "out"_a.none(), "kind"_a, "allow_tf32"_a, "stream"_a, "down_w"_a.none() = nb::none(), kNoGil);
 }
 
 }  // namespace fk::py

@@ -297,6 +297,42 @@ TEST(GluLayout, PreactGradIsTheBackwardsDc) {
   }
 }
 
+// With down_w [K', N], dy [M, K'] is the down projection's output gradient: the op is itself given
+// dh = dy down_w (the CPU op, every kind; its outputs equal element for element), and its
+// arguments are checked against down_w's shape.
+TEST(GluLayout, DownProjectionGradientIsFormedInsideTheOp) {
+  const std::int64_t m = 5, n = 3, k = 4, kd = 6;
+  for (GluKind kind : kKinds) {
+    const GluOptions opt{.kind = kind};
+    const auto [x, wp, out, c] = kept_forward(m, n, k, opt, 91);
+    const Tensor dy = test::random_tensor({m, kd}, DType::f32, kCpu, 93), down_w = test::random_tensor({kd, n}, DType::f32, kCpu, 95);
+    Tensor dh = Tensor::empty({m, n}, DType::f32, kCpu);
+    matmul(dy, down_w, dh);
+    Tensor dx = Tensor::empty({m, k}, DType::f32, kCpu), dw = Tensor::empty({2 * n, k}, DType::f32, kCpu),
+           act = Tensor::empty({m, n}, DType::f32, kCpu);
+    glu_backward_from_preact({dh, x, wp, c, dx.view(), dw.view(), std::nullopt, false, act.view()}, opt);
+    Tensor dx2 = Tensor::empty({m, k}, DType::f32, kCpu), dw2 = Tensor::empty({2 * n, k}, DType::f32, kCpu),
+           act2 = Tensor::empty({m, n}, DType::f32, kCpu);
+    glu_backward_from_preact({dy, x, wp, c, dx2.view(), dw2.view(), std::nullopt, false, act2.view(), down_w.view()},
+                             opt);
+    EXPECT_EQ(test::to_doubles(dx2), test::to_doubles(dx)) << glu_kind_name(kind);
+    EXPECT_EQ(test::to_doubles(dw2), test::to_doubles(dw)) << glu_kind_name(kind);
+    EXPECT_EQ(test::to_doubles(act2), test::to_doubles(act)) << glu_kind_name(kind);
+  }
+  const auto [x, wp, out, c] = kept_forward(m, n, k, {}, 97);
+  const Tensor dy = Tensor::empty({m, kd}, DType::f32, kCpu);
+  Tensor dx = Tensor::empty({m, k}, DType::f32, kCpu);
+  const Tensor wide = Tensor::empty({kd, n + 1}, DType::f32, kCpu), tall = Tensor::empty({kd + 1, n}, DType::f32, kCpu),
+               half = Tensor::empty({kd, n}, DType::bf16, kCpu), flat = Tensor::empty({kd * n}, DType::f32, kCpu);
+  const auto call = [&](const Tensor& d) {
+    glu_backward_from_preact({dy, x, wp, c, dx.view(), std::nullopt, std::nullopt, false, std::nullopt, d.view()}, {});
+  };
+  test::expect_arg_error([&] { call(wide); }, "glu_backward_from_preact", "down_w");
+  test::expect_arg_error([&] { call(half); }, "glu_backward_from_preact", "down_w");
+  test::expect_arg_error([&] { call(flat); }, "glu_backward_from_preact", "down_w");
+  test::expect_arg_error([&] { call(tall); }, "glu_backward_from_preact", "dy");
+}
+
 TEST(GluErrors, PreactGradNamesItsArgument) {
   const Tensor c = Tensor::empty({3, 8}, DType::bf16, kCpu), odd = Tensor::empty({3, 7}, DType::bf16, kCpu);
   const Tensor dy = Tensor::empty({3, 4}, DType::bf16, kCpu), dy32 = Tensor::empty({3, 4}, DType::f32, kCpu);
@@ -599,6 +635,60 @@ TEST(GluGpu, FusedGemmRunsOnAThreadWithNoCudaCallsYet) {
   worker.join();
   EXPECT_EQ(error, "");
   EXPECT_EQ(test::to_doubles(got), test::to_doubles(want));
+}
+
+// The backward through the down projection (down_w given): on Hopper with 16-bit operands one
+// GEMM whose epilogue forms dC and out from dh's fp32 accumulators (row and column tails, N a
+// multiple of 8 from 8 to past two 128-column tiles, one to many tiles, every kind), elsewhere
+// (f32, N % 8 != 0) dh rounded first; against the CPU op on the same inputs, which rounds dh to
+// the operand dtype (hence one rounding of dh apart).
+TEST(GluGpu, BackwardThroughTheDownProjectionMatchesTheCpuOp) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  struct Shape { std::int64_t m, n, k, kd; };
+  const Shape shapes[] = {{1, 8, 16, 8},      {7, 24, 8, 64},      {130, 136, 32, 72},   {300, 256, 16, 128},
+                          {1000, 264, 24, 40}, {4099, 128, 16, 768}, {2500, 1032, 8, 16}, {33, 12, 16, 8}};
+  int seed = 9100;
+  for (const Shape& sh : shapes)
+    for (DType dt : {DType::bf16, DType::f16, DType::f32})
+      for (GluKind kind : kKinds) {
+        seed += 7;
+        const GluOptions opt{.kind = kind};
+        const Tensor x = test::random_tensor({sh.m, sh.k}, dt, kCpu, seed, -1.f, 1.f);
+        const Tensor wp = test::random_tensor({2 * sh.n, sh.k}, dt, kCpu, seed + 1, -0.5f, 0.5f);
+        const Tensor c = test::random_tensor({sh.m, 2 * sh.n}, dt, kCpu, seed + 2, -3.f, 3.f);
+        const Tensor dy = test::random_tensor({sh.m, sh.kd}, dt, kCpu, seed + 3, -1.f, 1.f);
+        const Tensor down_w = test::random_tensor({sh.kd, sh.n}, dt, kCpu, seed + 4, -0.3f, 0.3f);
+        Tensor dx = Tensor::empty({sh.m, sh.k}, dt, kCpu), dw = Tensor::empty({2 * sh.n, sh.k}, dt, kCpu),
+               act = Tensor::empty({sh.m, sh.n}, dt, kCpu);
+        glu_backward_from_preact({dy, x, wp, c, dx.view(), dw.view(), std::nullopt, false, act.view(), down_w.view()},
+                                 opt);
+        const Tensor xg = x.copy_to(gpu), wg = wp.copy_to(gpu), cg = c.copy_to(gpu), dyg = dy.copy_to(gpu),
+                     dg = down_w.copy_to(gpu);
+        Tensor gdx = Tensor::empty({sh.m, sh.k}, dt, gpu), gdw = Tensor::empty({2 * sh.n, sh.k}, dt, gpu),
+               gact = Tensor::empty({sh.m, sh.n}, dt, gpu);
+        test::poison(gdx);
+        test::poison(gdw);
+        test::poison(gact);
+        glu_backward_from_preact({dyg, xg, wg, cg, gdx.view(), gdw.view(), std::nullopt, false, gact.view(), dg.view()},
+                                 opt);
+        const std::string what = std::string(glu_kind_name(kind)) + " " + std::string(dtype_name(dt)) + " M" +
+                                 std::to_string(sh.m) + " N" + std::to_string(sh.n) + " K'" + std::to_string(sh.kd);
+        const double tol = dt == DType::f32 ? 1e-5 : 2e-2;
+        EXPECT_LE(rel_err(gdx, dx), tol) << "dx " << what;
+        EXPECT_LE(rel_err(gdw, dw), tol) << "dw " << what;
+        EXPECT_LE(rel_err(gact, act), dt == DType::f32 ? 1e-6 : 1e-2) << "out " << what;
+        Tensor want_act = Tensor::empty({sh.m, sh.n}, dt, gpu);  // the same math as glu_activate's
+        glu_activate({cg, want_act}, opt);
+        EXPECT_EQ(test::to_doubles(gact), test::to_doubles(want_act)) << "out " << what;
+        EXPECT_EQ(test::to_doubles(cg), test::to_doubles(c)) << "preact changed " << what;
+        // Without out (the fused kernel's D), the unfused path: dh rounded, then the pass over C.
+        Tensor ndx = Tensor::empty({sh.m, sh.k}, dt, gpu), ndw = Tensor::empty({2 * sh.n, sh.k}, dt, gpu);
+        glu_backward_from_preact({dyg, xg, wg, cg, ndx.view(), ndw.view(), std::nullopt, false, std::nullopt, dg.view()},
+                                 opt);
+        EXPECT_LE(rel_err(ndx, dx), tol) << "dx without out " << what;
+        EXPECT_LE(rel_err(ndw, dw), tol) << "dw without out " << what;
+      }
 }
 
 // Shapes of many tiles (H100: 132 SMs). 16-bit, more than two waves of 128 x 256 tiles (> 264):

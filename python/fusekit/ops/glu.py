@@ -123,16 +123,21 @@ def _(x, w, bias, kind, allow_tf32):
 
 @_custom_op("glu_backward_from_preact")
 def glu_backward_from_preact(dy: Tensor, x: Tensor, w: Tensor, preact: Tensor, with_bias: bool, kind: str,
-                             allow_tf32: bool, with_out: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             allow_tf32: bool, with_out: bool = False,
+                             down_w: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw, dbias, out) from glu_train's preact, dw and dbias prepared; dbias empty without a
     bias; out = glu_activate(preact) [M, N] from the same read of preact when with_out, else empty.
+    With down_w [K', N] (a gated MLP's down projection), dy [M, K'] is the gradient of its output
+    and the gradient of glu's out (dy down_w) is formed inside the op: on Hopper by one GEMM whose
+    epilogue forms dC, never in memory.
     preact is read, not overwritten: a graph kept by retain_graph=True may run this backward twice."""
-    dy, x, w, preact = _contiguous(dy), _contiguous(x), _contiguous(w), _contiguous(preact)
+    dy, x, w, preact, down_w = _contiguous(dy), _contiguous(x), _contiguous(w), _contiguous(preact), _contiguous(down_w)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     db = w.new_empty(w.shape[0] if with_bias else 0)
     out = preact.new_empty(_activated_shape(preact, with_out))
     _C.glu_backward_from_preact(_d(dy), _d(x), _d(w), _d(preact), _d(dx), _d(dw), _d(db) if with_bias else None,
-                                False, _d(out) if with_out else None, kind, allow_tf32, _stream(dy))
+                                False, _d(out) if with_out else None, kind, allow_tf32, _stream(dy),
+                                _d(down_w) if down_w is not None else None)
     return dx, dw, db, out
 
 
@@ -142,7 +147,7 @@ def _activated_shape(preact: Tensor, with_out: bool) -> tuple[int, int]:
 
 
 @glu_backward_from_preact.register_fake
-def _(dy, x, w, preact, with_bias, kind, allow_tf32, with_out=False):
+def _(dy, x, w, preact, with_bias, kind, allow_tf32, with_out=False, down_w=None):
     return (x.new_empty(x.shape), w.new_empty(w.shape), w.new_empty(w.shape[0] if with_bias else 0),
             preact.new_empty(_activated_shape(preact, with_out)))
 
@@ -236,9 +241,8 @@ def _glu_mlp_train_bwd(ctx, dy, _dpreact):
     d_down_b = dy.sum(0) if need[4] else None
     dx = dw = db = h = None
     if need[0] or need[1] or need[2]:
-        dh = dy.mm(down_w)
-        dx, dw, db, h = _bwd(ctx, "glu_backward_from_preact", dh, x, w, preact, ctx.with_bias, ctx.kind,
-                             ctx.allow_tf32, need[3])
+        dx, dw, db, h = _bwd(ctx, "glu_backward_from_preact", dy, x, w, preact, ctx.with_bias, ctx.kind,
+                             ctx.allow_tf32, need[3], down_w)
     elif need[3]:
         h = _bwd(ctx, "glu_activate", preact, ctx.kind)
     d_down_w = dy.t().mm(h) if need[3] else None

@@ -214,7 +214,15 @@ void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptio
   constexpr const char* op = "glu_backward_from_preact";
   const std::int64_t n = check_operands(op, a.x, a.w, std::nullopt);
   const std::int64_t m = a.x.size(0), k = a.x.size(1);
-  checks::companion(op, "dy", a.dy, a.x, Dims{m, n});
+  if (a.down_w) {
+    checks::tensor(op, "down_w", *a.down_w, 2);
+    checks::same_dtype(op, "down_w", *a.down_w, a.x);
+    checks::same_device(op, "down_w", *a.down_w, a.x.device());
+    FK_CHECK_ARG(a.down_w->size(1) == n, op, "down_w", fmt::format("[K', {}] (N of w)", n), a.down_w->shape().str());
+    checks::companion(op, "dy", a.dy, a.x, Dims{m, a.down_w->size(0)});
+  } else {
+    checks::companion(op, "dy", a.dy, a.x, Dims{m, n});
+  }
   checks::companion(op, "preact", a.preact, a.x, Dims{m, 2 * n});
   if (a.dx) checks::companion(op, "dx", *a.dx, a.x, Dims{m, k});
   if (a.dw) checks::companion(op, "dw", *a.dw, a.x, Dims{2 * n, k});
@@ -223,8 +231,23 @@ void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptio
   checks::outputs_disjoint(op,
                            {{"dx", a.dx ? &*a.dx : nullptr}, {"dw", a.dw ? &*a.dw : nullptr},
                             {"dbias", a.dbias ? &*a.dbias : nullptr}, {"out", a.out ? &*a.out : nullptr}},
-                           {{"dy", &a.dy}, {"x", &a.x}, {"w", &a.w}, {"preact", &a.preact}});
+                           {{"dy", &a.dy}, {"x", &a.x}, {"w", &a.w}, {"preact", &a.preact},
+                            {"down_w", a.down_w ? &*a.down_w : nullptr}});
+  // dh = dy down_w rounded to x's dtype, where no fused kernel forms it in registers.
+  const auto down_grad = [&] {
+    Tensor dh = Tensor::empty({m, n}, a.x.dtype(), a.x.device(), stream);
+    if (m > 0) matmul(a.dy, *a.down_w, dh.view(), Trans::n, Trans::n, stream, opt.allow_tf32);
+    return dh;
+  };
   if (a.x.device().is_cpu()) {
+    if (a.down_w) {
+      const Tensor dh = down_grad();
+      GluBackwardFromPreactArgs b = a;
+      b.dy = dh.view();
+      b.down_w = std::nullopt;
+      glu_backward_from_preact(b, opt, stream);
+      return;
+    }
     const Tensor w = glu_unprepare_weight(a.w);
     const Tensor c = Tensor::empty(a.preact.shape(), a.preact.dtype(), a.preact.device());
     permute_columns_host(a.preact, c.view(), false);
@@ -242,7 +265,15 @@ void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptio
   Tensor dc_owned;
   if (!a.overwrite_preact) dc_owned = Tensor::empty({m, 2 * n}, a.x.dtype(), a.x.device(), stream);
   const TensorView dc = a.overwrite_preact ? a.preact : dc_owned.view();
-  if (m > 0) cuda::glu_pairs(a.preact, nullptr, &a.dy, dc, opt.kind, stream, a.out ? &*a.out : nullptr);
+  const TensorView* out = a.out ? &*a.out : nullptr;
+  if (m > 0) {
+    if (!a.down_w) {
+      cuda::glu_pairs(a.preact, nullptr, &a.dy, dc, opt.kind, stream, out);
+    } else if (!cuda::glu_dgrad_fused(a.dy, *a.down_w, a.preact, dc, out, opt.kind, stream)) {
+      const Tensor dh = down_grad();
+      cuda::glu_pairs(a.preact, nullptr, &dh.view(), dc, opt.kind, stream, out);
+    }
+  }
   if (a.dx) matmul(dc, a.w, *a.dx, Trans::n, Trans::n, stream, opt.allow_tf32);
   if (a.dw) matmul(dc, a.x, *a.dw, Trans::t, Trans::n, stream, opt.allow_tf32);
   if (a.dbias) {

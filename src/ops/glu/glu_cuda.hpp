@@ -18,6 +18,15 @@ bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* 
                     const TensorView& out, const TensorView* db_partial, const TensorView* preact,
                     const GluOptions& opt, const Stream* stream);
 
+// glu_gemm_dgrad.cu: the gated MLP's backward from kept pre-activations on Hopper tensor cores:
+// dh = dy down_w (dy [M, K'], down_w [K', N], both contiguous) formed by a GEMM whose epilogue
+// writes dpreact = dC [M, 2N] from dh and preact = C [M, 2N] (prepared order), and, when act is
+// given, act [M, N] = glu(C), as glu_pairs with dy = dh: dh never in memory.
+// Returns false, having done nothing, when the device, dtype (16-bit only) or shape has no fused
+// kernel (not sm_90; K' or N not a multiple of 8; a pointer not 16-byte aligned).
+bool glu_dgrad_fused(const TensorView& dy, const TensorView& down_w, const TensorView& preact,
+                     const TensorView& dpreact, const TensorView* act, GluKind kind, const Stream* stream);
+
 // glu_pairs.cu: the unfused epilogue as one memory-bound pass over a C [M, 2N] in memory.
 // Without dy: out [M, N] = glu(C + b). With dy: out = dC [M, 2N], which may be c itself (dC
 // written over C: each thread reads its elements of C before it writes the same ones of dC), and,
