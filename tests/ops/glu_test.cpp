@@ -12,6 +12,9 @@
 
 #include "fusekit/fusekit.hpp"
 #include "ops/common/reference_io.hpp"
+#if FUSEKIT_WITH_CUDA
+#include "ops/glu/glu_cuda.hpp"
+#endif
 #include "test_util.hpp"
 
 namespace fk {
@@ -637,11 +640,9 @@ TEST(GluGpu, FusedGemmRunsOnAThreadWithNoCudaCallsYet) {
   EXPECT_EQ(test::to_doubles(got), test::to_doubles(want));
 }
 
-// The backward through the down projection (down_w given): on Hopper with 16-bit operands one
-// GEMM whose epilogue forms dC and out from dh's fp32 accumulators (row and column tails, N a
-// multiple of 8 from 8 to past two 128-column tiles, one to many tiles, every kind), elsewhere
-// (f32, N % 8 != 0) dh rounded first; against the CPU op on the same inputs, which rounds dh to
-// the operand dtype (hence one rounding of dh apart).
+// The backward through the down projection (down_w given), at sizes where the op forms dh by
+// cuBLAS, rounded, before the pass over C (the fused GEMM pays from 2048 tiles up; its kernel is
+// tested on these shapes below), with and without out; against the CPU op on the same inputs.
 TEST(GluGpu, BackwardThroughTheDownProjectionMatchesTheCpuOp) {
   FK_SKIP_WITHOUT_GPU();
   const Device gpu = Device::cuda(0);
@@ -689,6 +690,75 @@ TEST(GluGpu, BackwardThroughTheDownProjectionMatchesTheCpuOp) {
         EXPECT_LE(rel_err(ndx, dx), tol) << "dx without out " << what;
         EXPECT_LE(rel_err(ndw, dw), tol) << "dw without out " << what;
       }
+}
+
+#if FUSEKIT_WITH_CUDA
+// The fused down-projection GEMM itself (cuda::glu_dgrad_fused, which the op calls from 2048
+// tiles up), on Hopper with 16-bit operands: row and column tails, N a multiple of 8 from 8 to
+// past two 128-column tiles, one to many tiles, every kind. dC against the pass over C from dh
+// rounded to the operand dtype (one rounding of dh apart), out bit-identical to glu_activate's.
+TEST(GluGpu, FusedDownProjectionGemmMatchesThePassOverC) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  if (!test::on_sm90()) GTEST_SKIP() << "the fused down-projection GEMM runs on sm_90 (H100/H200) only";
+  struct Shape { std::int64_t m, n, kd; };
+  const Shape shapes[] = {{1, 8, 8}, {7, 24, 64}, {130, 136, 72}, {300, 256, 128}, {1000, 264, 40}, {4099, 128, 768},
+                          {2500, 1032, 16}};
+  int seed = 9700;
+  for (const Shape& sh : shapes)
+    for (DType dt : {DType::bf16, DType::f16})
+      for (GluKind kind : kKinds) {
+        seed += 5;
+        const Tensor c = test::random_tensor({sh.m, 2 * sh.n}, dt, kCpu, seed, -3.f, 3.f).copy_to(gpu);
+        const Tensor dy = test::random_tensor({sh.m, sh.kd}, dt, kCpu, seed + 1, -1.f, 1.f).copy_to(gpu);
+        const Tensor down_w = test::random_tensor({sh.kd, sh.n}, dt, kCpu, seed + 2, -0.3f, 0.3f).copy_to(gpu);
+        Tensor dc = Tensor::empty({sh.m, 2 * sh.n}, dt, gpu), act = Tensor::empty({sh.m, sh.n}, dt, gpu);
+        test::poison(dc);
+        test::poison(act);
+        const TensorView act_view = act.view();
+        ASSERT_TRUE(cuda::glu_dgrad_fused(dy, down_w, c, dc, &act_view, kind, nullptr));
+        Tensor dh = Tensor::empty({sh.m, sh.n}, dt, gpu), want_dc = Tensor::empty({sh.m, 2 * sh.n}, dt, gpu),
+               want_act = Tensor::empty({sh.m, sh.n}, dt, gpu);
+        matmul(dy, down_w, dh.view(), Trans::n, Trans::n);
+        const TensorView dh_view = dh.view(), want_act_view = want_act.view();
+        cuda::glu_pairs(c, nullptr, &dh_view, want_dc, kind, nullptr, &want_act_view);
+        const std::string what = std::string(glu_kind_name(kind)) + " " + std::string(dtype_name(dt)) + " M" +
+                                 std::to_string(sh.m) + " N" + std::to_string(sh.n) + " K'" + std::to_string(sh.kd);
+        EXPECT_LE(rel_err(dc, want_dc), 2e-2) << "dC " << what;
+        EXPECT_EQ(test::to_doubles(act), test::to_doubles(want_act)) << "out " << what;
+      }
+  // Without out, or with f32 or N % 8 != 0 operands, it declines and writes nothing.
+  const Tensor c = test::random_tensor({16, 32}, DType::bf16, kCpu, 9990).copy_to(gpu);
+  const Tensor dy = test::random_tensor({16, 8}, DType::bf16, kCpu, 9991).copy_to(gpu);
+  const Tensor down_w = test::random_tensor({8, 16}, DType::bf16, kCpu, 9992).copy_to(gpu);
+  Tensor dc = Tensor::empty({16, 32}, DType::bf16, gpu);
+  EXPECT_FALSE(cuda::glu_dgrad_fused(dy, down_w, c, dc, nullptr, GluKind::swiglu, nullptr));
+}
+#endif
+
+// The op at a size where it takes the fused GEMM (M 16384, N 2048: 2048 tiles), against the op
+// given dh = dy down_w rounded (the unfused path): dx, dw one rounding of dh apart, out equal.
+TEST(GluGpu, BackwardThroughTheDownProjectionTakesTheFusedGemmWhereItPays) {
+  FK_SKIP_WITHOUT_GPU();
+  const Device gpu = Device::cuda(0);
+  const std::int64_t m = 16384, n = 2048, k = 16, kd = 64;
+  const DType dt = DType::bf16;
+  const GluOptions opt{.kind = GluKind::swiglu};
+  const Tensor x = test::random_tensor({m, k}, dt, kCpu, 9801, -1.f, 1.f).copy_to(gpu);
+  const Tensor wp = test::random_tensor({2 * n, k}, dt, kCpu, 9802, -0.5f, 0.5f).copy_to(gpu);
+  const Tensor c = test::random_tensor({m, 2 * n}, dt, kCpu, 9803, -3.f, 3.f).copy_to(gpu);
+  const Tensor dy = test::random_tensor({m, kd}, dt, kCpu, 9804, -1.f, 1.f).copy_to(gpu);
+  const Tensor down_w = test::random_tensor({kd, n}, dt, kCpu, 9805, -0.3f, 0.3f).copy_to(gpu);
+  Tensor dx = Tensor::empty({m, k}, dt, gpu), dw = Tensor::empty({2 * n, k}, dt, gpu), act = Tensor::empty({m, n}, dt, gpu);
+  glu_backward_from_preact({dy, x, wp, c, dx.view(), dw.view(), std::nullopt, false, act.view(), down_w.view()}, opt);
+  Tensor dh = Tensor::empty({m, n}, dt, gpu);
+  matmul(dy, down_w, dh.view(), Trans::n, Trans::n);
+  Tensor rdx = Tensor::empty({m, k}, dt, gpu), rdw = Tensor::empty({2 * n, k}, dt, gpu),
+         ract = Tensor::empty({m, n}, dt, gpu);
+  glu_backward_from_preact({dh, x, wp, c, rdx.view(), rdw.view(), std::nullopt, false, ract.view()}, opt);
+  EXPECT_LE(rel_err(dx, rdx), 2e-2);
+  EXPECT_LE(rel_err(dw, rdw), 2e-2);
+  EXPECT_EQ(test::to_doubles(act), test::to_doubles(ract));
 }
 
 // Shapes of many tiles (H100: 132 SMs). 16-bit, more than two waves of 128 x 256 tiles (> 264):

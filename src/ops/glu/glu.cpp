@@ -21,6 +21,14 @@ namespace {
 
 using checks::kFloatTypes;
 
+#if FUSEKIT_WITH_CUDA
+// Whether the down projection's dh GEMM with dC formed in its epilogue (cuda::glu_dgrad_fused)
+// beats cuBLAS's dh and the pass over C: measured from 2048 output tiles of 128 x 128 up (1.01x at
+// M 65536 N 2048, 1.08x at M 16384 N 5632, 1.21x at M 8192 N 4096; H100, `fusekit bench --filter
+// glu/glu_mlp_dgrad`), slower at one wave of tiles (0.76x at M 1024 N 2048).
+bool dgrad_fusion_pays(std::int64_t m, std::int64_t n) { return ((m + 127) / 128) * ((n + 127) / 128) >= 2048; }
+#endif
+
 // x [M, K], w [2N, K], bias [2N]: returns N.
 std::int64_t check_operands(const char* op, const TensorView& x, const TensorView& w,
                             const std::optional<TensorView>& bias) {
@@ -269,7 +277,7 @@ void glu_backward_from_preact(const GluBackwardFromPreactArgs& a, const GluOptio
   if (m > 0) {
     if (!a.down_w) {
       cuda::glu_pairs(a.preact, nullptr, &a.dy, dc, opt.kind, stream, out);
-    } else if (!cuda::glu_dgrad_fused(a.dy, *a.down_w, a.preact, dc, out, opt.kind, stream)) {
+    } else if (!dgrad_fusion_pays(m, n) || !cuda::glu_dgrad_fused(a.dy, *a.down_w, a.preact, dc, out, opt.kind, stream)) {
       const Tensor dh = down_grad();
       cuda::glu_pairs(a.preact, nullptr, &dh.view(), dc, opt.kind, stream, out);
     }

@@ -20,10 +20,11 @@ bool glu_gemm_fused(const TensorView& x, const TensorView& w, const TensorView* 
 
 // glu_gemm_dgrad.cu: the gated MLP's backward from kept pre-activations on Hopper tensor cores:
 // dh = dy down_w (dy [M, K'], down_w [K', N], both contiguous) formed by a GEMM whose epilogue
-// writes dpreact = dC [M, 2N] from dh and preact = C [M, 2N] (prepared order), and, when act is
-// given, act [M, N] = glu(C), as glu_pairs with dy = dh: dh never in memory.
+// writes dpreact = dC [M, 2N] from dh and preact = C [M, 2N] (prepared order), and act [M, N] =
+// glu(C) (the epilogue's D), as glu_pairs with dy = dh: dh never in memory. Any size; the op
+// calls it only where it beats cuBLAS's dh and glu_pairs (glu.cpp, dgrad_fusion_pays).
 // Returns false, having done nothing, when the device, dtype (16-bit only) or shape has no fused
-// kernel (not sm_90; K' or N not a multiple of 8; a pointer not 16-byte aligned).
+// kernel (not sm_90; act null; K' or N not a multiple of 8; a pointer not 16-byte aligned).
 bool glu_dgrad_fused(const TensorView& dy, const TensorView& down_w, const TensorView& preact,
                      const TensorView& dpreact, const TensorView* act, GluKind kind, const Stream* stream);
 
