@@ -322,7 +322,8 @@ TEST(GluLayout, DownProjectionGradientIsFormedInsideTheOp) {
     EXPECT_EQ(test::to_doubles(dw2), test::to_doubles(dw)) << glu_kind_name(kind);
     EXPECT_EQ(test::to_doubles(act2), test::to_doubles(act)) << glu_kind_name(kind);
   }
-  const auto [x, wp, out, c] = kept_forward(m, n, k, {}, 97);
+  const auto [x0, wp0, out0, c0] = kept_forward(m, n, k, {}, 97);
+  const Tensor &x = x0, &wp = wp0, &c = c0;  // named, so that the lambda below may capture them
   const Tensor dy = Tensor::empty({m, kd}, DType::f32, kCpu);
   Tensor dx = Tensor::empty({m, k}, DType::f32, kCpu);
   const Tensor wide = Tensor::empty({kd, n + 1}, DType::f32, kCpu), tall = Tensor::empty({kd + 1, n}, DType::f32, kCpu),
