@@ -697,7 +697,8 @@ TEST(GluGpu, BackwardThroughTheDownProjectionMatchesTheCpuOp) {
 // The fused down-projection GEMM itself (cuda::glu_dgrad_fused, which the op calls from 2048
 // tiles up), on Hopper with 16-bit operands: row and column tails, N a multiple of 8 from 8 to
 // past two 128-column tiles, one to many tiles, every kind. dC against the pass over C from dh
-// rounded to the operand dtype (one rounding of dh apart), out bit-identical to glu_activate's.
+// rounded to the operand dtype (one rounding of dh apart), out within the fast activations' error
+// of glu_activate's (docs/glu.md).
 TEST(GluGpu, FusedDownProjectionGemmMatchesThePassOverC) {
   FK_SKIP_WITHOUT_GPU();
   const Device gpu = Device::cuda(0);
@@ -726,7 +727,7 @@ TEST(GluGpu, FusedDownProjectionGemmMatchesThePassOverC) {
         const std::string what = std::string(glu_kind_name(kind)) + " " + std::string(dtype_name(dt)) + " M" +
                                  std::to_string(sh.m) + " N" + std::to_string(sh.n) + " K'" + std::to_string(sh.kd);
         EXPECT_LE(rel_err(dc, want_dc), 2e-2) << "dC " << what;
-        EXPECT_EQ(test::to_doubles(act), test::to_doubles(want_act)) << "out " << what;
+        EXPECT_LE(rel_err(act, want_act), 1e-2) << "out " << what;
       }
   // Without out, or with f32 or N % 8 != 0 operands, it declines and writes nothing.
   const Tensor c = test::random_tensor({16, 32}, DType::bf16, kCpu, 9990).copy_to(gpu);
@@ -738,7 +739,8 @@ TEST(GluGpu, FusedDownProjectionGemmMatchesThePassOverC) {
 #endif
 
 // The op at a size where it takes the fused GEMM (M 16384, N 2048: 2048 tiles), against the op
-// given dh = dy down_w rounded (the unfused path): dx, dw one rounding of dh apart, out equal.
+// given dh = dy down_w rounded (the unfused path): dx, dw one rounding of dh apart, out within the
+// fast activations' error.
 TEST(GluGpu, BackwardThroughTheDownProjectionTakesTheFusedGemmWhereItPays) {
   FK_SKIP_WITHOUT_GPU();
   const Device gpu = Device::cuda(0);
@@ -759,7 +761,7 @@ TEST(GluGpu, BackwardThroughTheDownProjectionTakesTheFusedGemmWhereItPays) {
   glu_backward_from_preact({dh, x, wp, c, rdx.view(), rdw.view(), std::nullopt, false, ract.view()}, opt);
   EXPECT_LE(rel_err(dx, rdx), 2e-2);
   EXPECT_LE(rel_err(dw, rdw), 2e-2);
-  EXPECT_EQ(test::to_doubles(act), test::to_doubles(ract));
+  EXPECT_LE(rel_err(act, ract), 1e-2);
 }
 
 // Shapes of many tiles (H100: 132 SMs). 16-bit, more than two waves of 128 x 256 tiles (> 264):

@@ -18,8 +18,8 @@
 //   Aux [M, N]  = Grad(acc, C)         the (dL, dR) pairs of dC = dh * glu'(L, R), 32-bit words
 //                                      stored by TMA (Sm90AuxStore) into dC [M, 2N]
 //
-// Arithmetic as glu_pairs (the accurate activations, fp32; dC rounded once), from dh's fp32
-// accumulators rather than dh rounded to the operand dtype.
+// Arithmetic in fp32 from dh's fp32 accumulators, dC and glu(C) rounded once, with the fused forward's
+// fast activations (glu_math.cuh, Fast = true; see docs/glu.md for why and their accuracy).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -69,7 +69,7 @@ struct PairOps {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < Frag::kElements; ++i) {
         float dl, dr;
-        fk::device::glu_grad<Kind>(half_of(c[i], 0), half_of(c[i], 1), dh[i], dl, dr);
+        fk::device::glu_grad<Kind, true>(half_of(c[i], 0), half_of(c[i], 1), dh[i], dl, dr);
         out[i] = pack2(dl, dr);
       }
       return out;
@@ -82,7 +82,8 @@ struct PairOps {
     CUTLASS_DEVICE Frag operator()(Frag const&, Frag const& c) const {
       Frag out;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < Frag::kElements; ++i) out[i] = fk::device::glu<Kind>(half_of(c[i], 0), half_of(c[i], 1));
+      for (int i = 0; i < Frag::kElements; ++i)
+        out[i] = fk::device::glu<Kind, true>(half_of(c[i], 0), half_of(c[i], 1));
       return out;
     }
   };
