@@ -79,55 +79,34 @@ void add_records(Context& ctx, const std::string& name, const std::vector<double
   ctx.add(br);
 }
 
-void forward_case(Context& ctx, const GluShape& s) {
-  const std::string name = "glu_fwd/" + shape_name(s);
+// The forward: fused (glu_forward) against cuBLAS's C and the activation pass. keep: the training
+// forward that also keeps C (as glu_mlp_train runs it, no bias), the fused GEMM writing out and C.
+void forward_case(Context& ctx, const GluShape& s, bool keep = false) {
+  const std::string name = (keep ? "glu_fwd_keep/" : "glu_fwd/") + shape_name(s);
   if (!ctx.selected("glu", name)) return;
   const GluOptions opt{.kind = s.kind, .allow_tf32 = s.tf32};
   std::vector<GluSet> sets = make_sets(ctx, s, false);
   const int rot = static_cast<int>(sets.size());
   const Tensor out = ctx.empty({s.m, s.n}, s.dtype), out_base = ctx.empty({s.m, s.n}, s.dtype);
   const Tensor c = ctx.empty({s.m, 2 * s.n}, s.dtype);  // the baseline's C, reused like a cached block
+  const Tensor kept = keep ? ctx.empty({s.m, 2 * s.n}, s.dtype) : Tensor();  // the fused forward's C
   const Stream* st = &ctx.fk_stream();
-  auto fused = [&](const GluSet& g) { glu_forward({g.x, g.w, g.b.view(), out}, opt, st); };
+  auto fused = [&](const GluSet& g) {
+    if (keep) glu_forward({g.x, g.w, std::nullopt, out, kept.view()}, opt, st);
+    else glu_forward({g.x, g.w, g.b.view(), out}, opt, st);
+  };
   auto gemm = [&](const GluSet& g) { matmul(g.x, g.w, c, Trans::n, Trans::t, st, s.tf32); };
   auto baseline = [&](const GluSet& g) {
     gemm(g);
     const TensorView b = g.b.view();
-    cuda::glu_pairs(c, &b, nullptr, out_base, s.kind, st);
+    cuda::glu_pairs(c, keep ? nullptr : &b, nullptr, out_base, s.kind, st);
   };
   fused(sets[0]);
   baseline(sets[0]);
   // Same products, fp32 accumulation in a different order, one rounding each.
-  const double err = ctx.rel_err(out, out_base);
+  double err = ctx.rel_err(out, out_base);
+  if (keep) err = std::max(err, ctx.rel_err(kept, c));
   require_close(name, err, s.dtype == DType::f32 ? 2e-3 : 1e-2);
-  const double flops = 2.0 * s.m * (2.0 * s.n) * s.k;
-  const auto at = [&](int i) -> const GluSet& { return sets[static_cast<std::size_t>(i)]; };
-  const std::vector<double> t = ctx.time_us_interleaved(
-      {[&](int i) { fused(at(i)); }, [&](int i) { baseline(at(i)); }, [&](int i) { gemm(at(i)); }}, rot);
-  add_records(ctx, name, t, flops, err);
-}
-
-// The training forward that keeps C (as glu_mlp_train runs it, no bias): out = glu(C) and C from
-// the fused GEMM; baseline: cuBLAS's C, then the pass over C.
-void forward_keep_case(Context& ctx, const GluShape& s) {
-  const std::string name = "glu_fwd_keep/" + shape_name(s);
-  if (!ctx.selected("glu", name)) return;
-  const GluOptions opt{.kind = s.kind, .allow_tf32 = s.tf32};
-  std::vector<GluSet> sets = make_sets(ctx, s, false);
-  const int rot = static_cast<int>(sets.size());
-  const Tensor out = ctx.empty({s.m, s.n}, s.dtype), out_base = ctx.empty({s.m, s.n}, s.dtype);
-  const Tensor c = ctx.empty({s.m, 2 * s.n}, s.dtype), c_base = ctx.empty({s.m, 2 * s.n}, s.dtype);
-  const Stream* st = &ctx.fk_stream();
-  auto fused = [&](const GluSet& g) { glu_forward({g.x, g.w, std::nullopt, out, c.view()}, opt, st); };
-  auto gemm = [&](const GluSet& g) { matmul(g.x, g.w, c_base, Trans::n, Trans::t, st, s.tf32); };
-  auto baseline = [&](const GluSet& g) {
-    gemm(g);
-    cuda::glu_pairs(c_base, nullptr, nullptr, out_base, s.kind, st);
-  };
-  fused(sets[0]);
-  baseline(sets[0]);
-  const double err = std::max(ctx.rel_err(out, out_base), ctx.rel_err(c, c_base));
-  require_close(name, err, 1e-2);
   const double flops = 2.0 * s.m * (2.0 * s.n) * s.k;
   const auto at = [&](int i) -> const GluSet& { return sets[static_cast<std::size_t>(i)]; };
   const std::vector<double> t = ctx.time_us_interleaved(
@@ -309,7 +288,7 @@ void glu_cases(Context& ctx) {
       {GluKind::swiglu, DType::bf16, false, 1024, 2048, 2048},
   };
   for (const GluShape& s : train) train_case(ctx, s);
-  for (const GluShape& s : train) forward_keep_case(ctx, s);
+  for (const GluShape& s : train) forward_case(ctx, s, true);
   // The same MLPs' backward through the down projection (K here is K', the model's width).
   const GluShape dgrad[] = {
       {GluKind::swiglu, DType::bf16, false, 65536, 2048, 768},
