@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # A run on the lent GPU machine (the device tool, from the repository root, carrying $PACK_DIR
-# (.gpu-pack unless set) with scripts/gpu/pack.sh's s10.tar.xz and .whl with nanobind's wheel):
+# (.gpu-pack unless set) with scripts/gpu/pack.sh's s10.tar.xz and .whl with nanobind's wheel, and Liger-Kernel's for liger runs):
 #   PARTS="tests sanitize bench py pybench lm" bash scripts/gpu/run.sh
 # tests: the C++ attention, norm, pointwise, GLU and loss tests (those packed); sanitize: memcheck and racecheck on attention
 # cases of every sm_90 path; bench: the attention cases of `fusekit bench` (BENCH, a
 # space-separated list of filters, each a case-name prefix; BENCH_ARGS, e.g. --breakdown); py: the
 # Python package built there against the pack, its attention tests (PYTESTS); pybench: `python -m fusekit.bench` (PYBENCH, one
 # filter); lm: the LM bench's runs (LM_RUNS) with a profile of one step, at each of LM_PRECISION
-# (bf16 unless set; "bf16 autocast" for both; LM_ARGS replaces "--warmup 2 --steps 4"); mlperf: the
+# (bf16 unless set; "bf16 autocast" for both; LM_BATCHES, 64 unless set, e.g. 64,128; LM_ARGS replaces
+# "--warmup 2 --steps 4", e.g. "--warmup 6 --steps 20 --corpus-limit 2MB"); mlperf: the
 # MLPerf DCNv2 model trained on one GPU (an H200; pack the fusekit program).
 set -uo pipefail
 R=$PWD
@@ -67,9 +68,9 @@ fi
 if has lm; then
   for p in ${LM_PRECISION:-bf16}; do
     step lm $p
-    python3 -m fusekit.bench.lm --config small --precision $p --batches 64 ${LM_ARGS:---warmup 2 --steps 4} --train-steps 0 \
-      --profile 30 --runs "${LM_RUNS:-fusekit_attn_compile,fusekit_nomask_compile,nomask_compile}" \
-      --out $OUT/lm_$p.json 2>&1 | tail -${LM_TAIL:-120}
+    python3 -m fusekit.bench.lm --config small --precision $p --batches ${LM_BATCHES:-64} ${LM_ARGS:---warmup 2 --steps 4} \
+      --train-steps 0 --profile 30 --runs "${LM_RUNS:-fusekit_attn_compile,fusekit_nomask_compile,nomask_compile}" \
+      --cache /tmp/lm-cache --out $OUT/lm_$p.json 2>&1 | tail -${LM_TAIL:-120}
   done
 fi
 if has mlperf; then
