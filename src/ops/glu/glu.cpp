@@ -23,10 +23,8 @@ using checks::kFloatTypes;
 
 #if FUSEKIT_WITH_CUDA
 // Whether the down projection's dh GEMM with dC formed in its epilogue (cuda::glu_dgrad_fused)
-// beats cuBLAS's dh and the pass over C: taken from 2048 output tiles of 128 x 128 up (1.43x at
-// M 65536 N 2048, 1.19x at M 16384 N 5632; H100, `fusekit bench --filter glu/glu_mlp_dgrad`). It
-// measured faster at one wave too (1.06x at M 1024 N 2048, 128 tiles), where the op's GPU tests
-// have not yet run with it.
+// beats cuBLAS's dh and the pass over C: taken from 2048 output tiles of 128 x 128 up, where
+// `fusekit bench --filter glu/glu_mlp_dgrad` measured it faster (docs/glu.md).
 bool dgrad_fusion_pays(std::int64_t m, std::int64_t n) { return ((m + 127) / 128) * ((n + 127) / 128) >= 2048; }
 #endif
 
