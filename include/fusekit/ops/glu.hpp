@@ -105,7 +105,7 @@ struct GluBackwardFromPreactArgs {
   std::optional<TensorView> out = std::nullopt;
   // [K', N], x's dtype: the gated MLP's down projection, whose output's gradient dy is then
   // ([M, K'] instead of [M, N]). The gradient of out, dy down_w, is formed here; on Hopper (16-bit
-  // operands, out given, from 2048 output tiles of 128 x 128 up, where it is faster) by one GEMM
+  // operands, out given, from one wave of output tiles of 128 x 128 (128) up) by one GEMM
   // whose epilogue computes dC and out from its fp32 accumulators with the fused forward's fast
   // activations (out within an ulp of glu_activate's), so that it never reaches memory;
   // elsewhere it is rounded to x's dtype before dC is formed.

@@ -129,7 +129,7 @@ def glu_backward_from_preact(dy: Tensor, x: Tensor, w: Tensor, preact: Tensor, w
     bias; out = glu_activate(preact) [M, N] from the same read of preact when with_out, else empty.
     With down_w [K', N] (a gated MLP's down projection), dy [M, K'] is the gradient of its output
     and the gradient of glu's out (dy down_w) is formed inside the op: on Hopper with 16-bit operands
-    and with_out, from 2048 output tiles of 128 x 128 up, by one GEMM whose epilogue forms dC and out
+    and with_out, from 128 output tiles of 128 x 128 up, by one GEMM whose epilogue forms dC and out
     with the fast activations (out within an ulp of glu_activate's), never in memory; elsewhere by
     cuBLAS, rounded, before the pass over preact.
     preact is read, not overwritten: a graph kept by retain_graph=True may run this backward twice."""

@@ -23,9 +23,9 @@ using checks::kFloatTypes;
 
 #if FUSEKIT_WITH_CUDA
 // Whether the down projection's dh GEMM with dC formed in its epilogue (cuda::glu_dgrad_fused)
-// beats cuBLAS's dh and the pass over C: taken from 2048 output tiles of 128 x 128 up, where
-// `fusekit bench --filter glu/glu_mlp_dgrad` measured it faster (docs/glu.md).
-bool dgrad_fusion_pays(std::int64_t m, std::int64_t n) { return ((m + 127) / 128) * ((n + 127) / 128) >= 2048; }
+// beats cuBLAS's dh and the pass over C: taken from one wave of output tiles of 128 x 128 (128)
+// up, where `fusekit bench --filter glu/glu_mlp_dgrad` measured it faster (docs/glu.md).
+bool dgrad_fusion_pays(std::int64_t m, std::int64_t n) { return ((m + 127) / 128) * ((n + 127) / 128) >= 128; }
 #endif
 
 // x [M, K], w [2N, K], bias [2N]: returns N.
