@@ -4,12 +4,13 @@
 // Forward, rows of up to kForwardCapacity elements: a group of blockDim.x threads per row holds
 // the row's s in registers (up to kForwardItems elements a thread, as raw 16-byte vectors), so
 // that x (and residual) are read once, residual_out, out and rstd written once; a row's threads
-// reduce on their own named barrier (rows.cuh), not the block's. Backward, rows of up to
-// kBackwardMaxThreads * kBackwardItems elements: one pass per row the same way, holding s and
-// dout; each thread also keeps its columns' share of dweight over the rows its group visits (the
-// grid is sized to the GPU and strides over the rows), the groups of a block sum theirs through
-// shared memory in a fixed order, one partial row per block, and a second kernel sums the partials
-// column by column in a fixed order: deterministic, with no atomics.
+// reduce on their own named barrier (rows.cuh), not the block's; x, residual and the outputs
+// move as evict-first 16-byte accesses, the weights as normal ones (every row reads them).
+// Backward, rows of up to kBackwardMaxThreads * kBackwardItems elements: one pass per row the
+// same way, holding s and dout; each thread also keeps its columns' share of dweight over the
+// rows its group visits (the grid is sized to the GPU and strides over the rows), the groups of a
+// block sum theirs through shared memory in a fixed order, one partial row per block, and a second
+// kernel sums the partials column by column in a fixed order: deterministic, with no atomics.
 //
 // Longer rows, or rows whose operands cannot be read as 16-byte vectors (cols or a row stride not
 // a multiple of the vector, a pointer not 16-byte aligned), go to the "long" kernels: one row at
@@ -104,7 +105,7 @@ __device__ __forceinline__ void load_floats(const X* p, float (&f)[V]) {
   }
 }
 
-template <class X, int V>
+template <class X, int V, bool kStream = false>
 __device__ __forceinline__ void store_floats(X* p, const float (&f)[V]) {
   constexpr int E = kVec<X>;
   if constexpr (V % E == 0) {
@@ -113,13 +114,13 @@ __device__ __forceinline__ void store_floats(X* p, const float (&f)[V]) {
       Vec<X, E> v;
 #pragma unroll
       for (int j = 0; j < E; ++j) v.set(j, f[i * E + j]);
-      store_vec<X, E>(p + i * E, v);
+      store_vec<X, E, kStream>(p + i * E, v);
     }
   } else if constexpr (E % V == 0) {
     Vec<X, V> v;
 #pragma unroll
     for (int j = 0; j < V; ++j) v.set(j, f[j]);
-    store_vec<X, V>(p, v);
+    store_vec<X, V, kStream>(p, v);
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) p[j] = from_float<X>(f[j]);
@@ -184,9 +185,9 @@ __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardPar
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const bool in_row = active && col(k) < p.cols;
-      xv[k] = in_row ? load_vec<X, V>(x + col(k)) : Vec<X, V>{};
+      xv[k] = in_row ? load_vec<X, V, true>(x + col(k)) : Vec<X, V>{};
       if constexpr (kAdd)
-        rv[k] = in_row ? load_vec<T, V>(static_cast<const T*>(p.residual) + r * p.ld_r + col(k)) : Vec<T, V>{};
+        rv[k] = in_row ? load_vec<T, V, true>(static_cast<const T*>(p.residual) + r * p.ld_r + col(k)) : Vec<T, V>{};
       if constexpr (kWeightFirst) wv[k] = in_row ? load_raw<W, V>(w + col(k)) : Vec<W, V>{};
     }
 #pragma unroll
@@ -194,7 +195,7 @@ __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardPar
       if constexpr (kAdd) {
 #pragma unroll
         for (int j = 0; j < V; ++j) s[k].set(j, xv[k].get(j) + rv[k].get(j));  // rounded to T, as PyTorch's add
-        if (active && col(k) < p.cols) store_vec<T, V>(static_cast<T*>(p.residual_out) + r * p.ld_rout + col(k), s[k]);
+        if (active && col(k) < p.cols) store_vec<T, V, true>(static_cast<T*>(p.residual_out) + r * p.ld_rout + col(k), s[k]);
       } else {
         s[k] = xv[k];
       }
@@ -205,11 +206,11 @@ __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardPar
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (!active || col(k) >= p.cols) continue;
-      const Vec<X, V> xv = load_vec<X, V>(x + col(k));
-      const Vec<T, V> res = load_vec<T, V>(static_cast<const T*>(p.residual) + r * p.ld_r + col(k));
+      const Vec<X, V> xv = load_vec<X, V, true>(x + col(k));
+      const Vec<T, V> res = load_vec<T, V, true>(static_cast<const T*>(p.residual) + r * p.ld_r + col(k));
 #pragma unroll
       for (int j = 0; j < V; ++j) s[k].set(j, xv.get(j) + res.get(j));  // rounded to T, as PyTorch's add
-      store_vec<T, V>(static_cast<T*>(p.residual_out) + r * p.ld_rout + col(k), s[k]);
+      store_vec<T, V, true>(static_cast<T*>(p.residual_out) + r * p.ld_rout + col(k), s[k]);
       if constexpr (kWeightFirst) wv[k] = load_raw<W, V>(w + col(k));
 #pragma unroll
       for (int j = 0; j < V; ++j) sum_sq = fmaf(s[k].get(j), s[k].get(j), sum_sq);
@@ -232,7 +233,7 @@ __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const ForwardPar
     }
 #pragma unroll
     for (int j = 0; j < V; ++j) o[j] = (s[k].get(j) * rstd) * (wk[j] + p.offset);
-    store_floats<O, V>(out + col(k), o);
+    store_floats<O, V, true>(out + col(k), o);
   }
 }
 
