@@ -8,7 +8,8 @@
 # Python package built there against the pack, its attention tests (PYTESTS); pybench: `python -m fusekit.bench` (PYBENCH, one
 # filter); lm: the LM bench's runs (LM_RUNS) with a profile of one step, at each of LM_PRECISION
 # (bf16 unless set; "bf16 autocast" for both; LM_BATCHES, 64 unless set, e.g. 64,128; LM_ARGS replaces
-# "--warmup 2 --steps 4", e.g. "--warmup 6 --steps 20 --corpus-limit 2MB"); mlperf: the
+# "--warmup 2 --steps 4" and may override "--train-steps 0 --profile 30", e.g. "--warmup 6 --steps 20
+# --corpus-limit 2MB"); mlperf: the
 # MLPerf DCNv2 model trained on one GPU (an H200; pack the fusekit program).
 set -uo pipefail
 R=$PWD
@@ -68,8 +69,8 @@ fi
 if has lm; then
   for p in ${LM_PRECISION:-bf16}; do
     step lm $p
-    python3 -m fusekit.bench.lm --config small --precision $p --batches ${LM_BATCHES:-64} ${LM_ARGS:---warmup 2 --steps 4} \
-      --train-steps 0 --profile 30 --runs "${LM_RUNS:-fusekit_attn_compile,fusekit_nomask_compile,nomask_compile}" \
+    python3 -m fusekit.bench.lm --config small --precision $p --batches ${LM_BATCHES:-64} --train-steps 0 --profile 30 \
+      ${LM_ARGS:---warmup 2 --steps 4} --runs "${LM_RUNS:-fusekit_attn_compile,fusekit_nomask_compile,nomask_compile}" \
       --cache /tmp/lm-cache --out $OUT/lm_$p.json 2>&1 | tail -${LM_TAIL:-120}
   done
 fi

@@ -915,11 +915,13 @@ INSTANTIATE_TEST_SUITE_P(
                                          RopeShape{1, 2, 2, 3, 1024, 2, 1, L::contiguous, L::contiguous, L::padded})),
     rope_case_name);
 
-// Many tokens (the grid strides over them) at a LLaMA-like shape.
+// Many tokens at LLaMA-like shapes; at B 17, more than the row kernel's grid of 64 blocks of 8
+// tokens an SM covers (it strides over them).
 INSTANTIATE_TEST_SUITE_P(
     LongSequence, RopeGpu,
     ::testing::Combine(::testing::Values(DType::bf16), ::testing::Bool(),
                        ::testing::Values(RopeShape{2, 12, 4, 4099, 64, 3, 2, L::bthd, L::bthd, L::bthd},
+                                         RopeShape{17, 2, 1, 4099, 64, 2, 1, L::bthd, L::bthd, L::bthd},
                                          RopeShape{1, 32, 8, 2048, 128, 2, 1, L::bthd, L::contiguous, L::bthd})),
     rope_case_name);
 
