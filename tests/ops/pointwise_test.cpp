@@ -915,8 +915,8 @@ INSTANTIATE_TEST_SUITE_P(
                                          RopeShape{1, 2, 2, 3, 1024, 2, 1, L::contiguous, L::contiguous, L::padded})),
     rope_case_name);
 
-// Many tokens at LLaMA-like shapes; at B 17, more than the row kernel's grid of 64 blocks of 8
-// tokens an SM covers (it strides over them).
+// Many tokens at LLaMA-like shapes; at B 17, more blocks of tokens than the row kernel's grid of 32
+// blocks an SM (it strides over them).
 INSTANTIATE_TEST_SUITE_P(
     LongSequence, RopeGpu,
     ::testing::Combine(::testing::Values(DType::bf16), ::testing::Bool(),

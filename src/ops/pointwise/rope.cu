@@ -5,12 +5,11 @@
 // threads of the other heads find them in L1 or L2). The floor is the bytes of q, k, q_out, k_out
 // (plus cos and sin once) over HBM bandwidth.
 //
-// Mapping: q's Hq and k's Hk heads are counted as one list of Hq + Hk heads; the grid strides over
-// the tokens (b, t). Rows whose halves are under 128 bytes (D = 16..64 in bf16) take one lane per
-// vector, a warp per token, and exchange halves by warp shuffles (rope_row_kernel), so that each
-// access of a warp covers whole lines; longer or odd rows take one lane per pair (x1 at column c,
-// x2 at c + D/2: rope_kernel), a block of (bx, bt, bh) threads covering bx vectors along a row, bt
-// tokens and bh heads. Every row has its own base from the (b, h, t) strides,
+// Mapping: a block of (bx, bt, bh) threads covers bx vectors along a row, bt tokens (b, t) and bh
+// heads, q's Hq and k's Hk counted as one list of Hq + Hk heads; the grid strides over the tokens.
+// Rows whose halves are under 128 bytes (D = 16..64 in bf16) take one lane per vector and exchange
+// halves by warp shuffles (rope_row_kernel), so that each access of a warp covers whole lines;
+// longer or odd rows take one lane per pair (x1 at column c, x2 at c + D/2: rope_kernel). Every row has its own base from the (b, h, t) strides,
 // so transposed views (Hugging Face's q is [B, T, H, D] memory seen as [B, H, T, D]) are read as
 // they are. Vectors are 16 bytes of q's dtype when D/2, every stride and every pointer allow it,
 // else single elements. One division per token (b and t from the flat token index), none per
@@ -122,12 +121,10 @@ __device__ __forceinline__ Vec<T, V> shuffle_xor(unsigned mask, const Vec<T, V>&
   return out;
 }
 
-// Rows of a few vectors (L = D / V lanes a row, a power of two up to 16): one warp per token
-// (b, t), 32 / L rows of it (heads, q's then k's) an instruction, so that where the heads of a
-// token are adjacent (Hugging Face's [B, T, H, D] memory) each access of the warp covers 512
-// contiguous bytes; R instructions' loads in flight before the first use. Each lane loads its
-// column's cos and sin once per token and takes its partner's vector (column c -/+ D/2) by a
-// shuffle. Its own output column is
+// Rows of a few vectors (blockDim.x = D / V, a power of two up to 8): each thread
+// loads one vector of the row, so a warp's access covers whole rows (a half row of 64 bytes, bf16
+// at D = 64, would otherwise be read by two instructions a line apart), and takes its partner's
+// vector (column c -/+ D/2) by a shuffle. Its own output column is
 //   y = x c + x_partner s',  s' = -s1 (first half) and s2 (second half) forward, from its own
 //   column; s2 and -s1 backward, from the partner's column.
 template <class T, class TC, int V, int R, int MinBlocks>
@@ -136,17 +133,18 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) rope_row_kernel(RopeParam
   const T* k = static_cast<const T*>(p.k);
   T* q_out = static_cast<T*>(p.q_out);
   T* k_out = static_cast<T*>(p.k_out);
-  const int row_lanes = static_cast<int>(2 * p.half / V), half_lanes = row_lanes / 2;
-  const int lane = static_cast<int>(threadIdx.x % 32), rows_a_pass = 32 / row_lanes, row_in = lane / row_lanes;
-  const bool second = lane % row_lanes >= half_lanes;
-  const std::int64_t col = static_cast<std::int64_t>(lane % row_lanes) * V;
+  const int row_lanes = blockDim.x, half_lanes = row_lanes / 2;
+  const bool second = static_cast<int>(threadIdx.x) >= half_lanes;
+  const std::int64_t col = static_cast<std::int64_t>(threadIdx.x) * V;
   const std::int64_t sin_col = p.backward ? (second ? col - p.half : col + p.half) : col;
   const bool negate = second == p.backward;
+  // The lanes of this thread's row (consecutive and aligned in the warp: blockDim.x divides 32);
+  // they share every loop bound below, so all of them reach each shuffle.
+  const unsigned linear = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const unsigned mask = row_lanes == 32 ? 0xffffffffu : ((1u << row_lanes) - 1) << ((linear & 31) & ~(row_lanes - 1));
   const std::int64_t tokens = p.batch * p.seq;
-  const int warps = static_cast<int>(blockDim.x / 32);
-  const std::int64_t token_step = static_cast<std::int64_t>(gridDim.x) * warps;
-  // The token, and every bound below, is the same for the 32 lanes: all of them reach each shuffle.
-  for (std::int64_t token = static_cast<std::int64_t>(blockIdx.x) * warps + threadIdx.x / 32; token < tokens;
+  const std::int64_t token_step = static_cast<std::int64_t>(gridDim.x) * blockDim.y;
+  for (std::int64_t token = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; token < tokens;
        token += token_step) {
     const std::int64_t b = token / p.seq, t = token - b * p.seq;
     const TC* cos = static_cast<const TC*>(p.cos) + b * p.cos_stride[0] + t * p.cos_stride[1];
@@ -154,33 +152,33 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) rope_row_kernel(RopeParam
     const Vec<TC, V> c = load_vec<TC, V>(cos + col);
     const Vec<TC, V> s_loaded = load_vec<TC, V>(sin + sin_col);
     const Vec<TC, V> sv = negate ? negated(s_loaded) : s_loaded;
-    // Per token, the (b, t) part of each operand's offset; per head, its h part.
+    // R heads a round (h0, h0 + bz, ..): R loads in flight before the first shuffle. Per token, the
+    // (b, t) part of each operand's offset; per head, its h part.
     const std::int64_t q_base = b * p.q_stride[0] + t * p.q_stride[2], k_base = b * p.k_stride[0] + t * p.k_stride[2];
     const std::int64_t qo_base = b * p.qo_stride[0] + t * p.qo_stride[2];
     const std::int64_t ko_base = b * p.ko_stride[0] + t * p.ko_stride[2];
-    for (int h0 = 0; h0 < p.heads; h0 += R * rows_a_pass) {
+    const int bz = static_cast<int>(blockDim.z);
+    for (int h0 = threadIdx.z; h0 < p.heads; h0 += R * bz) {
       Vec<T, V> xv[R];
 #pragma unroll
       for (int u = 0; u < R; ++u) {
-        const int h = h0 + u * rows_a_pass + row_in;
-        xv[u] = Vec<T, V>{};
+        const int h = h0 + u * bz;
         if (h < p.heads) {
           const T* x = h >= p.q_heads ? k + k_base + (h - p.q_heads) * p.k_stride[1] : q + q_base + h * p.q_stride[1];
-          xv[u] = load_vec<T, V, true>(x + col);
+          xv[u] = load_vec<T, V>(x + col);
         }
       }
 #pragma unroll
       for (int u = 0; u < R; ++u) {
-        if (h0 + u * rows_a_pass >= p.heads) break;  // the same for every lane
-        const Vec<T, V> xp = shuffle_xor(0xffffffffu, xv[u], half_lanes);
-        const int h = h0 + u * rows_a_pass + row_in;
+        const int h = h0 + u * bz;
         if (h < p.heads) {
+          const Vec<T, V> xp = shuffle_xor(mask, xv[u], half_lanes);
           Vec<T, V> yv;
 #pragma unroll
           for (int j = 0; j < V; ++j) yv.set(j, fmaf(xv[u].get(j), c.get(j), xp.get(j) * sv.get(j)));
           T* y = h >= p.q_heads ? k_out + ko_base + (h - p.q_heads) * p.ko_stride[1]
                                 : q_out + qo_base + h * p.qo_stride[1];
-          store_vec<T, V, true>(y + col, yv);
+          store_vec<T, V>(y + col, yv);
         }
       }
     }
@@ -209,23 +207,25 @@ inline int equal_rounds(int heads, int most) {
   return (heads + rounds - 1) / rounds;
 }
 
-// rope_row_kernel, blocks of 256 threads (8 tokens), R instructions' loads in flight: 8 where a
-// token has 6 row passes or more, else 4. Registers for 2 blocks an SM at R = 8 (16 warps, 64 KiB
-// of loads in flight), 3 at R = 4: with fewer (the 64-bit bases and strides of four operands) it
-// spills.
-template <class T, class TC>
+// rope_row_kernel with R heads a round (at most heads / R a block) and registers for MinBlocks
+// blocks of 256 an SM: a lane a 16-byte vector, whole rows.
+template <class T, class TC, int R, int MinBlocks>
 void launch_rows(const RopeParams& p, cudaStream_t s) {
   constexpr int kVec = 16 / sizeof(T);
-  const int rows_a_pass = static_cast<int>(32 / (2 * p.half / kVec));
-  const int passes = (p.heads + rows_a_pass - 1) / rows_a_pass;
-  const std::int64_t tokens = p.batch * p.seq, warps = kThreads / 32;
-  const unsigned grid =
-      static_cast<unsigned>(std::min<std::int64_t>((tokens + warps - 1) / warps, std::int64_t{multiprocessor_count()} * 64));
-  if (passes >= 6)
-    rope_row_kernel<T, TC, kVec, 8, 2><<<grid, kThreads, 0, s>>>(p);
-  else
-    rope_row_kernel<T, TC, kVec, 4, 3><<<grid, kThreads, 0, s>>>(p);
+  const int bx = static_cast<int>(2 * p.half / kVec);
+  const int most = std::min({kMaxBlockZ, kThreads / bx, std::max(1, (p.heads + R - 1) / R)});
+  const dim3 block = rope_block(bx, equal_rounds(p.heads, most), p.batch * p.seq);
+  rope_row_kernel<T, TC, kVec, R, MinBlocks><<<rope_grid(block, p.batch * p.seq), block, 0, s>>>(p);
 }
+
+// Heads a round and registers of the whole-row kernel: 4 heads a round (4 loads of 16 bytes in
+// flight a thread) at 64 registers (4 blocks of 256 an SM). On the H100 at the LLM bench's bf16
+// shapes (q, k as Hugging Face hands them) 4 heads a round took 142.6 and 62.5 µs where 2 took
+// 146.8 and 66.3 (B64 H12 T1024 D64; B8 H32 KV8 T2048 D64); 8 heads, or more registers, no better.
+// 16-bit q with f32 tables (twice the table registers) is given 3 blocks' worth: no spills.
+constexpr int kRowHeads = 4;
+template <class T, class TC>
+inline constexpr int kRowMinBlocks = sizeof(TC) == 4 && sizeof(T) == 2 ? 3 : 4;
 
 template <class T, class TC>
 void launch(const RopeParams& p, const RopeArgs& a, cudaStream_t s) {
@@ -237,7 +237,7 @@ void launch(const RopeParams& p, const RopeArgs& a, cudaStream_t s) {
   // vectors), else half a row's vectors (pairs), up to a warp (where half a row is 128 bytes or
   // more the pairs' accesses already cover whole lines, and measured faster).
   const std::int64_t vectors = p.half / (vec ? kVec : 1), row_vectors = 2 * vectors;
-  if (vec && vectors < 8 && (row_vectors & (row_vectors - 1)) == 0) return launch_rows<T, TC>(p, s);
+  if (vec && vectors < 8 && (row_vectors & (row_vectors - 1)) == 0) return launch_rows<T, TC, kRowHeads, kRowMinBlocks<T, TC>>(p, s);
   const int bx = static_cast<int>(std::min<std::int64_t>(vectors, 32));
   const dim3 block = rope_block(bx, equal_rounds(p.heads, std::min(kMaxBlockZ, kThreads / bx)), p.batch * p.seq);
   const unsigned grid = rope_grid(block, p.batch * p.seq);
