@@ -92,7 +92,7 @@ struct alignas(sizeof(T) * N) Vec {
 // (or a uint4 built from it), the compiler at times split the store of values converted one by
 // one into 4-byte or 2-byte stores. Global memory only. kStream: the 16-byte accesses of data
 // read or written once (a memory-bound pass's rows) marked evict-first (.cs), so that they do not
-// displace what is reused (a norm's weights, rope's tables); on the H100/H200 1-3% faster.
+// displace what is reused (a norm's weights, rope's tables); figures in docs/notes/llm-training.md.
 template <int Bytes> struct Word { using type = uint4; };
 template <> struct Word<8> { using type = uint2; };
 template <> struct Word<4> { using type = unsigned; };
