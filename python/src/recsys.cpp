@@ -71,6 +71,14 @@ InteractionParams interaction_params(const std::string& kind, bool self, bool bm
   return p;
 }
 
+// The C++ ops also take bf16 / f16 tables, whose updates round stochastically from a Philox
+// offset that must change every step; the Python ops do not pass one yet, so they take f32 only.
+void check_f32_tables(const TensorView& weights, const char* op) {
+  FK_CHECK_ARG(weights.dtype() == DType::f32, op, "weights",
+               "float32 tables (16-bit tables are available from C++ and fusekit train --embedding-dtype)",
+               weights.str());
+}
+
 }  // namespace
 
 void bind_recsys(nb::module_& m) {
@@ -84,6 +92,7 @@ void bind_recsys(nb::module_& m) {
                                         view(offsets, op, "offsets"),  view(raw, op, "raw"),
                                         view(out, op, "out"),          view(keys, op, "keys"),
                                         view(bags, op, "bags")};
+        check_f32_tables(a.weights, op);
         const TableLayout& layout = layout_for(table_rows, a.weights.device(), op);
         embedding_bag_forward(layout, a, {parse_pooling(pooling, op), parse_hash(hash, op), per_table_launch},
                               StreamArg(stream, a.weights).get());
@@ -104,6 +113,7 @@ void bind_recsys(nb::module_& m) {
                                          view(dout, op, "dout"),       view(offsets, op, "offsets"),
                                          view(weights, op, "weights"), view(state, op, "state"),
                                          view(workspace, op, "workspace")};
+        check_f32_tables(a.weights, op);
         const TableLayout& layout = layout_for(table_rows, a.weights.device(), op);
         embedding_bag_backward_update(layout, a, {parse_update(update, op), lr, eps, parse_pooling(pooling, op)},
                                       StreamArg(stream, a.weights).get());

@@ -138,6 +138,16 @@ def test_bad_bags_raise_naming_the_argument(device):
         fnn.EmbeddingBagCollection([4], 4, optimizer="adam")
 
 
+def test_sixteen_bit_tables_are_refused_naming_the_weights(device):
+    # The C++ ops take bf16 / f16 tables with stochastic rounding; the Python ops pass no rounding
+    # offset yet, so they refuse them instead of rounding every step the same way.
+    i64 = dict(dtype=torch.int64, device=device)
+    w = torch.zeros(10, 4, dtype=torch.bfloat16, device=device)
+    with pytest.raises(fusekit.Error, match="argument 'weights'"):
+        ops.embedding_bag(w, torch.tensor([0, 4], **i64), torch.tensor([0, 1, 2], **i64), None, [4, 6], "sum", "seed",
+                          "sgd", 0.1, 0.0, None)
+
+
 def reference_dot_interaction(z, self_interaction):
     """The DLRM reference's interact_features: [x, Zflat], Zflat the lower triangle of Z Zᵀ row by row."""
     zz = torch.bmm(z, z.transpose(1, 2))

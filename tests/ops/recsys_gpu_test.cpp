@@ -186,6 +186,97 @@ TEST_P(RecsysEmbeddingGpu, PerTableLaunchAndDenseGradientMatchSpec) {
   EXPECT_EQ(floats(g_grad[0]), floats(g_grad[1])) << "not deterministic";
 }
 
+// One 16-bit step at the larger of |a| and |b| (bf16: 8 significant bits; f16: 11, with its
+// subnormals' fixed step 2^-24).
+double step16(float a, float b, DType dt) {
+  const double m = std::max(std::fabs(a), std::fabs(b));
+  if (m == 0) return 0;
+  const int e = std::ilogb(m);
+  return dt == DType::bf16 ? std::ldexp(1.0, e - 7) : std::ldexp(1.0, std::max(e, -14) - 10);
+}
+
+// Tables of bf16 and f16: the forward pools their values as the spec does; every update, drawing
+// from the same (seed, offset) (once through a device counter), lands where the spec's does, or
+// one 16-bit step away where the GPU's fp32 sum and the spec's double sum straddle a draw's
+// threshold (rare: at least 99% of the elements are the same bits); twice on the GPU, bitwise equal.
+TEST_P(RecsysEmbeddingGpu, SixteenBitTablesMatchSpec) {
+  FK_SKIP_WITHOUT_GPU();
+  const auto& [shape, pooling] = GetParam();
+  const Device gpu = Device::cuda(0);
+  const TableLayout host_layout(shape.rows), layout(shape.rows, gpu);
+  const std::int64_t nt = layout.num_tables(), batch = shape.batch, dim = shape.dim;
+  const Csr csr = random_csr(shape.rows, batch, shape.max_bag, 29 + static_cast<std::uint64_t>(dim));
+  const Tensor indices = i64(csr.indices), offsets = i64(csr.offsets);
+  const Tensor g_indices = indices.copy_to(gpu), g_offsets = offsets.copy_to(gpu);
+  const std::int64_t nnz = indices.numel();
+  const std::int64_t stride = nt * dim + shape.row_stride_pad;
+  const auto pooled = [&](const Tensor& buf) {
+    return TensorView(buf.data(), DType::f32, {batch, nt, dim}, {stride, dim, 1}, buf.device());
+  };
+  Tensor keys = Tensor::empty({nnz}, DType::i32, kCpu), bags = Tensor::empty({nnz}, DType::i32, kCpu);
+  Tensor g_keys = Tensor::empty({nnz}, DType::i32, gpu), g_bags = Tensor::empty({nnz}, DType::i32, gpu);
+  const Tensor dout = test::random_tensor({batch * stride}, DType::f32, kCpu, 6);
+  const Tensor g_dout = dout.copy_to(gpu);
+  Tensor ws = Tensor::empty({static_cast<std::int64_t>(embedding_bag_backward_workspace_bytes(nnz, dim)) + 1}, DType::u8, gpu);
+  for (const DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(std::string(dtype_name(dt)));
+    const Tensor weights = test::random_tensor({layout.total_rows(), dim}, dt, kCpu, 8);
+    Tensor out = Tensor::empty({batch * stride}, DType::f32, kCpu), g_out = Tensor::empty({batch * stride}, DType::f32, gpu);
+    fill(out, 0.0);
+    fill(g_out, 0.0);
+    embedding_bag_forward(host_layout, {weights, indices.view(), offsets.view(), std::nullopt, pooled(out), keys.view(),
+                                        bags.view()},
+                          {pooling});
+    embedding_bag_forward(layout, {weights.copy_to(gpu), g_indices.view(), g_offsets.view(), std::nullopt,
+                                   pooled(g_out), g_keys.view(), g_bags.view()},
+                          {pooling});
+    ASSERT_TRUE(close(g_out, out));
+    for (EmbeddingUpdate u : {EmbeddingUpdate::sgd, EmbeddingUpdate::adagrad, EmbeddingUpdate::rowwise_adagrad}) {
+      SCOPED_TRACE(static_cast<int>(u));
+      std::optional<Tensor> state;
+      if (u == EmbeddingUpdate::adagrad) state = test::random_tensor({layout.total_rows(), dim}, DType::f32, kCpu, 7, 0, 1);
+      if (u == EmbeddingUpdate::rowwise_adagrad) state = test::random_tensor({layout.total_rows()}, DType::f32, kCpu, 7, 0, 1);
+      EmbeddingOptimizerParams p{u, 0.05f, 1e-8f, pooling};
+      p.seed = 31;
+      p.offset = 5;
+      Tensor w = weights.clone();
+      std::optional<Tensor> s = state ? std::optional<Tensor>(state->clone()) : std::nullopt;
+      embedding_bag_backward_update(host_layout, {keys, bags, pooled(dout), offsets.view(), w,
+                                                  s ? std::optional<TensorView>(s->view()) : std::nullopt},
+                                    p);
+      Tensor gw[2], gs[2];
+      for (int run = 0; run < 2; ++run) {
+        gw[run] = weights.copy_to(gpu);
+        std::optional<TensorView> sv;
+        if (state) {
+          gs[run] = state->copy_to(gpu);
+          sv = gs[run].view();
+        }
+        EmbeddingOptimizerParams q = p;
+        Tensor counter;
+        if (run == 1) {  // offset 2 + the counter's 3
+          counter = i64({3}).copy_to(gpu);
+          q.offset = 2;
+          q.offset_counter = counter.view();
+        }
+        const TensorView wsv(static_cast<unsigned char*>(ws.data()) + 1, DType::u8, {ws.numel() - 1}, gpu);
+        embedding_bag_backward_update(layout, {g_keys, g_bags, pooled(g_dout), g_offsets.view(), gw[run], sv, wsv}, q);
+      }
+      const std::vector<float> got = test::to_floats(gw[0]), want = test::to_floats(w);
+      std::int64_t same = 0;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        same += got[i] == want[i];
+        ASSERT_LE(std::fabs(got[i] - want[i]), step16(got[i], want[i], dt)) << "element " << i;
+      }
+      EXPECT_GE(static_cast<double>(same), 0.99 * static_cast<double>(got.size()));
+      if (s) {
+        EXPECT_TRUE(close(gs[0], *s, 1e-5, 1e-4));
+      }
+      EXPECT_EQ(test::to_floats(gw[0]), test::to_floats(gw[1])) << "not deterministic";
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, RecsysEmbeddingGpu,
     ::testing::Combine(

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <tuple>
@@ -13,6 +14,7 @@
 
 #include "fusekit/fusekit.hpp"
 #include "fusekit/ops/recsys.hpp"
+#include "ops/common/stochastic_round.hpp"
 #include "recsys_test_util.hpp"
 #include "test_util.hpp"
 
@@ -172,6 +174,201 @@ TEST(RecsysSpec, RowwiseAdagradStepOnRepeatedRowsByHand) {
   EXPECT_EQ(w[6], 7.0f);
   EXPECT_NEAR(w[10], 30 - k5 * 16, 1e-5);
   EXPECT_NEAR(w[11], 40 - k5 * 18, 1e-5);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 16-bit tables: stochastic rounding (ops/common/stochastic_round.hpp) and the ops on bf16 / f16
+// ---------------------------------------------------------------------------------------------
+
+float bits_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+TEST(StochasticRounding, Bf16ByHand) {
+  // 1 + 2^-9 is a quarter of bf16's step (2^-7) above 1: its dropped bits are 0x4000.
+  const float x = 1.0f + 0x1p-9f;
+  EXPECT_EQ(sround::to_bf16(x, 0x0000), 0x3f81);  // up when the draw is below 0x4000
+  EXPECT_EQ(sround::to_bf16(x, 0x3fff), 0x3f81);
+  EXPECT_EQ(sround::to_bf16(x, 0x4000), 0x3f80);
+  EXPECT_EQ(sround::to_bf16(x, 0xffff), 0x3f80);
+  EXPECT_EQ(sround::to_bf16(-x, 0x0000), 0xbf81);  // away from zero, the sign kept
+  EXPECT_EQ(sround::to_bf16(-x, 0x8000), 0xbf80);
+  EXPECT_EQ(sround::to_bf16(bits_float(0x7f7fffffu), 0x0000), 0x7f80);  // past the largest: infinity
+  EXPECT_EQ(sround::to_bf16(bits_float(0x7f7fffffu), 0xffff), 0x7f7f);
+  EXPECT_EQ(sround::to_bf16(std::numeric_limits<float>::infinity(), 0), 0x7f80);
+  EXPECT_EQ(sround::to_bf16(std::numeric_limits<float>::quiet_NaN(), 0) & 0x7fc0, 0x7fc0);
+}
+
+TEST(StochasticRounding, F16ByHand) {
+  // 1 + 2^-12: a quarter of f16's step (2^-10) above 1; the 13 dropped bits are 0x800.
+  const float x = 1.0f + 0x1p-12f;
+  EXPECT_EQ(sround::to_f16(x, 0x07ff), 0x3c01);
+  EXPECT_EQ(sround::to_f16(x, 0x0800), 0x3c00);
+  EXPECT_EQ(sround::to_f16(x, 0xe7ff), 0x3c01);  // only the low 13 bits of the draw count
+  EXPECT_EQ(sround::to_f16(-x, 0x0000), 0xbc01);
+  // Subnormal: 2.25 * 2^-24 between 2 and 3 of the least step; up when (h + 1/2) / 2^16 < 1/4.
+  const float s = 2.25f * 0x1p-24f;
+  EXPECT_EQ(sround::to_f16(s, 16383), 0x0003);
+  EXPECT_EQ(sround::to_f16(s, 16384), 0x0002);
+  // Just under the least normal (2^-14): up carries into it.
+  EXPECT_EQ(sround::to_f16(0x1p-14f - 0x1p-26f, 0), 0x0400);
+  // Halfway between 65504 and the next step (65536): infinity or 65504.
+  EXPECT_EQ(sround::to_f16(65520.0f, 0x0000), 0x7c00);
+  EXPECT_EQ(sround::to_f16(65520.0f, 0x1000), 0x7bff);
+  EXPECT_EQ(sround::to_f16(70000.0f, 0xffff), 0x7c00);
+  EXPECT_EQ(sround::to_f16(-std::numeric_limits<float>::infinity(), 0), 0xfc00);
+  EXPECT_EQ(sround::to_f16(std::numeric_limits<float>::quiet_NaN(), 0) & 0x7e00, 0x7e00);
+}
+
+TEST(StochasticRounding, RepresentableValuesNeverMove) {
+  // Every finite 16-bit value, widened to f32, comes back as itself whatever the draw.
+  std::mt19937 rng(5);
+  for (std::uint32_t b = 0; b < 0x10000u; ++b) {
+    const std::uint32_t h = rng() & 0xffffu;
+    if ((b & 0x7f80u) != 0x7f80u) {
+      const float v = bits_float(b << 16);
+      ASSERT_EQ(sround::to_bf16(v, h), b) << std::hex << b;
+    }
+    if ((b & 0x7c00u) != 0x7c00u) {
+      f16 half;
+      half.bits = static_cast<std::uint16_t>(b);
+      ASSERT_EQ(sround::to_f16(static_cast<float>(half), h), b) << std::hex << b;
+    }
+  }
+}
+
+TEST(StochasticRounding, UnbiasedOverPhiloxDraws) {
+  // The mean of 2^16 roundings of x, with the draws a table update makes, is x within a few
+  // standard deviations (sigma = step sqrt(p (1 - p) / n) <= step / 512).
+  const float xs[] = {1.0f + 0.3f * 0x1p-7f, -3.0f - 0.9f * 0x1p-6f, 1e-3f * 1.37f};
+  for (const float x : xs) {
+    for (const bool bf : {true, false}) {
+      double sum = 0;
+      const int n = 1 << 16;
+      for (int i = 0; i < n; ++i) {
+        const auto flat = static_cast<std::uint64_t>(i);
+        const std::uint32_t h = sround::draw_bits(philox::random_block(9, 4, flat >> 3), flat);
+        f16 half;
+        half.bits = bf ? 0 : sround::to_f16(x, h);
+        sum += bf ? static_cast<double>(bits_float(static_cast<std::uint32_t>(sround::to_bf16(x, h)) << 16))
+                  : static_cast<double>(static_cast<float>(half));
+      }
+      const int e = std::ilogb(x);
+      const double step = std::ldexp(1.0, e - (bf ? 7 : 10));
+      EXPECT_NEAR(sum / n, x, 4 * step / 512) << x << (bf ? " bf16" : " f16");
+    }
+  }
+}
+
+// Widens a 16-bit host tensor to f32.
+Tensor widened(const Tensor& t) {
+  Tensor out = Tensor::empty(t.shape(), DType::f32, kCpu);
+  const std::vector<float> v = test::to_floats(t);
+  std::copy(v.begin(), v.end(), out.data_as<float>());
+  return out;
+}
+
+TEST(RecsysSpec, SixteenBitTablesPoolAsTheirValues) {
+  for (const DType dt : {DType::bf16, DType::f16}) {
+    HandCase h;
+    const Tensor w = test::random_tensor({6, 2}, dt, kCpu, 3);
+    embedding_bag_forward(h.layout, {w, h.indices.view(), h.offsets.view(), std::nullopt, pooled_in(h.z)}, {});
+    const std::vector<float> got = h.pooled();
+    HandCase wide;
+    embedding_bag_forward(wide.layout, {widened(w), wide.indices.view(), wide.offsets.view(), std::nullopt,
+                                        pooled_in(wide.z)},
+                          {});
+    EXPECT_EQ(got, wide.pooled()) << dtype_name(dt);
+  }
+}
+
+// The two 16-bit values around v (equal when v is one).
+std::pair<float, float> neighbours(float v, DType dt) {
+  const auto widen = [&](std::uint16_t b) {
+    if (dt == DType::bf16) return bits_float(static_cast<std::uint32_t>(b) << 16);
+    f16 half;
+    half.bits = b;
+    return static_cast<float>(half);
+  };
+  const std::uint16_t lo = dt == DType::bf16 ? sround::to_bf16(v, 0xffff) : sround::to_f16(v, 0xffff);
+  const std::uint16_t hi = dt == DType::bf16 ? sround::to_bf16(v, 0) : sround::to_f16(v, 0);
+  return {widen(lo), widen(hi)};
+}
+
+TEST(RecsysSpec, SixteenBitSgdStepRoundsStochastically) {
+  // The hand-worked SGD step on bf16 / f16 tables: every element lands on one of the two 16-bit
+  // values around its f32 result; the same (seed, offset) gives the same bits, and the counter
+  // is added to the offset.
+  for (const DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(std::string(dtype_name(dt)));
+    HandBackward h;
+    embedding_bag_backward_update(h.layout, h.args(), {EmbeddingUpdate::sgd, 0.1f});
+    const std::vector<float> want = floats(h.weights);  // the f32 step
+    const auto step16 = [&](std::uint64_t offset, std::optional<std::uint64_t> counter) {
+      HandBackward g;
+      Tensor w = test::host_tensor({6, 2}, dt, floats(HandCase().weights));  // 1..40 are exact in both
+      auto a = g.args();
+      a.weights = w;
+      EmbeddingOptimizerParams p{EmbeddingUpdate::sgd, 0.1f};
+      p.seed = 11;
+      p.offset = offset;
+      Tensor c = i64({static_cast<std::int64_t>(counter.value_or(0))});
+      if (counter) p.offset_counter = c.view();
+      embedding_bag_backward_update(g.layout, a, p);
+      return test::to_floats(w);
+    };
+    const std::vector<float> a = step16(3, std::nullopt);
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      const auto [lo, hi] = neighbours(want[i], dt);
+      EXPECT_TRUE(a[i] == lo || a[i] == hi) << i << ": " << a[i] << " not around " << want[i];
+    }
+    EXPECT_EQ(step16(3, std::nullopt), a);
+    EXPECT_EQ(step16(1, 2), a);  // offset 1 + counter 2
+    bool differs = false;
+    for (std::uint64_t o = 4; o < 12 && !differs; ++o) differs = step16(o, std::nullopt) != a;
+    EXPECT_TRUE(differs) << "other offsets never drew differently";
+  }
+}
+
+TEST(RecsysSpec, SixteenBitUpdatesBelowHalfAStepMoveOnAverage) {
+  // A row-wise Adagrad step of 0.5e-4 to 3e-4 on values near 0.5 (bf16's step there is 2^-8, so
+  // rounding to nearest would leave every bf16 value as it was): over 512 offsets the mean of the
+  // stored values is the f32 result within 4 sigma.
+  const TableLayout layout({1});
+  const Tensor keys = i32({0}), bags = i32({0});
+  const Tensor dout = f32({1, 1, 4}, {1, -2, 3, 0.5f});
+  for (const DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(std::string(dtype_name(dt)));
+    const std::vector<float> w0 = {0.5f, 0.5078125f, 0.49609375f, 0.5f};
+    std::vector<double> sum(4, 0.0);
+    std::vector<float> exact;
+    const int n = 512;
+    for (int o = 0; o < n; ++o) {
+      Tensor w = test::host_tensor({1, 4}, dt, w0);
+      Tensor state = f32({1}, {1e6f});
+      EmbeddingOptimizerParams p{EmbeddingUpdate::rowwise_adagrad, 0.1f, 0.0f};
+      p.seed = 2;
+      p.offset = static_cast<std::uint64_t>(o);
+      embedding_bag_backward_update(layout, {keys, bags, dout, std::nullopt, w, state.view()}, p);
+      const std::vector<float> v = test::to_floats(w);
+      for (int c = 0; c < 4; ++c) sum[static_cast<std::size_t>(c)] += v[static_cast<std::size_t>(c)];
+      if (o == 0) {
+        Tensor w32 = f32({1, 4}, w0), s32 = f32({1}, {1e6f});
+        embedding_bag_backward_update(layout, {keys, bags, dout, std::nullopt, w32, s32.view()},
+                                      {EmbeddingUpdate::rowwise_adagrad, 0.1f, 0.0f});
+        exact = floats(w32);
+      }
+    }
+    // A draw between two values a step apart has a standard deviation of at most step / 2 (the
+    // step 2^-8 for bf16 and 2^-11 for f16 from 0.5 up, half that below).
+    const double sigma = (dt == DType::bf16 ? 0x1p-8 : 0x1p-11) / 2 / std::sqrt(static_cast<double>(n));
+    for (int c = 0; c < 4; ++c) {
+      EXPECT_NE(exact[static_cast<std::size_t>(c)], w0[static_cast<std::size_t>(c)]) << "no update to see";
+      EXPECT_NEAR(sum[static_cast<std::size_t>(c)] / n, exact[static_cast<std::size_t>(c)], 4 * sigma) << "column " << c;
+    }
+  }
 }
 
 TEST(RecsysSpec, StoreGradientAndMeanPoolingByHand) {
@@ -382,9 +579,9 @@ TEST(RecsysErrors, EmbeddingForward) {
   const EmbeddingBagForwardArgs good{h.weights, h.indices.view(), h.offsets.view(), std::nullopt, pooled_in(h.z)};
   run(good);  // the baseline is accepted
   {
-    Tensor w16 = Tensor::empty({6, 2}, DType::f16, kCpu);
+    Tensor wi = Tensor::empty({6, 2}, DType::i32, kCpu);
     auto a = good;
-    a.weights = w16;
+    a.weights = wi;
     test::expect_arg_error([&] { run(a); }, op, "weights");
     Tensor w5 = Tensor::empty({5, 2}, DType::f32, kCpu);
     a.weights = w5;
@@ -451,6 +648,11 @@ TEST(RecsysErrors, EmbeddingForward) {
     EmbeddingBagParams p;
     p.per_table_launch = true;
     test::expect_arg_error([&] { embedding_bag_forward(h.layout, a, p); }, op, "per_table_launch");
+    // ... and f32 tables only.
+    Tensor w16 = Tensor::empty({6, 2}, DType::bf16, kCpu);
+    a = good;
+    a.weights = w16;
+    test::expect_arg_error([&] { embedding_bag_forward(h.layout, a, p); }, op, "per_table_launch");
   }
   {
     // A device mix: the output on a GPU, the tables on the host (refused before anything is read).
@@ -498,6 +700,31 @@ TEST(RecsysErrors, EmbeddingBackward) {
     Tensor d = Tensor::empty({3, 2, 3}, DType::f32, kCpu);
     a.dout = d;
     test::expect_arg_error([&] { run(a, {}); }, op, "dout");
+  }
+  {
+    // 16-bit tables: the gradient stores want an f32 buffer, Adagrad an f32 state, the rounding
+    // counter an i64 [1].
+    Tensor w16 = Tensor::empty({6, 2}, DType::bf16, kCpu);
+    fill(w16, 1.0);
+    auto a = h.args();
+    a.weights = w16;
+    run(a, {EmbeddingUpdate::sgd});  // accepted
+    test::expect_arg_error([&] { run(a, {EmbeddingUpdate::store_gradient}); }, op, "weights");
+    test::expect_arg_error([&] { run(a, {EmbeddingUpdate::dense_gradient}); }, op, "weights");
+    Tensor ada16 = Tensor::empty({6, 2}, DType::bf16, kCpu);
+    fill(ada16, 0.0);
+    a.state = ada16.view();
+    test::expect_arg_error([&] { run(a, {EmbeddingUpdate::adagrad}); }, op, "state");
+    a.state = ada.view();
+    run(a, {EmbeddingUpdate::adagrad});  // an f32 state is accepted
+    a.state.reset();
+    EmbeddingOptimizerParams p;
+    Tensor c32 = i32({0});
+    p.offset_counter = c32.view();
+    test::expect_arg_error([&] { run(a, p); }, op, "offset_counter");
+    Tensor c2 = i64({0, 0});
+    p.offset_counter = c2.view();
+    test::expect_arg_error([&] { run(a, p); }, op, "offset_counter");
   }
 }
 

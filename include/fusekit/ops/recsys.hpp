@@ -18,9 +18,14 @@
 // gather and a scatter, the loss as three kernels. Both paths compute the same spec (the unfused
 // loss clamps its logs as PyTorch's BCELoss does; see SigmoidBceParams).
 //
-// Tables: the T tables of one model share the embedding dim D and live in one f32 buffer
+// Tables: the T tables of one model share the embedding dim D and live in one buffer
 // [total_rows, D], table t at rows [base[t], base[t] + rows[t]); a TableLayout says where (made
-// once, it holds the small device copy of the bases and row counts the kernels read).
+// once, it holds the small device copy of the bases and row counts the kernels read). The buffer
+// is f32, or bf16 / f16 to halve the tables' memory: a 16-bit table is read into f32 sums, and the
+// optimizer computes each updated value in f32 and stores it with stochastic rounding (unbiased:
+// an update smaller than half a 16-bit step still moves the value on average), its draws from
+// Philox (EmbeddingOptimizerParams::seed, the update's offset, the element's place in the buffer).
+// The optimizer state and every other tensor stay f32.
 //
 // Input of the embedding bags, bag q = t * B + b (table-major):
 //   CSR (multi-hot)   indices i64 [nnz]: row within table t; offsets i64 [T * B + 1], offsets[0] = 0,
@@ -32,7 +37,7 @@
 // Pooled output: out [B, T, D] f32, innermost stride 1, stride D between tables and any row stride
 // >= T * D, so that DLRM's bags land straight in Z[:, 1:, :] ([B, F, D] with F = T + 1).
 //
-// Every op is f32 with fp32 arithmetic on the GPU (the loss accumulates in double); the CPU
+// Every other op is f32; all arithmetic is fp32 on the GPU (the loss accumulates in double); the CPU
 // backend is the spec (reference::), written with double accumulation. The GPU results are fp32
 // sums of the same terms (bounds held by the tests in docs/recsys.md); every result is
 // deterministic: the same bits on every run of a given input.
@@ -94,7 +99,7 @@ struct EmbeddingBagParams {
 };
 
 struct EmbeddingBagForwardArgs {
-  TensorView weights;                // f32 [total_rows, D]: the tables of the layout, stacked
+  TensorView weights;                // f32, bf16 or f16 [total_rows, D]: the tables of the layout, stacked
   std::optional<TensorView> indices; // i64 [nnz]      CSR input (with offsets)
   std::optional<TensorView> offsets; // i64 [T*B + 1]
   std::optional<TensorView> raw;     // i32 [T*B]      or one raw value per bag (instead of CSR)
@@ -122,6 +127,16 @@ struct EmbeddingOptimizerParams {
   float lr = 0.01f;
   float eps = 1e-8f;
   Pooling pooling = Pooling::sum;  // as in the forward; mean needs the forward's offsets
+  // 16-bit weights: the stochastic rounding's Philox key and subsequence. Element (row, c) of the
+  // buffer, flat = row * D + c, draws 16 bits from block flat / 8 of (seed, offset) (see
+  // ops/common/stochastic_round.hpp), so (seed, offset) reproduce an update; give each update its
+  // own offset. Ignored for f32 weights.
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
+  // Optional, 16-bit weights: an i64 [1] on the weights' device whose value is added to `offset`
+  // when the update runs, not when it is queued, so that a CUDA graph replaying the update draws
+  // anew each time the counter is advanced (advance_offset, core/random.hpp). Null data: none.
+  TensorView offset_counter;
 };
 
 struct EmbeddingBagBackwardArgs {
@@ -129,7 +144,9 @@ struct EmbeddingBagBackwardArgs {
   TensorView bags;                   // i32 [nnz]: the forward's bags
   TensorView dout;                   // f32 [B, T, D], strides (>= T*D, D, 1): the pooled rows' gradient
   std::optional<TensorView> offsets; // i64 [T*B + 1]: the forward's CSR offsets (mean pooling only)
-  TensorView weights;                // f32 [total_rows, D]: updated in place (or the dense gradient)
+  // f32, bf16 or f16 [total_rows, D]: updated in place; f32 only for the gradient stores (the
+  // dense gradient buffer)
+  TensorView weights;
   std::optional<TensorView> state;   // f32, see EmbeddingUpdate: updated in place
   // u8 [embedding_bag_backward_workspace_bytes(nnz, D)] on the weights' device (GPU only; the
   // CPU ignores it). Its contents need no initialisation and are garbage afterwards.

@@ -8,8 +8,13 @@
 // the pointers allow 16-byte accesses), consecutive threads on consecutive columns of a bag, so a
 // row read is one coalesced segment. The baseline (`embedding_forward_table`) is the same lookup
 // for one table per launch, one thread per output element, as a per-table EmbeddingBag runs.
+// Tables of bf16 or f16 are read into the same f32 sums (Vec = 4 values, an 8-byte access).
 // Assumes rows in range (CSR input is validated on the host by the caller) and < 2^32 rows in all.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "fusekit/core/cuda_check.hpp"
 #include "ops/common/cuda_common.cuh"
@@ -27,7 +32,31 @@ __device__ __forceinline__ std::int64_t hash_row(std::uint32_t v, std::int64_t r
   return static_cast<std::int64_t>(x % static_cast<std::uint64_t>(rows));
 }
 
-template <int Vec, bool kMean>
+__device__ __forceinline__ float from_bits(std::uint32_t b, __nv_bfloat16) { return __uint_as_float(b << 16); }
+__device__ __forceinline__ float from_bits(std::uint32_t b, __half) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+}
+
+// Vec consecutive values of a table row as floats (Vec = 4: one 16- or 8-byte access).
+template <class T, int Vec>
+__device__ __forceinline__ void load_row(const T* src, float (&v)[Vec]) {
+  if constexpr (std::is_same_v<T, float>) {
+    if constexpr (Vec == 4) {
+      const float4 x = __ldg(reinterpret_cast<const float4*>(src));
+      v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    } else {
+      v[0] = __ldg(src);
+    }
+  } else if constexpr (Vec == 4) {
+    const uint2 x = __ldg(reinterpret_cast<const uint2*>(src));
+    v[0] = from_bits(x.x & 0xffffu, T{}), v[1] = from_bits(x.x >> 16, T{});
+    v[2] = from_bits(x.y & 0xffffu, T{}), v[3] = from_bits(x.y >> 16, T{});
+  } else {
+    v[0] = from_bits(__ldg(reinterpret_cast<const unsigned short*>(src)), T{});
+  }
+}
+
+template <class T, int Vec, bool kMean>
 __global__ void embedding_fused_kernel(TableSet ts, const std::uint32_t* raw, RowHash hash,
                                        const std::int64_t* indices, const std::int64_t* offsets, std::int64_t batch,
                                        float* out, std::int64_t out_stride, std::uint32_t* key, std::uint32_t* bag) {
@@ -47,12 +76,10 @@ __global__ void embedding_fused_kernel(TableSet ts, const std::uint32_t* raw, Ro
       key[q] = static_cast<std::uint32_t>(row);
       bag[q] = static_cast<std::uint32_t>(q);
     }
-    const float* src = ts.weights + row * ts.dim + part * Vec;
-    if constexpr (Vec == 4) {
-      *reinterpret_cast<float4*>(dst) = __ldg(reinterpret_cast<const float4*>(src));
-    } else {
-      *dst = __ldg(src);
-    }
+    float v[Vec];
+    load_row<T, Vec>(static_cast<const T*>(ts.weights) + row * ts.dim + part * Vec, v);
+    if constexpr (Vec == 4) *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+    else *dst = v[0];
     return;
   }
   float acc[Vec] = {};
@@ -62,9 +89,10 @@ __global__ void embedding_fused_kernel(TableSet ts, const std::uint32_t* raw, Ro
       key[k] = static_cast<std::uint32_t>(row);
       bag[k] = static_cast<std::uint32_t>(q);
     }
-    const float* src = ts.weights + row * ts.dim + part * Vec;
+    float v[Vec];
+    load_row<T, Vec>(static_cast<const T*>(ts.weights) + row * ts.dim + part * Vec, v);
 #pragma unroll
-    for (int i = 0; i < Vec; ++i) acc[i] += __ldg(src + i);
+    for (int i = 0; i < Vec; ++i) acc[i] += v[i];
   }
   if constexpr (kMean) {
     const std::int64_t n = offsets[q + 1] - offsets[q];
@@ -117,8 +145,14 @@ void embedding_forward_fused(const TableSet& tables, const std::uint32_t* raw, R
   };
   // Mean pooling divides by the bag size, which raw input (one row a bag) never needs.
   const bool divide = mean && raw == nullptr;
-  if (vec) divide ? launch(embedding_fused_kernel<4, true>) : launch(embedding_fused_kernel<4, false>);
-  else divide ? launch(embedding_fused_kernel<1, true>) : launch(embedding_fused_kernel<1, false>);
+  const auto typed = [&](auto t) {
+    using T = decltype(t);
+    if (vec) divide ? launch(embedding_fused_kernel<T, 4, true>) : launch(embedding_fused_kernel<T, 4, false>);
+    else divide ? launch(embedding_fused_kernel<T, 1, true>) : launch(embedding_fused_kernel<T, 1, false>);
+  };
+  if (tables.dtype == DType::bf16) typed(__nv_bfloat16{});
+  else if (tables.dtype == DType::f16) typed(__half{});
+  else typed(float{});
   FK_CUDA_CHECK_LAUNCH("embedding_forward_fused");
 }
 

@@ -15,14 +15,21 @@
 // on every run. Updates: SGD, Adagrad (per element), row-wise Adagrad (one state float per row:
 // the row's sum of g^2 is formed in a first pass over the slices, the update in a second, which
 // reads the gradient rows again, L2-hot), or, for the unfused reference path, the summed
-// gradient stored (=) into a dense gradient buffer.
+// gradient stored (=) into a dense gradient buffer. Tables of bf16 or f16: each new value is
+// computed in f32 from the stored one and written back stochastically rounded
+// (ops/common/stochastic_round.hpp), a lane drawing one Philox block for 8 consecutive elements.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cub/device/device_radix_sort.cuh>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fusekit/core/cuda_check.hpp"
 #include "ops/common/cuda_common.cuh"
 #include "ops/common/grid_stride.cuh"
+#include "ops/common/stochastic_round.hpp"
 #include "recsys_cuda.hpp"
 
 namespace fk::cuda {
@@ -41,6 +48,81 @@ __device__ __forceinline__ void apply_update(float* w, float* state, float g, fl
     *w -= lr * g / (sqrtf(s) + eps);
   }
 }
+
+// The elements of a table of T (float, __nv_bfloat16, __half) that one lane updates, in
+// increasing order: values read as floats, new values stored (16-bit: stochastically rounded,
+// element at = row * D + c drawing from Philox block at / 8 of (seed, offset), the block kept
+// for the lane's next elements).
+// (Fields copied from the TableSet: a reference to the kernel's parameter would copy the whole
+// struct to the stack.)
+template <class T>
+struct TableElements {
+  void* weights;
+  std::uint64_t seed = 0, offset = 0;
+  std::uint64_t index = ~std::uint64_t{0};
+  philox::U32x4 block{};
+
+  __device__ __forceinline__ explicit TableElements(const TableSet& ts) : weights(ts.weights) {
+    if constexpr (!std::is_same_v<T, float>) {
+      seed = ts.seed;
+      offset = ts.offset + (ts.offset_counter ? *ts.offset_counter : 0);
+    }
+  }
+  __device__ __forceinline__ float get(std::int64_t at) const {
+    if constexpr (std::is_same_v<T, float>) {
+      return static_cast<const float*>(weights)[at];
+    } else {
+      const std::uint32_t b = static_cast<const unsigned short*>(weights)[at];
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) return __uint_as_float(b << 16);
+      else return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+    }
+  }
+  __device__ __forceinline__ void put(std::int64_t at, float v) {
+    if constexpr (std::is_same_v<T, float>) {
+      static_cast<float*>(weights)[at] = v;
+    } else {
+      const auto flat = static_cast<std::uint64_t>(at);
+      if ((flat >> 3) != index) {
+        index = flat >> 3;
+        block = philox::random_block(seed, offset, index);
+      }
+      const std::uint32_t h = sround::draw_bits(block, flat);
+      static_cast<unsigned short*>(weights)[at] =
+          std::is_same_v<T, __nv_bfloat16> ? sround::to_bf16(v, h) : sround::to_f16(v, h);
+    }
+  }
+  // Stores v[0, n) at elements [at, at + n), n <= kSlice: the (at most three) Philox blocks the
+  // elements span drawn first, then an unrolled loop (v indexed by constants stays in registers).
+  __device__ __forceinline__ void put_slice(std::int64_t at, const float (&v)[kSlice], int n) {
+    const auto first = static_cast<std::uint64_t>(at) >> 3;
+    const int lead = static_cast<int>(at & 7);
+    const philox::U32x4 b0 = philox::random_block(seed, offset, first);
+    philox::U32x4 b1{}, b2{};
+    if (lead + n > 8) b1 = philox::random_block(seed, offset, first + 1);
+    if (lead + n > 16) b2 = philox::random_block(seed, offset, first + 2);
+#pragma unroll
+    for (int i = 0; i < kSlice; ++i) {
+      if (i >= n) break;
+      const auto flat = static_cast<std::uint64_t>(at + i);
+      const auto j = static_cast<unsigned>((flat >> 3) - first);
+      const auto pick = [&](int w) { return j == 0 ? b0.v[w] : j == 1 ? b1.v[w] : b2.v[w]; };
+      const philox::U32x4 b{{pick(0), pick(1), pick(2), pick(3)}};
+      const std::uint32_t h = sround::draw_bits(b, flat);
+      static_cast<unsigned short*>(weights)[at + i] =
+          std::is_same_v<T, __nv_bfloat16> ? sround::to_bf16(v[i], h) : sround::to_f16(v[i], h);
+    }
+  }
+  // SGD (state null) or element-wise Adagrad on element `at`.
+  __device__ __forceinline__ void update(std::int64_t at, float* state, float g, float lr, float eps) {
+    if constexpr (std::is_same_v<T, float>) {
+      apply_update(static_cast<float*>(weights) + at, state, g, lr, eps);
+    } else {
+      float w = get(at);
+      apply_update(&w, state, g, lr, eps);
+      put(at, w);
+    }
+  }
+};
 
 __global__ void optimizer_kernel(float* param, const float* grad, float* state, std::int64_t n, float lr, float eps) {
   for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * blockDim.x)
@@ -74,7 +156,7 @@ __device__ __forceinline__ void load_scanned(float (&v)[kSlice], const float* sr
   }
 }
 
-template <bool kMean, bool kRowwise>
+template <class T, bool kMean, bool kRowwise>
 __global__ void sparse_phase1_kernel(TableSet ts, const std::uint32_t* key, const std::uint32_t* bag, std::int64_t nnz,
                                      std::int64_t chunks, std::int64_t batch, const float* dout,
                                      std::int64_t out_stride, const std::int64_t* mean_offsets, float lr, float eps,
@@ -106,6 +188,7 @@ __global__ void sparse_phase1_kernel(TableSet ts, const std::uint32_t* key, cons
   if (lane == 0 && has_head) ends[c] = 0;
   if (piece_end && !has_head) ends[c] = continues ? 0 : 1;
   if (continues && has_head) owners[1 + atomicAdd(owners, 1)] = static_cast<int>(c);
+  TableElements<T> table(ts);
 
   // A lane whose piece is a whole segment (it starts and ends inside the chunk) updates the row.
   if constexpr (!kRowwise) {
@@ -114,11 +197,25 @@ __global__ void sparse_phase1_kernel(TableSet ts, const std::uint32_t* key, cons
       load_scanned<kMean>(v, src, valid, s0, ts.dim, scale, lane, start);
       if (!piece_end) continue;
       if (has_head && !continues) {
-        float* w = ts.weights + std::int64_t{row} * ts.dim + s0;
-        float* st = ts.adagrad_state ? ts.adagrad_state + std::int64_t{row} * ts.dim + s0 : nullptr;
-        for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) {
-          if (ts.store_gradient) w[i] = v[i];
-          else apply_update(w + i, st ? st + i : nullptr, v[i], lr, eps);
+        const std::int64_t at = std::int64_t{row} * ts.dim + s0;
+        float* st = ts.adagrad_state ? ts.adagrad_state + at : nullptr;
+        if constexpr (std::is_same_v<T, float>) {
+          for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) {
+            if (ts.store_gradient) table.put(at + i, v[i]);
+            else table.update(at + i, st ? st + i : nullptr, v[i], lr, eps);
+          }
+        } else {  // 16-bit tables take SGD and Adagrad only (the host refuses the gradient stores)
+          const int n = min(kSlice, ts.dim - s0);
+          float w[kSlice];
+#pragma unroll
+          for (int i = 0; i < kSlice; ++i) {
+            w[i] = 0.0f;
+            if (i < n) {
+              w[i] = table.get(at + i);
+              apply_update(&w[i], st ? st + i : nullptr, v[i], lr, eps);
+            }
+          }
+          table.put_slice(at, w, n);
         }
       } else {
         float* dst = (continues ? tail : head) + c * ts.dim + s0;
@@ -151,8 +248,16 @@ __global__ void sparse_phase1_kernel(TableSet ts, const std::uint32_t* key, cons
       float v[kSlice];
       load_scanned<kMean>(v, src, valid, s0, ts.dim, scale, lane, start);
       if (direct) {
-        float* w = ts.weights + std::int64_t{row} * ts.dim + s0;
-        for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) w[i] -= step * v[i];
+        const std::int64_t at = std::int64_t{row} * ts.dim + s0;
+        if constexpr (std::is_same_v<T, float>) {
+          for (int i = 0; i < kSlice && s0 + i < ts.dim; ++i) table.put(at + i, table.get(at + i) - step * v[i]);
+        } else {
+          const int n = min(kSlice, ts.dim - s0);
+          float w[kSlice];
+#pragma unroll
+          for (int i = 0; i < kSlice; ++i) w[i] = i < n ? table.get(at + i) - step * v[i] : 0.0f;
+          table.put_slice(at, w, n);
+        }
       }
     }
   }
@@ -180,7 +285,7 @@ __device__ __forceinline__ float owner_slice_sum(const float* head, const float*
   return g;
 }
 
-template <bool kRowwise>
+template <class T, bool kRowwise>
 __global__ void sparse_phase2_kernel(TableSet ts, const std::uint32_t* key, std::int64_t chunks, float lr, float eps,
                                      const float* head, const float* tail, const std::uint8_t* ends,
                                      const int* owners) {
@@ -197,13 +302,14 @@ __global__ void sparse_phase2_kernel(TableSet ts, const std::uint32_t* key, std:
     if (base >= chunks) break;  // unreachable for a consistent phase 1; never loop forever
   }
   if (c1 < 0) return;
+  TableElements<T> table(ts);
   if constexpr (!kRowwise) {
     for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
       const float g = owner_slice_sum(head, tail, c0, c1, s0, ts.dim, lane);
       if (lane < kSlice && s0 + lane < ts.dim) {
         const std::int64_t at = std::int64_t{row} * ts.dim + s0 + lane;
-        if (ts.store_gradient) ts.weights[at] = g;
-        else apply_update(ts.weights + at, ts.adagrad_state ? ts.adagrad_state + at : nullptr, g, lr, eps);
+        if (ts.store_gradient) table.put(at, g);
+        else table.update(at, ts.adagrad_state ? ts.adagrad_state + at : nullptr, g, lr, eps);
       }
     }
   } else {
@@ -221,22 +327,25 @@ __global__ void sparse_phase2_kernel(TableSet ts, const std::uint32_t* key, std:
     const float step = lr / (sqrtf(s) + eps);
     for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
       const float g = owner_slice_sum(head, tail, c0, c1, s0, ts.dim, lane);
-      if (lane < kSlice && s0 + lane < ts.dim) ts.weights[std::int64_t{row} * ts.dim + s0 + lane] -= step * g;
+      if (lane < kSlice && s0 + lane < ts.dim) {
+        const std::int64_t at = std::int64_t{row} * ts.dim + s0 + lane;
+        table.put(at, table.get(at) - step * g);
+      }
     }
   }
 }
 
-template <bool kMean, bool kRowwise>
+template <class T, bool kMean, bool kRowwise>
 void launch_sparse_phases(const TableSet& ts, std::int64_t nnz, std::int64_t batch, const float* dout,
                           std::int64_t out_stride, const std::int64_t* mean_offsets, float lr, float eps,
                           const SparseBackwardWorkspace& ws, cudaStream_t s) {
   const std::int64_t chunks = sparse_backward_chunks(nnz);
   const unsigned grid = static_cast<unsigned>((chunks * 32 + kThreads - 1) / kThreads);
-  sparse_phase1_kernel<kMean, kRowwise><<<grid, kThreads, 0, s>>>(ts, ws.key_sorted, ws.bag_sorted, nnz, chunks, batch,
-                                                                  dout, out_stride, mean_offsets, lr, eps, ws.head,
-                                                                  ws.tail, ws.ends, ws.owners);
+  sparse_phase1_kernel<T, kMean, kRowwise><<<grid, kThreads, 0, s>>>(ts, ws.key_sorted, ws.bag_sorted, nnz, chunks,
+                                                                     batch, dout, out_stride, mean_offsets, lr, eps,
+                                                                     ws.head, ws.tail, ws.ends, ws.owners);
   FK_CUDA_CHECK_LAUNCH("embedding_backward_fused");
-  sparse_phase2_kernel<kRowwise><<<grid, kThreads, 0, s>>>(ts, ws.key_sorted, chunks, lr, eps, ws.head, ws.tail,
+  sparse_phase2_kernel<T, kRowwise><<<grid, kThreads, 0, s>>>(ts, ws.key_sorted, chunks, lr, eps, ws.head, ws.tail,
                                                            ws.ends, ws.owners);
   FK_CUDA_CHECK_LAUNCH("embedding_backward_fused");
 }
@@ -271,14 +380,20 @@ void embedding_backward_fused(const TableSet& tables, int key_bits, const std::u
                                                 static_cast<int>(nnz), 0, key_bits, s));
   FK_CUDA_CHECK(cudaMemsetAsync(ws.owners, 0, sizeof(int), s));
   const bool mean = mean_offsets != nullptr;
-  if (!mean && !tables.rowwise)
-    launch_sparse_phases<false, false>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
-  else if (!mean)
-    launch_sparse_phases<false, true>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
-  else if (!tables.rowwise)
-    launch_sparse_phases<true, false>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
-  else
-    launch_sparse_phases<true, true>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
+  const auto typed = [&](auto t) {
+    using T = decltype(t);
+    if (!mean && !tables.rowwise)
+      launch_sparse_phases<T, false, false>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
+    else if (!mean)
+      launch_sparse_phases<T, false, true>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
+    else if (!tables.rowwise)
+      launch_sparse_phases<T, true, false>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
+    else
+      launch_sparse_phases<T, true, true>(tables, nnz, batch, dout, out_stride, mean_offsets, lr, eps, ws, s);
+  };
+  if (tables.dtype == DType::bf16) typed(__nv_bfloat16{});
+  else if (tables.dtype == DType::f16) typed(__half{});
+  else typed(float{});
 }
 
 }  // namespace fk::cuda

@@ -47,7 +47,7 @@ void check_vector(const char* op, const char* arg, const TensorView& t, DType dt
 
 void check_weights(const char* op, const TableLayout& layout, const TensorView& w) {
   checks::tensor(op, "weights", w, 2);
-  checks::dtype_in(op, "weights", w, {DType::f32});
+  checks::dtype_in(op, "weights", w, checks::kFloatTypes);
   FK_CHECK_ARG(w.size(0) == layout.total_rows() && w.size(1) >= 1, op, "weights",
                fmt::format("shape [{}, D] (the layout's rows), D >= 1", layout.total_rows()), w.shape().str());
   checks::cuda_available(op, w.device());
@@ -58,8 +58,14 @@ void check_weights(const char* op, const TableLayout& layout, const TensorView& 
 #if FUSEKIT_WITH_CUDA
 cuda::TableSet table_set(const TableLayout& layout, const TensorView& weights, float* state, bool rowwise) {
   const auto* meta = layout.device_meta().data_as<std::int64_t>();
-  cuda::TableSet ts{weights.data_as<float>(), state, meta, meta + layout.num_tables(), layout.num_tables(),
-                    static_cast<int>(weights.size(1))};
+  cuda::TableSet ts;
+  ts.weights = weights.data();
+  ts.dtype = weights.dtype();
+  ts.adagrad_state = state;
+  ts.base = meta;
+  ts.rows = meta + layout.num_tables();
+  ts.tables = layout.num_tables();
+  ts.dim = static_cast<int>(weights.size(1));
   ts.rowwise = rowwise;
   return ts;
 }
@@ -132,6 +138,8 @@ void embedding_bag_forward(const TableLayout& layout, const EmbeddingBagForwardA
                csr ? "both" : "neither");
   FK_CHECK_ARG(!(p.per_table_launch && a.raw), op, "per_table_launch",
                "CSR input (the per-table baseline takes rows hashed beforehand)", "raw input");
+  FK_CHECK_ARG(!p.per_table_launch || a.weights.dtype() == DType::f32, op, "per_table_launch",
+               "f32 tables (the per-table baseline)", a.weights.str());
   std::int64_t nnz = bags;
   if (a.raw) {
     check_vector(op, "raw", *a.raw, DType::i32, bags, dev);
@@ -212,6 +220,17 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
   checks::same_device(op, "keys", a.keys, dev);
   const std::int64_t nnz = a.keys.numel();
   check_vector(op, "bags", a.bags, DType::i32, nnz, dev);
+  const bool stores_gradient =
+      p.update == EmbeddingUpdate::store_gradient || p.update == EmbeddingUpdate::dense_gradient;
+  FK_CHECK_ARG(!stores_gradient || a.weights.dtype() == DType::f32, op, "weights",
+               "an f32 gradient buffer (store_gradient, dense_gradient)", a.weights.str());
+  const bool rounds = a.weights.dtype() != DType::f32;
+  if (rounds && p.offset_counter.data() != nullptr) {
+    checks::tensor(op, "offset_counter", p.offset_counter, 1);
+    checks::dtype_in(op, "offset_counter", p.offset_counter, {DType::i64});
+    checks::shape_is(op, "offset_counter", p.offset_counter, Dims{1});
+    checks::same_device(op, "offset_counter", p.offset_counter, dev);
+  }
   switch (p.update) {
     case EmbeddingUpdate::sgd:
     case EmbeddingUpdate::store_gradient:
@@ -222,7 +241,10 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
     case EmbeddingUpdate::adagrad:
       FK_CHECK_ARG(a.state.has_value(), op, "state", fmt::format("f32 [{}, {}] (Adagrad)", layout.total_rows(), dim),
                    "none");
-      checks::companion(op, "state", *a.state, a.weights, a.weights.shape());
+      checks::tensor(op, "state", *a.state, 2);
+      checks::dtype_in(op, "state", *a.state, {DType::f32});
+      checks::shape_is(op, "state", *a.state, a.weights.shape());
+      checks::same_device(op, "state", *a.state, dev);
       break;
     case EmbeddingUpdate::rowwise_adagrad:
       FK_CHECK_ARG(a.state.has_value(), op, "state", fmt::format("f32 [{}] (row-wise Adagrad)", layout.total_rows()),
@@ -295,7 +317,11 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
   const detail::DeviceScope on(dev.index);
   const bool rowwise = p.update == EmbeddingUpdate::rowwise_adagrad;
   cuda::TableSet ts = table_set(layout, a.weights, a.state ? a.state->data_as<float>() : nullptr, rowwise);
-  ts.store_gradient = p.update == EmbeddingUpdate::store_gradient || dense;
+  ts.store_gradient = stores_gradient;
+  ts.seed = p.seed;
+  ts.offset = p.offset;
+  if (rounds && p.offset_counter.data() != nullptr)
+    ts.offset_counter = p.offset_counter.data_as<const std::uint64_t>();
   if (dense) FK_CUDA_CHECK(cudaMemsetAsync(a.weights.data(), 0, a.weights.nbytes(), detail::cuda_stream(stream)));
   cuda::embedding_backward_fused(ts, layout.key_bits(), static_cast<const std::uint32_t*>(a.keys.data()),
                                  static_cast<const std::uint32_t*>(a.bags.data()), nnz, batch,

@@ -1,6 +1,6 @@
 // The CUDA layer of the recsys family: raw launchers over device pointers, called by recsys.cpp
-// after every argument was checked, and by the GPU DLRM (models/dlrm_gpu.cpp), which owns its
-// buffers and calls them directly. Everything is fp32, row-major, on one stream; every launcher
+// after every argument was checked. Everything is fp32 (the tables also bf16 or f16), row-major,
+// on one stream; every launcher
 // returns after enqueueing (no synchronisation), so a caller can capture them in a CUDA graph.
 // The spec (reference.cpp) defines what each computes; tests/ops/recsys_test.cpp holds them to it.
 //
@@ -25,7 +25,8 @@ namespace fk::cuda {
 // ---- Embedding bags ---------------------------------------------------------------------------
 
 struct TableSet {
-  float* weights = nullptr;               // [total_rows, D] (store_gradient: the dense gradient)
+  void* weights = nullptr;                // [total_rows, D] of dtype (store_gradient: the f32 dense gradient)
+  DType dtype = DType::f32;               // f32, bf16 or f16
   float* adagrad_state = nullptr;         // [total_rows, D]; rowwise: [total_rows]; null: SGD
   const std::int64_t* base = nullptr;     // device [T] first row of each table
   const std::int64_t* rows = nullptr;     // device [T]
@@ -37,6 +38,10 @@ struct TableSet {
   bool store_gradient = false;
   // Row-wise Adagrad: adagrad_state holds one float per row (state += mean_d g^2).
   bool rowwise = false;
+  // 16-bit weights: the stochastic rounding's stream (seed, offset + *offset_counter when not
+  // null, read when the kernel runs); element flat = row * D + c draws from block flat / 8.
+  std::uint64_t seed = 0, offset = 0;
+  const std::uint64_t* offset_counter = nullptr;
 };
 
 // Every (table, sample) bag in one launch. With `raw` (one value per bag) the row is hash(raw)
@@ -47,7 +52,7 @@ void embedding_forward_fused(const TableSet& tables, const std::uint32_t* raw, R
                              const std::int64_t* indices, const std::int64_t* offsets, std::int64_t batch, float* out,
                              std::int64_t out_stride, bool mean, std::uint32_t* key, std::uint32_t* bag,
                              cudaStream_t s);
-// The unfused baseline: table t alone (launched once per table), CSR input.
+// The unfused baseline: table t alone (launched once per table), CSR input, f32 tables.
 void embedding_forward_table(const float* table, int dim, int t, const std::int64_t* indices,
                              const std::int64_t* offsets, std::int64_t batch, float* out, std::int64_t out_stride,
                              bool mean, cudaStream_t s);

@@ -3,13 +3,37 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "fusekit/core/error.hpp"
 #include "fusekit/ops/recsys.hpp"
+#include "ops/common/stochastic_round.hpp"
 
 namespace fk::reference {
 namespace {
+
+// Element i of a table buffer of any of its dtypes (f32, bf16, f16), as a float.
+float table_value(const TensorView& w, std::int64_t i) {
+  switch (w.dtype()) {
+    case DType::bf16: return static_cast<float>(w.data_as<const bf16>()[i]);
+    case DType::f16: return static_cast<float>(w.data_as<const f16>()[i]);
+    default: return w.data_as<const float>()[i];
+  }
+}
+
+// Stores v into element i of a table buffer: as is (f32), or stochastically rounded with the
+// draw of element i of the stream (seed, offset).
+void store_table_value(const TensorView& w, std::int64_t i, float v, std::uint64_t seed, std::uint64_t offset) {
+  if (w.dtype() == DType::f32) {
+    w.data_as<float>()[i] = v;
+    return;
+  }
+  const auto flat = static_cast<std::uint64_t>(i);
+  const std::uint32_t h = sround::draw_bits(philox::random_block(seed, offset, flat >> 3), flat);
+  const std::uint16_t bits = w.dtype() == DType::bf16 ? sround::to_bf16(v, h) : sround::to_f16(v, h);
+  std::memcpy(static_cast<std::uint16_t*>(w.data()) + i, &bits, 2);
+}
 
 // The pooled row of bag (t, b) in an out / dout view [B, T, D] with strides (row, D, 1).
 float* pooled_row(const TensorView& out, std::int64_t t, std::int64_t b) {
@@ -28,7 +52,6 @@ std::int64_t hash_row(std::uint32_t v, std::int64_t rows, RowHash hash) {
 
 void embedding_bag_forward(const TableLayout& layout, const EmbeddingBagForwardArgs& a, const EmbeddingBagParams& p) {
   const std::int64_t nt = layout.num_tables(), batch = a.out.size(0), dim = a.weights.size(1);
-  const float* w = a.weights.data_as<float>();
   std::int32_t* keys = a.keys ? a.keys->data_as<std::int32_t>() : nullptr;
   std::int32_t* bags = a.bags ? a.bags->data_as<std::int32_t>() : nullptr;
   std::vector<double> acc(static_cast<std::size_t>(dim));
@@ -49,7 +72,8 @@ void embedding_bag_forward(const TableLayout& layout, const EmbeddingBagForwardA
       }
       std::fill(acc.begin(), acc.end(), 0.0);
       for (std::size_t k = 0; k < rows.size(); ++k) {
-        for (std::int64_t c = 0; c < dim; ++c) acc[static_cast<std::size_t>(c)] += w[rows[k] * dim + c];
+        for (std::int64_t c = 0; c < dim; ++c)
+          acc[static_cast<std::size_t>(c)] += table_value(a.weights, rows[k] * dim + c);
         if (keys) {
           keys[first + static_cast<std::int64_t>(k)] = static_cast<std::int32_t>(static_cast<std::uint32_t>(rows[k]));
           bags[first + static_cast<std::int64_t>(k)] = static_cast<std::int32_t>(q);
@@ -75,9 +99,19 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
   const auto key_of = [&](std::int64_t k) { return static_cast<std::uint32_t>(keys[k]); };
   std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) { return key_of(x) < key_of(y); });
 
-  float* w = a.weights.data_as<float>();
   float* state = a.state ? a.state->data_as<float>() : nullptr;
-  if (p.update == EmbeddingUpdate::dense_gradient) std::fill(w, w + a.weights.numel(), 0.0f);
+  if (p.update == EmbeddingUpdate::dense_gradient) fill(a.weights, 0.0);
+  const bool rounds = a.weights.dtype() != DType::f32;
+  const std::uint64_t offset =
+      p.offset + (rounds && p.offset_counter.data() != nullptr ? *p.offset_counter.data_as<const std::uint64_t>() : 0);
+  // Element c of the row: its value, and the store of its new value (the double result rounded
+  // to f32, the value the GPU computes, then stored in the table's dtype).
+  const auto get = [&](std::uint32_t row, std::int64_t c) {
+    return static_cast<double>(table_value(a.weights, std::int64_t{row} * dim + c));
+  };
+  const auto set = [&](std::uint32_t row, std::int64_t c, double v) {
+    store_table_value(a.weights, std::int64_t{row} * dim + c, static_cast<float>(v), p.seed, offset);
+  };
   std::vector<double> g(static_cast<std::size_t>(dim));
   for (std::size_t s = 0; s < order.size();) {
     const std::uint32_t row = key_of(order[s]);
@@ -92,17 +126,16 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
       const float* src = pooled_row(a.dout, q / batch, q % batch);
       for (std::int64_t c = 0; c < dim; ++c) g[static_cast<std::size_t>(c)] += src[c] * scale;
     }
-    float* wr = w + std::int64_t{row} * dim;
     switch (p.update) {
       case EmbeddingUpdate::sgd:
-        for (std::int64_t c = 0; c < dim; ++c) wr[c] = static_cast<float>(wr[c] - p.lr * g[static_cast<std::size_t>(c)]);
+        for (std::int64_t c = 0; c < dim; ++c) set(row, c, get(row, c) - p.lr * g[static_cast<std::size_t>(c)]);
         break;
       case EmbeddingUpdate::adagrad:
         for (std::int64_t c = 0; c < dim; ++c) {
           const double gc = g[static_cast<std::size_t>(c)];
           float& st = state[std::int64_t{row} * dim + c];
           st = static_cast<float>(st + gc * gc);
-          wr[c] = static_cast<float>(wr[c] - p.lr * gc / (std::sqrt(static_cast<double>(st)) + p.eps));
+          set(row, c, get(row, c) - p.lr * gc / (std::sqrt(static_cast<double>(st)) + p.eps));
         }
         break;
       case EmbeddingUpdate::rowwise_adagrad: {
@@ -111,12 +144,12 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
         float& st = state[row];
         st = static_cast<float>(st + sumsq / static_cast<double>(dim));
         const double step = p.lr / (std::sqrt(static_cast<double>(st)) + p.eps);
-        for (std::int64_t c = 0; c < dim; ++c) wr[c] = static_cast<float>(wr[c] - step * g[static_cast<std::size_t>(c)]);
+        for (std::int64_t c = 0; c < dim; ++c) set(row, c, get(row, c) - step * g[static_cast<std::size_t>(c)]);
         break;
       }
       case EmbeddingUpdate::store_gradient:
       case EmbeddingUpdate::dense_gradient:
-        for (std::int64_t c = 0; c < dim; ++c) wr[c] = static_cast<float>(g[static_cast<std::size_t>(c)]);
+        for (std::int64_t c = 0; c < dim; ++c) set(row, c, g[static_cast<std::size_t>(c)]);
         break;
     }
   }
