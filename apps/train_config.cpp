@@ -133,6 +133,9 @@ const std::vector<Setting>& train_settings() {
                                           "8, 4 or 2 bits (stochastic rounding, reproducible from --seed), each hidden "
                                           "ReLU's mask at 1 bit, the weight gradients computed from the packed bits "
                                           "(0: off, the f32 activations). Not with --fused-mlp. See docs/dlrm.md"},
+      {"model.embedding_dtype",            &C::embedding_dtype,            one_of({"f32", "bf16", "f16"}),
+       "--embedding-dtype",               "The tables' dtype: f32, or bf16 / f16 (half the tables' memory; each "
+                                          "update stored with stochastic rounding)"},
       {"model.seed",                       &C::model_seed,                 {},
        "--seed",                          "Model initialisation seed"},
       {"data.source",                      &C::data,                       {},
@@ -526,6 +529,7 @@ models::DlrmConfig make_model_config(const TrainConfig& c, const data::Featurize
                "0 with model.fused_mlp (--fused-mlp): the one-kernel MLP keeps its own bf16 activations",
                std::to_string(c.compress_activations));
   mc.compress_activations_bits = static_cast<int>(c.compress_activations);
+  mc.embedding_dtype = parse_dtype(c.embedding_dtype);
   mc.table_rows = feat.table_rows();
   mc.seed = c.model_seed;
   mc.raw_hash = feat.hash;

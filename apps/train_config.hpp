@@ -35,6 +35,7 @@ struct TrainConfig {
   std::int64_t dcn_low_rank_dim = 512;  // dcn: rank of each cross layer
   bool fused_mlp = false;  // GPU fused: MLPs whose widths fit run through fused_mlp (bf16)
   std::int64_t compress_activations = 0;  // 8, 4 or 2: the MLPs keep their activations packed (0: off)
+  std::string embedding_dtype = "f32";    // the tables' dtype: f32 | bf16 | f16 (stochastic rounding)
   std::uint64_t model_seed = 1;
   // data
   std::string data = "synthetic";           // "synthetic", or what data::open_source opens: a Criteo TSV (.gz too), a fusekit binary file, a preprocessed directory

@@ -89,6 +89,8 @@ void DlrmConfig::validate() const {
     FK_CHECK_ARG(dcn_num_layers >= 1, op, "dcn_num_layers", ">= 1 cross layers", fmt::format("{}", dcn_num_layers));
     FK_CHECK_ARG(dcn_low_rank_dim >= 1, op, "dcn_low_rank_dim", ">= 1", fmt::format("{}", dcn_low_rank_dim));
   }
+  FK_CHECK_ARG(is_floating(embedding_dtype), op, "embedding_dtype", "f32, bf16 or f16",
+               std::string(dtype_name(embedding_dtype)));
   const int bits = compress_activations_bits;
   FK_CHECK_ARG(bits == 0 || bits == 8 || bits == 4 || bits == 2, op, "compress_activations_bits", "0 (off), 8, 4 or 2",
                std::to_string(bits));
@@ -132,6 +134,7 @@ InteractionKind interaction_kind(InteractionOp op) {
 }
 
 RandomParams table_init(const DlrmConfig& c);
+std::uint64_t table_rounding_seed(const DlrmConfig& c);
 
 std::vector<std::int64_t> top_sizes(const DlrmConfig& c) {
   std::vector<std::int64_t> s{c.interaction_size()};
@@ -169,6 +172,10 @@ constexpr std::uint64_t kTopStream = 1000, kCrossStream = 2000, kTableStream = s
 constexpr std::uint64_t kBottomRounding = std::uint64_t{1} << 62, kTopRounding = kBottomRounding + (std::uint64_t{1} << 61);
 
 RandomParams table_init(const DlrmConfig& c) { return {c.seed, kTableStream}; }
+
+// 16-bit tables' stochastic rounding: its own Philox key (the seed with these bits flipped), the
+// update's number as the subsequence, so that its draws repeat none of the streams above.
+std::uint64_t table_rounding_seed(const DlrmConfig& c) { return c.seed ^ 0x9e3779b97f4a7c15ull; }
 
 // The MLPs' activation compression: group at most 256 (the quant family's default), bf16
 // statistics (weight_grad_from_packed's register-sourced path on sm_90).
@@ -246,8 +253,9 @@ struct DlrmState {
         loss(d, fused) {
     if (tables == DlrmTables::local)
       embeddings.emplace(c.table_rows, c.embedding_dim,
-                         nn::EmbeddingBagCollectionOptions{Pooling::sum, c.raw_hash, fused, c.rowwise_adagrad}, d,
-                         table_init(c));
+                         nn::EmbeddingBagCollectionOptions{Pooling::sum, c.raw_hash, fused, c.rowwise_adagrad,
+                                                           c.embedding_dtype, table_rounding_seed(c)},
+                         d, table_init(c));
     if (c.interaction == InteractionOp::dcn)
       cross.emplace(c.interaction_size(), cross_options(c), RandomParams{c.seed, kCrossStream}, arena);
     else
@@ -543,26 +551,33 @@ struct DlrmState {
     return v;
   }
 
-  // The MLPs' rounding steps (compress_activations_bits) as the state's last array: f32 [4], each
-  // step as two exact integers (its low 24 bits, the rest; exact below 2^48 steps).
-  static constexpr std::int64_t kRoundingStepFloats = 4;
+  // The rounding steps as the state's last array, when anything rounds stochastically (the MLPs'
+  // compress_activations_bits, 16-bit tables): f32 [6], the bottom MLP's, the top MLP's and the
+  // tables' step, each as two exact integers (its low 24 bits, the rest; exact below 2^48 steps).
+  // A state of 4 (saved before the tables' step was kept) starts the tables' at 0.
+  static constexpr std::int64_t kRoundingStepFloats = 6;
+  bool rounds() const { return bottom.compressed() || (embeddings && embeddings->options().dtype != DType::f32); }
   void rounding_steps_to(const Tensor& host) const {
     float* v = host.data_as<float>();
-    for (const nn::MLP* m : {&bottom, &top}) {
-      const std::uint64_t step = m->rounding_step();
+    const std::uint64_t steps[3] = {bottom.rounding_step(), top.rounding_step(),
+                                    embeddings ? embeddings->rounding_step() : 0};
+    for (const std::uint64_t step : steps) {
       *v++ = static_cast<float>(step & 0xffffffu);
       *v++ = static_cast<float>(step >> 24);
     }
   }
-  void rounding_steps_from(const Tensor& host) {
-    const float* v = host.data_as<float>();
-    for (std::int64_t i = 0; i < kRoundingStepFloats; ++i)
-      FK_CHECK_ARG(v[i] >= 0 && v[i] < 16777216.0f && v[i] == std::floor(v[i]), "models::Dlrm::load_state", "in",
-                   "rounding steps as whole numbers in [0, 2^24)", fmt::format("{}", v[i]));
-    for (nn::MLP* m : {&bottom, &top}) {
-      m->set_rounding_step(static_cast<std::uint64_t>(v[0]) | (static_cast<std::uint64_t>(v[1]) << 24));
-      v += 2;
-    }
+  void rounding_steps_from(const std::vector<float>& v) {
+    for (const float x : v)
+      FK_CHECK_ARG(x >= 0 && x < 16777216.0f && x == std::floor(x), "models::Dlrm::load_state", "in",
+                   "rounding steps as whole numbers in [0, 2^24)", fmt::format("{}", x));
+    const auto step = [&](std::size_t i) {
+      return 2 * i + 1 < v.size()
+                 ? static_cast<std::uint64_t>(v[2 * i]) | (static_cast<std::uint64_t>(v[2 * i + 1]) << 24)
+                 : std::uint64_t{0};
+    };
+    bottom.set_rounding_step(step(0));
+    top.set_rounding_step(step(1));
+    if (embeddings) embeddings->set_rounding_step(step(2));
   }
 
   // Every array of the training state in the stream's order: linear weights and biases, tables,
@@ -622,6 +637,9 @@ Dlrm::Dlrm(DlrmConfig config, Device device, DlrmImpl impl, DlrmTables tables) {
   FK_CHECK_ARG(device.is_cpu() || device.is_cuda(), kOp, "device", "cpu | cuda", device.str());
   FK_CHECK_ARG(!config.fused_mlp || impl == DlrmImpl::fused, kOp, "config.fused_mlp", "impl fused",
                std::string(impl_name(impl)));
+  FK_CHECK_ARG(config.embedding_dtype == DType::f32 || impl == DlrmImpl::fused, kOp, "config.embedding_dtype",
+               "f32 with impl reference (its dense table gradient is f32)",
+               std::string(dtype_name(config.embedding_dtype)));
   const OnDevice on(device);
   s_ = std::make_unique<detail::DlrmState>(config, impl, device, tables);
   s_->sync();
@@ -813,7 +831,7 @@ void Dlrm::save_state(std::ostream& out) const {
   const bool adagrad = s.arena.has_state();
   std::vector<TensorView> arrays = s.state_arrays(adagrad);
   const Tensor steps = Tensor::empty({detail::DlrmState::kRoundingStepFloats}, DType::f32, Device::cpu());
-  if (s.bottom.compressed()) {
+  if (s.rounds()) {
     s.rounding_steps_to(steps);
     arrays.push_back(steps);
   }
@@ -833,12 +851,17 @@ void Dlrm::load_state(std::istream& in) {
     if (s.embeddings) s.embeddings->ensure_state(0.0f, s.s());
     s.sync();
   }
-  std::vector<TensorView> arrays = s.state_arrays(adagrad);
-  // One more array: the MLPs' rounding steps (a state saved with compress_activations_bits).
-  const Tensor steps = Tensor::empty({detail::DlrmState::kRoundingStepFloats}, DType::f32, Device::cpu());
-  fill(steps, 0.0);
-  if (count == arrays.size() + 1) arrays.push_back(steps);
-  detail::read_state_arrays(in, count, arrays);
+  const std::vector<TensorView> arrays = s.state_arrays(adagrad);
+  // One more array: the rounding steps (a state saved with compress_activations_bits or 16-bit
+  // tables), of 4 or 6 floats.
+  const bool has_steps = count == arrays.size() + 1;
+  detail::read_state_arrays(in, has_steps ? count - 1 : count, arrays);
+  std::vector<float> steps;
+  if (has_steps) {
+    steps = detail::read_state_array(in, detail::DlrmState::kRoundingStepFloats, "models::Dlrm::load_state", "in");
+    FK_CHECK_ARG(steps.size() == 4 || steps.size() == 6, "models::Dlrm::load_state", "in",
+                 "rounding steps of 4 or 6 floats", fmt::format("{} floats", steps.size()));
+  }
   s.rounding_steps_from(steps);
   s.graphs.clear();  // they captured the old optimizer state's buffers
   s.warm.clear();

@@ -50,6 +50,9 @@ DistributedDlrm::DistributedDlrm(DlrmConfig config, dist::Communicator& comm, di
       embeddings_(config.table_rows, config.embedding_dim,
                   {Pooling::sum, config.raw_hash, impl == DlrmImpl::fused, config.rowwise_adagrad},
                   dlrm_table_init(config), std::move(plan), comm) {
+  FK_CHECK_ARG(config.embedding_dtype == DType::f32, kOp, "config.embedding_dtype",
+               "f32 (sharded tables are f32; 16-bit tables train in one process)",
+               std::string(dtype_name(config.embedding_dtype)));
   FK_CHECK_ARG(options.bucket_bytes >= 0, kOp, "options.bucket_bytes", ">= 0 (0: one all-reduce after the backward)",
                fmt::format("{}", options.bucket_bytes));
   std::vector<dist::GradientRange> ranges;

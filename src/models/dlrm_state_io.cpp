@@ -14,16 +14,34 @@ namespace {
 constexpr char kStateMagic[8] = {'F', 'K', 'D', 'L', 'R', 'M', 'S', '1'};
 constexpr std::int64_t kCopyChunk = std::int64_t{1} << 24;  // floats per host bounce (64 MB)
 
-// A rank-1 or rank-2 f32 view as rows [rows, cols] (rank 1: [n, 1]).
+// A rank-1 or rank-2 view as rows [rows, cols] (rank 1: [n, 1]).
 TensorView as_rows(const TensorView& v) {
   if (v.rank() == 2) return v;
-  return TensorView(v.data(), DType::f32, {v.numel(), 1}, {1, 1}, v.device());
+  return TensorView(v.data(), v.dtype(), {v.numel(), 1}, {1, 1}, v.device());
 }
 
 // Rows [first, first + n) of a rows view.
 TensorView row_range(const TensorView& v, std::int64_t first, std::int64_t n) {
-  return TensorView(static_cast<float*>(v.data()) + first * v.strides()[0], DType::f32, {n, v.size(1)}, v.strides(),
-                    v.device());
+  const auto bytes = static_cast<std::int64_t>(dtype_size(v.dtype()));
+  return TensorView(static_cast<char*>(v.data()) + first * v.strides()[0] * bytes, v.dtype(), {n, v.size(1)},
+                    v.strides(), v.device());
+}
+
+// Between a host tensor of the array's dtype (f32, bf16, f16) and the stream's f32 values: 16-bit
+// values widen exactly; f32 values narrow to nearest (exact for values a 16-bit array saved).
+void widen(const Tensor& from, float* to) {
+  const std::int64_t n = from.numel();
+  if (from.dtype() == DType::bf16)
+    for (std::int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(from.data_as<const bf16>()[i]);
+  else
+    for (std::int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(from.data_as<const f16>()[i]);
+}
+void narrow(const float* from, const Tensor& to) {
+  const std::int64_t n = to.numel();
+  if (to.dtype() == DType::bf16)
+    for (std::int64_t i = 0; i < n; ++i) to.data_as<bf16>()[i] = bf16(from[i]);
+  else
+    for (std::int64_t i = 0; i < n; ++i) to.data_as<f16>()[i] = f16(from[i]);
 }
 
 }  // namespace
@@ -41,8 +59,13 @@ void write_state(std::ostream& out, bool adagrad, const std::vector<TensorView>&
     const std::int64_t per = std::max<std::int64_t>(1, kCopyChunk / std::max<std::int64_t>(rows.size(1), 1));
     for (std::int64_t at = 0; at < rows.size(0); at += per) {
       const TensorView part = row_range(rows, at, std::min(per, rows.size(0) - at));
-      Tensor host = Tensor::empty(part.shape(), DType::f32, Device::cpu());
+      Tensor host = Tensor::empty(part.shape(), part.dtype(), Device::cpu());
       copy(host, part);
+      if (part.dtype() != DType::f32) {
+        Tensor wide = Tensor::empty(part.shape(), DType::f32, Device::cpu());
+        widen(host, wide.data_as<float>());
+        host = std::move(wide);
+      }
       out.write(static_cast<const char*>(host.data()), static_cast<std::streamsize>(host.nbytes()));
     }
   }
@@ -76,6 +99,11 @@ void read_state_arrays(std::istream& in, std::uint64_t count, const std::vector<
       Tensor host = Tensor::empty(part.shape(), DType::f32, Device::cpu());
       in.read(static_cast<char*>(host.data()), static_cast<std::streamsize>(host.nbytes()));
       FK_CHECK_ARG(static_cast<bool>(in), op, "in", "a complete state", "a truncated stream");
+      if (part.dtype() != DType::f32) {
+        Tensor narrowed = Tensor::empty(part.shape(), part.dtype(), Device::cpu());
+        narrow(host.data_as<float>(), narrowed);
+        host = std::move(narrowed);
+      }
       copy(part, host);
     }
   }

@@ -29,13 +29,22 @@ EmbeddingBagCollection::EmbeddingBagCollection(std::vector<std::int64_t> rows, s
                fmt::format("none or one per table ({})", rows.size()), fmt::format("{}", init_ids.size()));
   for (std::size_t t = 0; t < rows.size(); ++t)
     FK_CHECK_ARG(rows[t] >= 1, op, "rows", "tables of >= 1 row", fmt::format("table {} with {} rows", t, rows[t]));
+  FK_CHECK_ARG(is_floating(options.dtype), op, "dtype", "f32, bf16 or f16", std::string(dtype_name(options.dtype)));
+  FK_CHECK_ARG(options.dtype == DType::f32 || options.fused, op, "dtype",
+               "f32 with fused = false (the unfused baseline's dense gradient and optimizer are f32)",
+               std::string(dtype_name(options.dtype)));
   layout_ = TableLayout(std::move(rows), device);
-  weights = Tensor::empty({std::max<std::int64_t>(layout_.total_rows(), 1), dim}, DType::f32, device);
+  const DType dt = options.dtype;
+  weights = Tensor::empty({std::max<std::int64_t>(layout_.total_rows(), 1), dim}, dt, device);
+  if (dt != DType::f32) {
+    step_ = Tensor::empty({1}, DType::i64, device);
+    fill(step_, 0.0);
+  }
   for (int t = 0; t < layout_.num_tables(); ++t) {
     const std::int64_t r = layout_.rows(t);
-    Tensor view = Tensor::adopt(
-        TensorView(weights.data_as<float>() + layout_.base(t) * dim, DType::f32, {r, dim}, device),
-        [keep = weights.storage()] {});
+    auto* first =
+        static_cast<char*>(weights.data()) + layout_.base(t) * dim * static_cast<std::int64_t>(dtype_size(dt));
+    Tensor view = Tensor::adopt(TensorView(first, dt, {r, dim}, device), [keep = weights.storage()] {});
     const float bound = static_cast<float>(std::sqrt(1.0 / static_cast<double>(r)));
     const std::int64_t id = init_ids.empty() ? t : init_ids[static_cast<std::size_t>(t)];
     fill_uniform(view, -bound, bound, {init.seed, init.subsequence + static_cast<std::uint64_t>(id)});
@@ -99,7 +108,26 @@ void EmbeddingBagCollection::backward_update(const TensorView& target, const std
   p.lr = lr;
   p.eps = eps;
   p.pooling = options_.pooling;
+  const bool rounds = target.data() == weights.data() && step_.data() != nullptr;
+  if (rounds) {
+    p.seed = options_.rounding_seed;
+    p.offset_counter = step_.view();
+  }
   embedding_bag_backward_update(layout_, a, p, stream);
+  if (rounds) advance_offset(step_, 1, stream);
+}
+
+std::uint64_t EmbeddingBagCollection::rounding_step() const {
+  if (!step_.data()) return 0;
+  const Tensor h = step_.copy_to(Device::cpu());
+  return *h.data_as<const std::uint64_t>();
+}
+
+void EmbeddingBagCollection::set_rounding_step(std::uint64_t step) {
+  if (!step_.data()) return;
+  Tensor h = Tensor::empty({1}, DType::i64, Device::cpu());
+  *h.data_as<std::uint64_t>() = step;
+  copy(step_, h);
 }
 
 void EmbeddingBagCollection::backward(const TensorView& dout, const Stream* stream) {

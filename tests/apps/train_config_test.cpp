@@ -103,7 +103,7 @@ TEST(TrainConfigFlags, BooleanFlagOverridesTheFileBothWays) {
 TrainConfig off_defaults() {
   TrainConfig c;
   const std::vector<std::string> strings = {"x.tsv", "adagrad", "outer", "reference", "fused", "cuda:1", "13-64-16",
-                                            "kaggle", "day", "dataset"};
+                                            "kaggle", "day", "dataset", "bf16"};
   for (const Setting& s : train_settings()) {
     std::visit(overloaded{[](std::monostate) {},
                           [&](bool TrainConfig::*m) { c.*m = !(c.*m); },

@@ -104,6 +104,11 @@ struct DlrmConfig {
   // from the packed bits; their f32 activations and gradients in one scratch the two MLPs share.
   // 0: off (the f32 activations are kept). Not with fused_mlp.
   int compress_activations_bits = 0;
+  // The tables' dtype: f32, or bf16 / f16 (half the tables' memory; impl fused only): pooled in
+  // f32, each update stored with stochastic rounding (nn::EmbeddingBagCollectionOptions::dtype;
+  // Philox from `seed` and the update's number, so a run is reproducible). Checkpoints hold the
+  // tables as f32 values whatever this is.
+  DType embedding_dtype = DType::f32;
 
   std::int64_t num_features() const { return static_cast<std::int64_t>(table_rows.size()) + 1; }
   std::int64_t interaction_size() const;

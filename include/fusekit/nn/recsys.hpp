@@ -13,7 +13,8 @@
 // interaction as a batched GEMM + gather (its backward: scatter + GEMM + add); sigmoid, BCE and
 // its gradient as three kernels. Both give the same results up to fp32 rounding.
 //
-// All f32, on one device, on the caller's stream; nothing synchronises unless it says so.
+// All f32 (the tables also bf16 or f16), on one device, on the caller's stream; nothing
+// synchronises unless it says so.
 // Buffers that depend on the batch are allocated for the largest batch seen (reserve() does it up
 // front), so that a later step allocates nothing and a CUDA graph can capture it.
 #pragma once
@@ -37,6 +38,11 @@ struct EmbeddingBagCollectionOptions {
   // [total_rows]; applied inside the sparse backward whether fused or not (there is no unfused
   // row-wise baseline).
   bool rowwise_adagrad = false;
+  // The tables' dtype: f32, or bf16 / f16 (half the memory; fused only): read into f32 sums, each
+  // update computed in f32 and stored with stochastic rounding, its draws from Philox
+  // (rounding_seed, the update's number: see rounding_step()). The optimizer state stays f32.
+  DType dtype = DType::f32;
+  std::uint64_t rounding_seed = 0;
 };
 
 // A batch of bags on the tables' device (the GPU trusts CSR input: check it on the host first with
@@ -75,7 +81,13 @@ class EmbeddingBagCollection {
   // (for tests and inspection; the fused path never needs it). Synchronous.
   Tensor gradient(const Stream* stream = nullptr);
 
-  Tensor weights;              // [total_rows, D]: the tables, stacked
+  // The number of updates made so far, the Philox offset of the next one's stochastic rounding
+  // (16-bit tables; 0 for f32): saved with a checkpoint so that a resumed run draws what the
+  // uninterrupted one would. Synchronous.
+  std::uint64_t rounding_step() const;
+  void set_rounding_step(std::uint64_t step);
+
+  Tensor weights;              // [total_rows, D] of options().dtype: the tables, stacked
   std::vector<Tensor> tables;  // views [rows[t], D] of weights
   Tensor state;                // Adagrad [total_rows, D] (rowwise_adagrad: [total_rows]), allocated by the first Adagrad step
   // Allocates the Adagrad state at `initial_accumulator` when there is none.
@@ -94,6 +106,7 @@ class EmbeddingBagCollection {
   std::optional<TensorView> offsets_;  // the last forward's (mean pooling)
   TensorView dout_;
   Tensor keys_, bags_, workspace_, dense_grad_;
+  Tensor step_;  // 16-bit tables: i64 [1] on the tables' device, the updates made (rounding_step)
 };
 
 struct InteractionOptions {
