@@ -9,8 +9,9 @@
 # filter); lm: the LM bench's runs (LM_RUNS) with a profile of one step, at each of LM_PRECISION
 # (bf16 unless set; "bf16 autocast" for both; LM_BATCHES, 64 unless set, e.g. 64,128; LM_ARGS replaces
 # "--warmup 2 --steps 4" and may override "--train-steps 0 --profile 30", e.g. "--warmup 6 --steps 20
-# --corpus-limit 2MB"); mlperf: the
-# MLPerf DCNv2 model trained on one GPU (an H200; pack the fusekit program).
+# --corpus-limit 2MB"); recsys: the 16-bit table tests, memcheck and bench (pack recsys_test,
+# models_test, fusekit); mlperf: the MLPerf DCNv2 model trained on one GPU (an H200 for f32 tables,
+# any for MLPERF_DTYPE=bf16; pack the fusekit program).
 set -uo pipefail
 R=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -74,14 +75,26 @@ if has lm; then
       --cache /tmp/lm-cache --out $OUT/lm_$p.json 2>&1 | tail -${LM_TAIL:-120}
   done
 fi
+if has recsys; then
+  # The embedding ops on 16-bit tables: their GPU tests, memcheck, and the bench against f32 tables.
+  step recsys
+  packed recsys_test && $B/recsys_test --gtest_filter='*SixteenBit*:StochasticRounding.*' 2>&1 | tail -3
+  packed models_test && $B/models_test --gtest_filter='DlrmGpu.SixteenBit*:Dlrm.SixteenBit*' 2>&1 | tail -3
+  packed recsys_test && timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $B/recsys_test \
+    --gtest_filter='Shapes/RecsysEmbeddingGpu.SixteenBitTablesMatchSpec/*' 2>&1 | tail -2
+  packed fusekit && $B/fusekit bench --filter _bf16/t8_r \
+    --json $OUT/recsys_bf16.json 2>&1 | tail -8
+fi
 if has mlperf; then
-  # Issue 42's MLPerf DLRM-DCNv2 model on one GPU that holds its 104 GB of fp32 tables (an H200).
+  # Issue 42's MLPerf DLRM-DCNv2 model on one GPU: its 104 GB of fp32 tables on an H200, or with
+  # MLPERF_DTYPE=bf16 its 52 GB of bf16 tables on an H100 too.
   step mlperf
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  if [ "$mib" -lt 120000 ]; then echo "mlperf: skipped, $mib MiB is less than the tables' 104 GB"; else
+  dtype=${MLPERF_DTYPE:-f32}
+  if [ "$dtype" = f32 ] && [ "$mib" -lt 120000 ]; then echo "mlperf: skipped, $mib MiB is less than the f32 tables' 104 GB"; else
   timeout ${MLPERF_TIMEOUT:-500} $B/fusekit train --config configs/mlperf_dcnv2.json --train-samples 3932160 \
     --test-samples 262144 --steps ${MLPERF_STEPS:-60} --print-freq 10 --data-workers ${MLPERF_WORKERS:-12} \
-    --metrics-json $OUT/mlperf_dcnv2.json 2>&1 | tail -30
+    --embedding-dtype $dtype --metrics-json $OUT/mlperf_dcnv2_$dtype.json 2>&1 | tail -30
   fi
 fi
 step done
