@@ -237,7 +237,7 @@ void backward_case(Context& ctx, Tables& tb, const std::string& shape, std::int6
 // exactly; the updates compare through the pooled rows after one step (the f32 path's result
 // rounded to bf16, within a bf16 step). gbps counts the bf16 path's bytes for both records.
 void sixteen_bit_case(Context& ctx, const Tables& tb, const std::string& shape, std::int64_t batch, int bag) {
-  const std::string fwd = case_name("embedding_fwd_bf16", shape), bwd = case_name("embedding_bwd_rowwise_bf16", shape);
+  const std::string fwd = case_name("embedding_bf16_fwd", shape), bwd = case_name("embedding_bf16_bwd_rowwise", shape);
   const bool run_fwd = ctx.selected("recsys", fwd), run_bwd = ctx.selected("recsys", bwd);
   if (!run_fwd && !run_bwd) return;
   const std::int64_t nt = static_cast<std::int64_t>(tb.rows.size()), total = tb.layout.total_rows(), d = tb.dim;
@@ -356,7 +356,7 @@ void recsys_cases(Context& ctx) {
   }
   tb.reset();
   const std::string shape = "t8_r1M_d64_b4096_bag20";
-  if (any_selected(shape, {"embedding_fwd", "embedding_bwd_sgd", "embedding_fwd_bf16", "embedding_bwd_rowwise_bf16"})) {
+  if (any_selected(shape, {"embedding_fwd", "embedding_bwd_sgd", "embedding_bf16_fwd", "embedding_bf16_bwd_rowwise"})) {
     tb = make_tables(ctx, std::vector<std::int64_t>(8, 1 << 20), 64);
     forward_case(ctx, *tb, shape, 4096, 20);
     backward_case(ctx, *tb, shape, 4096, 20, EmbeddingUpdate::sgd);
@@ -365,7 +365,7 @@ void recsys_cases(Context& ctx) {
   tb.reset();
   // The MLPerf DLRM-DCNv2 model's embedding dim and bag sizes, on 8 tables of 4M rows.
   const std::string mlperf = "t8_r4M_d128_b8192_bag20";
-  if (any_selected(mlperf, {"embedding_fwd_bf16", "embedding_bwd_rowwise_bf16"})) {
+  if (any_selected(mlperf, {"embedding_bf16_fwd", "embedding_bf16_bwd_rowwise"})) {
     tb = make_tables(ctx, std::vector<std::int64_t>(8, 1 << 22), 128);
     sixteen_bit_case(ctx, *tb, mlperf, 8192, 20);
   }

@@ -81,8 +81,8 @@ if has recsys; then
   packed recsys_test && $B/recsys_test --gtest_filter='*SixteenBit*:StochasticRounding.*' 2>&1 | tail -3
   packed models_test && $B/models_test --gtest_filter='DlrmGpu.SixteenBit*:Dlrm.SixteenBit*' 2>&1 | tail -3
   packed recsys_test && timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $B/recsys_test \
-    --gtest_filter='Shapes/RecsysEmbeddingGpu.SixteenBitTablesMatchSpec/*' 2>&1 | tail -2
-  packed fusekit && $B/fusekit bench --filter _bf16/t8_r \
+    --gtest_filter="${MEMCHECK_TESTS:-*SixteenBitTablesMatchSpec/1:*SixteenBitTablesMatchSpec/4:*SixteenBitTablesMatchSpec/9:*SixteenBitTablesMatchSpec/12}" 2>&1 | tail -2
+  packed fusekit && $B/fusekit bench --filter recsys/embedding_bf16_ \
     --json $OUT/recsys_bf16.json 2>&1 | tail -8
 fi
 if has mlperf; then
