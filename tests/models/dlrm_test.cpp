@@ -315,20 +315,27 @@ DlrmConfig tiny_dcnv2_config(const data::Featurizer& feat) {
   return c;
 }
 
-TEST_P(TinyDcnv2, LearnsSyntheticMultiHotCriteo) {
+// The tiny DCNv2 run: 300 Adagrad steps of 128 on synthetic multi-hot data (seed 3), then the
+// test AUC on the next 8192 samples; the mean losses of the first and the last 20 steps.
+struct TinyRun {
+  double first = 0, last = 0;
+  BinaryMetrics metrics;
+};
+
+TinyRun train_tiny_dcnv2(const DlrmConfig& c, DlrmImpl impl) {
   data::SyntheticConfig sc;
   sc.seed = 3;
   auto source = data::synthetic_source(sc, 300 * 128 + 8192);
   const data::Featurizer feat = mlperf_like_featurizer();
-  Dlrm model(tiny_dcnv2_config(feat), Device::cpu(), GetParam());
+  Dlrm model(c, Device::cpu(), impl);
   const OptimizerConfig opt{.kind = OptimizerKind::adagrad, .learning_rate = 0.05f};
   data::BatchLoader train(data::slice_source(source, 0, 300 * 128), feat, {.batch_size = 128});
-  double first = 0, last = 0;
+  TinyRun r;
   int step = 0;
   while (const data::Batch* b = train.next()) {
     const double loss = model.train_step({b->dense, b->indices, b->offsets, b->raw_sparse}, b->labels, opt);
-    if (step < 20) first += loss / 20;
-    if (step >= 280) last += loss / 20;
+    if (step < 20) r.first += loss / 20;
+    if (step >= 280) r.last += loss / 20;
     ++step;
   }
   data::BatchLoader test_loader(data::slice_source(source, 300 * 128, 300 * 128 + 8192), feat, {.batch_size = 1024});
@@ -339,12 +346,20 @@ TEST_P(TinyDcnv2, LearnsSyntheticMultiHotCriteo) {
     probs.insert(probs.end(), p.data_as<float>(), p.data_as<float>() + b->size);
     labels.insert(labels.end(), b->labels.data_as<float>(), b->labels.data_as<float>() + b->size);
   }
-  const BinaryMetrics m = evaluate_binary(probs, labels);
+  r.metrics = evaluate_binary(probs, labels);
+  return r;
+}
+
+TEST_P(TinyDcnv2, LearnsSyntheticMultiHotCriteo) {
+  const DlrmConfig c = tiny_dcnv2_config(mlperf_like_featurizer());
+  const TinyRun r = train_tiny_dcnv2(c, GetParam());
+  const BinaryMetrics& m = r.metrics;
+  const double first = r.first, last = r.last;
   std::printf("tiny DLRM-DCNv2 (%s): loss %.4f -> %.4f, test AUC %.4f\n", std::string(impl_name(GetParam())).c_str(),
               first, last, m.auc);
   EXPECT_LT(last, first);
   EXPECT_GT(m.auc, 0.6);
-  EXPECT_EQ(model.cross_parameters().size(), 6u);
+  EXPECT_EQ(Dlrm(c, Device::cpu(), GetParam()).cross_parameters().size(), 6u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Impls, TinyDcnv2, ::testing::Values(DlrmImpl::reference, DlrmImpl::fused),
@@ -376,39 +391,17 @@ TEST(Dlrm, Dcnv2ResumedFromSavedStateGivesBitIdenticalLosses) {
 // The tiny DCNv2 model of TinyDcnv2 (fused) trained with f32, bf16 and f16 tables on the same
 // data: the 16-bit runs learn (loss falls, test AUC > 0.6) and end within 0.01 AUC of the f32 run.
 TEST(Dlrm, SixteenBitTablesLearnAsF32Tables) {
-  data::SyntheticConfig sc;
-  sc.seed = 3;
-  auto source = data::synthetic_source(sc, 300 * 128 + 8192);
-  const data::Featurizer feat = mlperf_like_featurizer();
-  const OptimizerConfig opt{.kind = OptimizerKind::adagrad, .learning_rate = 0.05f};
   double auc[3] = {};
   const DType dtypes[3] = {DType::f32, DType::bf16, DType::f16};
   for (int i = 0; i < 3; ++i) {
-    DlrmConfig c = tiny_dcnv2_config(feat);
+    DlrmConfig c = tiny_dcnv2_config(mlperf_like_featurizer());
     c.embedding_dtype = dtypes[i];
-    Dlrm model(c, Device::cpu(), DlrmImpl::fused);
-    ASSERT_EQ(model.tables()[0]->dtype(), dtypes[i]);
-    data::BatchLoader train(data::slice_source(source, 0, 300 * 128), feat, {.batch_size = 128});
-    double first = 0, last = 0;
-    int step = 0;
-    while (const data::Batch* b = train.next()) {
-      const double loss = model.train_step({b->dense, b->indices, b->offsets, b->raw_sparse}, b->labels, opt);
-      if (step < 20) first += loss / 20;
-      if (step >= 280) last += loss / 20;
-      ++step;
-    }
-    data::BatchLoader test_loader(data::slice_source(source, 300 * 128, 300 * 128 + 8192), feat, {.batch_size = 1024});
-    std::vector<float> probs, labels;
-    while (const data::Batch* b = test_loader.next()) {
-      Tensor p = Tensor::empty({b->size}, DType::f32, Device::cpu());
-      model.predict({b->dense, b->indices, b->offsets, b->raw_sparse}, p);
-      probs.insert(probs.end(), p.data_as<float>(), p.data_as<float>() + b->size);
-      labels.insert(labels.end(), b->labels.data_as<float>(), b->labels.data_as<float>() + b->size);
-    }
-    auc[i] = evaluate_binary(probs, labels).auc;
+    ASSERT_EQ(Dlrm(c, Device::cpu(), DlrmImpl::fused).tables()[0]->dtype(), dtypes[i]);
+    const TinyRun r = train_tiny_dcnv2(c, DlrmImpl::fused);
+    auc[i] = r.metrics.auc;
     std::printf("tiny DLRM-DCNv2, %s tables: loss %.4f -> %.4f, test AUC %.4f\n",
-                std::string(dtype_name(dtypes[i])).c_str(), first, last, auc[i]);
-    EXPECT_LT(last, first);
+                std::string(dtype_name(dtypes[i])).c_str(), r.first, r.last, auc[i]);
+    EXPECT_LT(r.last, r.first);
     EXPECT_GT(auc[i], 0.6);
   }
   EXPECT_NEAR(auc[1], auc[0], 0.01);

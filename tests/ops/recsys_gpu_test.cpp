@@ -57,24 +57,46 @@ struct EmbeddingShape {
   std::int64_t row_stride_pad;  // extra floats between pooled rows
 };
 
+// The random CSR batch of one shape (seeded), on the host and on the GPU, with the layouts and
+// the pooled view [B, T, D] of a padded output buffer.
+struct EmbeddingInputs {
+  EmbeddingInputs(const EmbeddingShape& shape, std::uint64_t seed)
+      : gpu(Device::cuda(0)),
+        host_layout(shape.rows),
+        layout(shape.rows, gpu),
+        nt(layout.num_tables()),
+        batch(shape.batch),
+        dim(shape.dim),
+        stride(nt * dim + shape.row_stride_pad) {
+    const Csr csr = random_csr(shape.rows, batch, shape.max_bag, seed);
+    indices = i64(csr.indices);
+    offsets = i64(csr.offsets);
+    g_indices = indices.copy_to(gpu);
+    g_offsets = offsets.copy_to(gpu);
+    nnz = indices.numel();
+  }
+  TensorView pooled(const Tensor& buf) const {
+    return TensorView(buf.data(), DType::f32, {batch, nt, dim}, {stride, dim, 1}, buf.device());
+  }
+  Device gpu;
+  TableLayout host_layout, layout;
+  std::int64_t nt, batch, dim, stride, nnz = 0;
+  Tensor indices, offsets, g_indices, g_offsets;
+};
+
 class RecsysEmbeddingGpu : public ::testing::TestWithParam<std::tuple<EmbeddingShape, Pooling>> {};
 
 TEST_P(RecsysEmbeddingGpu, ForwardAndEveryUpdateMatchSpec) {
   FK_SKIP_WITHOUT_GPU();
   const auto& [shape, pooling] = GetParam();
-  const Device gpu = Device::cuda(0);
-  const TableLayout host_layout(shape.rows), layout(shape.rows, gpu);
-  const std::int64_t nt = layout.num_tables(), batch = shape.batch, dim = shape.dim;
-  const Csr csr = random_csr(shape.rows, batch, shape.max_bag, 17 + static_cast<std::uint64_t>(dim));
-  const Tensor indices = i64(csr.indices), offsets = i64(csr.offsets);
-  const Tensor g_indices = indices.copy_to(gpu), g_offsets = offsets.copy_to(gpu);
-  const std::int64_t nnz = indices.numel();
+  const EmbeddingInputs in(shape, 17 + static_cast<std::uint64_t>(shape.dim));
+  const Device gpu = in.gpu;
+  const TableLayout &host_layout = in.host_layout, &layout = in.layout;
+  const std::int64_t batch = in.batch, dim = in.dim, nnz = in.nnz, stride = in.stride;
+  const Tensor &indices = in.indices, &offsets = in.offsets, &g_indices = in.g_indices, &g_offsets = in.g_offsets;
+  const auto pooled = [&](const Tensor& buf) { return in.pooled(buf); };
   Tensor weights = test::random_tensor({layout.total_rows(), dim}, DType::f32, kCpu, 3);
   Tensor g_weights = weights.copy_to(gpu);
-  const std::int64_t stride = nt * dim + shape.row_stride_pad;
-  const auto pooled = [&](const Tensor& buf) {
-    return TensorView(buf.data(), DType::f32, {batch, nt, dim}, {stride, dim, 1}, buf.device());
-  };
   Tensor out = Tensor::empty({batch * stride}, DType::f32, kCpu), g_out = Tensor::empty({batch * stride}, DType::f32, gpu);
   fill(out, 0.0);
   fill(g_out, 0.0);  // the padding between rows stays 0 on both
@@ -133,19 +155,14 @@ TEST_P(RecsysEmbeddingGpu, ForwardAndEveryUpdateMatchSpec) {
 TEST_P(RecsysEmbeddingGpu, PerTableLaunchAndDenseGradientMatchSpec) {
   FK_SKIP_WITHOUT_GPU();
   const auto& [shape, pooling] = GetParam();
-  const Device gpu = Device::cuda(0);
-  const TableLayout host_layout(shape.rows), layout(shape.rows, gpu);
-  const std::int64_t nt = layout.num_tables(), batch = shape.batch, dim = shape.dim;
-  const Csr csr = random_csr(shape.rows, batch, shape.max_bag, 23 + static_cast<std::uint64_t>(dim));
-  const Tensor indices = i64(csr.indices), offsets = i64(csr.offsets);
-  const Tensor g_indices = indices.copy_to(gpu), g_offsets = offsets.copy_to(gpu);
-  const std::int64_t nnz = indices.numel();
+  const EmbeddingInputs in(shape, 23 + static_cast<std::uint64_t>(shape.dim));
+  const Device gpu = in.gpu;
+  const TableLayout &host_layout = in.host_layout, &layout = in.layout;
+  const std::int64_t batch = in.batch, dim = in.dim, nnz = in.nnz, stride = in.stride;
+  const Tensor &indices = in.indices, &offsets = in.offsets, &g_indices = in.g_indices, &g_offsets = in.g_offsets;
+  const auto pooled = [&](const Tensor& buf) { return in.pooled(buf); };
   const Tensor weights = test::random_tensor({layout.total_rows(), dim}, DType::f32, kCpu, 4);
   const Tensor g_weights = weights.copy_to(gpu);
-  const std::int64_t stride = nt * dim + shape.row_stride_pad;
-  const auto pooled = [&](const Tensor& buf) {
-    return TensorView(buf.data(), DType::f32, {batch, nt, dim}, {stride, dim, 1}, buf.device());
-  };
   Tensor out = Tensor::empty({batch * stride}, DType::f32, kCpu), g_out = Tensor::empty({batch * stride}, DType::f32, gpu);
   fill(out, 0.0);
   fill(g_out, 0.0);
@@ -202,17 +219,12 @@ double step16(float a, float b, DType dt) {
 TEST_P(RecsysEmbeddingGpu, SixteenBitTablesMatchSpec) {
   FK_SKIP_WITHOUT_GPU();
   const auto& [shape, pooling] = GetParam();
-  const Device gpu = Device::cuda(0);
-  const TableLayout host_layout(shape.rows), layout(shape.rows, gpu);
-  const std::int64_t nt = layout.num_tables(), batch = shape.batch, dim = shape.dim;
-  const Csr csr = random_csr(shape.rows, batch, shape.max_bag, 29 + static_cast<std::uint64_t>(dim));
-  const Tensor indices = i64(csr.indices), offsets = i64(csr.offsets);
-  const Tensor g_indices = indices.copy_to(gpu), g_offsets = offsets.copy_to(gpu);
-  const std::int64_t nnz = indices.numel();
-  const std::int64_t stride = nt * dim + shape.row_stride_pad;
-  const auto pooled = [&](const Tensor& buf) {
-    return TensorView(buf.data(), DType::f32, {batch, nt, dim}, {stride, dim, 1}, buf.device());
-  };
+  const EmbeddingInputs in(shape, 29 + static_cast<std::uint64_t>(shape.dim));
+  const Device gpu = in.gpu;
+  const TableLayout &host_layout = in.host_layout, &layout = in.layout;
+  const std::int64_t batch = in.batch, dim = in.dim, nnz = in.nnz, stride = in.stride;
+  const Tensor &indices = in.indices, &offsets = in.offsets, &g_indices = in.g_indices, &g_offsets = in.g_offsets;
+  const auto pooled = [&](const Tensor& buf) { return in.pooled(buf); };
   Tensor keys = Tensor::empty({nnz}, DType::i32, kCpu), bags = Tensor::empty({nnz}, DType::i32, kCpu);
   Tensor g_keys = Tensor::empty({nnz}, DType::i32, gpu), g_bags = Tensor::empty({nnz}, DType::i32, gpu);
   const Tensor dout = test::random_tensor({batch * stride}, DType::f32, kCpu, 6);

@@ -180,12 +180,6 @@ TEST(RecsysSpec, RowwiseAdagradStepOnRepeatedRowsByHand) {
 // 16-bit tables: stochastic rounding (ops/common/stochastic_round.hpp) and the ops on bf16 / f16
 // ---------------------------------------------------------------------------------------------
 
-float bits_float(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 TEST(StochasticRounding, Bf16ByHand) {
   // 1 + 2^-9 is a quarter of bf16's step (2^-7) above 1: its dropped bits are 0x4000.
   const float x = 1.0f + 0x1p-9f;

@@ -17,31 +17,21 @@
 #include <math.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "fusekit/core/philox.hpp"
+#include "ops/common/float_bits.hpp"
 
 namespace fk::sround {
 
-FK_HOST_DEVICE std::uint32_t bits_of(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-
 FK_HOST_DEVICE std::uint16_t to_bf16(float x, std::uint32_t h) {
-  const std::uint32_t u = bits_of(x);
+  const std::uint32_t u = float_bits(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
   // The dropped bits over 2^16 are the distance to the truncation over the step.
   return static_cast<std::uint16_t>((u >> 16) + ((h & 0xffffu) < (u & 0xffffu) ? 1u : 0u));
 }
 
 FK_HOST_DEVICE std::uint16_t to_f16(float x, std::uint32_t h) {
-  const std::uint32_t u = bits_of(x);
+  const std::uint32_t u = float_bits(x);
   const auto sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
   const std::uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);
@@ -53,9 +43,7 @@ FK_HOST_DEVICE std::uint16_t to_f16(float x, std::uint32_t h) {
     return static_cast<std::uint16_t>(sign | r);
   }
   // Subnormal: multiples of 2^-24. y = |x| 2^24 < 1024 is exact, so are its floor and fraction.
-  float ax;
-  std::memcpy(&ax, &a, 4);
-  const float y = ax * 16777216.0f;
+  const float y = bits_float(a) * 16777216.0f;
   const float m = floorf(y);
   const float u01 = (static_cast<float>(h & 0xffffu) + 0.5f) * (1.0f / 65536.0f);
   const auto r = static_cast<std::uint32_t>(m) + (u01 < y - m ? 1u : 0u);  // 1024: the least normal

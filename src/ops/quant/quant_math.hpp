@@ -10,28 +10,12 @@
 #include <cstring>
 
 #include "fusekit/core/philox.hpp"
+#include "ops/common/float_bits.hpp"
 
 namespace fk::quant {
 
-FK_HOST_DEVICE std::uint32_t float_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-
-FK_HOST_DEVICE float bits_float(std::uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
+using fk::bits_float;
+using fk::float_bits;
 
 FK_HOST_DEVICE float sub_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
