@@ -1,6 +1,6 @@
 // Bench cases of the recsys family: the table-batched embedding bag and its backward fused with
-// the optimizer, against the unfused path a user runs instead (what models/dlrm_gpu.cpp's
-// reference implementation runs):
+// the optimizer, against the unfused path a user runs instead (what DLRM's reference implementation
+// runs):
 //   forward   one launch per table (an nn.EmbeddingBag per table, indices hashed beforehand),
 //             against all tables in one launch with the raw values' hash computed in the kernel
 //   backward  the dense table gradient (zeroed, each touched row's summed gradient stored, sorted
