@@ -177,10 +177,11 @@ def lora(x: Tensor, w: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor] = No
 def embedding_bags(weights: Tensor, indices: Tensor, offsets: Tensor, table_rows: list, *,
                    pooling: str = "sum") -> Tensor:
     """out [B, T, D]: out[b, t] = the sum (or mean) of the rows of table t in bag t * B + b, the T
-    tables stacked in weights [sum(table_rows), D] f32; indices (i64, the row within its table)
-    and offsets (i64 [T * B + 1]) table-major CSR, as FBGEMM's TBE takes them. The gradient is a
-    dense [sum(table_rows), D] tensor (fusekit.nn.EmbeddingBagCollection fuses an optimizer
-    instead). Indices on a GPU are not checked here: check_bags or the module does that."""
+    tables stacked in weights [sum(table_rows), D] (f32, bf16 or f16; rows pooled in f32, out
+    f32); indices (i64, the row within its table) and offsets (i64 [T * B + 1]) table-major CSR,
+    as FBGEMM's TBE takes them. The gradient is a dense [sum(table_rows), D] tensor of the
+    weights' dtype (fusekit.nn.EmbeddingBagCollection fuses an optimizer instead). Indices on a
+    GPU are not checked here: check_bags or the module does that."""
     return ops.call_first("embedding_bag", weights, indices, offsets, None, list(table_rows), pooling, "seed",
                           "dense_gradient", 0.0, 0.0, None)
 

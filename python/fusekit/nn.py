@@ -529,19 +529,29 @@ class EmbeddingBagCollection(nn.Module):
     dense optimizer over ``model.parameters()`` leaves the tables alone. ``lr`` may be changed
     between steps. Tables are stacked in ``weight`` [sum(num_embeddings), D] (``table(t)`` is a
     view of one). With validate_indices, GPU input is checked before every lookup (two host
-    synchronisations); CPU input always is."""
+    synchronisations); CPU input always is.
+
+    dtype: the tables' dtype, torch.float32 (default), torch.bfloat16 or torch.float16 (half the
+    memory; rows pooled in f32, the output f32). With a fused optimizer, 16-bit tables keep f32
+    optimizer state and store each updated value with unbiased stochastic rounding (each step's
+    draws from torch's generator), so that updates smaller than a 16-bit step still move the
+    tables on average; without one, the dense gradient comes in the tables' dtype."""
 
     def __init__(self, num_embeddings, embedding_dim: int, *, pooling: str = "sum", optimizer: Optional[str] = None,
-                 lr: float = 0.01, eps: float = 1e-8, validate_indices: bool = True, device=None):
+                 lr: float = 0.01, eps: float = 1e-8, validate_indices: bool = True, device=None, dtype=None):
         super().__init__()
         if optimizer not in (None, "sgd", "adagrad", "rowwise_adagrad"):
             raise _C.Error("fk::EmbeddingBagCollection: argument 'optimizer': expected None, sgd, adagrad or "
                            f"rowwise_adagrad, got {optimizer}")
+        dtype = torch.float32 if dtype is None else dtype
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise _C.Error("fk::EmbeddingBagCollection: argument 'dtype': expected torch.float32, torch.bfloat16 or "
+                           f"torch.float16, got {dtype}")
         self.table_rows = [int(n) for n in num_embeddings]
         self.embedding_dim, self.pooling, self.optimizer = embedding_dim, pooling, optimizer
         self.lr, self.eps, self.validate_indices = lr, eps, validate_indices
         total = sum(self.table_rows)
-        self.weight = nn.Parameter(torch.empty(total, embedding_dim, device=device, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(total, embedding_dim, device=device, dtype=dtype))
         state = None
         if optimizer == "adagrad":
             state = torch.zeros(total, embedding_dim, device=device)
@@ -601,7 +611,7 @@ class EmbeddingBagCollection(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"tables={len(self.table_rows)}, rows={sum(self.table_rows)}, dim={self.embedding_dim}, "
-                f"pooling={self.pooling}, optimizer={self.optimizer}")
+                f"pooling={self.pooling}, optimizer={self.optimizer}, dtype={self.weight.dtype}")
 
 
 class Interaction(nn.Module):

@@ -71,14 +71,6 @@ InteractionParams interaction_params(const std::string& kind, bool self, bool bm
   return p;
 }
 
-// The C++ ops also take bf16 / f16 tables, whose updates round stochastically from a Philox
-// offset that must change every step; the Python ops do not pass one yet, so they take f32 only.
-void check_f32_tables(const TensorView& weights, const char* op) {
-  FK_CHECK_ARG(weights.dtype() == DType::f32, op, "weights",
-               "float32 tables (16-bit tables are available from C++ and fusekit train --embedding-dtype)",
-               weights.str());
-}
-
 }  // namespace
 
 void bind_recsys(nb::module_& m) {
@@ -92,7 +84,6 @@ void bind_recsys(nb::module_& m) {
                                         view(offsets, op, "offsets"),  view(raw, op, "raw"),
                                         view(out, op, "out"),          view(keys, op, "keys"),
                                         view(bags, op, "bags")};
-        check_f32_tables(a.weights, op);
         const TableLayout& layout = layout_for(table_rows, a.weights.device(), op);
         embedding_bag_forward(layout, a, {parse_pooling(pooling, op), parse_hash(hash, op), per_table_launch},
                               StreamArg(stream, a.weights).get());
@@ -107,19 +98,27 @@ void bind_recsys(nb::module_& m) {
       "embedding_bag_backward_update",
       [](const Array& keys, const Array& bags, const Array& dout, const OptArray& offsets, const Array& weights,
          const OptArray& state, const OptArray& workspace, const std::vector<std::int64_t>& table_rows,
-         const std::string& update, float lr, float eps, const std::string& pooling, std::uintptr_t stream) {
+         const std::string& update, float lr, float eps, const std::string& pooling, std::uint64_t seed,
+         const OptArray& rounding_offset, std::uintptr_t stream) {
         constexpr const char* op = "embedding_bag_backward_update";
         const EmbeddingBagBackwardArgs a{view(keys, op, "keys"),       view(bags, op, "bags"),
                                          view(dout, op, "dout"),       view(offsets, op, "offsets"),
                                          view(weights, op, "weights"), view(state, op, "state"),
                                          view(workspace, op, "workspace")};
-        check_f32_tables(a.weights, op);
+        EmbeddingOptimizerParams p{parse_update(update, op), lr, eps, parse_pooling(pooling, op)};
+        // 16-bit tables round each update stochastically; without an offset every step would draw
+        // the same bits, so Python must pass one (fusekit.nn draws it from torch's generator).
+        const auto counter = view(rounding_offset, op, "rounding_offset");
+        FK_CHECK_ARG(a.weights.dtype() == DType::f32 || counter.has_value(), op, "rounding_offset",
+                     "an i64 [1] tensor (a new Philox offset each step) for 16-bit tables", "None");
+        p.seed = seed;
+        if (counter && a.weights.dtype() != DType::f32) p.offset_counter = *counter;
         const TableLayout& layout = layout_for(table_rows, a.weights.device(), op);
-        embedding_bag_backward_update(layout, a, {parse_update(update, op), lr, eps, parse_pooling(pooling, op)},
-                                      StreamArg(stream, a.weights).get());
+        embedding_bag_backward_update(layout, a, p, StreamArg(stream, a.weights).get());
       },
       "keys"_a, "bags"_a, "dout"_a, "offsets"_a.none(), "weights"_a, "state"_a.none(), "workspace"_a.none(),
-      "table_rows"_a, "update"_a, "lr"_a, "eps"_a, "pooling"_a, "stream"_a, kNoGil);
+      "table_rows"_a, "update"_a, "lr"_a, "eps"_a, "pooling"_a, "seed"_a, "rounding_offset"_a.none(), "stream"_a,
+      kNoGil);
   m.def(
       "dense_optimizer_update",
       [](const Array& param, const Array& grad, const OptArray& state, bool adagrad, float lr, float eps,

@@ -138,14 +138,103 @@ def test_bad_bags_raise_naming_the_argument(device):
         fnn.EmbeddingBagCollection([4], 4, optimizer="adam")
 
 
-def test_sixteen_bit_tables_are_refused_naming_the_weights(device):
-    # The C++ ops take bf16 / f16 tables with stochastic rounding; the Python ops pass no rounding
-    # offset yet, so they refuse them instead of rounding every step the same way.
+def bf16_neighbours(x):
+    """The bf16 values just below and just above each f32 value (equal where x is a bf16 value)."""
+    lo = x.to(torch.bfloat16)
+    lo = torch.where(lo.float() > x, torch.nextafter(lo, torch.full_like(lo, -float("inf"))), lo)
+    hi = torch.where(lo.float() < x, torch.nextafter(lo, torch.full_like(lo, float("inf"))), lo)
+    return lo.float(), hi.float()
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_sixteen_bit_tables_pool_as_their_values(pooling, device):
+    torch.manual_seed(3)
+    rows, dim = [7, 100, 33], 16
+    per_table = make_bags(rows, 9, 4, device, 5)
+    idx, off = fnn.EmbeddingBagCollection.collate(per_table)
+    for dtype in (torch.bfloat16, torch.float16):
+        ebc = fnn.EmbeddingBagCollection(rows, dim, pooling=pooling, dtype=dtype, device=device)
+        wide = fnn.EmbeddingBagCollection(rows, dim, pooling=pooling, device=device)
+        with torch.no_grad():
+            wide.weight.copy_(ebc.weight.float())
+        out = ebc(idx, off)
+        assert ebc.weight.dtype == dtype and out.dtype == torch.float32
+        assert torch.equal(out, wide(idx, off))  # the same f32 values summed in the same order
+        # Without a fused optimizer the dense gradient comes in the tables' dtype.
+        dy = torch.randn(out.shape, device=device)
+        (out * dy).sum().backward()
+        (wide(idx, off) * dy).sum().backward()
+        assert ebc.weight.grad.dtype == dtype
+        assert torch.equal(ebc.weight.grad, wide.weight.grad.to(dtype))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_sixteen_bit_fused_update_rounds_to_a_neighbour_of_the_f32_update(optimizer, device):
+    torch.manual_seed(4)
+    rows, dim = [50, 20], 24
+    ebc = fnn.EmbeddingBagCollection(rows, dim, optimizer=optimizer, lr=0.05, dtype=torch.bfloat16, device=device)
+    wide = fnn.EmbeddingBagCollection(rows, dim, optimizer=optimizer, lr=0.05, device=device)
+    with torch.no_grad():
+        wide.weight.copy_(ebc.weight.float())
+    before = ebc.weight.detach().float().clone()
+    idx, off = fnn.EmbeddingBagCollection.collate(make_bags(rows, 12, 3, device, 8))
+    dy = torch.randn(12, 2, dim, device=device)
+    (ebc(idx, off) * dy).sum().backward()
+    (wide(idx, off) * dy).sum().backward()
+    assert ebc.weight.grad is None and ebc.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(ebc.optimizer_state, wide.optimizer_state)  # the state stays f32
+    lo, hi = bf16_neighbours(wide.weight.detach())
+    got = ebc.weight.detach().float()
+    assert bool(((got == lo) | (got == hi)).all())
+    touched = (wide.weight.detach() != before).any(1)
+    assert touched.any() and torch.equal(got[~touched], before[~touched])
+    # Not rounding to nearest every time: some values went the other way.
+    nearest = wide.weight.detach().to(torch.bfloat16).float()
+    assert bool((got[touched] != nearest[touched]).any())
+
+
+def test_sixteen_bit_updates_follow_torch_manual_seed(device):
+    def step(seed):
+        torch.manual_seed(0)
+        ebc = fnn.EmbeddingBagCollection([300], 16, optimizer="sgd", lr=1e-3, dtype=torch.bfloat16, device=device)
+        idx, off = fnn.EmbeddingBagCollection.collate(make_bags([300], 40, 5, device, 9))
+        torch.manual_seed(seed)
+        ebc(idx, off).sum().backward()
+        return ebc.weight.detach()
+
+    assert torch.equal(step(1), step(1))
+    assert not torch.equal(step(1), step(2))
+
+
+def test_sixteen_bit_updates_below_half_a_step_move_on_average(device):
+    # lr * g is a tenth of bf16's step at 1.0: rounding to nearest would never move the table;
+    # stochastic rounding moves it by the update on average.
+    ebc = fnn.EmbeddingBagCollection([1], 64, optimizer="sgd", lr=2 ** -8 / 10, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        ebc.weight.fill_(1.0)
+    idx, off = torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([0, 1], device=device)
+    torch.manual_seed(5)
+    for _ in range(50):
+        ebc(idx, off).mul(-1.0).sum().backward()  # g = -1: each step adds lr
+    moved = ebc.weight.detach().float().mean().item() - 1.0
+    assert abs(moved - 50 * 2 ** -8 / 10) < 0.25 * 50 * 2 ** -8 / 10
+
+
+def test_sixteen_bit_update_needs_a_rounding_offset(device):
     i64 = dict(dtype=torch.int64, device=device)
     w = torch.zeros(10, 4, dtype=torch.bfloat16, device=device)
-    with pytest.raises(fusekit.Error, match="argument 'weights'"):
-        ops.embedding_bag(w, torch.tensor([0, 4], **i64), torch.tensor([0, 1, 2], **i64), None, [4, 6], "sum", "seed",
-                          "sgd", 0.1, 0.0, None)
+    idx, off = torch.tensor([0, 4], **i64), torch.tensor([0, 1, 2], **i64)
+    _, keys, bags = ops.embedding_bag(w, idx, off, None, [4, 6], "sum", "seed", "sgd", 0.1, 0.0, None)
+    dout = torch.ones(1, 2, 4, device=device)
+    with pytest.raises(fusekit.Error, match="argument 'rounding_offset'"):
+        ops.embedding_bag_update_(w, None, dout, keys, bags, off, [4, 6], "sgd", 0.1, 0.0, "sum")
+    ops.embedding_bag_update_(w, None, dout, keys, bags, off, [4, 6], "sgd", 0.1, 0.0, "sum",
+                              torch.zeros(1, **i64))
+    lo, hi = bf16_neighbours(torch.full((2, 4), -0.1, device=device))
+    assert bool(((w[[0, 8]].float() == lo) | (w[[0, 8]].float() == hi)).all())
+    assert torch.equal(w[[1, 2, 3, 4, 5, 6, 7, 9]].float(), torch.zeros(8, 4, device=device))
+    with pytest.raises(fusekit.Error, match="argument 'dtype'"):
+        fnn.EmbeddingBagCollection([4], 4, dtype=torch.int32)
 
 
 def reference_dot_interaction(z, self_interaction):
@@ -227,6 +316,10 @@ def test_opcheck_recsys_ops(device):
     state = torch.zeros(30, device=device)
     torch.library.opcheck(ops.embedding_bag_update_, (w.detach().clone(), state, dout, keys, bags, off, rows,
                                                       "rowwise_adagrad", 0.1, 1e-8, "sum"))
+    w16 = w.detach().to(torch.bfloat16)
+    torch.library.opcheck(ops.embedding_bag, (w16, idx, off, None, rows, "sum", "seed", "sgd", 0.1, 0.0, None))
+    torch.library.opcheck(ops.embedding_bag_update_, (w16.clone(), None, dout, keys, bags, off, rows, "sgd", 0.1, 0.0,
+                                                      "sum", torch.zeros(1, **i64)))
     z = torch.randn(3, 4, 5, device=device, requires_grad=True)
     torch.library.opcheck(ops.interaction, (z, "dot", False))
     torch.library.opcheck(ops.interaction, (z, "cat", False))

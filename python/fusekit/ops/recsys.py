@@ -35,14 +35,16 @@ def embedding_bag(weights: Tensor, indices: Optional[Tensor], offsets: Optional[
                   table_rows: list[int], pooling: str, hash: str, update: str, lr: float, eps: float,
                   state: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(out [B, T, D] f32, keys, bags i32 [nnz]): out[b, t] = the sum (or mean) over bag t * B + b
-    of rows of table t, the T tables stacked in weights [sum(table_rows), D]. Input: CSR indices
+    of rows of table t, the T tables stacked in weights [sum(table_rows), D] (f32, bf16 or f16;
+    rows pooled in f32). Input: CSR indices
     (row within the table) and offsets [T * B + 1], table-major; or raw i32 [T * B], one value per
     bag hashed to a row (hash "seed" or "reference"). keys / bags are what the backward reads.
     update, lr, eps and state say what the backward does (EMBEDDING_UPDATES)."""
     _same_device("embedding_bag_forward", weights=weights, indices=indices, offsets=offsets, raw=raw, state=state)
     tables = len(table_rows)
     nnz = _bags_nnz(indices, raw)
-    out = weights.new_empty((_bags_batch(indices, offsets, raw, tables), tables, weights.shape[-1]))
+    out = weights.new_empty((_bags_batch(indices, offsets, raw, tables), tables, weights.shape[-1]),
+                            dtype=torch.float32)
     keys = weights.new_empty((nnz,), dtype=torch.int32)
     bags = torch.empty_like(keys)
     _C.embedding_bag_forward(_d(weights), _d(indices), _d(offsets), _d(raw), table_rows, _d(out), _d(keys), _d(bags),
@@ -54,8 +56,8 @@ def embedding_bag(weights: Tensor, indices: Optional[Tensor], offsets: Optional[
 def _(weights, indices, offsets, raw, table_rows, pooling, hash, update, lr, eps, state):
     tables = len(table_rows)
     keys = weights.new_empty((_bags_nnz(indices, raw),), dtype=torch.int32)
-    return (weights.new_empty((_bags_batch(indices, offsets, raw, tables), tables, weights.shape[-1])), keys,
-            torch.empty_like(keys))
+    return (weights.new_empty((_bags_batch(indices, offsets, raw, tables), tables, weights.shape[-1]),
+                              dtype=torch.float32), keys, torch.empty_like(keys))
 
 
 def _embedding_workspace(keys: Tensor, dim: int) -> Optional[Tensor]:
@@ -73,7 +75,7 @@ def embedding_bag_backward(dout: Tensor, keys: Tensor, bags: Tensor, offsets: Op
     dw = dout.new_empty((sum(table_rows), dout.shape[-1]))
     _C.embedding_bag_backward_update(_d(keys), _d(bags), _d(dout), _d(offsets if pooling == "mean" else None), _d(dw),
                                      None, _d(_embedding_workspace(keys, dout.shape[-1])), table_rows, "dense_gradient",
-                                     0.0, 0.0, pooling, _stream(dout))
+                                     0.0, 0.0, pooling, 0, None, _stream(dout))
     return dw
 
 
@@ -85,13 +87,17 @@ def _(dout, keys, bags, offsets, table_rows, pooling):
 @_custom_op("embedding_bag_update_", mutates_args=("weights", "state"))
 def embedding_bag_update_(weights: Tensor, state: Optional[Tensor], dout: Tensor, keys: Tensor, bags: Tensor,
                           offsets: Optional[Tensor], table_rows: list[int], update: str, lr: float, eps: float,
-                          pooling: str) -> None:
+                          pooling: str, rounding_offset: Optional[Tensor] = None) -> None:
     """The optimizer step on the rows the batch touched, in place: sgd, adagrad (state [rows, D])
-    or rowwise_adagrad (state [rows]); each row's gradient summed in a fixed order first."""
+    or rowwise_adagrad (state [rows]); each row's gradient summed in a fixed order first. The
+    state is f32; 16-bit weights (bf16, f16) get each new value computed in f32 and stored with
+    unbiased stochastic rounding, whose Philox draws start at rounding_offset (i64 [1], read
+    when the op runs; required for 16-bit weights, and a new value each step: the module's
+    backward draws one from torch's generator)."""
     dout = dout.contiguous() if not dout.is_contiguous() else dout
     _C.embedding_bag_backward_update(_d(keys), _d(bags), _d(dout), _d(offsets if pooling == "mean" else None),
                                      _d(weights), _d(state), _d(_embedding_workspace(keys, dout.shape[-1])), table_rows,
-                                     update, lr, eps, pooling, _stream(dout))
+                                     update, lr, eps, pooling, 0, _d(rounding_offset), _stream(dout))
     for t in (weights, state):  # as a torch in-place op would: a tensor saved before this is stale
         if t is not None:
             torch.autograd.graph.increment_version(t)
@@ -102,6 +108,7 @@ def _embedding_bag_setup(ctx, inputs, output):
     _, keys, bags = output
     ctx.table_rows, ctx.pooling, ctx.update, ctx.lr, ctx.eps = table_rows, pooling, update, lr, eps
     ctx.save_for_backward(keys, bags, offsets)
+    ctx.weights_dtype = weights.dtype
     if update != "dense_gradient":  # what the backward updates in place (not saved: no version check)
         ctx.weights, ctx.state = weights, state
 
@@ -110,9 +117,15 @@ def _embedding_bag_bwd(ctx, dout, dkeys, dbags):
     keys, bags, offsets = ctx.saved_tensors
     if ctx.update == "dense_gradient":
         dw = _bwd(ctx, "embedding_bag_backward", dout, keys, bags, offsets, ctx.table_rows, ctx.pooling)
+        dw = dw.to(ctx.weights_dtype)
     else:
+        # 16-bit tables: this step's stochastic rounding starts at a Philox offset drawn from
+        # torch's generator (so torch.manual_seed reproduces it, and a CUDA graph draws anew).
+        rounding = None
+        if ctx.weights_dtype != torch.float32:
+            rounding = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=dout.device)
         _bwd(ctx, "embedding_bag_update_", ctx.weights, ctx.state, dout, keys, bags, offsets, ctx.table_rows,
-             ctx.update, ctx.lr, ctx.eps, ctx.pooling)
+             ctx.update, ctx.lr, ctx.eps, ctx.pooling, rounding)
         dw = None
     return dw, None, None, None, None, None, None, None, None, None, None
 
