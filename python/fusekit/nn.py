@@ -572,13 +572,15 @@ class EmbeddingBagCollection(nn.Module):
 
     @classmethod
     def from_embedding_bags(cls, bags, **kwargs) -> "EmbeddingBagCollection":
-        """From nn.EmbeddingBag modules of one dim and one mode (sum or mean); weights copied."""
+        """From nn.EmbeddingBag modules of one dim and one mode (sum or mean); weights copied. The
+        tables keep the bags' dtype where it is bf16 or f16 (f32 otherwise) unless dtype is given."""
         bags = list(bags)
         dims, modes = {b.embedding_dim for b in bags}, {b.mode for b in bags}
         if len(dims) != 1 or len(modes) != 1 or modes - {"sum", "mean"}:
             raise _C.Error("fk::EmbeddingBagCollection.from_embedding_bags: argument 'bags': expected tables of one "
                            f"dim and one mode (sum or mean), got dims {sorted(dims)} and modes {sorted(modes)}")
         w = bags[0].weight
+        kwargs.setdefault("dtype", w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.float32)
         ebc = cls([b.num_embeddings for b in bags], dims.pop(), pooling=modes.pop(), device=w.device, **kwargs)
         with torch.no_grad():
             for t, b in enumerate(bags):

@@ -116,6 +116,10 @@ def test_from_embedding_bags_copies_the_tables(device):
                                torch.stack([b(i, o) for b, (i, o) in zip(bags, per_table)], dim=1))
     with pytest.raises(fusekit.Error, match="argument 'bags'"):
         fnn.EmbeddingBagCollection.from_embedding_bags([nn.EmbeddingBag(3, 4), nn.EmbeddingBag(3, 5)])
+    half = [nn.EmbeddingBag(n, 6, device=device, dtype=torch.bfloat16) for n in (5, 11)]
+    ebc16 = fnn.EmbeddingBagCollection.from_embedding_bags(half)
+    assert ebc16.weight.dtype == torch.bfloat16 and torch.equal(ebc16.table(1), half[1].weight)
+    assert fnn.EmbeddingBagCollection.from_embedding_bags(half, dtype=torch.float32).weight.dtype == torch.float32
 
 
 def test_bad_bags_raise_naming_the_argument(device):
