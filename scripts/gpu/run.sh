@@ -11,7 +11,9 @@
 # "--warmup 2 --steps 4" and may override "--train-steps 0 --profile 30", e.g. "--warmup 6 --steps 20
 # --corpus-limit 2MB"); recsys: the 16-bit table tests, memcheck and bench (pack recsys_test,
 # models_test, fusekit); mlperf: the MLPerf DCNv2 model trained on one GPU (an H200 for f32 tables,
-# any for MLPERF_DTYPE=bf16; pack the fusekit program).
+# any for MLPERF_DTYPE=bf16; pack the fusekit program); embedding: the sparse embedding backward's GPU tests,
+# memcheck and bench, the packed fusekit against BASELINE_XZ (an xz-compressed fusekit of another build,
+# carried in $PACK_DIR) in the same lease (pack recsys_test, models_test, fusekit).
 set -uo pipefail
 R=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -84,6 +86,21 @@ if has recsys; then
     --gtest_filter="${MEMCHECK_TESTS:-*SixteenBitTablesMatchSpec/1:*SixteenBitTablesMatchSpec/4:*SixteenBitTablesMatchSpec/9:*SixteenBitTablesMatchSpec/12}" 2>&1 | tail -2
   packed fusekit && $B/fusekit bench --filter recsys/embedding_bf16_ \
     --json $OUT/recsys_bf16.json 2>&1 | tail -8
+fi
+if has embedding; then
+  step embedding
+  packed recsys_test && timeout 200 $B/recsys_test --gtest_filter='*Gpu*:StochasticRounding.*' 2>&1 | tail -3
+  packed recsys_test && timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 $B/recsys_test \
+    --gtest_filter="${MEMCHECK_TESTS:-Shapes/RecsysEmbeddingGpu.*/12:Shapes/RecsysEmbeddingGpu.*/16:Shapes/RecsysEmbeddingGpu.*/21}" 2>&1 | tail -2
+  packed models_test && timeout 200 $B/models_test --gtest_filter='*DlrmGpu*:Dlrm.SixteenBit*' 2>&1 | tail -3
+  bins="$B/fusekit"
+  if [ -n "${BASELINE_XZ:-}" ]; then xz -dc "$BASELINE_XZ" > /tmp/fusekit_baseline && chmod +x /tmp/fusekit_baseline; bins="$bins /tmp/fusekit_baseline"; fi
+  for f in recsys/embedding_bwd recsys/embedding_bf16_bwd dlrm/train/kaggle_dot_b; do
+    for b in $bins; do
+      echo "--- $(basename $b) $f"
+      timeout 120 $b bench --filter $f --json $OUT/$(basename $b)_$(echo $f | tr '/' '_').json 2>&1 | grep -E "fused|kaggle" | head -8
+    done
+  done
 fi
 if has mlperf; then
   # Issue 42's MLPerf DLRM-DCNv2 model on one GPU: its 104 GB of fp32 tables on an H200, or with
