@@ -224,6 +224,38 @@ def test_sixteen_bit_updates_below_half_a_step_move_on_average(device):
     assert abs(moved - 50 * 2 ** -8 / 10) < 0.25 * 50 * 2 ** -8 / 10
 
 
+@pytest.mark.parametrize("optimizer", [None, "rowwise_adagrad"])
+def test_sixteen_bit_tables_in_a_model_under_autocast_and_compile(optimizer, device):
+    # As a user runs them: inside a model, under autocast, loss.sum().backward(); compiled whole
+    # (fullgraph) the step is the eager one, the rounding drawn from the same generator state.
+    def train(compiled):
+        torch.manual_seed(11)
+        ebc = fnn.EmbeddingBagCollection([40, 25], 8, optimizer=optimizer, lr=0.05, dtype=torch.bfloat16,
+                                         validate_indices=False, device=device)
+        top = nn.Linear(16, 1, device=device)
+        def step(idx, off):
+            with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                return top(ebc(idx, off).flatten(1)).float()
+        f = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        for s in range(2):
+            idx, off = fnn.EmbeddingBagCollection.collate(make_bags([40, 25], 6, 3, device, 40 + s))
+            loss = f(idx, off)
+            assert loss.shape == (6, 1)
+            loss.sum().backward()
+        grad = ebc.weight.grad
+        assert (grad is None) == (optimizer is not None)
+        assert grad is None or grad.dtype == torch.bfloat16
+        return ebc.weight.detach().clone(), grad
+
+    eager_w, eager_g = train(False)
+    if optimizer is not None and tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15):
+        pytest.skip("torch before 2.15 refuses the in-place update of a leaf in a compiled backward")
+    compiled_w, compiled_g = train(True)
+    assert torch.equal(compiled_w, eager_w)
+    if eager_g is not None:
+        torch.testing.assert_close(compiled_g, eager_g)
+
+
 def test_sixteen_bit_update_needs_a_rounding_offset(device):
     i64 = dict(dtype=torch.int64, device=device)
     w = torch.zeros(10, 4, dtype=torch.bfloat16, device=device)
