@@ -21,7 +21,8 @@ TensorView head(const Tensor& t, std::int64_t n) { return TensorView(t.data(), t
 
 EmbeddingBagCollection::EmbeddingBagCollection(std::vector<std::int64_t> rows, std::int64_t dim,
                                                EmbeddingBagCollectionOptions options, Device device, RandomParams init,
-                                               const std::vector<std::int64_t>& init_ids)
+                                               const std::vector<std::int64_t>& init_ids,
+                                               std::vector<std::int64_t> draw_bases)
     : dim_(dim), options_(options) {
   constexpr const char* op = "nn::EmbeddingBagCollection";
   FK_CHECK_ARG(dim >= 1, op, "dim", ">= 1", fmt::format("{}", dim));
@@ -33,7 +34,7 @@ EmbeddingBagCollection::EmbeddingBagCollection(std::vector<std::int64_t> rows, s
   FK_CHECK_ARG(options.dtype == DType::f32 || options.fused, op, "dtype",
                "f32 with fused = false (the unfused baseline's dense gradient and optimizer are f32)",
                std::string(dtype_name(options.dtype)));
-  layout_ = TableLayout(std::move(rows), device);
+  layout_ = TableLayout(std::move(rows), device, std::move(draw_bases));
   const DType dt = options.dtype;
   weights = Tensor::empty({std::max<std::int64_t>(layout_.total_rows(), 1), dim}, dt, device);
   if (dt != DType::f32) {

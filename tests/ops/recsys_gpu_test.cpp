@@ -243,8 +243,18 @@ TEST_P(RecsysEmbeddingGpu, SixteenBitTablesMatchSpec) {
                                    pooled(g_out), g_keys.view(), g_bags.view()},
                           {pooling});
     ASSERT_TRUE(close(g_out, out));
-    for (EmbeddingUpdate u : {EmbeddingUpdate::sgd, EmbeddingUpdate::adagrad, EmbeddingUpdate::rowwise_adagrad}) {
-      SCOPED_TRACE(static_cast<int>(u));
+    // Then again with the tables drawing their rounding as rows elsewhere (TableLayout's draw
+    // bases: table t from row 3 base(t) + 8 t + 5, apart and off the Philox blocks' 8 elements).
+    std::vector<std::int64_t> bases;
+    for (int t = 0; t < layout.num_tables(); ++t) bases.push_back(3 * layout.base(t) + 8 * t + 5);
+    const TableLayout drawn_host(shape.rows, kCpu, bases), drawn(shape.rows, gpu, bases);
+    constexpr EmbeddingUpdate kUpdates[] = {EmbeddingUpdate::sgd, EmbeddingUpdate::adagrad, EmbeddingUpdate::rowwise_adagrad};
+    for (int run_case = 0; run_case < 6; ++run_case) {
+      const bool elsewhere = run_case >= 3;
+      const EmbeddingUpdate u = kUpdates[run_case % 3];
+      SCOPED_TRACE(std::string(elsewhere ? "draw bases, " : "") + "update " + std::to_string(static_cast<int>(u)));
+      const TableLayout& spec_layout = elsewhere ? drawn_host : host_layout;
+      const TableLayout& gpu_layout = elsewhere ? drawn : layout;
       std::optional<Tensor> state;
       if (u == EmbeddingUpdate::adagrad) state = test::random_tensor({layout.total_rows(), dim}, DType::f32, kCpu, 7, 0, 1);
       if (u == EmbeddingUpdate::rowwise_adagrad) state = test::random_tensor({layout.total_rows()}, DType::f32, kCpu, 7, 0, 1);
@@ -253,7 +263,7 @@ TEST_P(RecsysEmbeddingGpu, SixteenBitTablesMatchSpec) {
       p.offset = 5;
       Tensor w = weights.clone();
       std::optional<Tensor> s = state ? std::optional<Tensor>(state->clone()) : std::nullopt;
-      embedding_bag_backward_update(host_layout, {keys, bags, pooled(dout), offsets.view(), w,
+      embedding_bag_backward_update(spec_layout, {keys, bags, pooled(dout), offsets.view(), w,
                                                   s ? std::optional<TensorView>(s->view()) : std::nullopt},
                                     p);
       Tensor gw[2], gs[2];
@@ -272,7 +282,7 @@ TEST_P(RecsysEmbeddingGpu, SixteenBitTablesMatchSpec) {
           q.offset_counter = counter.view();
         }
         const TensorView wsv(static_cast<unsigned char*>(ws.data()) + 1, DType::u8, {ws.numel() - 1}, gpu);
-        embedding_bag_backward_update(layout, {g_keys, g_bags, pooled(g_dout), g_offsets.view(), gw[run], sv, wsv}, q);
+        embedding_bag_backward_update(gpu_layout, {g_keys, g_bags, pooled(g_dout), g_offsets.view(), gw[run], sv, wsv}, q);
       }
       const std::vector<float> got = test::to_floats(gw[0]), want = test::to_floats(w);
       std::int64_t same = 0;

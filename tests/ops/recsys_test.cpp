@@ -326,6 +326,89 @@ TEST(RecsysSpec, SixteenBitSgdStepRoundsStochastically) {
   }
 }
 
+TEST(RecsysSpec, SixteenBitDrawBasesRoundAsTheLargerLayout) {
+  // Tables of 6, 5 and 7 rows (D 3) and a layout holding two pieces of them, table 2's rows
+  // [2, 7) then table 0's rows [1, 4), whose draw bases are those rows' places in the larger
+  // buffer (6 + 5 + 2 and 1). One SGD step of the same gradients on both: the pieces end with
+  // exactly the larger layout's values of those rows; without the draw bases they round otherwise.
+  constexpr std::int64_t kD = 3, kB = 4;
+  const TableLayout whole({6, 5, 7});
+  const std::vector<std::int64_t> piece_rows{5, 3}, piece_table{2, 0}, piece_first{2, 1};
+  const TableLayout drawn(piece_rows, kCpu, {whole.base(2) + 2, whole.base(0) + 1}), plain(piece_rows);
+  EXPECT_EQ(drawn.draw_base(0), 13);
+  EXPECT_EQ(drawn.draw_base(1), 1);
+  EXPECT_TRUE(drawn.draws_elsewhere());
+  EXPECT_FALSE(plain.draws_elsewhere());
+  EXPECT_EQ(plain.draw_base(1), plain.base(1));
+  for (const DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(std::string(dtype_name(dt)));
+    // Entries (table, row within table, sample), every row of the pieces touched, some twice.
+    struct Entry {
+      std::int64_t t, r, b;
+    };
+    std::vector<Entry> entries;
+    for (std::int64_t r = 0; r < 7; ++r) entries.push_back({2, r, r % kB});
+    for (std::int64_t r = 0; r < 6; ++r) entries.push_back({0, r, (r + 1) % kB});
+    entries.push_back({2, 3, 0});
+    entries.push_back({0, 2, 3});
+    const Tensor dout_whole = test::random_tensor({kB, 3, kD}, DType::f32, kCpu, 41);
+    const Tensor start = test::random_tensor({whole.total_rows(), kD}, dt, kCpu, 42);
+    EmbeddingOptimizerParams p{EmbeddingUpdate::sgd, 0.3f};
+    p.seed = 5;
+    p.offset = 9;
+    // The larger layout.
+    Tensor w_whole = start.clone();
+    {
+      std::vector<std::int32_t> k, q;
+      for (const Entry& e : entries) {
+        k.push_back(static_cast<std::int32_t>(whole.base(static_cast<int>(e.t)) + e.r));
+        q.push_back(static_cast<std::int32_t>(e.t * kB + e.b));
+      }
+      Tensor keys = Tensor::empty({static_cast<std::int64_t>(k.size())}, DType::i32, kCpu);
+      Tensor bags = Tensor::empty(keys.shape(), DType::i32, kCpu);
+      std::copy(k.begin(), k.end(), keys.data_as<std::int32_t>());
+      std::copy(q.begin(), q.end(), bags.data_as<std::int32_t>());
+      embedding_bag_backward_update(whole, {keys, bags, dout_whole, std::nullopt, w_whole}, p);
+    }
+    // The pieces: their rows of the start, the entries that fall in them, dout's columns of their tables.
+    const auto piece_update = [&](const TableLayout& layout) {
+      Tensor w = Tensor::empty({layout.total_rows(), kD}, dt, kCpu);
+      Tensor dout = Tensor::empty({kB, 2, kD}, DType::f32, kCpu);
+      const auto bytes = static_cast<std::int64_t>(dtype_size(dt));
+      for (int s = 0; s < 2; ++s) {
+        std::memcpy(static_cast<char*>(w.data()) + layout.base(s) * kD * bytes,
+                    static_cast<const char*>(start.data()) + (whole.base(static_cast<int>(piece_table[s])) + piece_first[s]) * kD * bytes,
+                    static_cast<std::size_t>(piece_rows[s] * kD * bytes));
+        for (std::int64_t b = 0; b < kB; ++b)
+          for (std::int64_t c = 0; c < kD; ++c)
+            dout.data_as<float>()[(b * 2 + s) * kD + c] = dout_whole.data_as<const float>()[(b * 3 + piece_table[s]) * kD + c];
+      }
+      std::vector<std::int32_t> k, q;
+      for (const Entry& e : entries)
+        for (int s = 0; s < 2; ++s)
+          if (e.t == piece_table[s] && e.r >= piece_first[s] && e.r < piece_first[s] + piece_rows[s]) {
+            k.push_back(static_cast<std::int32_t>(layout.base(s) + e.r - piece_first[s]));
+            q.push_back(static_cast<std::int32_t>(s * kB + e.b));
+          }
+      Tensor keys = Tensor::empty({static_cast<std::int64_t>(k.size())}, DType::i32, kCpu);
+      Tensor bags = Tensor::empty(keys.shape(), DType::i32, kCpu);
+      std::copy(k.begin(), k.end(), keys.data_as<std::int32_t>());
+      std::copy(q.begin(), q.end(), bags.data_as<std::int32_t>());
+      embedding_bag_backward_update(layout, {keys, bags, dout, std::nullopt, w}, p);
+      return test::to_floats(w);
+    };
+    const std::vector<float> all = test::to_floats(w_whole), got = piece_update(drawn), other = piece_update(plain);
+    std::vector<float> want;
+    for (int s = 0; s < 2; ++s) {
+      const auto first = static_cast<std::size_t>((whole.base(static_cast<int>(piece_table[s])) + piece_first[s]) * kD);
+      want.insert(want.end(), all.begin() + static_cast<std::ptrdiff_t>(first),
+                  all.begin() + static_cast<std::ptrdiff_t>(first + static_cast<std::size_t>(piece_rows[s] * kD)));
+    }
+    EXPECT_EQ(got, want);
+    EXPECT_NE(other, want) << "the pieces' own places drew as the larger layout's";
+  }
+}
+
 TEST(RecsysSpec, SixteenBitUpdatesBelowHalfAStepMoveOnAverage) {
   // A row-wise Adagrad step of 0.5e-4 to 3e-4 on values near 0.5 (bf16's step there is 2^-8, so
   // rounding to nearest would leave every bf16 value as it was): over 512 offsets the mean of the
@@ -564,6 +647,9 @@ TEST(RecsysErrors, TableLayout) {
   test::expect_arg_error([] { TableLayout(std::vector<std::int64_t>{}); }, "TableLayout", "rows");
   test::expect_arg_error([] { TableLayout({3, 0}); }, "TableLayout", "rows");
   test::expect_arg_error([] { TableLayout({std::int64_t{1} << 31, std::int64_t{1} << 31}); }, "TableLayout", "rows");
+  test::expect_arg_error([] { TableLayout({3, 4}, kCpu, {0}); }, "TableLayout", "draw_bases");
+  test::expect_arg_error([] { TableLayout({3, 4}, kCpu, {0, -1}); }, "TableLayout", "draw_bases");
+  test::expect_arg_error([] { TableLayout({3, 4}, kCpu, {0, (std::int64_t{1} << 56) - 2}); }, "TableLayout", "draw_bases");
 }
 
 TEST(RecsysErrors, EmbeddingForward) {

@@ -59,8 +59,11 @@ class EmbeddingBagCollection {
   // (init.seed, init.subsequence + id_t): the same values on every device. id_t = t, or
   // init_ids[t] when given (one per table): a collection holding some tables of a larger one (a
   // rank's shard of a model-parallel model) then holds the values the larger one has.
+  // draw_bases (TableLayout's): none, or per table the row its rows' rounding draws as (16-bit
+  // tables), so that such a collection also rounds as the larger one does.
   EmbeddingBagCollection(std::vector<std::int64_t> rows, std::int64_t dim, EmbeddingBagCollectionOptions options,
-                         Device device, RandomParams init, const std::vector<std::int64_t>& init_ids = {});
+                         Device device, RandomParams init, const std::vector<std::int64_t>& init_ids = {},
+                         std::vector<std::int64_t> draw_bases = {});
 
   int num_tables() const noexcept { return layout_.num_tables(); }
   std::int64_t dim() const noexcept { return dim_; }

@@ -24,7 +24,8 @@
 // is f32, or bf16 / f16 to halve the tables' memory: a 16-bit table is read into f32 sums, and the
 // optimizer computes each updated value in f32 and stores it with stochastic rounding (unbiased:
 // an update smaller than half a 16-bit step still moves the value on average), its draws from
-// Philox (EmbeddingOptimizerParams::seed, the update's offset, the element's place in the buffer).
+// Philox (EmbeddingOptimizerParams::seed, the update's offset, the element's place in the buffer,
+// or in a larger buffer the layout's tables are rows of: TableLayout's draw bases).
 // The optimizer state and every other tensor stay f32.
 //
 // Input of the embedding bags, bag q = t * B + b (table-major):
@@ -59,25 +60,36 @@ enum class Pooling { sum, mean };  // mean: the sum over the bag's size; an empt
 
 // Where T tables of one dim live in the shared [total_rows, D] buffer. Fewer than 2^32 rows in all
 // (the backward sorts 32-bit keys).
+//
+// Draw bases: 16-bit tables' stochastic rounding draws for row r of table t as for row
+// draw_base(t) + r of the buffer (EmbeddingOptimizerParams::seed). draw_base(t) = base(t) unless
+// given: a layout holding pieces of a larger layout's tables (a rank's shards of a model-parallel
+// model) gives each piece its rows' place there, and so rounds as the larger layout would.
 class TableLayout {
  public:
   TableLayout() = default;
-  // When `device` is a GPU, copies the bases and row counts there (synchronously: the layout is
-  // ready for every stream on return).
-  explicit TableLayout(std::vector<std::int64_t> rows, Device device = Device::cpu());
+  // When `device` is a GPU, copies the bases, row counts and draw bases there (synchronously: the
+  // layout is ready for every stream on return). draw_bases: none, or one per table, >= 0 and
+  // below 2^56 rows with the table's rows.
+  explicit TableLayout(std::vector<std::int64_t> rows, Device device = Device::cpu(),
+                       std::vector<std::int64_t> draw_bases = {});
 
   int num_tables() const noexcept { return static_cast<int>(rows_.size()); }
   std::int64_t rows(int t) const { return rows_.at(static_cast<std::size_t>(t)); }
   std::int64_t base(int t) const { return base_.at(static_cast<std::size_t>(t)); }
+  std::int64_t draw_base(int t) const { return draw_base_.at(static_cast<std::size_t>(t)); }
+  // Whether some table's draw base is not its base.
+  bool draws_elsewhere() const noexcept { return draw_base_ != base_; }
   std::int64_t total_rows() const noexcept { return total_rows_; }
   // Bits of the largest global row index: what the backward's radix sort sorts.
   int key_bits() const noexcept { return key_bits_; }
   Device device() const noexcept { return device_; }
-  // i64 [2, T] on device(): row 0 the bases, row 1 the row counts (empty on the CPU).
+  // i64 [3, T] on device(): row 0 the bases, row 1 the row counts, row 2 the draw bases (empty
+  // on the CPU).
   const TensorView& device_meta() const noexcept { return meta_.view(); }
 
  private:
-  std::vector<std::int64_t> rows_, base_;
+  std::vector<std::int64_t> rows_, base_, draw_base_;
   std::int64_t total_rows_ = 0;
   int key_bits_ = 1;
   Device device_ = Device::cpu();
@@ -128,7 +140,8 @@ struct EmbeddingOptimizerParams {
   float eps = 1e-8f;
   Pooling pooling = Pooling::sum;  // as in the forward; mean needs the forward's offsets
   // 16-bit weights: the stochastic rounding's Philox key and subsequence. Element (row, c) of the
-  // buffer, flat = row * D + c, draws 16 bits from block flat / 8 of (seed, offset) (see
+  // buffer, flat = row' * D + c (row' = the row's place at the layout's draw bases: the row itself
+  // unless they are given), draws 16 bits from block flat / 8 of (seed, offset) (see
   // ops/common/stochastic_round.hpp), so (seed, offset) reproduce an update; give each update its
   // own offset. Ignored for f32 weights.
   std::uint64_t seed = 0;

@@ -51,8 +51,9 @@ __device__ __forceinline__ void apply_update(float* w, float* state, float g, fl
 
 // The elements of a table of T (float, __nv_bfloat16, __half) that one lane updates, in
 // increasing order: values read as floats, new values stored (16-bit: stochastically rounded,
-// element at = row * D + c drawing from Philox block at / 8 of (seed, offset), the block kept
-// for the lane's next elements).
+// element at = row * D + c drawing as element at + shift from Philox block (at + shift) / 8 of
+// (seed, offset), the block kept for the lane's next elements; shift: set_row's, the row's place
+// at the layout's draw bases).
 // (Fields copied from the TableSet: a reference to the kernel's parameter would copy the whole
 // struct to the stack.)
 template <class T>
@@ -60,6 +61,7 @@ struct TableElements {
   void* weights;
   std::uint64_t seed = 0, offset = 0;
   std::uint64_t index = ~std::uint64_t{0};
+  std::int64_t shift = 0;
   philox::U32x4 block{};
 
   __device__ __forceinline__ explicit TableElements(const TableSet& ts) : weights(ts.weights) {
@@ -67,6 +69,11 @@ struct TableElements {
       seed = ts.seed;
       offset = ts.offset + (ts.offset_counter ? *ts.offset_counter : 0);
     }
+  }
+  // The draws of the rows of table t (16-bit tables of a layout with draw bases).
+  __device__ __forceinline__ void set_table(const TableSet& ts, std::int64_t t) {
+    if constexpr (!std::is_same_v<T, float>)
+      if (ts.draw_base != nullptr) shift = (ts.draw_base[t] - ts.base[t]) * ts.dim;
   }
   __device__ __forceinline__ float get(std::int64_t at) const {
     if constexpr (std::is_same_v<T, float>) {
@@ -81,7 +88,7 @@ struct TableElements {
     if constexpr (std::is_same_v<T, float>) {
       static_cast<float*>(weights)[at] = v;
     } else {
-      const auto flat = static_cast<std::uint64_t>(at);
+      const auto flat = static_cast<std::uint64_t>(at + shift);
       if ((flat >> 3) != index) {
         index = flat >> 3;
         block = philox::random_block(seed, offset, index);
@@ -94,8 +101,8 @@ struct TableElements {
   // Stores v[0, n) at elements [at, at + n), n <= kSlice: the (at most three) Philox blocks the
   // elements span drawn first, then an unrolled loop (v indexed by constants stays in registers).
   __device__ __forceinline__ void put_slice(std::int64_t at, const float (&v)[kSlice], int n) {
-    const auto first = static_cast<std::uint64_t>(at) >> 3;
-    const int lead = static_cast<int>(at & 7);
+    const auto first = static_cast<std::uint64_t>(at + shift) >> 3;
+    const int lead = static_cast<int>((at + shift) & 7);
     const philox::U32x4 b0 = philox::random_block(seed, offset, first);
     philox::U32x4 b1{}, b2{};
     if (lead + n > 8) b1 = philox::random_block(seed, offset, first + 1);
@@ -103,7 +110,7 @@ struct TableElements {
 #pragma unroll
     for (int i = 0; i < kSlice; ++i) {
       if (i >= n) break;
-      const auto flat = static_cast<std::uint64_t>(at + i);
+      const auto flat = static_cast<std::uint64_t>(at + shift + i);
       const auto j = static_cast<unsigned>((flat >> 3) - first);
       const auto pick = [&](int w) { return j == 0 ? b0.v[w] : j == 1 ? b1.v[w] : b2.v[w]; };
       const philox::U32x4 b{{pick(0), pick(1), pick(2), pick(3)}};
@@ -189,6 +196,7 @@ __global__ void sparse_phase1_kernel(TableSet ts, const std::uint32_t* key, cons
   if (piece_end && !has_head) ends[c] = continues ? 0 : 1;
   if (continues && has_head) owners[1 + atomicAdd(owners, 1)] = static_cast<int>(c);
   TableElements<T> table(ts);
+  if (valid) table.set_table(ts, bag[e] / batch);
 
   // A lane whose piece is a whole segment (it starts and ends inside the chunk) updates the row.
   if constexpr (!kRowwise) {
@@ -303,6 +311,17 @@ __global__ void sparse_phase2_kernel(TableSet ts, const std::uint32_t* key, std:
   }
   if (c1 < 0) return;
   TableElements<T> table(ts);
+  if constexpr (!std::is_same_v<T, float>) {
+    if (ts.draw_base != nullptr) {  // the row's table: the last whose base is at most the row
+      int lo = 0, hi = ts.tables - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (ts.base[mid] <= row) lo = mid;
+        else hi = mid - 1;
+      }
+      table.set_table(ts, lo);
+    }
+  }
   if constexpr (!kRowwise) {
     for (int s0 = 0; s0 < ts.dim; s0 += kSlice) {
       const float g = owner_slice_sum(head, tail, c0, c1, s0, ts.dim, lane);

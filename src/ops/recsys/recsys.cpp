@@ -64,6 +64,7 @@ cuda::TableSet table_set(const TableLayout& layout, const TensorView& weights, f
   ts.adagrad_state = state;
   ts.base = meta;
   ts.rows = meta + layout.num_tables();
+  if (layout.draws_elsewhere()) ts.draw_base = meta + 2 * layout.num_tables();
   ts.tables = layout.num_tables();
   ts.dim = static_cast<int>(weights.size(1));
   ts.rowwise = rowwise;
@@ -75,8 +76,8 @@ cuda::TableSet table_set(const TableLayout& layout, const TensorView& weights, f
 
 // ---- TableLayout ----------------------------------------------------------------------------------
 
-TableLayout::TableLayout(std::vector<std::int64_t> rows, Device device)
-    : rows_(std::move(rows)), device_(device) {
+TableLayout::TableLayout(std::vector<std::int64_t> rows, Device device, std::vector<std::int64_t> draw_bases)
+    : rows_(std::move(rows)), draw_base_(std::move(draw_bases)), device_(device) {
   constexpr const char* op = "TableLayout";
   FK_CHECK_ARG(!rows_.empty(), op, "rows", "at least one table", "none");
   for (std::size_t t = 0; t < rows_.size(); ++t) {
@@ -87,13 +88,21 @@ TableLayout::TableLayout(std::vector<std::int64_t> rows, Device device)
     total_rows_ += rows_[t];
   }
   while ((std::int64_t{1} << key_bits_) < total_rows_) ++key_bits_;
+  if (draw_base_.empty()) draw_base_ = base_;
+  FK_CHECK_ARG(draw_base_.size() == rows_.size(), op, "draw_bases", fmt::format("none or one per table ({})", rows_.size()),
+               fmt::format("{}", draw_base_.size()));
+  for (std::size_t t = 0; t < rows_.size(); ++t)
+    FK_CHECK_ARG(draw_base_[t] >= 0 && draw_base_[t] < (std::int64_t{1} << 56) - rows_[t], op, "draw_bases",
+                 "rows >= 0 and, with the table's rows, below 2^56",
+                 fmt::format("{} for table {} of {} rows", draw_base_[t], t, rows_[t]));
   checks::cuda_available(op, device);
   if (device.is_cpu()) return;
   const auto t = static_cast<std::int64_t>(rows_.size());
-  Tensor host = Tensor::empty({2, t}, DType::i64, Device::cpu());
+  Tensor host = Tensor::empty({3, t}, DType::i64, Device::cpu());
   std::copy(base_.begin(), base_.end(), host.data_as<std::int64_t>());
   std::copy(rows_.begin(), rows_.end(), host.data_as<std::int64_t>() + t);
-  meta_ = Tensor::empty({2, t}, DType::i64, device);
+  std::copy(draw_base_.begin(), draw_base_.end(), host.data_as<std::int64_t>() + 2 * t);
+  meta_ = Tensor::empty({3, t}, DType::i64, device);
   copy(meta_, host);
 }
 

@@ -30,6 +30,9 @@ struct TableSet {
   float* adagrad_state = nullptr;         // [total_rows, D]; rowwise: [total_rows]; null: SGD
   const std::int64_t* base = nullptr;     // device [T] first row of each table
   const std::int64_t* rows = nullptr;     // device [T]
+  // device [T], or null: 16-bit tables' draws for row r of table t as for row draw_base[t] + r
+  // (TableLayout's draw bases; null: base[t] + r, the row itself).
+  const std::int64_t* draw_base = nullptr;
   int tables = 0;
   int dim = 0;
   // embedding_backward_fused: write each touched row's summed gradient into `weights` (a dense
@@ -39,7 +42,8 @@ struct TableSet {
   // Row-wise Adagrad: adagrad_state holds one float per row (state += mean_d g^2).
   bool rowwise = false;
   // 16-bit weights: the stochastic rounding's stream (seed, offset + *offset_counter when not
-  // null, read when the kernel runs); element flat = row * D + c draws from block flat / 8.
+  // null, read when the kernel runs); element flat = row' * D + c draws from block flat / 8, row'
+  // the row's place at the draw bases.
   std::uint64_t seed = 0, offset = 0;
   const std::uint64_t* offset_counter = nullptr;
 };

@@ -23,13 +23,14 @@ float table_value(const TensorView& w, std::int64_t i) {
 }
 
 // Stores v into element i of a table buffer: as is (f32), or stochastically rounded with the
-// draw of element i of the stream (seed, offset).
-void store_table_value(const TensorView& w, std::int64_t i, float v, std::uint64_t seed, std::uint64_t offset) {
+// draw of element `draw` of the stream (seed, offset).
+void store_table_value(const TensorView& w, std::int64_t i, std::int64_t draw, float v, std::uint64_t seed,
+                       std::uint64_t offset) {
   if (w.dtype() == DType::f32) {
     w.data_as<float>()[i] = v;
     return;
   }
-  const auto flat = static_cast<std::uint64_t>(i);
+  const auto flat = static_cast<std::uint64_t>(draw);
   const std::uint32_t h = sround::draw_bits(philox::random_block(seed, offset, flat >> 3), flat);
   const std::uint16_t bits = w.dtype() == DType::bf16 ? sround::to_bf16(v, h) : sround::to_f16(v, h);
   std::memcpy(static_cast<std::uint16_t*>(w.data()) + i, &bits, 2);
@@ -90,7 +91,6 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
                                    const EmbeddingOptimizerParams& p) {
   const std::int64_t nnz = a.keys.numel(), dim = a.weights.size(1);
   const std::int64_t batch = a.dout.size(0);
-  (void)layout;
   const auto* keys = a.keys.data_as<std::int32_t>();
   const auto* bags = a.bags.data_as<std::int32_t>();
   // Entries grouped by row, in entry order within a row.
@@ -109,12 +109,17 @@ void embedding_bag_backward_update(const TableLayout& layout, const EmbeddingBag
   const auto get = [&](std::uint32_t row, std::int64_t c) {
     return static_cast<double>(table_value(a.weights, std::int64_t{row} * dim + c));
   };
+  // The row's place at the layout's draw bases (its table: that of any of its bags).
+  std::int64_t draw_row = 0;
   const auto set = [&](std::uint32_t row, std::int64_t c, double v) {
-    store_table_value(a.weights, std::int64_t{row} * dim + c, static_cast<float>(v), p.seed, offset);
+    const std::int64_t at = std::int64_t{row} * dim + c;
+    store_table_value(a.weights, at, draw_row * dim + c, static_cast<float>(v), p.seed, offset);
   };
   std::vector<double> g(static_cast<std::size_t>(dim));
   for (std::size_t s = 0; s < order.size();) {
     const std::uint32_t row = key_of(order[s]);
+    const auto t = static_cast<int>(static_cast<std::uint32_t>(bags[order[s]]) / static_cast<std::uint64_t>(batch));
+    draw_row = std::int64_t{row} - layout.base(t) + layout.draw_base(t);
     std::fill(g.begin(), g.end(), 0.0);
     for (; s < order.size() && key_of(order[s]) == row; ++s) {
       const auto q = static_cast<std::int64_t>(static_cast<std::uint32_t>(bags[order[s]]));
