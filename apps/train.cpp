@@ -139,6 +139,13 @@ std::int64_t table_rows(const models::DlrmConfig& mc) {
   return rows;
 }
 
+// The parameters' megabytes: f32, the tables in their dtype.
+double parameter_megabytes(const models::DlrmConfig& mc) {
+  const double table_values = static_cast<double>(table_rows(mc)) * static_cast<double>(mc.embedding_dim);
+  return ((static_cast<double>(mc.parameter_count()) - table_values) * 4 +
+          table_values * static_cast<double>(dtype_size(mc.embedding_dtype))) / 1e6;
+}
+
 // --dry-run: the model and data the settings describe, and the settings themselves.
 int dry_run(const TrainConfig& c) {
   const RunData data = open_data(c, /*read=*/false);
@@ -147,7 +154,7 @@ int dry_run(const TrainConfig& c) {
              "parameters ({:.0f} MB), {} lr {} batch {}, data {}, device {}, impl {}\n",
              c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,
              mc.table_rows.size(), table_rows(mc), static_cast<double>(mc.parameter_count()) / 1e6,
-             static_cast<double>(mc.parameter_count()) * 4 / 1e6, c.optimizer, c.learning_rate, c.mini_batch_size,
+             parameter_megabytes(mc), c.optimizer, c.learning_rate, c.mini_batch_size,
              data.source ? data.source->description() : c.data, c.device, c.impl);
   fmt::print("{}\n", to_json(c).dump(2));
   return 0;
@@ -182,7 +189,7 @@ void print_banner(const TrainConfig& c, const RunData& data, const models::Dlrm&
              "{:.1f}M parameters ({:.0f} MB), {} lr {} batch {}, device {}, impl {}{}\n",
              c.arch_mlp_bot, mc.interaction_size(), c.arch_mlp_top, mc.embedding_dim, c.arch_interaction_op,
              mc.table_rows.size(), table_rows(mc), ids, static_cast<double>(mc.parameter_count()) / 1e6,
-             static_cast<double>(mc.parameter_count()) * 4 / 1e6, c.optimizer, c.learning_rate, c.mini_batch_size,
+             parameter_megabytes(mc), c.optimizer, c.learning_rate, c.mini_batch_size,
              model.device().str(), models::impl_name(model.impl()),
              impl_notes.empty() ? std::string() : fmt::format(" ({})", fmt::join(impl_notes, "; ")));
   fmt::print("data: {}\n", data.split.description);

@@ -111,23 +111,27 @@ ShardedEmbeddingBags::ShardedEmbeddingBags(std::vector<std::int64_t> rows, std::
   }
   const std::vector<Shard>& mine = local_shards();
   if (!mine.empty()) {
-    std::vector<std::int64_t> local_rows, ids;
+    // Shard s's rows draw their rounding (16-bit tables) as rows [row_begin, row_end) of its table
+    // in the one-process layer.
+    std::vector<std::int64_t> local_rows, ids, draw_bases;
     for (const Shard& sh : mine) {
       local_rows.push_back(sh.row_end - sh.row_begin);
       ids.push_back(sh.table);
+      draw_bases.push_back(all_.base(sh.table) + sh.row_begin);
     }
-    local_.emplace(std::move(local_rows), dim, options, device_, init, ids);
+    local_.emplace(std::move(local_rows), dim, options, device_, init, ids, std::move(draw_bases));
     // The layer drew its tables on the legacy default stream: they are there before the copies below.
     if (dev_) Stream::default_stream().synchronize();
-    // A split table's shard: its rows of the whole table's values. The whole table is drawn (on the
-    // shard's device: uniform fills are the same bits everywhere) and its rows copied (transient
-    // memory of one table; drawing from an offset of the Philox stream would avoid it).
+    // A split table's shard: its rows of the whole table's values. The whole table is drawn in the
+    // tables' dtype (on the shard's device: uniform fills are the same bits everywhere) and its rows
+    // copied (transient memory of one table; drawing from an offset of the Philox stream would
+    // avoid it).
     const Stream* st = stream();
     for (std::size_t s = 0; s < mine.size(); ++s) {
       const Shard& sh = mine[s];
       const std::int64_t table_rows = rows_[static_cast<std::size_t>(sh.table)];
       if (sh.row_end - sh.row_begin == table_rows) continue;
-      Tensor whole = Tensor::empty({table_rows, dim}, DType::f32, device_, st);
+      Tensor whole = Tensor::empty({table_rows, dim}, options.dtype, device_, st);
       const float bound = static_cast<float>(std::sqrt(1.0 / static_cast<double>(table_rows)));
       fill_uniform(whole, -bound, bound, {init.seed, init.subsequence + static_cast<std::uint64_t>(sh.table)}, st);
       const TensorView rows_of_shard = whole.view().slice_rows(sh.row_begin, sh.row_end);

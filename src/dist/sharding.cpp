@@ -77,9 +77,11 @@ ShardingPlan plan_sharding(std::span<const TableInfo> tables, int ranks, const P
   std::vector<Shard> shards;
   for (std::size_t t = 0; t < tables.size(); ++t) {
     const TableInfo& ti = tables[t];
-    FK_CHECK_ARG(ti.rows >= 1 && ti.dim >= 1 && ti.bag_size >= 0, kOp, "tables", "rows >= 1, dim >= 1, bag_size >= 0",
-                 fmt::format("table {}: {} rows, dim {}, bag size {}", t, ti.rows, ti.dim, ti.bag_size));
-    const std::int64_t row_bytes = ti.dim * 4 + options.state_bytes_per_row;
+    FK_CHECK_ARG(ti.rows >= 1 && ti.dim >= 1 && ti.bag_size >= 0 && (ti.value_bytes == 2 || ti.value_bytes == 4), kOp,
+                 "tables", "rows >= 1, dim >= 1, bag_size >= 0, value_bytes 2 or 4",
+                 fmt::format("table {}: {} rows, dim {}, bag size {}, value_bytes {}", t, ti.rows, ti.dim, ti.bag_size,
+                             ti.value_bytes));
+    const std::int64_t row_bytes = ti.dim * ti.value_bytes + options.state_bytes_per_row;
     const std::int64_t bytes = ti.rows * row_bytes;
     // Row-wise: the fewest near-equal row ranges of at most max_shard_bytes and max_shard_rows (at
     // most one per row).

@@ -561,19 +561,11 @@ struct DlrmState {
     float* v = host.data_as<float>();
     const std::uint64_t steps[3] = {bottom.rounding_step(), top.rounding_step(),
                                     embeddings ? embeddings->rounding_step() : 0};
-    for (const std::uint64_t step : steps) {
-      *v++ = static_cast<float>(step & 0xffffffu);
-      *v++ = static_cast<float>(step >> 24);
-    }
+    for (int i = 0; i < 3; ++i) step_to_floats(steps[i], v + 2 * i);
   }
   void rounding_steps_from(const std::vector<float>& v) {
-    for (const float x : v)
-      FK_CHECK_ARG(x >= 0 && x < 16777216.0f && x == std::floor(x), "models::Dlrm::load_state", "in",
-                   "rounding steps as whole numbers in [0, 2^24)", fmt::format("{}", x));
     const auto step = [&](std::size_t i) {
-      return 2 * i + 1 < v.size()
-                 ? static_cast<std::uint64_t>(v[2 * i]) | (static_cast<std::uint64_t>(v[2 * i + 1]) << 24)
-                 : std::uint64_t{0};
+      return 2 * i + 1 < v.size() ? step_from_floats(v.data() + 2 * i, "models::Dlrm::load_state") : std::uint64_t{0};
     };
     bottom.set_rounding_step(step(0));
     top.set_rounding_step(step(1));
@@ -612,6 +604,7 @@ struct DlrmState {
 }  // namespace detail
 
 RandomParams dlrm_table_init(const DlrmConfig& config) { return detail::table_init(config); }
+std::uint64_t dlrm_table_rounding_seed(const DlrmConfig& config) { return detail::table_rounding_seed(config); }
 
 namespace {
 

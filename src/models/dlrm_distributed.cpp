@@ -32,7 +32,8 @@ dist::ShardingPlan plan_dlrm_sharding(const DlrmConfig& config, int ranks, std::
   std::vector<dist::TableInfo> tables;
   for (std::size_t t = 0; t < n; ++t)
     tables.push_back({config.table_rows[t], config.embedding_dim,
-                      bag_sizes.empty() ? 1.0 : static_cast<double>(bag_sizes[t])});
+                      bag_sizes.empty() ? 1.0 : static_cast<double>(bag_sizes[t]),
+                      static_cast<std::int64_t>(dtype_size(config.embedding_dtype))});
   std::int64_t state = 0;
   if (optimizer == OptimizerKind::adagrad) state = config.rowwise_adagrad ? 4 : 4 * config.embedding_dim;
   return dist::plan_sharding(tables, ranks,
@@ -48,11 +49,9 @@ DistributedDlrm::DistributedDlrm(DlrmConfig config, dist::Communicator& comm, di
       options_(options),
       dense_(config, comm.device(), impl, DlrmTables::external),
       embeddings_(config.table_rows, config.embedding_dim,
-                  {Pooling::sum, config.raw_hash, impl == DlrmImpl::fused, config.rowwise_adagrad},
+                  {Pooling::sum, config.raw_hash, impl == DlrmImpl::fused, config.rowwise_adagrad,
+                   config.embedding_dtype, dlrm_table_rounding_seed(config)},
                   dlrm_table_init(config), std::move(plan), comm) {
-  FK_CHECK_ARG(config.embedding_dtype == DType::f32, kOp, "config.embedding_dtype",
-               "f32 (sharded tables are f32; 16-bit tables train in one process)",
-               std::string(dtype_name(config.embedding_dtype)));
   FK_CHECK_ARG(options.bucket_bytes >= 0, kOp, "options.bucket_bytes", ">= 0 (0: one all-reduce after the backward)",
                fmt::format("{}", options.bucket_bytes));
   std::vector<dist::GradientRange> ranges;

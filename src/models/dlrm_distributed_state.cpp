@@ -64,12 +64,18 @@ struct RowsWanted {
   TensorView values, state;
 };
 
-// One saved rank's stream once its lengths are checked: where each array's floats start.
+// One saved rank's stream once its lengths are checked: where each array's floats start, and how
+// many there are.
 struct SavedStream {
   std::istream* in = nullptr;
   bool adagrad = false;
   std::vector<std::streamoff> at;  // per array
+  std::vector<std::uint64_t> len;  // per array
 };
+
+// 16-bit tables: a shard stream ends with the tables' rounding step (detail::step_to_floats).
+bool sixteen_bit(const DlrmConfig& c) { return c.embedding_dtype != DType::f32; }
+constexpr std::uint64_t kStepFloats = 2;
 
 class RowGatherer {
  public:
@@ -81,6 +87,20 @@ class RowGatherer {
     local_.resize(config_.table_rows.size());
     for (std::size_t t = 0; t < saved_.plan.tables.size(); ++t)
       for (const dist::Shard& sh : saved_.plan.tables[t]) local_[t].push_back(shard_count_[sh.rank]++);
+  }
+
+  // The tables' rounding step the saved state holds (16-bit tables; 0 for a one-process state
+  // saved without one), from a stream gather() has read rows from (every saved rank holding shards
+  // keeps it; the step is the same on all).
+  std::uint64_t rounding_step() {
+    FK_CHECK_ARG(!streams_.empty(), op_, "tables", "rows gathered before the rounding step", "none");
+    auto& [r, s] = *streams_.begin();
+    if (one_process()) {
+      const std::size_t base = (dense_arrays_ + config_.table_rows.size()) * (s.adagrad ? 2 : 1);
+      if (s.at.size() == base || s.len.back() < 3 * kStepFloats) return 0;
+      return read_step(s, r, s.at.size() - 1, 2 * kStepFloats);
+    }
+    return read_step(s, r, s.at.size() - 1, 0);
   }
 
   void gather(const RowsWanted& w) {
@@ -171,11 +191,15 @@ class RowGatherer {
       if (!mine.empty() && s.adagrad != adagrad_)
         bad(r, fmt::format("shards {} optimizer state, the dense state {}", s.adagrad ? "with" : "without",
                            adagrad_ ? "with" : "without"));
-      const std::uint64_t want = mine.size() * (s.adagrad && !mine.empty() ? 2 : 1);
-      if (count != want) bad(r, fmt::format("{} arrays where its {} shards make {}", count, mine.size(), want));
+      const std::uint64_t step = sixteen_bit(config_) && !mine.empty() ? 1 : 0;
+      const std::uint64_t want = mine.size() * (s.adagrad && !mine.empty() ? 2 : 1) + step;
+      if (count != want)
+        bad(r, fmt::format("{} arrays where its {} shards make {}{}", count, mine.size(), want,
+                           step ? " (16-bit tables: with the rounding step)" : ""));
       for (const dist::Shard& sh : mine) floats.push_back((sh.row_end - sh.row_begin) * d);
-      for (std::size_t k = 0; k < count - mine.size(); ++k)
+      for (std::size_t k = 0; k < count - mine.size() - step; ++k)
         floats.push_back((mine[k].row_end - mine[k].row_begin) * state_width);
+      if (step) floats.push_back(kStepFloats);
     }
     const std::uint64_t limit = dense_floats_limit(config_);
     std::streamoff at = start + 17;  // magic, flag, count
@@ -188,9 +212,17 @@ class RowGatherer {
       if (!ok) bad(r, fmt::format("array {} of {} floats (expected {})", i, len,
                                   floats[i] < 0 ? fmt::format("at most {}", limit) : fmt::format("{}", floats[i])));
       s.at.push_back(at + 8);
+      s.len.push_back(len);
       at += 8 + static_cast<std::streamoff>(len) * 4;
     }
     return streams_.emplace(r, std::move(s)).first->second;
+  }
+
+  // The step at floats [first, first + 2) of saved rank r's array.
+  std::uint64_t read_step(SavedStream& s, int r, std::size_t array, std::uint64_t first) const {
+    float two[kStepFloats] = {};
+    read_rows(s, r, array, static_cast<std::int64_t>(first), kStepFloats, 1, two);
+    return detail::step_from_floats(two, op_);
   }
 
   void read_rows(SavedStream& s, int r, std::size_t array, std::int64_t first, std::int64_t rows, std::int64_t width,
@@ -274,6 +306,11 @@ void DistributedDlrm::save_shards(std::ostream& out) {
   std::vector<TensorView> arrays;
   for (int s = 0; l && s < l->num_tables(); ++s) arrays.push_back(l->tables[static_cast<std::size_t>(s)]);
   for (int s = 0; adagrad && s < l->num_tables(); ++s) arrays.push_back(shard_state(*l, s, dense_.config().rowwise_adagrad));
+  float step[kStepFloats] = {};
+  if (l != nullptr && sixteen_bit(dense_.config())) {
+    detail::step_to_floats(l->rounding_step(), step);
+    arrays.push_back(TensorView(step, DType::f32, {kStepFloats}, Device::cpu()));
+  }
   detail::write_state(out, adagrad, arrays);
 }
 
@@ -312,7 +349,8 @@ void DistributedDlrm::load_tables(const SavedTables& tables, bool adagrad, const
   const bool rowwise = dense_.config().rowwise_adagrad;
   const std::vector<dist::Shard>& mine = embeddings_.local_shards();
   const Stream* st = embeddings_.stream();
-  if (st == nullptr) {  // host shards: the rows are read straight into them
+  const DType dtype = dense_.config().embedding_dtype;
+  if (st == nullptr && dtype == DType::f32) {  // host f32 shards: the rows are read straight into them
     for (std::size_t s = 0; s < mine.size(); ++s)
       from.gather({.table = mine[s].table,
                    .row_begin = mine[s].row_begin,
@@ -321,9 +359,11 @@ void DistributedDlrm::load_tables(const SavedTables& tables, bool adagrad, const
                    .state = adagrad ? shard_state(*l, static_cast<int>(s), rowwise) : TensorView()});
     return;
   }
-  // Shards on the GPU: each shard's rows gathered into host staging, at most kStagingFloats values
-  // a chunk, then copied to the shard's rows (and accumulators) on the embeddings' stream, which is
-  // synchronized before the staging is reused, so the load is done when this returns.
+  // Shards on the GPU, or of 16 bits: each shard's rows gathered into host staging, at most
+  // kStagingFloats values a chunk (16-bit values narrowed to nearest, exact for the values a 16-bit
+  // shard saved), then copied to the shard's rows (and accumulators), on the GPU on the
+  // embeddings' stream, which is synchronized before the staging is reused, so the load is done
+  // when this returns.
   constexpr std::int64_t kStagingFloats = std::int64_t{1} << 22;  // 16 MiB
   const std::int64_t d = dense_.config().embedding_dim, state_width = rowwise ? 1 : d;
   const std::int64_t chunk = std::max<std::int64_t>(1, kStagingFloats / std::max<std::int64_t>(d, 1));
@@ -343,11 +383,24 @@ void DistributedDlrm::load_tables(const SavedTables& tables, bool adagrad, const
                    .row_end = mine[s].row_begin + at + n,
                    .values = host_values,
                    .state = adagrad ? TensorView(host_state) : TensorView()});
+      if (dtype != DType::f32) {
+        Tensor narrowed = Tensor::empty({n, d}, dtype, Device::cpu());
+        detail::narrow(host_values.data_as<float>(), narrowed);
+        host_values = std::move(narrowed);
+      }
+      if (st == nullptr) {
+        copy(values.slice_rows(at, at + n), host_values);
+        if (adagrad) copy(state.slice_rows(at, at + n), host_state);
+        continue;
+      }
       copy_async(values.slice_rows(at, at + n), host_values, *st);
       if (adagrad) copy_async(state.slice_rows(at, at + n), host_state, *st);
       st->synchronize();
     }
   }
+  // 16-bit shards: the number of updates made, the next update's rounding offset (the saved
+  // streams just read hold it).
+  if (dtype != DType::f32 && !mine.empty()) l->set_rounding_step(from.rounding_step());
 }
 
 void consolidate_distributed_state(const DlrmConfig& config, std::istream& dense, const SavedTables& tables,
@@ -383,6 +436,17 @@ void consolidate_distributed_state(const DlrmConfig& config, std::istream& dense
                  .values = values.back(),
                  .state = adagrad ? TensorView(states.back()) : TensorView()});
   }
+  // 16-bit tables: the rounding steps (the dense state's, the MLPs', when compressing) with the
+  // tables' step from the shards, as the one-process model keeps them.
+  if (sixteen_bit(config)) {
+    if (!extra) dense_arrays.emplace_back(3 * kStepFloats, 0.0f);
+    std::vector<float>& steps = dense_arrays.back();
+    FK_CHECK_ARG(steps.size() == 2 * kStepFloats || steps.size() == 3 * kStepFloats, op, "dense",
+                 fmt::format("rounding steps of {} or {} floats", 2 * kStepFloats, 3 * kStepFloats),
+                 fmt::format("{}", steps.size()));
+    steps.resize(3 * kStepFloats, 0.0f);
+    detail::step_to_floats(from.rounding_step(), steps.data() + 2 * kStepFloats);
+  }
   // The single-process order (Dlrm's state_arrays): parameters, tables, parameters' and tables'
   // accumulators, rounding steps.
   const auto view = [](std::vector<float>& v) {
@@ -393,7 +457,7 @@ void consolidate_distributed_state(const DlrmConfig& config, std::istream& dense
   for (const Tensor& v : values) all.push_back(v);
   for (std::uint64_t i = 0; adagrad && i < params; ++i) all.push_back(view(dense_arrays[params + i]));
   for (const Tensor& s : states) all.push_back(s);
-  if (extra) all.push_back(view(dense_arrays.back()));
+  if (extra || sixteen_bit(config)) all.push_back(view(dense_arrays.back()));
   detail::write_state(out, adagrad, all);
 }
 

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "fusekit/core/error.hpp"
 
@@ -36,6 +37,9 @@ void widen(const Tensor& from, float* to) {
   else
     for (std::int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(from.data_as<const f16>()[i]);
 }
+
+}  // namespace
+
 void narrow(const float* from, const Tensor& to) {
   const std::int64_t n = to.numel();
   if (to.dtype() == DType::bf16)
@@ -44,7 +48,17 @@ void narrow(const float* from, const Tensor& to) {
     for (std::int64_t i = 0; i < n; ++i) to.data_as<f16>()[i] = f16(from[i]);
 }
 
-}  // namespace
+void step_to_floats(std::uint64_t step, float* two) {
+  two[0] = static_cast<float>(step & 0xffffffu);
+  two[1] = static_cast<float>(step >> 24);
+}
+
+std::uint64_t step_from_floats(const float* two, const char* op) {
+  for (int i = 0; i < 2; ++i)
+    FK_CHECK_ARG(two[i] >= 0 && two[i] < 16777216.0f && two[i] == std::floor(two[i]), op, "in",
+                 "rounding steps as whole numbers in [0, 2^24)", fmt::format("{}", two[i]));
+  return static_cast<std::uint64_t>(two[0]) | (static_cast<std::uint64_t>(two[1]) << 24);
+}
 
 void write_state(std::ostream& out, bool adagrad, const std::vector<TensorView>& arrays) {
   const std::uint8_t flag = adagrad ? 1 : 0;

@@ -4,7 +4,7 @@
 # distributed run's final evaluation equals fusekit eval's of its checkpoint; a shard file missing
 # is an error naming the flag.
 # Run with -DFUSEKIT=<binary> -DMPIEXEC=<mpirun> -DNP=<ranks> -DCONFIG=<configs/tiny_dcnv2.json>
-# -DWORK=<scratch folder>.
+# -DWORK=<scratch folder>, and optionally -DDTYPE=<bf16|f16> (16-bit tables, the fused impl).
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK}/straight ${WORK}/resumed)
 set(ENV{OMPI_ALLOW_RUN_AS_ROOT} 1)
@@ -12,6 +12,9 @@ set(ENV{OMPI_ALLOW_RUN_AS_ROOT_CONFIRM} 1)
 set(mpi ${MPIEXEC} -np ${NP} --oversubscribe ${FUSEKIT})
 set(common train --config ${CONFIG} --distributed --print-every 10 --optimizer adagrad --learning-rate 0.05
     --rowwise-adagrad --max-shard-rows 700)
+if(DEFINED DTYPE)
+  list(APPEND common --embedding-dtype ${DTYPE} --impl fused)
+endif()
 function(mpi_run out_var)
   execute_process(COMMAND ${mpi} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   message("${out}${err}")

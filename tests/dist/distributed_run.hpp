@@ -430,4 +430,93 @@ inline void compare_sharded_bags(dist::Communicator& comm, const nn::OptimizerCo
               opt.kind == nn::OptimizerKind::sgd ? "sgd" : rowwise ? "row-wise adagrad" : "adagrad", shards.size(), worst);
 }
 
+// A host tensor of f32, bf16 or f16 values as floats (16-bit values widen exactly).
+inline std::vector<float> widened(const TensorView& any) {
+  const Tensor h = host_copy(any);
+  std::vector<float> v(static_cast<std::size_t>(h.numel()));
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (h.dtype() == DType::bf16) v[i] = static_cast<float>(h.data_as<const bf16>()[i]);
+    else if (h.dtype() == DType::f16) v[i] = static_cast<float>(h.data_as<const f16>()[i]);
+    else v[i] = h.data_as<const float>()[i];
+  }
+  return v;
+}
+
+// The spacing of 16-bit values at |x|: bf16's 8 significant bits, f16's 11 (2^-24 below its
+// normal range).
+inline double sixteen_bit_ulp(double x, DType dtype) {
+  const int bits = dtype == DType::bf16 ? 8 : 11;
+  const int e = x == 0 ? -126 : std::ilogb(x);
+  return std::ldexp(1.0, dtype == DType::f16 ? std::max(e, -14) - bits + 1 : e - bits + 1);
+}
+
+// 16-bit tables across the ranks (bf16 or f16; DCNv2, multi-hot, row-wise Adagrad, tables split at
+// 11 rows) against the one-process model with the same tables, kSteps steps: the shards hold
+// `dtype` (half the f32 bytes), and each shard's rows draw their rounding as the one-process
+// model's same rows do. So the stored values are the one-process ones wherever the f32 updates
+// round the same way; the updates differ only by the order of the dense gradients' sums (the f32
+// comparison's 1e-5), which tips a rounding only for an update within that of a 16-bit value's
+// rounding threshold: at most one ulp of 16 bits, in at most 1% of the values (the runs show 0-1
+// of some 1700 a rank), and the losses within the f32 comparison's tolerance. Rounding with other
+// draws (a rank's own) fails both: most values then differ, by up to hundreds of ulps after 4
+// steps of row-wise Adagrad (its first steps move a row by about lr whatever the gradient's size,
+// so a 1-ulp difference can flip a small gradient's sign), and the losses by about 1e-3.
+inline void compare_sixteen_bit_with_one_process(dist::Communicator& comm, DType dtype,
+                                                 Device one_device = Device::cpu()) {
+  const DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
+  const data::Featurizer feat = dist_featurizer(true);
+  models::DlrmConfig config = dist_config(dc, feat);
+  config.embedding_dtype = dtype;
+  const models::OptimizerConfig opt = dist_optimizer(dc);
+  models::DistributedDlrm dist(config, comm,
+                               models::plan_dlrm_sharding(config, comm.size(), kGlobalBatch, opt.kind,
+                                                          feat.multi_hot_sizes, {.max_shard_rows = 11}),
+                               dc.impl);
+  models::Dlrm one(config, one_device, dc.impl);
+  data::SyntheticConfig sc;
+  sc.seed = 29;
+  std::vector<data::RawRecord> recs(static_cast<std::size_t>(kGlobalBatch * kSteps));
+  data::SyntheticCriteo(sc).generate(0, recs);
+  const auto [begin, end] = slice_of(kGlobalBatch, comm.rank(), comm.size());
+  double worst_loss = 0;
+  for (int k = 0; k < kSteps; ++k) {
+    const auto global = std::span(recs).subspan(static_cast<std::size_t>(k * kGlobalBatch), kGlobalBatch);
+    data::Batch whole, mine;
+    data::make_batch(global, feat, whole);
+    data::make_batch(global.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(end - begin)), feat, mine);
+    const double l1 = one.train_step({whole.dense, whole.indices, whole.offsets}, whole.labels, opt);
+    const double ln = dist.train_step({mine.dense, mine.indices, mine.offsets}, mine.labels, opt);
+    EXPECT_NEAR(ln, l1, kDistAtol + kDistRtol * std::fabs(l1)) << "step " << k;
+    worst_loss = std::max(worst_loss, std::fabs(ln - l1) / std::fabs(l1));
+  }
+  const std::vector<Tensor*> tables = one.tables();
+  const std::vector<dist::Shard>& shards = dist.embeddings().local_shards();
+  std::int64_t differ = 0, values = 0;
+  double worst_ulps = 0;
+  for (std::size_t s = 0; s < shards.size(); ++s) {
+    const dist::Shard& sh = shards[s];
+    const Tensor& shard = dist.embeddings().shard_values(s);
+    EXPECT_EQ(shard.dtype(), dtype) << "shard " << s;
+    const std::vector<float> got = widened(shard);
+    const std::vector<float> ref = widened(*tables[static_cast<std::size_t>(sh.table)]);
+    const std::int64_t d = config.embedding_dim;
+    for (std::int64_t i = 0; i < static_cast<std::int64_t>(got.size()); ++i) {
+      const float g = got[static_cast<std::size_t>(i)], r = ref[static_cast<std::size_t>(sh.row_begin * d + i)];
+      const double ulps = std::fabs(static_cast<double>(g) - r) /
+                          sixteen_bit_ulp(std::max(std::fabs(static_cast<double>(g)), std::fabs(static_cast<double>(r))), dtype);
+      if (ulps > 1 && differ < 3)
+        ADD_FAILURE() << "table " << sh.table << " row " << sh.row_begin + i / d << ": " << g << " vs " << r << " ("
+                      << ulps << " ulps)";
+      differ += g != r;
+      worst_ulps = std::max(worst_ulps, ulps);
+      ++values;
+    }
+  }
+  EXPECT_LE(differ * 100, values) << "values that differ from the one-process model's";
+  std::printf("rank %d/%d (%s) %s tables: %zu shards here, %lld of %lld values differ from the one-process model's "
+              "(at most %.3g ulps); worst loss difference %.3g relative\n",
+              comm.rank(), comm.size(), comm.device().str().c_str(), std::string(dtype_name(dtype)).c_str(),
+              shards.size(), static_cast<long long>(differ), static_cast<long long>(values), worst_ulps, worst_loss);
+}
+
 }  // namespace fk::test

@@ -148,40 +148,49 @@ TEST(DistributedDlrm, DenseReplicasStayIdentical) {
   for (int s = 0; s < c.size(); ++s) EXPECT_EQ(in[static_cast<std::size_t>(s)], mine) << "rank " << s;
 }
 
+TEST(DistributedDlrm, SixteenBitTablesFollowTheOneProcessModel) {
+  for (const DType dt : {DType::bf16, DType::f16}) test::compare_sixteen_bit_with_one_process(*g_comm, dt);
+}
+
 // A state saved after 3 steps (the dense part and this rank's shards, row-wise Adagrad's
 // accumulators included) and loaded into a fresh model continues bit for bit: the next 3 losses
 // and every shard equal the unbroken model's.
 TEST(DistributedDlrm, SavedStateResumesBitForBit) {
-  Communicator& c = *g_comm;
-  const test::DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
-  const data::Featurizer feat = test::dist_featurizer(true);
-  const models::DlrmConfig config = test::dist_config(dc, feat);
-  const models::OptimizerConfig opt = test::dist_optimizer(dc);
-  const auto plan = [&] {
-    return models::plan_dlrm_sharding(config, c.size(), 30, opt.kind, feat.multi_hot_sizes, {.max_shard_rows = 11});
-  };
-  models::DistributedDlrm straight(config, c, plan()), resumed(config, c, plan());
-  data::SyntheticConfig sc;
-  sc.seed = 7;
-  std::vector<data::RawRecord> recs(180);
-  data::SyntheticCriteo(sc).generate(0, recs);
-  const auto step = [&](models::DistributedDlrm& m, int k) {
-    const auto [b, e] = test::slice_of(30, c.rank(), c.size());
-    data::Batch mine;
-    data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(30 * k + b), static_cast<std::size_t>(e - b)), feat, mine);
-    return m.train_step({mine.dense, mine.indices, mine.offsets}, mine.labels, opt);
-  };
-  for (int k = 0; k < 3; ++k) step(straight, k);
-  std::stringstream dense, shards;
-  straight.dense().save_state(dense);
-  straight.save_shards(shards);
-  resumed.dense().load_state(dense);
-  resumed.load_shards(shards);
-  for (int k = 3; k < 6; ++k) EXPECT_EQ(step(resumed, k), step(straight, k)) << "step " << k;
-  for (std::size_t s = 0; s < straight.embeddings().local_shards().size(); ++s) {
-    const Tensor& a = straight.embeddings().shard_values(s);
-    const Tensor& b = resumed.embeddings().shard_values(s);
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << "shard " << s;
+  // f32 and 16-bit tables (whose shard streams keep the tables' rounding step too).
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(std::string(dtype_name(dt)) + " tables");
+    Communicator& c = *g_comm;
+    const test::DistCase dc{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
+    const data::Featurizer feat = test::dist_featurizer(true);
+    models::DlrmConfig config = test::dist_config(dc, feat);
+    config.embedding_dtype = dt;
+    const models::OptimizerConfig opt = test::dist_optimizer(dc);
+    const auto plan = [&] {
+      return models::plan_dlrm_sharding(config, c.size(), 30, opt.kind, feat.multi_hot_sizes, {.max_shard_rows = 11});
+    };
+    models::DistributedDlrm straight(config, c, plan(), dc.impl), resumed(config, c, plan(), dc.impl);
+    data::SyntheticConfig sc;
+    sc.seed = 7;
+    std::vector<data::RawRecord> recs(180);
+    data::SyntheticCriteo(sc).generate(0, recs);
+    const auto step = [&](models::DistributedDlrm& m, int k) {
+      const auto [b, e] = test::slice_of(30, c.rank(), c.size());
+      data::Batch mine;
+      data::make_batch(std::span(recs).subspan(static_cast<std::size_t>(30 * k + b), static_cast<std::size_t>(e - b)), feat, mine);
+      return m.train_step({mine.dense, mine.indices, mine.offsets}, mine.labels, opt);
+    };
+    for (int k = 0; k < 3; ++k) step(straight, k);
+    std::stringstream dense, shards;
+    straight.dense().save_state(dense);
+    straight.save_shards(shards);
+    resumed.dense().load_state(dense);
+    resumed.load_shards(shards);
+    for (int k = 3; k < 6; ++k) EXPECT_EQ(step(resumed, k), step(straight, k)) << "step " << k;
+    for (std::size_t s = 0; s < straight.embeddings().local_shards().size(); ++s) {
+      const Tensor& a = straight.embeddings().shard_values(s);
+      const Tensor& b = resumed.embeddings().shard_values(s);
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << "shard " << s;
+    }
   }
 }
 

@@ -2,8 +2,8 @@
 // NCCL). One GPU: a 1-rank communicator, DistributedDlrm on cuda:0 against the single-GPU model
 // (the fused and the reference implementation, dot and DCNv2, one-hot and multi-hot, table-wise
 // and row-split tables) on the same batches, ShardedEmbeddingBags against the CPU layer, a saved
-// state that resumes bit for bit, states of other plans (N -> M, 1 -> M) loaded onto the GPU, and
-// predictions; the dense gradients' bucketed all-reduces against one all-reduce, and the
+// state that resumes bit for bit, states of other plans (N -> M, 1 -> M) loaded onto the GPU,
+// predictions, and 16-bit tables; the dense gradients' bucketed all-reduces against one all-reduce, and the
 // communicator's started all-reduces against the streams they wait for. Two GPUs or more (up to
 // 4): one thread and
 // communicator a GPU, each rank against the one-process model on its GPU. A test without the
@@ -172,6 +172,12 @@ TEST(OneGpuDistributedDlrm, StatesOfOtherPlansLoadOntoTheGpuBitForBit) {
   }
 }
 
+// 16-bit tables on the GPU (test::compare_sixteen_bit_with_one_process), against the single-GPU model.
+TEST(OneGpuDistributedDlrm, SixteenBitTablesFollowTheSingleGpuModel) {
+  FK_SKIP_WITHOUT_GPUS(1);
+  for (const DType dt : {DType::bf16, DType::f16}) test::compare_sixteen_bit_with_one_process(one_gpu(), dt, Device::cuda(0));
+}
+
 // Every GPU up to 4, a thread and an NCCL communicator each: every rank against the one-process
 // model, which each rank trains on its own GPU.
 TEST(ThreadsAGpu, DistributedDlrmFollowsTheOneProcessModel) {
@@ -182,6 +188,8 @@ TEST(ThreadsAGpu, DistributedDlrmFollowsTheOneProcessModel) {
   auto comms = make_nccl_communicators(devices);
   for (const test::DistCase& dc : test::dist_cases())
     on_every_rank(comms, [&](Communicator& c) { test::compare_with_one_process(dc, c, c.device()); });
+  // 16-bit tables: the shards' rows drawing their rounding as the one-process model's.
+  on_every_rank(comms, [](Communicator& c) { test::compare_sixteen_bit_with_one_process(c, DType::bf16, c.device()); });
   on_every_rank(comms, [](Communicator& c) {
     test::compare_sharded_bags(c, {.kind = nn::OptimizerKind::sgd, .learning_rate = 0.1f}, false);
     test::compare_sharded_bags(c, {.kind = nn::OptimizerKind::adagrad, .learning_rate = 0.05f}, true);

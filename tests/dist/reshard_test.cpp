@@ -6,6 +6,7 @@
 // trained it continues bit for bit.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -18,7 +19,8 @@
 namespace fk::dist {
 namespace {
 
-// DCNv2 with row-wise Adagrad, multi-hot (tests/dist/distributed_run.hpp's tiny DLRM).
+// DCNv2 with row-wise Adagrad, multi-hot (tests/dist/distributed_run.hpp's tiny DLRM), its tables
+// f32, bf16 or f16 (16-bit shard streams end with the tables' rounding step).
 struct ReshardCase {
   test::DistCase c{models::InteractionOp::dcn, true, models::DlrmImpl::fused, 11};
   data::Featurizer feat = test::dist_featurizer(true);
@@ -26,7 +28,8 @@ struct ReshardCase {
   models::OptimizerConfig opt = test::dist_optimizer(c);
   std::vector<data::RawRecord> recs;
 
-  ReshardCase() {
+  explicit ReshardCase(DType tables = DType::f32) {
+    config.embedding_dtype = tables;
     data::SyntheticConfig sc;
     sc.seed = 13;
     recs.resize(30 * 6);
@@ -81,67 +84,79 @@ std::string consolidated(Saved& saved, const ReshardCase& s) {
   return out.str();
 }
 
+constexpr DType kTableDtypes[] = {DType::f32, DType::bf16, DType::f16};
+
 TEST(Reshard, ChainsOfPlansKeepEveryBitAndResumeBitForBit) {
-  const ReshardCase s;
-  auto single = make_single_communicator();
-  const ShardingPlan trained_plan = s.plan(1, 11);
-  models::DistributedDlrm straight(s.config, *single, trained_plan, s.c.impl);
-  for (int k = 0; k < 3; ++k) s.step(straight, k);
-  Saved saved{trained_plan, {}, {""}, {}};
-  {
-    std::ostringstream dense, shards;
-    straight.dense().save_state(dense);
-    straight.save_shards(shards);
-    saved.dense = dense.str();
-    saved.shards[0] = shards.str();
+  for (const DType dt : kTableDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dt)) + " tables");
+    const ReshardCase s(dt);
+    auto single = make_single_communicator();
+    const ShardingPlan trained_plan = s.plan(1, 11);
+    models::DistributedDlrm straight(s.config, *single, trained_plan, s.c.impl);
+    for (int k = 0; k < 3; ++k) s.step(straight, k);
+    Saved saved{trained_plan, {}, {""}, {}};
+    {
+      std::ostringstream dense, shards;
+      straight.dense().save_state(dense);
+      straight.save_shards(shards);
+      saved.dense = dense.str();
+      saved.shards[0] = shards.str();
+    }
+    const std::string whole = consolidated(saved, s);
+    // 1 -> 2 (table-wise) -> 4 (split at 11 rows) -> 3 (split at 7) -> 1 (split at 14).
+    Saved at = saved;
+    at.open_streams.clear();
+    for (const auto& [ranks, rows] : std::vector<std::pair<int, std::int64_t>>{{2, 0}, {4, 11}, {3, 7}, {1, 14}}) {
+      at = reshard(at, s, s.plan(ranks, rows));
+      EXPECT_EQ(consolidated(at, s), whole) << ranks << " ranks, shards of at most " << rows << " rows";
+    }
+    // Back onto the plan that trained it: the next steps are the unbroken model's, bit for bit.
+    models::DistributedDlrm resumed(s.config, *single, trained_plan, s.c.impl);
+    std::istringstream dense(at.dense);
+    resumed.load(dense, at.tables());
+    for (int k = 3; k < 6; ++k) EXPECT_EQ(s.step(resumed, k), s.step(straight, k)) << "step " << k;
+    for (std::size_t sh = 0; sh < straight.embeddings().local_shards().size(); ++sh) {
+      const Tensor &a = straight.embeddings().shard_values(sh), &b = resumed.embeddings().shard_values(sh);
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << "shard " << sh;
+    }
   }
-  const std::string whole = consolidated(saved, s);
-  // 1 -> 2 (table-wise) -> 4 (split at 11 rows) -> 3 (split at 7) -> 1 (split at 14).
-  Saved at = saved;
-  at.open_streams.clear();
-  for (const auto& [ranks, rows] : std::vector<std::pair<int, std::int64_t>>{{2, 0}, {4, 11}, {3, 7}, {1, 14}}) {
-    at = reshard(at, s, s.plan(ranks, rows));
-    EXPECT_EQ(consolidated(at, s), whole) << ranks << " ranks, shards of at most " << rows << " rows";
-  }
-  // Back onto the plan that trained it: the next steps are the unbroken model's, bit for bit.
-  models::DistributedDlrm resumed(s.config, *single, trained_plan, s.c.impl);
-  std::istringstream dense(at.dense);
-  resumed.load(dense, at.tables());
-  for (int k = 3; k < 6; ++k) EXPECT_EQ(s.step(resumed, k), s.step(straight, k)) << "step " << k;
 }
 
 // 1 -> M from a one-process Dlrm's state: consolidated again, it is that state, byte for byte.
 TEST(Reshard, AOneProcessStateLoadsOntoAnyPlan) {
-  const ReshardCase s;
-  models::Dlrm one(s.config, Device::cpu(), s.c.impl);
-  for (int k = 0; k < 2; ++k) {
-    data::Batch b;
-    data::make_batch(std::span(s.recs).subspan(static_cast<std::size_t>(30 * k), 30), s.feat, b);
-    one.train_step({b.dense, b.indices, b.offsets}, b.labels, s.opt);
-  }
-  std::ostringstream state;
-  one.save_state(state);
-  const std::string bytes = state.str();
-  for (const auto& [ranks, rows] : std::vector<std::pair<int, std::int64_t>>{{1, 0}, {3, 11}, {4, 0}}) {
-    const ShardingPlan plan = s.plan(ranks, rows);
-    Saved out{plan, {}, {}, {}};
-    for (int r = 0; r < ranks; ++r) {
-      auto comm = make_offline_communicator(r, ranks);
-      models::DistributedDlrm m(s.config, *comm, plan, s.c.impl);
-      std::istringstream in(bytes);
-      m.load(in, {models::one_process_plan(s.config.table_rows), models::SavedTables::Layout::one_process,
-                  [&](int) -> std::istream& {
-                    in.clear();
-                    in.seekg(0);
-                    return in;
-                  }});
-      std::ostringstream dense, shards;
-      m.dense().save_state(dense);
-      m.save_shards(shards);
-      if (r == 0) out.dense = dense.str();
-      out.shards.push_back(shards.str());
+  for (const DType dt : kTableDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dt)) + " tables");
+    const ReshardCase s(dt);
+    models::Dlrm one(s.config, Device::cpu(), s.c.impl);
+    for (int k = 0; k < 2; ++k) {
+      data::Batch b;
+      data::make_batch(std::span(s.recs).subspan(static_cast<std::size_t>(30 * k), 30), s.feat, b);
+      one.train_step({b.dense, b.indices, b.offsets}, b.labels, s.opt);
     }
-    EXPECT_EQ(consolidated(out, s), bytes) << ranks << " ranks";
+    std::ostringstream state;
+    one.save_state(state);
+    const std::string bytes = state.str();
+    for (const auto& [ranks, rows] : std::vector<std::pair<int, std::int64_t>>{{1, 0}, {3, 11}, {4, 0}}) {
+      const ShardingPlan plan = s.plan(ranks, rows);
+      Saved out{plan, {}, {}, {}};
+      for (int r = 0; r < ranks; ++r) {
+        auto comm = make_offline_communicator(r, ranks);
+        models::DistributedDlrm m(s.config, *comm, plan, s.c.impl);
+        std::istringstream in(bytes);
+        m.load(in, {models::one_process_plan(s.config.table_rows), models::SavedTables::Layout::one_process,
+                    [&](int) -> std::istream& {
+                      in.clear();
+                      in.seekg(0);
+                      return in;
+                    }});
+        std::ostringstream dense, shards;
+        m.dense().save_state(dense);
+        m.save_shards(shards);
+        if (r == 0) out.dense = dense.str();
+        out.shards.push_back(shards.str());
+      }
+      EXPECT_EQ(consolidated(out, s), bytes) << ranks << " ranks";
+    }
   }
 }
 
@@ -181,6 +196,23 @@ TEST(Reshard, StreamsThatDoNotMatchTheirPlanAreRefused) {
   gap.plan.tables[3].clear();
   test::expect_arg_error([&] { load(gap); }, "models::DistributedDlrm::load", "tables");
   test::expect_arg_error([] { make_offline_communicator(2, 2); }, "dist::make_offline_communicator", "rank");
+  // A 16-bit model's shards (with the tables' rounding step) where f32 ones are wanted, and the
+  // other way.
+  const ReshardCase s16(DType::bf16);
+  models::DistributedDlrm trained16(s16.config, *single, s16.plan(1, 11), s16.c.impl);
+  s16.step(trained16, 0);
+  Saved saved16 = saved;
+  {
+    std::ostringstream out;
+    trained16.save_shards(out);
+    saved16.shards[0] = out.str();
+  }
+  test::expect_arg_error([&] { load(saved16); }, "models::DistributedDlrm::load", "tables");
+  test::expect_arg_error([&] {
+    models::DistributedDlrm m(s16.config, *single, s16.plan(1, 0), s16.c.impl);
+    std::istringstream d(saved.dense);
+    m.load(d, saved.tables());
+  }, "models::DistributedDlrm::load", "tables");
 }
 
 }  // namespace

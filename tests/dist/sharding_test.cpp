@@ -81,6 +81,14 @@ TEST(Sharding, MlperfTablesTableWiseOverTwoFourEightRanks) {
     const ShardingPlan p = plan_sharding(tables, ranks, kMlperf);
     EXPECT_EQ(*std::max_element(p.rank_bytes.begin(), p.rank_bytes.end()), (5 + ranks - 1) / ranks * big) << ranks;
   }
+  // bf16 tables (2 bytes a value): 10.4 GB a 40M-row table with its state, the same placement.
+  std::vector<TableInfo> half = tables;
+  for (TableInfo& t : half) t.value_bytes = 2;
+  const std::int64_t big16 = std::int64_t{40000000} * (128 * 2 + 4);
+  for (int ranks : {2, 4, 8}) {
+    const ShardingPlan p = plan_sharding(half, ranks, kMlperf);
+    EXPECT_EQ(*std::max_element(p.rank_bytes.begin(), p.rank_bytes.end()), (5 + ranks - 1) / ranks * big16) << ranks;
+  }
 }
 
 TEST(Sharding, RowWiseSplitsTablesAboveTheLimit) {
@@ -113,6 +121,9 @@ TEST(Sharding, SmallCasesByHand) {
   EXPECT_EQ(p.owner(2), 0);
   EXPECT_EQ(p.tables_of(0), (std::vector<int>{0, 2}));
   EXPECT_EQ(p.rank_bytes[0], 2 * 100 * 16);
+  // 16-bit tables: 2 bytes a value, plus the row-wise state's 4 a row.
+  const std::vector<TableInfo> half(3, TableInfo{100, 4, 1, 2});
+  EXPECT_EQ(plan_sharding(half, 2, {.batch = 8, .state_bytes_per_row = 4}).rank_bytes[0], 2 * 100 * (8 + 4));
   // More ranks than tables: some ranks hold none.
   const ShardingPlan q = plan_sharding(three, 4, {.batch = 8});
   EXPECT_TRUE(q.tables_of(3).empty());
@@ -129,6 +140,8 @@ TEST(Sharding, BadInputRaisesErrors) {
   const std::vector<TableInfo> empty_table{{0, 4, 1}};
   test::expect_arg_error([&] { plan_sharding(empty_table, 2); }, "dist::plan_sharding", "tables");
   test::expect_arg_error([&] { plan_sharding(one, 2, {.batch = 0}); }, "dist::plan_sharding", "options");
+  const std::vector<TableInfo> odd_bytes{{10, 4, 1, 3}};
+  test::expect_arg_error([&] { plan_sharding(odd_bytes, 2); }, "dist::plan_sharding", "tables");
 }
 
 }  // namespace

@@ -120,6 +120,11 @@ TEST(DistributedDlrm, PlansThatDoNotFitAreRefused) {
   }, "dist::ShardedEmbeddingBags", "plan");
 }
 
+TEST(DistributedDlrm, SixteenBitTablesFollowTheOneProcessModel) {
+  auto comm = make_single_communicator();
+  for (const DType dt : {DType::bf16, DType::f16}) test::compare_sixteen_bit_with_one_process(*comm, dt);
+}
+
 // test::check_saved_state_resumes on the CPU (dist_nccl_dlrm_test runs it on a GPU).
 TEST(DistributedDlrm, SavedStateResumesAndPredictionsFollow) {
   auto comm = make_single_communicator();

@@ -23,6 +23,12 @@
 // split table's are the sums of its shards' partial sums, which round differently. Sum pooling
 // only for split tables (a mean of partial means is not the mean).
 //
+// Tables of any dtype the layer takes (options.dtype: f32, or bf16 / f16 updated with stochastic
+// rounding); the pooled rows and their gradients are f32 either way. A 16-bit shard's rows draw
+// their rounding as the same rows of the one-process layer (its layout's draw bases: the rows'
+// place in the one-process buffer), so that where the f32 updates agree the stored values do; the
+// update's number, the draws' offset, is the same on every rank holding shards.
+//
 // Devices: the communicator's (Communicator::device()). Host memory with a host communicator (mpi,
 // single): the packing into and out of the send buffers is host code. A GPU with the NCCL
 // communicator: tables, pooled rows, gradients and every exchange buffer on that GPU, the work on

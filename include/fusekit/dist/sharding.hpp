@@ -24,6 +24,7 @@ struct TableInfo {
   std::int64_t rows = 1;
   std::int64_t dim = 1;
   double bag_size = 1;  // mean rows per bag (the multi-hot size; 1: one-hot)
+  std::int64_t value_bytes = 4;  // bytes a stored value: 4 (f32), 2 (bf16, f16 tables)
 };
 
 struct PlannerOptions {

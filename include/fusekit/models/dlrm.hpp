@@ -146,6 +146,8 @@ enum class DlrmTables { local, external };
 // The Philox stream the tables start from (table t: subsequence + t), for a model-parallel shard
 // that must hold the values the whole model would.
 RandomParams dlrm_table_init(const DlrmConfig& config);
+// The Philox key of 16-bit tables' stochastic rounding (nn::EmbeddingBagCollectionOptions::rounding_seed).
+std::uint64_t dlrm_table_rounding_seed(const DlrmConfig& config);
 
 namespace detail {
 struct DlrmState;

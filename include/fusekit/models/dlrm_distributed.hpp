@@ -20,7 +20,9 @@
 //
 // N ranks on the same global batches follow the one-process model up to the rounding of the
 // reductions, whose order changes (a weight gradient's sum over the batch becomes N partial sums
-// added by the all-reduce).
+// added by the all-reduce). 16-bit tables (DlrmConfig::embedding_dtype) too: each shard's rows
+// draw their stochastic rounding as the one-process model's same rows do, so a stored value
+// differs only where those reductions tip a rounding (by one 16-bit step).
 //
 // Devices: the communicator's. A host communicator (mpi, single) runs everything on the CPU; the
 // NCCL one (one GPU a rank) puts the dense replica, the shards, the pooled rows and their
@@ -44,8 +46,8 @@
 
 namespace fk::models {
 
-// The plan of a DLRM's tables (dist::plan_sharding): bytes with the optimizer's state (Adagrad: D
-// floats a row, row-wise Adagrad one), lookups from the bag sizes (empty: one-hot). Table-wise
+// The plan of a DLRM's tables (dist::plan_sharding): bytes of the tables' dtype with the
+// optimizer's state (Adagrad: D floats a row, row-wise Adagrad one), lookups from the bag sizes (empty: one-hot). Table-wise
 // unless `split` asks for row-wise shards (max_shard_bytes, max_shard_rows; its other fields are
 // ignored).
 dist::ShardingPlan plan_dlrm_sharding(const DlrmConfig& config, int ranks, std::int64_t global_batch,
@@ -96,8 +98,10 @@ class DistributedDlrm {
   void predict(const DlrmInput& input, const TensorView& probabilities);
 
   // Local: this rank's shards (its tables of the plan, in (table, first row) order) as a DLRM
-  // state stream ("FKDLRMS1", models/dlrm_state_io.hpp): each shard's values [rows, D], then, once
-  // Adagrad has state, each shard's accumulators ([rows] row-wise, else [rows, D]). load_shards
+  // state stream ("FKDLRMS1", models/dlrm_state_io.hpp): each shard's values [rows, D] (16-bit
+  // tables as their f32 values, exactly), then, once Adagrad has state, each shard's accumulators
+  // ([rows] row-wise, else [rows, D]), then, with 16-bit tables, their rounding step (the updates
+  // made: the offset of the next update's draws, as two floats: its low 24 bits and the rest). load_shards
   // reads the same (fk::Error naming `tables` for another plan's shards or a truncated stream). The
   // dense part is dense().save_state / load_state, the same on every rank. On a GPU (the NCCL
   // communicator) they run on the communicator's device, through host memory on the embeddings'
