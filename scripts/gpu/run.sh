@@ -13,7 +13,8 @@
 # models_test, fusekit); mlperf: the MLPerf DCNv2 model trained on one GPU (an H200 for f32 tables,
 # any for MLPERF_DTYPE=bf16; pack the fusekit program); embedding: the sparse embedding backward's GPU tests,
 # memcheck and bench, the packed fusekit against BASELINE_XZ (an xz-compressed fusekit of another build,
-# carried in $PACK_DIR) in the same lease (pack recsys_test, models_test, fusekit).
+# carried in $PACK_DIR) in the same lease (pack recsys_test, models_test, fusekit; dist_nccl_dlrm_test
+# for the sharded 16-bit tables).
 set -uo pipefail
 R=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -93,6 +94,7 @@ if has embedding; then
   packed recsys_test && timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 $B/recsys_test \
     --gtest_filter="${MEMCHECK_TESTS:-Shapes/RecsysEmbeddingGpu.*/12:Shapes/RecsysEmbeddingGpu.*/16:Shapes/RecsysEmbeddingGpu.*/21}" 2>&1 | tail -2
   packed models_test && timeout 200 $B/models_test --gtest_filter='*DlrmGpu*:Dlrm.SixteenBit*' 2>&1 | tail -3
+  packed dist_nccl_dlrm_test && timeout 200 $B/dist_nccl_dlrm_test --gtest_filter='*SixteenBit*:*ThreadsAGpu*' 2>&1 | tail -3
   bins="$B/fusekit"
   if [ -n "${BASELINE_XZ:-}" ]; then xz -dc "$BASELINE_XZ" > /tmp/fusekit_baseline && chmod +x /tmp/fusekit_baseline; bins="$bins /tmp/fusekit_baseline"; fi
   for f in recsys/embedding_bwd recsys/embedding_bf16_bwd dlrm/train/kaggle_dot_b; do
