@@ -153,21 +153,14 @@ inline void expect_close(const TensorView& got_any, const TensorView& ref_any, d
 // (p - y) / B apart).
 constexpr double kDistAtol = 1e-6, kDistRtol = 1e-5;
 
-// `one`: where the one-process model runs (the CPU's spec, or a GPU: the single-GPU model).
-inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm, Device one_device = Device::cpu()) {
-  const data::Featurizer feat = dist_featurizer(c.multi_hot);
-  const models::DlrmConfig config = dist_config(c, feat);
-  const models::OptimizerConfig opt = dist_optimizer(c);
-  const std::vector<std::int64_t> bags =
-      c.multi_hot ? feat.multi_hot_sizes : std::vector<std::int64_t>{};
-  models::DistributedDlrm dist(
-      config, comm,
-      models::plan_dlrm_sharding(config, comm.size(), kGlobalBatch, opt.kind, bags, {.max_shard_rows = c.max_shard_rows}),
-      c.impl);
-  models::Dlrm one(config, one_device, c.impl);
-
+// Trains `dist` on this rank's slices and `one` on the whole global batches, kSteps steps of the
+// same synthetic records (`seed`), expecting the same losses within the comparison's tolerance
+// (kDistAtol, kDistRtol, above); returns the worst loss error over its tolerance.
+inline double train_side_by_side(models::DistributedDlrm& dist, models::Dlrm& one, const data::Featurizer& feat,
+                                 const models::OptimizerConfig& opt, const dist::Communicator& comm,
+                                 std::uint64_t seed) {
   data::SyntheticConfig sc;
-  sc.seed = 21;
+  sc.seed = seed;
   std::vector<data::RawRecord> recs(static_cast<std::size_t>(kGlobalBatch * kSteps));
   data::SyntheticCriteo(sc).generate(0, recs);
   const auto [begin, end] = slice_of(kGlobalBatch, comm.rank(), comm.size());
@@ -182,6 +175,22 @@ inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm
     EXPECT_NEAR(ln, l1, kDistAtol + kDistRtol * std::fabs(l1)) << "step " << k;
     worst = std::max(worst, std::fabs(ln - l1) / (kDistAtol + kDistRtol * std::fabs(l1)));
   }
+  return worst;
+}
+
+// `one`: where the one-process model runs (the CPU's spec, or a GPU: the single-GPU model).
+inline void compare_with_one_process(const DistCase& c, dist::Communicator& comm, Device one_device = Device::cpu()) {
+  const data::Featurizer feat = dist_featurizer(c.multi_hot);
+  const models::DlrmConfig config = dist_config(c, feat);
+  const models::OptimizerConfig opt = dist_optimizer(c);
+  const std::vector<std::int64_t> bags =
+      c.multi_hot ? feat.multi_hot_sizes : std::vector<std::int64_t>{};
+  models::DistributedDlrm dist(
+      config, comm,
+      models::plan_dlrm_sharding(config, comm.size(), kGlobalBatch, opt.kind, bags, {.max_shard_rows = c.max_shard_rows}),
+      c.impl);
+  models::Dlrm one(config, one_device, c.impl);
+  double worst = train_side_by_side(dist, one, feat, opt, comm, 21);
   auto dl = dist.dense().linear_layers();
   auto ol = one.linear_layers();
   ASSERT_EQ(dl.size(), ol.size());
@@ -473,22 +482,7 @@ inline void compare_sixteen_bit_with_one_process(dist::Communicator& comm, DType
                                                           feat.multi_hot_sizes, {.max_shard_rows = 11}),
                                dc.impl);
   models::Dlrm one(config, one_device, dc.impl);
-  data::SyntheticConfig sc;
-  sc.seed = 29;
-  std::vector<data::RawRecord> recs(static_cast<std::size_t>(kGlobalBatch * kSteps));
-  data::SyntheticCriteo(sc).generate(0, recs);
-  const auto [begin, end] = slice_of(kGlobalBatch, comm.rank(), comm.size());
-  double worst_loss = 0;
-  for (int k = 0; k < kSteps; ++k) {
-    const auto global = std::span(recs).subspan(static_cast<std::size_t>(k * kGlobalBatch), kGlobalBatch);
-    data::Batch whole, mine;
-    data::make_batch(global, feat, whole);
-    data::make_batch(global.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(end - begin)), feat, mine);
-    const double l1 = one.train_step({whole.dense, whole.indices, whole.offsets}, whole.labels, opt);
-    const double ln = dist.train_step({mine.dense, mine.indices, mine.offsets}, mine.labels, opt);
-    EXPECT_NEAR(ln, l1, kDistAtol + kDistRtol * std::fabs(l1)) << "step " << k;
-    worst_loss = std::max(worst_loss, std::fabs(ln - l1) / std::fabs(l1));
-  }
+  const double worst_loss = train_side_by_side(dist, one, feat, opt, comm, 29);
   const std::vector<Tensor*> tables = one.tables();
   const std::vector<dist::Shard>& shards = dist.embeddings().local_shards();
   std::int64_t differ = 0, values = 0;
@@ -514,7 +508,7 @@ inline void compare_sixteen_bit_with_one_process(dist::Communicator& comm, DType
   }
   EXPECT_LE(differ * 100, values) << "values that differ from the one-process model's";
   std::printf("rank %d/%d (%s) %s tables: %zu shards here, %lld of %lld values differ from the one-process model's "
-              "(at most %.3g ulps); worst loss difference %.3g relative\n",
+              "(at most %.3g ulps); worst loss error / tolerance %.3g\n",
               comm.rank(), comm.size(), comm.device().str().c_str(), std::string(dtype_name(dtype)).c_str(),
               shards.size(), static_cast<long long>(differ), static_cast<long long>(values), worst_ulps, worst_loss);
 }
