@@ -4,7 +4,8 @@
 // manifest_plan against the fuzz model's tables, open_shard_file for each rank,
 // consolidate_checkpoint (N -> 1) into the small model's load_state, and load_distributed (N -> M,
 // or 1 -> M from a one-process checkpoint) into a one-rank DistributedDlrm whose tables are split
-// otherwise than the seeds'.
+// otherwise than the seeds' (f32 tables, or bf16 ones for a configuration that names them: their
+// shard files end with the tables' rounding step).
 //
 // An input is a few files (fuzz::split_pieces): the manifest, then up to 4 shard files, written to
 // a scratch folder under the names apps::shard_file_path gives for the step and world size the
@@ -34,6 +35,11 @@ constexpr std::size_t kMaxPieces = 5;  // the manifest and 4 shard files
 
 // The fuzz model (fuzz::fuzz_train_config) with Adagrad, element-wise or row-wise: a checkpoint
 // loads into the one its configuration names, as fusekit eval builds the model it names.
+app::TrainConfig with_tables(app::TrainConfig c, const char* embedding_dtype) {
+  c.embedding_dtype = embedding_dtype;
+  return c;
+}
+
 struct Models {
   app::TrainConfig config;
   models::DlrmConfig model_config;
@@ -41,8 +47,8 @@ struct Models {
   std::unique_ptr<dist::Communicator> comm = dist::make_single_communicator();
   models::DistributedDlrm sharded;
 
-  explicit Models(bool rowwise)
-      : config(fuzz::fuzz_dist_train_config(rowwise)),
+  explicit Models(bool rowwise, const char* embedding_dtype = "f32")
+      : config(with_tables(fuzz::fuzz_dist_train_config(rowwise), embedding_dtype)),
         model_config(app::make_model_config(config, app::make_featurizer(config))),
         one(model_config, Device::cpu(), models::DlrmImpl::fused),
         sharded(model_config, *comm,
@@ -52,7 +58,7 @@ struct Models {
 };
 
 void load(const std::vector<std::uint8_t>& bytes) {
-  static Models elementwise(false), rowwise(true);
+  static Models elementwise(false), rowwise(true), rowwise_bf16(true, "bf16");
   const auto pieces = fuzz::split_pieces(bytes, kMaxPieces);
   if (pieces.empty()) return;
   const std::filesystem::path dir = fuzz::scratch_dir() / "dist";
@@ -78,10 +84,14 @@ void load(const std::vector<std::uint8_t>& bytes) {
     fuzz::write_file("dist/" + name, pieces[static_cast<std::size_t>(r) + 1].data(),
                      pieces[static_cast<std::size_t>(r) + 1].size());
   }
-  Models& m = h.config.is_object() && h.config.contains("training") && h.config["training"].is_object() &&
-                      h.config["training"].value("rowwise_adagrad", nlohmann::json(false)) == true
-                  ? rowwise
-                  : elementwise;
+  const auto field = [&](const char* section, const char* key) {
+    return h.config.is_object() && h.config.contains(section) && h.config[section].is_object()
+               ? h.config[section].value(key, nlohmann::json())
+               : nlohmann::json();
+  };
+  Models& m = field("training", "rowwise_adagrad") != true ? elementwise
+              : field("model", "embedding_dtype") == "bf16" ? rowwise_bf16
+                                                             : rowwise;
   try {  // fusekit eval: the stored configuration, without the distributed section
     app::TrainConfig c;
     app::from_json(apps::stored_run_config(h), c);

@@ -208,6 +208,10 @@ int main(int argc, char** argv) {
     } else {
       spill(out / "dist_checkpoint/r2_rowwise_split.fz", distributed_seed(dc, state, 2, 4, scratch));
       spill(out / "dist_checkpoint/r3_rowwise_split.fz", distributed_seed(dc, state, 3, 3, scratch));
+      app::TrainConfig d16 = dc;  // bf16 tables: the shard files end with the tables' rounding step
+      d16.embedding_dtype = "bf16";
+      d16.impl = "fused";
+      spill(out / "dist_checkpoint/r2_rowwise_split_bf16.fz", distributed_seed(d16, trained_state(d16, 2), 2, 4, scratch));
     }
   }
   std::printf("fuzz seeds written to %s\n", out.c_str());
